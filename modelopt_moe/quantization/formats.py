@@ -1,0 +1,205 @@
+"""Number formats and their pure-torch reference fake quantization: the numeric contract.
+
+Every fast path in this package (the Triton kernels, CPU or GPU, one expert or N) must reproduce the bits
+computed here. All arithmetic is fp32 with IEEE rounding (true division, not a reciprocal multiply).
+
+Formats (``fmt``):
+
+* ``"e4m3"`` / ``"e5m2"``: ``scale = bound / amax`` (bound 448 / 57344);
+  ``q = fp8(clamp(x * scale, -bound, bound))`` rounded to nearest even; output ``q / scale``.
+* ``"nvfp4"``: global scale ``sg = amax / (6 * 448)``; each block of 16 along the last dim gets
+  ``sb = e4m3(clamp(blockmax / 6 / sg, 0, 448))`` and ``s = sb * sg``; values ``x / s`` round to E2M1
+  ``{0, .5, 1, 1.5, 2, 3, 4, 6}`` (ties to even, saturating at 6); output ``q * s``. Where ``s == 0`` (an
+  all-zero block, or a block scale that underflows E4M3) ``x * 0`` is used instead of ``x / s``.
+* ``"int8"`` / ``"int4"``: ``scale = (2**(b-1) - 1) / amax``; ``q = clamp(round_half_even(x * scale), -B, B)``;
+  output ``q / scale``. With ``block_size`` the amax of each block of the last dim is taken from the data itself
+  (dynamic, like NVFP4's block scales), so it tracks the weights during QAT.
+
+Edge-value rules (tested in ``tests/unit/quantization/test_formats.py``):
+
+* An amax that is ``<= 2**-24``, zero, negative, NaN or Inf is *invalid* and is replaced by the format's bound,
+  i.e. the scale becomes exactly 1 (NVFP4: ``sg = 1``). No NaN or Inf ever comes from the amax.
+* A NaN input stays NaN in its own element and nowhere else (block maxima ignore NaN).
+* An Inf input saturates to the format's largest value times the scale (block maxima see it as Inf, so that
+  block's scale saturates too).
+* Inputs may be bf16, fp16 or fp32; the output has the input's dtype (rounded to nearest even from fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "FORMATS",
+    "TINY_AMAX",
+    "NVFP4_BLOCK_SIZE",
+    "FormatSpec",
+    "get_format",
+    "format_from_num_bits",
+    "safe_amax",
+    "round_to_e2m1",
+    "fake_quant",
+]
+
+# An amax at or below this (the smallest fp16 subnormal) is treated as "never calibrated / all zero".
+TINY_AMAX = 2.0**-24
+NVFP4_BLOCK_SIZE = 16
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """A number format: its name, its kind and the largest magnitude it represents (the "bound")."""
+
+    name: str
+    kind: str  # "fp8", "fp4" or "int"
+    bound: float
+    num_bits: int | tuple[int, int]
+
+
+FORMATS: dict[str, FormatSpec] = {
+    "e4m3": FormatSpec("e4m3", "fp8", E4M3_MAX, (4, 3)),
+    "e5m2": FormatSpec("e5m2", "fp8", 57344.0, (5, 2)),
+    # NVFP4's amax bound is the product of its element bound and its block-scale bound.
+    "nvfp4": FormatSpec("nvfp4", "fp4", E2M1_MAX * E4M3_MAX, (2, 1)),
+    "int8": FormatSpec("int8", "int", 127.0, 8),
+    "int4": FormatSpec("int4", "int", 7.0, 4),
+}
+
+_FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_NUM_BITS_TO_FORMAT = {(4, 3): "e4m3", (5, 2): "e5m2", (2, 1): "nvfp4", 8: "int8", 4: "int4"}
+_NUM_BITS_ALIASES = {"e4m3": "e4m3", "fp8": "e4m3", "e5m2": "e5m2", "e2m1": "nvfp4", "nvfp4": "nvfp4",
+                     "int8": "int8", "int4": "int4"}
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def get_format(fmt: str) -> FormatSpec:
+    """Returns the :class:`FormatSpec` named ``fmt``.
+
+    Raises:
+        ValueError: ``fmt`` is not one of :data:`FORMATS`.
+    """
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown format {fmt!r}; expected one of {sorted(FORMATS)}") from None
+
+
+def format_from_num_bits(num_bits: int | str | tuple | list) -> str:
+    """Maps a Model-Optimizer style ``num_bits`` (``(4, 3)``, ``8``, ``"e2m1"``, ...) to a format name.
+
+    Raises:
+        ValueError: ``num_bits`` names no supported format.
+    """
+    if isinstance(num_bits, str):
+        key = num_bits.strip().lower()
+        if key in _NUM_BITS_ALIASES:
+            return _NUM_BITS_ALIASES[key]
+    else:
+        key = tuple(num_bits) if isinstance(num_bits, list | tuple) else num_bits
+        if key in _NUM_BITS_TO_FORMAT and not isinstance(key, bool):
+            return _NUM_BITS_TO_FORMAT[key]
+    allowed = [*(str(k) for k in _NUM_BITS_TO_FORMAT), *(repr(k) for k in _NUM_BITS_ALIASES)]
+    raise ValueError(f"unsupported num_bits {num_bits!r}; expected one of {', '.join(allowed)}")
+
+
+def safe_amax(amax: torch.Tensor, bound: float) -> torch.Tensor:
+    """Returns ``amax`` in fp32 with every invalid entry (<= 2**-24, NaN, Inf) replaced by ``bound``."""
+    amax = amax.float()
+    valid = torch.isfinite(amax) & (amax > TINY_AMAX)
+    return torch.where(valid, amax, torch.full_like(amax, bound))
+
+
+def _nan_ignoring_block_max(xf: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Max of |x| over blocks of the last dim, NaN ignored; shape ``[..., K // block_size, 1]``."""
+    blocks = xf.unflatten(-1, (-1, block_size)).abs()
+    return torch.where(torch.isnan(blocks), torch.zeros_like(blocks), blocks).amax(dim=-1, keepdim=True)
+
+
+def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Rounds fp32 values to the nearest E2M1 value (ties to even mantissa), saturating at +-6, NaN kept."""
+    a = v.abs()
+    # Each step is (upper edge, inclusive?): a tie goes to the neighbour whose mantissa bit is 0.
+    mag = torch.full_like(a, E2M1_MAX)
+    mag = torch.where(a <= 5.0, 4.0, mag)
+    mag = torch.where(a < 3.5, 3.0, mag)
+    mag = torch.where(a <= 2.5, 2.0, mag)
+    mag = torch.where(a < 1.75, 1.5, mag)
+    mag = torch.where(a <= 1.25, 1.0, mag)
+    mag = torch.where(a < 0.75, 0.5, mag)
+    mag = torch.where(a <= 0.25, 0.0, mag)
+    return torch.where(torch.isnan(v), v, torch.copysign(mag, v))
+
+
+def _check_inputs(x: torch.Tensor, fmt: str, amax: torch.Tensor | None, block_size: int | None) -> FormatSpec:
+    spec = get_format(fmt)
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"fake_quant: input dtype {x.dtype} not supported; expected one of {_FLOAT_DTYPES}")
+    needs_amax = not (spec.kind == "int" and block_size is not None)
+    if needs_amax and amax is None:
+        raise ValueError(f"fake_quant: format {fmt!r} needs an amax tensor, got None")
+    if fmt == "nvfp4" and block_size not in (None, NVFP4_BLOCK_SIZE):
+        raise ValueError(f"fake_quant: nvfp4 uses blocks of {NVFP4_BLOCK_SIZE}, got block_size={block_size}")
+    if spec.kind == "fp8" and block_size is not None:
+        raise ValueError(f"fake_quant: format {fmt!r} has no block mode, got block_size={block_size}")
+    bs = NVFP4_BLOCK_SIZE if fmt == "nvfp4" else block_size
+    if bs is not None and (x.dim() == 0 or x.shape[-1] % bs != 0):
+        raise ValueError(f"fake_quant: last dim of shape {tuple(x.shape)} must be a multiple of block size {bs}")
+    if amax is not None and needs_amax:
+        try:
+            torch.broadcast_shapes(amax.shape, x.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"fake_quant: amax of shape {tuple(amax.shape)} does not broadcast to input {tuple(x.shape)}"
+            ) from None
+    return spec
+
+
+def fake_quant(
+    x: torch.Tensor, fmt: str, amax: torch.Tensor | None = None, block_size: int | None = None
+) -> torch.Tensor:
+    """Quantizes and dequantizes ``x`` in format ``fmt`` (the reference every fast path must match bit for bit).
+
+    Args:
+        x: bf16, fp16 or fp32 tensor.
+        fmt: one of :data:`FORMATS`.
+        amax: fp32 amax that broadcasts to ``x`` (scalar, per-channel ``[C, 1]``, per-expert ``[N, 1, 1]``, ...).
+            For ``nvfp4`` it is the global (per-tensor or per-expert) amax. Unused for int formats with
+            ``block_size``.
+        block_size: int formats only: quantize blocks of this many elements of the last dim, each with its own
+            scale from the block's data. ``nvfp4`` always uses blocks of 16.
+
+    Returns:
+        The fake-quantized tensor, same shape and dtype as ``x``.
+
+    Raises:
+        ValueError: on an unknown format, an unsupported dtype, a missing or non-broadcastable amax, or a last
+            dim that is not a multiple of the block size.
+    """
+    spec = _check_inputs(x, fmt, amax, block_size)
+    xf = x.float()
+    if spec.kind == "fp8":
+        scale = spec.bound / safe_amax(amax, spec.bound)
+        q = torch.clamp(xf * scale, -spec.bound, spec.bound).to(_FP8_DTYPES[fmt]).float()
+        out = q / scale
+    elif spec.kind == "int":
+        if block_size is None:
+            scale = spec.bound / safe_amax(amax, spec.bound)
+            out = torch.clamp(torch.round(xf * scale), -spec.bound, spec.bound) / scale
+        else:
+            blocks = xf.unflatten(-1, (-1, block_size))
+            scale = spec.bound / safe_amax(_nan_ignoring_block_max(xf, block_size), spec.bound)
+            out = (torch.clamp(torch.round(blocks * scale), -spec.bound, spec.bound) / scale).flatten(-2)
+    else:  # nvfp4
+        sg = safe_amax(amax, spec.bound) / spec.bound
+        sg = sg.unsqueeze(-1) if sg.dim() > 0 else sg  # broadcast over the [..., K/16, 16] block view
+        blocks = xf.unflatten(-1, (-1, NVFP4_BLOCK_SIZE))
+        block_max = _nan_ignoring_block_max(xf, NVFP4_BLOCK_SIZE)
+        sb = torch.clamp(block_max / E2M1_MAX / sg, 0.0, E4M3_MAX).to(torch.float8_e4m3fn).float()
+        s = sb * sg
+        v = torch.where(s > 0, blocks / s, blocks * 0.0)
+        out = (round_to_e2m1(v) * s).flatten(-2)
+    return out.to(x.dtype)
