@@ -1,0 +1,209 @@
+"""Module conversion: a registry maps a module class to its quantized mixin; ``convert`` swaps classes in place.
+
+The quantized class of ``Foo`` is ``QuantFoo(FooMixin, Foo)``, created once and cached. Swapping ``__class__``
+keeps every parameter, buffer and attribute of the original module (and the state-dict keys), so a model converts
+without copying weights. Such classes are created at run time, so quantized modules pickle through
+:func:`_rebuild_quantized`, which re-creates the class from the original class and the mixin.
+
+Plugins register their classes when their framework imports (``plugins/megatron.py`` for Megatron-Core).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from .config import QuantizeConfig, QuantizerAttributeConfig
+from .tensor_quantizer import TensorQuantizer
+
+__all__ = [
+    "QuantModuleRegistry",
+    "QuantModuleMixin",
+    "convert",
+    "is_quantized",
+    "named_quantizers",
+    "apply_quant_cfg",
+    "quantizer_state",
+    "restore_quantizer_state",
+    "set_quantizer_by_pattern",
+]
+
+
+class QuantModuleMixin:
+    """Base of every quantized wrapper. Subclasses create their quantizers in :meth:`_setup_quantizers`."""
+
+    _original_cls: type
+    _mixin_cls: type
+
+    def _setup_quantizers(self, config: QuantizeConfig) -> None:
+        self.input_quantizer = TensorQuantizer()
+        self.weight_quantizer = TensorQuantizer()
+        self.output_quantizer = TensorQuantizer()
+
+    def _setup(self, config: QuantizeConfig) -> None:
+        self.quant_backward = config.backward.model_copy()
+        self._setup_quantizers(config)
+
+    def calibrate_weights(self) -> None:
+        """Max-calibrates the weight quantizer(s) straight from the weights (no data needed)."""
+        if self.weight_quantizer.is_enabled:
+            self.weight_quantizer.collect(self.weight)
+
+    def amax_reduction(self, quantizer_name: str) -> tuple[str, ...]:
+        """Names of the parallel groups (``"tp"``, ``"dp"``, ``"ep"``, ...) over which this module's quantizer
+        ``quantizer_name`` (relative name) must max-reduce its amax. Plain modules: none."""
+        return ()
+
+    def __reduce_ex__(self, protocol):
+        return _rebuild_quantized, (self._original_cls, self._mixin_cls), self.__getstate__()
+
+
+_QUANT_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _quantized_class(original: type, mixin: type) -> type:
+    key = (original, mixin)
+    if key not in _QUANT_CLASSES:
+        name = f"Quant{original.__name__}"
+        _QUANT_CLASSES[key] = type(name, (mixin, original), {"_original_cls": original, "_mixin_cls": mixin,
+                                                              "__module__": original.__module__})
+    return _QUANT_CLASSES[key]
+
+
+def _rebuild_quantized(original: type, mixin: type):
+    cls = _quantized_class(original, mixin)
+    return cls.__new__(cls)
+
+
+class _Registry:
+    """Original module class -> quantized mixin. Lookups are by exact class, then by base class."""
+
+    def __init__(self):
+        self._map: dict[type, type] = {}
+
+    def register(self, original: type, mixin: type) -> None:
+        if not issubclass(mixin, QuantModuleMixin):
+            raise TypeError(f"{mixin.__name__} must subclass QuantModuleMixin")
+        self._map[original] = mixin
+
+    def unregister(self, original: type) -> None:
+        self._map.pop(original, None)
+
+    def mixin_for(self, cls: type) -> type | None:
+        if issubclass(cls, QuantModuleMixin):
+            return None  # already converted
+        for base in cls.__mro__:
+            if base in self._map:
+                return self._map[base]
+        return None
+
+    def __contains__(self, cls: type) -> bool:
+        return self.mixin_for(cls) is not None
+
+
+QuantModuleRegistry = _Registry()
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return isinstance(module, QuantModuleMixin)
+
+
+def convert(model: nn.Module, config: QuantizeConfig) -> list[str]:
+    """Swaps every registered module to its quantized class and applies ``config``.
+
+    Returns:
+        Names of the converted modules.
+
+    Raises:
+        ValueError: nothing in ``model`` is quantizable.
+    """
+    converted = []
+    for name, module in list(model.named_modules()):
+        mixin = QuantModuleRegistry.mixin_for(type(module))
+        if mixin is None:
+            continue
+        module.__class__ = _quantized_class(type(module), mixin)
+        module._setup(config)
+        converted.append(name)
+    if not converted and not any(is_quantized(m) for m in model.modules()):
+        kinds = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"quantize: nothing quantizable in {type(model).__name__}; registered classes are "
+            f"{sorted(c.__name__ for c in QuantModuleRegistry._map)} (is the plugin for your framework imported?), "
+            f"the model has {kinds}"
+        )
+    apply_quant_cfg(model, config)
+    return converted
+
+
+def named_quantizers(model: nn.Module) -> Iterator[tuple[str, TensorQuantizer, nn.Module]]:
+    """Yields ``(full name, quantizer, owning quantized module)`` in a deterministic (module) order."""
+    for mod_name, module in model.named_modules():
+        if not is_quantized(module):
+            continue
+        for q_name, q in module.named_modules():
+            if isinstance(q, TensorQuantizer) and q_name:
+                yield (f"{mod_name}.{q_name}" if mod_name else q_name), q, module
+
+
+def _rule_name(full_name: str) -> str:
+    """Per-expert child quantizers (``weight_quantizer.3``) follow the rules of their container."""
+    head, _, tail = full_name.rpartition(".")
+    return head if tail.isdigit() and head.endswith("_quantizer") else full_name
+
+
+def apply_quant_cfg(model: nn.Module, config: QuantizeConfig) -> None:
+    """Applies the ``quant_cfg`` rules to every quantizer; a quantizer no rule names is disabled."""
+    for full_name, q, module in named_quantizers(model):
+        parent = module._original_cls.__name__
+        attrs = config.resolve(_rule_name(full_name), parent)
+        q.set_from_attribute_config(attrs if attrs is not None else QuantizerAttributeConfig(enable=False))
+        q.ste = config.backward.ste
+    for module in model.modules():
+        if is_quantized(module):
+            module.quant_backward = config.backward.model_copy()
+            if hasattr(module, "_after_quant_cfg"):
+                module._after_quant_cfg()
+
+
+def set_quantizer_by_pattern(model: nn.Module, pattern: str, enable: bool) -> int:
+    """Enables or disables every quantizer whose full name matches ``pattern``; returns how many matched."""
+    n = 0
+    for full_name, q, _ in named_quantizers(model):
+        if fnmatch.fnmatchcase(full_name, pattern) or fnmatch.fnmatchcase(_rule_name(full_name), pattern):
+            q.enable() if enable else q.disable()
+            n += 1
+    return n
+
+
+def quantizer_state(model: nn.Module) -> dict:
+    """Everything needed to rebuild the quantizers of ``model`` in a fresh model (no tensors)."""
+    return {
+        name: {"cfg": q.cfg.model_dump(), "enabled": q.is_enabled, "ste": q.ste}
+        for name, q, _ in named_quantizers(model)
+    }
+
+
+def restore_quantizer_state(model: nn.Module, state: dict) -> None:
+    """Applies :func:`quantizer_state` output to an already converted model.
+
+    Raises:
+        ValueError: a quantizer in ``state`` is missing in ``model`` or the reverse, naming them.
+    """
+    quantizers = {name: q for name, q, _ in named_quantizers(model)}
+    missing, extra = sorted(set(state) - set(quantizers)), sorted(set(quantizers) - set(state))
+    if missing or extra:
+        raise ValueError(f"quantizer state does not fit the model: in the state only {missing[:5]}, "
+                         f"in the model only {extra[:5]}")
+    for name, entry in state.items():
+        q = quantizers[name]
+        q.set_from_attribute_config(QuantizerAttributeConfig(**entry["cfg"]))
+        q._enabled = entry["enabled"]
+        q.ste = entry["ste"]
+
+
+def all_amax_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: q.amax for name, q, _ in named_quantizers(model) if q.amax is not None}

@@ -1,0 +1,4 @@
+"""Quantized wrappers that need no framework (importing this registers them)."""
+
+from .functional import apply_quantized_gemm  # noqa: F401
+from .linear import QuantLinearMixin  # noqa: F401

@@ -1,0 +1,33 @@
+"""Quantized ``torch.nn.Linear``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..conversion import QuantModuleMixin, QuantModuleRegistry
+from .functional import apply_quantized_gemm
+
+__all__ = ["QuantLinearMixin"]
+
+
+class QuantLinearMixin(QuantModuleMixin):
+    """``nn.Linear`` with input / weight / output quantizers and the configured backward mode."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return apply_quantized_gemm(self, input, self.weight, lambda x, w: F.linear(x, w, self.bias))
+
+    def amax_reduction(self, quantizer_name: str) -> tuple[str, ...]:
+        # Activations differ across data-parallel ranks; weights are replicated there.
+        return ("dp",) if quantizer_name in ("input_quantizer", "output_quantizer") else ()
+
+    def fold_weight(self) -> None:
+        """Replaces the weight by its fake-quantized value and disables the weight quantizer."""
+        if self.weight_quantizer.is_enabled:
+            with torch.no_grad():
+                self.weight.copy_(self.weight_quantizer.fake_quant(self.weight))
+            self.weight_quantizer.disable()
+
+
+QuantModuleRegistry.register(nn.Linear, QuantLinearMixin)

@@ -1,0 +1,216 @@
+"""TensorQuantizer: one fake quantizer with a calibrated amax (scalar, per channel, per block or per expert).
+
+Names mirror NVIDIA Model Optimizer (``TensorQuantizer``, ``amax``, ``enable_calib``, ...) so that users switch by
+import. A quantizer holds only tensors and plain Python values: no process group, no module references, so a
+quantized model deep-copies and pickles. Reductions across ranks are done by :mod:`calibration`, which takes the
+group as an argument.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import QuantizerAttributeConfig
+from .formats import TINY_AMAX, fake_quant, get_format
+from .utils import warn_once
+
+__all__ = ["TensorQuantizer", "FakeQuantSTE", "nan_ignoring_abs_max", "clip_mask"]
+
+
+def nan_ignoring_abs_max(x: torch.Tensor, keep_dims: tuple[int, ...] = ()) -> torch.Tensor:
+    """``max |x|`` over every dim not in ``keep_dims`` (kept as size-1 dims when any are kept); NaN ignored."""
+    a = x.detach().abs().float()
+    a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
+    if not keep_dims:
+        return a.amax() if a.numel() else torch.zeros((), device=a.device)
+    keep = {d % a.dim() for d in keep_dims}
+    reduce = [d for d in range(a.dim()) if d not in keep]
+    return a.amax(dim=reduce, keepdim=True) if reduce else a
+
+
+def clip_mask(x: torch.Tensor, amax: torch.Tensor | None, fmt: str) -> torch.Tensor | None:
+    """Where the clipped STE passes the gradient: ``|x| <= amax``. Invalid amax entries (see formats.py) clip
+    nothing. None means "no clipping" (no static amax)."""
+    if amax is None:
+        return None
+    a = amax.float()
+    limit = torch.where(torch.isfinite(a) & (a > TINY_AMAX), a, torch.full_like(a, float("inf")))
+    return x.abs() <= limit
+
+
+class FakeQuantSTE(torch.autograd.Function):
+    """Reference fake quant with a straight-through estimator (pass-through, or clipped by a mask)."""
+
+    @staticmethod
+    def forward(ctx, x, amax, fmt, block_size, clipped):
+        mask = clip_mask(x, amax, fmt) if clipped else None
+        ctx.save_for_backward(mask if mask is not None else torch.empty(0))
+        ctx.has_mask = mask is not None
+        return fake_quant(x, fmt, amax, block_size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.has_mask:
+            (mask,) = ctx.saved_tensors
+            grad = grad * mask
+        return grad, None, None, None, None
+
+
+class TensorQuantizer(nn.Module):
+    """Fake-quantizes tensors in one format with a max-calibrated amax.
+
+    Args:
+        quant_attribute_cfg: the format, axis and blocks; defaults to 8-bit per tensor.
+        amax: an initial amax (optional).
+
+    The amax lives in the buffer ``_amax`` (in ``state_dict`` once set). Its shape is ``[]`` per tensor, the input
+    shape with size-1 dims except ``axis`` per channel.
+    """
+
+    def __init__(self, quant_attribute_cfg: QuantizerAttributeConfig | None = None, amax: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("_amax", None)
+        self._if_calib = False
+        self._if_quant = True
+        self.ste = "pass_through"
+        self.set_from_attribute_config(quant_attribute_cfg or QuantizerAttributeConfig())
+        if amax is not None:
+            self.amax = amax
+
+    # --- configuration -------------------------------------------------------------------------------------------
+    def set_from_attribute_config(self, cfg: QuantizerAttributeConfig | dict) -> None:
+        """Applies a :class:`QuantizerAttributeConfig` (or a dict of its fields)."""
+        if isinstance(cfg, dict):
+            cfg = QuantizerAttributeConfig(**cfg)
+        self._cfg = cfg
+        self._enabled = cfg.enable
+
+    @property
+    def cfg(self) -> QuantizerAttributeConfig:
+        return self._cfg
+
+    @property
+    def fmt(self) -> str:
+        """Format name (``e4m3``, ``nvfp4``, ...)."""
+        return self._cfg.format
+
+    @property
+    def num_bits(self):
+        return self._cfg.num_bits
+
+    @property
+    def axis(self) -> int | None:
+        return self._cfg.axis
+
+    @property
+    def block_size(self) -> int | None:
+        return self._cfg.block_size
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def needs_amax(self) -> bool:
+        """False for int formats with dynamic block scales (their amax is only informative)."""
+        return not (get_format(self.fmt).kind == "int" and self.block_size is not None)
+
+    def enable(self):
+        self._enabled = True
+
+    def disable(self):
+        self._enabled = False
+
+    def enable_calib(self):
+        self._if_calib = True
+
+    def disable_calib(self):
+        self._if_calib = False
+
+    def enable_quant(self):
+        self._if_quant = True
+
+    def disable_quant(self):
+        self._if_quant = False
+
+    # --- amax ----------------------------------------------------------------------------------------------------
+    @property
+    def amax(self) -> torch.Tensor | None:
+        return self._amax
+
+    @amax.setter
+    def amax(self, value) -> None:
+        value = torch.as_tensor(value, dtype=torch.float32)
+        if self._amax is not None and self._amax.shape == value.shape:
+            with torch.no_grad():
+                self._amax.copy_(value.to(self._amax.device))  # in place: bumps the version caches watch
+        else:
+            device = self._amax.device if self._amax is not None else value.device
+            self._amax = value.detach().clone().to(device)
+
+    def reset_amax(self) -> None:
+        self._amax = None
+
+    def amax_of(self, x: torch.Tensor) -> torch.Tensor:
+        """The amax this quantizer's layout takes of ``x`` (NaN ignored), without storing it."""
+        return nan_ignoring_abs_max(x, () if self.axis is None else (self.axis,))
+
+    def collect(self, x: torch.Tensor) -> None:
+        """Max calibration: ``amax = max(amax, amax_of(x))``."""
+        new = self.amax_of(x)
+        self.amax = new if self._amax is None else torch.maximum(self._amax, new.to(self._amax.device))
+
+    # --- forward -------------------------------------------------------------------------------------------------
+    def fake_quant(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """Fake-quantizes ``x`` with this quantizer's amax (or ``amax``), STE per :attr:`ste`."""
+        amax = self._amax if amax is None else amax
+        if amax is None and self.needs_amax:
+            warn_once(f"TensorQuantizer({self.fmt}): quantizing with no calibrated amax; using the amax of the "
+                      "current tensor (run mtq.calibrate / a forward_loop to calibrate)")
+            amax = self.amax_of(x)
+        if amax is not None:
+            amax = amax.to(x.device)
+        block = self.block_size
+        return FakeQuantSTE.apply(x, amax if self.needs_amax else None, self.fmt, block, self.ste == "clipped")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._enabled:
+            return x
+        if self._if_calib:
+            self.collect(x)
+        if not self._if_quant:
+            return x
+        return self.fake_quant(x)
+
+    # --- state ---------------------------------------------------------------------------------------------------
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "_amax"
+        if key in state_dict:
+            value = state_dict[key]
+            if self._amax is None or self._amax.shape != value.shape:
+                device = self._amax.device if self._amax is not None else value.device
+                self._amax = torch.empty(value.shape, dtype=torch.float32, device=device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def extra_repr(self) -> str:
+        if not self._enabled:
+            return "disabled"
+        parts = [self.fmt]
+        if self.axis is not None:
+            parts.append(f"axis={self.axis}")
+        if self.block_size is not None:
+            parts.append(f"block={self.block_size}")
+        if self._amax is None:
+            parts.append("amax=None")
+        elif self._amax.numel() == 1:
+            parts.append(f"amax={self._amax.item():.4g}")
+        else:
+            parts.append(f"amax[{tuple(self._amax.shape)}] max={self._amax.max().item():.4g}")
+        if self._if_calib:
+            parts.append("calibrating")
+        if not self._if_quant:
+            parts.append("quant off")
+        return ", ".join(parts)
