@@ -1,0 +1,221 @@
+"""Run a function on N real processes joined by ``torch.distributed`` (gloo on CPU, nccl on GPU).
+
+Framework-free: torch only. Used by the multi-rank tests and the demo::
+
+    from modelopt_moe.launch import spawn
+
+    def work(rank, world_size, scale):        # module level, so the spawn context can pickle it
+        return rank * scale
+
+    assert spawn(work, 4, args=(10,), timeout=60) == [0, 10, 20, 30]
+
+Every rank's return value (picklable) comes back to the parent, in rank order. An exception on any rank raises a
+``RuntimeError`` in the parent that carries that rank's traceback; a run that does not finish in ``timeout``
+seconds raises ``TimeoutError``. In every case all child processes are gone when ``spawn`` returns or raises.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing.connection
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["spawn", "free_port"]
+
+# Seconds a rank's peers get to report their own failure after the first one: the root cause usually arrives
+# first, the others (broken connections) shortly after; waiting longer only delays the error.
+_ERROR_GRACE_S = 2.0
+# How often spawn retries when rank 0 could not bind the port it was given (another program took it between
+# free_port() and the bind).
+_PORT_RETRIES = 3
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    conn: multiprocessing.connection.Connection,
+) -> None:
+    """Child process body: join the group, run ``fn``, send ``(status, payload)`` back through ``conn``."""
+    # The machine has few cores and N ranks share them: more than one thread per rank only oversubscribes.
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set (e.g. fn's module did inter-op work at import): harmless
+        pass
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    try:
+        # The group's own timeout makes a collective that waits for a dead peer fail instead of hanging.
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=max(timeout, 1.0))
+        )
+    except BaseException:
+        conn.send(("init_error", traceback.format_exc()))
+        conn.close()
+        return
+    try:
+        result = fn(rank, world_size, *args)
+        try:
+            conn.send(("ok", result))
+        except Exception:  # pickling the result failed: report it like any other error
+            conn.send(("error", f"return value of rank {rank} could not be sent:\n{traceback.format_exc()}"))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+
+
+def _kill_all(procs: list[mp.process.BaseProcess]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
+def _run_once(
+    fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeout: float, backend: str
+) -> tuple[str, Any]:
+    """One attempt. Returns ``("ok", results)``, ``("port", message)`` or raises."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs: list[mp.process.BaseProcess] = []
+    conns: list[multiprocessing.connection.Connection] = []
+    try:
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_worker,
+                args=(rank, world_size, port, backend, timeout, fn, tuple(args), child_end),
+                name=f"spawn-rank{rank}",
+                daemon=True,
+            )
+            p.start()
+            child_end.close()  # so the parent sees EOF when the child dies
+            procs.append(p)
+            conns.append(parent_end)
+
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}  # in arrival order: the first one is most likely the root cause
+        first_error_at: float | None = None
+        pending = set(range(world_size))
+        while pending:
+            now = time.monotonic()
+            if first_error_at is not None and now > first_error_at + _ERROR_GRACE_S:
+                break
+            if now > deadline:
+                raise TimeoutError(
+                    f"spawn: {fn.__qualname__} did not finish within timeout={timeout:g} s on ranks "
+                    f"{sorted(pending)} (of world_size={world_size}); all processes were killed"
+                )
+            wait_until = deadline if first_error_at is None else min(deadline, first_error_at + _ERROR_GRACE_S)
+            waitables = {}
+            for r in pending:
+                waitables[conns[r]] = r
+                waitables[procs[r].sentinel] = r
+            ready = multiprocessing.connection.wait(list(waitables), timeout=max(0.0, wait_until - now))
+            for obj in ready:
+                r = waitables[obj]
+                if r not in pending:
+                    continue
+                try:
+                    # A dead child may still have left its message in the pipe: read it before judging.
+                    status, payload = conns[r].recv() if conns[r].poll() else ("dead", None)
+                except (EOFError, OSError):
+                    status, payload = "dead", None
+                if status == "dead":
+                    procs[r].join(timeout=5)
+                    status, payload = "error", f"rank {r} exited with code {procs[r].exitcode} without a result"
+                pending.discard(r)
+                if status == "ok":
+                    results[r] = payload
+                    continue
+                if status == "init_error" and "address already in use" in str(payload).lower():
+                    return "port", payload
+                errors[r] = payload
+                if first_error_at is None:
+                    first_error_at = time.monotonic()
+        if errors:
+            first = next(iter(errors))
+            others = [r for r in errors if r != first]
+            msg = f"spawn: rank {first} of {world_size} failed in {fn.__qualname__}:\n{errors[first]}"
+            if others:
+                msg += f"\n(ranks {others} failed too; first of them:)\n{errors[others[0]]}"
+            raise RuntimeError(msg)
+        return "ok", [results[r] for r in range(world_size)]
+    finally:
+        _kill_all(procs)
+        for c in conns:
+            c.close()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    timeout: float = 300.0,
+    backend: str = "gloo",
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes joined in one process group.
+
+    Each process uses one torch thread, gets ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT``, calls
+    ``torch.distributed.init_process_group(backend)`` before ``fn`` and destroys the group after it.
+
+    Args:
+        fn: A module-level (picklable) function ``fn(rank, world_size, *args)``; its return value must pickle.
+        world_size: Number of processes (ranks), >= 1.
+        args: Extra positional arguments for ``fn`` (must pickle).
+        timeout: Seconds for the whole run (start-up included); also the process group's collective timeout.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU).
+
+    Returns:
+        The ranks' return values, in rank order.
+
+    Raises:
+        ValueError: ``world_size`` < 1 or ``timeout`` <= 0.
+        RuntimeError: A rank raised or died; the message carries its traceback (and the first other failure).
+        TimeoutError: The run took longer than ``timeout``; all processes were killed.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    message = ""
+    for _ in range(_PORT_RETRIES):
+        status, payload = _run_once(fn, world_size, args, timeout, backend)
+        if status == "ok":
+            return payload
+        message = payload
+    raise RuntimeError(f"spawn: could not bind a free MASTER_PORT in {_PORT_RETRIES} tries:\n{message}")
