@@ -1,0 +1,407 @@
+"""Small real Megatron-Core MoE GPT models for tests and the demo, on CPU (gloo) or GPU.
+
+Typical use inside a rank started by :func:`modelopt_moe.launch.spawn`::
+
+    from modelopt_moe.plugins import megatron_models as mm
+
+    mm.init_model_parallel(tp=2, ep=2, seed=1234)
+    model = mm.build_moe_gpt(seed=1234)
+    for batch in mm.text_batches(batch_size=2, seq_len=32, num_batches=4):
+        loss = mm.lm_loss(model, batch)
+    mm.destroy_model_parallel()
+
+Weights are initialised from the seed and each parameter's *global* name and index, independently of the
+parallel layout: the same seed gives the same logical model at TP=1/EP=1, TP=2/EP=2 or any other layout, so
+layouts can be compared without a checkpoint.
+
+Tensor parallelism with MoE in training mode needs ``sequence_parallel=True`` (Megatron refuses MoE with TP > 1
+otherwise), and Megatron's non-TE norm (``WrappedTorchNorm``) refuses sequence parallelism because its
+parameters would not be marked for the tensor-parallel gradient all-reduce. We therefore build every norm with
+:func:`sequence_parallel_norm`, a plain ``torch.nn.LayerNorm`` / ``RMSNorm`` whose parameters carry Megatron's
+``sequence_parallel`` attribute, and put it into the layer spec: no Megatron code is patched.
+:func:`build_moe_gpt` turns on sequence parallelism whenever TP > 1. Without Megatron's DDP wrapper, call
+:func:`allreduce_sequence_parallel_grads` after ``backward()`` (what ``finalize_model_grads`` would do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from modelopt_moe.plugins.megatron_cpu_shims import apply_cpu_shims
+
+__all__ = [
+    "init_model_parallel",
+    "destroy_model_parallel",
+    "parallel_layout",
+    "build_moe_gpt",
+    "sequence_parallel_norm",
+    "allreduce_sequence_parallel_grads",
+    "text_batches",
+    "lm_loss",
+    "gather_logits",
+    "iter_params_with_global_names",
+]
+
+_INIT_STD = 0.02
+_LOCAL_EXPERT_RE = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def init_model_parallel(tp: int = 1, ep: int = 1, *, seed: int = 1234) -> None:
+    """Initialise Megatron's model-parallel groups and RNG trackers on the current process group.
+
+    ``torch.distributed`` must already be initialised (``modelopt_moe.launch.spawn`` does it). Applies the CPU
+    shims first when CUDA is absent. Expert tensor parallelism is fixed to 1 (gloo cannot all-gather unequal
+    sizes); pipeline and context parallelism are 1; the rest of the world is data parallel.
+
+    Args:
+        tp: Tensor-model-parallel size; must divide the world size.
+        ep: Expert-model-parallel size; must divide the world size.
+        seed: Seed of Megatron's RNG trackers (dropout) and of torch's default generator.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        ValueError: ``tp`` or ``ep`` does not divide the world size.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("init_model_parallel needs torch.distributed initialised (use modelopt_moe.launch.spawn)")
+    world = dist.get_world_size()
+    for name, size in (("tp", tp), ("ep", ep)):
+        if size < 1 or world % size:
+            raise ValueError(f"{name}={size} must be >= 1 and divide the world size {world}")
+    apply_cpu_shims()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+    )
+    torch.manual_seed(seed)
+    # The inference tracker keeps plain torch generators, so no CUDA RNG state is needed (the plain call needs
+    # torch.cuda.get_rng_state; skipping the call breaks attention dropout's tracker lookups).
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
+
+
+def parallel_layout() -> dict[str, int]:
+    """This rank's place in the model-parallel layout: ``tp``, ``ep``, ``dp`` sizes and ``tp_rank``, ``ep_rank``."""
+    return {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "ep": parallel_state.get_expert_model_parallel_world_size(),
+        "dp": parallel_state.get_data_parallel_world_size(),
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "ep_rank": parallel_state.get_expert_model_parallel_rank(),
+    }
+
+
+def destroy_model_parallel() -> None:
+    """Tear down Megatron's model-parallel groups (the default process group stays)."""
+    parallel_state.destroy_model_parallel()
+
+
+def sequence_parallel_norm(*, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any):
+    """Build a torch ``LayerNorm`` / ``RMSNorm`` that supports sequence parallelism (a Megatron norm builder).
+
+    Same module as Megatron's ``WrappedTorchNorm``, plus what that one lacks for sequence parallelism: its
+    parameters carry ``sequence_parallel = config.sequence_parallel``, the attribute Megatron's
+    ``finalize_model_grads`` (and :func:`allreduce_sequence_parallel_grads`) use to all-reduce their gradients over
+    the tensor-parallel group (each TP rank sees a different slice of the sequence).
+
+    Args:
+        config: The model's TransformerConfig (reads ``normalization`` and ``sequence_parallel``).
+        hidden_size: Normalised size.
+        eps: Epsilon.
+
+    Returns:
+        The norm module.
+    """
+    if config.normalization == "LayerNorm":
+        norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+    elif config.normalization == "RMSNorm":
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+    else:
+        raise ValueError(f"normalization={config.normalization!r}: expected 'LayerNorm' or 'RMSNorm'")
+    for p in norm.parameters():
+        p.sequence_parallel = config.sequence_parallel
+    return norm
+
+
+def _split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Route each override to TransformerConfig or GPTModel by name; reject unknown names."""
+    config_fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    model_params = set(inspect.signature(GPTModel.__init__).parameters) - {"self", "config", "transformer_layer_spec"}
+    cfg, mdl = {}, {}
+    for key, value in overrides.items():
+        if key in config_fields:
+            cfg[key] = value
+        elif key in model_params:
+            mdl[key] = value
+        else:
+            raise TypeError(f"build_moe_gpt: unknown override {key!r} (neither a TransformerConfig field nor a "
+                            f"GPTModel argument)")
+    return cfg, mdl
+
+
+def _canonical_name(name: str, num_local_experts: int, ep_rank: int) -> str:
+    """Parameter name with the local expert index replaced by the global one (layout-independent)."""
+    return _LOCAL_EXPERT_RE.sub(
+        lambda m: f".local_experts.{ep_rank * num_local_experts + int(m.group(1))}.", name
+    )
+
+
+@torch.no_grad()
+def _init_layout_independent(model: torch.nn.Module, seed: int, num_layers: int, num_local_experts: int) -> None:
+    """Initialise every non-norm parameter from (seed, global name), then keep this rank's shard of it.
+
+    Matrices get N(0, 0.02) (output projections N(0, 0.02/sqrt(2*num_layers)), Megatron's scaled init), vectors
+    (biases) zeros; norms keep torch's ones/zeros. The full tensor is drawn on every rank and sliced the way
+    Megatron's CPU initialisation slices a master weight (``partition_dim``, ``partition_stride``), so every
+    layout holds the same logical weights.
+    """
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    etp_size = parallel_state.get_expert_tensor_parallel_world_size()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    norm_params = {
+        id(p) for m in model.modules() if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm)) for p in m.parameters()
+    }
+    for name, param in model.named_parameters():
+        if id(param) in norm_params:
+            continue
+        if param.dim() < 2:
+            param.zero_()
+            continue
+        is_expert = not getattr(param, "allreduce", True)
+        size, rank = (etp_size, etp_rank) if is_expert else (tp_size, tp_rank)
+        shape = list(param.shape)
+        dim = getattr(param, "partition_dim", 0)
+        stride = getattr(param, "partition_stride", 1)
+        sharded = getattr(param, "tensor_model_parallel", False) and size > 1
+        if sharded:
+            shape[dim] *= size
+        canonical = _canonical_name(name, num_local_experts, ep_rank)
+        std = _INIT_STD
+        if canonical.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            std = _INIT_STD / (2.0 * num_layers) ** 0.5
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(canonical.encode()))
+        full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+        if sharded:
+            # Megatron's layout: cut into size*stride chunks; rank r holds chunks r, r+size, ... (stride 2 = GLU).
+            chunks = torch.chunk(full, size * stride, dim=dim)
+            full = torch.cat(chunks[rank::size], dim=dim)
+        param.copy_(full)
+
+
+def build_moe_gpt(
+    num_layers: int = 2,
+    hidden: int = 64,
+    ffn_hidden: int = 128,
+    num_experts: int = 4,
+    vocab_size: int = 256,
+    seq_len: int = 32,
+    moe_router_topk: int = 2,
+    params_dtype: torch.dtype = torch.float32,
+    *,
+    seed: int = 1234,
+    **overrides: Any,
+) -> GPTModel:
+    """Build a small GPT whose every MLP is an MoE layer with ``SequentialMLP`` (non-TE) experts.
+
+    Uses the current model-parallel layout (:func:`init_model_parallel` first): the embedding, attention and
+    output layer are split over TP, the experts over EP (``num_experts / ep`` local experts per rank), with the
+    allgather token dispatcher, RoPE, causal attention and sequence parallelism when TP > 1. Weights depend only on
+    ``seed`` (see the module docstring), never on the layout. The model is on CPU without CUDA, on the current
+    GPU otherwise, and in training mode.
+
+    Args:
+        num_layers: Transformer layers (all MoE).
+        hidden: Hidden size; a multiple of 4 * TP (4 attention heads of hidden/4).
+        ffn_hidden: Each expert's FFN hidden size.
+        num_experts: Global number of experts; a multiple of EP.
+        vocab_size: Vocabulary size (256 fits the byte-level :func:`text_batches`); a multiple of TP.
+        seq_len: Maximum sequence length; a multiple of TP (sequence parallelism).
+        moe_router_topk: Experts per token.
+        params_dtype: Parameter dtype.
+        seed: Weight seed.
+        **overrides: Any ``TransformerConfig`` field (e.g. ``gated_linear_unit=True``, ``normalization="RMSNorm"``)
+            or ``GPTModel`` argument (e.g. ``position_embedding_type="learned_absolute"``).
+
+    Returns:
+        The ``GPTModel``.
+
+    Raises:
+        TypeError: An override is neither a TransformerConfig field nor a GPTModel argument.
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("build_moe_gpt: call init_model_parallel(tp, ep) first")
+    apply_cpu_shims()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if num_experts % ep:
+        raise ValueError(f"num_experts={num_experts} must be a multiple of the expert-parallel size {ep}")
+    cfg_over, model_over = _split_overrides(overrides)
+    on_gpu = torch.cuda.is_available()
+    cfg_kwargs: dict[str, Any] = dict(
+        num_layers=num_layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn_hidden,
+        num_attention_heads=4,
+        num_moe_experts=num_experts,
+        moe_ffn_hidden_size=ffn_hidden,
+        moe_router_topk=moe_router_topk,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        moe_aux_loss_coeff=0.0,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        # Megatron requires it for MoE with TP > 1 in training; our norms support it (sequence_parallel_norm).
+        sequence_parallel=tp > 1,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        add_bias_linear=False,
+        use_cpu_initialization=not on_gpu,
+        # _init_layout_independent sets every weight; Megatron's own init would only be overwritten.
+        perform_initialization=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+    cfg_kwargs.update(cfg_over)
+    config = TransformerConfig(**cfg_kwargs)
+
+    layer = get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, normalization=config.normalization
+    )
+    layer.submodules.input_layernorm = sequence_parallel_norm
+    layer.submodules.pre_mlp_layernorm = sequence_parallel_norm
+    block = TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=sequence_parallel_norm)
+    model_kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        max_sequence_length=seq_len,
+        position_embedding_type="rope",
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+    )
+    model_kwargs.update(model_over)
+    model = GPTModel(config=config, transformer_layer_spec=block, **model_kwargs)
+    if on_gpu:
+        model = model.cuda()
+    _init_layout_independent(model, seed, num_layers, num_experts // ep)
+    return model
+
+
+def allreduce_sequence_parallel_grads(model: torch.nn.Module) -> None:
+    """Sum the gradients of sequence-parallel parameters (norms, router) over the tensor-parallel group.
+
+    What Megatron's ``finalize_model_grads`` does for them when the model is wrapped in Megatron's DDP; call it
+    after ``backward()`` on every rank when training without that wrapper. A no-op when TP == 1. The set of such
+    parameters is the same on every TP rank, so the collectives match.
+    """
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    for p in model.parameters():
+        if getattr(p, "sequence_parallel", False) and p.requires_grad:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(grad, group=group)
+            p.grad = grad
+
+
+# ---------------------------------------------------------------------------------------------------- data
+
+
+def _corpus_bytes() -> bytes:
+    """Real English text that ships with CPython: the language reference topics behind ``help()``."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+
+
+def text_batches(
+    batch_size: int, seq_len: int, num_batches: int, vocab_size: int = 256, *, offset: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    """Byte-level language-modelling batches from real English text (``pydoc_data.topics``), deterministic.
+
+    Sample ``i`` of batch ``b`` is the ``seq_len + 1`` bytes starting at ``(offset + b * batch_size + i) *
+    seq_len`` of the corpus (wrapping around); tokens are bytes modulo ``vocab_size``. Every rank gets the same
+    batches: Megatron's tensor- and expert-parallel ranks must see the same data.
+
+    Args:
+        batch_size: Sequences per batch.
+        seq_len: Tokens per sequence.
+        num_batches: Number of batches.
+        vocab_size: Token ids are ``byte % vocab_size`` (256 keeps bytes exact).
+        offset: Index of the first sample (use different offsets for calibration and evaluation data).
+
+    Returns:
+        A list of dicts with ``tokens``, ``labels`` (next token), ``position_ids`` (all ``[batch_size, seq_len]``
+        int64) and ``attention_mask`` (``[1, 1, seq_len, seq_len]`` bool, True where attention is masked: causal).
+    """
+    data = torch.frombuffer(bytearray(_corpus_bytes()), dtype=torch.uint8).to(torch.int64) % vocab_size
+    n = data.numel()
+    mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
+    positions = torch.arange(seq_len, dtype=torch.int64).expand(batch_size, seq_len)
+    batches = []
+    for b in range(num_batches):
+        starts = [((offset + b * batch_size + i) * seq_len) % n for i in range(batch_size)]
+        idx = torch.tensor(starts)[:, None] + torch.arange(seq_len + 1)[None, :]
+        seqs = data[idx % n]
+        batches.append(
+            {"tokens": seqs[:, :-1].contiguous(), "labels": seqs[:, 1:].contiguous(),
+             "position_ids": positions.clone(), "attention_mask": mask.clone()}
+        )
+    return batches
+
+
+def _to_model_device(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    device = next(model.parameters()).device
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def lm_loss(model: GPTModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``model`` on ``batch`` (a :func:`text_batches` item); differentiable.
+
+    Megatron computes the vocab-parallel cross-entropy, so the value is the same on every rank of any layout.
+    """
+    b = _to_model_device(batch, model)
+    per_token = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+    return per_token.float().mean()
+
+
+def gather_logits(model: GPTModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Full-vocabulary logits ``[batch, seq, vocab]`` (gathered over TP), the same on every rank of any layout."""
+    b = _to_model_device(batch, model)
+    return model(b["tokens"], b["position_ids"], b["attention_mask"], runtime_gather_output=True)
+
+
+def iter_params_with_global_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """Yield ``(name, param)`` with local expert indices replaced by global ones (for cross-layout checks)."""
+    n_local = max(1, _num_local_experts(model))
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    for name, p in model.named_parameters():
+        yield _canonical_name(name, n_local, ep_rank), p
+
+
+def _num_local_experts(model: torch.nn.Module) -> int:
+    for m in model.modules():
+        if hasattr(m, "local_experts"):
+            return len(m.local_experts)
+    return 0
