@@ -10,12 +10,18 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.moe.experts import SequentialMLP
 
 from modelopt_moe.quantization.calibration import register_group_provider
 from modelopt_moe.quantization.conversion import QuantModuleMixin, QuantModuleRegistry
 from modelopt_moe.quantization.nn.functional import apply_quantized_gemm
+from modelopt_moe.quantization.nn.grouped_linear import (
+    ExpertQuantizers,
+    expert_amax_reduction,
+    fill_unseen_expert_input_amax,
+)
 
-__all__ = ["QuantColumnParallelLinear", "QuantRowParallelLinear", "megatron_amax_groups"]
+__all__ = ["QuantColumnParallelLinear", "QuantRowParallelLinear", "QuantSequentialMLP", "megatron_amax_groups"]
 
 
 def megatron_amax_groups() -> dict | None:
@@ -81,3 +87,41 @@ class QuantRowParallelLinear(_QuantParallelLinearMixin):
 
 QuantModuleRegistry.register(ColumnParallelLinear, QuantColumnParallelLinear)
 QuantModuleRegistry.register(RowParallelLinear, QuantRowParallelLinear)
+
+
+class QuantSequentialMLP(QuantModuleMixin):
+    """Megatron ``SequentialMLP`` experts with layer-level expert quantizers.
+
+    The layer owns ``linear_fc1`` / ``linear_fc2`` :class:`ExpertQuantizers` (the same quantizer names as
+    ``TEGroupedMLP``'s ``linear_fc1`` / ``linear_fc2``, so configs and checkpoints are shared); each local expert's
+    linear calls expert ``i`` of them through slots. Megatron's own forward runs unchanged.
+    """
+
+    _SHARDED_AXIS = {"linear_fc1": 0, "linear_fc2": 1}  # column- / row-parallel
+
+    def _setup_quantizers(self, config):
+        for name in self._SHARDED_AXIS:
+            setattr(self, name, ExpertQuantizers(self.num_local_experts, config.experts))
+
+    def _after_convert(self):
+        for i, expert in enumerate(self.local_experts):
+            for name in self._SHARDED_AXIS:
+                linear = getattr(expert, name)
+                for kind, slot in getattr(self, name).slots(i).items():
+                    if kind in linear._modules:
+                        del linear._modules[kind]  # its own quantizer is replaced by the layer-level one
+                    linear.__dict__[kind] = slot
+
+    def calibrate_weights(self) -> None:
+        pass  # each expert linear calibrates its weight through its slot
+
+    def amax_reduction(self, quantizer_name: str) -> tuple[str, ...]:
+        gemm, kind = quantizer_name.split(".")[:2]
+        return expert_amax_reduction(getattr(getattr(self, gemm), kind), kind, self._SHARDED_AXIS[gemm])
+
+    def finalize_calibration(self, groups: dict) -> None:
+        for name in self._SHARDED_AXIS:
+            fill_unseen_expert_input_amax(getattr(self, name).input_quantizer, groups, f"SequentialMLP.{name}")
+
+
+QuantModuleRegistry.register(SequentialMLP, QuantSequentialMLP)

@@ -158,8 +158,9 @@ def calibrate(model: nn.Module, algorithm: str | None = "max", forward_loop: Cal
     for _, q in quantizers:
         q.disable_calib()
         q.enable_quant()
-    sync_amax(model, default_groups() if groups is None else groups)
+    groups = default_groups() if groups is None else groups
+    sync_amax(model, groups)
     for module in model.modules():
         if is_quantized(module) and hasattr(module, "finalize_calibration"):
-            module.finalize_calibration()
+            module.finalize_calibration(groups)
     return model

@@ -128,6 +128,9 @@ def convert(model: nn.Module, config: QuantizeConfig) -> list[str]:
         module.__class__ = _quantized_class(type(module), mixin)
         module._setup(config)
         converted.append(name)
+    for module in model.modules():
+        if is_quantized(module) and hasattr(module, "_after_convert"):
+            module._after_convert()  # e.g. experts wire their linears to layer-level quantizers
     if not converted and not any(is_quantized(m) for m in model.modules()):
         kinds = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(

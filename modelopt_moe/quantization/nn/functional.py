@@ -19,9 +19,11 @@ from collections.abc import Callable
 import torch
 
 from ..formats import fake_quant
-from ..tensor_quantizer import TensorQuantizer, clip_mask, nan_ignoring_abs_max
+from ..tensor_quantizer import clip_mask, nan_ignoring_abs_max
 
-__all__ = ["apply_quantized_gemm", "quantize_grad", "mask_grad", "forward_value_of"]
+__all__ = [
+    "apply_quantized_gemm", "run_quantized_gemm", "clip_mask_of", "quantize_grad", "mask_grad", "forward_value_of",
+]
 
 
 class _ForwardValueOf(torch.autograd.Function):
@@ -75,44 +77,67 @@ def mask_grad(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x if mask is None else _MaskGrad.apply(x, mask)
 
 
-def _active(q: TensorQuantizer | None) -> bool:
+def _active(q) -> bool:
     return q is not None and q.is_enabled and q._if_quant
 
 
-def _clip_mask_of(q: TensorQuantizer | None, x: torch.Tensor) -> torch.Tensor | None:
+def clip_mask_of(q, x: torch.Tensor) -> torch.Tensor | None:
+    """The clipped-STE mask of quantizer ``q`` (a TensorQuantizer or an expert slot) for ``x``, or None."""
     if not _active(q) or q.ste != "clipped" or not q.needs_amax:
         return None
     return clip_mask(x, q.amax.to(x.device) if q.amax is not None else None, q.fmt)
 
 
+def _map(fn, value):
+    return [fn(v) for v in value] if isinstance(value, list | tuple) else fn(value)
+
+
+def run_quantized_gemm(cfg, x, weight, gemm: Callable, quantize_input: Callable, quantize_weight: Callable,
+                       input_mask: Callable, weight_mask: Callable, output_quantizer: Callable):
+    """The backward-mode machinery for one GEMM or a group of expert GEMMs.
+
+    Args:
+        cfg: a :class:`BackwardConfig`.
+        x: the input; ``weight``: a weight tensor or a list of expert weights.
+        gemm: ``gemm(x_operand, weight_operand)``; returns a tensor or a tuple whose first element is the output.
+        quantize_input / quantize_weight: fake-quantize (and calibrate) the operands; identity when disabled.
+        input_mask / weight_mask: ``mask(x)`` -> the clipped-STE mask or None (``weight_mask`` maps over lists).
+        output_quantizer: applied to the GEMM output.
+    """
+    xq = quantize_input(x)
+    wq = quantize_weight(weight)
+    changed = xq is not x or (any(a is not b for a, b in zip(wq, weight, strict=True))
+                             if isinstance(weight, list | tuple) else wq is not weight)
+    if cfg.mode == "high_precision" and changed:
+        with torch.no_grad():
+            quantized = gemm(xq.detach(), _map(torch.Tensor.detach, wq))
+        x_hp = mask_grad(x, input_mask(x))
+        w_hp = _map(lambda w: mask_grad(w, weight_mask(w)), weight) if isinstance(weight, list | tuple) \
+            else mask_grad(weight, weight_mask(weight))
+        precise = gemm(x_hp, w_hp)
+        result = _replace_first(precise, forward_value_of(_first(precise), _first(quantized)))
+    else:
+        result = gemm(xq, wq)
+        if cfg.mode == "quantized":
+            result = _replace_first(result, quantize_grad(_first(result), cfg.grad_format))
+    return _replace_first(result, output_quantizer(_first(result)))
+
+
 def apply_quantized_gemm(module, x: torch.Tensor, weight: torch.Tensor, gemm: Callable):
-    """Runs ``gemm(x_operand, weight_operand)`` per the module's backward mode.
+    """Runs ``gemm(x_operand, weight_operand)`` with the module's quantizers and backward mode.
 
     Args:
         module: has ``input_quantizer``, ``weight_quantizer``, ``output_quantizer`` and ``quant_backward``
-            (a :class:`BackwardConfig`).
+            (a :class:`BackwardConfig`); the quantizers may be expert slots.
         x, weight: the original operands.
         gemm: the layer's own GEMM; returns a tensor or a tuple whose first element is the output.
 
     Returns:
         What ``gemm`` returns, with the output passed through ``output_quantizer``.
     """
-    cfg = module.quant_backward
-    xq = module.input_quantizer(x)
-    wq = module.weight_quantizer(weight)
-    if cfg.mode == "high_precision" and (xq is not x or wq is not weight):
-        with torch.no_grad():
-            quantized = gemm(xq.detach(), wq.detach())
-        x_hp = mask_grad(x, _clip_mask_of(module.input_quantizer, x))
-        w_hp = mask_grad(weight, _clip_mask_of(module.weight_quantizer, weight))
-        precise = gemm(x_hp, w_hp)
-        out_q, out_hp = _first(quantized), _first(precise)
-        result = _replace_first(precise, forward_value_of(out_hp, out_q))
-    else:
-        result = gemm(xq, wq)
-        if cfg.mode == "quantized":
-            result = _replace_first(result, quantize_grad(_first(result), cfg.grad_format))
-    return _replace_first(result, module.output_quantizer(_first(result)))
+    iq, wq = module.input_quantizer, module.weight_quantizer
+    return run_quantized_gemm(module.quant_backward, x, weight, gemm, iq, wq,
+                              lambda t: clip_mask_of(iq, t), lambda t: clip_mask_of(wq, t), module.output_quantizer)
 
 
 def _first(result):

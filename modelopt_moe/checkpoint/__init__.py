@@ -1,0 +1,1 @@
+"""Distributed checkpoints: EP-aware sharded amax and quantization state."""
