@@ -34,6 +34,8 @@ __all__ = ["spawn", "free_port"]
 # Seconds a rank's peers get to report their own failure after the first one: the root cause usually arrives
 # first, the others (broken connections) shortly after; waiting longer only delays the error.
 _ERROR_GRACE_S = 2.0
+# Seconds the ranks get to exit on their own once all results are in.
+_EXIT_GRACE_S = 30.0
 # How often spawn retries when rank 0 could not bind the port it was given (another program took it between
 # free_port() and the bind).
 _PORT_RETRIES = 3
@@ -173,6 +175,10 @@ def _run_once(
             if others:
                 msg += f"\n(ranks {others} failed too; first of them:)\n{errors[others[0]]}"
             raise RuntimeError(msg)
+        # Let the ranks finish their own shutdown (process group teardown, atexit hooks, flushing output) before
+        # the finally below kills whatever is left: a killed child leaks the resources it registered.
+        for p in procs:
+            p.join(timeout=max(1.0, min(_EXIT_GRACE_S, deadline - time.monotonic())))
         return "ok", [results[r] for r in range(world_size)]
     finally:
         _kill_all(procs)
