@@ -1,0 +1,35 @@
+"""Triton kernels (optional) with pure-torch fallbacks: grouped fake quantization of MoE experts.
+
+Imports with torch alone; ``TRITON_AVAILABLE`` says whether triton imports, :func:`kernels_available` whether the
+kernels can run on a device (CUDA, or CPU under ``TRITON_INTERPRET=1``). Never imports ``quantization.nn``.
+"""
+
+from .grouped_fake_quant import (
+    MAX_EXPERTS,
+    TRITON_AVAILABLE,
+    GroupedInputFakeQuant,
+    GroupedWeightFakeQuant,
+    clear_table_cache,
+    grouped_input_clip_grad,
+    grouped_input_fake_quant,
+    grouped_input_fake_quant_ste,
+    grouped_weight_clip_grad,
+    grouped_weight_fake_quant,
+    grouped_weight_fake_quant_ste,
+    kernels_available,
+)
+
+__all__ = [
+    "MAX_EXPERTS",
+    "TRITON_AVAILABLE",
+    "GroupedInputFakeQuant",
+    "GroupedWeightFakeQuant",
+    "clear_table_cache",
+    "grouped_input_clip_grad",
+    "grouped_input_fake_quant",
+    "grouped_input_fake_quant_ste",
+    "grouped_weight_clip_grad",
+    "grouped_weight_fake_quant",
+    "grouped_weight_fake_quant_ste",
+    "kernels_available",
+]

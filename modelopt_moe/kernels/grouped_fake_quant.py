@@ -1,0 +1,712 @@
+"""Grouped fake quantization of MoE experts: all N experts in one launch, bit-exact with ``formats.fake_quant``.
+
+Parts, in the order STYLE.md asks for (the ``@triton.jit`` kernels themselves live in
+:mod:`modelopt_moe.kernels.triton_kernels`, imported lazily so that this module imports with torch alone and so
+that ``TRITON_INTERPRET=1`` may be set any time before the first launch):
+
+1. launchers (``_launch_*``) and pure-torch fallbacks (``_torch_*``, :func:`formats.fake_quant` per expert), chosen
+   by :func:`kernels_available`;
+2. public functions that validate their inputs with ``ValueError`` and call the custom ops:
+   :func:`grouped_weight_fake_quant`, :func:`grouped_weight_clip_grad`, :func:`grouped_input_fake_quant`,
+   :func:`grouped_input_clip_grad`;
+3. ``torch.library.custom_op`` s in the ``modelopt_moe`` namespace, each with ``register_fake``;
+4. autograd functions :class:`GroupedWeightFakeQuant` and :class:`GroupedInputFakeQuant` (pass-through or clipped
+   straight-through estimator).
+
+Weights: the N experts stay separate tensors (TE's ``weight0..weight{N-1}``). The kernel reads them through a device
+table of int64 element offsets from a base tensor (the one with the lowest address), so nothing is stacked. The
+output is ONE new buffer; the public function returns N views of it shaped like the inputs.
+
+Pointer table and CUDA graphs: the table is built on the host from ``data_ptr()`` s (host metadata, no device sync)
+and copied to the device once from pinned memory with ``non_blocking=True``. It is cached, keyed on the pointers,
+shapes and tiling, so repeated calls with the same tensors (the usual case: parameters keep their storage across
+optimizer steps) launch only the kernel. A cached table can never be stale: its content is a pure function of its
+key. Entries created while a CUDA graph is being captured are kept forever (the captured copy reads their pinned
+host buffer at every replay); other entries are evicted least-recently-used. As for any CUDA graph, replays are
+correct as long as the captured tensors keep their addresses.
+
+Clipped straight-through estimator: ``grad * (|w| <= amax)`` with the same amax tensor as the forward (the expert's,
+or the channel's for ``[N, C]``); NVFP4 clips against its global (expert/channel) amax, block int formats against
+the amax passed in, if any (their dynamic block amax never clips). An invalid amax (formats.py's rule: <= 2**-24,
+NaN, Inf) clips nothing. This matches ``tensor_quantizer.clip_mask`` (so a NaN weight gets a zero gradient, and a
+NaN gradient stays NaN even where clipped).
+"""
+
+import functools
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from ..quantization.formats import NVFP4_BLOCK_SIZE, fake_quant, get_format
+
+try:
+    import triton  # noqa: F401
+
+    TRITON_AVAILABLE = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    TRITON_AVAILABLE = False
+
+__all__ = [
+    "TRITON_AVAILABLE",
+    "MAX_EXPERTS",
+    "kernels_available",
+    "grouped_weight_fake_quant",
+    "grouped_weight_clip_grad",
+    "grouped_input_fake_quant",
+    "grouped_input_clip_grad",
+    "GroupedWeightFakeQuant",
+    "GroupedInputFakeQuant",
+    "grouped_weight_fake_quant_ste",
+    "grouped_input_fake_quant_ste",
+]
+
+MAX_EXPERTS = 512
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FMT_CODES = {"e4m3": 0, "e5m2": 1, "nvfp4": 2, "int8": 3, "int4": 4}
+_STE_MODES = ("pass_through", "clipped")
+_TILE_ELEMS = 4096  # elements per program: 8 KiB of bf16 in and out, 32 per thread at 4 warps
+_NUM_WARPS = 4
+_MAX_TILE_W = 1024
+_TABLE_COLS = 8  # keep in sync with triton_kernels.NCOL
+_CACHE_SIZE = 64
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backend selection
+# ----------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    from . import triton_kernels
+
+    return triton_kernels
+
+
+def _interpret_mode() -> bool:
+    """Whether our kernels run (or, not yet imported, would run) in the Triton interpreter."""
+    import sys
+
+    mod = sys.modules.get(__package__ + ".triton_kernels")
+    if mod is not None:
+        return type(mod._grouped_weight_fake_quant_kernel).__name__ == "InterpretedFunction"
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernels_available(device: torch.device | str) -> bool:
+    """Whether the Triton kernels can run on tensors of ``device``.
+
+    True on CUDA with compiled Triton, and on CPU when the kernels run in the Triton interpreter
+    (``TRITON_INTERPRET=1`` set before the first launch). Everywhere else the pure-torch fallback is used.
+    """
+    if not TRITON_AVAILABLE:
+        return False
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and not _interpret_mode()
+    if device.type == "cpu":
+        return _interpret_mode()
+    return False
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _launch_kwargs(device: torch.device) -> dict:
+    # No fused multiply-add: the rounding relies on x * scale being rounded before the magic add.
+    return {"num_warps": _NUM_WARPS, "enable_fp_fusion": False}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Weight tables (host-built, cached, one non-blocking H2D copy on a miss)
+# ----------------------------------------------------------------------------------------------------------------
+class _WeightPlan:
+    """Tiling and device table for one call of a grouped weight kernel."""
+
+    __slots__ = ("table", "host", "base", "aux_base", "n_tiles", "tile_r", "tile_nb", "bs", "vec", "two_d", "steps")
+
+
+_plan_cache: "OrderedDict[tuple, _WeightPlan]" = OrderedDict()
+_captured_plans: dict[tuple, _WeightPlan] = {}
+
+
+def _tiling(shapes: list[tuple[int, ...]], bs: int, two_d: bool) -> tuple[int, int]:
+    """(TILE_R, TILE_NB) for inner block ``bs``: about _TILE_ELEMS elements per program."""
+    if not two_d:
+        return 1, max(1, _TILE_ELEMS // bs)
+    tile_w = max(bs, min(_MAX_TILE_W, _next_pow2(max(s[1] for s in shapes))))
+    return max(1, _TILE_ELEMS // tile_w), tile_w // bs
+
+
+def _weight_plan(inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor] | None, bs: int, two_d: bool,
+                 ) -> _WeightPlan:
+    device = inputs[0].device
+    shapes = [tuple(t.shape) for t in inputs]
+    ptrs = [t.data_ptr() for t in inputs]
+    aux_ptrs = [t.data_ptr() for t in aux] if aux is not None else []
+    key = (device, inputs[0].dtype, aux[0].dtype if aux else None, tuple(ptrs), tuple(aux_ptrs), tuple(shapes),
+           bs, two_d)
+    plan = _plan_cache.get(key) or _captured_plans.get(key)
+    if plan is not None:
+        if key in _plan_cache:
+            _plan_cache.move_to_end(key)
+        return plan
+
+    tile_r, tile_nb = _tiling(shapes, bs, two_d)
+    tile_elems = tile_r * tile_nb * bs
+    tile_w = tile_nb * bs
+    esize = inputs[0].element_size()
+    aux_esize = aux[0].element_size() if aux else esize
+    base = min(range(len(ptrs)), key=ptrs.__getitem__)
+    aux_base = min(range(len(aux_ptrs)), key=aux_ptrs.__getitem__) if aux else 0
+    vec = 16 // max(esize, aux_esize)
+    rows, n_tiles, out_off = [], 0, 0
+    for i, shape in enumerate(shapes):
+        numel = inputs[i].numel()
+        cols = shape[-1] if len(shape) >= 1 and shape[-1] > 0 else 1
+        nrows = numel // cols
+        if two_d:
+            ctiles = -(-cols // tile_w)
+            tiles = -(-nrows // tile_r) * ctiles
+            if cols % vec:
+                vec = 1
+        else:
+            ctiles = 1
+            tiles = -(-numel // tile_elems)
+        in_off = ptrs[i] - ptrs[base]
+        aux_off = aux_ptrs[i] - aux_ptrs[aux_base] if aux else 0
+        if in_off % 16 or aux_off % 16 or out_off % vec or ptrs[i] % 16 or (aux and aux_ptrs[i] % 16):
+            vec = 1
+        rows.append([in_off // esize, aux_off // aux_esize, out_off, nrows, cols, n_tiles, ctiles, 0])
+        n_tiles += tiles
+        out_off += numel
+    if any(r[0] * esize != ptrs[i] - ptrs[base] for i, r in enumerate(rows)):
+        raise ValueError("grouped fake quant: tensor addresses are not aligned to their element size")
+
+    plan = _WeightPlan()
+    host = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+        plan.table = host.to(device, non_blocking=True)
+    else:
+        plan.table = host
+    plan.host = host  # keeps the pinned source of a captured copy alive
+    plan.base, plan.aux_base, plan.n_tiles = base, aux_base, n_tiles
+    plan.tile_r, plan.tile_nb, plan.bs, plan.vec, plan.two_d = tile_r, tile_nb, bs, vec, two_d
+    plan.steps = max(0, (len(inputs) - 1).bit_length())
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _captured_plans[key] = plan
+    else:
+        _plan_cache[key] = plan
+        if len(_plan_cache) > _CACHE_SIZE:
+            _plan_cache.popitem(last=False)
+    return plan
+
+
+def clear_table_cache() -> None:
+    """Drops cached pointer tables (not those created during CUDA graph capture, which the graphs still read)."""
+    _plan_cache.clear()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers (Triton) and fallbacks (pure torch); inputs are already validated
+# ----------------------------------------------------------------------------------------------------------------
+def _amax_mode(amax: torch.Tensor | None, n: int) -> tuple[int, int]:
+    """(AMAX_MODE, stride between experts) for the weight kernels."""
+    if amax is None:
+        return 0, 0
+    if amax.dim() == 0:
+        return 1, 0
+    if amax.dim() == 1:
+        return 1, 1
+    return 2, amax.shape[1]
+
+
+def _inner_block(fmt: str, block_size: int | None) -> tuple[int, bool]:
+    """(inner tile dim, whether it is a quantization block) for format ``fmt``."""
+    if fmt == "nvfp4":
+        return NVFP4_BLOCK_SIZE, True
+    if block_size is not None:
+        return block_size, True
+    return 16, False
+
+
+def _launch_weight_fake_quant(weights, amax, fmt, block_size) -> torch.Tensor:
+    k = _kernels()
+    amax_mode, amax_stride = _amax_mode(amax, len(weights))
+    bs, _ = _inner_block(fmt, block_size)
+    plan = _weight_plan(weights, None, bs, two_d=amax_mode == 2)
+    total = sum(w.numel() for w in weights)
+    out = torch.empty(total, dtype=weights[0].dtype, device=weights[0].device)
+    if plan.n_tiles == 0:
+        return out
+    amax_arg = amax if amax is not None else plan.table  # any tensor: never read when AMAX_MODE == 0
+    k._grouped_weight_fake_quant_kernel[(plan.n_tiles,)](
+        weights[plan.base], out, plan.table, amax_arg, len(weights), amax_stride,
+        FMT=_FMT_CODES[fmt], INT_BLOCK=fmt in ("int8", "int4") and block_size is not None, AMAX_MODE=amax_mode,
+        TWO_D=plan.two_d, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs, VEC=plan.vec,
+        SEARCH_STEPS=plan.steps, **_launch_kwargs(out.device),
+    )
+    return out
+
+
+def _expert_amax(amax: torch.Tensor | None, i: int) -> torch.Tensor | None:
+    """Expert ``i``'s amax in the shape formats.fake_quant broadcasts: scalar, or [C, 1] per channel."""
+    if amax is None or amax.dim() == 0:
+        return amax
+    return amax[i] if amax.dim() == 1 else amax[i].unsqueeze(-1)
+
+
+def _torch_weight_fake_quant(weights, amax, fmt, block_size) -> torch.Tensor:
+    out = torch.empty(sum(w.numel() for w in weights), dtype=weights[0].dtype, device=weights[0].device)
+    o = 0
+    for i, w in enumerate(weights):
+        out[o : o + w.numel()] = fake_quant(w, fmt, _expert_amax(amax, i), block_size).reshape(-1)
+        o += w.numel()
+    return out
+
+
+def _clip_limit(amax: torch.Tensor) -> torch.Tensor:
+    a = amax.float()
+    return torch.where(torch.isfinite(a) & (a > 2.0**-24), a, torch.full_like(a, float("inf")))
+
+
+def _launch_weight_clip_grad(grads, weights, amax) -> torch.Tensor:
+    k = _kernels()
+    amax_mode, amax_stride = _amax_mode(amax, len(weights))
+    plan = _weight_plan(grads, weights, 16, two_d=amax_mode == 2)
+    out = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+    if plan.n_tiles == 0:
+        return out
+    k._grouped_weight_clip_grad_kernel[(plan.n_tiles,)](
+        grads[plan.base], weights[plan.aux_base], out, plan.table, amax, len(weights), amax_stride,
+        AMAX_MODE=amax_mode, TWO_D=plan.two_d, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs,
+        VEC=plan.vec, SEARCH_STEPS=plan.steps, **_launch_kwargs(out.device),
+    )
+    return out
+
+
+def _torch_weight_clip_grad(grads, weights, amax) -> torch.Tensor:
+    out = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+    o = 0
+    for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
+        keep = w.abs() <= _clip_limit(_expert_amax(amax, i))
+        out[o : o + g.numel()] = (g * keep).reshape(-1)
+        o += g.numel()
+    return out
+
+
+def _input_tiling(n_cols: int, bs: int) -> tuple[int, int, int]:
+    tile_w = max(bs, min(_MAX_TILE_W, _next_pow2(n_cols)))
+    return max(1, _TILE_ELEMS // tile_w), tile_w // bs, tile_w
+
+
+def _launch_input_fake_quant(x, m_splits, amax, fmt, block_size) -> torch.Tensor:
+    k = _kernels()
+    y = torch.empty_like(x)
+    t, kdim = x.shape
+    if x.numel() == 0:
+        return y
+    bs, _ = _inner_block(fmt, block_size)
+    tile_r, tile_nb, tile_w = _input_tiling(kdim, bs)
+    n = m_splits.numel()
+    per_expert = amax is not None and amax.dim() == 1
+    amax_arg = amax if amax is not None else m_splits  # never read for block int formats
+    k._grouped_input_fake_quant_kernel[(_cdiv(t, tile_r), _cdiv(kdim, tile_w))](
+        x, y, m_splits, amax_arg, t, kdim, n,
+        FMT=_FMT_CODES[fmt], INT_BLOCK=fmt in ("int8", "int4") and block_size is not None, PER_EXPERT=per_expert,
+        N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb, BS=bs, **_launch_kwargs(x.device),
+    )
+    return y
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _row_amax(x, m_splits, amax) -> torch.Tensor | None:
+    """Per-row amax [T, 1] for per-expert amax (no host sync: output_size is given), else amax unchanged."""
+    if amax is None or amax.dim() == 0:
+        return amax
+    rows = torch.repeat_interleave(amax.float(), m_splits.long(), output_size=x.shape[0])
+    return rows.unsqueeze(-1)
+
+
+def _torch_input_fake_quant(x, m_splits, amax, fmt, block_size) -> torch.Tensor:
+    # Per-row amax gives the same bits as fake_quant per row group: every format's arithmetic is row-local.
+    return fake_quant(x, fmt, _row_amax(x, m_splits, amax), block_size)
+
+
+def _launch_input_clip_grad(grad, x, m_splits, amax) -> torch.Tensor:
+    k = _kernels()
+    out = torch.empty_like(grad)
+    t, kdim = x.shape
+    if x.numel() == 0:
+        return out
+    tile_r, tile_nb, tile_w = _input_tiling(kdim, 16)
+    n = m_splits.numel()
+    k._grouped_input_clip_grad_kernel[(_cdiv(t, tile_r), _cdiv(kdim, tile_w))](
+        grad, x, out, m_splits, amax, t, kdim, n,
+        PER_EXPERT=amax.dim() == 1, N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb, BS=16,
+        **_launch_kwargs(x.device),
+    )
+    return out
+
+
+def _torch_input_clip_grad(grad, x, m_splits, amax) -> torch.Tensor:
+    return grad * (x.abs() <= _clip_limit(_row_amax(x, m_splits, amax)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation and public functions
+# ----------------------------------------------------------------------------------------------------------------
+def _check_format(fmt: str, block_size: int | None) -> None:
+    spec = get_format(fmt)  # ValueError on an unknown format
+    if block_size is None:
+        return
+    if fmt == "nvfp4" and block_size != NVFP4_BLOCK_SIZE:
+        raise ValueError(f"nvfp4 uses blocks of {NVFP4_BLOCK_SIZE}, got block_size={block_size}")
+    if spec.kind == "fp8":
+        raise ValueError(f"format {fmt!r} has no block mode, got block_size={block_size}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size & (
+            block_size - 1) or block_size > 4096:
+        raise ValueError(f"block_size must be a power of two in [2, 4096], got {block_size!r}")
+
+
+def _needs_amax(fmt: str, block_size: int | None) -> bool:
+    return not (get_format(fmt).kind == "int" and block_size is not None)
+
+
+def _check_amax_tensor(amax: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
+    if not isinstance(amax, torch.Tensor):
+        raise ValueError(f"{what}: amax must be a tensor, got {type(amax).__name__}")
+    if not amax.is_floating_point():
+        raise ValueError(f"{what}: amax must be a floating tensor, got {amax.dtype}")
+    if amax.device != device:
+        raise ValueError(f"{what}: amax is on {amax.device} but the data is on {device}")
+    return amax.float().contiguous()
+
+
+def _check_weights(weights: Sequence[torch.Tensor], what: str, amax: torch.Tensor | None, fmt: str | None,
+                   block_size: int | None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    if isinstance(weights, torch.Tensor) or not isinstance(weights, Sequence):
+        raise ValueError(f"{what}: expected a list of expert tensors, got {type(weights).__name__}")
+    weights = list(weights)
+    if not weights:
+        raise ValueError(f"{what}: empty list of experts")
+    if len(weights) > MAX_EXPERTS:
+        raise ValueError(f"{what}: at most {MAX_EXPERTS} experts per launch, got {len(weights)}")
+    w0 = weights[0]
+    for i, w in enumerate(weights):
+        if not isinstance(w, torch.Tensor):
+            raise ValueError(f"{what}: expert {i} is a {type(w).__name__}, not a tensor")
+        if w.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{what}: expert {i} has dtype {w.dtype}; expected one of {_FLOAT_DTYPES}")
+        if w.dtype != w0.dtype:
+            raise ValueError(f"{what}: expert {i} has dtype {w.dtype} but expert 0 has {w0.dtype}")
+        if w.device != w0.device:
+            raise ValueError(f"{what}: expert {i} is on {w.device} but expert 0 is on {w0.device}")
+        if not w.is_contiguous():
+            raise ValueError(f"{what}: expert {i} (shape {tuple(w.shape)}) is not contiguous")
+        if fmt is not None:
+            bs = NVFP4_BLOCK_SIZE if fmt == "nvfp4" else block_size
+            if bs is not None and (w.dim() == 0 or w.shape[-1] % bs):
+                raise ValueError(f"{what}: expert {i} has shape {tuple(w.shape)}; format {fmt!r} needs a last dim "
+                                 f"that is a multiple of the block size {bs}")
+    n = len(weights)
+    if amax is not None:
+        amax = _check_amax_tensor(amax, w0.device, what)
+        if amax.dim() == 2:
+            if amax.shape[0] != n:
+                raise ValueError(f"{what}: per-channel amax of shape {tuple(amax.shape)} does not match {n} experts")
+            for i, w in enumerate(weights):
+                if w.dim() != 2 or w.shape[0] != amax.shape[1]:
+                    raise ValueError(f"{what}: per-channel amax of shape {tuple(amax.shape)} needs 2-D experts with "
+                                     f"{amax.shape[1]} rows, expert {i} has shape {tuple(w.shape)}")
+        elif amax.dim() == 1:
+            if amax.shape[0] != n:
+                raise ValueError(f"{what}: amax of shape {tuple(amax.shape)} does not match {n} experts "
+                                 f"(expected [{n}], [{n}, C] or a scalar)")
+        elif amax.dim() != 0:
+            raise ValueError(f"{what}: amax must be a scalar, [N] or [N, C]; got shape {tuple(amax.shape)}")
+    return weights, amax
+
+
+def grouped_weight_fake_quant(
+    weights: Sequence[torch.Tensor], amax: torch.Tensor | None, fmt: str, block_size: int | None = None
+) -> list[torch.Tensor]:
+    """Fake-quantizes N expert weights in one launch, bit-exact with ``formats.fake_quant`` per expert.
+
+    Args:
+        weights: N (1 <= N <= 512) contiguous tensors of one dtype (bf16, fp16 or fp32) on one device; shapes may
+            differ (a last dim that is a multiple of the block size for block formats).
+        amax: per expert ``[N]``, per expert and output channel ``[N, C]`` (2-D ``[C, K]`` experts), or a scalar
+            shared by all experts; any float dtype (used as fp32). ``None`` only for int formats with
+            ``block_size``. NVFP4 uses it as the global amax.
+        fmt: ``"e4m3"``, ``"e5m2"``, ``"nvfp4"``, ``"int8"`` or ``"int4"``.
+        block_size: int formats only: dynamic per-block amax over blocks of this many elements of the last dim (a
+            power of two). NVFP4 always uses blocks of 16.
+
+    Returns:
+        N tensors shaped like ``weights``: views of one new buffer.
+
+    Raises:
+        ValueError: on an empty or too long list, mixed dtypes or devices, non-contiguous experts, a bad amax shape,
+            device or dtype, an unknown format, or a last dim that is not a multiple of the block size.
+    """
+    _check_format(fmt, block_size)
+    if amax is None and _needs_amax(fmt, block_size):
+        raise ValueError(f"grouped_weight_fake_quant: format {fmt!r} needs an amax tensor, got None")
+    weights, amax = _check_weights(weights, "grouped_weight_fake_quant", amax, fmt, block_size)
+    if not _needs_amax(fmt, block_size):
+        amax = None
+    flat = torch.ops.modelopt_moe.grouped_weight_fake_quant(weights, amax, fmt, block_size)
+    return _split_views(flat, weights)
+
+
+def _split_views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in like]), like, strict=True)]
+
+
+def grouped_weight_clip_grad(
+    grads: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], amax: torch.Tensor
+) -> list[torch.Tensor]:
+    """Clipped straight-through gradient of N experts in one launch: ``grad * (|w| <= amax)``.
+
+    Args:
+        grads: N contiguous gradients, shaped like ``weights``, one float dtype.
+        weights: the N forward inputs.
+        amax: the forward's amax (``[N]``, ``[N, C]`` or scalar); invalid entries clip nothing.
+
+    Returns:
+        N gradients, views of one new buffer, in the dtype of ``grads``.
+
+    Raises:
+        ValueError: on mismatched lists, shapes, devices, non-contiguous tensors or a bad amax.
+    """
+    what = "grouped_weight_clip_grad"
+    weights, amax = _check_weights(weights, what, amax, None, None)
+    grads, _ = _check_weights(grads, what, None, None, None)
+    if amax is None:
+        raise ValueError(f"{what}: amax is required (use the gradients unchanged for no clipping)")
+    if len(grads) != len(weights):
+        raise ValueError(f"{what}: {len(grads)} gradients for {len(weights)} experts")
+    for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
+        if g.shape != w.shape:
+            raise ValueError(f"{what}: gradient {i} has shape {tuple(g.shape)}, weight has {tuple(w.shape)}")
+        if g.device != w.device:
+            raise ValueError(f"{what}: gradient {i} is on {g.device}, weight on {w.device}")
+    flat = torch.ops.modelopt_moe.grouped_weight_clip_grad(grads, weights, amax)
+    return _split_views(flat, grads)
+
+
+def _check_input(x: torch.Tensor, m_splits, amax: torch.Tensor | None, what: str):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{what}: x must be a 2-D [tokens, features] tensor, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{what}: x has dtype {x.dtype}; expected one of {_FLOAT_DTYPES}")
+    if not x.is_contiguous():
+        raise ValueError(f"{what}: x of shape {tuple(x.shape)} is not contiguous")
+    if isinstance(m_splits, Sequence) and not isinstance(m_splits, torch.Tensor):
+        # A host list (TE's convention): one host->device copy. Pass a device tensor to avoid it.
+        m_splits = torch.tensor(list(m_splits), dtype=torch.int64, device=x.device)
+    if not isinstance(m_splits, torch.Tensor) or m_splits.dim() != 1 or m_splits.is_floating_point() or (
+            m_splits.dtype == torch.bool or m_splits.is_complex()):
+        raise ValueError(f"{what}: m_splits must be a 1-D integer tensor (or a list of ints)")
+    if m_splits.device != x.device:
+        raise ValueError(f"{what}: m_splits is on {m_splits.device} but x is on {x.device}")
+    n = m_splits.numel()
+    if not 1 <= n <= MAX_EXPERTS:
+        raise ValueError(f"{what}: expected 1..{MAX_EXPERTS} experts in m_splits, got {n}")
+    m_splits = m_splits.contiguous()
+    if amax is not None:
+        amax = _check_amax_tensor(amax, x.device, what)
+        if not (amax.dim() == 0 or (amax.dim() == 1 and amax.shape[0] == n)):
+            raise ValueError(f"{what}: amax must be a scalar (shared) or [{n}] (per expert), got shape "
+                             f"{tuple(amax.shape)}")
+    return m_splits, amax
+
+
+def grouped_input_fake_quant(
+    x: torch.Tensor, m_splits, amax: torch.Tensor | None, fmt: str, block_size: int | None = None
+) -> torch.Tensor:
+    """Fake-quantizes the concatenated tokens of N experts in one launch, each row group with its expert's amax.
+
+    Args:
+        x: ``[T, K]`` contiguous bf16/fp16/fp32; rows ``[sum(m_splits[:i]), sum(m_splits[:i+1]))`` belong to expert
+            ``i``. ``sum(m_splits)`` must equal ``T`` (not checked: that would need a host sync); rows past it are
+            quantized with the last expert's amax.
+        m_splits: ``[N]`` integer tensor on ``x``'s device (offsets are computed on the device, no sync), or a list
+            of ints (then copied to the device).
+        amax: ``[N]`` per expert or a scalar shared by all; ``None`` only for int formats with ``block_size``.
+        fmt: ``"e4m3"``, ``"e5m2"``, ``"nvfp4"``, ``"int8"`` or ``"int4"``.
+        block_size: int formats only: dynamic per-block amax along the last dim (power of two).
+
+    Returns:
+        ``y`` shaped and typed like ``x``.
+
+    Raises:
+        ValueError: on a bad shape, dtype, device, contiguity, amax shape, format or block size.
+    """
+    what = "grouped_input_fake_quant"
+    _check_format(fmt, block_size)
+    if amax is None and _needs_amax(fmt, block_size):
+        raise ValueError(f"{what}: format {fmt!r} needs an amax tensor, got None")
+    m_splits, amax = _check_input(x, m_splits, amax, what)
+    bs = NVFP4_BLOCK_SIZE if fmt == "nvfp4" else block_size
+    if bs is not None and x.shape[1] % bs:
+        raise ValueError(f"{what}: x has shape {tuple(x.shape)}; format {fmt!r} needs a last dim that is a "
+                         f"multiple of the block size {bs}")
+    if not _needs_amax(fmt, block_size):
+        amax = None
+    return torch.ops.modelopt_moe.grouped_input_fake_quant(x, m_splits, amax, fmt, block_size)
+
+
+def grouped_input_clip_grad(grad: torch.Tensor, x: torch.Tensor, m_splits, amax: torch.Tensor) -> torch.Tensor:
+    """Clipped straight-through gradient of :func:`grouped_input_fake_quant`: ``grad * (|x| <= amax_of_row)``.
+
+    Raises:
+        ValueError: on mismatched shapes, dtypes, devices or a bad amax.
+    """
+    what = "grouped_input_clip_grad"
+    if amax is None:
+        raise ValueError(f"{what}: amax is required (use the gradient unchanged for no clipping)")
+    m_splits, amax = _check_input(x, m_splits, amax, what)
+    if not isinstance(grad, torch.Tensor) or grad.shape != x.shape or grad.device != x.device:
+        raise ValueError(f"{what}: grad must be a tensor shaped like x {tuple(x.shape)} on {x.device}")
+    if grad.dtype not in _FLOAT_DTYPES or not grad.is_contiguous():
+        raise ValueError(f"{what}: grad must be a contiguous bf16/fp16/fp32 tensor, got {grad.dtype}")
+    return torch.ops.modelopt_moe.grouped_input_clip_grad(grad, x, m_splits, amax)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Custom ops (opaque to torch.compile; register_fake gives the output metadata). No host sync inside.
+# ----------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("modelopt_moe::grouped_weight_fake_quant", mutates_args=())
+def _grouped_weight_fake_quant_op(
+    weights: list[torch.Tensor], amax: Optional[torch.Tensor], fmt: str, block_size: Optional[int]  # noqa: UP045
+) -> torch.Tensor:
+    if kernels_available(weights[0].device):
+        return _launch_weight_fake_quant(weights, amax, fmt, block_size)
+    return _torch_weight_fake_quant(weights, amax, fmt, block_size)
+
+
+@_grouped_weight_fake_quant_op.register_fake
+def _(weights, amax, fmt, block_size):
+    return weights[0].new_empty(sum(w.numel() for w in weights))
+
+
+@torch.library.custom_op("modelopt_moe::grouped_weight_clip_grad", mutates_args=())
+def _grouped_weight_clip_grad_op(
+    grads: list[torch.Tensor], weights: list[torch.Tensor], amax: torch.Tensor
+) -> torch.Tensor:
+    if kernels_available(weights[0].device):
+        return _launch_weight_clip_grad(grads, weights, amax)
+    return _torch_weight_clip_grad(grads, weights, amax)
+
+
+@_grouped_weight_clip_grad_op.register_fake
+def _(grads, weights, amax):
+    return grads[0].new_empty(sum(g.numel() for g in grads))
+
+
+@torch.library.custom_op("modelopt_moe::grouped_input_fake_quant", mutates_args=())
+def _grouped_input_fake_quant_op(
+    x: torch.Tensor, m_splits: torch.Tensor, amax: Optional[torch.Tensor], fmt: str,  # noqa: UP045
+    block_size: Optional[int],  # noqa: UP045
+) -> torch.Tensor:
+    if kernels_available(x.device):
+        return _launch_input_fake_quant(x, m_splits, amax, fmt, block_size)
+    return _torch_input_fake_quant(x, m_splits, amax, fmt, block_size)
+
+
+@_grouped_input_fake_quant_op.register_fake
+def _(x, m_splits, amax, fmt, block_size):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("modelopt_moe::grouped_input_clip_grad", mutates_args=())
+def _grouped_input_clip_grad_op(
+    grad: torch.Tensor, x: torch.Tensor, m_splits: torch.Tensor, amax: torch.Tensor
+) -> torch.Tensor:
+    if kernels_available(x.device):
+        return _launch_input_clip_grad(grad, x, m_splits, amax)
+    return _torch_input_clip_grad(grad, x, m_splits, amax)
+
+
+@_grouped_input_clip_grad_op.register_fake
+def _(grad, x, m_splits, amax):
+    return torch.empty_like(grad)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------------------------
+def _check_ste(ste: str) -> None:
+    if ste not in _STE_MODES:
+        raise ValueError(f"ste must be one of {_STE_MODES}, got {ste!r}")
+
+
+class GroupedWeightFakeQuant(torch.autograd.Function):
+    """``apply(amax, fmt, block_size, ste, *weights) -> tuple of N fake-quantized weights`` (views of one buffer).
+
+    Backward: ``ste="pass_through"`` returns the gradients unchanged (no launch); ``"clipped"`` zeroes them where
+    ``|w| > amax`` in one launch (no clipping without an amax). amax gets no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, amax, fmt, block_size, ste, *weights):
+        _check_ste(ste)
+        outs = grouped_weight_fake_quant(list(weights), amax, fmt, block_size)
+        ctx.clipped = ste == "clipped" and amax is not None
+        if ctx.clipped:
+            ctx.save_for_backward(amax, *weights)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not ctx.clipped:
+            return (None, None, None, None, *grads)
+        amax, *weights = ctx.saved_tensors
+        grads = [torch.zeros_like(w) if g is None else g.contiguous() for g, w in zip(grads, weights, strict=True)]
+        return (None, None, None, None, *grouped_weight_clip_grad(grads, weights, amax))
+
+
+class GroupedInputFakeQuant(torch.autograd.Function):
+    """``apply(x, m_splits, amax, fmt, block_size, ste) -> y``: per-expert input fake quant with an STE."""
+
+    @staticmethod
+    def forward(ctx, x, m_splits, amax, fmt, block_size, ste):
+        _check_ste(ste)
+        y = grouped_input_fake_quant(x, m_splits, amax, fmt, block_size)
+        ctx.clipped = ste == "clipped" and amax is not None
+        if ctx.clipped:
+            m = m_splits if isinstance(m_splits, torch.Tensor) else torch.tensor(list(m_splits), device=x.device)
+            ctx.save_for_backward(x, m, amax)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.clipped:
+            return grad, None, None, None, None, None
+        x, m_splits, amax = ctx.saved_tensors
+        return grouped_input_clip_grad(grad.contiguous(), x, m_splits, amax), None, None, None, None, None
+
+
+def grouped_weight_fake_quant_ste(
+    weights: Sequence[torch.Tensor], amax: torch.Tensor | None, fmt: str, block_size: int | None = None,
+    ste: str = "pass_through",
+) -> list[torch.Tensor]:
+    """Differentiable :func:`grouped_weight_fake_quant` (see :class:`GroupedWeightFakeQuant`)."""
+    return list(GroupedWeightFakeQuant.apply(amax, fmt, block_size, ste, *weights))
+
+
+def grouped_input_fake_quant_ste(
+    x: torch.Tensor, m_splits, amax: torch.Tensor | None, fmt: str, block_size: int | None = None,
+    ste: str = "pass_through",
+) -> torch.Tensor:
+    """Differentiable :func:`grouped_input_fake_quant` (see :class:`GroupedInputFakeQuant`)."""
+    return GroupedInputFakeQuant.apply(x, m_splits, amax, fmt, block_size, ste)
