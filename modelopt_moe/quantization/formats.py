@@ -158,6 +158,18 @@ def _check_inputs(x: torch.Tensor, fmt: str, amax: torch.Tensor | None, block_si
     return spec
 
 
+def _div(num: torch.Tensor | float, den: torch.Tensor | float) -> torch.Tensor:
+    """IEEE ``num / den`` in fp32. torch turns ``float / tensor`` into ``reciprocal(tensor) * float`` and, on CUDA,
+    ``tensor / float`` (or a CPU-scalar divisor) into a multiply by the reciprocal: both round twice and the second
+    differs between CPU and GPU. Dividing two tensors on one device is a true division everywhere."""
+    ref = num if isinstance(num, torch.Tensor) else den
+    num, den = (
+        t.to(ref.device) if isinstance(t, torch.Tensor) else torch.full((), t, dtype=torch.float32, device=ref.device)
+        for t in (num, den)
+    )
+    return torch.div(num, den)
+
+
 def fake_quant(
     x: torch.Tensor, fmt: str, amax: torch.Tensor | None = None, block_size: int | None = None
 ) -> torch.Tensor:
@@ -182,24 +194,24 @@ def fake_quant(
     spec = _check_inputs(x, fmt, amax, block_size)
     xf = x.float()
     if spec.kind == "fp8":
-        scale = spec.bound / safe_amax(amax, spec.bound)
+        scale = _div(spec.bound, safe_amax(amax, spec.bound))
         q = torch.clamp(xf * scale, -spec.bound, spec.bound).to(_FP8_DTYPES[fmt]).float()
-        out = q / scale
+        out = _div(q, scale)
     elif spec.kind == "int":
         if block_size is None:
-            scale = spec.bound / safe_amax(amax, spec.bound)
-            out = torch.clamp(torch.round(xf * scale), -spec.bound, spec.bound) / scale
+            scale = _div(spec.bound, safe_amax(amax, spec.bound))
+            out = _div(torch.clamp(torch.round(xf * scale), -spec.bound, spec.bound), scale)
         else:
             blocks = xf.unflatten(-1, (-1, block_size))
-            scale = spec.bound / safe_amax(_nan_ignoring_block_max(xf, block_size), spec.bound)
-            out = (torch.clamp(torch.round(blocks * scale), -spec.bound, spec.bound) / scale).flatten(-2)
+            scale = _div(spec.bound, safe_amax(_nan_ignoring_block_max(xf, block_size), spec.bound))
+            out = _div(torch.clamp(torch.round(blocks * scale), -spec.bound, spec.bound), scale).flatten(-2)
     else:  # nvfp4
-        sg = safe_amax(amax, spec.bound) / spec.bound
+        sg = _div(safe_amax(amax, spec.bound), spec.bound)
         sg = sg.unsqueeze(-1) if sg.dim() > 0 else sg  # broadcast over the [..., K/16, 16] block view
         blocks = xf.unflatten(-1, (-1, NVFP4_BLOCK_SIZE))
         block_max = _nan_ignoring_block_max(xf, NVFP4_BLOCK_SIZE)
-        sb = torch.clamp(block_max / E2M1_MAX / sg, 0.0, E4M3_MAX).to(torch.float8_e4m3fn).float()
+        sb = torch.clamp(_div(_div(block_max, E2M1_MAX), sg), 0.0, E4M3_MAX).to(torch.float8_e4m3fn).float()
         s = sb * sg
-        v = torch.where(s > 0, blocks / s, blocks * 0.0)
+        v = torch.where(s > 0, _div(blocks, s), blocks * 0.0)
         out = (round_to_e2m1(v) * s).flatten(-2)
     return out.to(x.dtype)
