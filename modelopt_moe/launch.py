@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing.connection
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -80,21 +81,27 @@ def _worker(
             backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=max(timeout, 1.0))
         )
     except BaseException:
-        conn.send(("init_error", traceback.format_exc()))
+        _send(conn, ("init_error", traceback.format_exc()))
         conn.close()
         return
     try:
         result = fn(rank, world_size, *args)
         try:
-            conn.send(("ok", result))
+            _send(conn, ("ok", result))
         except Exception:  # pickling the result failed: report it like any other error
-            conn.send(("error", f"return value of rank {rank} could not be sent:\n{traceback.format_exc()}"))
+            _send(conn, ("error", f"return value of rank {rank} could not be sent:\n{traceback.format_exc()}"))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        _send(conn, ("error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         conn.close()
+
+
+def _send(conn: multiprocessing.connection.Connection, message: tuple) -> None:
+    # Plain pickle, by value: torch's multiprocessing pickler would pass tensors as shared-memory handles that
+    # die with this process, which exits right after sending.
+    conn.send_bytes(pickle.dumps(message))
 
 
 def _kill_all(procs: list[mp.process.BaseProcess]) -> None:
@@ -151,14 +158,16 @@ def _run_once(
                 r = waitables[obj]
                 if r not in pending:
                     continue
+                why = "nothing in its pipe"
                 try:
                     # A dead child may still have left its message in the pipe: read it before judging.
-                    status, payload = conns[r].recv() if conns[r].poll() else ("dead", None)
-                except (EOFError, OSError):
-                    status, payload = "dead", None
+                    status, payload = pickle.loads(conns[r].recv_bytes()) if conns[r].poll() else ("dead", None)
+                except (EOFError, OSError) as e:
+                    status, payload, why = "dead", None, f"{type(e).__name__}: {e}"
                 if status == "dead":
                     procs[r].join(timeout=5)
-                    status, payload = "error", f"rank {r} exited with code {procs[r].exitcode} without a result"
+                    status, payload = "error", (f"rank {r} exited with code {procs[r].exitcode} without a result "
+                                                f"({why})")
                 pending.discard(r)
                 if status == "ok":
                     results[r] = payload

@@ -119,9 +119,13 @@ class QuantSequentialMLP(QuantModuleMixin):
         gemm, kind = quantizer_name.split(".")[:2]
         return expert_amax_reduction(getattr(getattr(self, gemm), kind), kind, self._SHARDED_AXIS[gemm])
 
-    def finalize_calibration(self, groups: dict) -> None:
+    def finalize_calibration(self, groups: dict) -> list[str]:
+        notes = []
         for name in self._SHARDED_AXIS:
-            fill_unseen_expert_input_amax(getattr(self, name).input_quantizer, groups, f"SequentialMLP.{name}")
+            unseen = fill_unseen_expert_input_amax(getattr(self, name).input_quantizer, groups)
+            if unseen:
+                notes.append(f"{name}.input_quantizer: experts {unseen}")
+        return notes
 
 
 QuantModuleRegistry.register(SequentialMLP, QuantSequentialMLP)

@@ -160,7 +160,11 @@ def calibrate(model: nn.Module, algorithm: str | None = "max", forward_loop: Cal
         q.enable_quant()
     groups = default_groups() if groups is None else groups
     sync_amax(model, groups)
-    for module in model.modules():
+    unseen = []
+    for name, module in model.named_modules():
         if is_quantized(module) and hasattr(module, "finalize_calibration"):
-            module.finalize_calibration(groups)
+            unseen += [f"{name}.{note}" for note in module.finalize_calibration(groups)]
+    if unseen:
+        warn_once("calibrate: these experts (global indices) saw no calibration tokens on any rank and use the "
+                  "shared input amax (max over all experts):\n  " + "\n  ".join(unseen))
     return model

@@ -139,6 +139,7 @@ def convert(model: nn.Module, config: QuantizeConfig) -> list[str]:
             f"the model has {kinds}"
         )
     apply_quant_cfg(model, config)
+    model._modelopt_moe_config = config.model_dump()  # plain data: saved with the quantization state
     return converted
 
 

@@ -24,7 +24,6 @@ from ..tensor_quantizer import (
     TensorQuantizer,
     VectorizedQuantizer,
 )
-from ..utils import warn_once
 from .functional import clip_mask_of, run_quantized_gemm
 
 __all__ = [
@@ -69,31 +68,28 @@ def expert_amax_reduction(layout: nn.Module, kind: str, sharded_axis: int) -> tu
     return ("edp", "etp") + ep
 
 
-def fill_unseen_expert_input_amax(layout: nn.Module, groups: dict, where: str) -> None:
-    """Per-expert input amax: an expert no rank routed a token to gets the shared (max over all experts on all EP
-    ranks) amax, with one rank-0 warning listing the global expert indices.
+def fill_unseen_expert_input_amax(layout: nn.Module, groups: dict) -> list[int]:
+    """Per-expert input amax: an expert no rank routed a token to gets the shared amax (the max over all experts
+    on all EP ranks). Returns the global indices of those experts (the caller warns once on rank 0).
 
     Every rank calls the same collective (one all_gather over ``groups["ep"]``), whatever its data.
     """
     if not isinstance(layout, VectorizedQuantizer) or not layout.is_enabled or layout.axis is not None:
-        return
-    local = layout.amax if layout.amax is not None else torch.zeros(layout.num_experts)
-    local = local.float()
+        return []
+    local = (layout.amax if layout.amax is not None else torch.zeros(layout.num_experts)).float()
     ep = groups.get("ep")
     if ep is not None and dist.is_initialized() and dist.get_world_size(ep) > 1:
-        device = local.device if dist.get_backend(ep) != "gloo" else torch.device("cpu")
+        device = torch.device("cpu") if dist.get_backend(ep) == "gloo" else local.device
         parts = [torch.empty_like(local, device=device) for _ in range(dist.get_world_size(ep))]
         dist.all_gather(parts, local.to(device), group=ep)
         everyone = torch.cat(parts)
     else:
         everyone = local
     unseen = (everyone <= 0).nonzero().flatten().tolist()
-    shared = everyone.max()
+    shared = everyone.max().to(local.device)
     if unseen and shared > 0:
-        warn_once(f"{where}: experts {unseen} (global indices) saw no calibration tokens; they use the shared input "
-                  f"amax {shared.item():.4g}")
-        filled = torch.where(local <= 0, shared.to(local.device), local)
-        layout.amax = filled
+        layout.amax = torch.where(local <= 0, shared, local)
+    return unseen
 
 
 def split_sizes(m_splits) -> list[int]:
@@ -201,8 +197,9 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
         kind = quantizer_name.split(".")[0]
         return expert_amax_reduction(getattr(self, kind), kind, self._sharded_axis)
 
-    def finalize_calibration(self, groups: dict) -> None:
-        fill_unseen_expert_input_amax(self.input_quantizer, groups, type(self).__name__)
+    def finalize_calibration(self, groups: dict) -> list[str]:
+        unseen = fill_unseen_expert_input_amax(self.input_quantizer, groups)
+        return [f"input_quantizer: experts {unseen}"] if unseen else []
 
     def fold_weight(self) -> None:
         if self.weight_quantizer.is_enabled:
