@@ -11,9 +11,12 @@ batches), prints ``mtq.print_quant_summary(model)`` and the loss before and afte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from modelopt_moe.launch import spawn
@@ -65,6 +68,24 @@ def _quiet() -> None:
 
     warnings.filterwarnings("ignore")
     logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def _gpus_hidden() -> Iterator[None]:
+    """Hide GPUs from the processes started inside (they inherit the environment), then restore it.
+
+    The demo is a CPU/gloo run: on a GPU machine Megatron would otherwise place the model on the GPU, which the
+    gloo collectives and four ranks sharing one device do not support.
+    """
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
 def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
@@ -143,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     # Under `python -m modelopt_moe` this file runs as `__main__`, which spawned children do not re-import (they
     # skip a package's __main__): hand them the function through its importable module name instead.
     rank_fn = importlib.import_module("modelopt_moe.__main__")._demo_rank
-    results = spawn(rank_fn, args.world_size, args=(opts,), timeout=args.timeout)
+    with _gpus_hidden():
+        results = spawn(rank_fn, args.world_size, args=(opts,), timeout=args.timeout)
     r0 = results[0]
     # The LM loss is computed by Megatron's vocab-parallel cross-entropy: every rank must report the same number.
     spread = max(abs(r["loss_after"] - r0["loss_after"]) for r in results)

@@ -76,6 +76,8 @@ def _worker(
         OMP_NUM_THREADS="1",
     )
     try:
+        if backend == "nccl":  # one GPU per rank, before NCCL binds the communicator to a device
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         # The group's own timeout makes a collective that waits for a dead peer fail instead of hanging.
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=max(timeout, 1.0))
