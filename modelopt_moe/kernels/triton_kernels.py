@@ -115,18 +115,28 @@ def _to_out_dtype(v, OUT_DTYPE: tl.constexpr):
         bits = v.to(tl.int32, bitcast=True)
         abits = bits & 0x7FFFFFFF
         # Integer RNE on the top 16 bits; a carry into the exponent is the right answer (up to Inf).
-        rb = (abits + (0x7FFF + ((abits >> 16) & 1))) & -65536
-        r = _with_sign_of(rb.to(tl.float32, bitcast=True), v)
-        r = tl.where(v != v, v, r)
-        return r.to(tl.bfloat16)
+        hi = (abits + (0x7FFF + ((abits >> 16) & 1))) >> 16
+        hi = tl.where(v != v, 0x7FC0, hi)  # canonical NaN
+        hi = hi | ((bits >> 16) & 0x8000)
+        # Assembled as bits: the interpreter's fp32 -> bf16 .to() truncates and mangles subnormals.
+        return hi.to(tl.int16).to(tl.bfloat16, bitcast=True)
     elif OUT_DTYPE == tl.float16:
         r = _round_to_float(v, 10, -14, 15)
         # 65520 is the midpoint between fp16's max (65504) and 2**16: RNE overflows to Inf from there on.
         r = tl.where(tl.abs(r) > 65504.0, _with_sign_of(float("inf"), v), r)
-        r = tl.where(v != v, v, r)
+        r = tl.where(v != v, float("nan"), r)
         return r.to(tl.float16)
     else:
         return v
+
+
+@triton.jit
+def _to_fp32(x):
+    """Exact widening to fp32; bf16 by bits (the interpreter's bf16 -> fp32 .to() flushes subnormals wrongly)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit
@@ -274,7 +284,7 @@ def _grouped_weight_fake_quant_kernel(
     start, local, mask, rows, row_mask = _tile_offsets(table_ptr, e, t, TILE_R, TILE_NB, BS, TWO_D, VEC)
     in_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
     out_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_OUT) + start, VEC)
-    x = tl.load(in_base + in_off + local, mask=mask, other=0.0).to(tl.float32)
+    x = _to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0))
     a = _load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
     y = _fake_quant_tile(x, a, FMT, INT_BLOCK)
     tl.store(out_ptr + out_off + local, _to_out_dtype(y, out_ptr.dtype.element_ty), mask=mask)
@@ -295,8 +305,8 @@ def _grouped_weight_clip_grad_kernel(
     g_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
     w_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_AUX) + start, VEC)
     out_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_OUT) + start, VEC)
-    g = tl.load(g_base + g_off + local, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_base + w_off + local, mask=mask, other=0.0).to(tl.float32)
+    g = _to_fp32(tl.load(g_base + g_off + local, mask=mask, other=0.0))
+    w = _to_fp32(tl.load(w_base + w_off + local, mask=mask, other=0.0))
     a = _load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
     limit = tl.where((a > TINY_AMAX) & (a <= FP32_MAX), a, float("inf"))
     y = tl.where(tl.abs(w) <= limit, g, g * 0.0)
@@ -344,7 +354,7 @@ def _grouped_input_fake_quant_kernel(
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr,
 ):
     start, local, mask, rows = _input_tile(n_rows, n_cols, TILE_R, TILE_NB, BS)
-    x = tl.load(x_ptr + start + local, mask=mask, other=0.0).to(tl.float32)
+    x = _to_fp32(tl.load(x_ptr + start + local, mask=mask, other=0.0))
     a = _row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT, N_PAD, TILE_R)
     y = _fake_quant_tile(x, a, FMT, INT_BLOCK)
     tl.store(y_ptr + start + local, _to_out_dtype(y, y_ptr.dtype.element_ty), mask=mask)
@@ -356,8 +366,8 @@ def _grouped_input_clip_grad_kernel(
     PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr,
 ):
     start, local, mask, rows = _input_tile(n_rows, n_cols, TILE_R, TILE_NB, BS)
-    g = tl.load(g_ptr + start + local, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + start + local, mask=mask, other=0.0).to(tl.float32)
+    g = _to_fp32(tl.load(g_ptr + start + local, mask=mask, other=0.0))
+    x = _to_fp32(tl.load(x_ptr + start + local, mask=mask, other=0.0))
     a = _row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT, N_PAD, TILE_R)
     limit = tl.where((a > TINY_AMAX) & (a <= FP32_MAX), a, float("inf"))
     y = tl.where(tl.abs(x) <= limit, g, g * 0.0)
