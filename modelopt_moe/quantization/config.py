@@ -231,7 +231,9 @@ def _resolve_imports(path: Path, stack: tuple[Path, ...] = ()) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     base: dict = {}
-    imports = data.pop("$import", [])
+    imports = data.pop("$import") if "$import" in data else []
+    if not isinstance(imports, str | list):
+        raise ConfigError(f"{path}: key '$import': expected a file name or a list of them, got {imports!r}")
     for target in [imports] if isinstance(imports, str) else imports:
         if not isinstance(target, str):
             raise ConfigError(f"{path}: key '$import': expected a file name or a list of them, got {target!r}")

@@ -100,8 +100,11 @@ def format_from_num_bits(num_bits: int | str | tuple | list) -> str:
             return _NUM_BITS_ALIASES[key]
     else:
         key = tuple(num_bits) if isinstance(num_bits, list | tuple) else num_bits
-        if key in _NUM_BITS_TO_FORMAT and not isinstance(key, bool):
-            return _NUM_BITS_TO_FORMAT[key]
+        try:
+            if key in _NUM_BITS_TO_FORMAT and not isinstance(key, bool):
+                return _NUM_BITS_TO_FORMAT[key]
+        except TypeError:  # unhashable (a nested list, a mapping): not a format either
+            pass
     allowed = [*(str(k) for k in _NUM_BITS_TO_FORMAT), *(repr(k) for k in _NUM_BITS_ALIASES)]
     raise ValueError(f"unsupported num_bits {num_bits!r}; expected one of {', '.join(allowed)}")
 
@@ -150,11 +153,14 @@ def _check_inputs(x: torch.Tensor, fmt: str, amax: torch.Tensor | None, block_si
         raise ValueError(f"fake_quant: last dim of shape {tuple(x.shape)} must be a multiple of block size {bs}")
     if amax is not None and needs_amax:
         try:
-            torch.broadcast_shapes(amax.shape, x.shape)
+            fits = torch.broadcast_shapes(amax.shape, x.shape) == x.shape
         except RuntimeError:
+            fits = False
+        if not fits or (fmt == "nvfp4" and amax.dim() > 0 and amax.shape[-1] != 1):
             raise ValueError(
                 f"fake_quant: amax of shape {tuple(amax.shape)} does not broadcast to input {tuple(x.shape)}"
-            ) from None
+                + (" with size 1 in the last dim (nvfp4 blocks run along it)" if fmt == "nvfp4" else "")
+            )
     return spec
 
 

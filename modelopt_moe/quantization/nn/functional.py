@@ -118,7 +118,7 @@ def run_quantized_gemm(cfg, x, weight, gemm: Callable, quantize_input: Callable,
         result = _replace_first(precise, forward_value_of(_first(precise), _first(quantized)))
     else:
         result = gemm(xq, wq)
-        if cfg.mode == "quantized":
+        if cfg.mode == "quantized" and changed:  # a layer whose quantizers are all off stays a float layer
             result = _replace_first(result, quantize_grad(_first(result), cfg.grad_format))
     return _replace_first(result, output_quantizer(_first(result)))
 

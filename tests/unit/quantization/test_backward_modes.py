@@ -136,20 +136,7 @@ def test_forward_output_is_bit_identical_across_backward_modes(preset, ste):
         assert not torch.equal(grads[a][1], grads[b][1]), (a, b)
 
 
-_QUANTIZED_GRAD_WHEN_DISABLED = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG modelopt_moe/quantization/nn/functional.py:121-122: in backward mode 'quantized' the incoming "
-        "gradient is fake-quantized to grad_num_bits even when every quantizer of the module is disabled "
-        "(disable_quantizer, or the default tail's *router* / *output_layer* rules), so a layer meant to stay "
-        "unquantized gets e5m2 gradients; 'high_precision' checks for this, 'quantized' does not"
-    ),
-)
-
-
-@pytest.mark.parametrize("mode", ["dequantized", "high_precision",
-                                  pytest.param("quantized", marks=_QUANTIZED_GRAD_WHEN_DISABLED)])
+@pytest.mark.parametrize("mode", ["dequantized", "high_precision", "quantized"])
 def test_all_quantizers_disabled_gives_the_float_linear_forward_and_gradients(mode):
     x, grad_out = _data(12)
     layer = _quantized_linear(_config("FP8_DEFAULT_CFG", mode, "clipped", "dict"), x, 12)

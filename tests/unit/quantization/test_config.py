@@ -317,15 +317,6 @@ def test_bad_num_bits_names_file_key_and_value(tmp_path):
     assert str(p) in msg and "quant_cfg.0.cfg.num_bits" in msg and "(3, 3)" in msg and "(4, 3)" in msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason=(
-        "BUG formats.py:102-103 via config.py QuantizerAttributeConfig._num_bits: an unhashable num_bits "
-        "({a: 1} or [[4, 3]]) raises a bare TypeError (pydantic does not wrap it), so load_config escapes "
-        "without ConfigError, file or key"
-    ),
-)
 def test_unhashable_num_bits_is_a_config_error(tmp_path):
     p = _write(tmp_path.resolve() / "bits.yaml", """\
         quant_cfg:
@@ -382,14 +373,6 @@ def test_non_string_import_as_a_quant_cfg_item_names_file_key_and_value(tmp_path
     assert str(p) in msg and "quant_cfg.0.$import" in msg and "5" in msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason=(
-        "BUG config.py:235: `for target in [imports] if isinstance(imports, str) else imports` iterates a "
-        "scalar `$import: 5` (or `$import: null`): TypeError 'int' object is not iterable, not ConfigError"
-    ),
-)
 @pytest.mark.parametrize("value", ["5", "null"])
 def test_non_string_scalar_import_names_file_key_and_value(tmp_path, value):
     p = _write(tmp_path.resolve() / "bad.yaml", f"$import: {value}\n")

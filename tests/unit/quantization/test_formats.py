@@ -446,27 +446,11 @@ def test_fake_quant_rejects_bad_arguments_with_value_error(x, fmt, kwargs, match
         fake_quant(x, fmt, **kwargs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason=(
-        "BUG formats.py:153: _check_inputs accepts an amax whose broadcast with x is LARGER than x; the "
-        "output then has the broadcast shape, not the shape of x"
-    ),
-)
 def test_amax_that_broadcasts_to_a_larger_shape_than_x_is_rejected():
     with pytest.raises(ValueError, match="broadcast"):
         fake_quant(torch.ones(8), "e4m3", torch.ones(4, 1))  # today: returns shape [4, 8]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason=(
-        "BUG formats.py:209-216: an nvfp4 amax varying along the last dim passes the check, then returns "
-        "shape [3, 256] for x [3, 16] (or a RuntimeError)"
-    ),
-)
 def test_nvfp4_amax_varying_along_the_last_dim_is_rejected():
     with pytest.raises(ValueError):
         fake_quant(torch.ones(3, 16), "nvfp4", torch.ones(1, 16))
@@ -485,14 +469,6 @@ def test_format_from_num_bits_rejects_unsupported_values(num_bits):
         format_from_num_bits(num_bits)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason=(
-        "BUG formats.py:102-103: unhashable num_bits ([[4, 3]], {'a': 1}) raise TypeError from the dict "
-        "lookup instead of ValueError"
-    ),
-)
 @pytest.mark.parametrize("num_bits", [[[4, 3]], {"a": 1}])
 def test_format_from_num_bits_rejects_unhashable_values_with_value_error(num_bits):
     with pytest.raises(ValueError, match="unsupported num_bits"):
