@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import difflib
 import fnmatch
+import json
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -233,7 +234,8 @@ def _resolve_imports(path: Path, stack: tuple[Path, ...] = ()) -> dict:
     base: dict = {}
     imports = data.pop("$import") if "$import" in data else []
     if not isinstance(imports, str | list):
-        raise ConfigError(f"{path}: key '$import': expected a file name or a list of them, got {imports!r}")
+        raise ConfigError(f"{path}: key '$import': expected a file name or a list of them, "
+                          f"got {json.dumps(imports, default=str)}")
     for target in [imports] if isinstance(imports, str) else imports:
         if not isinstance(target, str):
             raise ConfigError(f"{path}: key '$import': expected a file name or a list of them, got {target!r}")
