@@ -16,11 +16,14 @@ seconds raises ``TimeoutError``. In every case all child processes are gone when
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -35,6 +38,7 @@ __all__ = ["spawn", "free_port"]
 # Seconds a rank's peers get to report their own failure after the first one: the root cause usually arrives
 # first, the others (broken connections) shortly after; waiting longer only delays the error.
 _ERROR_GRACE_S = 2.0
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # Seconds the ranks get to exit on their own once all results are in.
 _EXIT_GRACE_S = 30.0
 # How often spawn retries when rank 0 could not bind the port it was given (another program took it between
@@ -49,6 +53,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when the parent dies (even by SIGKILL, when no ``finally`` runs),
+    so ranks blocked in a collective never outlive the launcher. Best effort elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -60,6 +78,7 @@ def _worker(
     conn: multiprocessing.connection.Connection,
 ) -> None:
     """Child process body: join the group, run ``fn``, send ``(status, payload)`` back through ``conn``."""
+    _die_with_parent()
     # The machine has few cores and N ranks share them: more than one thread per rank only oversubscribes.
     torch.set_num_threads(1)
     try:
@@ -106,6 +125,10 @@ def _send(conn: multiprocessing.connection.Connection, message: tuple) -> None:
     conn.send_bytes(pickle.dumps(message))
 
 
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", repr(fn))  # functools.partial has no __qualname__
+
+
 def _kill_all(procs: list[mp.process.BaseProcess]) -> None:
     for p in procs:
         if p.is_alive():
@@ -147,7 +170,7 @@ def _run_once(
                 break
             if now > deadline:
                 raise TimeoutError(
-                    f"spawn: {fn.__qualname__} did not finish within timeout={timeout:g} s on ranks "
+                    f"spawn: {_name(fn)} did not finish within timeout={timeout:g} s on ranks "
                     f"{sorted(pending)} (of world_size={world_size}); all processes were killed"
                 )
             wait_until = deadline if first_error_at is None else min(deadline, first_error_at + _ERROR_GRACE_S)
@@ -182,7 +205,7 @@ def _run_once(
         if errors:
             first = next(iter(errors))
             others = [r for r in errors if r != first]
-            msg = f"spawn: rank {first} of {world_size} failed in {fn.__qualname__}:\n{errors[first]}"
+            msg = f"spawn: rank {first} of {world_size} failed in {_name(fn)}:\n{errors[first]}"
             if others:
                 msg += f"\n(ranks {others} failed too; first of them:)\n{errors[others[0]]}"
             raise RuntimeError(msg)

@@ -2,6 +2,10 @@
 
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -43,6 +47,22 @@ def _exit_hard(rank, world_size):
 
 def _sleep_forever(rank, world_size):
     time.sleep(1000)
+
+
+def _write_pid_then_sleep(rank, world_size, folder):
+    with open(os.path.join(folder, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(1000)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead but still listed until reaped; ps shows its state as Z.
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    return bool(state) and not state.startswith("Z")
 
 
 def _no_children_left():
@@ -90,3 +110,35 @@ def test_spawn_rejects_bad_arguments():
         spawn(_sleep_forever, 0)
     with pytest.raises(ValueError, match="timeout"):
         spawn(_sleep_forever, 1, timeout=0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+@pytest.mark.timeout(_TIMEOUT + 30)
+def test_ranks_die_when_the_launcher_is_killed(tmp_path):
+    # The launcher process is SIGKILLed (no finally runs): its ranks must not be left blocked forever.
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_launch import _write_pid_then_sleep
+        from modelopt_moe.launch import spawn
+        spawn(_write_pid_then_sleep, 2, args=({str(tmp_path)!r},), timeout=600)
+    """)
+    launcher = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        pid_files = [tmp_path / "rank0.pid", tmp_path / "rank1.pid"]
+        deadline = time.monotonic() + _TIMEOUT
+        while not all(f.exists() and f.read_text() for f in pid_files):
+            assert time.monotonic() < deadline, "ranks did not start"
+            assert launcher.poll() is None, "launcher exited early"
+            time.sleep(0.2)
+        pids = [int(f.read_text()) for f in pid_files]
+        assert all(_alive(p) for p in pids)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        launcher.kill()
+        launcher.wait()
