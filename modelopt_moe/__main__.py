@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,9 +65,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _quiet() -> None:
     """Keep the demo's output readable: Megatron warns about GPU-only settings and deprecations on every rank."""
-    import logging
-    import warnings
-
     warnings.filterwarnings("ignore")
     logging.getLogger("megatron").setLevel(logging.ERROR)
 
@@ -148,8 +147,11 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
 def main(argv: list[str] | None = None) -> int:
     """Console entry point (``modelopt-moe``); returns the process exit code."""
     args = _parse_args(argv)
-    _quiet()
-    import modelopt_moe.quantization as mtq
+    # Only the import is silenced here: main() may run inside another program (tests), whose warning filters and
+    # loggers must stay as they were. The ranks are fresh processes and silence themselves (_quiet).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import modelopt_moe.quantization as mtq
 
     try:  # validate the config here, before starting processes, so a typo fails fast with a clear message
         mtq.load_config(args.config)
