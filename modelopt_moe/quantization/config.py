@@ -10,6 +10,7 @@ A config says *what* precision goes *where*; :mod:`tensor_quantizer` says *how*.
     algorithm: max
     experts: {weight_amax: vectorized, input_amax: shared}
     backward: {mode: dequantized, ste: pass_through, grad_num_bits: e5m2}
+    kernel: auto                     # auto | triton | torch (expert fake quant backend)
 
 ``$import: other.yaml`` at the top of a file merges that file first (its ``quant_cfg`` entries come before this
 file's); ``- $import: other.yaml`` inside ``quant_cfg`` splices the other file's entries at that place.
@@ -176,6 +177,9 @@ class QuantizeConfig(_Strict):
 
     quant_cfg: list[QuantCfgEntry] = Field(default_factory=list)
     algorithm: Literal["max"] | None = "max"
+    # Expert fake quant: "auto" = the one-launch Triton kernels on CUDA, the torch reference elsewhere;
+    # "triton" = the kernels wherever Triton runs (CPU only under TRITON_INTERPRET=1); "torch" = the reference.
+    kernel: Literal["auto", "triton", "torch"] = "auto"
     experts: ExpertsConfig = Field(default_factory=ExpertsConfig)
     backward: BackwardConfig = Field(default_factory=BackwardConfig)
 

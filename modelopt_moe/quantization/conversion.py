@@ -45,6 +45,7 @@ class QuantModuleMixin:
 
     def _setup(self, config: QuantizeConfig) -> None:
         self.quant_backward = config.backward.model_copy()
+        self.quant_kernel = config.kernel
         self._setup_quantizers(config)
 
     def calibrate_weights(self) -> None:
@@ -57,8 +58,14 @@ class QuantModuleMixin:
         ``quantizer_name`` (relative name) must max-reduce its amax. Plain modules: none."""
         return ()
 
+    # Attributes that are caches: never pickled or deep-copied (they hold ids and derived tensors).
+    _transient_attributes: tuple[str, ...] = ()
+
     def __reduce_ex__(self, protocol):
-        return _rebuild_quantized, (self._original_cls, self._mixin_cls), self.__getstate__()
+        state = dict(self.__getstate__())
+        for name in self._transient_attributes:
+            state.pop(name, None)
+        return _rebuild_quantized, (self._original_cls, self._mixin_cls), state
 
 
 _QUANT_CLASSES: dict[tuple[type, type], type] = {}
@@ -169,6 +176,7 @@ def apply_quant_cfg(model: nn.Module, config: QuantizeConfig) -> None:
     for module in model.modules():
         if is_quantized(module):
             module.quant_backward = config.backward.model_copy()
+            module.quant_kernel = config.kernel
             if hasattr(module, "_after_quant_cfg"):
                 module._after_quant_cfg()
 

@@ -16,8 +16,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...kernels import (
+    grouped_input_fake_quant_ste,
+    grouped_weight_clip_grad,
+    grouped_weight_fake_quant,
+    kernels_available,
+)
 from ..config import ExpertsConfig, QuantizeConfig
 from ..conversion import QuantModuleMixin, QuantModuleRegistry
+from ..formats import fake_quant
 from ..tensor_quantizer import (
     ExpertQuantizerSlot,
     PerExpertQuantizer,
@@ -35,6 +42,10 @@ __all__ = [
     "expert_amax_reduction",
     "fill_unseen_expert_input_amax",
     "split_sizes",
+    "use_kernels",
+    "quantize_expert_weights",
+    "quantize_expert_inputs",
+    "WeightFakeQuantCache",
 ]
 
 
@@ -97,18 +108,123 @@ def split_sizes(m_splits) -> list[int]:
     return m_splits.tolist() if isinstance(m_splits, torch.Tensor) else [int(m) for m in m_splits]
 
 
-def quantize_expert_inputs(layout: nn.Module, x: torch.Tensor, m_splits) -> torch.Tensor:
-    """Fake-quantizes (and calibrates) the token matrix, expert by expert where the layout is per expert."""
+def use_kernels(preference: str, device: torch.device) -> bool:
+    """Whether expert fake quant runs the one-launch Triton kernels (``config.kernel``: auto | triton | torch)."""
+    if preference == "torch":
+        return False
+    available = kernels_available(device)
+    if preference == "triton" and not available:
+        raise RuntimeError(f"kernel='triton' but the Triton kernels cannot run on {device} (no triton, or a CPU "
+                           "tensor without TRITON_INTERPRET=1); use kernel='auto' or 'torch'")
+    return available and (preference == "triton" or device.type == "cuda")
+
+
+def _uniform_quantizer(layout: nn.Module, num_experts: int) -> TensorQuantizer | None:
+    """The quantizer that serves every expert alike, or None where the experts must be handled one by one
+    (disabled, calibrating, quantization off, or per-expert children that differ)."""
+    experts = [layout.expert(i) for i in range(num_experts)]
+    first = experts[0]
+    alike = all(q.cfg == first.cfg and q.ste == first.ste and q.is_enabled == first.is_enabled
+                and q._if_calib == first._if_calib and q._if_quant == first._if_quant for q in experts)
+    if not alike or not first.is_enabled or first._if_calib or not first._if_quant:
+        return None
+    if first.needs_amax and any(layout.expert_amax(i) is None for i in range(num_experts)):
+        return None
+    return first
+
+
+def _kernel_amax(layout: nn.Module, q: TensorQuantizer, num_experts: int) -> torch.Tensor | None:
+    """The amax as the kernels take it: a scalar, ``[N]`` or ``[N, C]``."""
+    if not q.needs_amax:
+        return None
+    if _is_shared(layout):
+        a = layout.amax
+        return a.reshape(()) if a.numel() == 1 else a.reshape(1, -1).expand(num_experts, -1).contiguous()
+    a = layout.stacked_amax(num_experts)
+    return a if q.axis is None else a.reshape(num_experts, -1)
+
+
+class _FrozenWeightFakeQuant(torch.autograd.Function):
+    """Returns precomputed fake-quantized weights (views); backward is the straight-through estimator."""
+
+    @staticmethod
+    def forward(ctx, amax, clipped, values, *weights):
+        ctx.clipped = clipped and amax is not None
+        if ctx.clipped:
+            ctx.save_for_backward(amax, *weights)
+        return tuple(v.view_as(v) for v in values)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not ctx.clipped:
+            return (None, None, None, *grads)
+        amax, *weights = ctx.saved_tensors
+        grads = [torch.zeros_like(w) if g is None else g.contiguous() for g, w in zip(grads, weights, strict=True)]
+        return (None, None, None, *grouped_weight_clip_grad(grads, weights, amax))
+
+
+class WeightFakeQuantCache:
+    """The fake-quantized expert weights, reused while neither the weights nor the amax changed.
+
+    Keyed on each weight's identity, storage and version counter (an optimizer step or a checkpoint load bumps
+    it) and on the amax tensor's identity and version (calibration, ``load_state_dict`` and ``amax = ...`` change
+    it), plus the format: gradient-accumulation micro-batches then fake-quantize the weights once per step.
+    """
+
+    def __init__(self):
+        self.key, self.values = None, None
+
+    @staticmethod
+    def make_key(weights, amax, q: TensorQuantizer):
+        wkey = tuple((id(w), w.data_ptr(), w._version) for w in weights)
+        akey = None if amax is None else (id(amax), amax.data_ptr(), amax._version)
+        return wkey, akey, q.cfg, q.ste
+
+    def lookup(self, key):
+        return self.values if key == self.key else None
+
+    def store(self, key, values):
+        self.key, self.values = key, values
+
+
+def quantize_expert_weights(layout: nn.Module, weights: list[torch.Tensor], kernel: str = "auto",
+                            cache: WeightFakeQuantCache | None = None) -> list[torch.Tensor]:
+    """Fake-quantizes (and calibrates) N expert weights: one kernel launch (or the reference per expert), the
+    result cached across micro-batches. Calibration and mixed per-expert settings take the per-expert path."""
+    q = _uniform_quantizer(layout, len(weights))
+    if q is None:
+        return [layout.forward_expert(i, w) for i, w in enumerate(weights)]
+    amax = _kernel_amax(layout, q, len(weights))
+    key = WeightFakeQuantCache.make_key(weights, amax, q) if cache is not None else None
+    values = cache.lookup(key) if cache is not None else None
+    if values is None:
+        with torch.no_grad():
+            if use_kernels(kernel, weights[0].device):
+                values = grouped_weight_fake_quant([w.detach() for w in weights], amax, q.fmt, q.block_size)
+            else:
+                values = [fake_quant(w.detach(), q.fmt, layout.expert_amax(i) if q.needs_amax else None, q.block_size)
+                          for i, w in enumerate(weights)]
+        if cache is not None:
+            cache.store(key, values)
+    if amax is not None and amax.dim() == 2:
+        amax = amax.unsqueeze(-1)  # [N, C] -> [N, C, 1]: broadcasts over each [C, K] expert in the clip mask
+    return list(_FrozenWeightFakeQuant.apply(amax, q.ste == "clipped", values, *weights))
+
+
+def quantize_expert_inputs(layout: nn.Module, x: torch.Tensor, m_splits, kernel: str = "auto") -> torch.Tensor:
+    """Fake-quantizes (and calibrates) the token matrix, expert by expert where the layout is per expert; one
+    launch with the per-expert amax vector and device-side split offsets on the kernel path."""
+    num_experts = len(m_splits)
+    q = _uniform_quantizer(layout, num_experts) if layout.is_enabled else None
+    if q is not None and x.dim() == 2 and use_kernels(kernel, x.device):
+        return grouped_input_fake_quant_ste(x, m_splits, layout.amax if q.needs_amax else None, q.fmt, q.block_size,
+                                            q.ste)
     if _is_shared(layout):
         return layout(x)
     if not layout.is_enabled:
         return x
     chunks = torch.split(x, split_sizes(m_splits))
     return torch.cat([layout.forward_expert(i, c) for i, c in enumerate(chunks)])
-
-
-def quantize_expert_weights(layout: nn.Module, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [layout.forward_expert(i, w) for i, w in enumerate(weights)]
 
 
 class ExpertQuantizers(nn.Module):
@@ -169,22 +285,30 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
     ``grouped_gemm(x, m_splits, weights)``; ``_sharded_axis`` is the weight axis split across expert-TP ranks."""
 
     _sharded_axis = 0
+    _transient_attributes = ("_wq_cache",)
 
     def _setup_quantizers(self, config: QuantizeConfig) -> None:
         build_expert_quantizers(self, self.num_gemms, config.experts)
+
+    def _weight_cache(self) -> WeightFakeQuantCache:
+        if "_wq_cache" not in self.__dict__:
+            self._wq_cache = WeightFakeQuantCache()
+        return self._wq_cache
 
     def calibrate_weights(self) -> None:
         if self.weight_quantizer.is_enabled:
             for i, w in enumerate(self.expert_weights()):
                 self.weight_quantizer.collect_expert(i, w)
 
-    def quantized_forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
+    def quantized_forward(self, x: torch.Tensor, m_splits, gemm=None):
+        """Quantized grouped forward; ``gemm(x_operand, weight_operands)`` defaults to :meth:`grouped_gemm`
+        (adapters pass the framework's own forward)."""
         iq, wq = self.input_quantizer, self.weight_quantizer
         return run_quantized_gemm(
             self.quant_backward, x, self.expert_weights(),
-            gemm=lambda xo, wo: self.grouped_gemm(xo, m_splits, wo),
-            quantize_input=lambda t: quantize_expert_inputs(iq, t, m_splits),
-            quantize_weight=lambda ws: quantize_expert_weights(wq, ws),
+            gemm=gemm or (lambda xo, wo: self.grouped_gemm(xo, m_splits, wo)),
+            quantize_input=lambda t: quantize_expert_inputs(iq, t, m_splits, self.quant_kernel),
+            quantize_weight=lambda ws: quantize_expert_weights(wq, ws, self.quant_kernel, self._weight_cache()),
             input_mask=lambda t: _expert_input_mask(iq, t, m_splits),
             weight_mask=_weight_mask_fn(wq, self.expert_weights()),
             output_quantizer=self.output_quantizer,

@@ -1,0 +1,86 @@
+"""Transformer Engine support: quantized ``transformer_engine.pytorch.GroupedLinear`` and Megatron's
+``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` (the experts of ``TEGroupedMLP``).
+
+The wrapper fake-quantizes the input (shared or per expert, split by ``m_splits``) and the N expert weights, then
+runs the layer's own forward (Megatron's wrapper and TE's grouped GEMM, with TE's communication and bias
+handling), which fetches its weights through ``_get_weight_tensors()``: that hook returns the fake-quantized
+weights while the GEMM runs. TE's own FP8 must be off while fake quant runs (both would quantize).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import transformer_engine.pytorch as te
+
+from modelopt_moe.quantization.conversion import QuantModuleRegistry
+from modelopt_moe.quantization.nn.grouped_linear import QuantGroupedLinearMixin
+
+try:  # TE >= 2.8 moved FP8GlobalStateManager
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+except ImportError:  # pragma: no cover - older TE
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+__all__ = ["QuantTEGroupedLinear"]
+
+
+def _split_arg_names(cls: type) -> tuple[str, str]:
+    """Names of the input and split-size parameters of ``cls.forward`` (TE renames them between releases)."""
+    params = [p for p in inspect.signature(cls.forward).parameters if p != "self"]
+    split = next((p for p in params if p in ("m_splits", "split_sizes", "tokens_per_expert")), None)
+    if split is None or not params or params[0] == split:
+        raise TypeError(f"{cls.__name__}.forward{inspect.signature(cls.forward)}: cannot find the input and "
+                        "m_splits arguments")
+    return params[0], split
+
+
+class QuantTEGroupedLinear(QuantGroupedLinearMixin):
+    """Quantized TE ``GroupedLinear`` (and Megatron's TE grouped linears, which subclass it)."""
+
+    _fake_quant_weights = None
+
+    @property
+    def _sharded_axis(self) -> int:
+        # Megatron's expert linears run TE with parallel_mode=None; the Megatron class name says which axis is split.
+        name = self._original_cls.__name__
+        return 1 if "Row" in name or getattr(self, "parallel_mode", None) == "row" else 0
+
+    def _setup_quantizers(self, config):
+        if getattr(self, "single_grouped_weight", False):
+            raise NotImplementedError(
+                f"{type(self).__name__}: single_grouped_weight=True (one GroupedTensor for all experts) is not "
+                "supported yet; build the layer with single_grouped_weight=False (Megatron: "
+                "moe_single_grouped_weight=False)"
+            )
+        super()._setup_quantizers(config)
+
+    def expert_weights(self):
+        return self._original_cls._get_weight_tensors(self)
+
+    def _get_weight_tensors(self):
+        if self._fake_quant_weights is not None:
+            return self._fake_quant_weights
+        return self._original_cls._get_weight_tensors(self)
+
+    def forward(self, *args, **kwargs):
+        if FP8GlobalStateManager.is_fp8_enabled():
+            raise RuntimeError(
+                f"{type(self).__name__}: Transformer Engine FP8 autocast is on while modelopt_moe fake quantization "
+                "is active; turn TE's fp8_autocast off (the fake quantizers already emulate the low precision)"
+            )
+        bound = inspect.signature(self._original_cls.forward).bind(self, *args, **kwargs)
+        x_name, split_name = _split_arg_names(self._original_cls)
+        x, m_splits = bound.arguments[x_name], bound.arguments[split_name]
+
+        def gemm(x_operand, weights):
+            bound.arguments[x_name] = x_operand
+            self._fake_quant_weights = list(weights)
+            try:
+                return self._original_cls.forward(*bound.args, **bound.kwargs)
+            finally:
+                self._fake_quant_weights = None
+
+        return self.quantized_forward(x, m_splits, gemm=gemm)
+
+
+QuantModuleRegistry.register(te.GroupedLinear, QuantTEGroupedLinear)
