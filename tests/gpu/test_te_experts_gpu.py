@@ -1,0 +1,154 @@
+"""Transformer Engine experts on one GPU: Megatron ``TEGroupedMLP`` (``moe_grouped_gemm=True``) quantized in every
+amax layout gives the ``SequentialMLP`` layer's output with the same weights, and gradients to every expert.
+
+Run on the GPU machine: ``python3 -m pytest -m gpu tests/gpu``.
+"""
+
+import copy
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+te = pytest.importorskip("transformer_engine.pytorch")
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+import modelopt_moe.quantization as mtq  # noqa: E402
+from modelopt_moe.plugins import megatron_models as mm  # noqa: E402
+
+EXPERTS, HIDDEN, FFN, TOKENS = 8, 256, 512, 512
+LAYOUTS = ("shared", "vectorized", "per_expert")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_one_gpu():
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    mm.init_model_parallel(1, 1, seed=1234)
+    yield
+    mm.destroy_model_parallel()
+
+
+def _config(grouped: bool) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=4, num_moe_experts=EXPERTS,
+        moe_ffn_hidden_size=FFN, moe_router_topk=2, moe_grouped_gemm=grouped, moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=0.0, add_bias_linear=False, params_dtype=torch.bfloat16, bf16=True,
+        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+    )
+
+
+def _moe_layers():
+    """A TEGroupedMLP MoE layer and a SequentialMLP one with identical router and expert weights."""
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    torch.manual_seed(0)
+    grouped = get_moe_module_spec(use_te=True, num_experts=EXPERTS, moe_grouped_gemm=True)(
+        config=_config(True), pg_collection=pg).cuda()
+    sequential = get_moe_module_spec(use_te=False, num_experts=EXPERTS, moe_grouped_gemm=False)(
+        config=_config(False), pg_collection=pg).cuda()
+    assert type(grouped.experts).__name__ == "TEGroupedMLP"
+    assert type(sequential.experts).__name__ == "SequentialMLP"
+    with torch.no_grad():
+        sequential.router.weight.copy_(grouped.router.weight)
+        for i, expert in enumerate(sequential.experts.local_experts):
+            for gemm in ("linear_fc1", "linear_fc2"):
+                w = getattr(getattr(grouped.experts, gemm), f"weight{i}")
+                w.mul_(1.0 + 0.25 * i)  # a distinct magnitude per expert
+                getattr(expert, gemm).weight.copy_(w)
+    return grouped, sequential
+
+
+def _hidden(seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(TOKENS // 4, 4, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+
+
+def _quantize(layer, preset, layout):
+    cfg = mtq.load_config(preset)
+    cfg.experts.weight_amax = layout
+    cfg.experts.input_amax = "per_expert"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(layer, cfg, lambda m: [m(_hidden(s)) for s in range(2)])
+    return layer
+
+
+@pytest.fixture(scope="module")
+def layers():
+    return _moe_layers()
+
+
+@pytest.mark.parametrize("preset", ["fp8_default.yaml", "nvfp4_default.yaml"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_te_grouped_experts_match_sequential_experts(layers, preset, layout):
+    grouped, sequential = (_quantize(copy.deepcopy(m), preset, layout) for m in layers)
+    assert type(grouped.experts.linear_fc1).__name__ == "QuantTEColumnParallelGroupedLinear"
+    for gemm in ("linear_fc1", "linear_fc2"):
+        for kind in ("weight_quantizer", "input_quantizer"):
+            a = getattr(getattr(grouped.experts, gemm), kind)
+            b = getattr(getattr(sequential.experts, gemm), kind)
+            for i in range(EXPERTS):
+                assert torch.equal(a.expert_amax(i), b.expert_amax(i)), (gemm, kind, i)
+    x = _hidden(5)
+    out_g, out_s = grouped(x)[0], sequential(x)[0]
+    assert torch.isfinite(out_g).all()
+    rel = ((out_g.float() - out_s.float()).norm() / out_s.float().norm()).item()
+    assert rel < 1e-2, rel  # only the bf16 GEMM implementations differ
+    float_out = layers[0](x)[0]
+    assert ((out_g.float() - float_out.float()).norm() / float_out.float().norm()).item() > 1e-3
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_te_grouped_backward_reaches_every_expert_weight(layers, layout):
+    grouped = _quantize(copy.deepcopy(layers[0]), "fp8_default.yaml", layout)
+    x = _hidden(6).requires_grad_(True)
+    grouped(x)[0].float().square().mean().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    for gemm in ("linear_fc1", "linear_fc2"):
+        for i in range(EXPERTS):
+            grad = getattr(getattr(grouped.experts, gemm), f"weight{i}").grad
+            assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, (gemm, i)
+
+
+def test_te_fp8_autocast_during_fake_quant_is_refused(layers):
+    grouped = _quantize(copy.deepcopy(layers[0]), "fp8_default.yaml", "vectorized")
+    with pytest.raises(RuntimeError, match="fp8_autocast"):
+        with te.fp8_autocast(enabled=True):
+            grouped(_hidden(7))
+
+
+def test_plain_te_grouped_linear_uses_the_kernel_path_and_matches_the_reference():
+    torch.manual_seed(3)
+    layer = te.GroupedLinear(4, 256, 128, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    splits = [100, 0, 37, 119]
+    x = torch.randn(sum(splits), 256, device="cuda", dtype=torch.bfloat16)
+    outs = {}
+    for kernel in ("triton", "torch"):
+        m = copy.deepcopy(layer)
+        cfg = mtq.load_config("fp8_default.yaml")
+        cfg.kernel = kernel
+        cfg.experts.input_amax = "per_expert"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mtq.quantize(m, cfg, lambda mod: mod(x, splits))
+        xi = x.clone().requires_grad_(True)
+        y = m(xi, splits)
+        y.float().sum().backward()
+        outs[kernel] = (y.detach(), xi.grad, [m.weight0.grad, m.weight3.grad])
+    assert torch.equal(outs["triton"][0], outs["torch"][0])
+    assert torch.equal(outs["triton"][1], outs["torch"][1])
+    assert all(torch.equal(a, b) for a, b in zip(outs["triton"][2], outs["torch"][2], strict=True))
