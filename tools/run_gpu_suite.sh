@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs the GPU tests and/or benchmarks on the GPU machine (the `device` tool), from the repo root with .gpu carried
+# (see ../shared/gpu/prepare.sh):   bash tools/run_gpu_suite.sh [tests|bench|all] [extra pytest args]
+# Installs this package (not editable: plugins/ maps to modelopt_moe.plugins) into a scratch dir and runs from
+# outside the checkout so that the installed copy is the one imported. Logs go to $OUT when set.
+set -o pipefail
+source .gpu/setup.sh || exit 1
+root=$PWD
+scratch=$(mktemp -d)
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$scratch/pkg" . >/dev/null || exit 1
+export PYTHONPATH="$scratch/pkg:${PYTHONPATH#"$root":}"
+out=${OUT:-$scratch}
+what=${1:-all}
+shift || true
+cd "$scratch" || exit 1
+status=0
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest -c "$root/pyproject.toml" --rootdir "$root" -m gpu -q -p no:cacheprovider -o addopts="" \
+    "$root/tests/gpu" "$@" 2>&1 | tee "$out/gpu_tests.log" | grep -vE "Warning|warnings.warn|^\s*$" | tail -40
+  status=${PIPESTATUS[0]}
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 "$root/tools/bench_expert_fake_quant.py" 2>&1 | tee "$out/bench_expert_fake_quant.log" | tail -25
+  python3 "$root/tools/bench_te_grouped_step.py" 2>&1 | tee "$out/bench_te_grouped_step.log" | tail -15
+fi
+exit $status
