@@ -76,6 +76,15 @@ class _QuantParallelLinearMixin(QuantModuleMixin):
                 self.weight.copy_(self.weight_quantizer.fake_quant(self.weight))
             self.weight_quantizer.disable()
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron's entries, with the quantizer amaxes sharded by ``plugins/megatron_checkpoint.py``."""
+        from .megatron_checkpoint import parallel_linear_quantizers_sharded_state_dict
+
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        sd.update(parallel_linear_quantizers_sharded_state_dict(self, prefix, sharded_offsets, metadata,
+                                                                sharded_axis=self._sharded_axis))
+        return sd
+
 
 class QuantColumnParallelLinear(_QuantParallelLinearMixin):
     _sharded_axis = 0
@@ -114,6 +123,15 @@ class QuantSequentialMLP(QuantModuleMixin):
 
     def calibrate_weights(self) -> None:
         pass  # each expert linear calibrates its weight through its slot
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron's expert entries plus the layer-level amaxes under the global expert axis, with the keys
+        ``TEGroupedMLP`` would have (``plugins/megatron_checkpoint.py``)."""
+        from .megatron_checkpoint import sequential_mlp_quantizers_sharded_state_dict
+
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        sd.update(sequential_mlp_quantizers_sharded_state_dict(self, prefix, sharded_offsets, metadata))
+        return sd
 
     def amax_reduction(self, quantizer_name: str) -> tuple[str, ...]:
         gemm, kind = quantizer_name.split(".")[:2]
