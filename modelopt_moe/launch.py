@@ -152,7 +152,10 @@ def _run_once(
                 target=_worker,
                 args=(rank, world_size, port, backend, timeout, fn, tuple(args), child_end),
                 name=f"spawn-rank{rank}",
-                daemon=True,
+                # Not daemonic: ranks may start processes of their own (Megatron's checkpoint writer starts a
+                # multiprocessing.Manager). They still never outlive us: killed in `finally`, and by the kernel
+                # (PR_SET_PDEATHSIG) if this process dies.
+                daemon=False,
             )
             p.start()
             child_end.close()  # so the parent sees EOF when the child dies

@@ -389,19 +389,6 @@ def model_sharded_state_dict(model_list) -> dict:
     return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
 
 
-def _allow_sync_save_in_daemon_process() -> None:
-    """Megatron's torch_dist writer collects write results through a ``multiprocessing.Manager`` queue, which a
-    daemonic process (e.g. a rank started by ``modelopt_moe.launch.spawn``) cannot start. A synchronous save writes
-    from threads of this process, so an in-process queue does the same job there."""
-    import multiprocessing
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if multiprocessing.current_process().daemon and filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike,
                             extra_sharded_state: Callable[[], dict] | None = None) -> None:
     """Saves weights, amaxes and quantization state so that an interrupted save leaves ``ckpt_dir`` as it was.
@@ -418,7 +405,6 @@ def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike,
     """
     models = _models(model_list)
     clear_checkpoint_hint(models)  # a save is never shaped after a previously loaded checkpoint
-    _allow_sync_save_in_daemon_process()
     tmp = begin_checkpoint_dir(ckpt_dir)
     dist.barrier()
     state = model_sharded_state_dict(models)
