@@ -39,6 +39,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+
 from modelopt_moe.plugins.megatron_cpu_shims import apply_cpu_shims
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "lm_loss",
     "gather_logits",
     "iter_params_with_global_names",
+    "build_moe_layer",
 ]
 
 _INIT_STD = 0.02
@@ -405,3 +407,64 @@ def _num_local_experts(model: torch.nn.Module) -> int:
         if hasattr(m, "local_experts"):
             return len(m.local_experts)
     return 0
+
+
+def build_moe_layer(
+    *,
+    transformer_engine: bool,
+    num_experts: int = 8,
+    hidden: int = 256,
+    ffn_hidden: int = 512,
+    moe_router_topk: int = 2,
+    params_dtype: torch.dtype = torch.bfloat16,
+    seed: int = 1234,
+    **overrides: Any,
+) -> torch.nn.Module:
+    """One Megatron ``MoELayer`` (router, token dispatcher, experts) in the current parallel layout, on the GPU.
+
+    ``transformer_engine=True`` builds ``TEGroupedMLP`` experts (``moe_grouped_gemm=True``, TE's
+    ``GroupedLinear``), ``False`` builds ``SequentialMLP`` experts. Weights depend only on ``seed`` and each
+    expert's *global* index (the router weight on ``seed`` alone), so both kinds and every EP layout hold the same
+    logical layer. Needs a GPU (TE does not run on CPU).
+
+    Args:
+        transformer_engine: TE grouped experts or Megatron's sequential experts.
+        num_experts: Global number of experts (a multiple of EP).
+        hidden, ffn_hidden: Hidden size and each expert's FFN size.
+        moe_router_topk: Experts per token.
+        params_dtype: Parameter dtype (bf16 sets ``bf16=True``).
+        seed: Weight seed.
+        **overrides: ``TransformerConfig`` fields.
+    """
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    cfg = dict(
+        num_layers=1, hidden_size=hidden, ffn_hidden_size=ffn_hidden, num_attention_heads=4,
+        num_moe_experts=num_experts, moe_ffn_hidden_size=ffn_hidden, moe_router_topk=moe_router_topk,
+        moe_grouped_gemm=transformer_engine,
+        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0, add_bias_linear=False,
+        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, gradient_accumulation_fusion=False,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1, sequence_parallel=tp > 1,
+    )
+    cfg.update(overrides)
+    spec = get_moe_module_spec(use_te=transformer_engine, num_experts=num_experts, moe_grouped_gemm=transformer_engine)
+    layer = spec(config=TransformerConfig(**cfg), pg_collection=ProcessGroupCollection.use_mpu_process_groups()).cuda()
+    n_local, ep_rank = num_experts // ep, parallel_state.get_expert_model_parallel_rank()
+    with torch.no_grad():
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        layer.router.weight.copy_(torch.randn(layer.router.weight.shape, generator=gen) * _INIT_STD)
+        for i in range(n_local):
+            g = ep_rank * n_local + i
+            for gemm in ("linear_fc1", "linear_fc2"):
+                if transformer_engine:
+                    w = getattr(getattr(layer.experts, gemm), f"weight{i}")
+                else:
+                    w = getattr(layer.experts.local_experts[i], gemm).weight
+                gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}.{gemm}.{g}".encode()))
+                # a distinct magnitude per expert, so a wrong expert index shows in every comparison
+                w.copy_(torch.randn(w.shape, generator=gen) * _INIT_STD * (1.0 + 0.25 * g))
+    return layer

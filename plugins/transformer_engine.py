@@ -82,5 +82,15 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
 
         return self.quantized_forward(x, m_splits, gemm=gemm)
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron's grouped-linear entries plus the expert amaxes under the global expert axis, with the keys
+        ``SequentialMLP`` uses (so checkpoints move between the two). Only Megatron's TE classes have one."""
+        from .megatron_checkpoint import grouped_linear_quantizers_sharded_state_dict
+
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        sd.update(grouped_linear_quantizers_sharded_state_dict(self, prefix, sharded_offsets, metadata,
+                                                               sharded_axis=self._sharded_axis))
+        return sd
+
 
 QuantModuleRegistry.register(te.GroupedLinear, QuantTEGroupedLinear)

@@ -18,9 +18,6 @@ if not torch.cuda.is_available():
 te = pytest.importorskip("transformer_engine.pytorch")
 
 import torch.distributed as dist  # noqa: E402
-from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noqa: E402
-from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 import modelopt_moe.quantization as mtq  # noqa: E402
 from modelopt_moe.plugins import megatron_models as mm  # noqa: E402
@@ -43,32 +40,12 @@ def megatron_one_gpu():
     mm.destroy_model_parallel()
 
 
-def _config(grouped: bool) -> TransformerConfig:
-    return TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=4, num_moe_experts=EXPERTS,
-        moe_ffn_hidden_size=FFN, moe_router_topk=2, moe_grouped_gemm=grouped, moe_token_dispatcher_type="alltoall",
-        moe_aux_loss_coeff=0.0, add_bias_linear=False, params_dtype=torch.bfloat16, bf16=True,
-        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
-    )
-
-
 def _moe_layers():
     """A TEGroupedMLP MoE layer and a SequentialMLP one with identical router and expert weights."""
-    pg = ProcessGroupCollection.use_mpu_process_groups()
-    torch.manual_seed(0)
-    grouped = get_moe_module_spec(use_te=True, num_experts=EXPERTS, moe_grouped_gemm=True)(
-        config=_config(True), pg_collection=pg).cuda()
-    sequential = get_moe_module_spec(use_te=False, num_experts=EXPERTS, moe_grouped_gemm=False)(
-        config=_config(False), pg_collection=pg).cuda()
+    grouped = mm.build_moe_layer(transformer_engine=True, num_experts=EXPERTS, hidden=HIDDEN, ffn_hidden=FFN)
+    sequential = mm.build_moe_layer(transformer_engine=False, num_experts=EXPERTS, hidden=HIDDEN, ffn_hidden=FFN)
     assert type(grouped.experts).__name__ == "TEGroupedMLP"
     assert type(sequential.experts).__name__ == "SequentialMLP"
-    with torch.no_grad():
-        sequential.router.weight.copy_(grouped.router.weight)
-        for i, expert in enumerate(sequential.experts.local_experts):
-            for gemm in ("linear_fc1", "linear_fc2"):
-                w = getattr(getattr(grouped.experts, gemm), f"weight{i}")
-                w.mul_(1.0 + 0.25 * i)  # a distinct magnitude per expert
-                getattr(expert, gemm).weight.copy_(w)
     return grouped, sequential
 
 
