@@ -40,8 +40,6 @@ from typing import Optional
 
 import torch
 
-from ..quantization.formats import NVFP4_BLOCK_SIZE, fake_quant, get_format
-
 try:
     import triton  # noqa: F401
 
@@ -64,6 +62,7 @@ __all__ = [
 ]
 
 MAX_EXPERTS = 512
+NVFP4_BLOCK_SIZE = 16  # formats.NVFP4_BLOCK_SIZE (checked equal on first use)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FMT_CODES = {"e4m3": 0, "e5m2": 1, "nvfp4": 2, "int8": 3, "int4": 4}
 _STE_MODES = ("pass_through", "clipped")
@@ -82,6 +81,23 @@ def _kernels():
     from . import triton_kernels
 
     return triton_kernels
+
+
+def _formats():
+    """formats.py, imported on first use: importing it runs ``modelopt_moe.quantization``'s ``__init__``, which
+    imports ``nn``, which imports this package, so a module-level import would be circular."""
+    from ..quantization import formats
+
+    assert formats.NVFP4_BLOCK_SIZE == NVFP4_BLOCK_SIZE
+    return formats
+
+
+def fake_quant(x, fmt, amax=None, block_size=None):
+    return _formats().fake_quant(x, fmt, amax, block_size)
+
+
+def get_format(fmt):
+    return _formats().get_format(fmt)
 
 
 def _interpret_mode() -> bool:
@@ -116,7 +132,8 @@ def _next_pow2(n: int) -> int:
 
 def _launch_kwargs(device: torch.device) -> dict:
     # No fused multiply-add: the rounding relies on x * scale being rounded before the magic add.
-    return {"num_warps": _NUM_WARPS, "enable_fp_fusion": False}
+    # BITWISE_CVT: the interpreter's fp32 -> bf16 .to() is wrong, so it rounds by arithmetic; GPUs use cvt.rn.
+    return {"num_warps": _NUM_WARPS, "enable_fp_fusion": False, "BITWISE_CVT": device.type != "cuda"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -147,7 +164,7 @@ def _weight_plan(inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor] | N
     ptrs = [t.data_ptr() for t in inputs]
     aux_ptrs = [t.data_ptr() for t in aux] if aux is not None else []
     key = (device, inputs[0].dtype, aux[0].dtype if aux else None, tuple(ptrs), tuple(aux_ptrs), tuple(shapes),
-           bs, two_d)
+           bs, two_d, _TILE_ELEMS)
     plan = _plan_cache.get(key) or _captured_plans.get(key)
     if plan is not None:
         if key in _plan_cache:
@@ -177,7 +194,8 @@ def _weight_plan(inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor] | N
             tiles = -(-numel // tile_elems)
         in_off = ptrs[i] - ptrs[base]
         aux_off = aux_ptrs[i] - aux_ptrs[aux_base] if aux else 0
-        if in_off % 16 or aux_off % 16 or out_off % vec or ptrs[i] % 16 or (aux and aux_ptrs[i] % 16):
+        # VEC > 1 promises the kernel 16-byte aligned expert starts and sizes (its vectorization hints).
+        if in_off % 16 or aux_off % 16 or out_off % vec or numel % vec or ptrs[i] % 16 or (aux and aux_ptrs[i] % 16):
             vec = 1
         rows.append([in_off // esize, aux_off // aux_esize, out_off, nrows, cols, n_tiles, ctiles, 0])
         n_tiles += tiles

@@ -54,8 +54,12 @@ def _div(a, b):
 
 @triton.jit
 def _with_sign_of(mag, x):
-    """``copysign(mag, x)`` for ``mag >= 0``, taking the sign bit of ``x`` (so -0.0 and -NaN count as negative)."""
-    return tl.where(x.to(tl.int32, bitcast=True) < 0, -mag, mag)
+    """``copysign(mag, x)`` for fp32 ``mag >= 0`` by bits, taking the sign bit of ``x`` (so -0.0 counts as negative).
+
+    Not ``-mag``: Triton lowers float negation to ``0 - mag``, which turns a zero into +0.0 on the GPU.
+    """
+    sign = (x.to(tl.int32, bitcast=True) >> 31) << 31
+    return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -79,39 +83,16 @@ def _round_to_float(v, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexp
 
 
 @triton.jit
-def _round_half_even_small(v):
-    """Round half to even to an integer for |v| < 2**23 (callers clamp first), sign of zero kept, NaN kept."""
-    a = tl.abs(v)
-    r = (a + 8388608.0) - 8388608.0
-    r = _with_sign_of(r, v)
-    return tl.where(v != v, v, r)
+def _to_out_dtype(v, OUT_DTYPE: tl.constexpr, BITWISE: tl.constexpr):
+    """fp32 -> OUT_DTYPE rounded to nearest even.
 
-
-@triton.jit
-def _clamp_sym(v, bound):
-    """clamp(v, -bound, bound) with NaN and -0.0 kept (like torch.clamp)."""
-    v = tl.where(v > bound, bound, v)
-    return tl.where(v < -bound, -bound, v)
-
-
-@triton.jit
-def _round_e2m1(v):
-    """formats.round_to_e2m1: nearest of {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to even mantissa, saturating, NaN kept."""
-    a = tl.abs(v)
-    mag = tl.where(a <= 5.0, 4.0, 6.0)
-    mag = tl.where(a < 3.5, 3.0, mag)
-    mag = tl.where(a <= 2.5, 2.0, mag)
-    mag = tl.where(a < 1.75, 1.5, mag)
-    mag = tl.where(a <= 1.25, 1.0, mag)
-    mag = tl.where(a < 0.75, 0.5, mag)
-    mag = tl.where(a <= 0.25, 0.0, mag)
-    return tl.where(v != v, v, _with_sign_of(mag, v))
-
-
-@triton.jit
-def _to_out_dtype(v, OUT_DTYPE: tl.constexpr):
-    """fp32 -> OUT_DTYPE rounded to nearest even, by arithmetic, so the final ``.to()`` is exact everywhere."""
-    if OUT_DTYPE == tl.bfloat16:
+    On the GPU (``BITWISE`` False) that is the hardware ``cvt.rn``; in the interpreter, whose ``.to()`` truncates
+    (and mangles bf16 subnormals), the same IEEE rounding is done by arithmetic and the result assembled from bits.
+    Both give identical bits (tests check each against torch's ``.to()``).
+    """
+    if not BITWISE:
+        out = v.to(OUT_DTYPE)
+    elif OUT_DTYPE == tl.bfloat16:
         bits = v.to(tl.int32, bitcast=True)
         abits = bits & 0x7FFFFFFF
         # Integer RNE on the top 16 bits; a carry into the exponent is the right answer (up to Inf).
@@ -119,15 +100,16 @@ def _to_out_dtype(v, OUT_DTYPE: tl.constexpr):
         hi = tl.where(v != v, 0x7FC0, hi)  # canonical NaN
         hi = hi | ((bits >> 16) & 0x8000)
         # Assembled as bits: the interpreter's fp32 -> bf16 .to() truncates and mangles subnormals.
-        return hi.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        out = hi.to(tl.int16).to(tl.bfloat16, bitcast=True)
     elif OUT_DTYPE == tl.float16:
         r = _round_to_float(v, 10, -14, 15)
         # 65520 is the midpoint between fp16's max (65504) and 2**16: RNE overflows to Inf from there on.
-        r = tl.where(tl.abs(r) > 65504.0, _with_sign_of(float("inf"), v), r)
+        r = tl.where(tl.abs(r) > 65504.0, _with_sign_of(tl.zeros_like(v) + float("inf"), v), r)
         r = tl.where(v != v, float("nan"), r)
-        return r.to(tl.float16)
+        out = r.to(tl.float16)
     else:
-        return v
+        out = v
+    return out
 
 
 @triton.jit
@@ -147,61 +129,103 @@ def _safe_amax(a, bound):
 
 
 @triton.jit
-def _nan_ignoring_block_max(x):
-    """max |x| over the last axis of a 3-D tile, NaN ignored; shape [R, NB, 1]."""
-    ax = tl.where(x != x, 0.0, tl.abs(x))
-    return tl.max(ax, axis=2, keep_dims=True)
+def _round_mag(a, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr):
+    """Rounds ``a >= 0`` (or NaN) to MANT mantissa bits, min normal exponent EMIN (subnormals below), half to even.
+
+    Adding 2**(e - MANT + 23), e = max(exponent(a), EMIN), makes the target quantum 2**(e - MANT) the ulp of the
+    sum, so the FPU rounds; the subtraction is exact. No saturation (callers clamp first). EMAX bounds the magic
+    number for huge or non-finite inputs (NaN stays NaN).
+    """
+    eb = a.to(tl.int32, bitcast=True) >> 23
+    eb = tl.where(eb < EMIN + 127, EMIN + 127, eb)
+    eb = tl.where(eb > EMAX + 127, EMAX + 127, eb)
+    magic = ((eb << 23) + ((23 - MANT) << 23)).to(tl.float32, bitcast=True)
+    return (a + magic) - magic
 
 
 @triton.jit
-def _fp8_tile(x, amax, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr):
+def _div_by(q, d, rcp, NATIVE_DIV: tl.constexpr):
+    """RN(q / d) for a divisor ``d > 0`` shared by many elements and ``rcp = RN(1 / d)``.
+
+    Markstein's theorem: y = RN(q * rcp) is within an ulp of q / d, so the residual q - d * y is exact and
+    RN(y + residual * rcp) is the correctly rounded quotient (no overflow or underflow occurs here: see callers).
+    Three flops instead of a full division per element. ``NATIVE_DIV`` uses ``div_rn`` instead (for checking).
+    """
+    if NATIVE_DIV:
+        return _div(q, d)
+    else:
+        d, q = tl.broadcast(d, q)
+        rcp, q = tl.broadcast(rcp, q)
+        y = q * rcp
+        return tl.fma(tl.fma(-d, y, q), rcp, y)
+
+
+@triton.jit
+def _fp8_tile(x, amax, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+              NATIVE_DIV: tl.constexpr):
     scale = _div(tl.full(amax.shape, BOUND, tl.float32), _safe_amax(amax, BOUND))
-    # The clamp makes the fp8 rounding saturating (BOUND is the format's largest finite value).
-    q = _round_to_float(_clamp_sym(x * scale, BOUND), MANT, EMIN, EMAX)
-    return _div(q, scale)
+    rcp = _div(tl.full(amax.shape, 1.0, tl.float32), scale)
+    # Magnitudes only (rounding is symmetric); the sign of x goes back on at the end, so -0.0 survives.
+    v = tl.abs(x) * scale
+    v = tl.where(v > BOUND, BOUND, v)  # saturate (NaN compares false and stays NaN)
+    q = _round_mag(v, MANT, EMIN, EMAX)
+    # q / scale: q >= 2**-16 or 0, scale in [2**-126, 2**40]: the quotient is a normal fp32 (or 0).
+    return _with_sign_of(_div_by(q, scale, rcp, NATIVE_DIV), x)
 
 
 @triton.jit
-def _int_tile(x, amax, IBOUND: tl.constexpr, INT_BLOCK: tl.constexpr):
+def _int_tile(x, amax, IBOUND: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV: tl.constexpr):
+    ax = tl.abs(x)
     if INT_BLOCK:
-        a = _safe_amax(_nan_ignoring_block_max(x), IBOUND)
+        a = _safe_amax(tl.max(tl.where(ax != ax, 0.0, ax), axis=2, keep_dims=True), IBOUND)
     else:
         a = _safe_amax(amax, IBOUND)
     scale = _div(tl.full(a.shape, IBOUND, tl.float32), a)
-    # round(clamp(v)) == clamp(round(v)) for an integer bound; clamping first keeps |v| < 2**23.
-    q = _round_half_even_small(_clamp_sym(x * scale, IBOUND))
-    return _div(q, scale)
+    rcp = _div(tl.full(a.shape, 1.0, tl.float32), scale)
+    v = ax * scale
+    v = tl.where(v > IBOUND, IBOUND, v)  # round(clamp(v)) == clamp(round(v)) for an integer bound
+    q = (v + 8388608.0) - 8388608.0  # round half to even (0 <= v <= 127 < 2**23)
+    return _with_sign_of(_div_by(q, scale, rcp, NATIVE_DIV), x)
 
 
 @triton.jit
-def _nvfp4_tile(x, amax):
+def _nvfp4_tile(x, amax, NATIVE_DIV: tl.constexpr):
     sg = _div(_safe_amax(amax, 2688.0), tl.full(amax.shape, 2688.0, tl.float32))  # [R, 1, 1]
-    bmax = _nan_ignoring_block_max(x)  # [R, NB, 1]
+    ax = tl.abs(x)
+    bmax = tl.max(tl.where(ax != ax, 0.0, ax), axis=2, keep_dims=True)  # [R, NB, 1], NaN ignored
     t = _div(_div(bmax, tl.full(bmax.shape, 6.0, tl.float32)), sg)
-    t = tl.where(t > 448.0, 448.0, t)  # t >= 0 and never NaN (the block max ignores NaN)
-    sb = _round_to_float(t, 3, -6, 8)  # e4m3 block scale
-    s = sb * sg
-    v = tl.where(s > 0.0, _div(x, tl.where(s > 0.0, s, 1.0)), x * 0.0)
-    return _round_e2m1(v) * s
+    t = tl.where(t > 448.0, 448.0, t)  # t >= 0, never NaN
+    s = _round_mag(t, 3, -6, 8) * sg  # e4m3 block scale times the global scale
+    s_ok = tl.where(s > 0.0, s, 1.0)
+    rcp = _div(tl.full(s.shape, 1.0, tl.float32), s_ok)
+    # |x| / s; where that exceeds 8 (or is Inf/NaN) E2M1 saturates anyway, and Markstein's correction could
+    # overflow, so the plain product is kept there. Where s == 0 the result is multiplied by 0 below (x * 0).
+    y = ax * tl.broadcast_to(rcp, ax.shape)
+    v = tl.where(y < 8.0, _div_by(ax, s_ok, rcp, NATIVE_DIV), y)
+    v = tl.where(v > 6.0, 6.0, v)
+    # E2M1 is a float with 1 mantissa bit and min normal exponent 0: {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to even
+    # (the same thresholds as formats.round_to_e2m1).
+    q = _round_mag(v, 1, 0, 2)
+    return _with_sign_of(q * s, x)
 
 
 @triton.jit
-def _fake_quant_tile(x, amax, FMT: tl.constexpr, INT_BLOCK: tl.constexpr):
+def _fake_quant_tile(x, amax, FMT: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV: tl.constexpr = False):
     """Fake-quantizes a fp32 tile ``x`` [R, NB, BS] exactly as formats.fake_quant.
 
     ``amax`` is fp32 [R, 1, 1] (per row: expert or channel). For NVFP4 and block int formats the last axis of the
     tile is one quantization block.
     """
     if FMT == E4M3:
-        out = _fp8_tile(x, amax, 448.0, 3, -6, 8)
+        out = _fp8_tile(x, amax, 448.0, 3, -6, 8, NATIVE_DIV)
     elif FMT == E5M2:
-        out = _fp8_tile(x, amax, 57344.0, 2, -14, 15)
+        out = _fp8_tile(x, amax, 57344.0, 2, -14, 15, NATIVE_DIV)
     elif FMT == INT8:
-        out = _int_tile(x, amax, 127.0, INT_BLOCK)
+        out = _int_tile(x, amax, 127.0, INT_BLOCK, NATIVE_DIV)
     elif FMT == INT4:
-        out = _int_tile(x, amax, 7.0, INT_BLOCK)
+        out = _int_tile(x, amax, 7.0, INT_BLOCK, NATIVE_DIV)
     else:
-        out = _nvfp4_tile(x, amax)
+        out = _nvfp4_tile(x, amax, NATIVE_DIV)
     return out
 
 
@@ -240,7 +264,9 @@ def _tile_offsets(table_ptr, e, t, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, 
         start = row0 * cols_n + col0
         rows = row0 + r
         row_mask = rows < rows_n
-        mask = row_mask & ((col0 + c) < cols_n)
+        # Hints (true whenever VEC > 1, see the launcher) that keep the mask constant over VEC elements, so that
+        # loads and stores stay 16-byte vectors.
+        mask = row_mask & ((col0 + c) < tl.multiple_of(cols_n, VEC))
         # The launcher guarantees cols_n % VEC == 0 whenever VEC > 1 (so each row starts aligned).
         local = tl.multiple_of(r * cols_n.to(tl.int32), [VEC, 1, 1]) + c
     else:
@@ -248,7 +274,7 @@ def _tile_offsets(table_ptr, e, t, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, 
         rows = r.to(tl.int64)  # unused
         row_mask = rows >= 0
         local = r * (TILE_NB * BS) + c
-        mask = local < (rows_n * cols_n - start)
+        mask = local < tl.multiple_of(rows_n * cols_n - start, VEC)
     return start, local, mask, rows, row_mask
 
 
@@ -273,7 +299,7 @@ def _grouped_weight_fake_quant_kernel(
     in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e,
     FMT: tl.constexpr, INT_BLOCK: tl.constexpr, AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr,
 ):
     # One program per (expert, tile); the grid is flat over all experts' tiles, so ragged experts waste nothing.
     # Offsets are int64: the concatenated output (and a weight's distance from the base pointer) can exceed 2**31
@@ -287,7 +313,7 @@ def _grouped_weight_fake_quant_kernel(
     x = _to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0))
     a = _load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
     y = _fake_quant_tile(x, a, FMT, INT_BLOCK)
-    tl.store(out_ptr + out_off + local, _to_out_dtype(y, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + out_off + local, _to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
 
 
 @triton.jit
@@ -295,7 +321,7 @@ def _grouped_weight_clip_grad_kernel(
     g_base, w_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e,
     AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr,
 ):
     # Clipped STE: grad * (|w| <= amax); an invalid amax clips nothing. int64 offsets as above.
     pid = tl.program_id(0).to(tl.int64)
@@ -310,7 +336,7 @@ def _grouped_weight_clip_grad_kernel(
     a = _load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
     limit = tl.where((a > TINY_AMAX) & (a <= FP32_MAX), a, float("inf"))
     y = tl.where(tl.abs(w) <= limit, g, g * 0.0)
-    tl.store(out_ptr + out_off + local, _to_out_dtype(y, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + out_off + local, _to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -351,19 +377,20 @@ def _input_tile(n_rows, n_cols, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS:
 def _grouped_input_fake_quant_kernel(
     x_ptr, y_ptr, m_splits_ptr, amax_ptr, n_rows, n_cols, n_experts,
     FMT: tl.constexpr, INT_BLOCK: tl.constexpr, PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr,
-    TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, BITWISE_CVT: tl.constexpr,
 ):
     start, local, mask, rows = _input_tile(n_rows, n_cols, TILE_R, TILE_NB, BS)
     x = _to_fp32(tl.load(x_ptr + start + local, mask=mask, other=0.0))
     a = _row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT, N_PAD, TILE_R)
     y = _fake_quant_tile(x, a, FMT, INT_BLOCK)
-    tl.store(y_ptr + start + local, _to_out_dtype(y, y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + start + local, _to_out_dtype(y, y_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
 
 
 @triton.jit
 def _grouped_input_clip_grad_kernel(
     g_ptr, x_ptr, out_ptr, m_splits_ptr, amax_ptr, n_rows, n_cols, n_experts,
     PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr,
+    BITWISE_CVT: tl.constexpr,
 ):
     start, local, mask, rows = _input_tile(n_rows, n_cols, TILE_R, TILE_NB, BS)
     g = _to_fp32(tl.load(g_ptr + start + local, mask=mask, other=0.0))
@@ -371,4 +398,4 @@ def _grouped_input_clip_grad_kernel(
     a = _row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT, N_PAD, TILE_R)
     limit = tl.where((a > TINY_AMAX) & (a <= FP32_MAX), a, float("inf"))
     y = tl.where(tl.abs(x) <= limit, g, g * 0.0)
-    tl.store(out_ptr + start + local, _to_out_dtype(y, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + start + local, _to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)

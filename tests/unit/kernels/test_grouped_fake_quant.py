@@ -96,9 +96,9 @@ def test_outputs_are_views_of_one_buffer():
 @pytest.mark.parametrize("fmt,block_size", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_invalid_amax_entries_follow_the_reference(fmt, block_size, dtype):
-    # 0, exactly 2**-24 (invalid), just above it (valid), NaN, Inf, negative, small valid.
-    amax = torch.tensor([0.0, 2.0**-24, 2.0**-24 * (1 + 2.0**-23), float("nan"), float("inf"), -1.0, 1e-3])
-    weights = make_experts([(3, 32)] * 7, dtype)
+    # 0, exactly 2**-24 (invalid), just above it (valid), NaN, Inf, negative, small valid, near fp32 max.
+    amax = torch.tensor([0.0, 2.0**-24, 2.0**-24 * (1 + 2.0**-23), float("nan"), float("inf"), -1.0, 1e-3, 3.4e38])
+    weights = make_experts([(3, 32)] * 8, dtype)
     outs = K.grouped_weight_fake_quant(weights, amax, fmt, block_size)
     for i, (o, r) in enumerate(zip(outs, reference(weights, amax, fmt, block_size), strict=True)):
         assert_bits_equal(o, r, f"expert {i} amax {amax[i].item()}")
@@ -280,7 +280,7 @@ if K.TRITON_AVAILABLE:
     def _convert_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n)
-        tl.store(y_ptr + offs, _to_out_dtype(x, y_ptr.dtype.element_ty), mask=offs < n)
+        tl.store(y_ptr + offs, _to_out_dtype(x, y_ptr.dtype.element_ty, True), mask=offs < n)
 
 
 @needs_triton

@@ -1,0 +1,143 @@
+"""Benchmark: fake quant of all N expert weights (GPU). Prints a table; finishes in about a minute on an H200.
+
+For each configuration it times (median, ``triton.testing.do_bench`` with L2 flushed between runs, rotating weight
+sets) and compares with the measured device copy bandwidth (bytes read + written by a large ``copy_``):
+
+* ``grouped``: :func:`modelopt_moe.kernels.grouped_weight_fake_quant`, one launch for all N experts;
+* ``torch loop``: :func:`formats.fake_quant` per expert (what a Python loop over experts costs);
+* ``compiled``: ``torch.compile(formats.fake_quant)`` on weights stacked beforehand ([N, R, K], amax [N, 1, 1]),
+  the best a single generic fused kernel does (the stacking copy itself is not timed).
+
+Usage: ``python tools/bench_expert_fake_quant.py [--quick] [--sweep]`` (``--sweep`` also tries tile sizes and warp
+counts of the grouped kernel and prints the best).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+GiB = 1 << 30
+CONFIGS = [  # (format, N, rows, cols)
+    ("e4m3", 32, 1536, 2048),
+    ("e4m3", 128, 1536, 2048),
+    ("e4m3", 8, 28672, 4096),
+    ("e4m3", 256, 512, 1024),
+    ("nvfp4", 128, 1536, 2048),
+]
+
+
+def bench(fn, rep_ms: int = 200) -> float:
+    """Median milliseconds of ``fn`` (do_bench flushes L2 before every call)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (read + write counted)."""
+    src = torch.empty(GiB, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def make_sets(n: int, rows: int, cols: int, max_bytes: int = 3 * GiB):
+    """As many weight sets (lists of N separate tensors) as fit in ``max_bytes`` (at least 1, at most 3)."""
+    set_bytes = n * rows * cols * 2
+    n_sets = max(1, min(3, max_bytes // set_bytes))
+    sets = []
+    for s in range(n_sets):
+        g = torch.Generator(device="cuda").manual_seed(s)
+        sets.append([torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=g) * (1 + i % 7)
+                     for i in range(n)])
+    amax = torch.stack([w.float().abs().amax() for w in sets[0]])
+    return sets, amax
+
+
+def rotating(fn, sets):
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(sets)
+        return fn(sets[state["i"]])
+
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only the grouped kernel (no torch baselines)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep tile size / num_warps of the grouped kernel")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+
+    from modelopt_moe.kernels import grouped_fake_quant as gfq
+    from modelopt_moe.kernels import grouped_weight_fake_quant, kernels_available
+    from modelopt_moe.quantization.formats import fake_quant
+
+    if not kernels_available("cuda"):
+        raise SystemExit("Triton kernels unavailable on CUDA (is TRITON_INTERPRET=1 set?)")
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
+    compiled = torch.compile(fake_quant, dynamic=True)
+
+    rows_out = []
+    for fmt, n, r, k in CONFIGS:
+        sets, amax = make_sets(n, r, k)
+        nbytes = 2 * n * r * k * 2  # bf16 read + write
+        name = f"{fmt} N={n} [{r}x{k}]"
+
+        def grouped(ws, fmt=fmt, amax=amax):
+            return grouped_weight_fake_quant(ws, amax, fmt)
+
+        # Correctness spot check against the reference before timing.
+        out = grouped(sets[0])
+        for i in (0, n - 1):
+            assert torch.equal(out[i], fake_quant(sets[0][i], fmt, amax[i])), f"{name}: expert {i} mismatch"
+        results = {"grouped": bench(rotating(grouped, sets))}
+        if args.sweep:
+            best = None
+            for tile in (2048, 4096, 8192, 16384):
+                for warps in (4, 8):
+                    gfq._TILE_ELEMS, gfq._NUM_WARPS = tile, warps
+                    gfq.clear_table_cache()
+                    t = bench(rotating(grouped, sets), rep_ms=100)
+                    print(f"    sweep {name}: tile {tile:6d} warps {warps}: {t:.3f} ms  "
+                          f"{nbytes / (t * 1e-3) / bw:.3f} of copy")
+                    best = min(best or (t, tile, warps), (t, tile, warps))
+            gfq._TILE_ELEMS, gfq._NUM_WARPS = 4096, 4
+            gfq.clear_table_cache()
+            print(f"    best: tile {best[1]} warps {best[2]}: {best[0]:.3f} ms")
+        if not args.quick:
+            def loop(ws, fmt=fmt, amax=amax):
+                return [fake_quant(w, fmt, amax[i]) for i, w in enumerate(ws)]
+
+            stacked = [torch.stack(ws) for ws in sets[:1]]  # one stacked set (memory); L2 is flushed anyway
+            amax3 = amax.view(-1, 1, 1)
+
+            def comp(ws, fmt=fmt, amax3=amax3):
+                return compiled(ws, fmt, amax3)
+
+            results["torch loop"] = bench(rotating(loop, sets), rep_ms=100)
+            comp(stacked[0])  # compile outside the timing
+            assert torch.equal(comp(stacked[0]), torch.stack(out)), f"{name}: compiled reference mismatch"
+            results["compiled (pre-stacked)"] = bench(rotating(comp, stacked))
+            del stacked
+        for method, ms in results.items():
+            rows_out.append((name, method, ms, nbytes / (ms * 1e-3) / 1e9, nbytes / (ms * 1e-3) / bw))
+        del sets, out
+        torch.cuda.empty_cache()
+
+    print(f"\n{'config':<28} {'method':<24} {'median ms':>10} {'GB/s':>8} {'of copy':>8}")
+    for name, method, ms, gbs, frac in rows_out:
+        print(f"{name:<28} {method:<24} {ms:>10.3f} {gbs:>8.0f} {frac:>8.2f}")
+    fracs = [f for _, m, _, _, f in rows_out if m == "grouped"]
+    print(f"\ngrouped kernel: median {statistics.median(fracs):.2f} of copy bandwidth")
+
+
+if __name__ == "__main__":
+    main()
