@@ -3,7 +3,9 @@
 For each configuration it times (median, ``triton.testing.do_bench`` with L2 flushed between runs, rotating weight
 sets) and compares with the measured device copy bandwidth (bytes read + written by a large ``copy_``):
 
-* ``grouped``: :func:`modelopt_moe.kernels.grouped_weight_fake_quant`, one launch for all N experts;
+* ``grouped``: :func:`modelopt_moe.kernels.grouped_weight_fake_quant`, one launch for all N experts; timed eagerly
+  (includes Python validation and the N output views, which dominate at large N) and replayed from a CUDA graph
+  (device time only);
 * ``torch loop``: :func:`formats.fake_quant` per expert (what a Python loop over experts costs);
 * ``compiled``: ``torch.compile(formats.fake_quant)`` on weights stacked beforehand ([N, R, K], amax [N, 1, 1]),
   the best a single generic fused kernel does (the stacking copy itself is not timed).
@@ -98,11 +100,21 @@ def main() -> None:
         out = grouped(sets[0])
         for i in (0, n - 1):
             assert torch.equal(out[i], fake_quant(sets[0][i], fmt, amax[i])), f"{name}: expert {i} mismatch"
-        results = {"grouped": bench(rotating(grouped, sets))}
+        results = {"grouped (eager, host-inclusive)": bench(rotating(grouped, sets))}
+        # The same op replayed from CUDA graphs: device time only (no Python validation / view overhead).
+        graphs = []
+        for ws in sets:
+            grouped(ws)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                grouped(ws)
+            graphs.append(g)
+        results["grouped (CUDA graph replay)"] = bench(rotating(lambda g: g.replay(), graphs))
+        del graphs
         if args.sweep:
             best = None
-            for tile in (2048, 4096, 8192, 16384):
-                for warps in (4, 8):
+            for tile in (1024, 2048, 4096, 8192):
+                for warps in (2, 4, 8):
                     gfq._TILE_ELEMS, gfq._NUM_WARPS = tile, warps
                     gfq.clear_table_cache()
                     t = bench(rotating(grouped, sets), rep_ms=100)
@@ -123,20 +135,22 @@ def main() -> None:
                 return compiled(ws, fmt, amax3)
 
             results["torch loop"] = bench(rotating(loop, sets), rep_ms=100)
-            comp(stacked[0])  # compile outside the timing
-            assert torch.equal(comp(stacked[0]), torch.stack(out)), f"{name}: compiled reference mismatch"
-            results["compiled (pre-stacked)"] = bench(rotating(comp, stacked))
+            got = comp(stacked[0])  # compiles outside the timing
+            # Inductor does not promise formats.py's bits (it may fuse or reorder): report, do not assert.
+            mismatch = (got != torch.stack(out)).float().mean().item()
+            results[f"compiled (pre-stacked) [{mismatch:.1e} bits differ]"] = bench(rotating(comp, stacked))
             del stacked
         for method, ms in results.items():
             rows_out.append((name, method, ms, nbytes / (ms * 1e-3) / 1e9, nbytes / (ms * 1e-3) / bw))
         del sets, out
         torch.cuda.empty_cache()
 
-    print(f"\n{'config':<28} {'method':<24} {'median ms':>10} {'GB/s':>8} {'of copy':>8}")
+    print(f"\n{'config':<28} {'method':<44} {'median ms':>10} {'GB/s':>8} {'of copy':>8}")
     for name, method, ms, gbs, frac in rows_out:
-        print(f"{name:<28} {method:<24} {ms:>10.3f} {gbs:>8.0f} {frac:>8.2f}")
-    fracs = [f for _, m, _, _, f in rows_out if m == "grouped"]
-    print(f"\ngrouped kernel: median {statistics.median(fracs):.2f} of copy bandwidth")
+        print(f"{name:<28} {method:<44} {ms:>10.3f} {gbs:>8.0f} {frac:>8.2f}")
+    for kind in ("eager", "CUDA graph"):
+        fracs = [f for _, m, _, _, f in rows_out if m.startswith("grouped") and kind in m]
+        print(f"grouped kernel ({kind}): median {statistics.median(fracs):.2f} of copy bandwidth")
 
 
 if __name__ == "__main__":
