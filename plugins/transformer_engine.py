@@ -9,6 +9,7 @@ weights while the GEMM runs. TE's own FP8 must be off while fake quant runs (bot
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import transformer_engine.pytorch as te
@@ -24,9 +25,15 @@ except ImportError:  # pragma: no cover - older TE
 __all__ = ["QuantTEGroupedLinear"]
 
 
+@functools.cache
+def _forward_signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+@functools.cache
 def _split_arg_names(cls: type) -> tuple[str, str]:
     """Names of the input and split-size parameters of ``cls.forward`` (TE renames them between releases)."""
-    params = [p for p in inspect.signature(cls.forward).parameters if p != "self"]
+    params = [p for p in _forward_signature(cls).parameters if p != "self"]
     split = next((p for p in params if p in ("m_splits", "split_sizes", "tokens_per_expert")), None)
     if split is None or not params or params[0] == split:
         raise TypeError(f"{cls.__name__}.forward{inspect.signature(cls.forward)}: cannot find the input and "
@@ -68,7 +75,7 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
                 f"{type(self).__name__}: Transformer Engine FP8 autocast is on while modelopt_moe fake quantization "
                 "is active; turn TE's fp8_autocast off (the fake quantizers already emulate the low precision)"
             )
-        bound = inspect.signature(self._original_cls.forward).bind(self, *args, **kwargs)
+        bound = _forward_signature(self._original_cls).bind(self, *args, **kwargs)
         x_name, split_name = _split_arg_names(self._original_cls)
         x, m_splits = bound.arguments[x_name], bound.arguments[split_name]
 

@@ -529,8 +529,11 @@ def _check_input(x: torch.Tensor, m_splits, amax: torch.Tensor | None, what: str
     if not x.is_contiguous():
         raise ValueError(f"{what}: x of shape {tuple(x.shape)} is not contiguous")
     if isinstance(m_splits, Sequence) and not isinstance(m_splits, torch.Tensor):
-        # A host list (TE's convention): one host->device copy. Pass a device tensor to avoid it.
-        m_splits = torch.tensor(list(m_splits), dtype=torch.int64, device=x.device)
+        m_splits = torch.tensor(list(m_splits), dtype=torch.int64)
+    if isinstance(m_splits, torch.Tensor) and m_splits.device.type == "cpu" and x.device.type != "cpu":
+        # Host split sizes (TE's convention): an asynchronous copy from pinned memory. A plain copy from pageable
+        # memory would block the host until the GPU catches up, on every forward.
+        m_splits = m_splits.pin_memory().to(x.device, non_blocking=True)
     if not isinstance(m_splits, torch.Tensor) or m_splits.dim() != 1 or m_splits.is_floating_point() or (
             m_splits.dtype == torch.bool or m_splits.is_complex()):
         raise ValueError(f"{what}: m_splits must be a 1-D integer tensor (or a list of ints)")

@@ -4,7 +4,6 @@ amax layout gives the ``SequentialMLP`` layer's output with the same weights, an
 Run on the GPU machine: ``python3 -m pytest -m gpu tests/gpu``.
 """
 
-import copy
 import os
 import socket
 import warnings
@@ -64,15 +63,17 @@ def _quantize(layer, preset, layout):
     return layer
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def layers():
+    """Fresh layers per test (Megatron's TE layers hold process groups: they do not deep-copy)."""
     return _moe_layers()
 
 
 @pytest.mark.parametrize("preset", ["fp8_default.yaml", "nvfp4_default.yaml"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_te_grouped_experts_match_sequential_experts(layers, preset, layout):
-    grouped, sequential = (_quantize(copy.deepcopy(m), preset, layout) for m in layers)
+    float_out = layers[0](_hidden(5))[0]
+    grouped, sequential = (_quantize(m, preset, layout) for m in layers)
     assert type(grouped.experts.linear_fc1).__name__ == "QuantTEColumnParallelGroupedLinear"
     for gemm in ("linear_fc1", "linear_fc2"):
         for kind in ("weight_quantizer", "input_quantizer"):
@@ -85,13 +86,12 @@ def test_te_grouped_experts_match_sequential_experts(layers, preset, layout):
     assert torch.isfinite(out_g).all()
     rel = ((out_g.float() - out_s.float()).norm() / out_s.float().norm()).item()
     assert rel < 1e-2, rel  # only the bf16 GEMM implementations differ
-    float_out = layers[0](x)[0]
     assert ((out_g.float() - float_out.float()).norm() / float_out.float().norm()).item() > 1e-3
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_te_grouped_backward_reaches_every_expert_weight(layers, layout):
-    grouped = _quantize(copy.deepcopy(layers[0]), "fp8_default.yaml", layout)
+    grouped = _quantize(layers[0], "fp8_default.yaml", layout)
     x = _hidden(6).requires_grad_(True)
     grouped(x)[0].float().square().mean().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
@@ -102,20 +102,19 @@ def test_te_grouped_backward_reaches_every_expert_weight(layers, layout):
 
 
 def test_te_fp8_autocast_during_fake_quant_is_refused(layers):
-    grouped = _quantize(copy.deepcopy(layers[0]), "fp8_default.yaml", "vectorized")
+    grouped = _quantize(layers[0], "fp8_default.yaml", "vectorized")
     with pytest.raises(RuntimeError, match="fp8_autocast"):
         with te.fp8_autocast(enabled=True):
             grouped(_hidden(7))
 
 
 def test_plain_te_grouped_linear_uses_the_kernel_path_and_matches_the_reference():
-    torch.manual_seed(3)
-    layer = te.GroupedLinear(4, 256, 128, bias=False, params_dtype=torch.bfloat16, device="cuda")
     splits = [100, 0, 37, 119]
     x = torch.randn(sum(splits), 256, device="cuda", dtype=torch.bfloat16)
     outs = {}
     for kernel in ("triton", "torch"):
-        m = copy.deepcopy(layer)
+        torch.manual_seed(3)  # the same weights for both
+        m = te.GroupedLinear(4, 256, 128, bias=False, params_dtype=torch.bfloat16, device="cuda")
         cfg = mtq.load_config("fp8_default.yaml")
         cfg.kernel = kernel
         cfg.experts.input_amax = "per_expert"

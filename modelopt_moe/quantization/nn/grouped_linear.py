@@ -122,15 +122,21 @@ def use_kernels(preference: str, device: torch.device) -> bool:
 def _uniform_quantizer(layout: nn.Module, num_experts: int) -> TensorQuantizer | None:
     """The quantizer that serves every expert alike, or None where the experts must be handled one by one
     (disabled, calibrating, quantization off, or per-expert children that differ)."""
-    experts = [layout.expert(i) for i in range(num_experts)]
-    first = experts[0]
-    alike = all(q.cfg == first.cfg and q.ste == first.ste and q.is_enabled == first.is_enabled
-                and q._if_calib == first._if_calib and q._if_quant == first._if_quant for q in experts)
-    if not alike or not first.is_enabled or first._if_calib or not first._if_quant:
+    if not isinstance(layout, PerExpertQuantizer):  # one quantizer serves every expert: no per-expert checks
+        ok = layout.is_enabled and not layout._if_calib and layout._if_quant
+        return layout if ok and (layout.amax is not None or not layout.needs_amax) else None
+    first = layout[0]
+    state = _state(first)
+    if not all(_state(q) == state for q in layout) or not first.is_enabled or first._if_calib or not first._if_quant:
         return None
-    if first.needs_amax and any(layout.expert_amax(i) is None for i in range(num_experts)):
+    if first.needs_amax and any(q.amax is None for q in layout):
         return None
     return first
+
+
+def _state(q: TensorQuantizer) -> tuple:
+    """What must agree for per-expert children to be quantized in one launch (cheap: no pydantic compare)."""
+    return q.fmt, q.axis, q.block_size, q.ste, q.is_enabled, q._if_calib, q._if_quant
 
 
 def _kernel_amax(layout: nn.Module, q: TensorQuantizer, num_experts: int) -> torch.Tensor | None:
