@@ -105,6 +105,12 @@ def _channel_sharded(q: TensorQuantizer, kind: str, sharded_axis: int) -> bool:
     return kind == "weight_quantizer" and q.axis is not None and q.axis % 2 == sharded_axis
 
 
+def _module_device(module: nn.Module) -> torch.device:
+    """Where the module's parameters live (CPU for a meta-device model, which loads after ``to_empty``)."""
+    p = next(module.parameters(), None)
+    return torch.device("cpu") if p is None or p.device.type == "meta" else p.device
+
+
 def _placeholder(shape, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=torch.float32, device="cpu" if device is None or device.type == "meta" else device)
 
@@ -225,7 +231,7 @@ def expert_quantizers_sharded_state_dict(container: nn.Module, prefix: str, shar
         etp_replica = 0 if sharded else sharding.etp_rank
         spec = _ExpertSpec(owner, layout, kind, offsets, num_local, num_global, sharding, pe, ndim, chan,
                            etp_replica)
-        canonical = canonical_amax(layout, num_local, pe)
+        canonical = canonical_amax(layout, num_local, pe, device=_module_device(owner))
         key = f"{prefix}{kind}"
         if isinstance(layout, PerExpertQuantizer):
             for i in range(num_local):

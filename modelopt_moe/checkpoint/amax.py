@@ -150,15 +150,17 @@ def native_shape(q: TensorQuantizer, pe_shape: tuple[int, ...], ndim: int | None
     return tuple(shape)
 
 
-def canonical_amax(layout: nn.Module, num_local: int, pe_shape: tuple[int, ...]) -> torch.Tensor:
-    """This rank's amax as ``[num_local, *pe_shape]`` float32 (zeros where there is no amax yet)."""
+def canonical_amax(layout: nn.Module, num_local: int, pe_shape: tuple[int, ...],
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """This rank's amax as ``[num_local, *pe_shape]`` float32; zeros on ``device`` (where a checkpoint load will put
+    the loaded values: the module's device) where there is no amax yet."""
     if isinstance(layout, VectorizedQuantizer):
         if layout.amax is None:
-            return torch.zeros((num_local, *pe_shape), dtype=torch.float32)
+            return torch.zeros((num_local, *pe_shape), dtype=torch.float32, device=device)
         return layout.amax.detach().float().reshape(num_local, *pe_shape)
     qs = _quantizers(layout)
-    rows = [q.amax.detach().float().reshape(pe_shape) if q.amax is not None else torch.zeros(pe_shape)
-            for q in qs]
+    rows = [q.amax.detach().float().reshape(pe_shape) if q.amax is not None
+            else torch.zeros(pe_shape, dtype=torch.float32, device=device) for q in qs]
     if isinstance(layout, PerExpertQuantizer):
         return torch.stack([r.to(rows[0].device) for r in rows])
     return rows[0].unsqueeze(0).expand(num_local, *pe_shape).contiguous()
