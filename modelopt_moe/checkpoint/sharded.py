@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ from torch import nn
 from ..quantization.config import ExpertsConfig
 from ..quantization.utils import warn_once
 from .amax import CheckpointMismatchError
-from .state import check_state_header, modelopt_state, restore_modelopt_state
+from .state import atomic_torch_save, check_state_header, modelopt_state, restore_modelopt_state
 
 __all__ = [
     "STATE_FILE",
@@ -70,17 +69,6 @@ def _as_list(model_list) -> list[nn.Module]:
     return list(model_list) if isinstance(model_list, (list, tuple)) else [model_list]
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # quantization state
 
@@ -101,7 +89,7 @@ def save_sharded_modelopt_state(model_list, ckpt_dir: str | os.PathLike) -> None
     path = Path(ckpt_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"save_sharded_modelopt_state: checkpoint directory {path} does not exist")
-    _atomic_torch_save({"format": "modelopt_moe.sharded_state", "models": states}, path / STATE_FILE)
+    atomic_torch_save({"format": "modelopt_moe.sharded_state", "models": states}, path / STATE_FILE)
 
 
 def load_sharded_modelopt_state(ckpt_dir: str | os.PathLike) -> list[dict]:

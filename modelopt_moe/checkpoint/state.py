@@ -213,12 +213,16 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
         model: a quantized model.
         path: the file to write.
     """
-    path = Path(path)
-    payload = {"modelopt_moe_state": modelopt_state(model), "state_dict": _canonical_state_dict(model)}
+    atomic_torch_save({"modelopt_moe_state": modelopt_state(model), "state_dict": _canonical_state_dict(model)},
+                      Path(path))
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    """``torch.save`` to a temporary file beside ``path``, then an atomic rename: a crash leaves the old file."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        torch.save(payload, tmp)
+        torch.save(obj, tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
