@@ -335,6 +335,8 @@ class PerExpertQuantizer(nn.ModuleList):
         amaxes = [q.amax for q in self]
         if any(a is None for a in amaxes):
             return None
+        if torch.compiler.is_compiling():  # object ids and version counters are not traceable: stack every call
+            return torch.stack([a.float() for a in amaxes])
         key = tuple((id(a), a._version) for a in amaxes)
         if key != self._stack_key:
             self._stack = torch.stack([a.float() for a in amaxes])

@@ -128,3 +128,89 @@ def test_plain_te_grouped_linear_uses_the_kernel_path_and_matches_the_reference(
     assert torch.equal(outs["triton"][0], outs["torch"][0])
     assert torch.equal(outs["triton"][1], outs["torch"][1])
     assert all(torch.equal(a, b) for a, b in zip(outs["triton"][2], outs["torch"][2], strict=True))
+
+
+def _quantized_te_grouped_linear(input_amax="per_expert", seed=3):
+    torch.manual_seed(seed)
+    layer = te.GroupedLinear(4, 256, 128, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    cfg = mtq.load_config("fp8_default.yaml")
+    cfg.experts.input_amax = input_amax
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(layer, cfg, lambda mod: mod(x, [64, 0, 100, 92]))
+    return layer
+
+
+def test_quantized_te_grouped_linear_fwd_bwd_replays_from_a_cuda_graph():
+    splits = [64, 0, 100, 92]
+    layer = _quantized_te_grouped_linear()
+    weights = [layer.weight0, layer.weight1, layer.weight2, layer.weight3]
+    static_x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    static_g = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        y = layer(static_x, splits)
+        y.backward(static_g)
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up outside the graph (fills the weight cache: the graph must not use it)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in [static_x, *weights]:
+        t.grad = torch.zeros_like(t)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = step()
+
+    for update in range(2):
+        with torch.no_grad():  # an optimizer-like step between replays: the replay must see it
+            for w in weights:
+                w.mul_(1.0 + 0.1 * update)
+        for t in [static_x, *weights]:
+            t.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        got = (static_y.clone(), static_x.grad.clone(), [w.grad.clone() for w in weights])
+        for t in [static_x, *weights]:
+            t.grad = None
+        x = static_x.detach().clone().requires_grad_(True)
+        y = layer(x, splits)
+        y.backward(static_g)
+        assert torch.equal(got[0], y.detach()), update
+        assert torch.equal(got[1], x.grad), update
+        assert all(torch.equal(a, w.grad) for a, w in zip(got[2], weights, strict=True)), update
+        for t in [static_x, *weights]:
+            t.grad = torch.zeros_like(t)
+
+
+def test_quantized_grouped_linear_compiles_with_fullgraph_and_matches_eager():
+    from modelopt_moe.quantization.nn import GroupedLinear
+
+    splits = [64, 0, 100, 92]
+    torch.manual_seed(4)
+    layer = GroupedLinear(4, 256, 128, bias=False, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    cfg = mtq.load_config("nvfp4_default.yaml")
+    cfg.experts.input_amax, cfg.backward.ste = "per_expert", "clipped"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(layer, cfg, lambda mod: mod(x, splits))
+
+    def run(fn):
+        for w in layer.parameters():
+            w.grad = None
+        xx = x.clone().requires_grad_(True)
+        y = fn(xx)
+        y.float().square().sum().backward()
+        return y.detach(), xx.grad, [w.grad.clone() for w in layer.expert_weights()]
+
+    eager = run(lambda t: layer(t, splits))
+    compiled = run(torch.compile(lambda t: layer(t, splits), fullgraph=True))
+    assert torch.equal(compiled[0], eager[0])
+    torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=0)
+    for a, b in zip(compiled[2], eager[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

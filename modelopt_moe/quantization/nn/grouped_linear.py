@@ -20,6 +20,7 @@ from ...kernels import (
     grouped_input_fake_quant_ste,
     grouped_weight_clip_grad,
     grouped_weight_fake_quant,
+    grouped_weight_fake_quant_ste,
     kernels_available,
 )
 from ..config import ExpertsConfig, QuantizeConfig
@@ -46,6 +47,7 @@ __all__ = [
     "quantize_expert_weights",
     "quantize_expert_inputs",
     "WeightFakeQuantCache",
+    "DeviceSplits",
 ]
 
 
@@ -193,37 +195,82 @@ class WeightFakeQuantCache:
         self.key, self.values = key, values
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (the CPU build has no such query)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def quantize_expert_weights(layout: nn.Module, weights: list[torch.Tensor], kernel: str = "auto",
                             cache: WeightFakeQuantCache | None = None) -> list[torch.Tensor]:
     """Fake-quantizes (and calibrates) N expert weights: one kernel launch (or the reference per expert), the
     result cached across micro-batches. Calibration and mixed per-expert settings take the per-expert path."""
     q = _uniform_quantizer(layout, len(weights))
+    fast = q is not None and use_kernels(kernel, weights[0].device)
+    if cache is None or torch.compiler.is_compiling() or _capturing(weights[0].device):
+        # No cache in traced or captured graphs (ids and version counters are not traceable, and a replay runs no
+        # host code, so it must recompute from the current weights): fake-quantize on every call, by the
+        # differentiable op (one launch) or per expert.
+        if not fast:
+            return [layout.forward_expert(i, w) for i, w in enumerate(weights)]
+        amax = _kernel_amax(layout, q, len(weights))
+        return grouped_weight_fake_quant_ste(list(weights), amax, q.fmt, q.block_size, q.ste)
     if q is None:
         return [layout.forward_expert(i, w) for i, w in enumerate(weights)]
     amax = _kernel_amax(layout, q, len(weights))
-    key = WeightFakeQuantCache.make_key(weights, amax, q) if cache is not None else None
-    values = cache.lookup(key) if cache is not None else None
+    key = WeightFakeQuantCache.make_key(weights, amax, q)
+    values = cache.lookup(key)
     if values is None:
         with torch.no_grad():
-            if use_kernels(kernel, weights[0].device):
+            if fast:
                 values = grouped_weight_fake_quant([w.detach() for w in weights], amax, q.fmt, q.block_size)
             else:
                 values = [fake_quant(w.detach(), q.fmt, layout.expert_amax(i) if q.needs_amax else None, q.block_size)
                           for i, w in enumerate(weights)]
-        if cache is not None:
-            cache.store(key, values)
+        cache.store(key, values)
     if amax is not None and amax.dim() == 2:
         amax = amax.unsqueeze(-1)  # [N, C] -> [N, C, 1]: broadcasts over each [C, K] expert in the clip mask
     return list(_FrozenWeightFakeQuant.apply(amax, q.ste == "clipped", values, *weights))
 
 
-def quantize_expert_inputs(layout: nn.Module, x: torch.Tensor, m_splits, kernel: str = "auto") -> torch.Tensor:
+class DeviceSplits:
+    """Host split sizes (TE passes a list) as device tensors, made once per distinct split and kept alive.
+
+    The copy is asynchronous, from pinned memory (a pageable copy would stall the host every forward), and both
+    the pinned source and the device tensor stay referenced: a CUDA graph that captured the copy replays it from
+    that source.
+    """
+
+    MAX_ENTRIES = 64
+
+    def __init__(self):
+        self._entries: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, m_splits, device: torch.device):
+        if isinstance(m_splits, torch.Tensor) and m_splits.device == device:
+            return m_splits
+        if torch.compiler.is_compiling():  # a constant of the traced graph
+            return torch.tensor([int(m) for m in m_splits], dtype=torch.int64, device=device)
+        key = tuple(m_splits.tolist() if isinstance(m_splits, torch.Tensor) else (int(m) for m in m_splits))
+        entry = self._entries.get(key)
+        if entry is None or entry[1].device != device:
+            host = torch.tensor(key, dtype=torch.int64)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            if len(self._entries) >= self.MAX_ENTRIES:
+                self._entries.pop(next(iter(self._entries)))
+            entry = self._entries[key] = (host, host.to(device, non_blocking=True))
+        return entry[1]
+
+
+def quantize_expert_inputs(layout: nn.Module, x: torch.Tensor, m_splits, kernel: str = "auto",
+                           device_splits: DeviceSplits | None = None) -> torch.Tensor:
     """Fake-quantizes (and calibrates) the token matrix, expert by expert where the layout is per expert; one
     launch with the per-expert amax vector and device-side split offsets on the kernel path."""
     num_experts = len(m_splits)
     q = _uniform_quantizer(layout, num_experts) if layout.is_enabled else None
     if q is not None and x.dim() == 2 and use_kernels(kernel, x.device):
-        return grouped_input_fake_quant_ste(x, m_splits, layout.amax if q.needs_amax else None, q.fmt, q.block_size,
+        splits = (device_splits or DeviceSplits())(m_splits, x.device)
+        return grouped_input_fake_quant_ste(x, splits, layout.amax if q.needs_amax else None, q.fmt, q.block_size,
                                             q.ste)
     if _is_shared(layout):
         return layout(x)
@@ -291,15 +338,19 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
     ``grouped_gemm(x, m_splits, weights)``; ``_sharded_axis`` is the weight axis split across expert-TP ranks."""
 
     _sharded_axis = 0
-    _transient_attributes = ("_wq_cache",)
+    _transient_attributes = ("_wq_cache", "_device_splits")
 
     def _setup_quantizers(self, config: QuantizeConfig) -> None:
         build_expert_quantizers(self, self.num_gemms, config.experts)
 
+    def _transient(self, name: str, factory):
+        """A per-module cache object, created on first use (never pickled or deep-copied)."""
+        if name not in self.__dict__:
+            self.__dict__[name] = factory()
+        return self.__dict__[name]
+
     def _weight_cache(self) -> WeightFakeQuantCache:
-        if "_wq_cache" not in self.__dict__:
-            self._wq_cache = WeightFakeQuantCache()
-        return self._wq_cache
+        return self._transient("_wq_cache", WeightFakeQuantCache)
 
     def calibrate_weights(self) -> None:
         if self.weight_quantizer.is_enabled:
@@ -313,7 +364,8 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
         return run_quantized_gemm(
             self.quant_backward, x, self.expert_weights(),
             gemm=gemm or (lambda xo, wo: self.grouped_gemm(xo, m_splits, wo)),
-            quantize_input=lambda t: quantize_expert_inputs(iq, t, m_splits, self.quant_kernel),
+            quantize_input=lambda t: quantize_expert_inputs(iq, t, m_splits, self.quant_kernel,
+                                                            self._transient("_device_splits", DeviceSplits)),
             quantize_weight=lambda ws: quantize_expert_weights(wq, ws, self.quant_kernel, self._weight_cache()),
             input_mask=lambda t: _expert_input_mask(iq, t, m_splits),
             weight_mask=_weight_mask_fn(wq, self.expert_weights()),

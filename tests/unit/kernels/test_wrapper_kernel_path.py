@@ -47,3 +47,33 @@ def test_kernel_path_matches_the_reference_bit_for_bit(preset, weight_amax, inpu
     assert torch.equal(fast[0], ref[0])
     assert torch.equal(fast[1], ref[1])
     assert all(torch.equal(a, b) for a, b in zip(fast[2], ref[2], strict=True))
+
+
+@pytest.mark.parametrize("weight_amax,input_amax,ste", [
+    ("vectorized", "per_expert", "clipped"),
+    ("per_expert", "shared", "pass_through"),
+])
+def test_quantized_grouped_linear_traces_with_fullgraph_and_matches_eager(weight_amax, input_amax, ste):
+    torch.manual_seed(0)
+    layer = GroupedLinear(len(SPLITS), 32, 16, bias=True)
+    cfg = mtq.load_config("fp8_default.yaml")
+    cfg.experts.weight_amax, cfg.experts.input_amax = weight_amax, input_amax
+    cfg.backward.ste, cfg.kernel = ste, "triton"
+    x = torch.randn(sum(SPLITS), 32, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(layer, cfg, lambda m: m(x, SPLITS))
+
+    def run(fn):
+        for w in layer.parameters():
+            w.grad = None
+        xx = x.clone().requires_grad_(True)
+        y = fn(xx)
+        y.square().sum().backward()
+        return y.detach(), xx.grad, [w.grad.clone() for w in layer.expert_weights()]
+
+    eager = run(lambda t: layer(t, SPLITS))
+    torch._dynamo.reset()
+    compiled = run(torch.compile(lambda t: layer(t, SPLITS), fullgraph=True, backend="aot_eager"))
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+    assert all(torch.equal(a, b) for a, b in zip(compiled[2], eager[2], strict=True))
