@@ -100,14 +100,22 @@ def get_format(fmt):
     return _formats().get_format(fmt)
 
 
+# Whether our kernels were built for the Triton interpreter: a plain bool, recorded when they are imported, so that
+# torch.compile traces kernels_available() as a constant (it cannot inspect a compiled kernel object).
+_INTERPRETED: bool | None = None
+
+
 def _interpret_mode() -> bool:
     """Whether our kernels run (or, not yet imported, would run) in the Triton interpreter."""
-    import sys
+    global _INTERPRETED
+    if _INTERPRETED is None:
+        import sys
 
-    mod = sys.modules.get(__package__ + ".triton_kernels")
-    if mod is not None:
-        return type(mod._grouped_weight_fake_quant_kernel).__name__ == "InterpretedFunction"
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+        mod = sys.modules.get(__package__ + ".triton_kernels")
+        if mod is None:
+            return os.environ.get("TRITON_INTERPRET", "0") == "1"
+        _INTERPRETED = type(mod._grouped_weight_fake_quant_kernel).__name__ == "InterpretedFunction"
+    return _INTERPRETED
 
 
 def kernels_available(device: torch.device | str) -> bool:
