@@ -56,6 +56,7 @@ __all__ = [
     "grouped_input_fake_quant",
     "grouped_input_clip_grad",
     "GroupedWeightFakeQuant",
+    "GroupedWeightSTE",
     "GroupedInputFakeQuant",
     "grouped_weight_fake_quant_ste",
     "grouped_input_fake_quant_ste",
@@ -688,20 +689,43 @@ class GroupedWeightFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, amax, fmt, block_size, ste, *weights):
-        _check_ste(ste)
-        outs = grouped_weight_fake_quant(list(weights), amax, fmt, block_size)
-        ctx.clipped = ste == "clipped" and amax is not None
-        if ctx.clipped:
-            ctx.save_for_backward(amax, *weights)
-        return tuple(outs)
+        _save_weight_ste(ctx, ste, amax, weights)
+        return tuple(grouped_weight_fake_quant(list(weights), amax, fmt, block_size))
 
     @staticmethod
     def backward(ctx, *grads):
-        if not ctx.clipped:
-            return (None, None, None, None, *grads)
-        amax, *weights = ctx.saved_tensors
-        grads = [torch.zeros_like(w) if g is None else g.contiguous() for g, w in zip(grads, weights, strict=True)]
-        return (None, None, None, None, *grouped_weight_clip_grad(grads, weights, amax))
+        return (None, None, None, None, *_weight_ste_grads(ctx, grads))
+
+
+class GroupedWeightSTE(torch.autograd.Function):
+    """``apply(amax, ste, values, *weights) -> values`` (as views): fake-quantized weights computed earlier (e.g. kept
+    across gradient-accumulation micro-batches) put back into the graph with :class:`GroupedWeightFakeQuant`'s
+    backward."""
+
+    @staticmethod
+    def forward(ctx, amax, ste, values, *weights):
+        _save_weight_ste(ctx, ste, amax, weights)
+        return tuple(v.view_as(v) for v in values)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, None, *_weight_ste_grads(ctx, grads))
+
+
+def _save_weight_ste(ctx, ste: str, amax: torch.Tensor | None, weights) -> None:
+    _check_ste(ste)
+    ctx.clipped = ste == "clipped" and amax is not None
+    if ctx.clipped:
+        ctx.save_for_backward(amax, *weights)
+
+
+def _weight_ste_grads(ctx, grads) -> list:
+    """Pass-through: the gradients unchanged (no launch); clipped: zero where ``|w| > amax`` (one launch)."""
+    if not ctx.clipped:
+        return list(grads)
+    amax, *weights = ctx.saved_tensors
+    grads = [torch.zeros_like(w) if g is None else g.contiguous() for g, w in zip(grads, weights, strict=True)]
+    return grouped_weight_clip_grad(grads, weights, amax)
 
 
 class GroupedInputFakeQuant(torch.autograd.Function):

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...kernels import (
+    GroupedWeightSTE,
     grouped_input_fake_quant_ste,
-    grouped_weight_clip_grad,
     grouped_weight_fake_quant,
     grouped_weight_fake_quant_ste,
     kernels_available,
@@ -152,25 +152,6 @@ def _kernel_amax(layout: nn.Module, q: TensorQuantizer, num_experts: int) -> tor
     return a if q.axis is None else a.reshape(num_experts, -1)
 
 
-class _FrozenWeightFakeQuant(torch.autograd.Function):
-    """Returns precomputed fake-quantized weights (views); backward is the straight-through estimator."""
-
-    @staticmethod
-    def forward(ctx, amax, clipped, values, *weights):
-        ctx.clipped = clipped and amax is not None
-        if ctx.clipped:
-            ctx.save_for_backward(amax, *weights)
-        return tuple(v.view_as(v) for v in values)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if not ctx.clipped:
-            return (None, None, None, *grads)
-        amax, *weights = ctx.saved_tensors
-        grads = [torch.zeros_like(w) if g is None else g.contiguous() for g, w in zip(grads, weights, strict=True)]
-        return (None, None, None, *grouped_weight_clip_grad(grads, weights, amax))
-
-
 class WeightFakeQuantCache:
     """The fake-quantized expert weights, reused while neither the weights nor the amax changed.
 
@@ -227,9 +208,7 @@ def quantize_expert_weights(layout: nn.Module, weights: list[torch.Tensor], kern
                 values = [fake_quant(w.detach(), q.fmt, layout.expert_amax(i) if q.needs_amax else None, q.block_size)
                           for i, w in enumerate(weights)]
         cache.store(key, values)
-    if amax is not None and amax.dim() == 2:
-        amax = amax.unsqueeze(-1)  # [N, C] -> [N, C, 1]: broadcasts over each [C, K] expert in the clip mask
-    return list(_FrozenWeightFakeQuant.apply(amax, q.ste == "clipped", values, *weights))
+    return list(GroupedWeightSTE.apply(amax, q.ste, values, *weights))
 
 
 class DeviceSplits:

@@ -208,3 +208,26 @@ def test_kernel_triton_where_triton_cannot_run_fails_clearly(monkeypatch):
     monkeypatch.setattr(grouped_linear, "kernels_available", lambda device: False)
     with pytest.raises(RuntimeError, match="kernel='triton'"):
         layer(_data()[0], SPLITS)
+
+
+@pytest.mark.parametrize("weight_amax", ["vectorized", "per_expert", "shared"])
+def test_clipped_ste_with_per_channel_weight_amax_masks_each_channel(weight_amax):
+    layer = _quantized(_config("int8_default.yaml", weight_amax=weight_amax, ste="clipped"))
+    # Per-channel amax halved: channels clip where |w| exceeds their own amax.
+    if weight_amax == "per_expert":
+        for q in layer.weight_quantizer:
+            q.amax = q.amax * 0.5
+    else:
+        layer.weight_quantizer.amax = layer.weight_quantizer.amax * 0.5
+    x, g = _data(3)
+    _, _, dws = _run(layer, x, g)
+    xs, gs = torch.split(x, SPLITS), torch.split(g, SPLITS)
+    xq = [fake_quant(c, "int8", layer.input_quantizer.amax[i]) for i, c in enumerate(xs)]
+    clipped = 0
+    for i, (w, dw) in enumerate(zip(layer.expert_weights(), dws, strict=True)):
+        amax = layer.weight_quantizer.expert_amax(i)
+        assert amax.shape == (OUT, 1)
+        want = (gs[i].t() @ xq[i]) * (w.detach().abs() <= amax)
+        torch.testing.assert_close(dw, want, rtol=1e-6, atol=1e-6)
+        clipped += int((w.detach().abs() > amax).sum())
+    assert clipped > 0
