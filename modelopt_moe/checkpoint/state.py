@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..quantization.config import BackwardConfig, ExpertsConfig, QuantizeConfig, QuantizerAttributeConfig
-from ..quantization.conversion import _rule_name, convert, is_quantized, named_quantizers
+from ..quantization.conversion import convert, is_quantized, named_quantizers, rule_name
 from .amax import (
     CheckpointMismatchError,
     canonical_amax,
@@ -63,7 +63,7 @@ def num_global_experts(owner: nn.Module, num_local: int) -> int:
 def _rule_level_quantizers(model: nn.Module) -> dict[str, list]:
     out: dict[str, list] = {}
     for name, q, _ in named_quantizers(model):
-        out.setdefault(_rule_name(name), []).append(q)
+        out.setdefault(rule_name(name), []).append(q)
     return out
 
 

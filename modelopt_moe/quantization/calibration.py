@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .conversion import _rule_name, is_quantized, named_quantizers
+from .conversion import is_quantized, named_quantizers, rule_name
 from .tensor_quantizer import TensorQuantizer
 from .utils import is_rank0, warn_once
 
@@ -42,7 +42,7 @@ def default_groups() -> dict:
 
 
 def _is_weight_quantizer(full_name: str) -> bool:
-    return _rule_name(full_name).endswith("weight_quantizer")
+    return rule_name(full_name).endswith("weight_quantizer")
 
 
 def amax_placeholder(q: TensorQuantizer) -> torch.Tensor:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterator
 
-import torch
 from torch import nn
 
 from .config import QuantizeConfig, QuantizerAttributeConfig
@@ -26,8 +25,7 @@ __all__ = [
     "is_quantized",
     "named_quantizers",
     "apply_quant_cfg",
-    "quantizer_state",
-    "restore_quantizer_state",
+    "rule_name",
     "set_quantizer_by_pattern",
 ]
 
@@ -160,8 +158,8 @@ def named_quantizers(model: nn.Module) -> Iterator[tuple[str, TensorQuantizer, n
                 yield (f"{mod_name}.{q_name}" if mod_name else q_name), q, module
 
 
-def _rule_name(full_name: str) -> str:
-    """Per-expert child quantizers (``weight_quantizer.3``) follow the rules of their container."""
+def rule_name(full_name: str) -> str:
+    """The name quant_cfg rules match: per-expert children (``weight_quantizer.3``) follow their container's."""
     head, _, tail = full_name.rpartition(".")
     return head if tail.isdigit() and head.endswith("_quantizer") else full_name
 
@@ -170,7 +168,7 @@ def apply_quant_cfg(model: nn.Module, config: QuantizeConfig) -> None:
     """Applies the ``quant_cfg`` rules to every quantizer; a quantizer no rule names is disabled."""
     for full_name, q, module in named_quantizers(model):
         parent = module._original_cls.__name__
-        attrs = config.resolve(_rule_name(full_name), parent)
+        attrs = config.resolve(rule_name(full_name), parent)
         q.set_from_attribute_config(attrs if attrs is not None else QuantizerAttributeConfig(enable=False))
         q.ste = config.backward.ste
     for module in model.modules():
@@ -185,37 +183,7 @@ def set_quantizer_by_pattern(model: nn.Module, pattern: str, enable: bool) -> in
     """Enables or disables every quantizer whose full name matches ``pattern``; returns how many matched."""
     n = 0
     for full_name, q, _ in named_quantizers(model):
-        if fnmatch.fnmatchcase(full_name, pattern) or fnmatch.fnmatchcase(_rule_name(full_name), pattern):
+        if fnmatch.fnmatchcase(full_name, pattern) or fnmatch.fnmatchcase(rule_name(full_name), pattern):
             q.enable() if enable else q.disable()
             n += 1
     return n
-
-
-def quantizer_state(model: nn.Module) -> dict:
-    """Everything needed to rebuild the quantizers of ``model`` in a fresh model (no tensors)."""
-    return {
-        name: {"cfg": q.cfg.model_dump(), "enabled": q.is_enabled, "ste": q.ste}
-        for name, q, _ in named_quantizers(model)
-    }
-
-
-def restore_quantizer_state(model: nn.Module, state: dict) -> None:
-    """Applies :func:`quantizer_state` output to an already converted model.
-
-    Raises:
-        ValueError: a quantizer in ``state`` is missing in ``model`` or the reverse, naming them.
-    """
-    quantizers = {name: q for name, q, _ in named_quantizers(model)}
-    missing, extra = sorted(set(state) - set(quantizers)), sorted(set(quantizers) - set(state))
-    if missing or extra:
-        raise ValueError(f"quantizer state does not fit the model: in the state only {missing[:5]}, "
-                         f"in the model only {extra[:5]}")
-    for name, entry in state.items():
-        q = quantizers[name]
-        q.set_from_attribute_config(QuantizerAttributeConfig(**entry["cfg"]))
-        q._enabled = entry["enabled"]
-        q.ste = entry["ste"]
-
-
-def all_amax_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: q.amax for name, q, _ in named_quantizers(model) if q.amax is not None}

@@ -6,7 +6,7 @@ import warnings
 
 import torch.distributed as dist
 
-__all__ = ["rank", "is_rank0", "warn_once", "print_rank0"]
+__all__ = ["rank", "is_rank0", "warn_once"]
 
 _warned: set[str] = set()
 
@@ -27,8 +27,3 @@ def warn_once(message: str) -> None:
     _warned.add(message)
     if is_rank0():
         warnings.warn(message, stacklevel=3)
-
-
-def print_rank0(*args, **kwargs) -> None:
-    if is_rank0():
-        print(*args, **kwargs, flush=True)
