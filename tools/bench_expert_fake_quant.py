@@ -115,13 +115,13 @@ def main() -> None:
             best = None
             for tile in (1024, 2048, 4096, 8192):
                 for warps in (2, 4, 8):
-                    gfq._TILE_ELEMS, gfq._NUM_WARPS = tile, warps
+                    gfq._TUNE["*"] = {"tile": tile, "warps": warps}
                     gfq.clear_table_cache()
                     t = bench(rotating(grouped, sets), rep_ms=100)
                     print(f"    sweep {name}: tile {tile:6d} warps {warps}: {t:.3f} ms  "
                           f"{nbytes / (t * 1e-3) / bw:.3f} of copy")
                     best = min(best or (t, tile, warps), (t, tile, warps))
-            gfq._TILE_ELEMS, gfq._NUM_WARPS = 4096, 4
+            gfq._TUNE.clear()
             gfq.clear_table_cache()
             print(f"    best: tile {best[1]} warps {best[2]}: {best[0]:.3f} ms")
         if not args.quick:

@@ -69,6 +69,20 @@ _FMT_CODES = {"e4m3": 0, "e5m2": 1, "nvfp4": 2, "int8": 3, "int4": 4}
 _STE_MODES = ("pass_through", "clipped")
 _TILE_ELEMS = 4096  # elements per program: 8 KiB of bf16 in and out, 32 per thread at 4 warps
 _NUM_WARPS = 4
+# Launch configuration of the weight fake-quant kernel (see _weight_config), chosen with
+# tools/tune_weight_kernel.py on an H200 (docs/benchmarks.md), which overrides entries through _TUNE to compare
+# variants. Every option gives the same bits.
+_WEIGHT_DEFAULTS = {
+    "tile": _TILE_ELEMS,  # elements per program
+    "warps": _NUM_WARPS,
+    "uniform": True,  # experts of one shape: expert = tile // tiles_per_expert instead of a table search
+    "even": True,  # with uniform, and every tile full: no masks
+    "hw_cvt": True,  # GPU: fp8 rounding (and NVFP4's e4m3 block scale) by the hardware converter
+    "lean": True,  # drop the upper exponent clamp that saturation makes redundant
+    "fast_max": True,  # GPU: NVFP4 block max by the NaN-ignoring hardware max
+}
+_WEIGHT_FORMAT_DEFAULTS = {"nvfp4": {"tile": 2048}}  # fewer registers per program for the block max and scales
+_TUNE: dict = {}
 _MAX_TILE_W = 1024
 _TABLE_COLS = 8  # keep in sync with triton_kernels.NCOL
 _CACHE_SIZE = 64
@@ -151,36 +165,44 @@ def _launch_kwargs(device: torch.device) -> dict:
 class _WeightPlan:
     """Tiling and device table for one call of a grouped weight kernel."""
 
-    __slots__ = ("table", "host", "base", "aux_base", "n_tiles", "tile_r", "tile_nb", "bs", "vec", "two_d", "steps")
+    __slots__ = ("table", "host", "base", "aux_base", "n_tiles", "tile_r", "tile_nb", "bs", "vec", "two_d", "steps",
+                 "uniform", "even", "u_tiles", "u_rows", "u_cols", "u_ctiles")
 
 
 _plan_cache: "OrderedDict[tuple, _WeightPlan]" = OrderedDict()
 _captured_plans: dict[tuple, _WeightPlan] = {}
 
 
-def _tiling(shapes: list[tuple[int, ...]], bs: int, two_d: bool) -> tuple[int, int]:
-    """(TILE_R, TILE_NB) for inner block ``bs``: about _TILE_ELEMS elements per program."""
+def _tiling(shapes: list[tuple[int, ...]], bs: int, two_d: bool, tile_elems: int = _TILE_ELEMS) -> tuple[int, int]:
+    """(TILE_R, TILE_NB) for inner block ``bs``: about ``tile_elems`` elements per program."""
     if not two_d:
-        return 1, max(1, _TILE_ELEMS // bs)
+        return 1, max(1, tile_elems // bs)
     tile_w = max(bs, min(_MAX_TILE_W, _next_pow2(max(s[1] for s in shapes))))
-    return max(1, _TILE_ELEMS // tile_w), tile_w // bs
+    return max(1, tile_elems // tile_w), tile_w // bs
+
+
+def _weight_config(fmt: str) -> dict:
+    """Launch options of the weight fake-quant kernel for format ``fmt`` (defaults, then tuning overrides)."""
+    cfg = {**_WEIGHT_DEFAULTS, **_WEIGHT_FORMAT_DEFAULTS.get(fmt, {})}
+    cfg.update(_TUNE.get(fmt, _TUNE.get("*", {})))
+    return cfg
 
 
 def _weight_plan(inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor] | None, bs: int, two_d: bool,
-                 ) -> _WeightPlan:
+                 tile_elems: int = _TILE_ELEMS) -> _WeightPlan:
     device = inputs[0].device
     shapes = [tuple(t.shape) for t in inputs]
     ptrs = [t.data_ptr() for t in inputs]
     aux_ptrs = [t.data_ptr() for t in aux] if aux is not None else []
     key = (device, inputs[0].dtype, aux[0].dtype if aux else None, tuple(ptrs), tuple(aux_ptrs), tuple(shapes),
-           bs, two_d, _TILE_ELEMS)
+           bs, two_d, tile_elems)
     plan = _plan_cache.get(key) or _captured_plans.get(key)
     if plan is not None:
         if key in _plan_cache:
             _plan_cache.move_to_end(key)
         return plan
 
-    tile_r, tile_nb = _tiling(shapes, bs, two_d)
+    tile_r, tile_nb = _tiling(shapes, bs, two_d, tile_elems)
     tile_elems = tile_r * tile_nb * bs
     tile_w = tile_nb * bs
     esize = inputs[0].element_size()
@@ -223,6 +245,15 @@ def _weight_plan(inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor] | N
     plan.base, plan.aux_base, plan.n_tiles = base, aux_base, n_tiles
     plan.tile_r, plan.tile_nb, plan.bs, plan.vec, plan.two_d = tile_r, tile_nb, bs, vec, two_d
     plan.steps = max(0, (len(inputs) - 1).bit_length())
+    # One shape for all experts: the kernel may locate a tile by division instead of the table search.
+    r0 = rows[0]
+    plan.uniform = all(s == shapes[0] for s in shapes) and n_tiles < 2**31 and r0[3] * r0[4] < 2**31
+    plan.u_rows, plan.u_cols, plan.u_ctiles = r0[3], r0[4], r0[6]
+    plan.u_tiles = n_tiles // len(inputs)
+    if two_d:
+        plan.even = plan.uniform and r0[3] % tile_r == 0 and r0[4] % tile_w == 0
+    else:
+        plan.even = plan.uniform and (r0[3] * r0[4]) % tile_elems == 0
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         _captured_plans[key] = plan
     else:
@@ -264,17 +295,25 @@ def _launch_weight_fake_quant(weights, amax, fmt, block_size) -> torch.Tensor:
     k = _kernels()
     amax_mode, amax_stride = _amax_mode(amax, len(weights))
     bs, _ = _inner_block(fmt, block_size)
-    plan = _weight_plan(weights, None, bs, two_d=amax_mode == 2)
+    cfg = _weight_config(fmt)
+    plan = _weight_plan(weights, None, bs, two_d=amax_mode == 2, tile_elems=cfg["tile"])
     total = sum(w.numel() for w in weights)
     out = torch.empty(total, dtype=weights[0].dtype, device=weights[0].device)
     if plan.n_tiles == 0:
         return out
     amax_arg = amax if amax is not None else plan.table  # any tensor: never read when AMAX_MODE == 0
+    on_gpu = out.device.type == "cuda"
+    uniform = bool(cfg["uniform"]) and plan.uniform
+    kwargs = _launch_kwargs(out.device)
+    kwargs["num_warps"] = cfg["warps"]
     k._grouped_weight_fake_quant_kernel[(plan.n_tiles,)](
-        weights[plan.base], out, plan.table, amax_arg, len(weights), amax_stride,
+        weights[plan.base], out, plan.table, amax_arg, len(weights), amax_stride, plan.u_tiles,
+        plan.u_rows, plan.u_cols, plan.u_ctiles,
         FMT=_FMT_CODES[fmt], INT_BLOCK=fmt in ("int8", "int4") and block_size is not None, AMAX_MODE=amax_mode,
         TWO_D=plan.two_d, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs, VEC=plan.vec,
-        SEARCH_STEPS=plan.steps, **_launch_kwargs(out.device),
+        SEARCH_STEPS=plan.steps, UNIFORM=uniform, EVEN=uniform and bool(cfg["even"]) and plan.even,
+        HW_CVT=on_gpu and bool(cfg["hw_cvt"]), LEAN=bool(cfg["lean"]),
+        FAST_MAX=on_gpu and bool(cfg["fast_max"]), **kwargs,
     )
     return out
 

@@ -129,16 +129,19 @@ def _safe_amax(a, bound):
 
 
 @triton.jit
-def _round_mag(a, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr):
+def _round_mag(a, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, NO_HI: tl.constexpr = False):
     """Rounds ``a >= 0`` (or NaN) to MANT mantissa bits, min normal exponent EMIN (subnormals below), half to even.
 
     Adding 2**(e - MANT + 23), e = max(exponent(a), EMIN), makes the target quantum 2**(e - MANT) the ulp of the
     sum, so the FPU rounds; the subtraction is exact. No saturation (callers clamp first). EMAX bounds the magic
-    number for huge or non-finite inputs (NaN stays NaN).
+    number for huge or non-finite inputs (NaN stays NaN). ``NO_HI=True`` drops that bound where the caller has
+    already saturated ``a`` to at most the format's max (exponent <= EMAX), so only NaN can exceed it, and NaN plus
+    any magic number stays NaN.
     """
     eb = a.to(tl.int32, bitcast=True) >> 23
     eb = tl.where(eb < EMIN + 127, EMIN + 127, eb)
-    eb = tl.where(eb > EMAX + 127, EMAX + 127, eb)
+    if not NO_HI:
+        eb = tl.where(eb > EMAX + 127, EMAX + 127, eb)
     magic = ((eb << 23) + ((23 - MANT) << 23)).to(tl.float32, bitcast=True)
     return (a + magic) - magic
 
@@ -161,14 +164,39 @@ def _div_by(q, d, rcp, NATIVE_DIV: tl.constexpr):
 
 
 @triton.jit
+def _hw_round_fp8(v, E5M2_: tl.constexpr):
+    """Saturating round of fp32 ``v`` to e4m3 (or e5m2) and back to fp32 by the GPU's converters (sm_89+).
+
+    ``cvt.rn.satfinite`` rounds to nearest even with the format's subnormals, turns anything beyond the largest
+    finite value (Inf too) into it and keeps NaN a NaN; the way back (fp8 -> f16 -> f32) is exact. That is
+    ``_round_mag(where(v > BOUND, BOUND, v))`` for ``v >= 0`` or NaN. GPU only (the interpreter has no inline asm).
+    """
+    vi = v.to(tl.int32, bitcast=True)
+    if E5M2_:
+        r = tl.inline_asm_elementwise(
+            "{ .reg .b16 t, l, u; .reg .b32 h; cvt.rn.satfinite.e5m2x2.f32 t, $3, $2; cvt.rn.f16x2.e5m2x2 h, t; "
+            "mov.b32 {l, u}, h; cvt.f32.f16 $0, l; cvt.f32.f16 $1, u; }",
+            "=r,=r,r,r", [vi], dtype=tl.int32, is_pure=True, pack=2)
+    else:
+        r = tl.inline_asm_elementwise(
+            "{ .reg .b16 t, l, u; .reg .b32 h; cvt.rn.satfinite.e4m3x2.f32 t, $3, $2; cvt.rn.f16x2.e4m3x2 h, t; "
+            "mov.b32 {l, u}, h; cvt.f32.f16 $0, l; cvt.f32.f16 $1, u; }",
+            "=r,=r,r,r", [vi], dtype=tl.int32, is_pure=True, pack=2)
+    return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fp8_tile(x, amax, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
-              NATIVE_DIV: tl.constexpr):
+              NATIVE_DIV: tl.constexpr, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False):
     scale = _div(tl.full(amax.shape, BOUND, tl.float32), _safe_amax(amax, BOUND))
     rcp = _div(tl.full(amax.shape, 1.0, tl.float32), scale)
     # Magnitudes only (rounding is symmetric); the sign of x goes back on at the end, so -0.0 survives.
     v = tl.abs(x) * scale
-    v = tl.where(v > BOUND, BOUND, v)  # saturate (NaN compares false and stays NaN)
-    q = _round_mag(v, MANT, EMIN, EMAX)
+    if HW_CVT:
+        q = _hw_round_fp8(v, MANT == 2)
+    else:
+        v = tl.where(v > BOUND, BOUND, v)  # saturate (NaN compares false and stays NaN)
+        q = _round_mag(v, MANT, EMIN, EMAX, LEAN)
     # q / scale: q >= 2**-16 or 0, scale in [2**-126, 2**40]: the quotient is a normal fp32 (or 0).
     return _with_sign_of(_div_by(q, scale, rcp, NATIVE_DIV), x)
 
@@ -189,13 +217,22 @@ def _int_tile(x, amax, IBOUND: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV
 
 
 @triton.jit
-def _nvfp4_tile(x, amax, NATIVE_DIV: tl.constexpr):
+def _nvfp4_tile(x, amax, NATIVE_DIV: tl.constexpr, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False,
+                FAST_MAX: tl.constexpr = False):
     sg = _div(_safe_amax(amax, 2688.0), tl.full(amax.shape, 2688.0, tl.float32))  # [R, 1, 1]
     ax = tl.abs(x)
-    bmax = tl.max(tl.where(ax != ax, 0.0, ax), axis=2, keep_dims=True)  # [R, NB, 1], NaN ignored
+    if FAST_MAX:
+        # GPU only: the reduction's max.f32 already returns the other operand when one is NaN (ax >= 0, so an
+        # all-NaN block gives 0, as the masked max below does); the interpreter's max propagates NaN.
+        bmax = tl.max(ax, axis=2, keep_dims=True)
+    else:
+        bmax = tl.max(tl.where(ax != ax, 0.0, ax), axis=2, keep_dims=True)  # [R, NB, 1], NaN ignored
     t = _div(_div(bmax, tl.full(bmax.shape, 6.0, tl.float32)), sg)
-    t = tl.where(t > 448.0, 448.0, t)  # t >= 0, never NaN
-    s = _round_mag(t, 3, -6, 8) * sg  # e4m3 block scale times the global scale
+    if HW_CVT:
+        s = _hw_round_fp8(t, False) * sg  # saturates at 448 itself; t >= 0, never NaN
+    else:
+        t = tl.where(t > 448.0, 448.0, t)  # t >= 0, never NaN
+        s = _round_mag(t, 3, -6, 8, LEAN) * sg  # e4m3 block scale times the global scale
     s_ok = tl.where(s > 0.0, s, 1.0)
     rcp = _div(tl.full(s.shape, 1.0, tl.float32), s_ok)
     # |x| / s; where that exceeds 8 (or is Inf/NaN) E2M1 saturates anyway, and Markstein's correction could
@@ -205,27 +242,30 @@ def _nvfp4_tile(x, amax, NATIVE_DIV: tl.constexpr):
     v = tl.where(v > 6.0, 6.0, v)
     # E2M1 is a float with 1 mantissa bit and min normal exponent 0: {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to even
     # (the same thresholds as formats.round_to_e2m1).
-    q = _round_mag(v, 1, 0, 2)
+    q = _round_mag(v, 1, 0, 2, LEAN)
     return _with_sign_of(q * s, x)
 
 
 @triton.jit
-def _fake_quant_tile(x, amax, FMT: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV: tl.constexpr = False):
+def _fake_quant_tile(x, amax, FMT: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV: tl.constexpr = False,
+                     HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False, FAST_MAX: tl.constexpr = False):
     """Fake-quantizes a fp32 tile ``x`` [R, NB, BS] exactly as formats.fake_quant.
 
     ``amax`` is fp32 [R, 1, 1] (per row: expert or channel). For NVFP4 and block int formats the last axis of the
-    tile is one quantization block.
+    tile is one quantization block. Same bits whatever the options (GPU only: ``HW_CVT``, ``FAST_MAX``):
+    ``HW_CVT`` rounds to fp8 with the hardware converter, ``LEAN`` drops a clamp that saturation makes redundant,
+    ``FAST_MAX`` takes the NVFP4 block max with the GPU's NaN-ignoring max.
     """
     if FMT == E4M3:
-        out = _fp8_tile(x, amax, 448.0, 3, -6, 8, NATIVE_DIV)
+        out = _fp8_tile(x, amax, 448.0, 3, -6, 8, NATIVE_DIV, HW_CVT, LEAN)
     elif FMT == E5M2:
-        out = _fp8_tile(x, amax, 57344.0, 2, -14, 15, NATIVE_DIV)
+        out = _fp8_tile(x, amax, 57344.0, 2, -14, 15, NATIVE_DIV, HW_CVT, LEAN)
     elif FMT == INT8:
         out = _int_tile(x, amax, 127.0, INT_BLOCK, NATIVE_DIV)
     elif FMT == INT4:
         out = _int_tile(x, amax, 7.0, INT_BLOCK, NATIVE_DIV)
     else:
-        out = _nvfp4_tile(x, amax, NATIVE_DIV)
+        out = _nvfp4_tile(x, amax, NATIVE_DIV, HW_CVT, LEAN, FAST_MAX)
     return out
 
 
@@ -243,39 +283,73 @@ def _find_expert(table_ptr, pid, n_experts, SEARCH_STEPS: tl.constexpr):
 
 
 @triton.jit
-def _tile_offsets(table_ptr, e, t, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr,
-                  TWO_D: tl.constexpr, VEC: tl.constexpr):
-    """Where local tile ``t`` of expert ``e`` lies: (int64 start offset, int32 [TILE_R, TILE_NB, BS] offsets from
-    it, mask, rows [TILE_R, 1, 1], row mask).
+def _tile_offsets(rows_n, cols_n, ctiles, t, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr,
+                  TWO_D: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr = False):
+    """Where local tile ``t`` of an expert of ``rows_n x cols_n`` (``ctiles`` column tiles) lies: (int64 start
+    offset, int32 [TILE_R, TILE_NB, BS] offsets from it, mask, rows [TILE_R, 1, 1], row mask).
 
     Flat tiling walks the flattened expert in contiguous chunks of TILE_R * TILE_NB * BS elements; 2-D tiling walks
-    the [rows, cols] matrix in [TILE_R, TILE_NB * BS] tiles (needed when the amax is per row).
+    the [rows, cols] matrix in [TILE_R, TILE_NB * BS] tiles (needed when the amax is per row). ``EVEN`` (the
+    launcher's promise that every tile is full) makes the mask all-true; the caller then drops it.
     """
-    rows_n = tl.load(table_ptr + e * NCOL + COL_ROWS)
-    cols_n = tl.load(table_ptr + e * NCOL + COL_COLS)
     r = tl.arange(0, TILE_R)[:, None, None]
     c = tl.arange(0, TILE_NB)[None, :, None] * BS + tl.arange(0, BS)[None, None, :]
     if TWO_D:
-        ctiles = tl.load(table_ptr + e * NCOL + COL_CTILES)
         tr = t // ctiles
         tc = t - tr * ctiles
-        row0 = tr * TILE_R
+        row0 = tr.to(tl.int64) * TILE_R
         col0 = tc * (TILE_NB * BS)
         start = row0 * cols_n + col0
         rows = row0 + r
         row_mask = rows < rows_n
-        # Hints (true whenever VEC > 1, see the launcher) that keep the mask constant over VEC elements, so that
-        # loads and stores stay 16-byte vectors.
-        mask = row_mask & ((col0 + c) < tl.multiple_of(cols_n, VEC))
         # The launcher guarantees cols_n % VEC == 0 whenever VEC > 1 (so each row starts aligned).
         local = tl.multiple_of(r * cols_n.to(tl.int32), [VEC, 1, 1]) + c
+        # Hints (true whenever VEC > 1, see the launcher) that keep the mask constant over VEC elements, so that
+        # loads and stores stay 16-byte vectors.
+        if EVEN:
+            mask = local >= 0  # unused
+        else:
+            mask = row_mask & ((col0 + c) < tl.multiple_of(cols_n, VEC))
     else:
-        start = t * (TILE_R * TILE_NB * BS)
+        start = t.to(tl.int64) * (TILE_R * TILE_NB * BS)
         rows = r.to(tl.int64)  # unused
         row_mask = rows >= 0
         local = r * (TILE_NB * BS) + c
-        mask = local < tl.multiple_of(rows_n * cols_n - start, VEC)
+        if EVEN:
+            mask = local >= 0  # unused
+        else:
+            mask = local < tl.multiple_of(rows_n * cols_n - start, VEC)
     return start, local, mask, rows, row_mask
+
+
+@triton.jit
+def _locate_tile(table_ptr, pid, n_experts, u_tiles, u_rows, u_cols, u_ctiles, SEARCH_STEPS: tl.constexpr,
+                 UNIFORM: tl.constexpr):
+    """(expert e (int64), its local tile, rows, cols, column tiles, output offset) of program/tile ``pid``.
+
+    ``UNIFORM`` (all experts of one shape, ``u_tiles`` tiles each): e = pid // u_tiles and the geometry comes from
+    the scalar arguments, so no table load precedes the data load but the expert's input offset. Otherwise a binary
+    search over the table's cumulative tile counts.
+    """
+    if UNIFORM:
+        e32 = pid // u_tiles
+        t = pid - e32 * u_tiles
+        e = e32.to(tl.int64)
+        # int32 values (the launcher checks rows * cols < 2**31), made tensors: an argument equal to 1 arrives as
+        # a constexpr.
+        zero = tl.program_id(0) * 0
+        rows_n = zero + u_rows
+        cols_n = zero + u_cols
+        ctiles = zero + u_ctiles
+        out0 = e * u_rows * u_cols
+    else:
+        e = _find_expert(table_ptr, pid.to(tl.int64), n_experts, SEARCH_STEPS)
+        t = pid.to(tl.int64) - tl.load(table_ptr + e * NCOL + COL_TILE0)
+        rows_n = tl.load(table_ptr + e * NCOL + COL_ROWS)
+        cols_n = tl.load(table_ptr + e * NCOL + COL_COLS)
+        ctiles = tl.load(table_ptr + e * NCOL + COL_CTILES)
+        out0 = tl.load(table_ptr + e * NCOL + COL_OUT)
+    return e, t, rows_n, cols_n, ctiles, out0
 
 
 @triton.jit
@@ -295,25 +369,48 @@ def _load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE: tl.constexpr, amax_s
 # Weights: all N experts in one launch
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _grouped_weight_fake_quant_kernel(
-    in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e,
+def _weight_fake_quant_tile(
+    pid, in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows, u_cols, u_ctiles,
     FMT: tl.constexpr, INT_BLOCK: tl.constexpr, AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr, UNIFORM: tl.constexpr, EVEN: tl.constexpr,
+    HW_CVT: tl.constexpr, LEAN: tl.constexpr, FAST_MAX: tl.constexpr,
 ):
-    # One program per (expert, tile); the grid is flat over all experts' tiles, so ragged experts waste nothing.
     # Offsets are int64: the concatenated output (and a weight's distance from the base pointer) can exceed 2**31
     # elements; only the in-tile offsets are int32.
-    pid = tl.program_id(0).to(tl.int64)
-    e = _find_expert(table_ptr, pid, n_experts, SEARCH_STEPS)
-    t = pid - tl.load(table_ptr + e * NCOL + COL_TILE0)
-    start, local, mask, rows, row_mask = _tile_offsets(table_ptr, e, t, TILE_R, TILE_NB, BS, TWO_D, VEC)
+    e, t, rows_n, cols_n, ctiles, out0 = _locate_tile(table_ptr, pid, n_experts, u_tiles, u_rows, u_cols, u_ctiles,
+                                                      SEARCH_STEPS, UNIFORM)
+    start, local, mask, rows, row_mask = _tile_offsets(rows_n, cols_n, ctiles, t, TILE_R, TILE_NB, BS, TWO_D, VEC,
+                                                       EVEN)
     in_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
-    out_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_OUT) + start, VEC)
-    x = _to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0))
+    out_off = tl.multiple_of(out0 + start, VEC)
+    if EVEN:
+        x = _to_fp32(tl.load(in_base + in_off + local))
+    else:
+        x = _to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0))
     a = _load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
-    y = _fake_quant_tile(x, a, FMT, INT_BLOCK)
-    tl.store(out_ptr + out_off + local, _to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
+    y = _fake_quant_tile(x, a, FMT, INT_BLOCK, False, HW_CVT, LEAN, FAST_MAX)
+    if EVEN:
+        tl.store(out_ptr + out_off + local, _to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT))
+    else:
+        tl.store(out_ptr + out_off + local, _to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
+
+
+@triton.jit
+def _grouped_weight_fake_quant_kernel(
+    in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows, u_cols, u_ctiles,
+    FMT: tl.constexpr, INT_BLOCK: tl.constexpr, AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr, UNIFORM: tl.constexpr = False,
+    EVEN: tl.constexpr = False, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False,
+    FAST_MAX: tl.constexpr = False,
+):
+    # One program per tile; the tiles of all experts form one flat grid, so ragged experts waste nothing. (A
+    # persistent grid-stride loop over the tiles was measured slower on an H200: docs/benchmarks.md.)
+    _weight_fake_quant_tile(
+        tl.program_id(0), in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows,
+        u_cols, u_ctiles, FMT, INT_BLOCK, AMAX_MODE, TWO_D, TILE_R, TILE_NB, BS, VEC, SEARCH_STEPS,
+        BITWISE_CVT, UNIFORM, EVEN, HW_CVT, LEAN, FAST_MAX)
 
 
 @triton.jit
@@ -324,13 +421,12 @@ def _grouped_weight_clip_grad_kernel(
     SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr,
 ):
     # Clipped STE: grad * (|w| <= amax); an invalid amax clips nothing. int64 offsets as above.
-    pid = tl.program_id(0).to(tl.int64)
-    e = _find_expert(table_ptr, pid, n_experts, SEARCH_STEPS)
-    t = pid - tl.load(table_ptr + e * NCOL + COL_TILE0)
-    start, local, mask, rows, row_mask = _tile_offsets(table_ptr, e, t, TILE_R, TILE_NB, BS, TWO_D, VEC)
+    e, t, rows_n, cols_n, ctiles, out0 = _locate_tile(table_ptr, tl.program_id(0), n_experts, 0, 0, 0, 0,
+                                                      SEARCH_STEPS, False)
+    start, local, mask, rows, row_mask = _tile_offsets(rows_n, cols_n, ctiles, t, TILE_R, TILE_NB, BS, TWO_D, VEC)
     g_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
     w_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_AUX) + start, VEC)
-    out_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_OUT) + start, VEC)
+    out_off = tl.multiple_of(out0 + start, VEC)
     g = _to_fp32(tl.load(g_base + g_off + local, mask=mask, other=0.0))
     w = _to_fp32(tl.load(w_base + w_off + local, mask=mask, other=0.0))
     a = _load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
