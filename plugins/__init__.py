@@ -3,21 +3,21 @@ transformer_engine. Importing this package imports no framework; each submodule 
 
 import importlib
 import importlib.util
+import sys
 
-# plugin module -> the framework it needs (imported only if that framework is installed)
+# plugin module -> the framework module it needs
 _PLUGINS = {"megatron": "megatron.core", "transformer_engine": "transformer_engine.pytorch"}
 
 
-def load_available() -> list[str]:
-    """Imports (and so registers) every plugin whose framework is installed; returns their names."""
+def load_imported() -> list[str]:
+    """Imports (and so registers) the plugin of every framework the program has imported; returns their names.
+
+    Called by ``convert`` (``mtq.quantize``, checkpoint restore): a model built with a framework means that framework
+    is imported, so importing ``modelopt_moe.quantization`` itself never pulls in Megatron or Transformer Engine.
+    """
     loaded = []
     for plugin, framework in _PLUGINS.items():
-        try:
-            found = importlib.util.find_spec(framework.split(".")[0]) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found or importlib.util.find_spec(f"{__name__}.{plugin}") is None:
-            continue
-        importlib.import_module(f"{__name__}.{plugin}")
-        loaded.append(plugin)
+        if framework in sys.modules and importlib.util.find_spec(f"{__name__}.{plugin}") is not None:
+            importlib.import_module(f"{__name__}.{plugin}")
+            loaded.append(plugin)
     return loaded

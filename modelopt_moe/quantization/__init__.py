@@ -18,11 +18,6 @@ NVFP4_DEFAULT_CFG = load_config(preset_path("nvfp4_default.yaml")).model_dump()
 INT8_DEFAULT_CFG = load_config(preset_path("int8_default.yaml")).model_dump()
 INT4_BLOCKWISE_WEIGHT_ONLY_CFG = load_config(preset_path("int4_blockwise_weight_only.yaml")).model_dump()
 
-# Register framework plugins whose framework is installed (each is guarded; missing frameworks are skipped).
-from .. import plugins as _plugins  # noqa: E402
-
-_plugins.load_available()
-
 __all__ = [
     "quantize", "calibrate", "print_quant_summary", "enable_quantizer", "disable_quantizer", "fold_weight",
     "load_config", "ConfigError", "QuantizeConfig", "QuantizerAttributeConfig", "TensorQuantizer", "fake_quant",

@@ -125,6 +125,9 @@ def convert(model: nn.Module, config: QuantizeConfig) -> list[str]:
     Raises:
         ValueError: nothing in ``model`` is quantizable.
     """
+    from .. import plugins  # the Megatron / TE wrappers register when their framework is in use
+
+    plugins.load_imported()
     converted = []
     for name, module in list(model.named_modules()):
         mixin = QuantModuleRegistry.mixin_for(type(module))
