@@ -335,8 +335,7 @@ def _torch_weight_fake_quant(weights, amax, fmt, block_size) -> torch.Tensor:
 
 
 def _clip_limit(amax: torch.Tensor) -> torch.Tensor:
-    a = amax.float()
-    return torch.where(torch.isfinite(a) & (a > 2.0**-24), a, torch.full_like(a, float("inf")))
+    return _formats().clip_limit(amax)
 
 
 def _launch_weight_clip_grad(grads, weights, amax) -> torch.Tensor:

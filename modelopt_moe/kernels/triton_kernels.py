@@ -414,6 +414,14 @@ def _grouped_weight_fake_quant_kernel(
 
 
 @triton.jit
+def _clipped_grad(g, x, a):
+    # Clipped STE: g where |x| <= amax, else 0 (g * 0 keeps g's NaN); an invalid amax (<= 2**-24, NaN, Inf: the
+    # comparisons are false for NaN) clips nothing.
+    limit = tl.where((a > TINY_AMAX) & (a <= FP32_MAX), a, float("inf"))
+    return tl.where(tl.abs(x) <= limit, g, g * 0.0)
+
+
+@triton.jit
 def _grouped_weight_clip_grad_kernel(
     g_base, w_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e,
     AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
@@ -430,8 +438,7 @@ def _grouped_weight_clip_grad_kernel(
     g = _to_fp32(tl.load(g_base + g_off + local, mask=mask, other=0.0))
     w = _to_fp32(tl.load(w_base + w_off + local, mask=mask, other=0.0))
     a = _load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
-    limit = tl.where((a > TINY_AMAX) & (a <= FP32_MAX), a, float("inf"))
-    y = tl.where(tl.abs(w) <= limit, g, g * 0.0)
+    y = _clipped_grad(g, w, a)
     tl.store(out_ptr + out_off + local, _to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
 
 
@@ -492,6 +499,5 @@ def _grouped_input_clip_grad_kernel(
     g = _to_fp32(tl.load(g_ptr + start + local, mask=mask, other=0.0))
     x = _to_fp32(tl.load(x_ptr + start + local, mask=mask, other=0.0))
     a = _row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT, N_PAD, TILE_R)
-    limit = tl.where((a > TINY_AMAX) & (a <= FP32_MAX), a, float("inf"))
-    y = tl.where(tl.abs(x) <= limit, g, g * 0.0)
+    y = _clipped_grad(g, x, a)
     tl.store(out_ptr + start + local, _to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)

@@ -39,6 +39,7 @@ __all__ = [
     "get_format",
     "format_from_num_bits",
     "safe_amax",
+    "clip_limit",
     "round_to_e2m1",
     "fake_quant",
 ]
@@ -114,6 +115,13 @@ def safe_amax(amax: torch.Tensor, bound: float) -> torch.Tensor:
     amax = amax.float()
     valid = torch.isfinite(amax) & (amax > TINY_AMAX)
     return torch.where(valid, amax, torch.full_like(amax, bound))
+
+
+def clip_limit(amax: torch.Tensor) -> torch.Tensor:
+    """The bound of the clipped straight-through estimator: ``amax`` in fp32, with every invalid entry (<= 2**-24,
+    NaN, Inf) replaced by +Inf, so that an invalid amax clips nothing."""
+    a = amax.float()
+    return torch.where(torch.isfinite(a) & (a > TINY_AMAX), a, torch.full_like(a, float("inf")))
 
 
 def _nan_ignoring_block_max(xf: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .config import QuantizerAttributeConfig
-from .formats import TINY_AMAX, fake_quant, get_format
+from .formats import clip_limit, fake_quant, get_format
 from .utils import warn_once
 
 __all__ = [
@@ -37,9 +37,7 @@ def clip_mask(x: torch.Tensor, amax: torch.Tensor | None, fmt: str) -> torch.Ten
     nothing. None means "no clipping" (no static amax)."""
     if amax is None:
         return None
-    a = amax.float()
-    limit = torch.where(torch.isfinite(a) & (a > TINY_AMAX), a, torch.full_like(a, float("inf")))
-    return x.abs() <= limit
+    return x.abs() <= clip_limit(amax)
 
 
 class FakeQuantSTE(torch.autograd.Function):
