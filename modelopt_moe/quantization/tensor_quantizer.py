@@ -32,7 +32,7 @@ def nan_ignoring_abs_max(x: torch.Tensor, keep_dims: tuple[int, ...] = ()) -> to
     return a.amax(dim=reduce, keepdim=True) if reduce else a
 
 
-def clip_mask(x: torch.Tensor, amax: torch.Tensor | None, fmt: str) -> torch.Tensor | None:
+def clip_mask(x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor | None:
     """Where the clipped STE passes the gradient: ``|x| <= amax``. Invalid amax entries (see formats.py) clip
     nothing. None means "no clipping" (no static amax)."""
     if amax is None:
@@ -45,7 +45,7 @@ class FakeQuantSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, amax, fmt, block_size, clipped):
-        mask = clip_mask(x, amax, fmt) if clipped else None
+        mask = clip_mask(x, amax) if clipped else None
         ctx.save_for_backward(mask if mask is not None else torch.empty(0))
         ctx.has_mask = mask is not None
         return fake_quant(x, fmt, amax, block_size)

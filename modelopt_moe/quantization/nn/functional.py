@@ -85,7 +85,7 @@ def clip_mask_of(q, x: torch.Tensor) -> torch.Tensor | None:
     """The clipped-STE mask of quantizer ``q`` (a TensorQuantizer or an expert slot) for ``x``, or None."""
     if not _active(q) or q.ste != "clipped" or not q.needs_amax:
         return None
-    return clip_mask(x, q.amax.to(x.device) if q.amax is not None else None, q.fmt)
+    return clip_mask(x, q.amax.to(x.device) if q.amax is not None else None)
 
 
 def _map(fn, value):
@@ -112,8 +112,7 @@ def run_quantized_gemm(cfg, x, weight, gemm: Callable, quantize_input: Callable,
         with torch.no_grad():
             quantized = gemm(xq.detach(), _map(torch.Tensor.detach, wq))
         x_hp = mask_grad(x, input_mask(x))
-        w_hp = _map(lambda w: mask_grad(w, weight_mask(w)), weight) if isinstance(weight, list | tuple) \
-            else mask_grad(weight, weight_mask(weight))
+        w_hp = _map(lambda w: mask_grad(w, weight_mask(w)), weight)
         precise = gemm(x_hp, w_hp)
         result = _replace_first(precise, forward_value_of(_first(precise), _first(quantized)))
     else:
