@@ -93,7 +93,7 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     import torch
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.plugins import megatron_models as mm
+    from modelopt_moe.testing import megatron_models as mm
 
     def say(msg: str) -> None:
         if rank == 0:

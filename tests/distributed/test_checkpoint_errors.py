@@ -46,7 +46,7 @@ def _errors_worker(rank, world_size, root):
     import modelopt_moe.quantization as mtq
     from modelopt_moe.checkpoint import sharded as ck_sharded
     from modelopt_moe.plugins import megatron_checkpoint as mc
-    from modelopt_moe.plugins import megatron_models as mm
+    from modelopt_moe.testing import megatron_models as mm
 
     out = {}
     mm.init_model_parallel(1, 2, seed=SEED)

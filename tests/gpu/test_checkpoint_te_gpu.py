@@ -57,7 +57,7 @@ def _worker(rank, world_size, root):
     import warnings
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.plugins import megatron_models as mm
+    from modelopt_moe.testing import megatron_models as mm
     from modelopt_moe.plugins.megatron_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
     results = []

@@ -2,7 +2,7 @@
 
 Typical use inside a rank started by :func:`modelopt_moe.launch.spawn`::
 
-    from modelopt_moe.plugins import megatron_models as mm
+    from modelopt_moe.testing import megatron_models as mm
 
     mm.init_model_parallel(tp=2, ep=2, seed=1234)
     model = mm.build_moe_gpt(seed=1234)
@@ -40,7 +40,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from modelopt_moe.plugins.megatron_cpu_shims import apply_cpu_shims
+from modelopt_moe.testing.megatron_cpu import apply_cpu_shims
 
 __all__ = [
     "init_model_parallel",
