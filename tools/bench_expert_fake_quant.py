@@ -79,7 +79,7 @@ def main() -> None:
 
     from modelopt_moe.kernels import grouped_fake_quant as gfq
     from modelopt_moe.kernels import grouped_weight_fake_quant, kernels_available
-    from modelopt_moe.quantization.formats import fake_quant
+    from modelopt_moe.numerics import fake_quant
 
     if not kernels_available("cuda"):
         raise SystemExit("Triton kernels unavailable on CUDA (is TRITON_INTERPRET=1 set?)")

@@ -94,7 +94,7 @@ def main() -> None:
     import triton.testing
 
     from modelopt_moe.kernels import grouped_fake_quant as gfq
-    from modelopt_moe.quantization.formats import fake_quant
+    from modelopt_moe.numerics import fake_quant
 
     t_start = time.time()
     names = args.variants.split(",") if args.variants else list(VARIANTS)

@@ -40,6 +40,9 @@ from typing import Optional
 
 import torch
 
+from ..numerics import NVFP4_BLOCK_SIZE, clip_limit, fake_quant, get_format
+from . import table_layout as tbl
+
 try:
     import triton  # noqa: F401
 
@@ -63,9 +66,7 @@ __all__ = [
 ]
 
 MAX_EXPERTS = 512
-NVFP4_BLOCK_SIZE = 16  # formats.NVFP4_BLOCK_SIZE (checked equal on first use)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FMT_CODES = {"e4m3": 0, "e5m2": 1, "nvfp4": 2, "int8": 3, "int4": 4}
 _STE_MODES = ("pass_through", "clipped")
 _TILE_ELEMS = 4096  # elements per program: 8 KiB of bf16 in and out, 32 per thread at 4 warps
 _NUM_WARPS = 4
@@ -84,7 +85,6 @@ _WEIGHT_DEFAULTS = {
 _WEIGHT_FORMAT_DEFAULTS = {"nvfp4": {"tile": 2048}}  # fewer registers per program for the block max and scales
 _TUNE: dict = {}
 _MAX_TILE_W = 1024
-_TABLE_COLS = 8  # keep in sync with triton_kernels.NCOL
 _CACHE_SIZE = 64
 
 
@@ -96,23 +96,6 @@ def _kernels():
     from . import triton_kernels
 
     return triton_kernels
-
-
-def _formats():
-    """formats.py, imported on first use: importing it runs ``modelopt_moe.quantization``'s ``__init__``, which
-    imports ``nn``, which imports this package, so a module-level import would be circular."""
-    from ..quantization import formats
-
-    assert formats.NVFP4_BLOCK_SIZE == NVFP4_BLOCK_SIZE
-    return formats
-
-
-def fake_quant(x, fmt, amax=None, block_size=None):
-    return _formats().fake_quant(x, fmt, amax, block_size)
-
-
-def get_format(fmt):
-    return _formats().get_format(fmt)
 
 
 # Whether our kernels were built for the Triton interpreter: a plain bool, recorded when they are imported, so that
@@ -228,10 +211,13 @@ def _weight_plan(inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor] | N
         # VEC > 1 promises the kernel 16-byte aligned expert starts and sizes (its vectorization hints).
         if in_off % 16 or aux_off % 16 or out_off % vec or numel % vec or ptrs[i] % 16 or (aux and aux_ptrs[i] % 16):
             vec = 1
-        rows.append([in_off // esize, aux_off // aux_esize, out_off, nrows, cols, n_tiles, ctiles, 0])
+        row = [0] * tbl.NCOL
+        row[tbl.COL_IN], row[tbl.COL_AUX], row[tbl.COL_OUT] = in_off // esize, aux_off // aux_esize, out_off
+        row[tbl.COL_ROWS], row[tbl.COL_COLS], row[tbl.COL_TILE0], row[tbl.COL_CTILES] = nrows, cols, n_tiles, ctiles
+        rows.append(row)
         n_tiles += tiles
         out_off += numel
-    if any(r[0] * esize != ptrs[i] - ptrs[base] for i, r in enumerate(rows)):
+    if any(r[tbl.COL_IN] * esize != ptrs[i] - ptrs[base] for i, r in enumerate(rows)):
         raise ValueError("grouped fake quant: tensor addresses are not aligned to their element size")
 
     plan = _WeightPlan()
@@ -246,14 +232,14 @@ def _weight_plan(inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor] | N
     plan.tile_r, plan.tile_nb, plan.bs, plan.vec, plan.two_d = tile_r, tile_nb, bs, vec, two_d
     plan.steps = max(0, (len(inputs) - 1).bit_length())
     # One shape for all experts: the kernel may locate a tile by division instead of the table search.
-    r0 = rows[0]
-    plan.uniform = all(s == shapes[0] for s in shapes) and n_tiles < 2**31 and r0[3] * r0[4] < 2**31
-    plan.u_rows, plan.u_cols, plan.u_ctiles = r0[3], r0[4], r0[6]
+    r0_rows, r0_cols = rows[0][tbl.COL_ROWS], rows[0][tbl.COL_COLS]
+    plan.uniform = all(s == shapes[0] for s in shapes) and n_tiles < 2**31 and r0_rows * r0_cols < 2**31
+    plan.u_rows, plan.u_cols, plan.u_ctiles = r0_rows, r0_cols, rows[0][tbl.COL_CTILES]
     plan.u_tiles = n_tiles // len(inputs)
     if two_d:
-        plan.even = plan.uniform and r0[3] % tile_r == 0 and r0[4] % tile_w == 0
+        plan.even = plan.uniform and r0_rows % tile_r == 0 and r0_cols % tile_w == 0
     else:
-        plan.even = plan.uniform and (r0[3] * r0[4]) % tile_elems == 0
+        plan.even = plan.uniform and (r0_rows * r0_cols) % tile_elems == 0
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         _captured_plans[key] = plan
     else:
@@ -309,7 +295,7 @@ def _launch_weight_fake_quant(weights, amax, fmt, block_size) -> torch.Tensor:
     k._grouped_weight_fake_quant_kernel[(plan.n_tiles,)](
         weights[plan.base], out, plan.table, amax_arg, len(weights), amax_stride, plan.u_tiles,
         plan.u_rows, plan.u_cols, plan.u_ctiles,
-        FMT=_FMT_CODES[fmt], INT_BLOCK=fmt in ("int8", "int4") and block_size is not None, AMAX_MODE=amax_mode,
+        FMT=get_format(fmt).code, INT_BLOCK=fmt in ("int8", "int4") and block_size is not None, AMAX_MODE=amax_mode,
         TWO_D=plan.two_d, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs, VEC=plan.vec,
         SEARCH_STEPS=plan.steps, UNIFORM=uniform, EVEN=uniform and bool(cfg["even"]) and plan.even,
         HW_CVT=on_gpu and bool(cfg["hw_cvt"]), LEAN=bool(cfg["lean"]),
@@ -334,10 +320,6 @@ def _torch_weight_fake_quant(weights, amax, fmt, block_size) -> torch.Tensor:
     return out
 
 
-def _clip_limit(amax: torch.Tensor) -> torch.Tensor:
-    return _formats().clip_limit(amax)
-
-
 def _launch_weight_clip_grad(grads, weights, amax) -> torch.Tensor:
     k = _kernels()
     amax_mode, amax_stride = _amax_mode(amax, len(weights))
@@ -357,7 +339,7 @@ def _torch_weight_clip_grad(grads, weights, amax) -> torch.Tensor:
     out = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
     o = 0
     for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
-        keep = w.abs() <= _clip_limit(_expert_amax(amax, i))
+        keep = w.abs() <= clip_limit(_expert_amax(amax, i))
         out[o : o + g.numel()] = (g * keep).reshape(-1)
         o += g.numel()
     return out
@@ -381,7 +363,7 @@ def _launch_input_fake_quant(x, m_splits, amax, fmt, block_size) -> torch.Tensor
     amax_arg = amax if amax is not None else m_splits  # never read for block int formats
     k._grouped_input_fake_quant_kernel[(_cdiv(t, tile_r), _cdiv(kdim, tile_w))](
         x, y, m_splits, amax_arg, t, kdim, n,
-        FMT=_FMT_CODES[fmt], INT_BLOCK=fmt in ("int8", "int4") and block_size is not None, PER_EXPERT=per_expert,
+        FMT=get_format(fmt).code, INT_BLOCK=fmt in ("int8", "int4") and block_size is not None, PER_EXPERT=per_expert,
         N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb, BS=bs, **_launch_kwargs(x.device),
     )
     return y
@@ -421,7 +403,7 @@ def _launch_input_clip_grad(grad, x, m_splits, amax) -> torch.Tensor:
 
 
 def _torch_input_clip_grad(grad, x, m_splits, amax) -> torch.Tensor:
-    return grad * (x.abs() <= _clip_limit(_row_amax(x, m_splits, amax)))
+    return grad * (x.abs() <= clip_limit(_row_amax(x, m_splits, amax)))
 
 
 # ----------------------------------------------------------------------------------------------------------------

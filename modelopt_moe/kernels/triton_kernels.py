@@ -4,7 +4,7 @@ This file holds only ``@triton.jit`` code. The launchers, ``torch.library`` cust
 in :mod:`modelopt_moe.kernels.grouped_fake_quant`, which imports this module only when Triton can run (Triton is
 optional, and ``TRITON_INTERPRET=1`` must be set before the decorators below run).
 
-Bit-exactness with :func:`modelopt_moe.quantization.formats.fake_quant` (interpreter and GPU alike) rests on:
+Bit-exactness with :func:`modelopt_moe.numerics.fake_quant` (interpreter and GPU alike) rests on:
 
 * no ``.to(fp8)`` and no fp32 -> bf16 ``.to()`` of inexact values (the interpreter gets both wrong): every rounding
   is plain fp32 arithmetic (add and subtract a power of two whose ulp is the target quantum, round half to even by
@@ -20,26 +20,30 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Format codes (constexpr). Keep in sync with grouped_fake_quant._FMT_CODES.
-E4M3: tl.constexpr = tl.constexpr(0)
-E5M2: tl.constexpr = tl.constexpr(1)
-NVFP4: tl.constexpr = tl.constexpr(2)
-INT8: tl.constexpr = tl.constexpr(3)
-INT4: tl.constexpr = tl.constexpr(4)
+from ..numerics import FORMATS
+from ..numerics import TINY_AMAX as _TINY_AMAX
+from . import table_layout as _cols
 
-# formats.TINY_AMAX (2**-24) and the largest finite fp32; both exact in fp32.
-TINY_AMAX: tl.constexpr = tl.constexpr(5.960464477539063e-08)
+# Format codes (the FMT constexpr), from the numeric contract.
+E4M3: tl.constexpr = tl.constexpr(FORMATS["e4m3"].code)
+E5M2: tl.constexpr = tl.constexpr(FORMATS["e5m2"].code)
+NVFP4: tl.constexpr = tl.constexpr(FORMATS["nvfp4"].code)
+INT8: tl.constexpr = tl.constexpr(FORMATS["int8"].code)
+INT4: tl.constexpr = tl.constexpr(FORMATS["int4"].code)
+
+# The invalid-amax threshold (2**-24) and the largest finite fp32; both exact in fp32.
+TINY_AMAX: tl.constexpr = tl.constexpr(_TINY_AMAX)
 FP32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
-# Table columns of the weight kernels (int64 [N, NCOL]); see grouped_fake_quant._build_weight_table.
-COL_IN: tl.constexpr = tl.constexpr(0)  # element offset of the input (forward) / gradient (backward) from its base
-COL_AUX: tl.constexpr = tl.constexpr(1)  # element offset of the weight from its base (backward only)
-COL_OUT: tl.constexpr = tl.constexpr(2)  # element offset of this expert in the output buffer
-COL_ROWS: tl.constexpr = tl.constexpr(3)
-COL_COLS: tl.constexpr = tl.constexpr(4)
-COL_TILE0: tl.constexpr = tl.constexpr(5)  # first program id of this expert (cumulative tile count)
-COL_CTILES: tl.constexpr = tl.constexpr(6)  # column tiles per row tile (2-D tiling only)
-NCOL: tl.constexpr = tl.constexpr(8)
+# Table columns of the weight kernels (int64 [N, NCOL]); see table_layout.py.
+COL_IN: tl.constexpr = tl.constexpr(_cols.COL_IN)
+COL_AUX: tl.constexpr = tl.constexpr(_cols.COL_AUX)
+COL_OUT: tl.constexpr = tl.constexpr(_cols.COL_OUT)
+COL_ROWS: tl.constexpr = tl.constexpr(_cols.COL_ROWS)
+COL_COLS: tl.constexpr = tl.constexpr(_cols.COL_COLS)
+COL_TILE0: tl.constexpr = tl.constexpr(_cols.COL_TILE0)
+COL_CTILES: tl.constexpr = tl.constexpr(_cols.COL_CTILES)
+NCOL: tl.constexpr = tl.constexpr(_cols.NCOL)
 
 
 # ----------------------------------------------------------------------------------------------------------------

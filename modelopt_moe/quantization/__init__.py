@@ -9,7 +9,7 @@ from . import nn  # noqa: F401  registers the framework-free wrappers
 from .calibration import sync_amax
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig, load_config, preset_path
 from .conversion import QuantModuleRegistry, named_quantizers
-from .formats import FORMATS, fake_quant
+from ..numerics import FORMATS, fake_quant
 from .model_quant import calibrate, disable_quantizer, enable_quantizer, fold_weight, print_quant_summary, quantize
 from .tensor_quantizer import TensorQuantizer
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .formats import NVFP4_BLOCK_SIZE, format_from_num_bits
+from ..numerics import NVFP4_BLOCK_SIZE, format_from_num_bits
 
 __all__ = [
     "ConfigError",

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .config import QuantizerAttributeConfig
-from .formats import clip_limit, fake_quant, get_format
+from ..numerics import clip_limit, fake_quant, get_format
 from .utils import warn_once
 
 __all__ = [

@@ -14,7 +14,7 @@ pytestmark = [
 
 from modelopt_moe import kernels as K  # noqa: E402
 from modelopt_moe.kernels import grouped_fake_quant as gfq  # noqa: E402
-from modelopt_moe.quantization.formats import fake_quant, round_to_e2m1  # noqa: E402
+from modelopt_moe.numerics import fake_quant, round_to_e2m1  # noqa: E402
 
 FORMATS = [("e4m3", None), ("e5m2", None), ("nvfp4", None), ("int8", None), ("int4", None), ("int8", 16),
            ("int4", 128)]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..formats import fake_quant
+from ...numerics import fake_quant
 from ..tensor_quantizer import clip_mask, nan_ignoring_abs_max
 
 __all__ = [

@@ -25,7 +25,7 @@ from ...kernels import (
 )
 from ..config import ExpertsConfig, QuantizeConfig
 from ..conversion import QuantModuleMixin, QuantModuleRegistry
-from ..formats import fake_quant
+from ...numerics import fake_quant
 from ..tensor_quantizer import (
     ExpertQuantizerSlot,
     PerExpertQuantizer,

@@ -13,7 +13,7 @@ import torch
 
 from modelopt_moe import kernels as K
 from modelopt_moe.kernels import grouped_fake_quant as gfq
-from modelopt_moe.quantization.formats import fake_quant
+from modelopt_moe.numerics import fake_quant
 
 needs_triton = pytest.mark.skipif(
     not K.kernels_available("cpu"), reason="Triton interpreter not active (needs triton and TRITON_INTERPRET=1)"
@@ -235,7 +235,7 @@ def test_e2m1_rounding_edges():
     x = torch.cat([torch.full((vals.shape[0], 1), 6.0), vals], dim=1).contiguous()
     out = K.grouped_weight_fake_quant([x], torch.tensor([2688.0]), "nvfp4")[0]
     assert_bits_equal(out, fake_quant(x, "nvfp4", torch.tensor(2688.0)))
-    from modelopt_moe.quantization.formats import round_to_e2m1
+    from modelopt_moe.numerics import round_to_e2m1
 
     assert_bits_equal(out, round_to_e2m1(x))
 
@@ -487,7 +487,7 @@ def test_imports_and_falls_back_without_triton():
         "import modelopt_moe.kernels as k\n"
         "assert not k.TRITON_AVAILABLE and not k.kernels_available('cpu')\n"
         "w = [torch.randn(4, 16)]\n"
-        "from modelopt_moe.quantization.formats import fake_quant\n"
+        "from modelopt_moe.numerics import fake_quant\n"
         "assert torch.equal(k.grouped_weight_fake_quant(w, torch.ones(1), 'e4m3')[0], fake_quant(w[0], 'e4m3', "
         "torch.tensor(1.0)))\n"
     )

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import modelopt_moe.quantization as mtq
-from modelopt_moe.quantization.formats import fake_quant
+from modelopt_moe.numerics import fake_quant
 
 MODES = ["dequantized", "high_precision", "quantized"]
 STES = ["pass_through", "clipped"]

@@ -9,7 +9,7 @@ import torch
 
 import modelopt_moe.quantization as mtq
 from modelopt_moe.quantization import utils as qutils
-from modelopt_moe.quantization.formats import fake_quant
+from modelopt_moe.numerics import fake_quant
 from modelopt_moe.quantization.nn import GroupedLinear
 from modelopt_moe.quantization.nn.grouped_linear import WeightFakeQuantCache
 

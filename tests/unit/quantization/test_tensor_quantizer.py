@@ -11,7 +11,7 @@ from torch import nn
 
 import modelopt_moe.quantization as mtq
 from modelopt_moe.quantization.config import QuantizerAttributeConfig
-from modelopt_moe.quantization.formats import fake_quant
+from modelopt_moe.numerics import fake_quant
 from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
 
 E4M3 = QuantizerAttributeConfig(num_bits=(4, 3))

@@ -1,4 +1,4 @@
-"""The numeric contract (modelopt_moe/quantization/formats.py): bit-exact fake quantization in every format.
+"""The numeric contract (modelopt_moe/numerics/formats.py): bit-exact fake quantization in every format.
 
 Expected values are computed either by hand (literal numbers) or by an independent computation written here
 (the DESIGN.md formulas, or a nearest-grid-point search for E2M1), never by the function under test.
@@ -7,8 +7,8 @@ Expected values are computed either by hand (literal numbers) or by an independe
 import pytest
 import torch
 
-from modelopt_moe.quantization import formats
-from modelopt_moe.quantization.formats import fake_quant, format_from_num_bits, round_to_e2m1
+from modelopt_moe.numerics import formats
+from modelopt_moe.numerics import fake_quant, format_from_num_bits, round_to_e2m1
 
 F32 = torch.float32
 

@@ -15,7 +15,7 @@ Formats (``fmt``):
   output ``q / scale``. With ``block_size`` the amax of each block of the last dim is taken from the data itself
   (dynamic, like NVFP4's block scales), so it tracks the weights during QAT.
 
-Edge-value rules (tested in ``tests/unit/quantization/test_formats.py``):
+Edge-value rules (tested in ``tests/unit/numerics/test_formats.py``):
 
 * An amax that is ``<= 2**-24``, zero, negative, NaN or Inf is *invalid* and is replaced by the format's bound,
   i.e. the scale becomes exactly 1 (NVFP4: ``sg = 1``). No NaN or Inf ever comes from the amax.
@@ -35,6 +35,8 @@ __all__ = [
     "FORMATS",
     "TINY_AMAX",
     "NVFP4_BLOCK_SIZE",
+    "E4M3_MAX",
+    "E2M1_MAX",
     "FormatSpec",
     "get_format",
     "format_from_num_bits",
@@ -59,15 +61,16 @@ class FormatSpec:
     kind: str  # "fp8", "fp4" or "int"
     bound: float
     num_bits: int | tuple[int, int]
+    code: int  # the number the Triton kernels take as their FMT constexpr
 
 
 FORMATS: dict[str, FormatSpec] = {
-    "e4m3": FormatSpec("e4m3", "fp8", E4M3_MAX, (4, 3)),
-    "e5m2": FormatSpec("e5m2", "fp8", 57344.0, (5, 2)),
+    "e4m3": FormatSpec("e4m3", "fp8", E4M3_MAX, (4, 3), 0),
+    "e5m2": FormatSpec("e5m2", "fp8", 57344.0, (5, 2), 1),
     # NVFP4's amax bound is the product of its element bound and its block-scale bound.
-    "nvfp4": FormatSpec("nvfp4", "fp4", E2M1_MAX * E4M3_MAX, (2, 1)),
-    "int8": FormatSpec("int8", "int", 127.0, 8),
-    "int4": FormatSpec("int4", "int", 7.0, 4),
+    "nvfp4": FormatSpec("nvfp4", "fp4", E2M1_MAX * E4M3_MAX, (2, 1), 2),
+    "int8": FormatSpec("int8", "int", 127.0, 8, 3),
+    "int4": FormatSpec("int4", "int", 7.0, 4, 4),
 }
 
 _FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

@@ -8,7 +8,7 @@ kernels divide with ``div_rn``, so the reference must too.
 import pytest
 import torch
 
-from modelopt_moe.quantization.formats import fake_quant
+from modelopt_moe.numerics import fake_quant
 
 # amax = 3: 127 / 3 rounds to 42.333332 by true division but to 42.333336 as reciprocal(3) * 127.
 X = torch.tensor([-1.1192601919174194, 1.066943645477295, 0.8137732148170471, 0.7891730666160583])
@@ -49,7 +49,7 @@ def test_nvfp4_global_and_block_scales_are_true_division():
     bmax = blocks.abs().amax(-1, keepdim=True)
     sb = torch.clamp(torch.div(torch.div(bmax, torch.full_like(bmax, 6.0)), sg), 0, 448).to(torch.float8_e4m3fn).float()
     s = sb * sg
-    from modelopt_moe.quantization.formats import round_to_e2m1
+    from modelopt_moe.numerics import round_to_e2m1
 
     expected = (round_to_e2m1(torch.where(s > 0, torch.div(blocks, s), blocks * 0.0)) * s).flatten(-2)
     assert torch.equal(fake_quant(x, "nvfp4", amax), expected)

@@ -1,0 +1,24 @@
+"""Number formats and the pure-torch reference fake quantization: the numeric contract every fast path matches.
+
+The bottom layer of the project: it imports torch only, and nothing else of the project imports below it.
+"""
+
+from .formats import (
+    E2M1_MAX,
+    E4M3_MAX,
+    FORMATS,
+    NVFP4_BLOCK_SIZE,
+    TINY_AMAX,
+    FormatSpec,
+    clip_limit,
+    fake_quant,
+    format_from_num_bits,
+    get_format,
+    round_to_e2m1,
+    safe_amax,
+)
+
+__all__ = [
+    "E2M1_MAX", "E4M3_MAX", "FORMATS", "NVFP4_BLOCK_SIZE", "TINY_AMAX", "FormatSpec", "clip_limit", "fake_quant",
+    "format_from_num_bits", "get_format", "round_to_e2m1", "safe_amax",
+]
