@@ -1,23 +1,28 @@
 """Framework plugins, installed as ``modelopt_moe.plugins``: the only place that imports megatron.core or
-transformer_engine. Importing this package imports no framework; each submodule guards its own imports."""
+transformer_engine.
+
+Importing this package imports no framework. :func:`register_imported` is the one entry point the core calls
+(``modelopt_moe.quantization.conversion.register_framework_plugins``, made by ``mtq.quantize`` and every restore):
+for every plugin whose frameworks the program has imported, it imports the plugin and calls its ``register()``,
+which adds the plugin's quantized classes (and parallel groups) to the core's registries.
+"""
 
 import importlib
-import importlib.util
 import sys
 
-# plugin module -> the framework module it needs
-_PLUGINS = {"megatron": "megatron.core", "transformer_engine": "transformer_engine.pytorch"}
+# plugin module -> the framework modules that must all be imported for it to apply
+_PLUGINS = {
+    "megatron": ("megatron.core",),
+    "transformer_engine": ("transformer_engine.pytorch",),
+    "megatron.te_experts": ("megatron.core", "transformer_engine.pytorch"),  # Megatron's TE grouped linears
+}
+_registered: set[str] = set()
 
 
-def load_imported() -> list[str]:
-    """Imports (and so registers) the plugin of every framework the program has imported; returns their names.
-
-    Called by ``convert`` (``mtq.quantize``, checkpoint restore): a model built with a framework means that framework
-    is imported, so importing ``modelopt_moe.quantization`` itself never pulls in Megatron or Transformer Engine.
-    """
-    loaded = []
-    for plugin, framework in _PLUGINS.items():
-        if framework in sys.modules and importlib.util.find_spec(f"{__name__}.{plugin}") is not None:
-            importlib.import_module(f"{__name__}.{plugin}")
-            loaded.append(plugin)
-    return loaded
+def register_imported() -> list[str]:
+    """Registers every plugin whose frameworks are imported (once each); returns the names registered so far."""
+    for plugin, frameworks in _PLUGINS.items():
+        if plugin not in _registered and all(f in sys.modules for f in frameworks):
+            importlib.import_module(f"{__name__}.{plugin}").register()
+            _registered.add(plugin)
+    return sorted(_registered)

@@ -1,5 +1,5 @@
-"""Transformer Engine support: quantized ``transformer_engine.pytorch.GroupedLinear`` and Megatron's
-``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` (the experts of ``TEGroupedMLP``).
+"""Transformer Engine support: quantized ``transformer_engine.pytorch.GroupedLinear`` (Megatron's TE grouped linears
+build on it in ``plugins/megatron/te_experts.py``).
 
 The wrapper fake-quantizes the input (shared or per expert, split by ``m_splits``) and the N expert weights, then
 runs the layer's own forward (Megatron's wrapper and TE's grouped GEMM, with TE's communication and bias
@@ -22,7 +22,7 @@ try:  # TE >= 2.8 moved FP8GlobalStateManager
 except ImportError:  # pragma: no cover - older TE
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
-__all__ = ["QuantTEGroupedLinear"]
+__all__ = ["QuantTEGroupedLinear", "register"]
 
 
 @functools.cache
@@ -47,10 +47,9 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
     _fake_quant_weights = None
 
     @property
-    def _sharded_axis(self) -> int:
-        # Megatron's expert linears run TE with parallel_mode=None; the Megatron class name says which axis is split.
-        name = self._original_cls.__name__
-        return 1 if "Row" in name or getattr(self, "parallel_mode", None) == "row" else 0
+    def sharded_axis(self) -> int:
+        """TE's own tensor-parallel mode (Megatron's TE grouped linears declare theirs per class)."""
+        return 1 if getattr(self, "parallel_mode", None) == "row" else 0
 
     def _setup_quantizers(self, config):
         if getattr(self, "single_grouped_weight", False):
@@ -89,15 +88,7 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
 
         return self.quantized_forward(x, m_splits, gemm=gemm)
 
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """Megatron's grouped-linear entries plus the expert amaxes under the global expert axis, with the keys
-        ``SequentialMLP`` uses (so checkpoints move between the two). Only Megatron's TE classes have one."""
-        from .megatron_checkpoint import grouped_linear_quantizers_sharded_state_dict
 
-        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        sd.update(grouped_linear_quantizers_sharded_state_dict(self, prefix, sharded_offsets, metadata,
-                                                               sharded_axis=self._sharded_axis))
-        return sd
-
-
-QuantModuleRegistry.register(te.GroupedLinear, QuantTEGroupedLinear)
+def register() -> None:
+    """Adds the quantized TE ``GroupedLinear`` to the registry (called by the core once TE is imported)."""
+    QuantModuleRegistry.register(te.GroupedLinear, QuantTEGroupedLinear)

@@ -1,17 +1,19 @@
 """``import modelopt_moe.quantization as mtq``: quantize, calibrate, print_quant_summary, enable/disable_quantizer,
-fold_weight, presets and load_config.
+fold_weight, reuse_quantized_weights, presets and load_config.
 
 Presets are the YAML files in ``configs/`` loaded at import, as plain dicts (like Model Optimizer's), so users can
 copy and edit them.
 """
 
+from ..numerics import FORMATS, fake_quant
 from . import nn  # noqa: F401  registers the framework-free wrappers
 from .calibration import sync_amax
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig, load_config, preset_path
 from .conversion import QuantModuleRegistry, named_quantizers
-from ..numerics import FORMATS, fake_quant
+from .expert_quantizer import ExpertQuantizer
 from .model_quant import calibrate, disable_quantizer, enable_quantizer, fold_weight, print_quant_summary, quantize
 from .tensor_quantizer import TensorQuantizer
+from .weight_reuse import reuse_quantized_weights
 
 FP8_DEFAULT_CFG = load_config(preset_path("fp8_default.yaml")).model_dump()
 NVFP4_DEFAULT_CFG = load_config(preset_path("nvfp4_default.yaml")).model_dump()
@@ -20,7 +22,8 @@ INT4_BLOCKWISE_WEIGHT_ONLY_CFG = load_config(preset_path("int4_blockwise_weight_
 
 __all__ = [
     "quantize", "calibrate", "print_quant_summary", "enable_quantizer", "disable_quantizer", "fold_weight",
-    "load_config", "ConfigError", "QuantizeConfig", "QuantizerAttributeConfig", "TensorQuantizer", "fake_quant",
+    "load_config", "ConfigError", "QuantizeConfig", "QuantizerAttributeConfig", "TensorQuantizer", "ExpertQuantizer",
+    "reuse_quantized_weights", "fake_quant",
     "FORMATS", "QuantModuleRegistry", "named_quantizers", "sync_amax", "FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG",
     "INT8_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
 ]

@@ -47,12 +47,10 @@ def _is_weight_quantizer(full_name: str) -> bool:
 
 def amax_placeholder(q: TensorQuantizer) -> torch.Tensor:
     """Zeros shaped like ``q``'s amax would be, for a rank whose quantizer saw no data."""
-    shape = getattr(q, "amax_shape", None)
+    shape = q.amax_shape
     if shape is None:
-        if q.axis is not None:
-            raise ValueError(f"{q}: a per-channel amax (axis={q.axis}) was never calibrated on this rank, so its "
-                             "shape is unknown; every rank must run data through every per-channel quantizer")
-        shape = ()
+        raise ValueError(f"{q}: a per-channel amax (axis={q.axis}) was never calibrated on this rank, so its "
+                         "shape is unknown; every rank must run data through every per-channel quantizer")
     return torch.zeros(shape, dtype=torch.float32)
 
 
@@ -162,7 +160,7 @@ def calibrate(model: nn.Module, algorithm: str | None = "max", forward_loop: Cal
     sync_amax(model, groups)
     unseen = []
     for name, module in model.named_modules():
-        if is_quantized(module) and hasattr(module, "finalize_calibration"):
+        if is_quantized(module):
             unseen += [f"{name}.{note}" for note in module.finalize_calibration(groups)]
     if unseen:
         warn_once("calibrate: these experts (global indices) saw no calibration tokens on any rank and use the "

@@ -5,7 +5,10 @@ keeps every parameter, buffer and attribute of the original module (and the stat
 without copying weights. Such classes are created at run time, so quantized modules pickle through
 :func:`_rebuild_quantized`, which re-creates the class from the original class and the mixin.
 
-Plugins register their classes when their framework imports (``plugins/megatron.py`` for Megatron-Core).
+Framework plugins (``modelopt_moe.plugins``: Megatron-Core, Transformer Engine) add their classes through ONE explicit
+call, :func:`register_framework_plugins`, which :func:`convert` (so ``mtq.quantize`` and every restore) and registry
+lookups make: it registers the plugin of every framework the program has imported. Importing this package imports
+no framework.
 """
 
 from __future__ import annotations
@@ -13,14 +16,17 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from .config import QuantizeConfig, QuantizerAttributeConfig
+from .expert_quantizer import ExpertGemm, ExpertGrid
 from .tensor_quantizer import TensorQuantizer
 
 __all__ = [
     "QuantModuleRegistry",
     "QuantModuleMixin",
+    "register_framework_plugins",
     "convert",
     "is_quantized",
     "named_quantizers",
@@ -31,12 +37,13 @@ __all__ = [
 
 
 class QuantModuleMixin:
-    """Base of every quantized wrapper. Subclasses create their quantizers in :meth:`_setup_quantizers`."""
+    """Base of every quantized wrapper. It declares every hook the core calls; subclasses override what applies."""
 
     _original_cls: type
     _mixin_cls: type
 
     def _setup_quantizers(self, config: QuantizeConfig) -> None:
+        """Creates this module's quantizers (plain modules: input, weight and output)."""
         self.input_quantizer = TensorQuantizer()
         self.weight_quantizer = TensorQuantizer()
         self.output_quantizer = TensorQuantizer()
@@ -45,6 +52,10 @@ class QuantModuleMixin:
         self.quant_backward = config.backward.model_copy()
         self.quant_kernel = config.kernel
         self._setup_quantizers(config)
+
+    def _after_convert(self) -> None:
+        """Called once every module of the model is converted (e.g. experts wire their linears to the layer's
+        quantizers)."""
 
     def calibrate_weights(self) -> None:
         """Max-calibrates the weight quantizer(s) straight from the weights (no data needed)."""
@@ -55,6 +66,25 @@ class QuantModuleMixin:
         """Names of the parallel groups (``"tp"``, ``"dp"``, ``"ep"``, ...) over which this module's quantizer
         ``quantizer_name`` (relative name) must max-reduce its amax. Plain modules: none."""
         return ()
+
+    def finalize_calibration(self, groups: dict) -> list[str]:
+        """After the amax reduction: fix what calibration left incomplete; returns notes for one rank-0 warning."""
+        return []
+
+    def fold_weight(self) -> None:
+        """Replaces the weight by its fake-quantized value and disables the weight quantizer."""
+        if self.weight_quantizer.is_enabled:
+            with torch.no_grad():
+                self.weight.copy_(self.weight_quantizer.fake_quant(self.weight))
+            self.weight_quantizer.disable()
+
+    def expert_gemms(self) -> list[ExpertGemm]:
+        """The expert GEMMs whose quantizers this module holds (none for a dense module)."""
+        return []
+
+    def expert_grid(self) -> ExpertGrid:
+        """This rank's place among the expert-parallel ranks (framework adapters answer from their groups)."""
+        return ExpertGrid()
 
     # Attributes that are caches: never pickled or deep-copied (they hold ids and derived tensors).
     _transient_attributes: tuple[str, ...] = ()
@@ -106,10 +136,22 @@ class _Registry:
         return None
 
     def __contains__(self, cls: type) -> bool:
+        register_framework_plugins()
         return self.mixin_for(cls) is not None
 
 
 QuantModuleRegistry = _Registry()
+
+
+def register_framework_plugins() -> list[str]:
+    """Registers the quantized classes (and parallel groups) of every framework the program has imported.
+
+    The core's one call into ``modelopt_moe.plugins``: made by :func:`convert` (``mtq.quantize``, every restore) and
+    by registry lookups; idempotent and cheap. Returns the names of the registered plugins.
+    """
+    from .. import plugins
+
+    return plugins.register_imported()
 
 
 def is_quantized(module: nn.Module) -> bool:
@@ -125,9 +167,7 @@ def convert(model: nn.Module, config: QuantizeConfig) -> list[str]:
     Raises:
         ValueError: nothing in ``model`` is quantizable.
     """
-    from .. import plugins  # the Megatron / TE wrappers register when their framework is in use
-
-    plugins.load_imported()
+    register_framework_plugins()
     converted = []
     for name, module in list(model.named_modules()):
         mixin = QuantModuleRegistry.mixin_for(type(module))
@@ -137,8 +177,8 @@ def convert(model: nn.Module, config: QuantizeConfig) -> list[str]:
         module._setup(config)
         converted.append(name)
     for module in model.modules():
-        if is_quantized(module) and hasattr(module, "_after_convert"):
-            module._after_convert()  # e.g. experts wire their linears to layer-level quantizers
+        if is_quantized(module):
+            module._after_convert()
     if not converted and not any(is_quantized(m) for m in model.modules()):
         kinds = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(
@@ -147,7 +187,6 @@ def convert(model: nn.Module, config: QuantizeConfig) -> list[str]:
             f"the model has {kinds}"
         )
     apply_quant_cfg(model, config)
-    model._modelopt_moe_config = config.model_dump()  # plain data: saved with the quantization state
     return converted
 
 
@@ -162,7 +201,7 @@ def named_quantizers(model: nn.Module) -> Iterator[tuple[str, TensorQuantizer, n
 
 
 def rule_name(full_name: str) -> str:
-    """The name quant_cfg rules match: per-expert children (``weight_quantizer.3``) follow their container's."""
+    """The name quant_cfg rules match: a per-expert view (``weight_quantizer.3``) follows its quantizer's."""
     head, _, tail = full_name.rpartition(".")
     return head if tail.isdigit() and head.endswith("_quantizer") else full_name
 
@@ -178,8 +217,6 @@ def apply_quant_cfg(model: nn.Module, config: QuantizeConfig) -> None:
         if is_quantized(module):
             module.quant_backward = config.backward.model_copy()
             module.quant_kernel = config.kernel
-            if hasattr(module, "_after_quant_cfg"):
-                module._after_quant_cfg()
 
 
 def set_quantizer_by_pattern(model: nn.Module, pattern: str, enable: bool) -> int:

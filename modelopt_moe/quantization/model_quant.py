@@ -49,7 +49,7 @@ def disable_quantizer(model: nn.Module, pattern: str) -> int:
 def fold_weight(model: nn.Module) -> nn.Module:
     """Writes each fake-quantized weight into the weight and disables its weight quantizer (for export)."""
     for module in model.modules():
-        if is_quantized(module) and hasattr(module, "fold_weight"):
+        if is_quantized(module):
             module.fold_weight()
     return model
 

@@ -77,13 +77,9 @@ def mask_grad(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x if mask is None else _MaskGrad.apply(x, mask)
 
 
-def _active(q) -> bool:
-    return q is not None and q.is_enabled and q._if_quant
-
-
 def clip_mask_of(q, x: torch.Tensor) -> torch.Tensor | None:
-    """The clipped-STE mask of quantizer ``q`` (a TensorQuantizer or an expert slot) for ``x``, or None."""
-    if not _active(q) or q.ste != "clipped" or not q.needs_amax:
+    """The clipped-STE mask of quantizer ``q`` (a TensorQuantizer or an expert's view) for ``x``, or None."""
+    if not q.is_quantizing or q.ste != "clipped" or not q.needs_amax:
         return None
     return clip_mask(x, q.amax.to(x.device) if q.amax is not None else None)
 
@@ -127,7 +123,7 @@ def apply_quantized_gemm(module, x: torch.Tensor, weight: torch.Tensor, gemm: Ca
 
     Args:
         module: has ``input_quantizer``, ``weight_quantizer``, ``output_quantizer`` and ``quant_backward``
-            (a :class:`BackwardConfig`); the quantizers may be expert slots.
+            (a :class:`BackwardConfig`); the quantizers may be experts' views (``SequentialMLP``).
         x, weight: the original operands.
         gemm: the layer's own GEMM; returns a tensor or a tuple whose first element is the output.
 

@@ -22,12 +22,5 @@ class QuantLinearMixin(QuantModuleMixin):
         # Activations differ across data-parallel ranks; weights are replicated there.
         return ("dp",) if quantizer_name in ("input_quantizer", "output_quantizer") else ()
 
-    def fold_weight(self) -> None:
-        """Replaces the weight by its fake-quantized value and disables the weight quantizer."""
-        if self.weight_quantizer.is_enabled:
-            with torch.no_grad():
-                self.weight.copy_(self.weight_quantizer.fake_quant(self.weight))
-            self.weight_quantizer.disable()
-
 
 QuantModuleRegistry.register(nn.Linear, QuantLinearMixin)

@@ -1,4 +1,5 @@
-"""Framework-free checkpoint parts: canonical expert amax, plain save/restore across layouts, directory checks."""
+"""Framework-free checkpoint parts: the [N] expert amax in every layout, plain save/restore across layouts,
+directory checks."""
 
 import itertools
 
@@ -10,15 +11,13 @@ import modelopt_moe.quantization as mtq
 from modelopt_moe.checkpoint import (
     CheckpointMismatchError,
     IncompleteCheckpointError,
-    canonical_amax,
     check_checkpoint_dir,
-    iter_expert_slots,
-    native_from_canonical,
+    iter_expert_quantizers,
     restore,
     save,
 )
-from modelopt_moe.checkpoint.amax import classify_checkpoint_amax
-from modelopt_moe.quantization.nn.grouped_linear import GroupedLinear
+from modelopt_moe.checkpoint.expert_axis import classify_checkpoint_amax
+from modelopt_moe.quantization.nn import GroupedLinear
 
 N = 4
 LAYOUTS = ("shared", "vectorized", "per_expert")
@@ -47,8 +46,8 @@ def _quantized(weight_amax, input_amax="per_expert"):
 
 
 def _expert_amax(model):
-    return {s.name: [s.layout.expert_amax(i).reshape(()) for i in range(s.num_local)] for s in iter_expert_slots(model)
-            if s.kind != "output_quantizer"}
+    return {e.name: [e.quantizer.expert_amax(i).reshape(()) for i in range(e.gemm.num_local)]
+            for e in iter_expert_quantizers(model) if e.kind != "output_quantizer"}
 
 
 @pytest.mark.parametrize("src,dst", list(itertools.product(LAYOUTS, LAYOUTS)))
@@ -76,17 +75,24 @@ def test_restore_into_meta_model_assigns(tmp_path):
     assert torch.equal(fresh(x), model(x))
 
 
-def test_canonical_round_trip_and_shared_takes_the_max():
-    model, _ = _quantized("vectorized")
-    slot = next(s for s in iter_expert_slots(model) if s.kind == "weight_quantizer")
-    canon = canonical_amax(slot.layout, N, ())
-    assert canon.shape == (N,) and len(set(canon.tolist())) == N
+def test_every_layout_holds_one_n_expert_amax_and_shared_holds_the_max():
+    vec, _ = _quantized("vectorized")
+    amax = vec.experts.weight_quantizer.amax
+    assert amax.shape == (N,) and len(set(amax.tolist())) == N
     shared, _ = _quantized("shared")
-    sslot = next(s for s in iter_expert_slots(shared) if s.kind == "weight_quantizer")
-    assert torch.equal(native_from_canonical(sslot.layout, canon)["_amax"], canon.max())
+    assert torch.equal(shared.experts.weight_quantizer.amax, amax.max().expand(N))
     per, _ = _quantized("per_expert")
-    pslot = next(s for s in iter_expert_slots(per) if s.kind == "weight_quantizer")
-    assert [v.item() for v in native_from_canonical(pslot.layout, canon).values()] == canon.tolist()
+    q = per.experts.weight_quantizer
+    assert torch.equal(q.amax, amax)
+    # per_expert presents N views with Model Optimizer's keys; they hold no state of their own
+    sd = per.state_dict()
+    assert [k for k in sd if k.startswith("experts.weight_quantizer")] == [
+        f"experts.weight_quantizer.{i}._amax" for i in range(N)]
+    assert [sd[f"experts.weight_quantizer.{i}._amax"].item() for i in range(N)] == amax.tolist()
+    q[2].amax = 0.5  # a view writes its row of the one tensor
+    assert q.amax[2].item() == 0.5 and q.amax.data_ptr() == q._amax.data_ptr()
+    assert not list(q[2].buffers()) and not list(q[2].parameters())
+    assert "experts.weight_quantizer._amax" in vec.state_dict()
 
 
 def test_classify_checkpoint_amax_messages():

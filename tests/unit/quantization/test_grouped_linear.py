@@ -1,4 +1,5 @@
-"""The framework-free grouped expert linear: amax layouts, backward modes, the micro-batch weight cache."""
+"""The framework-free grouped expert linear: amax layouts, backward modes, fresh weights by default and their reuse
+inside a declared scope."""
 
 import copy
 import pickle
@@ -8,10 +9,12 @@ import pytest
 import torch
 
 import modelopt_moe.quantization as mtq
+from modelopt_moe.quantization import tensor_quantizer
 from modelopt_moe.quantization import utils as qutils
 from modelopt_moe.numerics import fake_quant
 from modelopt_moe.quantization.nn import GroupedLinear
-from modelopt_moe.quantization.nn.grouped_linear import WeightFakeQuantCache
+from modelopt_moe.quantization.nn import experts as experts_nn
+from modelopt_moe.quantization.weight_reuse import active_reuse_scopes
 
 N, IN, OUT = 4, 32, 16
 SPLITS = [5, 0, 7, 8]  # expert 1 gets no tokens
@@ -66,15 +69,16 @@ def test_vectorized_and_per_expert_give_bit_identical_outputs_and_gradients(pres
     assert all(torch.equal(a, b) for a, b in zip(vec[2], per[2], strict=True))
 
 
-def test_amax_layouts_hold_per_expert_vector_children_or_the_max():
+def test_amax_layouts_hold_one_n_expert_tensor_per_expert_views_or_the_max():
     vec = _quantized(_config(weight_amax="vectorized"))
     per = _quantized(_config(weight_amax="per_expert"))
     shared = _quantized(_config(weight_amax="shared"))
     expected = torch.stack([w.detach().abs().amax() for w in _layer().expert_weights()])
     assert torch.equal(vec.weight_quantizer.amax, expected)
     assert [n for n, _ in per.weight_quantizer.named_children()] == ["0", "1", "2", "3"]
-    assert torch.equal(per.weight_quantizer.stacked_amax(), expected)
-    assert torch.equal(shared.weight_quantizer.amax, expected.max())
+    assert torch.equal(per.weight_quantizer.amax, expected)
+    assert [per.weight_quantizer[i].amax.item() for i in range(N)] == expected.tolist()
+    assert torch.equal(shared.weight_quantizer.amax, expected.max().expand(N))
 
 
 def test_each_expert_weight_uses_its_own_amax():
@@ -135,47 +139,93 @@ def test_backward_modes_match_a_hand_computed_reference(mode, ste):
         assert (dx == 0).any() and any((d == 0).any() for d in dws)
 
 
-def _cache(layer) -> WeightFakeQuantCache:
-    return layer._wq_cache
+class _CountFakeQuant:
+    """Counts expert weight fake-quantizations on the reference path (one call per expert weight)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+
+        def counting(x, *args, **kwargs):
+            self.calls += x.shape == (OUT, IN)
+            return fake_quant(x, *args, **kwargs)
+
+        for module in (experts_nn, tensor_quantizer):  # the two call sites of the reference
+            monkeypatch.setattr(module, "fake_quant", counting)
 
 
-def test_micro_batches_reuse_the_fake_quantized_weights():
+def _reference_forward(layer, x):
+    """The layer's forward from scratch: current weights, current amaxes, nothing cached."""
+    iq, wq = layer.input_quantizer, layer.weight_quantizer
+    xq = torch.cat([fake_quant(c, "e4m3", iq.amax[i]) for i, c in enumerate(torch.split(x, SPLITS))])
+    outs = []
+    for i, (c, w) in enumerate(zip(torch.split(xq, SPLITS), layer.expert_weights(), strict=True)):
+        outs.append(c @ fake_quant(w.detach(), "e4m3", wq.amax[i]).t() + getattr(layer, f"bias{i}"))
+    return torch.cat(outs)
+
+
+def test_weights_written_through_data_are_seen_by_the_next_forward():
+    # How Megatron's optimizers update parameters: through .data, without bumping Tensor._version.
     layer = _quantized(_config())
     x, g = _data()
     _run(layer, x, g)
-    first = _cache(layer).values
-    _run(layer, x, g)
-    assert _cache(layer).values is first
+    versions = [w._version for w in layer.expert_weights()]
+    for w in layer.expert_weights():
+        w.data.mul_(1.5)
+    assert [w._version for w in layer.expert_weights()] == versions
+    assert torch.equal(_run(layer, x, g)[0], _reference_forward(layer, x).detach())
 
 
-def _check_fresh(layer):
-    """The cached fake-quantized weights equal a fresh computation from the current weights and amax."""
-    x, g = _data()
-    _run(layer, x, g)
-    for i, (v, w) in enumerate(zip(_cache(layer).values, layer.expert_weights(), strict=True)):
-        assert torch.equal(v, fake_quant(w.detach(), "e4m3", layer.weight_quantizer.amax[i])), i
-
-
-def test_an_optimizer_step_invalidates_the_weight_cache():
+def test_micro_batches_reuse_the_fake_quantized_weights_inside_a_scope(monkeypatch):
     layer = _quantized(_config())
     x, g = _data()
+    count = _CountFakeQuant(monkeypatch)
     _run(layer, x, g)
-    before = _cache(layer).values
-    torch.optim.SGD(layer.parameters(), lr=0.5).step()
-    _check_fresh(layer)
-    assert _cache(layer).values is not before
+    _run(layer, x, g)
+    assert count.calls == 2 * N  # no scope: every forward re-quantizes
+    count.calls = 0
+    with mtq.reuse_quantized_weights(layer):
+        y1 = _run(layer, x, g)
+        y2 = _run(layer, x, g)
+        assert active_reuse_scopes() == 1
+    assert count.calls == N  # once per scope
+    assert torch.equal(y1[0], y2[0]) and all(torch.equal(a, b) for a, b in zip(y1[2], y2[2], strict=True))
+    assert active_reuse_scopes() == 0
+    _run(layer, x, g)
+    assert count.calls == 2 * N  # leaving the scope dropped the values
 
 
-def test_a_checkpoint_load_invalidates_the_weight_cache():
+def test_a_scope_still_sees_in_place_weight_and_amax_updates():
+    layer = _quantized(_config())
+    x, g = _data()
+    with mtq.reuse_quantized_weights(layer):
+        _run(layer, x, g)
+        torch.optim.SGD(layer.parameters(), lr=0.5).step()  # a versioned in-place update inside the scope
+        assert torch.equal(_run(layer, x, g)[0], _reference_forward(layer, x).detach())
+        layer.weight_quantizer.amax = layer.weight_quantizer.amax * 0.5
+        assert torch.equal(_run(layer, x, g)[0], _reference_forward(layer, x).detach())
+
+
+def test_a_scope_covers_only_the_models_it_was_given(monkeypatch):
+    a, b = _quantized(_config()), _quantized(_config(), seed=3)
+    x, g = _data()
+    count = _CountFakeQuant(monkeypatch)
+    with mtq.reuse_quantized_weights([a]):
+        for _ in range(2):
+            _run(a, x, g)
+            _run(b, x, g)
+    assert count.calls == N + 2 * N
+
+
+def test_a_checkpoint_load_is_seen_by_the_next_forward():
     layer = _quantized(_config())
     other = _quantized(_config(), seed=5)
-    _check_fresh(layer)
+    x = _data()[0]
+    layer(x, SPLITS)
     layer.load_state_dict(other.state_dict())
-    _check_fresh(layer)
-    assert torch.equal(layer(_data()[0], SPLITS), other(_data()[0], SPLITS))
+    assert torch.equal(layer(x, SPLITS), other(x, SPLITS))
 
 
-def test_an_amax_change_invalidates_the_weight_cache():
+def test_an_amax_change_is_seen_by_the_next_forward():
     for weight_amax in ("vectorized", "per_expert", "shared"):
         layer = _quantized(_config(weight_amax=weight_amax))
         x, g = _data()
@@ -190,22 +240,23 @@ def test_an_amax_change_invalidates_the_weight_cache():
         assert torch.equal(_run(layer, x, g)[0], y0), weight_amax
 
 
-def test_quantized_grouped_linear_pickles_and_deepcopies_without_its_cache():
+def test_quantized_grouped_linear_pickles_and_deepcopies_without_its_caches():
     layer = _quantized(_config(weight_amax="per_expert"))
     x, _ = _data()
     y = layer(x, SPLITS)
     for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
-        assert "_wq_cache" not in clone.__dict__
+        assert "_device_splits" not in clone.__dict__
         assert torch.equal(clone(x, SPLITS), y)
+        assert clone.weight_quantizer[1].owner is clone.weight_quantizer  # the views follow their copied owner
+        clone.weight_quantizer[1].amax = 7.0
+        assert layer.weight_quantizer.amax[1] != 7.0
 
 
 def test_kernel_triton_where_triton_cannot_run_fails_clearly(monkeypatch):
-    from modelopt_moe.quantization.nn import grouped_linear
-
     layer = _quantized(_config())
     layer.quant_kernel = "triton"
     # As on a CPU machine without TRITON_INTERPRET (this test session may have the interpreter on).
-    monkeypatch.setattr(grouped_linear, "kernels_available", lambda device: False)
+    monkeypatch.setattr(experts_nn, "kernels_available", lambda device: False)
     with pytest.raises(RuntimeError, match="kernel='triton'"):
         layer(_data()[0], SPLITS)
 

@@ -1,0 +1,394 @@
+"""ExpertQuantizer: ONE quantizer for the N local experts of an expert GEMM, with a canonical ``[N, ...]`` amax.
+
+The amax is always one tensor: ``[N]`` per tensor, ``[N, C]`` per output channel (``axis=0`` on ``[C, K]`` expert
+weights). It goes to the one-launch kernels as is. The config's layout (``experts.weight_amax`` /
+``experts.input_amax``) changes only two things:
+
+* how calibration reduces: ``shared`` keeps one value, the max over every expert (and, after
+  :func:`~.calibration.sync_amax`, over every expert-parallel rank), in each entry; ``vectorized`` and
+  ``per_expert`` keep each expert's own max;
+* how the quantizer presents itself: ``shared`` and ``vectorized`` have one ``_amax`` state-dict entry (the
+  ``[N, ...]`` tensor); ``per_expert`` shows N child modules ``{name}.0 .. {name}.{N-1}`` (NVIDIA Model Optimizer's
+  names), each an :class:`ExpertView` with its own ``_amax`` entry (shape ``[]`` or ``[C, 1]``), matched by wildcards
+  and settable one by one, but holding no state: it reads and writes its row of the one tensor.
+
+An :class:`ExpertView` is also what an expert's own linear calls when its experts are separate modules (Megatron's
+``SequentialMLP``): expert ``i``'s quantizer is view ``i`` of the layer-level quantizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import QuantizerAttributeConfig
+from .tensor_quantizer import FakeQuantSTE, TensorQuantizer, nan_ignoring_abs_max
+from .utils import warn_once
+
+__all__ = ["EXPERT_LAYOUTS", "ExpertQuantizer", "ExpertView", "ExpertGemm", "ExpertGrid"]
+
+EXPERT_LAYOUTS = ("shared", "vectorized", "per_expert")
+
+
+@dataclass(frozen=True)
+class ExpertGrid:
+    """This rank's place in the expert-parallel grid: ranks and sizes of the expert-parallel (EP), expert
+    tensor-parallel (ETP) and expert data-parallel (EDP) groups. Plain ints (no process groups); local expert
+    ``i`` is global expert ``ep_rank * N_local + i``."""
+
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    edp_rank: int = 0
+    edp_size: int = 1
+
+    def global_index(self, num_local: int, local: int) -> int:
+        return self.ep_rank * num_local + local
+
+
+@dataclass
+class ExpertGemm:
+    """One expert GEMM of a quantized module: where its expert quantizers live and how its weights are split.
+
+    Attributes:
+        name: the state-dict prefix of the quantizers relative to the module (``""`` for a grouped linear, which
+            holds them itself; ``"linear_fc1"`` for ``SequentialMLP``'s layer-level quantizers).
+        quantizers: the module holding ``input_quantizer`` / ``weight_quantizer`` / ``output_quantizer``.
+        num_local: experts on this rank.
+        sharded_axis: the weight axis split over expert-tensor-parallel ranks (0 column-, 1 row-parallel).
+        weight_shape: one local expert weight's shape.
+    """
+
+    name: str
+    quantizers: nn.Module
+    num_local: int
+    sharded_axis: int
+    weight_shape: tuple[int, ...] | None
+
+
+class ExpertQuantizer(TensorQuantizer):
+    """Fake-quantizes the tensors of N experts, each with its row of one ``[N, ...]`` amax.
+
+    Args:
+        num_experts: N, the local experts.
+        layout: ``shared``, ``vectorized`` or ``per_expert`` (see the module docstring).
+        quant_attribute_cfg: the format; ``axis`` must be None (per tensor) or 0 (per output channel).
+    """
+
+    def __init__(self, num_experts: int, layout: str = "vectorized",
+                 quant_attribute_cfg: QuantizerAttributeConfig | None = None):
+        if layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"ExpertQuantizer: layout must be one of {EXPERT_LAYOUTS}, got {layout!r}")
+        if num_experts < 1:
+            raise ValueError(f"ExpertQuantizer: num_experts must be >= 1, got {num_experts}")
+        super().__init__(quant_attribute_cfg)
+        self.num_experts = num_experts
+        self.layout = layout
+        if layout == "per_expert":
+            self._non_persistent_buffers_set.add("_amax")  # the views carry it, under their own keys
+            for i in range(num_experts):
+                self.add_module(str(i), ExpertView(self, i))
+
+    def set_from_attribute_config(self, cfg: QuantizerAttributeConfig | dict) -> None:
+        super().set_from_attribute_config(cfg)
+        if self._cfg.axis not in (None, 0):
+            raise ValueError(f"ExpertQuantizer: axis must be None (per tensor) or 0 (per output channel of an "
+                             f"expert weight), got {self._cfg.axis}")
+
+    # --- the canonical amax ----------------------------------------------------------------------------------------
+    @property
+    def amax_shape(self) -> tuple[int, ...] | None:
+        """``(N,)`` per tensor, ``(N, C)`` per channel once known (None: a per-channel amax never calibrated)."""
+        if self._amax is not None:
+            return tuple(self._amax.shape)
+        return (self.num_experts,) if self.axis is None else None
+
+    def _to_canonical(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as ``[N, ...]``: one expert's shape (``[]``, ``[C]``, ``[C, 1]``) is given to every expert."""
+        n = self.num_experts
+        if self._amax is not None and value.shape == self._amax.shape:
+            return value
+        if self.axis is None:
+            if value.numel() == 1:
+                return value.reshape(1).expand(n)
+            if value.shape == (n,):
+                return value
+        else:
+            if value.dim() == 2 and value.shape[1] == 1:  # one expert's [C, 1] (a per-channel TensorQuantizer's)
+                return value.reshape(1, -1).expand(n, -1)
+            if value.dim() == 2 and value.shape[0] == n:
+                return value
+            if value.dim() == 1:
+                return value.reshape(1, -1).expand(n, -1)
+        raise ValueError(f"ExpertQuantizer({self.layout}, {n} experts, axis={self.axis}): an amax of shape "
+                         f"{tuple(value.shape)} fits neither all experts ({'[N]' if self.axis is None else '[N, C]'})"
+                         f" nor one expert ({'[]' if self.axis is None else '[C] or [C, 1]'})")
+
+    def _reduced(self, value: torch.Tensor) -> torch.Tensor:
+        """The layout's calibration rule applied to an ``[N, ...]`` value: ``shared`` keeps the max over experts."""
+        if self.layout == "shared":
+            return value.amax(dim=0, keepdim=True).expand_as(value)
+        return value
+
+    @property
+    def amax(self) -> torch.Tensor | None:
+        """The ``[N]`` / ``[N, C]`` float32 amax (None before calibration)."""
+        return self._amax
+
+    @amax.setter
+    def amax(self, value) -> None:
+        """Accepts all experts' ``[N, ...]`` or one expert's value (given to every expert). A ``shared`` quantizer
+        keeps the max over the experts in every entry."""
+        value = torch.as_tensor(value, dtype=torch.float32).detach()
+        value = self._reduced(self._to_canonical(value))
+        if self._amax is not None and self._amax.shape == value.shape:
+            with torch.no_grad():
+                self._amax.copy_(value.to(self._amax.device))  # in place: bumps the version the weight reuse checks
+        else:
+            device = self._amax.device if self._amax is not None else value.device
+            self._amax = value.to(device).contiguous().clone()
+
+    def expert_amax(self, index: int) -> torch.Tensor | None:
+        """Expert ``index``'s amax in the shape :func:`~modelopt_moe.numerics.fake_quant` broadcasts over its
+        tensor: ``[]`` per tensor, ``[C, 1]`` per output channel."""
+        if self._amax is None:
+            return None
+        a = self._amax[index]
+        return a if self.axis is None else a.unsqueeze(-1)
+
+    def set_expert_amax(self, index: int, value) -> None:
+        """Sets expert ``index``'s row (``shared``: the one value of every expert)."""
+        value = torch.as_tensor(value, dtype=torch.float32).detach()
+        row = value.reshape(()) if self.axis is None else value.reshape(-1)
+        if self._amax is None:
+            device = value.device
+            self._amax = torch.zeros((self.num_experts, *row.shape), dtype=torch.float32, device=device)
+        with torch.no_grad():
+            if self.layout == "shared":
+                self._amax.copy_(row.to(self._amax.device).expand_as(self._amax))
+            else:
+                self._amax[index] = row.to(self._amax.device)
+
+    def amax_of(self, x: torch.Tensor) -> torch.Tensor:
+        """One expert's amax of its tensor ``x`` (``[]`` or ``[C]``), NaN ignored."""
+        if self.axis is None:
+            return nan_ignoring_abs_max(x)
+        return nan_ignoring_abs_max(x, (0,)).reshape(-1)
+
+    # --- calibration -----------------------------------------------------------------------------------------------
+    def _ensure_amax(self, like: torch.Tensor) -> torch.Tensor:
+        if self._amax is None:
+            self._amax = torch.zeros((self.num_experts, *like.shape), dtype=torch.float32, device=like.device)
+        return self._amax
+
+    def collect_expert(self, index: int, x: torch.Tensor) -> None:
+        """Max calibration of expert ``index`` on its tensor ``x`` (``shared``: every expert takes the max)."""
+        new = self.amax_of(x)
+        amax = self._ensure_amax(new)
+        with torch.no_grad():
+            new = new.to(amax.device)
+            if self.layout == "shared":
+                torch.maximum(amax, new.expand_as(amax), out=amax)
+            else:
+                amax[index] = torch.maximum(amax[index], new)
+
+    def collect(self, x: torch.Tensor) -> None:
+        """Max calibration on a tensor that belongs to every expert (e.g. a GEMM output of all experts)."""
+        new = self.amax_of(x)
+        amax = self._ensure_amax(new)
+        with torch.no_grad():
+            torch.maximum(amax, new.to(amax.device).expand_as(amax), out=amax)
+
+    def fill_unseen_experts(self, groups: dict) -> list[int]:
+        """Per-expert per-tensor amax: an expert no rank calibrated (amax 0) takes the max over all experts on all
+        EP ranks. Returns the global indices of those experts (the caller warns once on rank 0).
+
+        Every rank calls the same collective (one all_gather over ``groups["ep"]``), whatever its data.
+        """
+        if self.layout == "shared" or not self.is_enabled or self.axis is not None:
+            return []
+        local = (self._amax if self._amax is not None else torch.zeros(self.num_experts)).float()
+        ep = groups.get("ep")
+        if ep is not None and dist.is_initialized() and dist.get_world_size(ep) > 1:
+            device = torch.device("cpu") if dist.get_backend(ep) == "gloo" else local.device
+            parts = [torch.empty_like(local, device=device) for _ in range(dist.get_world_size(ep))]
+            dist.all_gather(parts, local.to(device), group=ep)
+            everyone = torch.cat(parts)
+        else:
+            everyone = local
+        unseen = (everyone <= 0).nonzero().flatten().tolist()
+        shared = everyone.max().to(local.device)
+        if unseen and shared > 0:
+            self.amax = torch.where(local <= 0, shared, local)
+        return unseen
+
+    # --- forward ---------------------------------------------------------------------------------------------------
+    def dynamic_amax(self, chunks: list[torch.Tensor]) -> torch.Tensor:
+        """The ``[N, ...]`` amax of the experts' current tensors under this layout's rule (no calibrated amax)."""
+        warn_once(f"ExpertQuantizer({self.fmt}): quantizing with no calibrated amax; using the amax of the current "
+                  "tensors (run mtq.calibrate / a forward_loop to calibrate)")
+        return self._reduced(torch.stack([self.amax_of(c) for c in chunks]))
+
+    def forward_expert(self, index: int, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """Calibrates on and/or fake-quantizes expert ``index``'s tensor ``x``; ``amax`` overrides its own."""
+        if not self._enabled:
+            return x
+        if self._if_calib:
+            self.collect_expert(index, x)
+        if not self._if_quant:
+            return x
+        return self.fake_quant_expert(index, x, amax)
+
+    def fake_quant_expert(self, index: int, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """Fake-quantizes expert ``index``'s tensor ``x`` with its amax (or ``amax``), STE per :attr:`ste`."""
+        if amax is None:
+            amax = self.expert_amax(index)
+        if amax is None and self.needs_amax:
+            amax = self.dynamic_amax([x])[0]
+            amax = amax if self.axis is None else amax.unsqueeze(-1)
+        if amax is not None:
+            amax = amax.to(x.device)
+        return FakeQuantSTE.apply(x, amax if self.needs_amax else None, self.fmt, self.block_size,
+                                  self.ste == "clipped")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A tensor of every expert at once (e.g. a grouped GEMM's output): only the ``shared`` layout has the one
+        amax that applies to it."""
+        if self.layout != "shared" and self._enabled:
+            raise TypeError(f"ExpertQuantizer({self.layout}) quantizes one expert at a time: call "
+                            "forward_expert(index, x)")
+        return self.forward_expert(0, x)
+
+    def fake_quant(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fake_quant_expert(0, x, amax)
+
+    # --- views -----------------------------------------------------------------------------------------------------
+    def view(self, index: int) -> ExpertView:
+        """Expert ``index``'s view (the registered child for ``per_expert``; a new, unregistered one otherwise)."""
+        if not 0 <= index < self.num_experts:
+            raise IndexError(f"expert {index} out of range for {self.num_experts} experts")
+        if self.layout == "per_expert":
+            return self._modules[str(index)]
+        return ExpertView(self, index)
+
+    def __getitem__(self, index: int) -> ExpertView:
+        return self.view(index)
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    def __iter__(self):
+        return (self.view(i) for i in range(self.num_experts))
+
+    # --- state -----------------------------------------------------------------------------------------------------
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "_amax"
+        if self.layout == "per_expert":
+            return  # the views load their rows, under their own keys
+        if key in state_dict:
+            try:
+                value = self._reduced(self._to_canonical(state_dict[key].float()))
+            except ValueError as e:
+                error_msgs.append(f"{key}: {e}")
+                return
+            self._amax = torch.empty(value.shape, dtype=torch.float32,
+                                     device=self._amax.device if self._amax is not None else value.device)
+            state_dict = {**state_dict, key: value}
+        nn.Module._load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                                        unexpected_keys, error_msgs)
+
+    def extra_repr(self) -> str:
+        if not self._enabled:
+            return f"{self.layout}, {self.num_experts} experts, disabled"
+        parts = [self.layout, f"{self.num_experts} experts", self.fmt]
+        if self.axis is not None:
+            parts.append(f"axis={self.axis}")
+        if self.block_size is not None:
+            parts.append(f"block={self.block_size}")
+        if self._amax is None:
+            parts.append("amax=None")
+        else:
+            lo, hi = self._amax.min().item(), self._amax.max().item()
+            parts.append(f"amax={hi:.4g}" if lo == hi else f"amax[{tuple(self._amax.shape)}] {lo:.4g}..{hi:.4g}")
+        if self._if_calib:
+            parts.append("calibrating")
+        if not self._if_quant:
+            parts.append("quant off")
+        return ", ".join(parts)
+
+
+class ExpertView(nn.Module):
+    """Expert ``index``'s view of an :class:`ExpertQuantizer`: its amax is the owner's row ``index``; every
+    setting is the owner's. Holds no state of its own.
+
+    Registered as the owner's child ``{index}`` in the ``per_expert`` layout (state-dict key ``{index}._amax``, shape
+    ``[]`` or ``[C, 1]``, Model Optimizer's per-expert names); created on demand as what an expert's own linear
+    calls in ``SequentialMLP``.
+    """
+
+    def __init__(self, owner: ExpertQuantizer, index: int):
+        super().__init__()
+        self.__dict__["_owner"] = owner  # a reference, not a submodule: no cycle in the module tree
+        self.index = index
+
+    @property
+    def owner(self) -> ExpertQuantizer:
+        return self.__dict__["_owner"]
+
+    @property
+    def amax(self) -> torch.Tensor | None:
+        return self.owner.expert_amax(self.index)
+
+    @amax.setter
+    def amax(self, value) -> None:
+        self.owner.set_expert_amax(self.index, value)
+
+    # Settings are the owner's (read-only here: they apply to every expert).
+    fmt = property(lambda self: self.owner.fmt)
+    cfg = property(lambda self: self.owner.cfg)
+    num_bits = property(lambda self: self.owner.num_bits)
+    axis = property(lambda self: self.owner.axis)
+    block_size = property(lambda self: self.owner.block_size)
+    ste = property(lambda self: self.owner.ste)
+    needs_amax = property(lambda self: self.owner.needs_amax)
+    is_enabled = property(lambda self: self.owner.is_enabled)
+    is_quantizing = property(lambda self: self.owner.is_quantizing)
+
+    def collect(self, x: torch.Tensor) -> None:
+        self.owner.collect_expert(self.index, x)
+
+    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        return self.owner.fake_quant_expert(self.index, x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.owner.forward_expert(self.index, x)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        amax = self.amax
+        if amax is not None:
+            destination[prefix + "_amax"] = amax if keep_vars else amax.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "_amax"
+        if key in state_dict:
+            value = state_dict[key]
+            if self.axis is None and value.numel() != 1:
+                error_msgs.append(f"{key}: expected expert {self.index}'s per-tensor amax, got shape "
+                                  f"{tuple(value.shape)}")
+                return
+            self.amax = value
+        elif strict and self.owner.amax is not None:
+            missing_keys.append(key)
+
+    def extra_repr(self) -> str:
+        amax = self.amax
+        if amax is None:
+            return f"expert {self.index}, amax=None"
+        return f"expert {self.index}, amax={amax.item():.4g}" if amax.numel() == 1 else \
+            f"expert {self.index}, amax[{tuple(amax.shape)}] max={amax.max().item():.4g}"

@@ -1,0 +1,213 @@
+"""Fake quantization of the operands of N expert GEMMs with one :class:`ExpertQuantizer` per operand.
+
+Framework-free helpers used by the grouped expert linear (:mod:`.grouped_linear`) and by the Megatron
+``SequentialMLP`` adapter: building the quantizers from the config, which groups reduce their amax, and the
+forward of N expert weights (one kernel launch) and of a token matrix split by ``m_splits``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...kernels import (
+    GroupedWeightSTE,
+    grouped_input_fake_quant_ste,
+    grouped_weight_fake_quant,
+    grouped_weight_fake_quant_ste,
+    kernels_available,
+)
+from ...numerics import clip_limit, fake_quant
+from ..config import ExpertsConfig
+from ..expert_quantizer import ExpertQuantizer
+from ..tensor_quantizer import clip_mask
+from ..weight_reuse import reused_or_computed, weight_key
+
+__all__ = [
+    "QUANTIZER_KINDS",
+    "ExpertQuantizers",
+    "build_expert_quantizers",
+    "expert_amax_reduction",
+    "split_sizes",
+    "use_kernels",
+    "quantize_expert_weights",
+    "quantize_expert_inputs",
+    "expert_input_clip_mask",
+    "expert_weight_clip_mask",
+    "DeviceSplits",
+]
+
+QUANTIZER_KINDS = ("input_quantizer", "weight_quantizer", "output_quantizer")
+
+
+def build_expert_quantizers(module: nn.Module, num_experts: int, experts: ExpertsConfig) -> None:
+    """Gives ``module`` an input, weight and output :class:`ExpertQuantizer` in the configured layouts (an output
+    is one tensor of every expert, so its quantizer is ``shared``)."""
+    module.weight_quantizer = ExpertQuantizer(num_experts, experts.weight_amax)
+    module.input_quantizer = ExpertQuantizer(num_experts,
+                                             "shared" if experts.input_amax == "shared" else "vectorized")
+    module.output_quantizer = ExpertQuantizer(num_experts, "shared")
+
+
+class ExpertQuantizers(nn.Module):
+    """The input / weight / output quantizers of one expert GEMM whose experts are separate modules (Megatron
+    ``SequentialMLP``): expert ``i``'s linear calls view ``i`` of each (:meth:`views`)."""
+
+    def __init__(self, num_experts: int, experts: ExpertsConfig):
+        super().__init__()
+        self.num_experts = num_experts
+        build_expert_quantizers(self, num_experts, experts)
+
+    def views(self, index: int) -> dict[str, nn.Module]:
+        return {kind: getattr(self, kind).view(index) for kind in QUANTIZER_KINDS}
+
+
+def expert_amax_reduction(q: ExpertQuantizer, kind: str, sharded_axis: int) -> tuple[str, ...]:
+    """Groups over which an expert quantizer's amax is max-reduced.
+
+    Weights: across expert-TP ranks (shards of the same experts) unless the amax is per channel along the sharded
+    axis; inputs and outputs: across expert-data-parallel and expert-TP ranks (other tokens). ``shared``: also
+    across EP ranks (the max over every expert).
+    """
+    ep = ("ep",) if q.layout == "shared" else ()
+    if kind == "weight_quantizer":
+        tp = () if q.axis is not None and q.axis % 2 == sharded_axis else ("etp",)
+        return tp + ep
+    return ("edp", "etp") + ep
+
+
+def split_sizes(m_splits) -> list[int]:
+    """``m_splits`` (list, tuple or tensor) as host ints (the reference path needs them on the host)."""
+    return m_splits.tolist() if isinstance(m_splits, torch.Tensor) else [int(m) for m in m_splits]
+
+
+def use_kernels(preference: str, device: torch.device) -> bool:
+    """Whether expert fake quant runs the one-launch Triton kernels (``config.kernel``: auto | triton | torch)."""
+    if preference == "torch":
+        return False
+    available = kernels_available(device)
+    if preference == "triton" and not available:
+        raise RuntimeError(f"kernel='triton' but the Triton kernels cannot run on {device} (no triton, or a CPU "
+                           "tensor without TRITON_INTERPRET=1); use kernel='auto' or 'torch'")
+    return available and (preference == "triton" or device.type == "cuda")
+
+
+def _calibrated(q: ExpertQuantizer) -> bool:
+    """Quantizing with a stored amax (or none needed), not calibrating: the path that handles all experts at once."""
+    return q.is_quantizing and not q._if_calib and (q.amax is not None or not q.needs_amax)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (the CPU build has no such query)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], kernel: str = "auto",
+                            owner: nn.Module | None = None) -> list[torch.Tensor]:
+    """Fake-quantizes (and calibrates) N expert weights, differentiably.
+
+    Calibrated: one kernel launch with the ``[N, ...]`` amax (or the reference per expert with ``kernel='torch'``).
+    Inside a :func:`~..weight_reuse.reuse_quantized_weights` scope that covers ``owner``, the values are computed on
+    the first forward and reused after (the weights' gradient still flows through the straight-through estimator).
+    Calibrating, quantization off, or no amax: expert by expert.
+    """
+    if not q.is_enabled:
+        return weights
+    if not _calibrated(q):
+        chunks_amax = q.dynamic_amax(weights) if q.is_quantizing and q.amax is None and q.needs_amax else None
+        return [q.forward_expert(i, w, None if chunks_amax is None else _row(q, chunks_amax, i))
+                for i, w in enumerate(weights)]
+    fast = use_kernels(kernel, weights[0].device)
+    amax = q.amax if q.needs_amax else None
+    if owner is None or _capturing(weights[0].device):
+        if fast:
+            return grouped_weight_fake_quant_ste(list(weights), amax, q.fmt, q.block_size, q.ste)
+        return [q.fake_quant_expert(i, w) for i, w in enumerate(weights)]
+
+    def compute():
+        with torch.no_grad():
+            if fast:
+                return grouped_weight_fake_quant([w.detach() for w in weights], amax, q.fmt, q.block_size)
+            return [fake_quant(w.detach(), q.fmt, q.expert_amax(i) if q.needs_amax else None, q.block_size)
+                    for i, w in enumerate(weights)]
+
+    values = reused_or_computed(owner, lambda: weight_key(weights, amax, q.cfg, q.ste, fast), compute)
+    return list(GroupedWeightSTE.apply(amax, q.ste, values, *weights))
+
+
+def _row(q: ExpertQuantizer, amax: torch.Tensor, i: int) -> torch.Tensor:
+    return amax[i] if q.axis is None else amax[i].unsqueeze(-1)
+
+
+class DeviceSplits:
+    """Host split sizes (TE passes a list) as device tensors, made once per distinct split and kept alive.
+
+    The copy is asynchronous, from pinned memory (a pageable copy would stall the host every forward), and both
+    the pinned source and the device tensor stay referenced: a CUDA graph that captured the copy replays it from
+    that source.
+    """
+
+    MAX_ENTRIES = 64
+
+    def __init__(self):
+        self._entries: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, m_splits, device: torch.device):
+        if isinstance(m_splits, torch.Tensor) and m_splits.device == device:
+            return m_splits
+        if torch.compiler.is_compiling():  # a constant of the traced graph
+            return torch.tensor([int(m) for m in m_splits], dtype=torch.int64, device=device)
+        key = tuple(m_splits.tolist() if isinstance(m_splits, torch.Tensor) else (int(m) for m in m_splits))
+        entry = self._entries.get(key)
+        if entry is None or entry[1].device != device:
+            host = torch.tensor(key, dtype=torch.int64)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            if len(self._entries) >= self.MAX_ENTRIES:
+                self._entries.pop(next(iter(self._entries)))
+            entry = self._entries[key] = (host, host.to(device, non_blocking=True))
+        return entry[1]
+
+
+def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel: str = "auto",
+                           device_splits: DeviceSplits | None = None) -> torch.Tensor:
+    """Fake-quantizes (and calibrates) the token matrix ``x`` whose row blocks ``m_splits`` belong to the experts.
+
+    Calibrated per-expert amax on the kernel path: one launch with the ``[N]`` amax and device-side split offsets.
+    A ``shared`` amax (one value): the whole matrix at once. Otherwise expert by expert.
+    """
+    if not q.is_enabled:
+        return x
+    if q.layout == "shared":
+        return q(x)
+    if _calibrated(q) and x.dim() == 2 and use_kernels(kernel, x.device):
+        splits = (device_splits or DeviceSplits())(m_splits, x.device)
+        return grouped_input_fake_quant_ste(x, splits, q.amax if q.needs_amax else None, q.fmt, q.block_size,
+                                            q.ste)
+    chunks = torch.split(x, split_sizes(m_splits))
+    dyn = q.dynamic_amax(list(chunks)) if q.is_quantizing and q.amax is None and q.needs_amax else None
+    return torch.cat([q.forward_expert(i, c, None if dyn is None else _row(q, dyn, i)) for i, c in enumerate(chunks)])
+
+
+def expert_input_clip_mask(q: ExpertQuantizer, x: torch.Tensor, m_splits) -> torch.Tensor | None:
+    """The clipped-STE mask of the token matrix (``|x| <= amax`` of each row's expert), or None (no clipping)."""
+    if not q.is_quantizing or q.ste != "clipped" or not q.needs_amax or q.amax is None:
+        return None
+    if q.axis is not None:
+        chunks = torch.split(x, split_sizes(m_splits))
+        return torch.cat([clip_mask(c, q.expert_amax(i)) for i, c in enumerate(chunks)])
+    rows = torch.repeat_interleave(q.amax.to(x.device), torch.as_tensor(split_sizes(m_splits), device=x.device),
+                                   output_size=x.shape[0])
+    return x.abs() <= clip_limit(rows).unsqueeze(-1)
+
+
+def expert_weight_clip_mask(q: ExpertQuantizer, weights: list[torch.Tensor]):
+    """``mask(w)`` -> the clipped-STE mask of expert weight ``w`` (one of ``weights``) or None."""
+    index = {id(w): i for i, w in enumerate(weights)}
+
+    def mask(w: torch.Tensor) -> torch.Tensor | None:
+        if not q.is_quantizing or q.ste != "clipped" or not q.needs_amax or q.amax is None:
+            return None
+        return clip_mask(w, q.expert_amax(index[id(w)]))
+
+    return mask

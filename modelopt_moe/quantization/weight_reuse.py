@@ -1,0 +1,106 @@
+"""When fake-quantized weights may be reused instead of re-quantized: only inside a declared scope.
+
+By default every forward fake-quantizes the weights it uses from their current values, so a forward can never see
+stale weights, however the weights were updated (Megatron's optimizers write parameters through ``.data`` and
+contiguous parameter buffers without bumping ``Tensor._version``, so no version check can prove freshness).
+
+Inside ``with reuse_quantized_weights(model):`` the caller promises that the weights of ``model`` do not change
+(the micro-batches of one optimizer step: Megatron's ``forward_backward_func`` call, for which
+``modelopt_moe.plugins.megatron.get_forward_backward_func`` opens this scope by itself). A module then
+fake-quantizes its weights on its first forward in the scope and reuses the result on later forwards, as long as
+the weight tensors, their version counters, the amax and the format are also unchanged (in-place updates inside a
+scope, a checkpoint load or a recalibration are still seen). Leaving the scope drops every cached value, so outside a
+scope no fake-quantized copy of a weight outlives the GEMMs that use it.
+
+Not used while ``torch.compile`` traces or a CUDA graph is captured (a replay runs no host code, so it must
+recompute from the current weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Hashable, Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["reuse_quantized_weights", "reused_or_computed", "weight_key", "active_reuse_scopes"]
+
+
+class _Scope:
+    """One ``reuse_quantized_weights`` block: the modules it covers and their cached values."""
+
+    def __init__(self, models: list[nn.Module]):
+        self.module_ids = {id(m) for model in models for m in model.modules()}
+        self.entries: dict[int, tuple[Hashable, object]] = {}
+
+
+# Module-level rather than a contextvar: activation recomputation runs forwards inside the autograd engine's own
+# threads, where a contextvar set by the caller is not visible (they would re-quantize: correct, only slower).
+_lock = threading.Lock()
+_scopes: list[_Scope] = []
+
+
+def active_reuse_scopes() -> int:
+    """How many reuse scopes are open (for tests and diagnostics)."""
+    return len(_scopes)
+
+
+@contextlib.contextmanager
+def reuse_quantized_weights(model: nn.Module | list[nn.Module] | tuple) -> Iterator[None]:
+    """Reuse each module's fake-quantized weights across the forwards inside this block.
+
+    Use it around the micro-batches of one optimizer step, when nothing changes the weights in between::
+
+        with mtq.reuse_quantized_weights(model):
+            for micro_batch in micro_batches:
+                loss_fn(model(micro_batch)).backward()
+        optimizer.step()        # outside: the next forward re-quantizes
+
+    Args:
+        model: a quantized model or a list of model chunks (wrappers such as Megatron's DDP are fine).
+    """
+    models = list(model) if isinstance(model, list | tuple) else [model]
+    scope = _Scope(models)
+    with _lock:
+        _scopes.append(scope)
+    try:
+        yield
+    finally:
+        with _lock:
+            _scopes.remove(scope)
+        scope.entries.clear()
+
+
+def _scope_of(module: nn.Module) -> _Scope | None:
+    if not _scopes:
+        return None
+    with _lock:
+        for scope in reversed(_scopes):
+            if id(module) in scope.module_ids:
+                return scope
+    return None
+
+
+def weight_key(weights: list[torch.Tensor], amax: torch.Tensor | None, *settings: Hashable) -> tuple:
+    """What must be unchanged for a reuse: each weight's identity, storage and version, the amax's, the settings."""
+    wkey = tuple((id(w), w.data_ptr(), w._version) for w in weights)
+    akey = None if amax is None else (id(amax), amax.data_ptr(), amax._version)
+    return wkey, akey, settings
+
+
+def reused_or_computed(module: nn.Module, key: Callable[[], Hashable], compute: Callable[[], object]) -> object:
+    """``compute()``, or inside a reuse scope covering ``module`` the value stored under an equal ``key()``."""
+    if torch.compiler.is_compiling():
+        return compute()
+    scope = _scope_of(module)
+    if scope is None:
+        return compute()
+    k = key()
+    entry = scope.entries.get(id(module))
+    if entry is not None and entry[0] == k:
+        return entry[1]
+    value = compute()
+    scope.entries[id(module)] = (k, value)
+    return value

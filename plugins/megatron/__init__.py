@@ -1,0 +1,39 @@
+"""Megatron-Core support: every Megatron concern of the project (quantized modules, sharded state dicts, whole
+checkpoints, process groups, the training schedule) lives in this package.
+
+Public API::
+
+    from modelopt_moe.plugins.megatron import (
+        save_sharded_checkpoint, load_sharded_checkpoint,   # weights + amax + quantization + optimizer state
+        checkpoint_load_metadata,                           # metadata for your own dist_checkpointing.load calls
+        get_forward_backward_func,                          # Megatron's, reusing fake-quantized weights per step
+    )
+
+:func:`register` is called by the core (``mtq.quantize``, every restore) once ``megatron.core`` is imported; it
+registers the quantized Megatron classes and Megatron's process groups for amax reductions.
+"""
+
+from modelopt_moe.quantization.calibration import register_group_provider
+from modelopt_moe.quantization.conversion import QuantModuleRegistry
+
+from .checkpoint import load_sharded_checkpoint, model_sharded_state_dict, save_sharded_checkpoint
+from .modules import CLASSES, megatron_amax_groups
+from .schedule import get_forward_backward_func
+from .sharded_state_dict import checkpoint_load_metadata
+
+__all__ = [
+    "register",
+    "save_sharded_checkpoint",
+    "load_sharded_checkpoint",
+    "model_sharded_state_dict",
+    "checkpoint_load_metadata",
+    "get_forward_backward_func",
+    "megatron_amax_groups",
+]
+
+
+def register() -> None:
+    """Adds the quantized Megatron classes to the registry and Megatron's process groups to calibration."""
+    for original, quantized in CLASSES.items():
+        QuantModuleRegistry.register(original, quantized)
+    register_group_provider(megatron_amax_groups)

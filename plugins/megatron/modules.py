@@ -1,0 +1,230 @@
+"""Quantized Megatron-Core modules: ``ColumnParallelLinear`` / ``RowParallelLinear`` (attention, dense MLPs, the
+linears of ``SequentialMLP`` experts) and ``SequentialMLP`` itself (layer-level expert quantizers), plus the process
+groups that amax reductions use.
+
+The quantized linears override Megatron's ``_forward_impl`` (the local GEMM, with its own sequence-parallel and
+gradient communication), so everything around it (bias, TP reductions, expert communication) stays Megatron's.
+Every class declares its own tensor-parallel weight axis; checkpoints come from :mod:`.sharded_state_dict`.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.utils import get_pg_rank, get_pg_size
+
+from modelopt_moe.quantization.conversion import QuantModuleMixin
+from modelopt_moe.quantization.expert_quantizer import ExpertGemm, ExpertGrid
+from modelopt_moe.quantization.nn.experts import ExpertQuantizers, expert_amax_reduction
+from modelopt_moe.quantization.nn.functional import apply_quantized_gemm
+from modelopt_moe.quantization.nn.grouped_linear import QuantGroupedLinearMixin
+
+from .sharded_state_dict import expert_quantizers_sharded_state_dict, parallel_linear_quantizers_sharded_state_dict
+
+__all__ = [
+    "QuantColumnParallelLinear",
+    "QuantRowParallelLinear",
+    "QuantSequentialMLP",
+    "MegatronGroupedExpertsMixin",
+    "QuantMegatronColumnGroupedLinear",
+    "QuantMegatronRowGroupedLinear",
+    "megatron_amax_groups",
+    "expert_grid_of",
+    "CLASSES",
+]
+
+
+def megatron_amax_groups() -> dict | None:
+    """Megatron's process groups by the names quantized modules use, or None before initialisation.
+
+    ``tp``/``dp`` for dense layers; ``etp``/``edp``/``ep`` for experts (``dp`` includes context parallel ranks,
+    whose activations also differ).
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return {
+        "tp": parallel_state.get_tensor_model_parallel_group(),
+        "dp": parallel_state.get_data_parallel_group(with_context_parallel=True),
+        "ep": parallel_state.get_expert_model_parallel_group(),
+        "etp": parallel_state.get_expert_tensor_parallel_group(),
+        "edp": parallel_state.get_expert_data_parallel_group(),
+    }
+
+
+def expert_grid_of(ep, etp, edp) -> ExpertGrid:
+    """This rank's place in the expert grid, from the EP, expert-TP and expert-DP groups (None: size 1)."""
+    return ExpertGrid(get_pg_rank(ep), get_pg_size(ep), get_pg_rank(etp), get_pg_size(etp), get_pg_rank(edp),
+                      get_pg_size(edp))
+
+
+class _QuantParallelLinearMixin(QuantModuleMixin):
+    """Shared by the column- and row-parallel wrappers; ``sharded_axis`` is the weight axis split across TP."""
+
+    sharded_axis: int
+
+    def _setup_quantizers(self, config):
+        if self.gradient_accumulation_fusion:
+            raise ValueError(
+                f"{type(self).__name__}: gradient_accumulation_fusion=True accumulates into weight.main_grad inside "
+                "the GEMM, which a fake-quantized weight does not have; set gradient_accumulation_fusion=False for "
+                "QAT with modelopt_moe"
+            )
+        super()._setup_quantizers(config)
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        parent = super()._forward_impl
+        return apply_quantized_gemm(self, input, weight, lambda x, w: parent(x, w, *args, **kwargs))
+
+    @property
+    def is_expert_view(self) -> bool:
+        """Whether this linear is a ``SequentialMLP`` expert's: its quantizers are views of the layer's."""
+        return "weight_quantizer" not in self._modules
+
+    def amax_reduction(self, quantizer_name: str) -> tuple[str, ...]:
+        tp, dp = ("etp", "edp") if self.is_expert else ("tp", "dp")
+        if quantizer_name != "weight_quantizer":
+            return (dp, tp)
+        q = self.weight_quantizer
+        # A per-channel amax along the TP-sharded axis belongs to this rank's channels only.
+        return () if q.axis is not None and q.axis % 2 == self.sharded_axis else (tp,)
+
+    def calibrate_weights(self) -> None:
+        if not self.is_expert_view:  # an expert's: the SequentialMLP calibrates all its experts
+            super().calibrate_weights()
+
+    def fold_weight(self) -> None:
+        if not self.is_expert_view:  # an expert's: the SequentialMLP folds all its experts
+            super().fold_weight()
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron's entries, plus this linear's quantizer amaxes (an expert's: the layer saves them)."""
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if not self.is_expert_view:
+            sd.update(parallel_linear_quantizers_sharded_state_dict(self, prefix, sharded_offsets, metadata))
+        return sd
+
+
+class QuantColumnParallelLinear(_QuantParallelLinearMixin):
+    sharded_axis = 0
+
+
+class QuantRowParallelLinear(_QuantParallelLinearMixin):
+    sharded_axis = 1
+
+
+class QuantSequentialMLP(QuantModuleMixin):
+    """Megatron ``SequentialMLP`` experts with layer-level expert quantizers.
+
+    The layer owns ``linear_fc1`` / ``linear_fc2`` :class:`ExpertQuantizers` (the same quantizer names as
+    ``TEGroupedMLP``'s ``linear_fc1`` / ``linear_fc2``, so configs and checkpoints are shared); each local expert's
+    linear calls view ``i`` of them. Megatron's own forward runs unchanged.
+    """
+
+    _SHARDED_AXIS = {"linear_fc1": 0, "linear_fc2": 1}  # column- / row-parallel
+
+    def _setup_quantizers(self, config):
+        for name in self._SHARDED_AXIS:
+            setattr(self, name, ExpertQuantizers(self.num_local_experts, config.experts))
+
+    def _after_convert(self):
+        for i, expert in enumerate(self.local_experts):
+            for name in self._SHARDED_AXIS:
+                linear = getattr(expert, name)
+                for kind, view in getattr(self, name).views(i).items():
+                    linear._modules.pop(kind, None)  # its own quantizer is replaced by the layer-level one
+                    linear.__dict__[kind] = view
+
+    def expert_gemms(self) -> list[ExpertGemm]:
+        gemms = []
+        for name, axis in self._SHARDED_AXIS.items():
+            shape = tuple(getattr(self.local_experts[0], name).weight.shape) if len(self.local_experts) else None
+            gemms.append(ExpertGemm(name, getattr(self, name), self.num_local_experts, axis, shape))
+        return gemms
+
+    def expert_grid(self) -> ExpertGrid:
+        return expert_grid_of(self.ep_group, self.tp_group, self.dp_group)
+
+    def calibrate_weights(self) -> None:
+        for name in self._SHARDED_AXIS:
+            q = getattr(self, name).weight_quantizer
+            if q.is_enabled:
+                for i, expert in enumerate(self.local_experts):
+                    q.collect_expert(i, getattr(expert, name).weight)
+
+    def fold_weight(self) -> None:
+        for name in self._SHARDED_AXIS:
+            q = getattr(self, name).weight_quantizer
+            if q.is_enabled:
+                with torch.no_grad():
+                    for i, expert in enumerate(self.local_experts):
+                        w = getattr(expert, name).weight
+                        w.copy_(q.fake_quant_expert(i, w))
+                q.disable()
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron's expert entries plus the layer-level amaxes under the global expert axis, with the keys
+        ``TEGroupedMLP`` would have (``{prefix}experts.linear_fc1.weight_quantizer._amax``)."""
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        grid = self.expert_grid()
+        for gemm in self.expert_gemms():
+            sd.update(expert_quantizers_sharded_state_dict(
+                self, gemm, grid, f"{prefix}{gemm.name}.", f"{prefix}experts.{gemm.name}.", sharded_offsets,
+                metadata))
+        return sd
+
+    def amax_reduction(self, quantizer_name: str) -> tuple[str, ...]:
+        gemm, kind = quantizer_name.split(".")[:2]
+        return expert_amax_reduction(getattr(getattr(self, gemm), kind), kind, self._SHARDED_AXIS[gemm])
+
+    def finalize_calibration(self, groups: dict) -> list[str]:
+        notes = []
+        for name in self._SHARDED_AXIS:
+            unseen = getattr(self, name).input_quantizer.fill_unseen_experts(groups)
+            if unseen:
+                notes.append(f"{name}.input_quantizer: experts {unseen}")
+        return notes
+
+
+class MegatronGroupedExpertsMixin:
+    """For a quantized grouped expert linear inside a Megatron model (``TEGroupedMLP``'s ``linear_fc1`` /
+    ``linear_fc2``): the expert grid from its process groups, and its amaxes on the global expert axis in its
+    ``sharded_state_dict`` (``TEGroupedMLP`` renames ``linear_fc1.`` to ``<mlp>.experts.linear_fc1.``, the same keys
+    as ``SequentialMLP``'s, so checkpoints move between the two). Put it before the grouped-linear mixin."""
+
+    def expert_grid(self) -> ExpertGrid:
+        pgc = getattr(self, "_pg_collection", None)
+        if pgc is not None and getattr(pgc, "ep", None) is not None:
+            return expert_grid_of(pgc.ep, getattr(pgc, "expt_tp", None), getattr(pgc, "expt_dp", None))
+        return expert_grid_of(parallel_state.get_expert_model_parallel_group(),
+                              parallel_state.get_expert_tensor_parallel_group(check_initialized=False),
+                              parallel_state.get_expert_data_parallel_group(check_initialized=False))
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        grid = self.expert_grid()
+        for gemm in self.expert_gemms():
+            sd.update(expert_quantizers_sharded_state_dict(self, gemm, grid, prefix, prefix, sharded_offsets,
+                                                           metadata))
+        return sd
+
+
+class QuantMegatronColumnGroupedLinear(MegatronGroupedExpertsMixin, QuantGroupedLinearMixin):
+    """A framework-free grouped linear (``modelopt_moe.quantization.nn.GroupedLinear`` subclass) used as
+    ``TEGroupedMLP``'s column-parallel ``linear_fc1``: register your class with this mixin."""
+
+    sharded_axis = 0
+
+
+class QuantMegatronRowGroupedLinear(MegatronGroupedExpertsMixin, QuantGroupedLinearMixin):
+    """As :class:`QuantMegatronColumnGroupedLinear`, for the row-parallel ``linear_fc2``."""
+
+    sharded_axis = 1
+
+
+CLASSES = {
+    ColumnParallelLinear: QuantColumnParallelLinear,
+    RowParallelLinear: QuantRowParallelLinear,
+    SequentialMLP: QuantSequentialMLP,
+}

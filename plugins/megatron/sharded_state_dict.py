@@ -1,0 +1,232 @@
+"""Megatron-Core sharded state dicts of quantizer amaxes.
+
+Checkpoint keys and axes (``L`` = the layer axis Megatron's TransformerBlock prepends, ``E`` = global experts):
+
+* dense (attention, dense MLP) linear ``<prefix>{input,weight,output}_quantizer._amax``: the amax as stored,
+  replicated over TP and DP (replica_id ``(0, tp_rank, dp_rank)``); a per-channel weight amax along the TP-sharded
+  weight axis (column-parallel axis 0, row-parallel axis 1) is TP-sharded on that axis (replica_id
+  ``(0, 0, dp_rank)``).
+* experts: ONE key per (layer, GEMM, quantizer kind), the same for every amax layout and for ``SequentialMLP`` and
+  ``TEGroupedMLP``: ``...mlp.experts.experts.linear_fc{1,2}.{kind}._amax`` (beside Megatron's expert weight keys
+  ``...mlp.experts.experts.linear_fc1.weight``), global shape ``[L, E]`` (per tensor) or ``[L, E, C]`` (per
+  channel); where each rank's amax goes is :mod:`modelopt_moe.checkpoint.expert_axis`'s rule.
+
+Every amax entry is a ``ShardedTensorFactory``: it builds the ShardedTensor(s) and merges what was loaded back into
+the quantizer's own state-dict entry. A quantizer without an amax yet (a fresh model, possibly built on the meta
+device) gets a zero placeholder of the right shape, so a fresh model loads.
+
+Load-time checks ride on Megatron's own ``metadata`` argument: ``model.sharded_state_dict(metadata=
+checkpoint_load_metadata(ckpt_dir))`` compares every amax's global shape with the checkpoint's (a clear error naming
+the key, the expected and the found shape or expert count) and loads checkpoints written before the global expert
+axis existed (one amax per layer, for every expert; a rank-0 warning).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+from megatron.core.utils import get_pg_rank, get_pg_size
+from torch import nn
+
+from modelopt_moe.checkpoint.errors import CheckpointMismatchError
+from modelopt_moe.checkpoint.expert_axis import (
+    channel_is_sharded,
+    classify_checkpoint_amax,
+    expert_amax_placement,
+    loaded_expert_amax,
+)
+from modelopt_moe.checkpoint.sharded import checkpoint_amax_shapes
+from modelopt_moe.quantization.expert_quantizer import ExpertGemm, ExpertGrid, ExpertQuantizer
+from modelopt_moe.quantization.nn.experts import QUANTIZER_KINDS
+from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
+from modelopt_moe.quantization.utils import warn_once
+
+__all__ = [
+    "METADATA_KEY",
+    "checkpoint_load_metadata",
+    "parallel_linear_quantizers_sharded_state_dict",
+    "expert_quantizers_sharded_state_dict",
+]
+
+METADATA_KEY = "modelopt_moe_checkpoint"  # our entry in Megatron's sharded-state-dict metadata
+
+
+def checkpoint_load_metadata(ckpt_dir, metadata: dict | None = None) -> dict:
+    """Megatron ``metadata`` for ``model.sharded_state_dict(metadata=...)`` when loading ``ckpt_dir``: it carries
+    the checkpoint's amax shapes so that the amax entries check them (and load legacy checkpoints). No collective.
+
+    Args:
+        ckpt_dir: the checkpoint about to be loaded.
+        metadata: Megatron metadata to extend (copied, not modified).
+    """
+    out = dict(metadata or {})
+    out[METADATA_KEY] = {"ckpt_dir": str(ckpt_dir), "amax_shapes": checkpoint_amax_shapes(ckpt_dir)}
+    return out
+
+
+def _loading(metadata: dict | None) -> dict | None:
+    return (metadata or {}).get(METADATA_KEY)
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    """Where the module's parameters live (CPU for a meta-device model, which loads after ``to_empty``)."""
+    p = next(module.parameters(), None)
+    return torch.device("cpu") if p is None or p.device.type == "meta" else p.device
+
+
+def _is_saved(q: TensorQuantizer) -> bool:
+    """Whether a checkpoint carries this quantizer's amax: it is enabled or holds an amax (e.g. after fold_weight).
+    The same answer on every rank (enabled flags come from the config; calibration gives every rank an amax)."""
+    return q.is_enabled or q.amax is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dense (tensor-parallel) linears
+
+
+def parallel_linear_quantizers_sharded_state_dict(module: nn.Module, prefix: str, sharded_offsets=(),
+                                                  metadata: dict | None = None) -> dict:
+    """Sharded entries for the quantizers of a quantized Megatron ``ColumnParallelLinear`` / ``RowParallelLinear``.
+
+    Args:
+        module: the quantized linear (has ``weight`` and ``sharded_axis``, the weight axis split over TP).
+        prefix: its state-dict prefix.
+        sharded_offsets: offsets prepended by the parents (Megatron's layer axis).
+        metadata: Megatron's sharded-state-dict metadata (its ``dp_cp_group``, and our load-time checks).
+
+    Returns:
+        ``{state-dict key: ShardedTensorFactory}``.
+    """
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    loading = _loading(metadata)
+    tp_group = getattr(module, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+    tp_rank, tp_size, dp_rank = get_pg_rank(tp_group), get_pg_size(tp_group), get_pg_rank(metadata["dp_cp_group"])
+    offsets = tuple(sharded_offsets)
+    weight = module.weight
+    out = {}
+    for kind in QUANTIZER_KINDS:
+        q = module._modules.get(kind)
+        if not isinstance(q, TensorQuantizer) or not _is_saved(q):
+            continue
+        sharded = channel_is_sharded(q, kind, module.sharded_axis)
+        if q.amax is not None:
+            data = q.amax.detach()
+        elif q.axis is None:
+            data = torch.zeros((), device=_module_device(module))
+        else:  # a fresh per-channel quantizer: the amax shape follows the weight's channels
+            shape = [1] * weight.dim()
+            shape[q.axis % weight.dim()] = weight.shape[q.axis]
+            data = torch.zeros(shape, device=_module_device(module))
+        tp_offsets = ((len(offsets) + q.axis % 2, tp_rank, tp_size),) if sharded else ()
+        replica_id = (0, 0 if sharded else tp_rank, dp_rank)
+        key = f"{prefix}{kind}._amax"
+
+        def build(key, data, replica_id, flattened_range, tp_offsets=tp_offsets):
+            st = ShardedTensor.from_rank_offsets(key, data, *offsets, *tp_offsets, replica_id=replica_id,
+                                                 prepend_axis_num=len(offsets))
+            if loading is not None:
+                found = loading["amax_shapes"].get(key)
+                if found is None or tuple(found) != st.global_shape:
+                    raise CheckpointMismatchError(
+                        f"{key}: amax shape mismatch in checkpoint {loading['ckpt_dir']}: expected global shape "
+                        f"{st.global_shape}, found {None if found is None else tuple(found)}")
+            return st
+
+        out[key] = ShardedTensorFactory(key, data, build, lambda loaded: loaded, replica_id)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# experts
+
+
+def expert_quantizers_sharded_state_dict(owner: nn.Module, gemm: ExpertGemm, grid: ExpertGrid, prefix: str,
+                                         ckpt_prefix: str, sharded_offsets=(), metadata: dict | None = None) -> dict:
+    """Sharded entries of one expert GEMM's quantizers (``gemm.quantizers.{input,weight,output}_quantizer``, any
+    layout) on the global expert axis.
+
+    Args:
+        owner: the quantized module (for its device and config).
+        gemm: the expert GEMM (its quantizers, local expert count, sharded weight axis, weight shape).
+        grid: this rank's place in the expert grid.
+        prefix: the state-dict prefix of the quantizers (``...linear_fc1.``): the keys ``load_state_dict`` expects.
+        ckpt_prefix: the checkpoint key prefix (``...experts.linear_fc1.``, the same for ``SequentialMLP`` and
+            ``TEGroupedMLP``).
+        sharded_offsets: offsets prepended by the parents (the layer axis); the expert axis comes next.
+        metadata: Megatron's metadata (our load-time checks).
+
+    Returns:
+        ``{state-dict key: ShardedTensorFactory}``.
+    """
+    offsets = tuple(sharded_offsets)
+    out = {}
+    for kind in QUANTIZER_KINDS:
+        q: ExpertQuantizer = getattr(gemm.quantizers, kind)
+        if not _is_saved(q):
+            continue
+        place = expert_amax_placement(q, kind, gemm, grid, len(offsets))
+        if place.channel_split and place.channel_split[1] > 1 and kind == "weight_quantizer" and \
+                gemm.sharded_axis == 0 and getattr(getattr(owner, "config", None), "gated_linear_unit", False):
+            raise NotImplementedError(f"{prefix}{kind}: a per-channel fc1 amax of a gated linear unit with expert "
+                                      "tensor parallelism > 1 is not supported in checkpoints")
+        spec = _ExpertEntry(q, place, offsets, f"{ckpt_prefix}{kind}._amax", _loading(metadata))
+        data = place.local_data(q, _module_device(owner))
+        if q.layout == "per_expert":  # one entry per view, under the view's own key
+            for i in range(place.num_local):
+                out[f"{prefix}{kind}.{i}._amax"] = spec.factory(data[i], expert=i)
+        else:
+            out[f"{prefix}{kind}._amax"] = spec.factory(data, expert=None)
+    return out
+
+
+class _ExpertEntry:
+    """Builds and merges the sharded tensors of one expert quantizer's amax."""
+
+    def __init__(self, q: ExpertQuantizer, place, offsets: tuple, key: str, loading: dict | None):
+        self.q, self.place, self.offsets, self.key, self.loading = q, place, offsets, key, loading
+        ax = len(offsets)
+        self.chan = ((ax + 1, *place.channel_split),) if place.channel_split else ()
+        self.legacy = False
+        if loading is not None:
+            outer = tuple(f for _, _, f in sorted(offsets))
+            found = loading["amax_shapes"].get(key)
+            self.legacy = classify_checkpoint_amax(key, place.global_shape(outer), found, ax,
+                                                   loading["ckpt_dir"]) == "legacy"
+            if self.legacy:
+                warn_once(f"{key}: checkpoint {loading['ckpt_dir']} stores one amax per layer (global shape "
+                          f"{found}, no expert axis; saved by an older version); every expert gets that amax")
+
+    def factory(self, data: torch.Tensor, expert: int | None) -> ShardedTensorFactory:
+        """``data``: expert ``expert``'s ``[*pe]`` (a per_expert view) or every local expert's ``[N or E, *pe]``."""
+        place, ax = self.place, len(self.offsets)
+
+        def build(key, data, replica_id, flattened_range):
+            if self.legacy:  # the layer's one amax, without the expert axis; one writer (never saved again)
+                chan = tuple((a - 1, r, f) for a, r, f in self.chan)
+                local = data if expert is not None else data[0]
+                return ShardedTensor.from_rank_offsets(key, torch.zeros_like(local), *self.offsets, *chan,
+                                                       replica_id=place.single_writer_id, prepend_axis_num=ax)
+            if place.whole:  # shared: the whole [E] chunk
+                return ShardedTensor.from_rank_offsets(key, data, *self.offsets, *self.chan, replica_id=replica_id,
+                                                       prepend_axis_num=ax)
+            if expert is None:  # vectorized: the expert axis is the data's first axis
+                return ShardedTensor.from_rank_offsets(
+                    key, data, *self.offsets, (ax, place.first_expert // place.num_local,
+                                           place.num_global // place.num_local),
+                *self.chan, replica_id=replica_id, prepend_axis_num=ax)
+            return ShardedTensor.from_rank_offsets(  # a per_expert view: a prepended expert axis
+                key, data, *self.offsets, (ax, place.first_expert + expert, place.num_global), *self.chan,
+                replica_id=replica_id, prepend_axis_num=ax + 1)
+
+        def merge(loaded: torch.Tensor) -> torch.Tensor:
+            loaded = loaded.float()
+            if self.legacy:  # the layer's one amax for every expert
+                return loaded if expert is not None else loaded.unsqueeze(0).expand(place.num_local,
+                                                                                   *loaded.shape).contiguous()
+            if expert is not None:
+                return loaded
+            return loaded_expert_amax(self.q, place, loaded)
+
+        return ShardedTensorFactory(self.key, data, build, merge, place.replica_id)

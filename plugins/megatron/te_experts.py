@@ -1,0 +1,35 @@
+"""Megatron's Transformer Engine grouped expert linears (``TEColumnParallelGroupedLinear`` /
+``TERowParallelGroupedLinear``, the experts of ``TEGroupedMLP``): the TE plugin's quantized forward plus Megatron's
+expert grid and global-expert-axis checkpoints. Registered when both Megatron-Core and Transformer Engine are
+imported; each class declares its own expert-TP weight axis.
+"""
+
+from __future__ import annotations
+
+from megatron.core.extensions.transformer_engine import TEColumnParallelGroupedLinear, TERowParallelGroupedLinear
+
+from modelopt_moe.quantization.conversion import QuantModuleRegistry
+
+from ..transformer_engine import QuantTEGroupedLinear
+from .modules import MegatronGroupedExpertsMixin
+
+__all__ = ["QuantTEColumnParallelGroupedLinear", "QuantTERowParallelGroupedLinear", "register", "CLASSES"]
+
+
+class QuantTEColumnParallelGroupedLinear(MegatronGroupedExpertsMixin, QuantTEGroupedLinear):
+    sharded_axis = 0
+
+
+class QuantTERowParallelGroupedLinear(MegatronGroupedExpertsMixin, QuantTEGroupedLinear):
+    sharded_axis = 1
+
+
+CLASSES = {
+    TEColumnParallelGroupedLinear: QuantTEColumnParallelGroupedLinear,
+    TERowParallelGroupedLinear: QuantTERowParallelGroupedLinear,
+}
+
+
+def register() -> None:
+    for original, quantized in CLASSES.items():
+        QuantModuleRegistry.register(original, quantized)
