@@ -14,6 +14,11 @@ Weights are initialised from the seed and each parameter's *global* name and ind
 parallel layout: the same seed gives the same logical model at TP=1/EP=1, TP=2/EP=2 or any other layout, so
 layouts can be compared without a checkpoint.
 
+Experts are Megatron's ``SequentialMLP`` (``experts="sequential"``) or Megatron's ``TEGroupedMLP`` whose grouped
+linears are :class:`MegatronGroupedLinear` (``experts="grouped"``): the project's ``GroupedLinear`` behind the
+builder interface of Megatron's TE grouped linears, so the grouped-expert path runs without Transformer Engine (on
+CPU too). Both kinds hold the same weights for the same seed and have the same checkpoint keys.
+
 Tensor parallelism with MoE in training mode needs ``sequence_parallel=True`` (Megatron refuses MoE with TP > 1
 otherwise), and Megatron's non-TE norm (``WrappedTorchNorm``) refuses sequence parallelism because its
 parameters would not be marked for the tensor-parallel gradient all-reduce. We therefore build every norm with

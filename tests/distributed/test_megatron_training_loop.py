@@ -6,11 +6,14 @@ optimizer) and train with ``get_forward_backward_func`` (2 micro-batches per ste
 quantized forward must equal, bit for bit, that of a freshly built and quantized model given the trained weights and
 every quantizer amax: a forward that still used pre-step weights anywhere (a stale cache) shows up as a difference.
 
-One spawn runs every case (a spawn costs ~15 s of imports), for SequentialMLP and grouped (TEGroupedMLP) experts.
+One spawn runs every case (a spawn costs ~15 s of imports): SequentialMLP and grouped (TEGroupedMLP) experts in that
+flow, plus a control: grouped experts with fp32 parameters and Megatron's non-distributed FP32 optimizer, which steps
+torch's AdamW on the parameters themselves (so ``Tensor._version`` does change), and must be exact.
 """
 
 import math
 import traceback
+import zlib
 
 import pytest
 import torch
@@ -19,9 +22,17 @@ from modelopt_moe.launch import spawn
 
 WORLD, TP, EP, EXPERTS, SEED = 4, 2, 2, 8, 1234
 KINDS = ("sequential", "grouped")
+# case -> (experts, bf16 params + Float16Module, distributed optimizer)
+CASES = {
+    "sequential": ("sequential", True, True),
+    "grouped": ("grouped", True, True),
+    "grouped_fp32_local_optimizer": ("grouped", False, False),
+}
 STEPS, MICROBATCHES = 5, 2
 BATCH, SEQ = 2, 32
 EMBEDDING = "embedding.word_embeddings.weight"
+# build_moe_gpt overrides under which both expert kinds must build the same model
+VARIANTS = {"default": {}, "glu_bias": {"gated_linear_unit": True, "add_bias_linear": True}}
 
 
 def _quantize(model, batches, mtq, mm):
@@ -37,17 +48,19 @@ def _amax_buffers(module):
     return {n: b for n, b in module.named_buffers() if n.rsplit(".", 1)[-1] == "_amax"}
 
 
-def _train_and_compare(kind, calib, train_batches, eval_batch):
+def _train_and_compare(case, calib, train_batches, eval_batch):
     from megatron.core.transformer.module import Float16Module
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.testing import megatron_models as mm
     from modelopt_moe.testing import megatron_training as mt
 
-    model = _quantize(mm.build_moe_gpt(num_experts=EXPERTS, seed=SEED, experts=kind, params_dtype=torch.bfloat16),
+    kind, bf16, distributed = CASES[case]
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = _quantize(mm.build_moe_gpt(num_experts=EXPERTS, seed=SEED, experts=kind, params_dtype=dtype),
                       calib, mtq, mm)
     initial = {n: p.detach().clone() for n, p in mm.iter_params_with_global_names(model)}
-    trainer = mt.setup_training(model, bf16=True, use_distributed_optimizer=True)
+    trainer = mt.setup_training(model, bf16=bf16, use_distributed_optimizer=distributed)
     losses = mt.train(trainer, train_batches, steps=STEPS, num_microbatches=MICROBATCHES)
     changed = {n: not torch.equal(initial[n], p) for n, p in mm.iter_params_with_global_names(mt.unwrap(trainer.model))}
     trainer.model.eval()
@@ -56,10 +69,11 @@ def _train_and_compare(kind, calib, train_batches, eval_batch):
 
     # A fresh model of the same layout, quantized the same way and wrapped the same way (Float16Module casts the
     # amax buffers too), then given the trained weights and every quantizer amax.
-    fresh = _quantize(mm.build_moe_gpt(num_experts=EXPERTS, seed=SEED, experts=kind, params_dtype=torch.bfloat16),
+    fresh = _quantize(mm.build_moe_gpt(num_experts=EXPERTS, seed=SEED, experts=kind, params_dtype=dtype),
                       calib, mtq, mm)
-    fresh = Float16Module(fresh.config, fresh)
-    trained = trainer.model.module  # the Float16Module inside DDP
+    if bf16:
+        fresh = Float16Module(fresh.config, fresh)
+    trained = trainer.model.module  # what DDP wraps: the Float16Module (bf16) or the GPTModel
     src_params, dst_params = dict(trained.named_parameters()), dict(fresh.named_parameters())
     src_amax, dst_amax = _amax_buffers(trained), _amax_buffers(fresh)
     assert src_params.keys() == dst_params.keys()
@@ -81,30 +95,47 @@ def _train_and_compare(kind, calib, train_batches, eval_batch):
     }
 
 
-def _same_model_both_kinds(eval_batch, calib):
-    """Sequential and grouped experts built from one seed: same weights, logits and checkpoint keys (fp32)."""
+def _same_model_both_kinds(eval_batch, calib, **overrides):
+    """Sequential and grouped experts built from one seed (fp32): same weights, logits, gradients and checkpoint keys,
+    before and after quantization."""
     import modelopt_moe.quantization as mtq
     from modelopt_moe.testing import megatron_models as mm
 
-    models = {k: mm.build_moe_gpt(num_experts=EXPERTS, seed=SEED, experts=k).eval() for k in KINDS}
+    models = {k: mm.build_moe_gpt(num_experts=EXPERTS, seed=SEED, experts=k, **overrides).eval() for k in KINDS}
+    with torch.no_grad():  # biases are built as zeros: give them values (by global name) so their path counts
+        for m in models.values():
+            for n, p in mm.iter_params_with_global_names(m):
+                if n.endswith("bias") and "norm" not in n:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(n.encode()))))
     params = {k: dict(mm.iter_params_with_global_names(m)) for k, m in models.items()}
 
     def sharded(m):
         return sorted({(v.key, tuple(getattr(v, "global_shape", ())), tuple(getattr(v, "global_offset", ())),
                         v.replica_id) for v in m.sharded_state_dict().values()})
 
+    def logits():
+        with torch.no_grad():
+            return [mm.gather_logits(m.eval(), eval_batch) for m in models.values()]
+
+    def grads():
+        out = []
+        for m in models.values():
+            m.train()
+            m.zero_grad()
+            mm.lm_loss(m, calib[0]).backward()
+            out.append({n: p.grad for n, p in mm.iter_params_with_global_names(m)})
+        return out
+
     out = {"param_names_equal": params["sequential"].keys() == params["grouped"].keys(),
            "sharded_keys_equal": sharded(models["sequential"]) == sharded(models["grouped"])}
     out["params_equal"] = out["param_names_equal"] and all(
         torch.equal(params["sequential"][n], params["grouped"][n]) for n in params["sequential"])
-    with torch.no_grad():
-        logits = {k: mm.gather_logits(m, eval_batch) for k, m in models.items()}
-    out["logits_equal"] = torch.equal(logits["sequential"], logits["grouped"])
+    out["logits_equal"] = torch.equal(*logits())
     for m in models.values():
-        _quantize(m, calib, mtq, mm).eval()
-    with torch.no_grad():
-        logits = {k: mm.gather_logits(m, eval_batch) for k, m in models.items()}
-    out["quant_logits_equal"] = torch.equal(logits["sequential"], logits["grouped"])
+        _quantize(m, calib, mtq, mm)
+    out["quant_logits_equal"] = torch.equal(*logits())
+    seq, grp = grads()
+    out["quant_grads_equal"] = seq.keys() == grp.keys() and all(torch.equal(seq[n], grp[n]) for n in seq)
     out["quant_sharded_keys_equal"] = sharded(models["sequential"]) == sharded(models["grouped"])
     out["grouped_quantized_class"] = type(models["grouped"].decoder.layers[0].mlp.experts.linear_fc1).__name__
     return out
@@ -138,12 +169,12 @@ def _worker(rank, world_size):
     train_batches = mm.text_batches(BATCH, SEQ, STEPS * MICROBATCHES, offset=100)
     eval_batch = mm.text_batches(BATCH, SEQ, 1, offset=1000)[0]
     out = {"shims": out_shims, "layout": mm.parallel_layout(),
-           "same_model": _same_model_both_kinds(eval_batch, calib)}
-    for kind in KINDS:
+           "same_model": {name: _same_model_both_kinds(eval_batch, calib, **over) for name, over in VARIANTS.items()}}
+    for case in CASES:
         try:
-            out[kind] = _train_and_compare(kind, calib, train_batches, eval_batch)
-        except Exception:  # reported by that case's tests; the other case still runs
-            out[kind] = {"error": traceback.format_exc()}
+            out[case] = _train_and_compare(case, calib, train_batches, eval_batch)
+        except Exception:  # reported by that case's tests; the other cases still run
+            out[case] = {"error": traceback.format_exc()}
     mm.destroy_model_parallel()
     return out
 
@@ -153,11 +184,11 @@ def results():
     return spawn(_worker, WORLD, timeout=240)
 
 
-def _case(results, kind):
+def _case(results, case):
     for r in results:
-        if "error" in r[kind]:
-            raise RuntimeError(f"{kind} case failed on a rank:\n{r[kind]['error']}")
-    return [r[kind] for r in results]
+        if "error" in r[case]:
+            raise RuntimeError(f"{case} case failed on a rank:\n{r[case]['error']}")
+    return [r[case] for r in results]
 
 
 @pytest.mark.timeout(300)
@@ -176,19 +207,20 @@ def test_training_shims_map_cuda_to_cpu_and_restore(results):
 
 
 @pytest.mark.timeout(300)
-def test_grouped_and_sequential_experts_build_the_same_model(results):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_grouped_and_sequential_experts_build_the_same_model(results, variant):
     for r in results:
-        s = r["same_model"]
+        s = r["same_model"][variant]
         assert s["param_names_equal"] and s["params_equal"]
-        assert s["logits_equal"] and s["quant_logits_equal"]
+        assert s["logits_equal"] and s["quant_logits_equal"] and s["quant_grads_equal"]
         assert s["sharded_keys_equal"] and s["quant_sharded_keys_equal"]
         assert s["grouped_quantized_class"] == "QuantMegatronColumnParallelGroupedLinear"
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", KINDS)
-def test_training_runs_and_updates_every_weight(results, kind):
-    cases = _case(results, kind)
+@pytest.mark.parametrize("case", list(CASES))
+def test_training_runs_and_updates_every_weight(results, case):
+    cases = _case(results, case)
     for c in cases:
         assert len(c["losses"]) == STEPS and all(math.isfinite(x) for x in c["losses"]), c["losses"]
         assert c["losses"][-1] < c["losses"][0], c["losses"]
@@ -202,14 +234,15 @@ def test_training_runs_and_updates_every_weight(results, kind):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", [
+@pytest.mark.parametrize("case", [
     "sequential",
     pytest.param("grouped", marks=pytest.mark.xfail(
         strict=True, raises=AssertionError,
         reason="stale weight cache: the grouped experts' fake-quantized weights are cached on Tensor._version, "
                "which Megatron's optimizers do not bump, so the forward keeps using pre-step weights")),
+    "grouped_fp32_local_optimizer",
 ])
-def test_trained_forward_equals_a_fresh_model_with_the_trained_weights(results, kind):
-    cases = _case(results, kind)
+def test_trained_forward_equals_a_fresh_model_with_the_trained_weights(results, case):
+    cases = _case(results, case)
     diffs = [c["max_abs_diff"] for c in cases]
-    assert all(c["equal"] for c in cases), f"{kind}: max |d logits| per rank {diffs}"
+    assert all(c["equal"] for c in cases), f"{case}: max |d logits| per rank {diffs}"
