@@ -14,6 +14,11 @@ Weights are initialised from the seed and each parameter's *global* name and ind
 parallel layout: the same seed gives the same logical model at TP=1/EP=1, TP=2/EP=2 or any other layout, so
 layouts can be compared without a checkpoint.
 
+Experts are Megatron's ``SequentialMLP`` (``experts="sequential"``) or Megatron's ``TEGroupedMLP`` whose grouped
+linears are :class:`MegatronGroupedLinear` (``experts="grouped"``): the project's ``GroupedLinear`` behind the
+builder interface of Megatron's TE grouped linears, so the grouped-expert path runs without Transformer Engine (on
+CPU too). Both kinds hold the same weights for the same seed and have the same checkpoint keys.
+
 Tensor parallelism with MoE in training mode needs ``sequence_parallel=True`` (Megatron refuses MoE with TP > 1
 otherwise), and Megatron's non-TE norm (``WrappedTorchNorm``) refuses sequence parallelism because its
 parameters would not be marked for the tensor-parallel gradient all-reduce. We therefore build every norm with
@@ -26,6 +31,7 @@ parameters would not be marked for the tensor-parallel gradient all-reduce. We t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 import zlib
@@ -37,9 +43,16 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+from megatron.core.utils import get_pg_rank, get_pg_size
 
+from modelopt_moe.quantization.conversion import QuantModuleRegistry
+from modelopt_moe.quantization.nn import GroupedLinear
+from modelopt_moe.quantization.nn.grouped_linear import QuantGroupedLinearMixin
 from modelopt_moe.testing.megatron_cpu import apply_cpu_shims
 
 __all__ = [
@@ -54,10 +67,16 @@ __all__ = [
     "gather_logits",
     "iter_params_with_global_names",
     "build_moe_layer",
+    "MegatronGroupedLinear",
+    "MegatronColumnParallelGroupedLinear",
+    "MegatronRowParallelGroupedLinear",
+    "grouped_mlp_spec",
 ]
 
 _INIT_STD = 0.02
 _LOCAL_EXPERT_RE = re.compile(r"\.local_experts\.(\d+)\.")
+# A grouped expert weight (TEGroupedMLP): ".experts.linear_fc1.weight3" is local expert 3's fc1 weight.
+_GROUPED_EXPERT_RE = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 
 
 def init_model_parallel(tp: int = 1, ep: int = 1, *, seed: int = 1234) -> None:
@@ -139,6 +158,197 @@ def sequence_parallel_norm(*, config: TransformerConfig, hidden_size: int, eps: 
     return norm
 
 
+# ---------------------------------------------------------------------------------------------------- grouped experts
+
+
+class MegatronGroupedLinear(GroupedLinear):
+    """The project's :class:`~modelopt_moe.quantization.nn.GroupedLinear` behind the builder interface of Megatron's
+    ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``: ``TEGroupedMLP`` experts without Transformer
+    Engine, on CPU or GPU.
+
+    Built by ``TEGroupedMLP`` as ``cls(num_local_experts, input_size, output_size, *, config, init_method, bias,
+    skip_bias_add, is_expert, tp_comm_buffer_name, pg_collection, name=None)``; ``forward(x, tokens_per_expert)``
+    returns ``(out, None)``, or ``(out without bias, [bias_i])`` when ``skip_bias_add`` and ``bias`` (TE's
+    ``return_bias``). Parameters are ``weight0..weight{N-1}`` (``bias0..``), marked like Megatron marks TE's grouped
+    expert parameters (``allreduce = False`` under expert parallelism, so DDP puts them in the expert-data-parallel
+    buffers and reduces them over expert DP; ``tensor_model_parallel`` / ``partition_dim`` by ``parallel_mode``).
+    :meth:`sharded_state_dict` maps ``weight{i}`` to the global expert axis like TE's ``_sharded_state_dict_grouped``,
+    so ``TEGroupedMLP.sharded_state_dict`` gives ``SequentialMLP``'s keys.
+
+    Expert tensor parallelism must be 1 (the local GEMM does no TP communication; Megatron's token dispatcher would,
+    but that path is not exercised here).
+
+    Args:
+        parallel_mode: ``"column"`` (fc1: weights split on the output axis) or ``"row"`` (fc2: input axis).
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel_mode: str,
+        config: TransformerConfig,
+        init_method,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool = True,
+        tp_comm_buffer_name: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        name: str | None = None,
+    ):
+        del tp_comm_buffer_name, name  # TE userbuffer name and module name: nothing to use them for here
+        if parallel_mode not in ("column", "row"):
+            raise ValueError(f"parallel_mode={parallel_mode!r}: expected 'column' or 'row'")
+        if not is_expert:
+            raise ValueError(f"{type(self).__name__} only builds expert layers (is_expert=True), like TEGroupedLinear")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        if get_pg_size(pg_collection.expt_tp) != 1:
+            raise NotImplementedError(
+                f"{type(self).__name__}: expert tensor parallelism {get_pg_size(pg_collection.expt_tp)} > 1 is not "
+                "supported; build with expert_tensor_parallel_size=1"
+            )
+        device = torch.device("cpu") if config.use_cpu_initialization or not torch.cuda.is_available() else (
+            torch.device("cuda", torch.cuda.current_device()))
+        super().__init__(num_gemms, input_size, output_size, bias=bias, dtype=config.params_dtype, device=device)
+        self.config = config
+        self.parallel_mode = parallel_mode
+        self.skip_bias_add = skip_bias_add
+        # TE's return_bias: the bias is returned (for TEGroupedMLP._apply_bias to scale by the router probs).
+        self.te_return_bias = skip_bias_add and bias
+        self._pg_collection = pg_collection
+        self._tp_group = pg_collection.expt_tp
+        if config.perform_initialization:
+            with torch.no_grad():
+                for w in self.expert_weights():
+                    init_method(w)
+        # Megatron's _set_expert_parameter_attributes for TE grouped linears (ETP == 1 here, so nothing is
+        # actually split, but the attributes say which axis would be).
+        use_expert_pgs = config.expert_model_parallel_size > 1 or (
+            config.expert_tensor_parallel_size != config.tensor_model_parallel_size)
+        for pname, param in self.named_parameters(recurse=False):
+            param.allreduce = not use_expert_pgs
+            is_weight = pname.startswith("weight")
+            partitioned = is_weight or parallel_mode == "column"
+            param.tensor_model_parallel = partitioned
+            if partitioned:
+                param.partition_dim = 1 if parallel_mode == "row" else 0
+                param.partition_stride = 1
+
+    def expert_biases(self) -> list[torch.Tensor] | None:
+        """Biases added inside the GEMM; none when they are returned instead (``skip_bias_add``)."""
+        return None if self.te_return_bias else super().expert_biases()
+
+    def megatron_output(self, out: torch.Tensor):
+        """``(out, bias)`` as Megatron's grouped linears return it."""
+        if self.te_return_bias:
+            return out, [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        return out, None
+
+    def forward(self, x: torch.Tensor, m_splits):
+        return self.megatron_output(super().forward(x, m_splits))
+
+    def get_extra_state(self) -> None:
+        """No extra state (like Megatron's ColumnParallelLinear): an ``_extra_state`` entry, as TE layers have."""
+        return None
+
+    def set_extra_state(self, state: Any) -> None:
+        del state
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Each ``weight{i}`` (``bias{i}``) as a tensor of global expert ``ep_rank * N + i`` under ``<prefix>weight``
+        (``bias``), the way TE's ``_sharded_state_dict_grouped`` does: ``TEGroupedMLP`` renames ``linear_fc1.`` to
+        ``<mlp>.experts.linear_fc1.``, giving ``SequentialMLP``'s keys and axes."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        singleton_local_shards = metadata.get("singleton_local_shards", False)
+        axis = 1 if self.parallel_mode == "row" else 0
+        ep = self._pg_collection.ep
+        num_global = get_pg_size(ep) * self.num_gemms
+        offset = get_pg_rank(ep) * self.num_gemms
+        edp_rank = get_pg_rank(self._pg_collection.expt_dp)
+        out = {}
+        for i in range(self.num_gemms):
+            g = offset + i
+            local = {"weight": getattr(self, f"weight{i}"), "_extra_state": self.get_extra_state()}
+            tp_axis_map = {"weight": axis}
+            if self.use_bias:
+                local["bias"] = getattr(self, f"bias{i}")
+                if self.parallel_mode == "column":
+                    tp_axis_map["bias"] = 0
+            if singleton_local_shards:
+                expert_prefix, offsets = f"{g}.{prefix}", tuple(sharded_offsets)
+            else:
+                expert_prefix, offsets = prefix, (*sharded_offsets, (len(sharded_offsets), g, num_global))
+            sub = make_sharded_tensors_for_checkpoint(local, expert_prefix, tp_axis_map, offsets,
+                                                      tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"])
+            for key, entry in sub.items():
+                entry.replica_id = (*entry.replica_id[:2], edp_rank)  # replicated over expert DP only
+                kind = key[len(expert_prefix):]
+                if kind == "_extra_state":
+                    out[f"{prefix}_extra_state{'' if i == 0 else i}"] = entry
+                else:
+                    out[f"{prefix}{kind}{i}"] = entry
+        return out
+
+
+class MegatronColumnParallelGroupedLinear(MegatronGroupedLinear):
+    """:class:`MegatronGroupedLinear` as ``TEColumnParallelGroupedLinear`` (``TEGroupedMLP.linear_fc1``)."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, **kwargs: Any):
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="column", **kwargs)
+
+
+class MegatronRowParallelGroupedLinear(MegatronGroupedLinear):
+    """:class:`MegatronGroupedLinear` as ``TERowParallelGroupedLinear`` (``TEGroupedMLP.linear_fc2``)."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, **kwargs: Any):
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="row", **kwargs)
+
+
+class QuantMegatronGroupedLinear(QuantGroupedLinearMixin):
+    """The quantized :class:`MegatronGroupedLinear`: the library's grouped wrapper, unchanged, plus Megatron's
+    calling convention.
+
+    Needed because ``QuantGroupedLinearMixin.forward`` returns the bare output tensor (TE's ``GroupedLinear``
+    convention), while ``TEGroupedMLP`` unpacks ``(out, bias)``; the mixin's ``forward`` comes first in the quantized
+    class's MRO, so the host class cannot add the tuple. Everything numeric (input and weight fake quant, the
+    weight cache, calibration) is the mixin's. Its sharded state dict adds the expert amaxes the way the TE adapter
+    does (``plugins/megatron_checkpoint.grouped_linear_quantizers_sharded_state_dict``).
+    """
+
+    @property
+    def _sharded_axis(self) -> int:
+        return 1 if self.parallel_mode == "row" else 0
+
+    def forward(self, x: torch.Tensor, m_splits, *args, **kwargs):
+        return self.megatron_output(super().forward(x, m_splits, *args, **kwargs))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from modelopt_moe.plugins.megatron_checkpoint import grouped_linear_quantizers_sharded_state_dict
+
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        sd.update(grouped_linear_quantizers_sharded_state_dict(self, prefix, sharded_offsets, metadata,
+                                                               sharded_axis=self._sharded_axis))
+        return sd
+
+
+# Registered for MegatronGroupedLinear (and its subclasses) ahead of the generic GroupedLinear entry: the registry
+# looks classes up along the MRO, so mtq.quantize picks this adapter for them.
+QuantModuleRegistry.register(MegatronGroupedLinear, QuantMegatronGroupedLinear)
+
+
+def grouped_mlp_spec():
+    """Megatron's ``TEGroupedMLP`` expert builder with :class:`MegatronGroupedLinear` linears (no TE needed)."""
+    return functools.partial(
+        TEGroupedMLP,
+        submodules=GroupedMLPSubmodules(
+            linear_fc1=MegatronColumnParallelGroupedLinear, linear_fc2=MegatronRowParallelGroupedLinear
+        ),
+    )
+
+
 def _split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Route each override to TransformerConfig or GPTModel by name; reject unknown names."""
     config_fields = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -156,7 +366,16 @@ def _split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[st
 
 
 def _canonical_name(name: str, num_local_experts: int, ep_rank: int) -> str:
-    """Parameter name with the local expert index replaced by the global one (layout-independent)."""
+    """Parameter name with the local expert index replaced by the global one (layout-independent).
+
+    Grouped experts' ``...experts.linear_fc1.weight{i}`` maps to the ``SequentialMLP`` name
+    ``...experts.local_experts.{g}.linear_fc1.weight`` of the same global expert ``g``, so both expert kinds
+    get the same weights from the same seed.
+    """
+    grouped = _GROUPED_EXPERT_RE.search(name)
+    if grouped:
+        g = ep_rank * num_local_experts + int(grouped.group(3))
+        return f"{name[:grouped.start()]}.experts.local_experts.{g}.{grouped.group(1)}.{grouped.group(2)}"
     return _LOCAL_EXPERT_RE.sub(
         lambda m: f".local_experts.{ep_rank * num_local_experts + int(m.group(1))}.", name
     )
@@ -217,9 +436,10 @@ def build_moe_gpt(
     params_dtype: torch.dtype = torch.float32,
     *,
     seed: int = 1234,
+    experts: str = "sequential",
     **overrides: Any,
 ) -> GPTModel:
-    """Build a small GPT whose every MLP is an MoE layer with ``SequentialMLP`` (non-TE) experts.
+    """Build a small GPT whose every MLP is an MoE layer with ``SequentialMLP`` or grouped (non-TE) experts.
 
     Uses the current model-parallel layout (:func:`init_model_parallel` first): the embedding, attention and
     output layer are split over TP, the experts over EP (``num_experts / ep`` local experts per rank), with the
@@ -237,6 +457,9 @@ def build_moe_gpt(
         moe_router_topk: Experts per token.
         params_dtype: Parameter dtype.
         seed: Weight seed.
+        experts: ``"sequential"`` (Megatron's ``SequentialMLP`` of ``ColumnParallelLinear`` /
+            ``RowParallelLinear``) or ``"grouped"`` (Megatron's ``TEGroupedMLP`` with :class:`MegatronGroupedLinear`
+            linears, ``moe_grouped_gemm=True``). Both hold the same weights for the same seed.
         **overrides: Any ``TransformerConfig`` field (e.g. ``gated_linear_unit=True``, ``normalization="RMSNorm"``)
             or ``GPTModel`` argument (e.g. ``position_embedding_type="learned_absolute"``).
 
@@ -245,7 +468,10 @@ def build_moe_gpt(
 
     Raises:
         TypeError: An override is neither a TransformerConfig field nor a GPTModel argument.
+        ValueError: ``experts`` is neither ``"sequential"`` nor ``"grouped"``.
     """
+    if experts not in ("sequential", "grouped"):
+        raise ValueError(f"experts={experts!r}: expected 'sequential' or 'grouped'")
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_moe_gpt: call init_model_parallel(tp, ep) first")
     apply_cpu_shims()
@@ -264,7 +490,7 @@ def build_moe_gpt(
         moe_ffn_hidden_size=ffn_hidden,
         moe_router_topk=moe_router_topk,
         moe_token_dispatcher_type="allgather",
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=experts == "grouped",
         moe_aux_loss_coeff=0.0,
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=ep,
@@ -294,6 +520,10 @@ def build_moe_gpt(
     )
     layer.submodules.input_layernorm = sequence_parallel_norm
     layer.submodules.pre_mlp_layernorm = sequence_parallel_norm
+    if experts == "grouped":
+        moe = layer.submodules.mlp  # functools.partial(MoELayer, submodules=MoESubmodules(...))
+        moe_submodules = dataclasses.replace(moe.keywords["submodules"], experts=grouped_mlp_spec())
+        layer.submodules.mlp = functools.partial(moe.func, *moe.args, **{**moe.keywords, "submodules": moe_submodules})
     block = TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=sequence_parallel_norm)
     model_kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -406,6 +636,8 @@ def _num_local_experts(model: torch.nn.Module) -> int:
     for m in model.modules():
         if hasattr(m, "local_experts"):
             return len(m.local_experts)
+        if isinstance(m, TEGroupedMLP):
+            return m.num_local_experts
     return 0
 
 

@@ -1,0 +1,172 @@
+"""Megatron's real training machinery around a (quantized) model: ``Float16Module``, ``DistributedDataParallel``,
+``get_megatron_optimizer`` and ``get_forward_backward_func``, on CPU (gloo) or GPU.
+
+The flow users run (the shape of Megatron-LM's ``examples/run_simple_mcore_train_loop.py``, with Megatron's own
+optimizer instead of ``torch.optim``), inside a rank started by :func:`modelopt_moe.launch.spawn`::
+
+    from modelopt_moe.testing import megatron_models as mm, megatron_training as mt
+
+    mm.init_model_parallel(tp=2, ep=2)
+    model = mm.build_moe_gpt(params_dtype=torch.bfloat16)
+    mtq.quantize(model, cfg, forward_loop)          # before wrapping
+    trainer = mt.setup_training(model)              # Float16Module + DDP + distributed optimizer
+    losses = mt.train(trainer, mm.text_batches(2, 32, 10), steps=5, num_microbatches=2)
+    mt.unwrap(trainer.model)                        # the GPTModel again (its parameters live in DDP's buffers)
+
+Every class used is Megatron's; on a machine without CUDA the calls that need it run inside
+:func:`modelopt_moe.testing.megatron_cpu.megatron_training_shims` (a no-op with CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import get_model_config
+
+from modelopt_moe.testing.megatron_cpu import megatron_training_shims
+
+__all__ = ["Trainer", "setup_training", "train", "train_step", "unwrap"]
+
+
+@dataclasses.dataclass
+class Trainer:
+    """What :func:`setup_training` built: the DDP-wrapped model and Megatron's optimizer."""
+
+    model: DistributedDataParallel
+    optimizer: MegatronOptimizer
+    bf16: bool
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The innermost module under ``DistributedDataParallel`` / ``Float16Module`` wrappers."""
+    while isinstance(model, (DistributedDataParallel, Float16Module)):
+        model = model.module
+    return model
+
+
+def setup_training(
+    model: torch.nn.Module,
+    *,
+    bf16: bool = True,
+    use_distributed_optimizer: bool = True,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    clip_grad: float = 1.0,
+) -> Trainer:
+    """Wrap ``model`` for training the Megatron way and build Megatron's optimizer.
+
+    ``bf16=True``: ``Float16Module`` (bf16 parameters; the model should be built with ``params_dtype=bf16`` or it is
+    cast here), DDP with gradients reduced in fp32, and ``get_megatron_optimizer`` with ``bf16=True`` (Adam on fp32
+    main parameters). ``bf16=False``: fp32 parameters, no ``Float16Module``. The model's ``TransformerConfig`` gets
+    ``bf16`` set accordingly, ``finalize_model_grads_func`` (DDP's gradient reduce, the sequence-parallel and
+    embedding gradient all-reduces) and ``grad_scale_func`` (the optimizer's loss scale), as Megatron-LM's training
+    loop sets them.
+
+    Args:
+        model: The (quantized) GPTModel, not wrapped yet.
+        bf16: bf16 parameters with fp32 main parameters, or fp32 throughout.
+        use_distributed_optimizer: Megatron's distributed optimizer (optimizer state and main parameters sharded
+            over data parallel ranks) or the per-rank Float16 / FP32 optimizer.
+        lr: Adam learning rate (constant; no scheduler).
+        weight_decay: Adam weight decay.
+        clip_grad: Gradient-norm clip (Megatron's ``clip_grads``).
+
+    Returns:
+        The :class:`Trainer`.
+    """
+    config = get_model_config(model)
+    config.bf16, config.fp16 = bf16, False
+    with megatron_training_shims():
+        if bf16:
+            model = Float16Module(config, model)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+            use_distributed_optimizer=use_distributed_optimizer,
+        )
+        ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            weight_decay=weight_decay,
+            clip_grad=clip_grad,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=use_distributed_optimizer,
+        )
+        optimizer = get_megatron_optimizer(opt_config, [ddp_model])
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return Trainer(model=ddp_model, optimizer=optimizer, bf16=bf16)
+
+
+def _loss_func(output_tensor: torch.Tensor):
+    """Mean per-token loss of one micro-batch; Megatron's schedule divides it by the number of micro-batches."""
+    loss = output_tensor.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+    batch = next(data_iterator)
+    device = next(model.parameters()).device
+    b = {k: v.to(device) for k, v in batch.items()}
+    output = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+    return output, _loss_func
+
+
+def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]]) -> float:
+    """One optimizer step over ``micro_batches`` (gradient accumulation through ``get_forward_backward_func``).
+
+    Returns:
+        The mean loss over the micro-batches (the same on every rank).
+
+    Raises:
+        RuntimeError: The optimizer skipped the step (non-finite gradients).
+    """
+    model, optimizer = trainer.model, trainer.optimizer
+    model.train()
+    seq_len = micro_batches[0]["tokens"].shape[1]
+    with megatron_training_shims():
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        reported = get_forward_backward_func()(
+            forward_step_func=_forward_step,
+            data_iterator=iter(micro_batches),
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_len,
+            micro_batch_size=micro_batches[0]["tokens"].shape[0],
+            decoder_seq_length=seq_len,
+            forward_only=False,
+        )
+        update_successful, _grad_norm, _num_zeros = optimizer.step()
+    if not update_successful:
+        raise RuntimeError("train_step: the optimizer skipped the update (non-finite gradients)")
+    return float(torch.stack([r["lm loss"] for r in reported]).mean())
+
+
+def train(
+    trainer: Trainer, batches: Sequence[dict[str, torch.Tensor]], steps: int, num_microbatches: int = 2
+) -> list[float]:
+    """``steps`` optimizer steps, each over ``num_microbatches`` consecutive items of ``batches`` (cycled).
+
+    Args:
+        trainer: From :func:`setup_training`.
+        batches: :func:`~modelopt_moe.testing.megatron_models.text_batches` items (one per micro-batch).
+        steps: Optimizer steps.
+        num_microbatches: Micro-batches per step (gradient accumulation).
+
+    Returns:
+        The loss of every step.
+    """
+    return [train_step(trainer, [batches[(s * num_microbatches + m) % len(batches)] for m in range(num_microbatches)])
+            for s in range(steps)]
