@@ -26,7 +26,7 @@ from ..quantization.config import ExpertsConfig
 from ..quantization.utils import rank
 from .errors import CheckpointMismatchError
 from .files import STATE_FILE, atomic_torch_save, check_checkpoint_dir
-from .state import check_state_header, modelopt_state, restore_modelopt_state
+from .state import modelopt_state, restore_modelopt_state
 
 __all__ = [
     "save_sharded_modelopt_state",

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..quantization.config import BackwardConfig, ExpertsConfig, QuantizeConfig, QuantizerAttributeConfig
-from ..quantization.conversion import convert, is_quantized, named_quantizers
+from ..quantization.conversion import convert, is_quantized, named_quantizers, unwrap_model
 from ..quantization.expert_quantizer import ExpertGemm, ExpertQuantizer
 from ..quantization.nn.experts import QUANTIZER_KINDS
 from .errors import CheckpointMismatchError
@@ -56,8 +56,8 @@ class ExpertQuantizerEntry:
 
 
 def iter_expert_quantizers(model: nn.Module) -> Iterator[ExpertQuantizerEntry]:
-    """Every expert quantizer of ``model``, in module order."""
-    for mod_name, module in model.named_modules():
+    """Every expert quantizer of ``model`` (inside any wrappers), in module order."""
+    for mod_name, module in unwrap_model(model).named_modules():
         if not is_quantized(module):
             continue
         for gemm in module.expert_gemms():
@@ -77,6 +77,7 @@ def modelopt_state(model: nn.Module) -> dict:
     Raises:
         ValueError: ``model`` is not quantized.
     """
+    model = unwrap_model(model)
     modules = [(name, m) for name, m in model.named_modules() if is_quantized(m)]
     if not modules:
         raise ValueError(f"modelopt_state: {type(model).__name__} is not quantized (call mtq.quantize first)")
@@ -154,6 +155,7 @@ def restore_modelopt_state(model: nn.Module, state: dict, experts: ExpertsConfig
             expert count does not fit the model; the message names the quantizer, the expected and the found value.
     """
     state = check_state_header(state, source)
+    model = unwrap_model(model)
     already = any(is_quantized(m) for m in model.modules())
     if not already:
         convert(model, _restore_config(state, experts))

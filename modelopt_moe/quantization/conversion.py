@@ -27,6 +27,8 @@ __all__ = [
     "QuantModuleRegistry",
     "QuantModuleMixin",
     "register_framework_plugins",
+    "register_wrapper",
+    "unwrap_model",
     "convert",
     "is_quantized",
     "named_quantizers",
@@ -152,6 +154,23 @@ def register_framework_plugins() -> list[str]:
     from .. import plugins
 
     return plugins.register_imported()
+
+
+# Classes that wrap a model as ``.module`` without changing its state-dict keys (plugins add their frameworks').
+_WRAPPERS: set[type] = {torch.nn.parallel.DistributedDataParallel}
+
+
+def register_wrapper(cls: type) -> None:
+    """Declares ``cls`` a model wrapper (``wrapper.module`` is the model): quantization state names the model's
+    modules as the unwrapped model does, so a checkpoint saved through a wrapper loads into a bare model and back."""
+    _WRAPPERS.add(cls)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside any registered wrappers (torch DDP; Megatron's DDP and ``Float16Module``)."""
+    while isinstance(model, tuple(_WRAPPERS)):
+        model = model.module
+    return model
 
 
 def is_quantized(module: nn.Module) -> bool:

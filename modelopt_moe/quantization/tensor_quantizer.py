@@ -197,6 +197,15 @@ class TensorQuantizer(nn.Module):
         return self.fake_quant(x)
 
     # --- state ---------------------------------------------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        """Moves the amax with the module but keeps it fp32: ``model.bfloat16()`` (Megatron's ``Float16Module``
+        does it) would otherwise round every calibrated amax to bf16."""
+        amax = self._amax
+        super()._apply(fn, recurse)
+        if amax is not None and self._amax is not None and self._amax.dtype != torch.float32:
+            self._buffers["_amax"] = self._amax.float() if amax.is_meta else amax.to(self._amax.device)
+        return self
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         key = prefix + "_amax"

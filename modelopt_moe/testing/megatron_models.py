@@ -52,7 +52,6 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 
 from modelopt_moe.quantization.conversion import QuantModuleRegistry
 from modelopt_moe.quantization.nn import GroupedLinear
-from modelopt_moe.quantization.nn.grouped_linear import QuantGroupedLinearMixin
 from modelopt_moe.testing.megatron_cpu import apply_cpu_shims
 
 __all__ = [
@@ -220,6 +219,7 @@ class MegatronGroupedLinear(GroupedLinear):
         self.te_return_bias = skip_bias_add and bias
         self._pg_collection = pg_collection
         self._tp_group = pg_collection.expt_tp
+        self._register_load_state_dict_pre_hook(self._drop_expert_extra_states, with_module=True)
         if config.perform_initialization:
             with torch.no_grad():
                 for w in self.expert_weights():
@@ -253,6 +253,13 @@ class MegatronGroupedLinear(GroupedLinear):
     def get_extra_state(self) -> None:
         """No extra state (like Megatron's ColumnParallelLinear): an ``_extra_state`` entry, as TE layers have."""
         return None
+
+    @staticmethod
+    def _drop_expert_extra_states(module, state_dict, prefix, *args) -> None:
+        """A distributed checkpoint gives one ``_extra_state{i}`` per expert (see :meth:`sharded_state_dict`); like
+        TE's grouped linear, keep the first as ``_extra_state`` (all are None here)."""
+        for i in range(1, module.num_gemms):
+            state_dict.pop(f"{prefix}_extra_state{i}", None)
 
     def set_extra_state(self, state: Any) -> None:
         del state
@@ -307,36 +314,13 @@ class MegatronRowParallelGroupedLinear(MegatronGroupedLinear):
         super().__init__(num_gemms, input_size, output_size, parallel_mode="row", **kwargs)
 
 
-class QuantMegatronGroupedLinear(QuantGroupedLinearMixin):
-    """The quantized :class:`MegatronGroupedLinear`: the library's grouped wrapper, unchanged, plus Megatron's
-    calling convention.
+def register_quantized_grouped_linears() -> None:
+    """Tells ``mtq.quantize`` how to quantize :class:`MegatronGroupedLinear`: as a Megatron grouped expert linear of
+    the declared tensor-parallel axis (what a user does for their own grouped linear class)."""
+    from modelopt_moe.plugins.megatron.modules import QuantMegatronColumnGroupedLinear, QuantMegatronRowGroupedLinear
 
-    Needed because ``QuantGroupedLinearMixin.forward`` returns the bare output tensor (TE's ``GroupedLinear``
-    convention), while ``TEGroupedMLP`` unpacks ``(out, bias)``; the mixin's ``forward`` comes first in the quantized
-    class's MRO, so the host class cannot add the tuple. Everything numeric (input and weight fake quant, the
-    weight cache, calibration) is the mixin's. Its sharded state dict adds the expert amaxes the way the TE adapter
-    does (``plugins/megatron_checkpoint.grouped_linear_quantizers_sharded_state_dict``).
-    """
-
-    @property
-    def _sharded_axis(self) -> int:
-        return 1 if self.parallel_mode == "row" else 0
-
-    def forward(self, x: torch.Tensor, m_splits, *args, **kwargs):
-        return self.megatron_output(super().forward(x, m_splits, *args, **kwargs))
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        from modelopt_moe.plugins.megatron_checkpoint import grouped_linear_quantizers_sharded_state_dict
-
-        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        sd.update(grouped_linear_quantizers_sharded_state_dict(self, prefix, sharded_offsets, metadata,
-                                                               sharded_axis=self._sharded_axis))
-        return sd
-
-
-# Registered for MegatronGroupedLinear (and its subclasses) ahead of the generic GroupedLinear entry: the registry
-# looks classes up along the MRO, so mtq.quantize picks this adapter for them.
-QuantModuleRegistry.register(MegatronGroupedLinear, QuantMegatronGroupedLinear)
+    QuantModuleRegistry.register(MegatronColumnParallelGroupedLinear, QuantMegatronColumnGroupedLinear)
+    QuantModuleRegistry.register(MegatronRowParallelGroupedLinear, QuantMegatronRowGroupedLinear)
 
 
 def grouped_mlp_spec():
@@ -521,6 +505,7 @@ def build_moe_gpt(
     layer.submodules.input_layernorm = sequence_parallel_norm
     layer.submodules.pre_mlp_layernorm = sequence_parallel_norm
     if experts == "grouped":
+        register_quantized_grouped_linears()
         moe = layer.submodules.mlp  # functools.partial(MoELayer, submodules=MoESubmodules(...))
         moe_submodules = dataclasses.replace(moe.keywords["submodules"], experts=grouped_mlp_spec())
         layer.submodules.mlp = functools.partial(moe.func, *moe.args, **{**moe.keywords, "submodules": moe_submodules})

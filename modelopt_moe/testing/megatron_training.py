@@ -27,10 +27,12 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer import MegatronOptimizer
-from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
+from modelopt_moe.plugins.megatron import get_forward_backward_func as reusing_forward_backward_func
 from modelopt_moe.testing.megatron_cpu import megatron_training_shims
 
 __all__ = ["Trainer", "setup_training", "train", "train_step", "unwrap"]
@@ -38,11 +40,18 @@ __all__ = ["Trainer", "setup_training", "train", "train_step", "unwrap"]
 
 @dataclasses.dataclass
 class Trainer:
-    """What :func:`setup_training` built: the DDP-wrapped model and Megatron's optimizer."""
+    """What :func:`setup_training` built: the DDP-wrapped model, Megatron's optimizer and LR scheduler, and the
+    schedule that runs the micro-batches of a step."""
 
     model: DistributedDataParallel
     optimizer: MegatronOptimizer
     bf16: bool
+    scheduler: OptimizerParamScheduler | None = None
+    reuse_quantized_weights: bool = False
+
+    def forward_backward_func(self):
+        """Megatron's schedule, or modelopt_moe's drop-in that reuses fake-quantized weights within a step."""
+        return reusing_forward_backward_func() if self.reuse_quantized_weights else megatron_forward_backward_func()
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -60,6 +69,8 @@ def setup_training(
     lr: float = 1e-3,
     weight_decay: float = 0.0,
     clip_grad: float = 1.0,
+    lr_decay_steps: int | None = None,
+    reuse_quantized_weights: bool = False,
 ) -> Trainer:
     """Wrap ``model`` for training the Megatron way and build Megatron's optimizer.
 
@@ -78,6 +89,10 @@ def setup_training(
         lr: Adam learning rate (constant; no scheduler).
         weight_decay: Adam weight decay.
         clip_grad: Gradient-norm clip (Megatron's ``clip_grads``).
+        lr_decay_steps: With a value: Megatron's ``OptimizerParamScheduler``, cosine decay from ``lr`` to
+            ``lr / 10`` over that many steps (its state is part of a resumable checkpoint).
+        reuse_quantized_weights: Train with ``modelopt_moe.plugins.megatron.get_forward_backward_func``, which reuses
+            each module's fake-quantized weights across the micro-batches of a step.
 
     Returns:
         The :class:`Trainer`.
@@ -97,6 +112,7 @@ def setup_training(
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=lr,
+            min_lr=lr / 10,  # the scheduler's floor (it reads max_lr / min_lr from each param group)
             weight_decay=weight_decay,
             clip_grad=clip_grad,
             bf16=bf16,
@@ -104,9 +120,16 @@ def setup_training(
             use_distributed_optimizer=use_distributed_optimizer,
         )
         optimizer = get_megatron_optimizer(opt_config, [ddp_model])
+    scheduler = None
+    if lr_decay_steps is not None:
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=lr, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=0, lr_decay_steps=lr_decay_steps,
+            lr_decay_style="cosine", start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=lr_decay_steps,
+            wd_incr_style="constant")
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    return Trainer(model=ddp_model, optimizer=optimizer, bf16=bf16)
+    return Trainer(model=ddp_model, optimizer=optimizer, bf16=bf16, scheduler=scheduler,
+                   reuse_quantized_weights=reuse_quantized_weights)
 
 
 def _loss_func(output_tensor: torch.Tensor):
@@ -138,7 +161,7 @@ def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]
     with megatron_training_shims():
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        reported = get_forward_backward_func()(
+        reported = trainer.forward_backward_func()(
             forward_step_func=_forward_step,
             data_iterator=iter(micro_batches),
             model=[model],
@@ -151,22 +174,27 @@ def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]
         update_successful, _grad_norm, _num_zeros = optimizer.step()
     if not update_successful:
         raise RuntimeError("train_step: the optimizer skipped the update (non-finite gradients)")
+    if trainer.scheduler is not None:
+        trainer.scheduler.step(increment=1)
     return float(torch.stack([r["lm loss"] for r in reported]).mean())
 
 
 def train(
-    trainer: Trainer, batches: Sequence[dict[str, torch.Tensor]], steps: int, num_microbatches: int = 2
+    trainer: Trainer, batches: Sequence[dict[str, torch.Tensor]], steps: int, num_microbatches: int = 2,
+    start_step: int = 0,
 ) -> list[float]:
-    """``steps`` optimizer steps, each over ``num_microbatches`` consecutive items of ``batches`` (cycled).
+    """``steps`` optimizer steps, step ``s`` over the ``num_microbatches`` consecutive items of ``batches`` (cycled)
+    that follow those of the steps before it.
 
     Args:
         trainer: From :func:`setup_training`.
         batches: :func:`~modelopt_moe.testing.megatron_models.text_batches` items (one per micro-batch).
         steps: Optimizer steps.
         num_microbatches: Micro-batches per step (gradient accumulation).
+        start_step: The index of the first step (a resumed run continues with the data of its iteration).
 
     Returns:
         The loss of every step.
     """
     return [train_step(trainer, [batches[(s * num_microbatches + m) % len(batches)] for m in range(num_microbatches)])
-            for s in range(steps)]
+            for s in range(start_step, start_step + steps)]

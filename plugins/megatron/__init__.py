@@ -13,8 +13,11 @@ Public API::
 registers the quantized Megatron classes and Megatron's process groups for amax reductions.
 """
 
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.transformer.module import Float16Module
+
 from modelopt_moe.quantization.calibration import register_group_provider
-from modelopt_moe.quantization.conversion import QuantModuleRegistry
+from modelopt_moe.quantization.conversion import QuantModuleRegistry, register_wrapper
 
 from .checkpoint import load_sharded_checkpoint, model_sharded_state_dict, save_sharded_checkpoint
 from .modules import CLASSES, megatron_amax_groups
@@ -33,7 +36,10 @@ __all__ = [
 
 
 def register() -> None:
-    """Adds the quantized Megatron classes to the registry and Megatron's process groups to calibration."""
+    """Adds the quantized Megatron classes to the registry, Megatron's process groups to calibration and Megatron's
+    model wrappers (DDP, ``Float16Module``, transparent in state dicts) to the quantization state's naming."""
     for original, quantized in CLASSES.items():
         QuantModuleRegistry.register(original, quantized)
     register_group_provider(megatron_amax_groups)
+    for wrapper in (DistributedDataParallel, Float16Module):
+        register_wrapper(wrapper)

@@ -24,14 +24,21 @@ from modelopt_moe.checkpoint.files import (
     resolve_checkpoint_dir,
 )
 from modelopt_moe.checkpoint.sharded import restore_sharded_modelopt_state, save_sharded_modelopt_state
+from modelopt_moe.quantization.conversion import unwrap_model
 
 from .sharded_state_dict import checkpoint_load_metadata
 
 __all__ = ["model_sharded_state_dict", "save_sharded_checkpoint", "load_sharded_checkpoint"]
 
+# The distributed optimizer's checkpoint format that reshards to any TP / EP / DP layout (Megatron-LM's
+# --dist-ckpt-optim-fully-reshardable); its default format reshards over data parallel ranks only.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
 
 def _models(model_list) -> list:
-    return list(model_list) if isinstance(model_list, list | tuple) else [model_list]
+    """The model chunks without their wrappers (Megatron's DDP names its child ``module.`` in sharded state dicts;
+    Megatron-LM unwraps before checkpointing too)."""
+    return [unwrap_model(m) for m in (model_list if isinstance(model_list, list | tuple) else [model_list])]
 
 
 def _model_keys(models: list) -> list[str]:
@@ -66,9 +73,9 @@ def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     models = _models(model_list)
     tmp = begin_checkpoint_dir(ckpt_dir)
     dist.barrier()
-    state = model_sharded_state_dict(models)
+    state = model_sharded_state_dict(models, OPTIMIZER_METADATA)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state)
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=dict(OPTIMIZER_METADATA))
     if opt_param_scheduler is not None:
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     state["modelopt_moe_training"] = {"iteration": iteration, "extra_state": extra_state}
@@ -113,9 +120,9 @@ def load_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     if opt_param_scheduler is not None and "opt_param_scheduler" not in common:
         raise KeyError(f"load_sharded_checkpoint: {path} holds no scheduler state (it was saved without "
                        "opt_param_scheduler)")
-    state = model_sharded_state_dict(models, checkpoint_load_metadata(path))
+    state = model_sharded_state_dict(models, checkpoint_load_metadata(path, OPTIMIZER_METADATA))
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=dict(OPTIMIZER_METADATA))
     loaded = dist_checkpointing.load(state, str(path))
     for key, m in zip(_model_keys(models), models, strict=True):
         m.load_state_dict(loaded[key], strict=strict)

@@ -189,20 +189,27 @@ class _ExpertEntry:
         ax = len(offsets)
         self.chan = ((ax + 1, *place.channel_split),) if place.channel_split else ()
         self.legacy = False
-        if loading is not None:
-            outer = tuple(f for _, _, f in sorted(offsets))
-            found = loading["amax_shapes"].get(key)
-            self.legacy = classify_checkpoint_amax(key, place.global_shape(outer), found, ax,
-                                                   loading["ckpt_dir"]) == "legacy"
-            if self.legacy:
-                warn_once(f"{key}: checkpoint {loading['ckpt_dir']} stores one amax per layer (global shape "
-                          f"{found}, no expert axis; saved by an older version); every expert gets that amax")
+
+    def _check(self, key: str) -> None:
+        """Compares the global shape with the checkpoint's under the FINAL key (the parents rename keys after this
+        entry is made; Megatron builds the factory with the renamed key)."""
+        if self.loading is None:
+            return
+        outer = tuple(f for _, _, f in sorted(self.offsets))
+        found = self.loading["amax_shapes"].get(key)
+        kind = classify_checkpoint_amax(key, self.place.global_shape(outer), found, len(self.offsets),
+                                        self.loading["ckpt_dir"])
+        self.legacy = kind == "legacy"
+        if self.legacy:
+            warn_once(f"{key}: checkpoint {self.loading['ckpt_dir']} stores one amax per layer (global shape "
+                      f"{found}, no expert axis; saved by an older version); every expert gets that amax")
 
     def factory(self, data: torch.Tensor, expert: int | None) -> ShardedTensorFactory:
         """``data``: expert ``expert``'s ``[*pe]`` (a per_expert view) or every local expert's ``[N or E, *pe]``."""
         place, ax = self.place, len(self.offsets)
 
         def build(key, data, replica_id, flattened_range):
+            self._check(key)
             if self.legacy:  # the layer's one amax, without the expert axis; one writer (never saved again)
                 chan = tuple((a - 1, r, f) for a, r, f in self.chan)
                 local = data if expert is not None else data[0]

@@ -45,7 +45,8 @@ def _errors_worker(rank, world_size, root):
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.checkpoint import sharded as ck_sharded
-    from modelopt_moe.plugins import megatron_checkpoint as mc
+    from modelopt_moe.plugins import megatron as mc
+    from modelopt_moe.plugins.megatron import checkpoint as mc_checkpoint
     from modelopt_moe.testing import megatron_models as mm
 
     out = {}
@@ -59,9 +60,8 @@ def _errors_worker(rank, world_size, root):
     out["count_restore"] = _error(lambda: mc.load_sharded_checkpoint([_build(mm, 1, experts=4)], ckpt))
     four = _quantize(mtq, mm, _build(mm, 1, experts=4))
 
-    def plain_load(model):
-        ck_sharded.attach_checkpoint_hint([model], ckpt)
-        dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt)
+    def plain_load(model):  # the user's own load call, with the checkpoint's shapes through Megatron's metadata
+        dist_checkpointing.load({"model": model.sharded_state_dict(metadata=mc.checkpoint_load_metadata(ckpt))}, ckpt)
 
     out["count_sharded"] = _error(lambda: plain_load(four))
     # --- number format and amax shape
@@ -83,7 +83,7 @@ def _errors_worker(rank, world_size, root):
             sd[k] = ShardedTensor.from_rank_offsets(st.key, value, (0, st.global_offset[0], st.global_shape[0]),
                                                     replica_id=(0, 0, rank), prepend_axis_num=1)
     dist_checkpointing.save({"model": sd}, legacy)
-    mc.save_sharded_modelopt_state([shared], legacy)
+    ck_sharded.save_sharded_modelopt_state([shared], legacy)
     mm.init_model_parallel(2, 2, seed=SEED)
     target = _build(mm, 5)
     with warnings.catch_warnings(record=True) as caught:
@@ -95,22 +95,22 @@ def _errors_worker(rank, world_size, root):
     for li, layer in enumerate(shared.decoder.layers):
         for gemm in ("linear_fc1", "linear_fc2"):
             for kind in ("weight_quantizer", "input_quantizer"):
-                layer_max[(li, gemm, kind)] = getattr(getattr(layer.mlp.experts, gemm), kind).amax.clone()
+                layer_max[(li, gemm, kind)] = getattr(getattr(layer.mlp.experts, gemm), kind).amax.max().clone()
     out["legacy_layer_amax"] = layer_max
 
     # --- partial save: dies after the weights, before the state and the completion marker
     mm.init_model_parallel(1, 2, seed=SEED)
     model = _quantize(mtq, mm, _build(mm, SEED + 7))
-    real = mc.save_sharded_modelopt_state
+    real = mc_checkpoint.save_sharded_modelopt_state
 
     def dies(*args, **kwargs):
         raise RuntimeError("injected failure during save")
 
-    mc.save_sharded_modelopt_state = dies
+    mc_checkpoint.save_sharded_modelopt_state = dies
     try:
         out["partial_save"] = _error(lambda: mc.save_sharded_checkpoint([model], ckpt))
     finally:
-        mc.save_sharded_modelopt_state = real
+        mc_checkpoint.save_sharded_modelopt_state = real
     fresh = _build(mm, 11)
     mc.load_sharded_checkpoint([fresh], ckpt)  # the previous checkpoint is intact
     out["previous_loads"] = (all(torch.equal(a, ref["amax"][k]) for k, a in global_amax(fresh, mm).items())
@@ -129,7 +129,7 @@ def _errors_worker(rank, world_size, root):
     # --- meta device: restore the quantization, check the amax entries' shapes, materialise and load
     with torch.device("meta"):
         meta_model = _build(mm, 0)
-    mc.restore_sharded_modelopt_state([meta_model], ckpt)
+    ck_sharded.restore_sharded_modelopt_state([meta_model], ckpt)
     shapes = {}
     for k, v in meta_model.sharded_state_dict().items():
         if isinstance(v, ShardedTensorFactory) and k.endswith("_amax"):

@@ -6,6 +6,8 @@ loads each of those checkpoints into a freshly built model of another seed, rest
 (global tensors keyed by global expert index / full TP tensors), every amax and weight bit-exactly with the saved
 model's (a `shared` target holds the max over all experts, as the contract says), the logits on the same batch, and
 re-saves to check the second checkpoint equals the first key by key (bit-exact; `shared` targets: the max).
+Half the checkpoints are written, and every checkpoint is also read, with the README's flow (the user's own
+``dist_checkpointing.save/load`` calls plus ``save/restore_sharded_modelopt_state``), which must give the same model.
 Megatron's validate_sharding_integrity runs in every save (dist_checkpointing.save, validate_access_integrity=True)
 and every load. One spawn holds all 6 saves and 30 loads (a spawn costs ~15 s of imports).
 """
@@ -118,14 +120,12 @@ def logits_with_shared_max(model, mm, batch, w_shared, i_shared):
     for layer in model.decoder.layers:
         for gemm in ("linear_fc1", "linear_fc2"):
             for kind, on in (("weight_quantizer", w_shared), ("input_quantizer", i_shared)):
-                layout = getattr(getattr(layer.mlp.experts, gemm), kind)
-                qs = list(layout) if isinstance(layout, torch.nn.ModuleList) else [layout]
-                m = torch.stack([q.amax.reshape(-1).max() for q in qs]).max().reshape(1)
+                q = getattr(getattr(layer.mlp.experts, gemm), kind)
+                m = q.amax.max().reshape(1)
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ep)  # every rank, whatever `on` is
                 if on:
-                    for q in qs:
-                        saved.append((q, q.amax.clone()))
-                        q.amax = torch.full_like(q.amax, m.item())
+                    saved.append((q, q.amax.clone()))
+                    q.amax = torch.full_like(q.amax, m.item())
     with torch.no_grad():
         logits = mm.gather_logits(model, batch)
     for q, a in saved:
@@ -187,18 +187,36 @@ def assign_amax(model, mm, amax: dict):
         n = experts.num_local_experts
         for gemm in ("linear_fc1", "linear_fc2"):
             for kind in EXPERT_AMAX:
-                layout = getattr(getattr(experts, gemm), kind)
-                values = [amax[(li, gemm, kind, ep_rank * n + i)] for i in range(n)]
-                if isinstance(layout, torch.nn.ModuleList):
-                    for q, v in zip(layout, values, strict=True):
-                        q.amax = v
-                elif hasattr(layout, "num_experts"):
-                    layout.amax = torch.stack(values)
-                else:
-                    layout.amax = values[0]
+                q = getattr(getattr(experts, gemm), kind)
+                q.amax = torch.stack([amax[(li, gemm, kind, ep_rank * n + i)] for i in range(n)])
     for name, q, _ in named_quantizers(model):
         if name in amax:
             q.amax = amax[name]
+
+
+def readme_save(model, ckpt):
+    """The README's save with the user's own Megatron call."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from modelopt_moe.checkpoint import save_sharded_modelopt_state
+
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt)
+    dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict()}, ckpt)
+    save_sharded_modelopt_state([model], ckpt)
+    dist.barrier()
+
+
+def readme_load(model, ckpt, experts):
+    """The README's restore with the user's own Megatron call, into a freshly built model."""
+    from megatron.core import dist_checkpointing
+
+    from modelopt_moe.checkpoint import restore_sharded_modelopt_state
+
+    restore_sharded_modelopt_state([model], ckpt, experts)
+    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt)["model"])
 
 
 def build(mm, seed):
@@ -214,7 +232,7 @@ def _matrix_worker(rank, world_size, root):
     import torch.distributed as dist
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.plugins import megatron_checkpoint as mc
+    from modelopt_moe.plugins import megatron as mc
     from modelopt_moe.testing import megatron_models as mm
 
     calib, batch = mm.text_batches(2, 32, 2)[0], mm.text_batches(2, 32, 1, offset=7)[0]
@@ -232,7 +250,10 @@ def _matrix_worker(rank, world_size, root):
             for is_ in (False, True):
                 ref["logits"][(ws, is_)] = logits_with_shared_max(model, mm, batch, ws, is_)
         ckpt = os.path.join(root, f"src{s}")
-        mc.save_sharded_checkpoint([model], ckpt)
+        if s % 2:
+            readme_save(model, ckpt)
+        else:
+            mc.save_sharded_checkpoint([model], ckpt)
         refs[s] = ref
         del model
     timings["saves"] = time.time() - t0
@@ -256,6 +277,13 @@ def _matrix_worker(rank, world_size, root):
             w_shared, i_shared = w == "shared", i == "shared"
             errors = compare("amax", global_amax(model, mm), expected_amax(refs[s]["amax"], w_shared, i_shared))
             errors += compare("params", global_params(model, mm), refs[s]["params"])
+            # The README's flow with the user's own dist_checkpointing calls gives the same model.
+            plain = build(mm, SEED + 2 + s)
+            readme_load(plain, os.path.join(root, f"src{s}"), {"weight_amax": w, "input_amax": i})
+            errors += compare("readme-flow amax", global_amax(plain, mm),
+                              expected_amax(refs[s]["amax"], w_shared, i_shared))
+            errors += compare("readme-flow params", global_params(plain, mm), refs[s]["params"])
+            del plain
             with torch.no_grad():
                 logits = mm.gather_logits(model, batch)
             want = refs[s]["logits"][(w_shared, i_shared)]

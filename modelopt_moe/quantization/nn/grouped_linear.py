@@ -70,8 +70,10 @@ class GroupedLinear(nn.Module):
 
 class QuantGroupedLinearMixin(QuantModuleMixin):
     """Quantized grouped expert linear. The host class provides ``num_gemms``, ``expert_weights()`` and
-    ``grouped_gemm(x, m_splits, weights)``; :attr:`sharded_axis` is the weight axis split across expert-TP ranks
-    (adapters of column-/row-parallel classes set it per registered class)."""
+    ``grouped_gemm(x, m_splits, weights)``, which its own ``forward`` calls: the mixin quantizes the operands of that
+    call, so the host's forward (its return convention, bias handling) runs unchanged. Adapters of classes without
+    ``grouped_gemm`` (Transformer Engine's) call :meth:`quantized_forward` with the framework's GEMM.
+    :attr:`sharded_axis` is the weight axis split across expert-TP ranks (declared per registered class)."""
 
     sharded_axis = 0
     _transient_attributes = ("_device_splits",)
@@ -94,23 +96,24 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
             for i, w in enumerate(self.expert_weights()):
                 self.weight_quantizer.collect_expert(i, w)
 
-    def quantized_forward(self, x: torch.Tensor, m_splits, gemm=None):
-        """Quantized grouped forward; ``gemm(x_operand, weight_operands)`` defaults to :meth:`grouped_gemm`
-        (adapters pass the framework's own forward)."""
+    def grouped_gemm(self, x: torch.Tensor, m_splits, weights: list[torch.Tensor]):
+        """The host's grouped GEMM on fake-quantized operands (with the configured backward mode)."""
+        host = super().grouped_gemm
+        return self.quantized_forward(x, m_splits, lambda xo, wo: host(xo, m_splits, wo), weights)
+
+    def quantized_forward(self, x: torch.Tensor, m_splits, gemm, weights: list[torch.Tensor] | None = None):
+        """Runs ``gemm(x_operand, weight_operands)`` on the fake-quantized input and expert weights (default:
+        :meth:`expert_weights`)."""
         iq, wq = self.input_quantizer, self.weight_quantizer
-        weights = self.expert_weights()
+        weights = self.expert_weights() if weights is None else weights
         return run_quantized_gemm(
-            self.quant_backward, x, weights,
-            gemm=gemm or (lambda xo, wo: self.grouped_gemm(xo, m_splits, wo)),
+            self.quant_backward, x, weights, gemm=gemm,
             quantize_input=lambda t: quantize_expert_inputs(iq, t, m_splits, self.quant_kernel, self._splits_cache()),
             quantize_weight=lambda ws: quantize_expert_weights(wq, ws, self.quant_kernel, owner=self),
             input_mask=lambda t: expert_input_clip_mask(iq, t, m_splits),
             weight_mask=expert_weight_clip_mask(wq, weights),
             output_quantizer=self.output_quantizer,
         )
-
-    def forward(self, x: torch.Tensor, m_splits, *args, **kwargs) -> torch.Tensor:
-        return self.quantized_forward(x, m_splits)
 
     def amax_reduction(self, quantizer_name: str) -> tuple[str, ...]:
         kind = quantizer_name.split(".")[0]

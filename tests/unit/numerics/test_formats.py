@@ -7,8 +7,7 @@ Expected values are computed either by hand (literal numbers) or by an independe
 import pytest
 import torch
 
-from modelopt_moe.numerics import formats
-from modelopt_moe.numerics import fake_quant, format_from_num_bits, round_to_e2m1
+from modelopt_moe.numerics import fake_quant, format_from_num_bits, formats, round_to_e2m1
 
 F32 = torch.float32
 

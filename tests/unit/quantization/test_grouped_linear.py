@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import modelopt_moe.quantization as mtq
+from modelopt_moe.numerics import fake_quant
 from modelopt_moe.quantization import tensor_quantizer
 from modelopt_moe.quantization import utils as qutils
-from modelopt_moe.numerics import fake_quant
 from modelopt_moe.quantization.nn import GroupedLinear
 from modelopt_moe.quantization.nn import experts as experts_nn
 from modelopt_moe.quantization.weight_reuse import active_reuse_scopes

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import modelopt_moe.quantization as mtq
-from modelopt_moe.quantization.conversion import is_quantized
 from modelopt_moe.numerics import fake_quant
+from modelopt_moe.quantization.conversion import is_quantized
 
 # (preset, upper bound of the relative output change)
 PRESETS = [("FP8_DEFAULT_CFG", 0.2), ("INT8_DEFAULT_CFG", 0.2), ("NVFP4_DEFAULT_CFG", 0.5),

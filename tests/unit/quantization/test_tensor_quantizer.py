@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 import modelopt_moe.quantization as mtq
-from modelopt_moe.quantization.config import QuantizerAttributeConfig
 from modelopt_moe.numerics import fake_quant
+from modelopt_moe.quantization.config import QuantizerAttributeConfig
 from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
 
 E4M3 = QuantizerAttributeConfig(num_bits=(4, 3))
