@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m modelopt_moe --config configs/fp8_per_expert.yaml
+	$(VENV)/bin/modelopt-moe --config configs/fp8_per_expert.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

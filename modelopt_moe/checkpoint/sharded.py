@@ -1,6 +1,7 @@
 """Quantization state beside a distributed (``torch.distributed.checkpoint`` / Megatron ``torch_dist``) checkpoint.
 
-Flow (Megatron; ``modelopt_moe.plugins.megatron`` wraps it as ``save_checkpoint`` / ``load_checkpoint``)::
+Flow (Megatron; ``modelopt_moe.plugins.megatron`` wraps it as ``save_sharded_checkpoint`` /
+``load_sharded_checkpoint``, with the optimizer state)::
 
     dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)     # every rank
     save_sharded_modelopt_state([model], ckpt_dir)                     # every rank; rank 0 writes

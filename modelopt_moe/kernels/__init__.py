@@ -1,7 +1,7 @@
 """Triton kernels (optional) with pure-torch fallbacks: grouped fake quantization of MoE experts.
 
 Imports with torch alone; ``TRITON_AVAILABLE`` says whether triton imports, :func:`kernels_available` whether the
-kernels can run on a device (CUDA, or CPU under ``TRITON_INTERPRET=1``). Never imports ``quantization.nn``.
+kernels can run on a device (CUDA, or CPU under ``TRITON_INTERPRET=1``). Imports only ``modelopt_moe.numerics``.
 """
 
 from .grouped_fake_quant import (

@@ -139,7 +139,7 @@ class QuantCfgEntry(_Strict):
 
 
 class ExpertsConfig(_Strict):
-    """Amax layouts of grouped expert linears (see DESIGN.md, "three amax layouts")."""
+    """Amax layouts of expert quantizers (see quantization/expert_quantizer.py and docs/architecture.md)."""
 
     weight_amax: Literal["shared", "vectorized", "per_expert"] = "vectorized"
     input_amax: Literal["shared", "per_expert"] = "shared"

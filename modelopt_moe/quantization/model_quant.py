@@ -19,8 +19,8 @@ def quantize(model: nn.Module, config: QuantizeConfig | dict, forward_loop: Call
     """Converts ``model`` in place to fake-quantized modules per ``config`` and max-calibrates it.
 
     Args:
-        model: any model whose layers have registered quantized wrappers (``nn.Linear``; Megatron-Core linears and
-            experts once ``modelopt_moe.plugins`` is imported, which ``modelopt_moe.quantization`` does).
+        model: any model whose layers have registered quantized wrappers (``nn.Linear``, grouped expert linears;
+            Megatron-Core and Transformer Engine layers when the program has imported those frameworks).
         config: a :class:`QuantizeConfig`, a dict of the same shape, a preset such as ``mtq.FP8_DEFAULT_CFG``, or
             ``mtq.load_config("file.yaml")``.
         forward_loop: ``forward_loop(model)`` feeds calibration data; without it only weights are calibrated.

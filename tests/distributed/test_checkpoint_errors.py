@@ -47,7 +47,7 @@ def _errors_worker(rank, world_size, root):
     from modelopt_moe.checkpoint import sharded as ck_sharded
     from modelopt_moe.plugins import megatron as mc
     from modelopt_moe.plugins.megatron import checkpoint as mc_checkpoint
-    from modelopt_moe.testing import megatron_models as mm
+    from modelopt_moe.plugins.testing import megatron_models as mm
 
     out = {}
     mm.init_model_parallel(1, 2, seed=SEED)

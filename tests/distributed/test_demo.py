@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from modelopt_moe.__main__ import main
+from modelopt_moe.plugins.cli import main
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ import torch
 from test_checkpoint_reshard import global_amax, global_params  # noqa: E402 - sibling test module
 
 from modelopt_moe.launch import spawn
-from modelopt_moe.testing.megatron_cpu import megatron_training_shims
+from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
 
 WORLD, TP, EP, EXPERTS, SEED = 4, 2, 2, 8, 1234
 KINDS = ("sequential", "grouped")
@@ -94,8 +94,8 @@ def _train_and_compare(case, calib, train_batches, eval_batch, root):
     from megatron.core.transformer.module import Float16Module
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.testing import megatron_models as mm
-    from modelopt_moe.testing import megatron_training as mt
+    from modelopt_moe.plugins.testing import megatron_models as mm
+    from modelopt_moe.plugins.testing import megatron_training as mt
 
     kind, bf16, distributed, reuse = CASES[case]
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -150,8 +150,8 @@ def _save_both_ways(trainer, eval_batch, root):
 
     from modelopt_moe.checkpoint import save_sharded_modelopt_state
     from modelopt_moe.plugins.megatron import save_sharded_checkpoint
-    from modelopt_moe.testing import megatron_models as mm
-    from modelopt_moe.testing import megatron_training as mt
+    from modelopt_moe.plugins.testing import megatron_models as mm
+    from modelopt_moe.plugins.testing import megatron_training as mt
 
     with megatron_training_shims():  # the optimizer's checkpoint code moves tensors with .cuda()
         save_sharded_checkpoint([trainer.model], os.path.join(root, "api"), optimizer=trainer.optimizer,
@@ -176,8 +176,8 @@ def _resume_run(calib, train_batches, root, restore_from=None):
     import modelopt_moe.quantization as mtq
     from modelopt_moe.checkpoint import restore_sharded_modelopt_state
     from modelopt_moe.plugins.megatron import load_sharded_checkpoint, save_sharded_checkpoint
-    from modelopt_moe.testing import megatron_models as mm
-    from modelopt_moe.testing import megatron_training as mt
+    from modelopt_moe.plugins.testing import megatron_models as mm
+    from modelopt_moe.plugins.testing import megatron_training as mt
 
     seed = SEED if restore_from is None else SEED + 99  # the resumed model must get everything from the checkpoint
     model = mm.build_moe_gpt(num_experts=EXPERTS, seed=seed, experts="grouped")
@@ -209,7 +209,7 @@ def _same_model_both_kinds(eval_batch, calib, **overrides):
     """Sequential and grouped experts built from one seed (fp32): same weights, logits, gradients and checkpoint keys,
     before and after quantization."""
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.testing import megatron_models as mm
+    from modelopt_moe.plugins.testing import megatron_models as mm
 
     models = {k: mm.build_moe_gpt(num_experts=EXPERTS, seed=SEED, experts=k, **overrides).eval() for k in KINDS}
     with torch.no_grad():  # biases are built as zeros: give them values (by global name) so their path counts
@@ -253,7 +253,7 @@ def _same_model_both_kinds(eval_batch, calib, **overrides):
 
 def _shim_checks():
     """What megatron_training_shims does inside, and that it restores torch.cuda on exit."""
-    from modelopt_moe.testing.megatron_cpu import megatron_training_shims
+    from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
 
     before = torch.cuda.current_stream
     x = torch.ones(2, dtype=torch.bfloat16)
@@ -271,7 +271,7 @@ def _shim_checks():
 
 
 def _train_worker(rank, world_size, root):
-    from modelopt_moe.testing import megatron_models as mm
+    from modelopt_moe.plugins.testing import megatron_models as mm
 
     out_shims = _shim_checks()
     mm.init_model_parallel(TP, EP, seed=SEED)
@@ -296,8 +296,8 @@ def _restore_and_train_on(flow, root, eval_batch, train_batches):
 
     from modelopt_moe.checkpoint import restore_sharded_modelopt_state
     from modelopt_moe.plugins.megatron import load_sharded_checkpoint
-    from modelopt_moe.testing import megatron_models as mm
-    from modelopt_moe.testing import megatron_training as mt
+    from modelopt_moe.plugins.testing import megatron_models as mm
+    from modelopt_moe.plugins.testing import megatron_training as mt
 
     model = mm.build_moe_gpt(num_experts=EXPERTS, seed=SEED + 7, experts="grouped", params_dtype=torch.bfloat16)
     ckpt = os.path.join(root, flow)
@@ -319,7 +319,7 @@ def _restore_and_train_on(flow, root, eval_batch, train_batches):
 
 
 def _restore_worker(rank, world_size, root):
-    from modelopt_moe.testing import megatron_models as mm
+    from modelopt_moe.plugins.testing import megatron_models as mm
 
     calib = mm.text_batches(BATCH, SEQ, 2)
     train_batches = mm.text_batches(BATCH, SEQ, STEPS * MICROBATCHES, offset=100)

@@ -58,7 +58,7 @@ def _worker(rank, world_size, root):
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.plugins.megatron import load_sharded_checkpoint, save_sharded_checkpoint
-    from modelopt_moe.testing import megatron_models as mm
+    from modelopt_moe.plugins.testing import megatron_models as mm
 
     results = []
     for c, (preset, src_ep, src_layout, dst_ep, dst_layout) in enumerate(CASES):

@@ -19,7 +19,7 @@ te = pytest.importorskip("transformer_engine.pytorch")
 import torch.distributed as dist  # noqa: E402
 
 import modelopt_moe.quantization as mtq  # noqa: E402
-from modelopt_moe.testing import megatron_models as mm  # noqa: E402
+from modelopt_moe.plugins.testing import megatron_models as mm  # noqa: E402
 
 EXPERTS, HIDDEN, FFN, TOKENS = 8, 256, 512, 512
 LAYOUTS = ("shared", "vectorized", "per_expert")

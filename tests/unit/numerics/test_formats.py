@@ -1,7 +1,8 @@
 """The numeric contract (modelopt_moe/numerics/formats.py): bit-exact fake quantization in every format.
 
-Expected values are computed either by hand (literal numbers) or by an independent computation written here
-(the DESIGN.md formulas, or a nearest-grid-point search for E2M1), never by the function under test.
+Expected values are computed either by hand (literal numbers) or by an independent computation written here (the
+formulas of docs/architecture.md, "The numeric contract", or a nearest-grid-point search for E2M1), never by the
+function under test.
 """
 
 import pytest
@@ -43,7 +44,7 @@ def _all_finite_bf16() -> torch.Tensor:
 
 
 def _fp8_independent(x: torch.Tensor, amax: torch.Tensor, bound: float, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """DESIGN.md: scale = bound / amax; q = fp8(clamp(x * scale, -bound, bound)); out = q / scale (fp32 math)."""
+    """The contract: scale = bound / amax; q = fp8(clamp(x * scale, -bound, bound)); out = q / scale (fp32 math)."""
     scale = torch.tensor(bound, dtype=F32) / amax.to(F32)
     q = torch.clamp(x.to(F32) * scale, min=-bound, max=bound).to(fp8_dtype).to(F32)
     return (q / scale).to(x.dtype)

@@ -1,8 +1,8 @@
 """The few patches megatron-core 0.19.2 needs to run on a CPU-only machine (gloo). Never used with CUDA.
 
-This is the ONLY module of the project that patches torch. ``apply_cpu_shims()`` is called in every process that
-builds a Megatron model without CUDA (``modelopt_moe.testing.megatron_models`` does it for you); it does nothing when
-``torch.cuda.is_available()``, so the GPU path always runs unpatched torch.
+This is the ONLY module of the project that patches torch (for the tests and the demo). ``apply_cpu_shims()`` is
+called in every process that builds a Megatron model without CUDA (``modelopt_moe.plugins.testing.megatron_models``
+does it for you); it does nothing when ``torch.cuda.is_available()``, so the GPU path always runs unpatched torch.
 
 Each patch, and why it is needed:
 

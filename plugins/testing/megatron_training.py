@@ -4,7 +4,7 @@
 The flow users run (the shape of Megatron-LM's ``examples/run_simple_mcore_train_loop.py``, with Megatron's own
 optimizer instead of ``torch.optim``), inside a rank started by :func:`modelopt_moe.launch.spawn`::
 
-    from modelopt_moe.testing import megatron_models as mm, megatron_training as mt
+    from modelopt_moe.plugins.testing import megatron_models as mm, megatron_training as mt
 
     mm.init_model_parallel(tp=2, ep=2)
     model = mm.build_moe_gpt(params_dtype=torch.bfloat16)
@@ -14,7 +14,7 @@ optimizer instead of ``torch.optim``), inside a rank started by :func:`modelopt_
     mt.unwrap(trainer.model)                        # the GPTModel again (its parameters live in DDP's buffers)
 
 Every class used is Megatron's; on a machine without CUDA the calls that need it run inside
-:func:`modelopt_moe.testing.megatron_cpu.megatron_training_shims` (a no-op with CUDA).
+:func:`modelopt_moe.plugins.testing.megatron_cpu.megatron_training_shims` (a no-op with CUDA).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from modelopt_moe.plugins.megatron import get_forward_backward_func as reusing_forward_backward_func
-from modelopt_moe.testing.megatron_cpu import megatron_training_shims
+from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
 
 __all__ = ["Trainer", "setup_training", "train", "train_step", "unwrap"]
 
@@ -188,7 +188,7 @@ def train(
 
     Args:
         trainer: From :func:`setup_training`.
-        batches: :func:`~modelopt_moe.testing.megatron_models.text_batches` items (one per micro-batch).
+        batches: :func:`~modelopt_moe.plugins.testing.megatron_models.text_batches` items (one per micro-batch).
         steps: Optimizer steps.
         num_microbatches: Micro-batches per step (gradient accumulation).
         start_step: The index of the first step (a resumed run continues with the data of its iteration).

@@ -1,6 +1,6 @@
 """The demo: quantize a real Megatron-Core MoE GPT on N CPU processes (gloo) and compare its loss.
 
-``python -m modelopt_moe`` (or the ``modelopt-moe`` console script, or ``make demo``) spawns ``--world-size``
+The ``modelopt-moe`` console script (or ``make demo``) spawns ``--world-size``
 processes (default 4: TP=2, EP=2), builds a small Megatron-Core MoE GPT with ``SequentialMLP`` experts, trains it
 for a few steps on real English text (byte-level, ``pydoc_data.topics`` from the standard library) so the loss
 means something, measures the LM loss on held-out batches, quantizes with
@@ -93,7 +93,7 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     import torch
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.testing import megatron_models as mm
+    from modelopt_moe.plugins.testing import megatron_models as mm
 
     def say(msg: str) -> None:
         if rank == 0:
@@ -163,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     opts = {k: getattr(args, k) for k in (
         "config", "tp", "ep", "num_calib_batches", "num_eval_batches", "train_steps", "batch_size", "seq_len",
         "num_experts", "seed")}
-    # Under `python -m modelopt_moe` this file runs as `__main__`, which spawned children do not re-import (they
-    # skip a package's __main__): hand them the function through its importable module name instead.
-    rank_fn = importlib.import_module("modelopt_moe.__main__")._demo_rank
+    # Under `python -m modelopt_moe.plugins.cli` this file runs as `__main__`, which spawned children do not
+    # re-import: hand them the function through its importable module name instead.
+    rank_fn = importlib.import_module("modelopt_moe.plugins.cli")._demo_rank
     with _gpus_hidden():
         results = spawn(rank_fn, args.world_size, args=(opts,), timeout=args.timeout)
     r0 = results[0]

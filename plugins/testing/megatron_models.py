@@ -2,7 +2,7 @@
 
 Typical use inside a rank started by :func:`modelopt_moe.launch.spawn`::
 
-    from modelopt_moe.testing import megatron_models as mm
+    from modelopt_moe.plugins.testing import megatron_models as mm
 
     mm.init_model_parallel(tp=2, ep=2, seed=1234)
     model = mm.build_moe_gpt(seed=1234)
@@ -50,9 +50,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from modelopt_moe.plugins.testing.megatron_cpu import apply_cpu_shims
 from modelopt_moe.quantization.conversion import QuantModuleRegistry
 from modelopt_moe.quantization.nn import GroupedLinear
-from modelopt_moe.testing.megatron_cpu import apply_cpu_shims
 
 __all__ = [
     "init_model_parallel",
