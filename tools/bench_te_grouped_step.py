@@ -3,19 +3,25 @@
 Prints a table: N experts of [1536 x 2048] (out x in), 16384 tokens split evenly, bf16 activations and weights.
 Variants:
   bf16                  TE GroupedLinear, no quantization
-  fp8 kernel + cache    vectorized [N] amax, one-launch Triton kernels, weights fake-quantized once per optimizer
-                        step (micro-batches reuse them: the steady state of gradient accumulation)
-  fp8 kernel, no cache  the same, weights fake-quantized every step
-  fp8 torch loop        per-expert quantizers and the torch reference, one expert at a time (what a per-expert
-                        Python loop costs; NVIDIA Model Optimizer 0.47's layout)
+  fp8 reuse             vectorized [N] amax, one-launch Triton kernels, inside ``mtq.reuse_quantized_weights``:
+                        weights fake-quantized once per optimizer step, reused by the other micro-batches (the steady
+                        state of gradient accumulation with ``plugins.megatron.get_forward_backward_func``)
+  fp8 re-quantize       the same outside a scope (the default): weights fake-quantized on every forward
+  fp8 torch loop        per-expert amax and the torch reference, one expert at a time (what a per-expert Python
+                        loop costs; NVIDIA Model Optimizer 0.47's layout)
 
-Usage (GPU machine): python3 tools/bench_te_grouped_step.py [--experts 32 128] [--tokens 16384]
+Every variant is built first, then timed in alternating rounds (host-bound timings drift between runs on shared
+machines); the table gives the median over rounds and the range of the ratio to bf16 of the same round.
+
+Usage (GPU machine): python3 tools/bench_te_grouped_step.py [--experts 32 128] [--tokens 16384] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import statistics
 import warnings
 
 import torch
@@ -38,24 +44,24 @@ def _time_ms(fn, warmup=5, iters=20) -> float:
 
 
 def _variants(base, x, splits):
+    """name -> (layer, reuse scope or None)."""
     import modelopt_moe.quantization as mtq
 
-    def quantized(layout, kernel, cache):
+    def quantized(layout, kernel):
         layer = copy.deepcopy(base)
         cfg = mtq.load_config("fp8_default.yaml")
         cfg.experts.weight_amax, cfg.kernel = layout, kernel
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mtq.quantize(layer, cfg, lambda m: m(x, splits))
-        if not cache:
-            layer._weight_cache = lambda: None
         return layer
 
+    reused = quantized("vectorized", "auto")
     return {
-        "bf16": base,
-        "fp8 kernel + cache": quantized("vectorized", "auto", True),
-        "fp8 kernel, no cache": quantized("vectorized", "auto", False),
-        "fp8 torch loop": quantized("per_expert", "torch", False),
+        "bf16": (base, None),
+        "fp8 reuse": (reused, lambda: mtq.reuse_quantized_weights(reused)),
+        "fp8 re-quantize": (quantized("vectorized", "auto"), None),
+        "fp8 torch loop": (quantized("per_expert", "torch"), None),
     }
 
 
@@ -67,6 +73,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--out-features", type=int, default=1536)
     parser.add_argument("--in-features", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
     rows = []
@@ -77,23 +84,26 @@ def main():
         splits = [args.tokens // n] * n
         x = torch.randn(args.tokens, args.in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn(args.tokens, args.out_features, device="cuda", dtype=torch.bfloat16)
-        bf16_ms = None
-        for name, layer in _variants(base, x.detach(), splits).items():
-            def step(layer=layer, x=x, splits=splits, grad=grad):
-                layer(x, splits).backward(grad)
+        variants = _variants(base, x.detach(), splits)
+        times = {name: [] for name in variants}
+        for _ in range(args.rounds):
+            for name, (layer, scope) in variants.items():
+                def step(layer=layer, x=x, splits=splits, grad=grad):
+                    layer(x, splits).backward(grad)
 
-            ms = _time_ms(step)
-            bf16_ms = bf16_ms or ms
-            rows.append((n, name, ms, ms / bf16_ms))
-            del layer
-        del base
+                with scope() if scope else contextlib.nullcontext():
+                    times[name].append(_time_ms(step))
+        for name, ms in times.items():
+            ratios = [t / b for t, b in zip(ms, times["bf16"], strict=True)]
+            rows.append((n, name, statistics.median(ms), statistics.median(ratios), min(ratios), max(ratios)))
+        del variants, base
         torch.cuda.empty_cache()
 
     print(f"\nTE GroupedLinear fwd+bwd, {args.tokens} tokens, experts [{args.out_features} x {args.in_features}] "
-          f"bf16, {torch.cuda.get_device_name(0)}")
-    print(f"{'N':>5} {'variant':<22} {'ms':>9} {'x bf16':>8}")
-    for n, name, ms, ratio in rows:
-        print(f"{n:>5} {name:<22} {ms:>9.3f} {ratio:>8.2f}")
+          f"bf16, {torch.cuda.get_device_name(0)}, {args.rounds} alternating rounds")
+    print(f"{'N':>5} {'variant':<18} {'ms (median)':>12} {'x bf16 (median)':>16} {'x bf16 range':>14}")
+    for n, name, ms, ratio, lo, hi in rows:
+        print(f"{n:>5} {name:<18} {ms:>12.3f} {ratio:>16.2f} {lo:>6.2f}..{hi:<6.2f}")
 
 
 if __name__ == "__main__":

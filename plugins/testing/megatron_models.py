@@ -323,14 +323,20 @@ def register_quantized_grouped_linears() -> None:
     QuantModuleRegistry.register(MegatronRowParallelGroupedLinear, QuantMegatronRowGroupedLinear)
 
 
-def grouped_mlp_spec():
-    """Megatron's ``TEGroupedMLP`` expert builder with :class:`MegatronGroupedLinear` linears (no TE needed)."""
-    return functools.partial(
-        TEGroupedMLP,
-        submodules=GroupedMLPSubmodules(
-            linear_fc1=MegatronColumnParallelGroupedLinear, linear_fc2=MegatronRowParallelGroupedLinear
-        ),
-    )
+def grouped_mlp_spec(transformer_engine: bool = False):
+    """Megatron's ``TEGroupedMLP`` expert builder, with :class:`MegatronGroupedLinear` linears (no TE needed) or
+    with Transformer Engine's (``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``, GPU only)."""
+    if transformer_engine:
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelGroupedLinear,
+            TERowParallelGroupedLinear,
+        )
+
+        fc1, fc2 = TEColumnParallelGroupedLinear, TERowParallelGroupedLinear
+    else:
+        register_quantized_grouped_linears()
+        fc1, fc2 = MegatronColumnParallelGroupedLinear, MegatronRowParallelGroupedLinear
+    return functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
 
 
 def _split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -442,8 +448,9 @@ def build_moe_gpt(
         params_dtype: Parameter dtype.
         seed: Weight seed.
         experts: ``"sequential"`` (Megatron's ``SequentialMLP`` of ``ColumnParallelLinear`` /
-            ``RowParallelLinear``) or ``"grouped"`` (Megatron's ``TEGroupedMLP`` with :class:`MegatronGroupedLinear`
-            linears, ``moe_grouped_gemm=True``). Both hold the same weights for the same seed.
+            ``RowParallelLinear``), ``"grouped"`` (Megatron's ``TEGroupedMLP`` with :class:`MegatronGroupedLinear`
+            linears, ``moe_grouped_gemm=True``) or ``"te"`` (``TEGroupedMLP`` with Transformer Engine's grouped
+            linears; GPU). All hold the same weights for the same seed.
         **overrides: Any ``TransformerConfig`` field (e.g. ``gated_linear_unit=True``, ``normalization="RMSNorm"``)
             or ``GPTModel`` argument (e.g. ``position_embedding_type="learned_absolute"``).
 
@@ -452,10 +459,10 @@ def build_moe_gpt(
 
     Raises:
         TypeError: An override is neither a TransformerConfig field nor a GPTModel argument.
-        ValueError: ``experts`` is neither ``"sequential"`` nor ``"grouped"``.
+        ValueError: ``experts`` is not ``"sequential"``, ``"grouped"`` or ``"te"``.
     """
-    if experts not in ("sequential", "grouped"):
-        raise ValueError(f"experts={experts!r}: expected 'sequential' or 'grouped'")
+    if experts not in ("sequential", "grouped", "te"):
+        raise ValueError(f"experts={experts!r}: expected 'sequential', 'grouped' or 'te'")
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_moe_gpt: call init_model_parallel(tp, ep) first")
     apply_cpu_shims()
@@ -474,7 +481,7 @@ def build_moe_gpt(
         moe_ffn_hidden_size=ffn_hidden,
         moe_router_topk=moe_router_topk,
         moe_token_dispatcher_type="allgather",
-        moe_grouped_gemm=experts == "grouped",
+        moe_grouped_gemm=experts != "sequential",
         moe_aux_loss_coeff=0.0,
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=ep,
@@ -504,10 +511,10 @@ def build_moe_gpt(
     )
     layer.submodules.input_layernorm = sequence_parallel_norm
     layer.submodules.pre_mlp_layernorm = sequence_parallel_norm
-    if experts == "grouped":
-        register_quantized_grouped_linears()
+    if experts != "sequential":
         moe = layer.submodules.mlp  # functools.partial(MoELayer, submodules=MoESubmodules(...))
-        moe_submodules = dataclasses.replace(moe.keywords["submodules"], experts=grouped_mlp_spec())
+        moe_submodules = dataclasses.replace(moe.keywords["submodules"],
+                                             experts=grouped_mlp_spec(transformer_engine=experts == "te"))
         layer.submodules.mlp = functools.partial(moe.func, *moe.args, **{**moe.keywords, "submodules": moe_submodules})
     block = TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=sequence_parallel_norm)
     model_kwargs: dict[str, Any] = dict(

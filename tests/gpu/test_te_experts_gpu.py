@@ -142,6 +142,37 @@ def _quantized_te_grouped_linear(input_amax="per_expert", seed=3):
     return layer
 
 
+def test_reuse_scope_on_te_grouped_linear_is_exact_and_data_writes_are_seen_outside_it():
+    import copy
+
+    splits = [64, 0, 100, 92]
+    layer = _quantized_te_grouped_linear()
+    weights = [layer.weight0, layer.weight1, layer.weight2, layer.weight3]
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        xx = x.clone().requires_grad_(True)
+        for w in weights:
+            w.grad = None
+        y = layer(xx, splits)
+        y.backward(g)
+        return y.detach(), xx.grad, [w.grad.clone() for w in weights]
+
+    plain = run()
+    with mtq.reuse_quantized_weights(layer):
+        first, second = run(), run()
+    for got in (first, second):
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+        assert all(torch.equal(a, b) for a, b in zip(got[2], plain[2], strict=True))
+    with torch.no_grad():
+        for w in weights:
+            w.data.mul_(1.25)  # how Megatron's optimizers write: no version bump
+    after = run()
+    assert not torch.equal(after[0], plain[0])
+    assert torch.equal(after[0], copy.deepcopy(layer)(x, splits).detach())
+
+
 def test_quantized_te_grouped_linear_fwd_bwd_replays_from_a_cuda_graph():
     splits = [64, 0, 100, 92]
     layer = _quantized_te_grouped_linear()
