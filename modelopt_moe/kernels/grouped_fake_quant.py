@@ -277,12 +277,20 @@ def _inner_block(fmt: str, block_size: int | None) -> tuple[int, bool]:
     return 16, False
 
 
-def _launch_weight_fake_quant(weights, amax, fmt, block_size) -> torch.Tensor:
+def _padded(weights, block_size) -> bool:
+    """Whether an int block of ``block_size`` overhangs the last dim of some expert (then zero-padded)."""
+    return block_size is not None and any(w.dim() == 0 or w.shape[-1] % block_size for w in weights)
+
+
+def _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=True) -> torch.Tensor:
     k = _kernels()
     amax_mode, amax_stride = _amax_mode(amax, len(weights))
     bs, _ = _inner_block(fmt, block_size)
     cfg = _weight_config(fmt)
-    plan = _weight_plan(weights, None, bs, two_d=amax_mode == 2, tile_elems=cfg["tile"])
+    # Padded int blocks need the 2-D tiling: its tiles start at a row and mask the columns past the last one (loaded
+    # as 0: the zero padding), so no block spans two rows.
+    plan = _weight_plan(weights, None, bs, two_d=amax_mode == 2 or _padded(weights, block_size),
+                        tile_elems=cfg["tile"])
     total = sum(w.numel() for w in weights)
     out = torch.empty(total, dtype=weights[0].dtype, device=weights[0].device)
     if plan.n_tiles == 0:
@@ -299,7 +307,7 @@ def _launch_weight_fake_quant(weights, amax, fmt, block_size) -> torch.Tensor:
         TWO_D=plan.two_d, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs, VEC=plan.vec,
         SEARCH_STEPS=plan.steps, UNIFORM=uniform, EVEN=uniform and bool(cfg["even"]) and plan.even,
         HW_CVT=on_gpu and bool(cfg["hw_cvt"]), LEAN=bool(cfg["lean"]),
-        FAST_MAX=on_gpu and bool(cfg["fast_max"]), **kwargs,
+        FAST_MAX=on_gpu and bool(cfg["fast_max"]), NARROW=bool(narrow_range), **kwargs,
     )
     return out
 
@@ -311,11 +319,17 @@ def _expert_amax(amax: torch.Tensor | None, i: int) -> torch.Tensor | None:
     return amax[i] if amax.dim() == 1 else amax[i].unsqueeze(-1)
 
 
-def _torch_weight_fake_quant(weights, amax, fmt, block_size) -> torch.Tensor:
+def _int_kwargs(fmt: str, narrow_range: bool) -> dict:
+    """``fake_quant``'s range keyword for int formats (none for float formats, which reject it)."""
+    return {"narrow_range": narrow_range} if get_format(fmt).kind == "int" else {}
+
+
+def _torch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=True) -> torch.Tensor:
     out = torch.empty(sum(w.numel() for w in weights), dtype=weights[0].dtype, device=weights[0].device)
     o = 0
+    kw = _int_kwargs(fmt, narrow_range)
     for i, w in enumerate(weights):
-        out[o : o + w.numel()] = fake_quant(w, fmt, _expert_amax(amax, i), block_size).reshape(-1)
+        out[o : o + w.numel()] = fake_quant(w, fmt, _expert_amax(amax, i), block_size, **kw).reshape(-1)
         o += w.numel()
     return out
 
@@ -350,7 +364,7 @@ def _input_tiling(n_cols: int, bs: int) -> tuple[int, int, int]:
     return max(1, _TILE_ELEMS // tile_w), tile_w // bs, tile_w
 
 
-def _launch_input_fake_quant(x, m_splits, amax, fmt, block_size) -> torch.Tensor:
+def _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range=True) -> torch.Tensor:
     k = _kernels()
     y = torch.empty_like(x)
     t, kdim = x.shape
@@ -364,7 +378,8 @@ def _launch_input_fake_quant(x, m_splits, amax, fmt, block_size) -> torch.Tensor
     k._grouped_input_fake_quant_kernel[(_cdiv(t, tile_r), _cdiv(kdim, tile_w))](
         x, y, m_splits, amax_arg, t, kdim, n,
         FMT=get_format(fmt).code, INT_BLOCK=fmt in ("int8", "int4") and block_size is not None, PER_EXPERT=per_expert,
-        N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb, BS=bs, **_launch_kwargs(x.device),
+        N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb, BS=bs, NARROW=bool(narrow_range),
+        **_launch_kwargs(x.device),
     )
     return y
 
@@ -381,9 +396,9 @@ def _row_amax(x, m_splits, amax) -> torch.Tensor | None:
     return rows.unsqueeze(-1)
 
 
-def _torch_input_fake_quant(x, m_splits, amax, fmt, block_size) -> torch.Tensor:
+def _torch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range=True) -> torch.Tensor:
     # Per-row amax gives the same bits as fake_quant per row group: every format's arithmetic is row-local.
-    return fake_quant(x, fmt, _row_amax(x, m_splits, amax), block_size)
+    return fake_quant(x, fmt, _row_amax(x, m_splits, amax), block_size, **_int_kwargs(fmt, narrow_range))
 
 
 def _launch_input_clip_grad(grad, x, m_splits, amax) -> torch.Tensor:
@@ -458,10 +473,12 @@ def _check_weights(weights: Sequence[torch.Tensor], what: str, amax: torch.Tenso
         if not w.is_contiguous():
             raise ValueError(f"{what}: expert {i} (shape {tuple(w.shape)}) is not contiguous")
         if fmt is not None:
-            bs = NVFP4_BLOCK_SIZE if fmt == "nvfp4" else block_size
-            if bs is not None and (w.dim() == 0 or w.shape[-1] % bs):
+            # Int blocks zero-pad a partial last block (formats.fake_quant); NVFP4's blocks must tile exactly.
+            if fmt == "nvfp4" and (w.dim() == 0 or w.shape[-1] % NVFP4_BLOCK_SIZE):
                 raise ValueError(f"{what}: expert {i} has shape {tuple(w.shape)}; format {fmt!r} needs a last dim "
-                                 f"that is a multiple of the block size {bs}")
+                                 f"that is a multiple of the block size {NVFP4_BLOCK_SIZE}")
+            if block_size is not None and w.dim() == 0:
+                raise ValueError(f"{what}: expert {i} is a scalar; block_size={block_size} needs a last dim")
     n = len(weights)
     if amax is not None:
         amax = _check_amax_tensor(amax, w0.device, what)
@@ -482,7 +499,8 @@ def _check_weights(weights: Sequence[torch.Tensor], what: str, amax: torch.Tenso
 
 
 def grouped_weight_fake_quant(
-    weights: Sequence[torch.Tensor], amax: torch.Tensor | None, fmt: str, block_size: int | None = None
+    weights: Sequence[torch.Tensor], amax: torch.Tensor | None, fmt: str, block_size: int | None = None,
+    narrow_range: bool = True,
 ) -> list[torch.Tensor]:
     """Fake-quantizes N expert weights in one launch, bit-exact with ``formats.fake_quant`` per expert.
 
@@ -494,7 +512,8 @@ def grouped_weight_fake_quant(
             ``block_size``. NVFP4 uses it as the global amax.
         fmt: ``"e4m3"``, ``"e5m2"``, ``"nvfp4"``, ``"int8"`` or ``"int4"``.
         block_size: int formats only: dynamic per-block amax over blocks of this many elements of the last dim (a
-            power of two). NVFP4 always uses blocks of 16.
+            power of two; a last dim that is not a multiple is zero-padded). NVFP4 always uses blocks of 16.
+        narrow_range: int formats only: levels ``[-B, B]`` (True) or ``[-B-1, B]`` (formats.int_range).
 
     Returns:
         N tensors shaped like ``weights``: views of one new buffer.
@@ -509,7 +528,7 @@ def grouped_weight_fake_quant(
     weights, amax = _check_weights(weights, "grouped_weight_fake_quant", amax, fmt, block_size)
     if not _needs_amax(fmt, block_size):
         amax = None
-    flat = torch.ops.modelopt_moe.grouped_weight_fake_quant(weights, amax, fmt, block_size)
+    flat = torch.ops.modelopt_moe.grouped_weight_fake_quant(weights, amax, fmt, block_size, bool(narrow_range))
     return _split_views(flat, weights)
 
 
@@ -581,7 +600,8 @@ def _check_input(x: torch.Tensor, m_splits, amax: torch.Tensor | None, what: str
 
 
 def grouped_input_fake_quant(
-    x: torch.Tensor, m_splits, amax: torch.Tensor | None, fmt: str, block_size: int | None = None
+    x: torch.Tensor, m_splits, amax: torch.Tensor | None, fmt: str, block_size: int | None = None,
+    narrow_range: bool = True,
 ) -> torch.Tensor:
     """Fake-quantizes the concatenated tokens of N experts in one launch, each row group with its expert's amax.
 
@@ -593,7 +613,9 @@ def grouped_input_fake_quant(
             of ints (then copied to the device).
         amax: ``[N]`` per expert or a scalar shared by all; ``None`` only for int formats with ``block_size``.
         fmt: ``"e4m3"``, ``"e5m2"``, ``"nvfp4"``, ``"int8"`` or ``"int4"``.
-        block_size: int formats only: dynamic per-block amax along the last dim (power of two).
+        block_size: int formats only: dynamic per-block amax along the last dim (power of two; a last dim that is
+            not a multiple is zero-padded).
+        narrow_range: int formats only: levels ``[-B, B]`` (True) or ``[-B-1, B]``.
 
     Returns:
         ``y`` shaped and typed like ``x``.
@@ -606,13 +628,12 @@ def grouped_input_fake_quant(
     if amax is None and _needs_amax(fmt, block_size):
         raise ValueError(f"{what}: format {fmt!r} needs an amax tensor, got None")
     m_splits, amax = _check_input(x, m_splits, amax, what)
-    bs = NVFP4_BLOCK_SIZE if fmt == "nvfp4" else block_size
-    if bs is not None and x.shape[1] % bs:
+    if fmt == "nvfp4" and x.shape[1] % NVFP4_BLOCK_SIZE:
         raise ValueError(f"{what}: x has shape {tuple(x.shape)}; format {fmt!r} needs a last dim that is a "
-                         f"multiple of the block size {bs}")
+                         f"multiple of the block size {NVFP4_BLOCK_SIZE}")
     if not _needs_amax(fmt, block_size):
         amax = None
-    return torch.ops.modelopt_moe.grouped_input_fake_quant(x, m_splits, amax, fmt, block_size)
+    return torch.ops.modelopt_moe.grouped_input_fake_quant(x, m_splits, amax, fmt, block_size, bool(narrow_range))
 
 
 def grouped_input_clip_grad(grad: torch.Tensor, x: torch.Tensor, m_splits, amax: torch.Tensor) -> torch.Tensor:
@@ -637,15 +658,16 @@ def grouped_input_clip_grad(grad: torch.Tensor, x: torch.Tensor, m_splits, amax:
 # ----------------------------------------------------------------------------------------------------------------
 @torch.library.custom_op("modelopt_moe::grouped_weight_fake_quant", mutates_args=())
 def _grouped_weight_fake_quant_op(
-    weights: list[torch.Tensor], amax: Optional[torch.Tensor], fmt: str, block_size: Optional[int]  # noqa: UP045
+    weights: list[torch.Tensor], amax: Optional[torch.Tensor], fmt: str, block_size: Optional[int],  # noqa: UP045
+    narrow_range: bool = True,
 ) -> torch.Tensor:
     if kernels_available(weights[0].device):
-        return _launch_weight_fake_quant(weights, amax, fmt, block_size)
-    return _torch_weight_fake_quant(weights, amax, fmt, block_size)
+        return _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range)
+    return _torch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range)
 
 
 @_grouped_weight_fake_quant_op.register_fake
-def _(weights, amax, fmt, block_size):
+def _(weights, amax, fmt, block_size, narrow_range=True):
     return weights[0].new_empty(sum(w.numel() for w in weights))
 
 
@@ -666,15 +688,15 @@ def _(grads, weights, amax):
 @torch.library.custom_op("modelopt_moe::grouped_input_fake_quant", mutates_args=())
 def _grouped_input_fake_quant_op(
     x: torch.Tensor, m_splits: torch.Tensor, amax: Optional[torch.Tensor], fmt: str,  # noqa: UP045
-    block_size: Optional[int],  # noqa: UP045
+    block_size: Optional[int], narrow_range: bool = True,  # noqa: UP045
 ) -> torch.Tensor:
     if kernels_available(x.device):
-        return _launch_input_fake_quant(x, m_splits, amax, fmt, block_size)
-    return _torch_input_fake_quant(x, m_splits, amax, fmt, block_size)
+        return _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range)
+    return _torch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range)
 
 
 @_grouped_input_fake_quant_op.register_fake
-def _(x, m_splits, amax, fmt, block_size):
+def _(x, m_splits, amax, fmt, block_size, narrow_range=True):
     return torch.empty_like(x)
 
 
@@ -701,20 +723,21 @@ def _check_ste(ste: str) -> None:
 
 
 class GroupedWeightFakeQuant(torch.autograd.Function):
-    """``apply(amax, fmt, block_size, ste, *weights) -> tuple of N fake-quantized weights`` (views of one buffer).
+    """``apply(amax, fmt, block_size, ste, narrow_range, *weights) -> tuple of N fake-quantized weights`` (views of
+    one buffer).
 
     Backward: ``ste="pass_through"`` returns the gradients unchanged (no launch); ``"clipped"`` zeroes them where
     ``|w| > amax`` in one launch (no clipping without an amax). amax gets no gradient.
     """
 
     @staticmethod
-    def forward(ctx, amax, fmt, block_size, ste, *weights):
+    def forward(ctx, amax, fmt, block_size, ste, narrow_range, *weights):
         _save_weight_ste(ctx, ste, amax, weights)
-        return tuple(grouped_weight_fake_quant(list(weights), amax, fmt, block_size))
+        return tuple(grouped_weight_fake_quant(list(weights), amax, fmt, block_size, narrow_range))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, None, None, *_weight_ste_grads(ctx, grads))
+        return (None, None, None, None, None, *_weight_ste_grads(ctx, grads))
 
 
 class GroupedWeightSTE(torch.autograd.Function):
@@ -749,12 +772,13 @@ def _weight_ste_grads(ctx, grads) -> list:
 
 
 class GroupedInputFakeQuant(torch.autograd.Function):
-    """``apply(x, m_splits, amax, fmt, block_size, ste) -> y``: per-expert input fake quant with an STE."""
+    """``apply(x, m_splits, amax, fmt, block_size, ste, narrow_range=True) -> y``: per-expert input fake quant with
+    an STE."""
 
     @staticmethod
-    def forward(ctx, x, m_splits, amax, fmt, block_size, ste):
+    def forward(ctx, x, m_splits, amax, fmt, block_size, ste, narrow_range=True):
         _check_ste(ste)
-        y = grouped_input_fake_quant(x, m_splits, amax, fmt, block_size)
+        y = grouped_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range)
         ctx.clipped = ste == "clipped" and amax is not None
         if ctx.clipped:
             m = m_splits if isinstance(m_splits, torch.Tensor) else torch.tensor(list(m_splits), device=x.device)
@@ -764,22 +788,22 @@ class GroupedInputFakeQuant(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if not ctx.clipped:
-            return grad, None, None, None, None, None
+            return grad, None, None, None, None, None, None
         x, m_splits, amax = ctx.saved_tensors
-        return grouped_input_clip_grad(grad.contiguous(), x, m_splits, amax), None, None, None, None, None
+        return grouped_input_clip_grad(grad.contiguous(), x, m_splits, amax), None, None, None, None, None, None
 
 
 def grouped_weight_fake_quant_ste(
     weights: Sequence[torch.Tensor], amax: torch.Tensor | None, fmt: str, block_size: int | None = None,
-    ste: str = "pass_through",
+    ste: str = "pass_through", narrow_range: bool = True,
 ) -> list[torch.Tensor]:
     """Differentiable :func:`grouped_weight_fake_quant` (see :class:`GroupedWeightFakeQuant`)."""
-    return list(GroupedWeightFakeQuant.apply(amax, fmt, block_size, ste, *weights))
+    return list(GroupedWeightFakeQuant.apply(amax, fmt, block_size, ste, narrow_range, *weights))
 
 
 def grouped_input_fake_quant_ste(
     x: torch.Tensor, m_splits, amax: torch.Tensor | None, fmt: str, block_size: int | None = None,
-    ste: str = "pass_through",
+    ste: str = "pass_through", narrow_range: bool = True,
 ) -> torch.Tensor:
     """Differentiable :func:`grouped_input_fake_quant` (see :class:`GroupedInputFakeQuant`)."""
-    return GroupedInputFakeQuant.apply(x, m_splits, amax, fmt, block_size, ste)
+    return GroupedInputFakeQuant.apply(x, m_splits, amax, fmt, block_size, ste, narrow_range)

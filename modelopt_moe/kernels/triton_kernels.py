@@ -206,7 +206,11 @@ def _fp8_tile(x, amax, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constex
 
 
 @triton.jit
-def _int_tile(x, amax, IBOUND: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV: tl.constexpr):
+def _int_tile(x, amax, IBOUND: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV: tl.constexpr,
+              NEG_BOUND: tl.constexpr):
+    """Int fake quant on magnitudes: levels ``[-NEG_BOUND, IBOUND]`` (NEG_BOUND is IBOUND for the symmetric
+    narrow range, IBOUND + 1 for two's complement); rounding half to even is symmetric, so rounding |x| and putting
+    the sign back equals rounding x."""
     ax = tl.abs(x)
     if INT_BLOCK:
         a = _safe_amax(tl.max(tl.where(ax != ax, 0.0, ax), axis=2, keep_dims=True), IBOUND)
@@ -215,8 +219,14 @@ def _int_tile(x, amax, IBOUND: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV
     scale = _div(tl.full(a.shape, IBOUND, tl.float32), a)
     rcp = _div(tl.full(a.shape, 1.0, tl.float32), scale)
     v = ax * scale
-    v = tl.where(v > IBOUND, IBOUND, v)  # round(clamp(v)) == clamp(round(v)) for an integer bound
-    q = (v + 8388608.0) - 8388608.0  # round half to even (0 <= v <= 127 < 2**23)
+    # round(clamp(v)) == clamp(round(v)) for integer bounds
+    if NEG_BOUND == IBOUND:
+        v = tl.where(v > IBOUND, IBOUND, v)
+    else:
+        # The sign bit decides (x < 0 is false for -0.0, whose magnitude 0 is below either bound anyway).
+        lim = tl.where(x < 0.0, NEG_BOUND, IBOUND)
+        v = tl.where(v > lim, lim, v)
+    q = (v + 8388608.0) - 8388608.0  # round half to even (0 <= v <= 128 < 2**23)
     return _with_sign_of(_div_by(q, scale, rcp, NATIVE_DIV), x)
 
 
@@ -252,22 +262,24 @@ def _nvfp4_tile(x, amax, NATIVE_DIV: tl.constexpr, HW_CVT: tl.constexpr = False,
 
 @triton.jit
 def _fake_quant_tile(x, amax, FMT: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV: tl.constexpr = False,
-                     HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False, FAST_MAX: tl.constexpr = False):
+                     HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False, FAST_MAX: tl.constexpr = False,
+                     NARROW: tl.constexpr = True):
     """Fake-quantizes a fp32 tile ``x`` [R, NB, BS] exactly as formats.fake_quant.
 
     ``amax`` is fp32 [R, 1, 1] (per row: expert or channel). For NVFP4 and block int formats the last axis of the
     tile is one quantization block. Same bits whatever the options (GPU only: ``HW_CVT``, ``FAST_MAX``):
     ``HW_CVT`` rounds to fp8 with the hardware converter, ``LEAN`` drops a clamp that saturation makes redundant,
-    ``FAST_MAX`` takes the NVFP4 block max with the GPU's NaN-ignoring max.
+    ``FAST_MAX`` takes the NVFP4 block max with the GPU's NaN-ignoring max. ``NARROW`` (int formats): the symmetric
+    range ``[-B, B]``; False: ``[-B-1, B]`` (formats.int_range).
     """
     if FMT == E4M3:
         out = _fp8_tile(x, amax, 448.0, 3, -6, 8, NATIVE_DIV, HW_CVT, LEAN)
     elif FMT == E5M2:
         out = _fp8_tile(x, amax, 57344.0, 2, -14, 15, NATIVE_DIV, HW_CVT, LEAN)
     elif FMT == INT8:
-        out = _int_tile(x, amax, 127.0, INT_BLOCK, NATIVE_DIV)
+        out = _int_tile(x, amax, 127.0, INT_BLOCK, NATIVE_DIV, 127.0 if NARROW else 128.0)
     elif FMT == INT4:
-        out = _int_tile(x, amax, 7.0, INT_BLOCK, NATIVE_DIV)
+        out = _int_tile(x, amax, 7.0, INT_BLOCK, NATIVE_DIV, 7.0 if NARROW else 8.0)
     else:
         out = _nvfp4_tile(x, amax, NATIVE_DIV, HW_CVT, LEAN, FAST_MAX)
     return out
@@ -378,7 +390,7 @@ def _weight_fake_quant_tile(
     FMT: tl.constexpr, INT_BLOCK: tl.constexpr, AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr, UNIFORM: tl.constexpr, EVEN: tl.constexpr,
-    HW_CVT: tl.constexpr, LEAN: tl.constexpr, FAST_MAX: tl.constexpr,
+    HW_CVT: tl.constexpr, LEAN: tl.constexpr, FAST_MAX: tl.constexpr, NARROW: tl.constexpr = True,
 ):
     # Offsets are int64: the concatenated output (and a weight's distance from the base pointer) can exceed 2**31
     # elements; only the in-tile offsets are int32.
@@ -393,7 +405,7 @@ def _weight_fake_quant_tile(
     else:
         x = _to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0))
     a = _load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
-    y = _fake_quant_tile(x, a, FMT, INT_BLOCK, False, HW_CVT, LEAN, FAST_MAX)
+    y = _fake_quant_tile(x, a, FMT, INT_BLOCK, False, HW_CVT, LEAN, FAST_MAX, NARROW)
     if EVEN:
         tl.store(out_ptr + out_off + local, _to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT))
     else:
@@ -407,14 +419,14 @@ def _grouped_weight_fake_quant_kernel(
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr, UNIFORM: tl.constexpr = False,
     EVEN: tl.constexpr = False, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False,
-    FAST_MAX: tl.constexpr = False,
+    FAST_MAX: tl.constexpr = False, NARROW: tl.constexpr = True,
 ):
     # One program per tile; the tiles of all experts form one flat grid, so ragged experts waste nothing. (A
     # persistent grid-stride loop over the tiles was measured slower on an H200: docs/benchmarks.md.)
     _weight_fake_quant_tile(
         tl.program_id(0), in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows,
         u_cols, u_ctiles, FMT, INT_BLOCK, AMAX_MODE, TWO_D, TILE_R, TILE_NB, BS, VEC, SEARCH_STEPS,
-        BITWISE_CVT, UNIFORM, EVEN, HW_CVT, LEAN, FAST_MAX)
+        BITWISE_CVT, UNIFORM, EVEN, HW_CVT, LEAN, FAST_MAX, NARROW)
 
 
 @triton.jit
@@ -485,11 +497,12 @@ def _grouped_input_fake_quant_kernel(
     x_ptr, y_ptr, m_splits_ptr, amax_ptr, n_rows, n_cols, n_experts,
     FMT: tl.constexpr, INT_BLOCK: tl.constexpr, PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr,
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, BITWISE_CVT: tl.constexpr,
+    NARROW: tl.constexpr = True,
 ):
     start, local, mask, rows = _input_tile(n_rows, n_cols, TILE_R, TILE_NB, BS)
     x = _to_fp32(tl.load(x_ptr + start + local, mask=mask, other=0.0))
     a = _row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT, N_PAD, TILE_R)
-    y = _fake_quant_tile(x, a, FMT, INT_BLOCK)
+    y = _fake_quant_tile(x, a, FMT, INT_BLOCK, NARROW=NARROW)
     tl.store(y_ptr + start + local, _to_out_dtype(y, y_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
 
 

@@ -11,9 +11,14 @@ Formats (``fmt``):
   ``sb = e4m3(clamp(blockmax / 6 / sg, 0, 448))`` and ``s = sb * sg``; values ``x / s`` round to E2M1
   ``{0, .5, 1, 1.5, 2, 3, 4, 6}`` (ties to even, saturating at 6); output ``q * s``. Where ``s == 0`` (an
   all-zero block, or a block scale that underflows E4M3) ``x * 0`` is used instead of ``x / s``.
-* ``"int8"`` / ``"int4"``: ``scale = (2**(b-1) - 1) / amax``; ``q = clamp(round_half_even(x * scale), -B, B)``;
-  output ``q / scale``. With ``block_size`` the amax of each block of the last dim is taken from the data itself
-  (dynamic, like NVFP4's block scales), so it tracks the weights during QAT.
+* ``"int8"`` / ``"int4"``: ``scale = B / amax`` with ``B = 2**(b-1) - 1`` (127 / 7, Model Optimizer's scale as
+  well); ``q = clamp(round_half_even(x * scale), lo, B)``; output ``q / scale``. ``lo`` is ``-B`` with
+  ``narrow_range=True`` (symmetric) and ``-B - 1`` with ``narrow_range=False`` (-128 / -8: Model Optimizer's default
+  and the configs' default; this function's keyword defaults to the symmetric range). ``unsigned=True`` (reference
+  only, not the kernels): ``B = 2**b - 1``, ``lo = 0``. With ``block_size`` the amax of each block of the last dim
+  is taken from the data itself (dynamic, like NVFP4's block scales), so it tracks the weights during QAT; a last
+  dim that is not a multiple of ``block_size`` is zero-padded to one (as Model Optimizer pads), which leaves every
+  block maximum unchanged: the last block of each row is simply shorter.
 
 Edge-value rules (tested in ``tests/unit/numerics/test_formats.py``):
 
@@ -43,6 +48,7 @@ __all__ = [
     "safe_amax",
     "clip_limit",
     "round_to_e2m1",
+    "int_range",
     "fake_quant",
 ]
 
@@ -127,6 +133,20 @@ def clip_limit(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(a) & (a > TINY_AMAX), a, torch.full_like(a, float("inf")))
 
 
+def int_range(spec: FormatSpec, narrow_range: bool = True, unsigned: bool = False) -> tuple[float, float]:
+    """``(lo, hi)``: the integer levels of an int format. Signed: ``(-B, B)`` narrow, ``(-B - 1, B)`` wide (two's
+    complement, Model Optimizer's default); unsigned: ``(0, 2**b - 1)``.
+
+    Raises:
+        ValueError: ``spec`` is not an int format.
+    """
+    if spec.kind != "int":
+        raise ValueError(f"int_range: format {spec.name!r} is not an integer format")
+    if unsigned:
+        return 0.0, float(2**spec.num_bits - 1)
+    return (-spec.bound if narrow_range else -spec.bound - 1.0), spec.bound
+
+
 def _nan_ignoring_block_max(xf: torch.Tensor, block_size: int) -> torch.Tensor:
     """Max of |x| over blocks of the last dim, NaN ignored; shape ``[..., K // block_size, 1]``."""
     blocks = xf.unflatten(-1, (-1, block_size)).abs()
@@ -159,9 +179,15 @@ def _check_inputs(x: torch.Tensor, fmt: str, amax: torch.Tensor | None, block_si
         raise ValueError(f"fake_quant: nvfp4 uses blocks of {NVFP4_BLOCK_SIZE}, got block_size={block_size}")
     if spec.kind == "fp8" and block_size is not None:
         raise ValueError(f"fake_quant: format {fmt!r} has no block mode, got block_size={block_size}")
-    bs = NVFP4_BLOCK_SIZE if fmt == "nvfp4" else block_size
-    if bs is not None and (x.dim() == 0 or x.shape[-1] % bs != 0):
-        raise ValueError(f"fake_quant: last dim of shape {tuple(x.shape)} must be a multiple of block size {bs}")
+    if block_size is not None and spec.kind == "int" and (
+            isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"fake_quant: block_size must be a positive int, got {block_size!r}")
+    # Int blocks pad the last dim (below); NVFP4's blocks of 16 must tile it exactly.
+    if fmt == "nvfp4" and (x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK_SIZE != 0):
+        raise ValueError(f"fake_quant: last dim of shape {tuple(x.shape)} must be a multiple of block size "
+                         f"{NVFP4_BLOCK_SIZE} (nvfp4 blocks are never padded)")
+    if block_size is not None and x.dim() == 0:
+        raise ValueError(f"fake_quant: block_size={block_size} needs a tensor with a last dim, got a scalar")
     if amax is not None and needs_amax:
         try:
             fits = torch.broadcast_shapes(amax.shape, x.shape) == x.shape
@@ -188,7 +214,8 @@ def _div(num: torch.Tensor | float, den: torch.Tensor | float) -> torch.Tensor:
 
 
 def fake_quant(
-    x: torch.Tensor, fmt: str, amax: torch.Tensor | None = None, block_size: int | None = None
+    x: torch.Tensor, fmt: str, amax: torch.Tensor | None = None, block_size: int | None = None, *,
+    narrow_range: bool = True, unsigned: bool = False,
 ) -> torch.Tensor:
     """Quantizes and dequantizes ``x`` in format ``fmt`` (the reference every fast path must match bit for bit).
 
@@ -199,29 +226,39 @@ def fake_quant(
             For ``nvfp4`` it is the global (per-tensor or per-expert) amax. Unused for int formats with
             ``block_size``.
         block_size: int formats only: quantize blocks of this many elements of the last dim, each with its own
-            scale from the block's data. ``nvfp4`` always uses blocks of 16.
+            scale from the block's data (a last dim that is not a multiple is zero-padded). ``nvfp4`` always uses
+            blocks of 16.
+        narrow_range: int formats only: the symmetric range ``[-B, B]`` (True) or two's complement ``[-B-1, B]``.
+        unsigned: int formats only: levels ``[0, 2**b - 1]`` (negative inputs clamp to 0).
 
     Returns:
         The fake-quantized tensor, same shape and dtype as ``x``.
 
     Raises:
-        ValueError: on an unknown format, an unsupported dtype, a missing or non-broadcastable amax, or a last
-            dim that is not a multiple of the block size.
+        ValueError: on an unknown format, an unsupported dtype, a missing or non-broadcastable amax, an nvfp4
+            last dim that is not a multiple of 16, or ``narrow_range=False`` / ``unsigned`` on a float format.
     """
     spec = _check_inputs(x, fmt, amax, block_size)
+    if spec.kind != "int" and (unsigned or not narrow_range):
+        raise ValueError(f"fake_quant: narrow_range / unsigned apply to int formats only, got format {fmt!r} with "
+                         f"narrow_range={narrow_range}, unsigned={unsigned}")
     xf = x.float()
     if spec.kind == "fp8":
         scale = _div(spec.bound, safe_amax(amax, spec.bound))
         q = torch.clamp(xf * scale, -spec.bound, spec.bound).to(_FP8_DTYPES[fmt]).float()
         out = _div(q, scale)
     elif spec.kind == "int":
+        lo, hi = int_range(spec, narrow_range, unsigned)
         if block_size is None:
-            scale = _div(spec.bound, safe_amax(amax, spec.bound))
-            out = _div(torch.clamp(torch.round(xf * scale), -spec.bound, spec.bound), scale)
+            scale = _div(hi, safe_amax(amax, hi))
+            out = _div(torch.clamp(torch.round(xf * scale), lo, hi), scale)
         else:
-            blocks = xf.unflatten(-1, (-1, block_size))
-            scale = _div(spec.bound, safe_amax(_nan_ignoring_block_max(xf, block_size), spec.bound))
-            out = _div(torch.clamp(torch.round(blocks * scale), -spec.bound, spec.bound), scale).flatten(-2)
+            k = xf.shape[-1]
+            pad = -k % block_size
+            xp = torch.nn.functional.pad(xf, (0, pad)) if pad else xf
+            blocks = xp.unflatten(-1, (-1, block_size))
+            scale = _div(hi, safe_amax(_nan_ignoring_block_max(xp, block_size), hi))
+            out = _div(torch.clamp(torch.round(blocks * scale), lo, hi), scale).flatten(-2)[..., :k]
     else:  # nvfp4
         sg = _div(safe_amax(amax, spec.bound), spec.bound)
         sg = sg.unsqueeze(-1) if sg.dim() > 0 else sg  # broadcast over the [..., K/16, 16] block view

@@ -81,6 +81,40 @@ def test_weights_bit_exact_per_expert(fmt, block_size, dtype, n):
         assert_bits_equal(o, r, f"expert {i}")
 
 
+INT_CASES = [("int8", None), ("int4", None), ("int8", 16), ("int4", 32)]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("narrow_range", [True, False])
+@pytest.mark.parametrize("fmt,block_size", INT_CASES)
+def test_int_weights_bit_exact_in_both_ranges(fmt, block_size, narrow_range, dtype):
+    # amax at 0.6 of each expert's max: many elements clip, on both sides, so -B-1 and -B are both reached.
+    weights = make_experts(RAGGED[:4], dtype, seed=7)
+    amax = distinct_amax(weights, factor=0.6)
+    outs = K.grouped_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=narrow_range)
+    for i, (w, o) in enumerate(zip(weights, outs, strict=True)):
+        r = fake_quant(w, fmt, expert_amax(amax, i), block_size, narrow_range=narrow_range)
+        assert_bits_equal(o, r, f"expert {i}")
+    # The two ranges really differ somewhere (per tensor: the clipped negatives land on -B-1).
+    if block_size is None:
+        wide = K.grouped_weight_fake_quant(weights, amax, fmt, narrow_range=False)
+        narrow = K.grouped_weight_fake_quant(weights, amax, fmt, narrow_range=True)
+        assert any(not torch.equal(a, b) for a, b in zip(wide, narrow, strict=True))
+
+
+@needs_triton
+@pytest.mark.parametrize("narrow_range", [True, False])
+@pytest.mark.parametrize(("shapes", "block"), [([(96, 64), (5, 64)], 128), ([(7, 40), (3, 40), (2, 40)], 32),
+                                             ([(4, 16), (9, 24)], 16)])
+def test_int_block_weights_pad_a_partial_last_block(shapes, block, narrow_range):
+    # The shipped INT4 preset's blocks of 128 on the demo's 64-wide experts (Model Optimizer pads the same way).
+    weights = make_experts(shapes, torch.bfloat16, seed=len(shapes))
+    outs = K.grouped_weight_fake_quant(weights, None, "int4", block, narrow_range=narrow_range)
+    for i, (w, o) in enumerate(zip(weights, outs, strict=True)):
+        assert_bits_equal(o, fake_quant(w, "int4", None, block, narrow_range=narrow_range), f"expert {i}")
+
+
 @needs_triton
 def test_outputs_are_views_of_one_buffer():
     weights = make_experts(RAGGED, torch.bfloat16)
@@ -381,6 +415,21 @@ def test_input_per_expert_bit_exact(fmt, block_size, dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("narrow_range", [True, False])
+@pytest.mark.parametrize(("fmt", "block_size", "k"), [("int8", None, 32), ("int4", None, 32), ("int4", 128, 48),
+                                                    ("int8", 16, 40)])
+def test_int_input_bit_exact_in_both_ranges_and_padded_blocks(fmt, block_size, k, narrow_range):
+    x = make_tokens(M_SPLITS, k, torch.bfloat16, seed=k)
+    amax = torch.tensor([0.7, 5.0, 9.0, 0.0, 30.0, 200.0]) * 0.6
+    m = torch.tensor(M_SPLITS, dtype=torch.int32)
+    y = K.grouped_input_fake_quant(x, m, amax, fmt, block_size, narrow_range=narrow_range)
+    parts = x.split(M_SPLITS)
+    ref = torch.cat([fake_quant(p, fmt, None if block_size else amax[i], block_size, narrow_range=narrow_range)
+                     for i, p in enumerate(parts)])
+    assert_bits_equal(y, ref)
+
+
+@needs_triton
 @pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "int8"])
 def test_input_shared_amax_and_single_expert(fmt):
     x = make_tokens([5, 4], 48, torch.float16)
@@ -431,7 +480,6 @@ def _w(*shape, dtype=torch.bfloat16):
         (lambda: K.grouped_weight_fake_quant([_w(2, 16)] * 2, torch.ones(2, 2, 1), "e4m3"), "scalar, \\[N\\]"),
         (lambda: K.grouped_weight_fake_quant([_w(2, 16)], torch.ones(1, dtype=torch.int32), "e4m3"), "floating"),
         (lambda: K.grouped_weight_fake_quant([_w(2, 24)], torch.ones(1), "nvfp4"), "multiple of the block size 16"),
-        (lambda: K.grouped_weight_fake_quant([_w(2, 24)], None, "int4", 16), "multiple of the block size 16"),
         (lambda: K.grouped_weight_fake_quant([_w(2, 24)], None, "int4", 12), "power of two"),
         (lambda: K.grouped_weight_fake_quant([_w(2, 16)], torch.ones(1), "e4m3", 16), "no block mode"),
         (lambda: K.grouped_weight_fake_quant([_w(2, 16)], torch.ones(1), "nvfp4", 32), "blocks of 16"),
