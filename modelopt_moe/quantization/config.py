@@ -29,7 +29,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..numerics import NVFP4_BLOCK_SIZE, format_from_num_bits
+from ..numerics import NVFP4_BLOCK_SIZE, format_from_num_bits, get_format
+from .modelopt_compat import UNSUPPORTED_ALGORITHMS, normalize_quant_cfg, unsupported
+from .modelopt_compat import parent_class_name as _modelopt_parent_class
 
 __all__ = [
     "ConfigError",
@@ -37,10 +39,13 @@ __all__ = [
     "QuantCfgEntry",
     "ExpertsConfig",
     "BackwardConfig",
+    "MaxCalibConfig",
     "QuantizeConfig",
+    "normalize_algorithm",
     "load_config",
     "to_config",
     "preset_path",
+    "find_preset",
     "PRESET_FILES",
 ]
 
@@ -54,20 +59,49 @@ class _Strict(BaseModel):
 
 
 class QuantizerAttributeConfig(_Strict):
-    """How one quantizer quantizes (names follow NVIDIA Model Optimizer so users switch by import).
+    """How one quantizer quantizes (names and defaults follow NVIDIA Model Optimizer 0.47 so users switch by import).
 
     Attributes:
         num_bits: ``(4, 3)``/``"e4m3"``, ``(5, 2)``/``"e5m2"``, ``(2, 1)``/``"e2m1"`` (NVFP4), ``8``, ``4``.
-        axis: ``None`` for one amax per tensor; an int for one amax per slice along that axis (per channel).
-        block_sizes: ``{-1: 16, "type": "dynamic", "scale_bits": (4, 3)}`` for NVFP4, ``{-1: 128}`` for INT4
-            blocks. Block scales are always computed from the data (dynamic).
+        axis: ``None`` for one amax per tensor; an int (or tuple of ints) for one amax per slice along those axes
+            (per channel: the kept axes, as in Model Optimizer).
+        block_sizes: ``{-1: 16, "type": "dynamic", "scale_bits": (4, 3)}`` for NVFP4; ``{-1: 128, "type":
+            "static"}`` for INT4 blocks with calibrated (static) per-block amaxes, ``"type": "dynamic"`` for block
+            amaxes taken from the data at every call; ``{-1: None}`` with ``type: dynamic``: one amax per token.
+            Without ``"type"`` int blocks are static (Model Optimizer's default) and NVFP4 blocks dynamic (the only
+            NVFP4 this package has). A last dim that is not a multiple of an int block is zero-padded.
         enable: whether the quantizer is on.
+        narrow_range: int formats: levels ``[-B, B]`` (True) or ``[-B-1, B]`` (False, Model Optimizer's default).
+        unsigned: int formats: levels ``[0, 2**b - 1]``.
+        type: ``"static"`` (calibrated amax) or ``"dynamic"`` (amax of each tensor, never calibrated).
+        pass_through_bwd: straight-through gradient (True) or zero gradient where ``|x| > amax`` (False; also set
+            for every quantizer by ``backward.ste: clipped``).
+        effective_bits, trt_high_precision_dtype: accepted for Model Optimizer configs; no effect here (auto-quantize
+            cost model, ONNX export).
+        fake_quant, learn_amax, calibrator, bias, rotate, backend, backend_extra_args, use_constant_amax,
+            constant_amax: accepted at Model Optimizer's defaults only; other values are features this package does
+            not have and raise (see ``docs/modelopt_compat.md``).
     """
 
     num_bits: int | tuple[int, int] | str = 8
-    axis: int | None = None
+    axis: int | tuple[int, ...] | None = None
     block_sizes: dict[int | str, Any] | None = None
     enable: bool = True
+    narrow_range: bool = False
+    unsigned: bool = False
+    type: Literal["static", "dynamic"] = "static"
+    pass_through_bwd: bool = True
+    effective_bits: float | None = None
+    trt_high_precision_dtype: Literal["Float", "Half", "BFloat16"] = "Float"
+    fake_quant: bool = True
+    learn_amax: bool = False
+    calibrator: Any = "max"
+    bias: Any = None
+    rotate: Any = False
+    backend: str | None = None
+    backend_extra_args: dict | None = None
+    use_constant_amax: bool = False
+    constant_amax: float | None = None
 
     @field_validator("num_bits", mode="before")
     @classmethod
@@ -77,30 +111,95 @@ class QuantizerAttributeConfig(_Strict):
         format_from_num_bits(v)  # raises ValueError naming the allowed values
         return v
 
+    @field_validator("axis", mode="before")
+    @classmethod
+    def _axis(cls, v):
+        return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("block_sizes", mode="before")
+    @classmethod
+    def _block_sizes(cls, v):
+        if isinstance(v, dict) and isinstance(v.get("scale_bits"), list):
+            v = {**v, "scale_bits": tuple(v["scale_bits"])}
+        return v
+
+    @field_validator("effective_bits")
+    @classmethod
+    def _effective_bits(cls, v):
+        if v is not None and not 0 < v <= 16:
+            raise ValueError(f"effective_bits must be in (0, 16], got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _modelopt_defaults_only(self):
+        """Model Optimizer features this package does not have: accepted only at their defaults."""
+        checks = [
+            ("fake_quant", self.fake_quant is True, "real quantization: modelopt_moe only fake-quantizes"),
+            ("learn_amax", self.learn_amax is False, "deprecated in Model Optimizer as well"),
+            ("calibrator", self.calibrator == "max", "only max calibration"),
+            ("bias", self.bias is None, "no affine (biased) quantization"),
+            ("rotate", not (self.rotate is True or (isinstance(self.rotate, dict) and self.rotate.get("enable"))),
+             "no Hadamard rotation"),
+            ("backend", self.backend is None, "no custom quantization backends"),
+            ("backend_extra_args", not self.backend_extra_args, "no custom quantization backends"),
+            ("use_constant_amax", self.use_constant_amax is False, "no constant amax; calibrate instead"),
+            ("constant_amax", self.constant_amax is None, "no constant amax; calibrate instead"),
+        ]
+        for name, ok, hint in checks:
+            if not ok:
+                raise ValueError(unsupported(name, getattr(self, name), hint))
+        return self
+
     @model_validator(mode="after")
     def _blocks(self):
         fmt = self.format
         bs = self.block_sizes
+        if self.unsigned and get_format(fmt).kind != "int":
+            raise ValueError(f"unsigned=True applies to int formats only, got num_bits={self.num_bits!r} ({fmt})")
+        if self.axis is not None and not isinstance(self.axis, int):
+            if not all(isinstance(a, int) and not isinstance(a, bool) for a in self.axis) or not self.axis:
+                raise ValueError(f"axis must be None, an int or a tuple of ints, got {self.axis!r}")
         if bs is not None:
-            unknown = set(bs) - {-1, "type", "scale_bits"}
+            unknown = {k for k in bs if isinstance(k, str)} - {"type", "scale_bits"}
+            if unknown & {"scale_block_sizes", "four_over_six"}:
+                key = sorted(unknown & {"scale_block_sizes", "four_over_six"})[0]
+                raise ValueError(unsupported(f"block_sizes.{key}", bs[key], "no double-quantized or 4-over-6 block "
+                                             "scales"))
             if unknown:
-                raise ValueError(f"block_sizes: unsupported keys {sorted(map(str, unknown))}; "
-                                 "expected -1 (last-dim block size), 'type', 'scale_bits'")
-            if bs.get("type", "dynamic") != "dynamic":
-                raise ValueError(f"block_sizes.type={bs.get('type')!r}: only 'dynamic' block scales are supported")
-            if -1 not in bs or not isinstance(bs[-1], int) or bs[-1] <= 0:
-                raise ValueError(f"block_sizes[-1] must be a positive int, got {bs.get(-1)!r}")
+                raise ValueError(f"block_sizes: unsupported keys {sorted(unknown)}; expected -1 (last-dim block "
+                                 "size), 'type', 'scale_bits'")
+            axes = [k for k in bs if not isinstance(k, str)]
+            if axes != [-1]:
+                raise ValueError(unsupported("block_sizes", bs, "blocks along the last dim only: a single key -1")
+                                 if axes and all(isinstance(k, int) for k in axes) else
+                                 f"block_sizes: unsupported keys {sorted(map(str, axes))}; expected -1 (last-dim "
+                                 "block size), 'type', 'scale_bits'")
+            if bs.get("type", "static") not in ("static", "dynamic"):
+                raise ValueError(f"block_sizes.type={bs.get('type')!r}: expected 'static' or 'dynamic'")
+            if bs[-1] is not None and (isinstance(bs[-1], bool) or not isinstance(bs[-1], int) or bs[-1] <= 0):
+                raise ValueError(f"block_sizes[-1] must be a positive int (or None: one amax per token), got "
+                                 f"{bs[-1]!r}")
             if self.axis is not None:
                 raise ValueError(f"axis={self.axis} cannot be combined with block_sizes")
+            if bs[-1] is None:
+                if self.type != "dynamic" and bs.get("type") != "dynamic":
+                    raise ValueError(unsupported("block_sizes", bs, "a static amax per token depends on the number "
+                                                 "of tokens; use type: dynamic"))
+            elif "scale_bits" in bs and fmt != "nvfp4":
+                raise ValueError(unsupported("block_sizes.scale_bits", bs["scale_bits"], "no quantized block scales "
+                                             "besides NVFP4's E4M3"))
         if fmt == "nvfp4":
             if bs is None or bs.get(-1) != NVFP4_BLOCK_SIZE:
                 raise ValueError(f"num_bits e2m1 (NVFP4) needs block_sizes {{-1: {NVFP4_BLOCK_SIZE}}}, got {bs!r}")
             scale_bits = bs.get("scale_bits", (4, 3))
             if format_from_num_bits(scale_bits) != "e4m3":
                 raise ValueError(f"NVFP4 block scales are E4M3: scale_bits must be (4, 3), got {scale_bits!r}")
+            if bs.get("type", "dynamic") != "dynamic":
+                raise ValueError(unsupported("block_sizes.type", bs["type"], "NVFP4 block scales always come from "
+                                             "the data (dynamic); static NVFP4 block amaxes are not implemented"))
             if self.axis is not None:
                 raise ValueError(f"NVFP4 uses a per-tensor global amax: axis must be null, got {self.axis}")
-        elif fmt in ("e4m3", "e5m2") and bs is not None:
+        elif fmt in ("e4m3", "e5m2") and bs is not None and bs[-1] is not None:
             raise ValueError(f"format {fmt} has no block mode; remove block_sizes {bs!r}")
         return self
 
@@ -110,21 +209,74 @@ class QuantizerAttributeConfig(_Strict):
         return format_from_num_bits(self.num_bits)
 
     @property
-    def block_size(self) -> int | None:
-        """Last-dim block size for int block quantization (None otherwise; NVFP4's 16 is implied)."""
+    def _int_block(self) -> int | None:
         if self.block_sizes is None or self.format == "nvfp4":
             return None
-        return int(self.block_sizes[-1])
+        return self.block_sizes[-1]
+
+    @property
+    def block_size(self) -> int | None:
+        """Last-dim block size of int blocks whose amax comes from the data (dynamic); None otherwise (NVFP4's 16 is
+        implied). What the kernels and ``formats.fake_quant`` take as ``block_size``."""
+        b = self._int_block
+        return b if b and self.block_sizes.get("type") == "dynamic" else None
+
+    @property
+    def static_block_size(self) -> int | None:
+        """Last-dim block size of int blocks with calibrated (static) per-block amaxes; None otherwise."""
+        return self._int_block if self._int_block and self.block_sizes.get("type", "static") == "static" else None
+
+    @property
+    def per_token(self) -> bool:
+        """``block_sizes: {-1: None}``: one amax per slice of the last dim (per token), always dynamic."""
+        return self.block_sizes is not None and -1 in self.block_sizes and self.block_sizes[-1] is None
+
+    @property
+    def is_dynamic(self) -> bool:
+        """The amax is taken from each tensor (``type: dynamic``, or per token); never calibrated."""
+        return self.type == "dynamic" or self.per_token
+
+    @property
+    def int_kwargs(self) -> dict:
+        """``narrow_range`` / ``unsigned`` for ``formats.fake_quant`` (int formats only; floats take neither)."""
+        if get_format(self.format).kind != "int":
+            return {}
+        return {"narrow_range": self.narrow_range, "unsigned": self.unsigned}
 
 
 class QuantCfgEntry(_Strict):
     """One rule of ``quant_cfg``: quantizers whose full name matches ``quantizer_name`` (fnmatch wildcard) and,
-    if given, whose parent module's class name matches ``parent_class``, get ``cfg`` and/or ``enable``."""
+    if given, whose parent module is a ``parent_class``, get ``cfg`` and/or ``enable``.
+
+    ``parent_class`` is a class-name wildcard matched against the parent's class and its bases (so a subclass
+    matches, as Model Optimizer's ``isinstance`` does); Model Optimizer's registry names (``"nn.Linear"``,
+    ``"megatron_RowParallelLinear"``) are accepted. An empty ``cfg`` with ``enable: false`` only disables; an empty
+    ``cfg`` otherwise is an error (Model Optimizer's rule: it would silently quantize with defaults).
+    """
 
     quantizer_name: str
     parent_class: str | None = None
     cfg: QuantizerAttributeConfig | None = None
     enable: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cfg_shape(cls, values):
+        if not isinstance(values, dict):
+            return values
+        cfg = values.get("cfg")
+        if isinstance(cfg, list):
+            if not cfg or all(isinstance(c, dict) and not c for c in cfg):
+                cfg = {}
+            else:
+                raise ValueError(unsupported("cfg", cfg, "a list of attribute dicts is Model Optimizer's "
+                                             "SequentialQuantizer (e.g. W4A8); one format per quantizer here"))
+        if isinstance(cfg, dict) and not cfg:
+            if values.get("enable") is False:
+                return {**values, "cfg": None}
+            raise ValueError(f"entry for {values.get('quantizer_name')!r}: 'cfg' is empty; give at least one "
+                             "attribute, or drop 'cfg' and set 'enable'")
+        return values
 
     @model_validator(mode="after")
     def _something(self):
@@ -132,10 +284,21 @@ class QuantCfgEntry(_Strict):
             raise ValueError(f"entry for {self.quantizer_name!r} sets neither 'cfg' nor 'enable'")
         return self
 
-    def matches(self, quantizer_name: str, parent_class_name: str) -> bool:
+    @property
+    def configures(self) -> bool:
+        """Whether the entry turns quantizers on or sets their format (an enable-only ``false`` entry only
+        excludes): such an entry that matches nothing is a likely typo."""
+        return self.cfg is not None or self.enable is True
+
+    def matches(self, quantizer_name: str, parent_class_name: str | tuple[str, ...]) -> bool:
+        """``parent_class_name``: the parent's class name, or the names of its class and bases (MRO)."""
         if not fnmatch.fnmatchcase(quantizer_name, self.quantizer_name):
             return False
-        return self.parent_class is None or fnmatch.fnmatchcase(parent_class_name, self.parent_class)
+        if self.parent_class is None:
+            return True
+        names = (parent_class_name,) if isinstance(parent_class_name, str) else parent_class_name
+        pattern = _modelopt_parent_class(self.parent_class)
+        return any(fnmatch.fnmatchcase(n, pattern) for n in names)
 
 
 class ExpertsConfig(_Strict):
@@ -172,18 +335,118 @@ class BackwardConfig(_Strict):
         return format_from_num_bits(self.grad_num_bits)
 
 
+class MaxCalibConfig(_Strict):
+    """Options of max calibration: Model Optimizer's ``{"method": "max", ...}`` algorithm dict.
+
+    Attributes:
+        method: ``"max"``.
+        distributed_sync: max-reduce amaxes over the parallel groups after calibration (False: keep each rank's).
+        sync_expert_weight_amax: one weight amax for all experts of a layer (every local expert and EP rank): the
+            ``shared`` expert weight layout.
+        skip_forward_without_activation_calib: skip ``forward_loop`` when no enabled activation quantizer needs
+            calibration data (weights are calibrated from themselves).
+        moe_calib_experts_ratio, layerwise, shared_states: accepted at Model Optimizer's defaults only.
+    """
+
+    method: Literal["max"] = "max"
+    distributed_sync: bool | None = True
+    sync_expert_weight_amax: bool = False
+    skip_forward_without_activation_calib: bool = False
+    moe_calib_experts_ratio: float | None = None
+    layerwise: dict | None = None
+    shared_states: dict | None = None
+
+    @model_validator(mode="after")
+    def _defaults_only(self):
+        if self.moe_calib_experts_ratio is not None:
+            raise ValueError(unsupported("algorithm.moe_calib_experts_ratio", self.moe_calib_experts_ratio,
+                                         "calibration routes tokens as the model does"))
+        if self.layerwise and (self.layerwise.get("enable") or self.layerwise.get("checkpoint_dir")):
+            raise ValueError(unsupported("algorithm.layerwise", self.layerwise, "no layer-by-layer calibration"))
+        if self.shared_states:
+            raise ValueError(unsupported("algorithm.shared_states", self.shared_states, "no shared global amaxes"))
+        return self
+
+
+def normalize_algorithm(algorithm: Any) -> MaxCalibConfig | None:
+    """``algorithm`` as Model Optimizer takes it (``"max"``, ``None``, ``{"method": "max", ...}``, a
+    :class:`MaxCalibConfig`) as a :class:`MaxCalibConfig`, or None for no calibration.
+
+    Raises:
+        ValueError: another calibration method (naming it and the supported one) or an unknown option.
+    """
+    if algorithm is None or isinstance(algorithm, MaxCalibConfig):
+        return algorithm
+    if isinstance(algorithm, str):
+        algorithm = {"method": algorithm}
+    if not isinstance(algorithm, dict):
+        raise ValueError(f"algorithm: expected 'max', None or a dict with 'method', got {algorithm!r}")
+    method = algorithm.get("method", "max")
+    if method is None:
+        return None
+    if method != "max":
+        if method in UNSUPPORTED_ALGORITHMS:
+            raise ValueError(unsupported("algorithm", method, "max calibration only (QAT trains the rest)"))
+        raise ValueError(f"algorithm: unknown calibration method {method!r}; expected 'max' (or None)")
+    return MaxCalibConfig(**algorithm)
+
+
 class QuantizeConfig(_Strict):
-    """The whole config given to :func:`mtq.quantize`."""
+    """The whole config given to :func:`mtq.quantize`.
+
+    ``quant_cfg`` and ``algorithm`` take every shape Model Optimizer 0.47 takes (its entry list, the legacy
+    ``{pattern: attributes}`` dict, ``"max"`` or ``{"method": "max", ...}``); the algorithm is kept as
+    ``algorithm`` (the method) plus its options in ``max_calib``. ``strict``: a ``quant_cfg`` entry that configures
+    quantizers but matches none is an error (otherwise a rank-0 warning naming the closest quantizer names).
+    """
 
     quant_cfg: list[QuantCfgEntry] = Field(default_factory=list)
     algorithm: Literal["max"] | None = "max"
+    max_calib: MaxCalibConfig = Field(default_factory=MaxCalibConfig)
+    effective_bits: float | None = None
+    strict: bool = False
     # Expert fake quant: "auto" = the one-launch Triton kernels on CUDA, the torch reference elsewhere;
     # "triton" = the kernels wherever Triton runs (CPU only under TRITON_INTERPRET=1); "torch" = the reference.
     kernel: Literal["auto", "triton", "torch"] = "auto"
     experts: ExpertsConfig = Field(default_factory=ExpertsConfig)
     backward: BackwardConfig = Field(default_factory=BackwardConfig)
 
-    def resolve(self, quantizer_name: str, parent_class_name: str) -> QuantizerAttributeConfig | None:
+    @model_validator(mode="before")
+    @classmethod
+    def _modelopt_shapes(cls, values):
+        if not isinstance(values, dict):
+            return values
+        values = dict(values)
+        if "quant_cfg" in values:
+            values["quant_cfg"] = normalize_quant_cfg(values["quant_cfg"])
+        algo = values.get("algorithm", "max")
+        if isinstance(algo, dict | MaxCalibConfig) or (isinstance(algo, str) and algo != "max"):
+            calib = normalize_algorithm(algo)
+            values["algorithm"] = None if calib is None else "max"
+            if calib is not None:
+                given = values.get("max_calib")
+                given = given.model_dump(exclude_unset=True) if isinstance(given, MaxCalibConfig) else (given or {})
+                values["max_calib"] = {**calib.model_dump(exclude_unset=True), **given}
+        return values
+
+    @model_validator(mode="after")
+    def _expert_weight_sync(self):
+        # Model Optimizer's sync_expert_weight_amax is this package's `shared` expert weight layout.
+        if self.max_calib.sync_expert_weight_amax:
+            if "weight_amax" in self.experts.model_fields_set and self.experts.weight_amax != "shared":
+                raise ValueError(f"algorithm.sync_expert_weight_amax=True shares one weight amax over the experts, "
+                                 f"but experts.weight_amax={self.experts.weight_amax!r}; use 'shared' (or drop one)")
+            self.experts.weight_amax = "shared"
+        return self
+
+    @field_validator("effective_bits")
+    @classmethod
+    def _effective_bits(cls, v):
+        if v is not None and not 0 < v <= 16:
+            raise ValueError(f"effective_bits must be in (0, 16], got {v}")
+        return v
+
+    def resolve(self, quantizer_name: str, parent_class_name: str | tuple[str, ...]) -> QuantizerAttributeConfig | None:
         """Applies the rules in order (later wins); returns the final attribute config, or None if no rule
         configured this quantizer."""
         result: QuantizerAttributeConfig | None = None
@@ -215,6 +478,30 @@ def preset_path(name: str) -> Path:
     return Path(str(resources.files("modelopt_moe.configs").joinpath(name)))
 
 
+def find_preset(name: str | Path) -> Path | None:
+    """The shipped preset a bare ``name`` stands for: ``"nvfp4_default.yaml"``, ``"nvfp4_default"`` or the
+    constant's name ``"NVFP4_DEFAULT_CFG"``; None for a path with directories or an unknown name."""
+    name = str(name)
+    if not name or Path(name).name != name:
+        return None
+    for candidate in (PRESET_FILES.get(name), name, f"{name}.yaml"):
+        if candidate and preset_path(candidate).is_file():
+            return preset_path(candidate)
+    return None
+
+
+def _preset_names() -> list[str]:
+    return sorted(p.stem for p in Path(str(resources.files("modelopt_moe.configs"))).glob("[!_]*.yaml"))
+
+
+def _import_target(importing: Path, target: str) -> Path:
+    """``$import: target`` of file ``importing``: beside it first, else a shipped preset by bare name."""
+    beside = importing.parent / target
+    if beside.is_file():
+        return beside
+    return find_preset(target) or beside  # a missing file is reported with its path by _read_yaml
+
+
 def _read_yaml(path: Path, imported_from: Path | None) -> Any:
     if not path.is_file():
         where = f" (imported from {imported_from})" if imported_from else ""
@@ -243,8 +530,13 @@ def _resolve_imports(path: Path, stack: tuple[Path, ...] = ()) -> dict:
     for target in [imports] if isinstance(imports, str) else imports:
         if not isinstance(target, str):
             raise ConfigError(f"{path}: key '$import': expected a file name or a list of them, got {target!r}")
-        base = _merge(base, _resolve_imports(path.parent / target, (*stack, path)))
+        base = _merge(base, _resolve_imports(_import_target(path, target), (*stack, path)))
     entries = data.get("quant_cfg")
+    if isinstance(entries, dict):  # Model Optimizer's legacy {pattern: attributes} form
+        try:
+            entries = normalize_quant_cfg(entries)
+        except ValueError as e:
+            raise ConfigError(f"{path}: key 'quant_cfg': {e}") from None
     if entries is not None:
         if not isinstance(entries, list):
             raise ConfigError(f"{path}: key 'quant_cfg': expected a list of entries, got {type(entries).__name__}")
@@ -253,7 +545,7 @@ def _resolve_imports(path: Path, stack: tuple[Path, ...] = ()) -> dict:
             if isinstance(entry, dict) and "$import" in entry:
                 if len(entry) != 1 or not isinstance(entry["$import"], str):
                     raise ConfigError(f"{path}: key 'quant_cfg.{i}.$import': expected a lone file name, got {entry!r}")
-                sub = _resolve_imports(path.parent / entry["$import"], (*stack, path))
+                sub = _resolve_imports(_import_target(path, entry["$import"]), (*stack, path))
                 spliced.extend(sub.get("quant_cfg", []))
             else:
                 spliced.append(entry)
@@ -301,7 +593,7 @@ def _allowed_keys(loc: tuple) -> list[str]:
         if field is None:
             break
         nxt = {"quant_cfg": QuantCfgEntry, "cfg": QuantizerAttributeConfig, "experts": ExpertsConfig,
-               "backward": BackwardConfig}.get(str(part))
+               "backward": BackwardConfig, "max_calib": MaxCalibConfig, "algorithm": MaxCalibConfig}.get(str(part))
         if nxt is None:
             break
         model = nxt
@@ -325,13 +617,21 @@ def to_config(config: QuantizeConfig | dict, source: str = "<dict config>") -> Q
 
 
 def load_config(path: str | Path) -> QuantizeConfig:
-    """Loads and validates a YAML config (resolving ``$import``); a bare name also finds the shipped presets.
+    """Loads and validates a YAML config (resolving ``$import``).
+
+    A bare name that is not a file here finds a shipped preset, with or without ``.yaml``
+    (``load_config("nvfp4_default")``), or by its constant's name (``"NVFP4_DEFAULT_CFG"``). ``$import`` inside a
+    file looks beside that file first, then among the shipped presets.
 
     Raises:
         ConfigError: missing file, bad YAML, bad ``$import``, unknown key or bad value, naming the file and key.
     """
     p = Path(path)
-    if not p.is_file() and not p.is_absolute() and preset_path(p.name).is_file() and len(p.parts) <= 2:
-        p = preset_path(p.name)
+    if not p.is_file():
+        preset = find_preset(p)
+        if preset is None and not p.suffix and len(p.parts) == 1:
+            raise ConfigError(f"config file not found: {p}; shipped presets (loadable by bare name from anywhere): "
+                              f"{', '.join(_preset_names())}")
+        p = preset or p
     data = _resolve_imports(p)
     return to_config(data, source=str(p))

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import QuantizerAttributeConfig
+from .modelopt_compat import unsupported
 from .tensor_quantizer import FakeQuantSTE, TensorQuantizer, nan_ignoring_abs_max
 from .utils import warn_once
 
@@ -94,10 +95,25 @@ class ExpertQuantizer(TensorQuantizer):
                 self.add_module(str(i), ExpertView(self, i))
 
     def set_from_attribute_config(self, cfg: QuantizerAttributeConfig | dict) -> None:
+        previous = self.__dict__.get("_cfg")
         super().set_from_attribute_config(cfg)
-        if self._cfg.axis not in (None, 0):
-            raise ValueError(f"ExpertQuantizer: axis must be None (per tensor) or 0 (per output channel of an "
-                             f"expert weight), got {self._cfg.axis}")
+        c = self._cfg
+        problem = None
+        if c.axis not in (None, 0):
+            problem = (f"ExpertQuantizer: axis must be None (per tensor) or 0 (per output channel of an expert "
+                       f"weight), got {c.axis}")
+        elif c.static_block_size is not None:
+            problem = unsupported("expert block_sizes", c.block_sizes, "expert int blocks take their amax from the "
+                                  "data: set block_sizes.type: dynamic (the same numbers at calibration)")
+        elif c.unsigned:
+            problem = unsupported("expert unsigned", True, "the expert kernels quantize signed ranges only")
+        elif c.per_token:
+            problem = unsupported("expert block_sizes", c.block_sizes, "no per-token amax for experts; use a "
+                                  "per-tensor amax (type: dynamic takes it from each expert's tokens)")
+        if problem is not None:
+            if previous is not None:
+                self._cfg, self._enabled = previous, previous.enable
+            raise ValueError(problem)
 
     # --- the canonical amax ----------------------------------------------------------------------------------------
     @property
@@ -186,7 +202,10 @@ class ExpertQuantizer(TensorQuantizer):
         return self._amax
 
     def collect_expert(self, index: int, x: torch.Tensor) -> None:
-        """Max calibration of expert ``index`` on its tensor ``x`` (``shared``: every expert takes the max)."""
+        """Max calibration of expert ``index`` on its tensor ``x`` (``shared``: every expert takes the max).
+        Dynamic quantizers collect nothing."""
+        if self.is_dynamic:
+            return
         new = self.amax_of(x)
         amax = self._ensure_amax(new)
         with torch.no_grad():
@@ -198,6 +217,8 @@ class ExpertQuantizer(TensorQuantizer):
 
     def collect(self, x: torch.Tensor) -> None:
         """Max calibration on a tensor that belongs to every expert (e.g. a GEMM output of all experts)."""
+        if self.is_dynamic:
+            return
         new = self.amax_of(x)
         amax = self._ensure_amax(new)
         with torch.no_grad():
@@ -209,7 +230,7 @@ class ExpertQuantizer(TensorQuantizer):
 
         Every rank calls the same collective (one all_gather over ``groups["ep"]``), whatever its data.
         """
-        if self.layout == "shared" or not self.is_enabled or self.axis is not None:
+        if self.layout == "shared" or not self.is_enabled or self.axis is not None or self.is_dynamic:
             return []
         local = (self._amax if self._amax is not None else torch.zeros(self.num_experts)).float()
         ep = groups.get("ep")
@@ -245,6 +266,8 @@ class ExpertQuantizer(TensorQuantizer):
 
     def fake_quant_expert(self, index: int, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
         """Fake-quantizes expert ``index``'s tensor ``x`` with its amax (or ``amax``), STE per :attr:`ste`."""
+        if amax is None and self.is_dynamic:
+            amax = self.dynamic_expert_amax(x)
         if amax is None:
             amax = self.expert_amax(index)
         if amax is None and self.needs_amax:
@@ -253,7 +276,13 @@ class ExpertQuantizer(TensorQuantizer):
         if amax is not None:
             amax = amax.to(x.device)
         return FakeQuantSTE.apply(x, amax if self.needs_amax else None, self.fmt, self.block_size,
-                                  self.ste == "clipped")
+                                  self.ste == "clipped", self.int_kwargs)
+
+    def dynamic_expert_amax(self, x: torch.Tensor) -> torch.Tensor:
+        """``type: dynamic``: the amax of this one expert's tensor ``x`` in the shape ``fake_quant`` broadcasts
+        (``[]``, or ``[C, 1]`` per channel), taken at every call."""
+        a = self.amax_of(x).detach()
+        return a if self.axis is None else a.unsqueeze(-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """A tensor of every expert at once (e.g. a grouped GEMM's output): only the ``shared`` layout has the one
@@ -358,6 +387,22 @@ class ExpertView(nn.Module):
     needs_amax = property(lambda self: self.owner.needs_amax)
     is_enabled = property(lambda self: self.owner.is_enabled)
     is_quantizing = property(lambda self: self.owner.is_quantizing)
+    is_dynamic = property(lambda self: self.owner.is_dynamic)
+    narrow_range = property(lambda self: self.owner.narrow_range)
+    unsigned = property(lambda self: self.owner.unsigned)
+    int_kwargs = property(lambda self: self.owner.int_kwargs)
+    block_sizes = property(lambda self: self.owner.block_sizes)
+    static_block_size = property(lambda self: self.owner.static_block_size)
+    maxbound = property(lambda self: self.owner.maxbound)
+    _if_quant = property(lambda self: self.owner._if_quant)
+    _if_calib = property(lambda self: self.owner._if_calib)
+
+    def get_modelopt_state(self, properties_only: bool = False) -> dict:
+        """Model Optimizer's per-expert quantizer state (``weight_quantizer.{i}``): the owner's settings, this
+        expert's amax shape."""
+        from .tensor_quantizer import modelopt_quantizer_state
+
+        return modelopt_quantizer_state(self, properties_only)
 
     def collect(self, x: torch.Tensor) -> None:
         self.owner.collect_expert(self.index, x)

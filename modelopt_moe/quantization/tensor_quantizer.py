@@ -2,22 +2,34 @@
 
 The quantizer of N experts is :class:`~.expert_quantizer.ExpertQuantizer`, a subclass with an ``[N, ...]`` amax.
 
-Names mirror NVIDIA Model Optimizer (``TensorQuantizer``, ``amax``, ``enable_calib``, ...) so that users switch by
+Names mirror NVIDIA Model Optimizer 0.47 (``TensorQuantizer(cfg, if_quant, if_calib, amax)``, ``amax``,
+``enable_calib``, ``load_calib_amax``, ``step_size``, ``num_bits`` / ``unsigned`` / ``narrow_range`` setters,
+``get_modelopt_state`` / ``set_from_modelopt_state`` with Model Optimizer's attribute names) so that users switch by
 import. A quantizer holds only tensors and plain Python values: no process group, no module references, so a
 quantized model deep-copies and pickles. Reductions across ranks are done by :mod:`calibration`, which takes the
 group as an argument.
+
+Amax layouts (the same shapes as Model Optimizer's): ``[]`` per tensor; the input shape with size-1 dims except the
+kept ``axis`` (per channel, e.g. ``[C, 1]``); ``[num_blocks, 1]`` for static int blocks (the input, its last dim
+zero-padded to a multiple of the block, viewed as ``[-1, block]``); none for dynamic quantizers (``type: dynamic``,
+per-token ``block_sizes: {-1: None}``, dynamic int blocks), whose amax comes from each tensor.
 """
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 from torch import nn
 
-from ..numerics import clip_limit, fake_quant, get_format
+from ..numerics import clip_limit, fake_quant, format_from_num_bits, get_format
 from .config import QuantizerAttributeConfig
+from .modelopt_compat import unsupported
 from .utils import warn_once
 
-__all__ = ["TensorQuantizer", "FakeQuantSTE", "nan_ignoring_abs_max", "clip_mask"]
+__all__ = ["TensorQuantizer", "FakeQuantSTE", "nan_ignoring_abs_max", "clip_mask", "modelopt_quantizer_state",
+           "parse_modelopt_quantizer_state"]
 
 
 def nan_ignoring_abs_max(x: torch.Tensor, keep_dims: tuple[int, ...] = ()) -> torch.Tensor:
@@ -40,51 +52,71 @@ def clip_mask(x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor | None
 
 
 class FakeQuantSTE(torch.autograd.Function):
-    """Reference fake quant with a straight-through estimator (pass-through, or clipped by a mask)."""
+    """Reference fake quant with a straight-through estimator (pass-through, or clipped by a mask).
+
+    ``apply(x, amax, fmt, block_size, clipped, int_kwargs=None)``; ``int_kwargs``: ``narrow_range`` / ``unsigned``
+    of int formats (``QuantizerAttributeConfig.int_kwargs``).
+    """
 
     @staticmethod
-    def forward(ctx, x, amax, fmt, block_size, clipped):
+    def forward(ctx, x, amax, fmt, block_size, clipped, int_kwargs=None):
         mask = clip_mask(x, amax) if clipped else None
         ctx.save_for_backward(mask if mask is not None else torch.empty(0))
         ctx.has_mask = mask is not None
-        return fake_quant(x, fmt, amax, block_size)
+        return fake_quant(x, fmt, amax, block_size, **(int_kwargs or {}))
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.has_mask:
             (mask,) = ctx.saved_tensors
             grad = grad * mask
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 class TensorQuantizer(nn.Module):
     """Fake-quantizes tensors in one format with a max-calibrated amax.
 
     Args:
-        quant_attribute_cfg: the format, axis and blocks; defaults to 8-bit per tensor.
-        amax: an initial amax (optional).
+        quant_attribute_cfg: the format, axis and blocks (a :class:`QuantizerAttributeConfig` or a dict of its
+            fields); defaults to 8-bit per tensor.
+        if_quant: quantize in ``forward`` (Model Optimizer's argument).
+        if_calib: calibrate in ``forward``.
+        amax: an initial amax (a tensor, number or nested list).
 
-    The amax lives in the buffer ``_amax`` (in ``state_dict`` once set). Its shape is ``[]`` per tensor, the input
-    shape with size-1 dims except ``axis`` per channel.
+    The amax lives in the buffer ``_amax`` (in ``state_dict`` once set); its shapes are in the module docstring.
     """
 
-    def __init__(self, quant_attribute_cfg: QuantizerAttributeConfig | None = None, amax: torch.Tensor | None = None):
+    def __init__(self, quant_attribute_cfg: QuantizerAttributeConfig | dict | None = None, if_quant: bool = True,
+                 if_calib: bool = False, amax: Any = None):
         super().__init__()
         self.register_buffer("_amax", None)
-        self._if_calib = False
-        self._if_quant = True
+        self._if_calib = bool(if_calib)
+        self._if_quant = bool(if_quant)
+        self._calib_seen = False
         self.ste = "pass_through"
-        self.set_from_attribute_config(quant_attribute_cfg or QuantizerAttributeConfig())
+        cfg = quant_attribute_cfg if quant_attribute_cfg is not None else QuantizerAttributeConfig()
+        self.set_from_attribute_config(QuantizerAttributeConfig(**cfg) if isinstance(cfg, dict) else cfg)
         if amax is not None:
             self.amax = amax
 
     # --- configuration -------------------------------------------------------------------------------------------
     def set_from_attribute_config(self, cfg: QuantizerAttributeConfig | dict) -> None:
-        """Applies a :class:`QuantizerAttributeConfig` (or a dict of its fields)."""
+        """Applies a :class:`QuantizerAttributeConfig` (every attribute), or a dict of some of its fields (those
+        only, the others kept: Model Optimizer's partial update). The merged attributes are validated.
+
+        Raises:
+            ValueError: the resulting attributes are invalid (naming the field and value).
+        """
         if isinstance(cfg, dict):
-            cfg = QuantizerAttributeConfig(**cfg)
+            current = self._cfg.model_dump(exclude_unset=True) if "_cfg" in self.__dict__ else {}
+            if cfg.get("block_sizes") is not None:
+                current.pop("axis", None)  # Model Optimizer: setting block_sizes clears axis
+            cfg = QuantizerAttributeConfig(**{**current, **cfg})
         self._cfg = cfg
         self._enabled = cfg.enable
+
+    def _update_cfg(self, **fields) -> None:
+        self._cfg = QuantizerAttributeConfig(**{**self._cfg.model_dump(exclude_unset=True), **fields})
 
     @property
     def cfg(self) -> QuantizerAttributeConfig:
@@ -99,13 +131,84 @@ class TensorQuantizer(nn.Module):
     def num_bits(self):
         return self._cfg.num_bits
 
+    @num_bits.setter
+    def num_bits(self, value) -> None:
+        self._update_cfg(num_bits=value)
+
     @property
-    def axis(self) -> int | None:
+    def unsigned(self) -> bool:
+        return self._cfg.unsigned
+
+    @unsigned.setter
+    def unsigned(self, value: bool) -> None:
+        self._update_cfg(unsigned=bool(value))
+
+    @property
+    def narrow_range(self) -> bool:
+        """Int formats: levels ``[-B, B]`` (True) or ``[-B-1, B]`` (False)."""
+        return self._cfg.narrow_range
+
+    @narrow_range.setter
+    def narrow_range(self, value: bool) -> None:
+        self._update_cfg(narrow_range=bool(value))
+
+    @property
+    def axis(self) -> int | tuple[int, ...] | None:
         return self._cfg.axis
+
+    @axis.setter
+    def axis(self, value) -> None:
+        self._update_cfg(axis=value)
+
+    @property
+    def block_sizes(self) -> dict | None:
+        return self._cfg.block_sizes
+
+    @block_sizes.setter
+    def block_sizes(self, value) -> None:
+        self.set_from_attribute_config({"block_sizes": value})
 
     @property
     def block_size(self) -> int | None:
+        """Dynamic int block size (the kernels' ``block_size``); None otherwise."""
         return self._cfg.block_size
+
+    @property
+    def static_block_size(self) -> int | None:
+        """Static int block size (calibrated ``[num_blocks, 1]`` amax); None otherwise."""
+        return self._cfg.static_block_size
+
+    @property
+    def is_dynamic(self) -> bool:
+        """The amax comes from each tensor (``type: dynamic`` or per token): nothing to calibrate or store."""
+        return self._cfg.is_dynamic
+
+    @property
+    def fake_quant_enabled(self) -> bool:  # Model Optimizer's ``fake_quant`` attribute (always True here)
+        return True
+
+    @property
+    def maxbound(self) -> float:
+        """The largest quantized magnitude: 448 (e4m3), 57344 (e5m2), 6 (NVFP4 elements), ``2**(b-1+unsigned)-1``."""
+        if self.fmt == "nvfp4":
+            return 6.0
+        if get_format(self.fmt).kind == "int":
+            return float(2 ** (get_format(self.fmt).num_bits - 1 + int(self.unsigned)) - 1)
+        return get_format(self.fmt).bound
+
+    @property
+    def step_size(self) -> torch.Tensor | None:
+        """Int formats: ``amax / (2**(b-1+unsigned) - 1)``, the value of one integer step (None without an amax).
+
+        Raises:
+            ValueError: a floating-point format (no uniform step).
+        """
+        if get_format(self.fmt).kind != "int":
+            raise ValueError(f"step_size is defined for integer formats only, this quantizer is {self.fmt}")
+        if self._amax is None:
+            warnings.warn("step_size is undefined without an amax (dynamic or uncalibrated quantizer)", stacklevel=2)
+            return None
+        return self._amax / self.maxbound
 
     @property
     def is_enabled(self) -> bool:
@@ -118,8 +221,13 @@ class TensorQuantizer(nn.Module):
 
     @property
     def needs_amax(self) -> bool:
-        """False for int formats with dynamic block scales (their amax is only informative)."""
+        """Whether ``formats.fake_quant`` takes an amax: False for int formats with dynamic block scales."""
         return not (get_format(self.fmt).kind == "int" and self.block_size is not None)
+
+    @property
+    def int_kwargs(self) -> dict:
+        """``narrow_range`` / ``unsigned`` for ``formats.fake_quant`` (empty for float formats)."""
+        return self._cfg.int_kwargs
 
     def enable(self):
         self._enabled = True
@@ -129,6 +237,7 @@ class TensorQuantizer(nn.Module):
 
     def enable_calib(self):
         self._if_calib = True
+        self._calib_seen = False  # a new calibration pass: its first tensor replaces the amax
 
     def disable_calib(self):
         self._if_calib = False
@@ -163,19 +272,67 @@ class TensorQuantizer(nn.Module):
 
     def reset_amax(self) -> None:
         self._amax = None
+        self._calib_seen = False
+
+    def _blocks_view(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with its last dim zero-padded to a multiple of the static block, as ``[-1, block]``."""
+        bs = self.static_block_size
+        pad = -x.shape[-1] % bs
+        xp = torch.nn.functional.pad(x, (0, pad)) if pad else x
+        return xp.reshape(-1, bs)
+
+    def _kept_dims(self, x: torch.Tensor) -> tuple[int, ...]:
+        if self._cfg.per_token:
+            return tuple(range(x.dim() - 1))
+        if self.axis is None:
+            return ()
+        return tuple(self.axis) if isinstance(self.axis, tuple) else (self.axis,)
 
     def amax_of(self, x: torch.Tensor) -> torch.Tensor:
-        """The amax this quantizer's layout takes of ``x`` (NaN ignored), without storing it."""
-        return nan_ignoring_abs_max(x, () if self.axis is None else (self.axis,))
+        """The amax this quantizer's layout takes of ``x`` (NaN ignored), without storing it: scalar, per kept
+        axis / token (size-1 dims elsewhere), or ``[num_blocks, 1]`` for static int blocks."""
+        if self.static_block_size is not None:
+            return nan_ignoring_abs_max(self._blocks_view(x), (0,))
+        return nan_ignoring_abs_max(x, self._kept_dims(x))
 
     def collect(self, x: torch.Tensor) -> None:
-        """Max calibration: ``amax = max(amax, amax_of(x))``."""
+        """Max calibration: ``amax = max(amax, amax_of(x))``; the first tensor of a calibration pass (after
+        :meth:`enable_calib` or :meth:`reset_amax`) replaces any earlier amax. Dynamic quantizers collect nothing."""
+        if self.is_dynamic:
+            return
         new = self.amax_of(x)
-        self.amax = new if self._amax is None else torch.maximum(self._amax, new.to(self._amax.device))
+        fresh = self._amax is None or not self._calib_seen
+        self.amax = new if fresh else torch.maximum(self._amax, new.to(self._amax.device))
+        self._calib_seen = True
+
+    def load_calib_amax(self, *args, strict: bool = True, **kwargs) -> None:
+        """Model Optimizer's step after calibration. Max calibration writes the amax as it collects, so this only
+        checks that the pass saw a tensor (extra arguments are the histogram calibrators', which this package does
+        not have).
+
+        Raises:
+            RuntimeError: nothing was collected and ``strict`` (``strict=False`` warns and sets the amax to NaN).
+            ValueError: a dynamic quantizer, or arguments for another calibrator.
+        """
+        if self.is_dynamic:
+            raise ValueError("load_calib_amax: a dynamic quantizer (type: dynamic or per token) has no calibrated "
+                             "amax")
+        if args or kwargs:
+            raise ValueError(unsupported("load_calib_amax arguments", (args, kwargs), "max calibration takes none"))
+        if self._calib_seen and self._amax is not None:
+            return
+        message = ("load_calib_amax: the calibrator has not seen any tensor (enable_calib(), then run data through "
+                   "the quantizer)")
+        if strict:
+            raise RuntimeError(message + "; pass strict=False to set a NaN amax instead")
+        warnings.warn(message + "; setting the amax to NaN", stacklevel=2)
+        self.amax = torch.tensor(float("nan"))
 
     # --- forward -------------------------------------------------------------------------------------------------
     def fake_quant(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
         """Fake-quantizes ``x`` with this quantizer's amax (or ``amax``), STE per :attr:`ste`."""
+        if amax is None and self.is_dynamic:
+            amax = self.amax_of(x).detach()
         amax = self._amax if amax is None else amax
         if amax is None and self.needs_amax:
             warn_once(f"TensorQuantizer({self.fmt}): quantizing with no calibrated amax; using the amax of the "
@@ -183,8 +340,19 @@ class TensorQuantizer(nn.Module):
             amax = self.amax_of(x)
         if amax is not None:
             amax = amax.to(x.device)
-        block = self.block_size
-        return FakeQuantSTE.apply(x, amax if self.needs_amax else None, self.fmt, block, self.ste == "clipped")
+        clipped = self.ste == "clipped"
+        if self.static_block_size is not None:
+            view = self._blocks_view(x)
+            if amax.shape != (view.shape[0], 1):
+                raise ValueError(f"TensorQuantizer(int{get_format(self.fmt).num_bits}, static blocks of "
+                                 f"{self.static_block_size}): amax of shape {tuple(amax.shape)} does not fit input "
+                                 f"{tuple(x.shape)} ({view.shape[0]} blocks); static block quantization needs the "
+                                 "input shape it was calibrated on")
+            out = FakeQuantSTE.apply(view, amax, self.fmt, None, clipped, self.int_kwargs)
+            padded = (*x.shape[:-1], x.shape[-1] + (-x.shape[-1] % self.static_block_size))
+            return out.reshape(padded)[..., : x.shape[-1]]
+        return FakeQuantSTE.apply(x, amax if self.needs_amax else None, self.fmt, self.block_size, clipped,
+                                  self.int_kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Calibrates on (while calibrating) and fake-quantizes (while quantizing) ``x``; identity when disabled."""
@@ -195,6 +363,34 @@ class TensorQuantizer(nn.Module):
         if not self._if_quant:
             return x
         return self.fake_quant(x)
+
+    # --- Model Optimizer's quantizer state --------------------------------------------------------------------------
+    def get_modelopt_state(self, properties_only: bool = False) -> dict[str, Any]:
+        """This quantizer's settings under Model Optimizer's attribute names (``_num_bits``, ``_axis``,
+        ``_block_sizes``, ``_narrow_range``, ``_disabled``, ...), plus ``_pytorch_state_metadata`` (the amax buffer's
+        shape) unless ``properties_only``. Plain data; :meth:`set_from_modelopt_state` reads it back, and reads the
+        states Model Optimizer 0.47 writes."""
+        return modelopt_quantizer_state(self, properties_only)
+
+    def set_from_modelopt_state(self, modelopt_state: dict[str, Any], properties_only: bool = False) -> None:
+        """Applies a quantizer state written by :meth:`get_modelopt_state` or by Model Optimizer 0.47: the format,
+        axis, blocks, range, enablement, calibration/quantization switches and STE; unless ``properties_only``, an
+        empty amax of the saved shape (to be filled by ``load_state_dict``), or none.
+
+        Raises:
+            ValueError: a Model Optimizer feature this package does not have (naming the attribute and value).
+        """
+        cfg, flags, amax_shape = parse_modelopt_quantizer_state(modelopt_state)
+        self.set_from_attribute_config(cfg)
+        self._enabled = flags["enabled"]
+        self._if_quant, self._if_calib = flags["if_quant"], flags["if_calib"]
+        self.ste = "pass_through" if cfg.pass_through_bwd else "clipped"
+        if not properties_only:
+            if amax_shape is None:
+                self._amax = None
+            elif self._amax is None or tuple(self._amax.shape) != amax_shape:
+                device = self._amax.device if self._amax is not None else torch.device("cpu")
+                self._amax = torch.empty(amax_shape, dtype=torch.float32, device=device)
 
     # --- state ---------------------------------------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
@@ -236,3 +432,105 @@ class TensorQuantizer(nn.Module):
         if not self._if_quant:
             parts.append("quant off")
         return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model Optimizer's quantizer state (plain data with its private attribute names)
+
+# Written by Model Optimizer 0.47 at these values for features this package has not: anything else is refused.
+_MODELOPT_FIXED = {
+    "_fake_quant": (True,), "_learn_amax": (False,), "_bias": (None,), "_rotate": (False, None),
+    "backend": (None,), "backend_extra_args": ({}, None), "_use_constant_amax": (False,), "_constant_amax": (None,),
+    "_dequantize": (False,), "_enable_pre_quant_scale": (True,), "_is_nvfp4_static_quantizer": (False,),
+}
+# Runtime details Model Optimizer keeps on the module (shapes derived at the first forward, dtypes, flags).
+_MODELOPT_IGNORED = {
+    "_input_dtype", "_quant_max_bound", "_amax_shape_for_export", "_is_static_block_scale_quantizer",
+    "_original_shape", "_block_reshape_size", "_padding", "_slices", "_calibrator", "_bias_calibrator",
+    "_quantizer_cache", "_shared_quant_tied_attrs", "_onnx_quantizer_type", "_calib_seen",
+}
+_MODELOPT_FIELDS = {"_num_bits", "_axis", "_block_sizes", "_unsigned", "_narrow_range", "_dynamic", "_effective_bits",
+                    "_trt_high_precision_dtype", "_pass_through_bwd", "_disabled", "_if_quant", "_if_calib",
+                    "_pytorch_state_metadata"}
+
+
+def _modelopt_num_bits(cfg: QuantizerAttributeConfig):
+    """``num_bits`` as Model Optimizer writes it: an int, or an (E, M) tuple."""
+    return get_format(cfg.format).num_bits
+
+
+def modelopt_quantizer_state(q: TensorQuantizer, properties_only: bool = False) -> dict[str, Any]:
+    """:meth:`TensorQuantizer.get_modelopt_state` (also used for expert quantizers and their views)."""
+    cfg = q.cfg
+    block_sizes = None
+    if cfg.block_sizes is not None:
+        block_sizes = dict(cfg.block_sizes)
+        if "scale_bits" in block_sizes:
+            block_sizes["scale_bits"] = get_format(format_from_num_bits(block_sizes["scale_bits"])).num_bits
+    state = {
+        "_num_bits": _modelopt_num_bits(cfg), "_axis": cfg.axis, "_block_sizes": block_sizes,
+        "_unsigned": cfg.unsigned, "_narrow_range": cfg.narrow_range, "_dynamic": cfg.type == "dynamic",
+        "_effective_bits": cfg.effective_bits, "_trt_high_precision_dtype": cfg.trt_high_precision_dtype,
+        "_pass_through_bwd": q.ste != "clipped", "_disabled": not q.is_enabled,
+        "_if_quant": bool(getattr(q, "_if_quant", True)), "_if_calib": bool(getattr(q, "_if_calib", False)),
+        **{k: v[0] for k, v in _MODELOPT_FIXED.items() if k != "_is_nvfp4_static_quantizer"},
+    }
+    if cfg.static_block_size is not None:
+        state["_is_static_block_scale_quantizer"] = True
+    if not properties_only:
+        amax = q.amax
+        buffers = {} if amax is None else {"_amax": {"shape": torch.Size(amax.shape), "dtype": torch.float32}}
+        state["_pytorch_state_metadata"] = {"params": {}, "buffers": buffers}
+    return state
+
+
+def parse_modelopt_quantizer_state(state: dict[str, Any]) -> tuple[QuantizerAttributeConfig, dict, tuple | None]:
+    """A Model Optimizer (or :func:`modelopt_quantizer_state`) quantizer state as ``(attribute config, {"enabled",
+    "if_quant", "if_calib"}, amax shape or None)``.
+
+    Raises:
+        ValueError: a feature this package does not have, naming the attribute and its value.
+    """
+    if not isinstance(state, dict):
+        raise ValueError(f"quantizer state: expected a dict, got {type(state).__name__}")
+    for key, allowed in _MODELOPT_FIXED.items():
+        if key in state and not any(state[key] == a or state[key] is a for a in allowed):
+            if key == "_rotate" and isinstance(state[key], dict) and not state[key].get("enable"):
+                continue
+            raise ValueError(unsupported(f"quantizer state {key}", state[key], "a Model Optimizer feature "
+                                         "modelopt_moe does not implement"))
+    unknown = sorted(k for k in state if k not in _MODELOPT_FIELDS | _MODELOPT_IGNORED | set(_MODELOPT_FIXED))
+    if unknown:
+        warn_once(f"quantizer state: ignoring attributes this version does not know: {unknown}")
+    block_sizes = state.get("_block_sizes")
+    axis = state.get("_axis")
+    int_block = block_sizes is not None and isinstance(block_sizes.get(-1), int)
+    if int_block:
+        axis = None  # Model Optimizer sets _axis=(0,) on the [-1, block] view of static blocks
+    if isinstance(axis, list):
+        axis = tuple(axis)
+    fields = {
+        "num_bits": state.get("_num_bits", 8), "axis": axis, "block_sizes": block_sizes,
+        "unsigned": bool(state.get("_unsigned", False)), "narrow_range": bool(state.get("_narrow_range", False)),
+        "type": "dynamic" if state.get("_dynamic") else "static",
+        "pass_through_bwd": bool(state.get("_pass_through_bwd", True)),
+        "effective_bits": state.get("_effective_bits"),
+        "trt_high_precision_dtype": state.get("_trt_high_precision_dtype", "Float"),
+        "enable": not state.get("_disabled", False),
+    }
+    # A dynamic quantizer with kept axes and no block_sizes is Model Optimizer's per-token {-1: None} after its first
+    # forward (it rewrites the blocks into axes): the same quantizer here.
+    cfg = QuantizerAttributeConfig(**fields)
+    flags = {"enabled": fields["enable"], "if_quant": bool(state.get("_if_quant", True)),
+             "if_calib": bool(state.get("_if_calib", False))}
+    meta = state.get("_pytorch_state_metadata") or {}
+    if meta.get("params"):
+        raise ValueError(unsupported("quantizer state parameters", sorted(meta["params"]), "learned amaxes or "
+                                     "scales (LSQ) are not implemented"))
+    buffers = dict(meta.get("buffers") or {})
+    amax_meta = buffers.pop("_amax", None)
+    if buffers:
+        raise ValueError(unsupported("quantizer state buffers", sorted(buffers), "only an _amax buffer (no "
+                                     "pre-quant scale, bias or global amax)"))
+    shape = None if amax_meta is None else tuple(amax_meta["shape"])
+    return cfg, flags, shape

@@ -94,7 +94,7 @@ def use_kernels(preference: str, device: torch.device) -> bool:
 
 def _calibrated(q: ExpertQuantizer) -> bool:
     """Quantizing with a stored amax (or none needed), not calibrating: the path that handles all experts at once."""
-    return q.is_quantizing and not q._if_calib and (q.amax is not None or not q.needs_amax)
+    return q.is_quantizing and not q._if_calib and (q.amax is not None or not q.needs_amax) and not q.is_dynamic
 
 
 def _capturing(device: torch.device) -> bool:
@@ -114,21 +114,24 @@ def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], ker
     if not q.is_enabled:
         return weights
     if not _calibrated(q):
-        chunks_amax = q.dynamic_amax(weights) if q.is_quantizing and q.amax is None and q.needs_amax else None
+        dynamic = q.is_quantizing and q.amax is None and q.needs_amax and not q.is_dynamic
+        chunks_amax = q.dynamic_amax(weights) if dynamic else None
         return [q.forward_expert(i, w, None if chunks_amax is None else _row(q, chunks_amax, i))
                 for i, w in enumerate(weights)]
     fast = use_kernels(kernel, weights[0].device)
     amax = q.amax if q.needs_amax else None
     if owner is None or _capturing(weights[0].device):
         if fast:
-            return grouped_weight_fake_quant_ste(list(weights), amax, q.fmt, q.block_size, q.ste)
+            return grouped_weight_fake_quant_ste(list(weights), amax, q.fmt, q.block_size, q.ste, q.narrow_range)
         return [q.fake_quant_expert(i, w) for i, w in enumerate(weights)]
 
     def compute():
         with torch.no_grad():
             if fast:
-                return grouped_weight_fake_quant([w.detach() for w in weights], amax, q.fmt, q.block_size)
-            return [fake_quant(w.detach(), q.fmt, q.expert_amax(i) if q.needs_amax else None, q.block_size)
+                return grouped_weight_fake_quant([w.detach() for w in weights], amax, q.fmt, q.block_size,
+                                                 q.narrow_range)
+            return [fake_quant(w.detach(), q.fmt, q.expert_amax(i) if q.needs_amax else None, q.block_size,
+                               **q.int_kwargs)
                     for i, w in enumerate(weights)]
 
     values = reused_or_computed(owner, lambda: weight_key(weights, amax, q.cfg, q.ste, fast), compute)
@@ -183,9 +186,10 @@ def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel
     if _calibrated(q) and x.dim() == 2 and use_kernels(kernel, x.device):
         splits = (device_splits or DeviceSplits())(m_splits, x.device)
         return grouped_input_fake_quant_ste(x, splits, q.amax if q.needs_amax else None, q.fmt, q.block_size,
-                                            q.ste)
+                                            q.ste, q.narrow_range)
     chunks = torch.split(x, split_sizes(m_splits))
-    dyn = q.dynamic_amax(list(chunks)) if q.is_quantizing and q.amax is None and q.needs_amax else None
+    dynamic = q.is_quantizing and q.amax is None and q.needs_amax and not q.is_dynamic
+    dyn = q.dynamic_amax(list(chunks)) if dynamic else None
     return torch.cat([q.forward_expert(i, c, None if dyn is None else _row(q, dyn, i)) for i, c in enumerate(chunks)])
 
 

@@ -69,8 +69,8 @@ def _run(layer, x, grad_out):
 def _expected(layer, x, grad_out, mode, ste, grad_fmt="e5m2"):
     iq, wq = layer.input_quantizer, layer.weight_quantizer
     w = layer.weight.detach()
-    xq = fake_quant(x, iq.fmt, iq.amax)
-    wq_ = fake_quant(w, wq.fmt, wq.amax)
+    xq = fake_quant(x, iq.fmt, iq.amax, **iq.int_kwargs)
+    wq_ = fake_quant(w, wq.fmt, wq.amax, **wq.int_kwargs)
     y = torch.nn.functional.linear(xq, wq_, layer.bias.detach())
     if mode == "dequantized":
         dx, dw = grad_out @ wq_, grad_out.t() @ xq

@@ -113,7 +113,7 @@ def test_later_quant_cfg_entries_win():
 
 def test_enable_false_entry_keeps_the_format_and_disables():
     cfg = to_config({"quant_cfg": [
-        {"quantizer_name": "*weight_quantizer", "cfg": {"num_bits": 4, "block_sizes": {-1: 128}}},
+        {"quantizer_name": "*weight_quantizer", "cfg": {"num_bits": 4, "block_sizes": {-1: 128, "type": "dynamic"}}},
         {"quantizer_name": "*expert*", "enable": False},
     ]})
     r = cfg.resolve("mlp.experts.linear_fc1.weight_quantizer", "GroupedLinear")
@@ -159,8 +159,9 @@ def test_entry_that_sets_neither_cfg_nor_enable_is_rejected():
     ({"num_bits": (2, 1), "block_sizes": {-1: 16}, "axis": 0}, "axis"),
     ({"num_bits": 4, "block_sizes": {-1: 128}, "axis": 0}, "axis=0 cannot be combined"),
     ({"num_bits": 4, "block_sizes": {-1: 0}}, "positive int"),
-    ({"num_bits": 4, "block_sizes": {-2: 128}}, "unsupported keys"),
-    ({"num_bits": 4, "block_sizes": {-1: 128, "type": "static"}}, "only 'dynamic'"),
+    ({"num_bits": 4, "block_sizes": {-2: 128}}, "last dim only"),
+    ({"num_bits": 4, "block_sizes": {-1: 128, "type": "sometimes"}}, "expected 'static' or 'dynamic'"),
+    ({"num_bits": 4, "block_sizes": {-1: 128, "foo": 1}}, "unsupported keys"),
     ({"num_bits": (3, 3)}, "unsupported num_bits"),
     ({"num_bits": True}, "unsupported num_bits"),
     ({"num_bits": 8, "fake": 1}, "Extra inputs"),
@@ -219,7 +220,7 @@ def test_import_as_a_quant_cfg_item_splices_entries_in_place(tmp_path):
           - quantizer_name: "*router*"
             enable: false
           - quantizer_name: "*special.weight_quantizer"
-            cfg: {num_bits: 4, block_sizes: {-1: 128}}
+            cfg: {num_bits: 4, block_sizes: {-1: 128, type: dynamic}}
         backward: {mode: quantized}
         """)
     top = _write(tmp_path / "top.yaml", """\

@@ -108,9 +108,11 @@ def test_calib_off_quant_on_uses_the_stored_amax_and_leaves_it_alone():
     q = TensorQuantizer(INT8_PER_CHANNEL, amax=torch.full((4, 1), 0.75))
     x = torch.randn(4, 8, generator=g) * 2
     out = q(x)
-    _exact(out, fake_quant(x, "int8", torch.full((4, 1), 0.75)))
+    # Model Optimizer's default range: [-128, 127] levels, so negatives clamp at -128/127 * amax.
+    _exact(out, fake_quant(x, "int8", torch.full((4, 1), 0.75), narrow_range=False))
     _exact(q.amax, torch.full((4, 1), 0.75))
-    assert out.abs().max() <= amax  # values above the amax were clamped
+    assert out.max() <= amax and out.min() >= -amax * 128 / 127  # values beyond the amax were clamped
+    assert out.min() < -amax  # the extra negative level is reached
     assert x.abs().max() > amax
 
 
