@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 STATE_FORMAT = "modelopt_moe.quantization_state"
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 @dataclass
@@ -103,13 +103,31 @@ def modelopt_state(model: nn.Module) -> dict:
     }
 
 
+def _upgrade_cfg_v2(cfg: dict) -> dict:
+    """A version-1/2 quantizer cfg with the meaning it was saved with: int formats were symmetric (``narrow_range``
+    did not exist; version 3 defaults to Model Optimizer's two's-complement range) and int blocks without a
+    ``type`` took their amax from the data (version 3: static, Model Optimizer's default)."""
+    cfg = dict(cfg)
+    cfg.setdefault("narrow_range", True)
+    bs = cfg.get("block_sizes")
+    if isinstance(bs, dict) and "type" not in bs:
+        cfg["block_sizes"] = {**bs, "type": "dynamic"}
+    return cfg
+
+
 def _upgrade(state: dict) -> dict:
-    """An explicit remap of version-1 states (quantizers named by rule, per-expert children folded; expert entries
-    under ``expert_slots``) to this version's shape."""
-    if state.get("version") != 1:
+    """Explicit remaps of older states to this version's shape: version 1 (quantizers named by rule, per-expert
+    children folded; expert entries under ``expert_slots``) and versions 1-2 (int range and block type, see
+    :func:`_upgrade_cfg_v2`)."""
+    version = state.get("version")
+    if version == STATE_VERSION:
         return state
-    return {**state, "version": STATE_VERSION, "kernel": (state.get("config") or {}).get("kernel", "auto"),
-            "expert_quantizers": state.get("expert_slots", {})}
+    if version == 1:
+        state = {**state, "kernel": (state.get("config") or {}).get("kernel", "auto"),
+                 "expert_quantizers": state.get("expert_slots", {})}
+    quantizers = {name: {**entry, "cfg": _upgrade_cfg_v2(entry["cfg"])}
+                  for name, entry in state.get("quantizers", {}).items()}
+    return {**state, "version": STATE_VERSION, "quantizers": quantizers}
 
 
 def check_state_header(state, source: str) -> dict:
@@ -119,8 +137,8 @@ def check_state_header(state, source: str) -> dict:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise CheckpointMismatchError(f"{source}: not a modelopt_moe quantization state: expected format "
                                       f"{STATE_FORMAT!r}, found {found!r}")
-    if state.get("version") not in (1, STATE_VERSION):
-        raise CheckpointMismatchError(f"{source}: quantization state version: expected {STATE_VERSION} (or 1), "
+    if state.get("version") not in (1, 2, STATE_VERSION):
+        raise CheckpointMismatchError(f"{source}: quantization state version: expected {STATE_VERSION} (or 1, 2), "
                                       f"found {state.get('version')!r}")
     return _upgrade(state)
 

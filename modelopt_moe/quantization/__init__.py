@@ -1,5 +1,7 @@
 """``import modelopt_moe.quantization as mtq``: quantize, calibrate, print_quant_summary, enable/disable_quantizer,
-fold_weight, reuse_quantized_weights, presets and load_config.
+fold_weight, reuse_quantized_weights, presets and load_config, and NVIDIA Model Optimizer 0.47's other ``mtq``
+functions under their names (set_quantizer_by_cfg, set_quantizer_attribute(s_full/_partial), postprocess_amax,
+replace_quant_module); see docs/modelopt_compat.md.
 
 Presets are the YAML files in ``configs/`` loaded at import, as plain dicts (like Model Optimizer's), so users can
 copy and edit them.
@@ -8,10 +10,31 @@ copy and edit them.
 from ..numerics import FORMATS, fake_quant
 from . import nn  # noqa: F401  registers the framework-free wrappers
 from .calibration import sync_amax
-from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig, load_config, preset_path
+from .config import (
+    ConfigError,
+    MaxCalibConfig,
+    QuantCfgEntry,
+    QuantizeConfig,
+    QuantizerAttributeConfig,
+    load_config,
+    preset_path,
+)
 from .conversion import QuantModuleRegistry, named_quantizers
 from .expert_quantizer import ExpertQuantizer
-from .model_quant import calibrate, disable_quantizer, enable_quantizer, fold_weight, print_quant_summary, quantize
+from .model_quant import (
+    calibrate,
+    disable_quantizer,
+    enable_quantizer,
+    fold_weight,
+    postprocess_amax,
+    print_quant_summary,
+    quantize,
+    replace_quant_module,
+    set_quantizer_attribute,
+    set_quantizer_attributes_full,
+    set_quantizer_attributes_partial,
+    set_quantizer_by_cfg,
+)
 from .tensor_quantizer import TensorQuantizer
 from .weight_reuse import reuse_quantized_weights
 
@@ -22,6 +45,8 @@ INT4_BLOCKWISE_WEIGHT_ONLY_CFG = load_config(preset_path("int4_blockwise_weight_
 
 __all__ = [
     "quantize", "calibrate", "print_quant_summary", "enable_quantizer", "disable_quantizer", "fold_weight",
+    "set_quantizer_by_cfg", "set_quantizer_attributes_full", "set_quantizer_attributes_partial",
+    "set_quantizer_attribute", "postprocess_amax", "replace_quant_module", "MaxCalibConfig", "QuantCfgEntry",
     "load_config", "ConfigError", "QuantizeConfig", "QuantizerAttributeConfig", "TensorQuantizer", "ExpertQuantizer",
     "reuse_quantized_weights", "fake_quant",
     "FORMATS", "QuantModuleRegistry", "named_quantizers", "sync_amax", "FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG",

@@ -11,17 +11,21 @@ depends on one rank's data.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .config import MaxCalibConfig, normalize_algorithm
 from .conversion import is_quantized, named_quantizers, rule_name
+from .modelopt_compat import COMPAT_DOC
 from .tensor_quantizer import TensorQuantizer
 from .utils import is_rank0, warn_once
 
-__all__ = ["calibrate", "sync_amax", "register_group_provider", "default_groups", "amax_placeholder"]
+__all__ = ["calibrate", "sync_amax", "register_group_provider", "default_groups", "amax_placeholder",
+           "as_forward_loop"]
 
 _GROUP_PROVIDERS: list[Callable[[], dict | None]] = []
 
@@ -114,28 +118,98 @@ class _ForwardCounter:
             self.bar.close()
 
 
-def calibrate(model: nn.Module, algorithm: str | None = "max", forward_loop: Callable | None = None,
-              groups: dict | None = None) -> nn.Module:
+def as_forward_loop(forward_loop) -> Callable[[nn.Module], object] | None:
+    """``forward_loop`` as a function of the model: Model Optimizer also takes one with no argument (it warns that
+    this is deprecated there; both are fine here).
+
+    Raises:
+        TypeError: ``forward_loop`` is neither None nor callable (e.g. a list of batches), or takes more than one
+            required argument.
+    """
+    if forward_loop is None:
+        return None
+    if not callable(forward_loop):
+        raise TypeError(f"forward_loop must be a callable forward_loop(model) that runs calibration data through "
+                        f"the model, got a {type(forward_loop).__name__}; for a list of batches write "
+                        "forward_loop=lambda model: [model(batch) for batch in batches]")
+    try:
+        params = inspect.signature(forward_loop).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: assume forward_loop(model)
+        return forward_loop
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if not positional and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        return lambda model: forward_loop()
+    if len(required) > 1:
+        raise TypeError(f"forward_loop must take the model (or nothing), but it requires {len(required)} arguments "
+                        f"{[p.name for p in required]}")
+    return forward_loop
+
+
+def _needs_activation_data(quantizers) -> bool:
+    return any(not _is_weight_quantizer(n) and not q.is_dynamic for n, q in quantizers)
+
+
+def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = "max",
+              forward_loop: Callable | None = None, groups: dict | None = None) -> nn.Module:
     """Max-calibrates every enabled quantizer of a converted model.
 
     Weight amaxes come from the weights themselves; activation amaxes from ``forward_loop(model)``; then amaxes are
     max-reduced over the parallel groups (``groups``, or the registered provider's) and modules finalize
-    (e.g. experts that saw no tokens take the shared input amax).
+    (e.g. experts that saw no tokens take the shared input amax). Dynamic quantizers (``type: dynamic``) are left
+    alone: their amax comes from each tensor.
+
+    If ``forward_loop`` raises, every quantizer is put back as it was before this call (amaxes, calibration and
+    quantization switches: a freshly quantized model is left converted and uncalibrated) and the exception
+    propagates with a note saying so; the model is in eval mode or training mode as before.
 
     Args:
         model: a model converted by :func:`mtq.quantize`.
-        algorithm: ``"max"`` (or None to skip calibration).
-        forward_loop: ``forward_loop(model)`` runs calibration data through the model.
+        algorithm: ``"max"``, ``{"method": "max", ...}`` (:class:`MaxCalibConfig`'s options: ``distributed_sync``,
+            ``skip_forward_without_activation_calib``), or None to skip calibration.
+        forward_loop: ``forward_loop(model)`` (or ``forward_loop()``) runs calibration data through the model.
         groups: ``{name: ProcessGroup}`` for the amax reduction.
 
     Raises:
-        ValueError: unknown algorithm.
+        ValueError: an algorithm other than max (naming it).
+        TypeError: a ``forward_loop`` that is not callable.
     """
-    if algorithm is None:
+    options = normalize_algorithm(algorithm)
+    loop = as_forward_loop(forward_loop)
+    if options is None:
         return model
-    if algorithm != "max":
-        raise ValueError(f"calibrate: unknown algorithm {algorithm!r}; expected 'max'")
     quantizers = [(name, q) for name, q, _ in named_quantizers(model) if q.is_enabled]
+    saved = [(q, q._amax, q._if_calib, q._if_quant, q.__dict__.get("_calib_seen")) for _, q in quantizers]
+    training = model.training
+    model.eval()  # as Model Optimizer calibrates: no dropout, inference-mode routing; the mode is restored after
+    try:
+        _collect(model, quantizers, loop, options)
+    except BaseException as e:
+        for q, amax, if_calib, if_quant, seen in saved:
+            q._amax, q._if_calib, q._if_quant = amax, if_calib, if_quant
+            if seen is not None:
+                q._calib_seen = seen
+        if hasattr(e, "add_note"):
+            e.add_note(f"mtq.calibrate: calibration failed; every quantizer is back in its state before this call "
+                       f"(amaxes, calibration and quantization switches; see {COMPAT_DOC}#after-a-failure)")
+        raise
+    finally:
+        model.train(training)
+    groups = default_groups() if groups is None else groups
+    if options.distributed_sync is not False:
+        sync_amax(model, groups)
+    unseen = []
+    for name, module in model.named_modules():
+        if is_quantized(module):
+            unseen += [f"{name}.{note}" for note in module.finalize_calibration(groups)]
+    if unseen:
+        warn_once("calibrate: these experts (global indices) saw no calibration tokens on any rank and use the "
+                  "shared input amax (max over all experts):\n  " + "\n  ".join(unseen))
+    return model
+
+
+def _collect(model: nn.Module, quantizers, loop, options: MaxCalibConfig) -> None:
+    """The local part of max calibration: weights from themselves, activations from ``loop``."""
     for _, q in quantizers:
         q.reset_amax()
         q.disable_quant()
@@ -147,22 +221,13 @@ def calibrate(model: nn.Module, algorithm: str | None = "max", forward_loop: Cal
     for name, q in quantizers:
         if _is_weight_quantizer(name):
             q.disable_calib()  # already calibrated from the weights
-    if forward_loop is not None:
+    needs_data = _needs_activation_data(quantizers)
+    if loop is not None and (needs_data or not options.skip_forward_without_activation_calib):
         with _ForwardCounter(model), torch.no_grad():
-            forward_loop(model)
-    elif any(not _is_weight_quantizer(n) for n, _ in quantizers):
+            loop(model)
+    elif loop is None and needs_data:
         warn_once("calibrate: no forward_loop given; activation quantizers keep no amax and will use the amax of "
                   "each tensor they see (dynamic)")
     for _, q in quantizers:
         q.disable_calib()
         q.enable_quant()
-    groups = default_groups() if groups is None else groups
-    sync_amax(model, groups)
-    unseen = []
-    for name, module in model.named_modules():
-        if is_quantized(module):
-            unseen += [f"{name}.{note}" for note in module.finalize_calibration(groups)]
-    if unseen:
-        warn_once("calibrate: these experts (global indices) saw no calibration tokens on any rank and use the "
-                  "shared input amax (max over all experts):\n  " + "\n  ".join(unseen))
-    return model

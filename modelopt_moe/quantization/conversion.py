@@ -13,15 +13,17 @@ no framework.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-from .config import QuantizeConfig, QuantizerAttributeConfig
+from .config import ConfigError, QuantCfgEntry, QuantizeConfig, QuantizerAttributeConfig
 from .expert_quantizer import ExpertGemm, ExpertGrid
 from .tensor_quantizer import TensorQuantizer
+from .utils import warn_once
 
 __all__ = [
     "QuantModuleRegistry",
@@ -33,8 +35,11 @@ __all__ = [
     "is_quantized",
     "named_quantizers",
     "apply_quant_cfg",
+    "apply_quant_cfg_entries",
     "rule_name",
     "set_quantizer_by_pattern",
+    "matching_quantizers",
+    "parent_class_names",
 ]
 
 
@@ -177,14 +182,21 @@ def is_quantized(module: nn.Module) -> bool:
     return isinstance(module, QuantModuleMixin)
 
 
-def convert(model: nn.Module, config: QuantizeConfig) -> list[str]:
+def convert(model: nn.Module, config: QuantizeConfig, apply_rules: bool = True) -> list[str]:
     """Swaps every registered module to its quantized class and applies ``config``.
+
+    Args:
+        model: the model, converted in place.
+        config: the rules, expert layouts, backward mode and kernel choice.
+        apply_rules: apply ``config.quant_cfg`` (False: every quantizer keeps its default attributes, 8-bit per
+            tensor and enabled, as Model Optimizer's ``replace_quant_module`` leaves them).
 
     Returns:
         Names of the converted modules.
 
     Raises:
         ValueError: nothing in ``model`` is quantizable.
+        ConfigError: a quantizer's attributes cannot work on its module (naming the module, the format and shape).
     """
     register_framework_plugins()
     converted = []
@@ -205,7 +217,8 @@ def convert(model: nn.Module, config: QuantizeConfig) -> list[str]:
             f"{sorted(c.__name__ for c in QuantModuleRegistry._map)} (is the plugin for your framework imported?), "
             f"the model has {kinds}"
         )
-    apply_quant_cfg(model, config)
+    if apply_rules:
+        apply_quant_cfg(model, config)
     return converted
 
 
@@ -225,24 +238,197 @@ def rule_name(full_name: str) -> str:
     return head if tail.isdigit() and head.endswith("_quantizer") else full_name
 
 
+def parent_class_names(module: nn.Module) -> tuple[str, ...]:
+    """The names a ``parent_class`` rule matches for a quantizer of ``module``: its original class and every base
+    (Model Optimizer matches with ``isinstance``, so a subclass of ``nn.Linear`` is an ``"nn.Linear"``)."""
+    cls = getattr(module, "_original_cls", type(module))
+    return tuple(c.__name__ for c in cls.__mro__ if c not in (object, nn.Module))
+
+
+def _set_attributes(full_name: str, q: TensorQuantizer, attrs, ste: str | None = None) -> None:
+    """``q.set_from_attribute_config(attrs)``; an attribute set the quantizer cannot take is a ConfigError naming
+    the quantizer."""
+    try:
+        q.set_from_attribute_config(attrs)
+    except ValueError as e:
+        raise ConfigError(f"{full_name}: {e}") from None
+    cfg = q.cfg
+    if ste is not None:
+        q.ste = "clipped" if ste == "clipped" or not cfg.pass_through_bwd else "pass_through"
+    elif not cfg.pass_through_bwd:
+        q.ste = "clipped"
+
+
 def apply_quant_cfg(model: nn.Module, config: QuantizeConfig) -> None:
-    """Applies the ``quant_cfg`` rules to every quantizer; a quantizer no rule names is disabled."""
-    for full_name, q, module in named_quantizers(model):
-        parent = module._original_cls.__name__
-        attrs = config.resolve(rule_name(full_name), parent)
-        q.set_from_attribute_config(attrs if attrs is not None else QuantizerAttributeConfig(enable=False))
-        q.ste = config.backward.ste
+    """Applies the ``quant_cfg`` rules to every quantizer; a quantizer no rule names is disabled. A rule that
+    configures quantizers but matches none warns on rank 0 with the closest names (a ConfigError with
+    ``config.strict``); then the quantizers are checked against their modules' shapes.
+
+    Raises:
+        ConfigError: an attribute a quantizer cannot take, a format its module's shapes cannot take (both naming
+            the quantizer), or (``strict``) a rule that matches nothing.
+    """
+    found = list(named_quantizers(model))
+    report_unmatched_entries(config.quant_cfg, found, config.strict)
+    for full_name, q, module in found:
+        attrs = config.resolve(rule_name(full_name), parent_class_names(module))
+        _set_attributes(full_name, q, attrs if attrs is not None else QuantizerAttributeConfig(enable=False),
+                        config.backward.ste)
     for module in model.modules():
         if is_quantized(module):
             module.quant_backward = config.backward.model_copy()
             module.quant_kernel = config.kernel
+    check_quantizer_shapes(model)
 
 
-def set_quantizer_by_pattern(model: nn.Module, pattern: str, enable: bool) -> int:
-    """Enables or disables every quantizer whose full name matches ``pattern``; returns how many matched."""
-    n = 0
-    for full_name, q, _ in named_quantizers(model):
-        if fnmatch.fnmatchcase(full_name, pattern) or fnmatch.fnmatchcase(rule_name(full_name), pattern):
-            q.enable() if enable else q.disable()
-            n += 1
-    return n
+def apply_quant_cfg_entries(model: nn.Module, entries: list[QuantCfgEntry], strict: bool = False) -> None:
+    """Model Optimizer's ``set_quantizer_by_cfg``: applies ``entries`` in order to the quantizers they match and
+    leaves the others alone. An entry with ``cfg`` replaces the matched quantizers' attributes (enabled unless it
+    says ``enable: false``); an entry with only ``enable`` switches them on or off and keeps their format.
+
+    Raises:
+        ConfigError: as :func:`apply_quant_cfg`.
+    """
+    found = list(named_quantizers(model))
+    report_unmatched_entries(entries, found, strict)
+    for entry in entries:
+        for full_name, q, module in found:
+            if not entry.matches(rule_name(full_name), parent_class_names(module)):
+                continue
+            if entry.cfg is not None:
+                attrs = entry.cfg if entry.enable is None else entry.cfg.model_copy(update={"enable": entry.enable})
+                _set_attributes(full_name, q, attrs)
+            elif entry.enable is not None:
+                q.enable() if entry.enable else q.disable()
+    check_quantizer_shapes(model)
+
+
+def _closest_names(pattern: str, names: list[str], n: int = 3) -> list[str]:
+    """Quantizer names closest to a wildcard ``pattern``: its literal text compared with every dotted suffix of
+    every name (``*wieght_quantizer`` finds ``...fc1.weight_quantizer``)."""
+    literal = pattern.replace("*", "").replace("?", "").strip(".")
+    by_suffix: dict[str, str] = {}
+    for name in names:
+        parts = name.split(".")
+        for i in range(len(parts)):
+            by_suffix.setdefault(".".join(parts[i:]), name)
+    hits = difflib.get_close_matches(literal, list(by_suffix), n=n * 4, cutoff=0.6)
+    out = list(dict.fromkeys(by_suffix[h] for h in hits))
+    return out[:n] or names[:n]
+
+
+def report_unmatched_entries(entries: list[QuantCfgEntry], found, strict: bool) -> list[str]:
+    """Names every entry that configures quantizers (``cfg``, or ``enable: true``) but matches none of ``found``
+    (``(name, quantizer, module)``): a warning on rank 0, or a ConfigError when ``strict``. Entries that only
+    disable are exclusion lists written for many model families (Model Optimizer's presets) and are not reported.
+    Returns the messages."""
+    names = [rule_name(n) for n, _, _ in found]
+    parents = [parent_class_names(m) for _, _, m in found]
+    messages = []
+    for i, entry in enumerate(entries):
+        if not entry.configures:
+            continue
+        if any(entry.matches(n, p) for n, p in zip(names, parents, strict=True)):
+            continue
+        by_name = [n for n in names if fnmatch.fnmatchcase(n, entry.quantizer_name)]
+        if by_name:
+            seen = sorted({p[0] for n, p in zip(names, parents, strict=True) if n in by_name})
+            messages.append(f"quant_cfg.{i}: quantizer_name {entry.quantizer_name!r} matches {len(by_name)} "
+                            f"quantizers but parent_class {entry.parent_class!r} none of their modules ({seen})")
+        else:
+            close = _closest_names(entry.quantizer_name, sorted(set(names)))
+            messages.append(f"quant_cfg.{i}: quantizer_name {entry.quantizer_name!r} matches no quantizer; closest "
+                            f"names: {close}")
+    if messages:
+        text = "\n  ".join(messages)
+        if strict:
+            raise ConfigError(f"quant_cfg entries that match nothing (strict: true):\n  {text}")
+        warn_once(f"quant_cfg entries that match nothing (they quantize nothing; set strict: true to make this an "
+                  f"error):\n  {text}")
+    return messages
+
+
+def _shape_targets(name: str, module: nn.Module) -> list[tuple[str, nn.Module, tuple[int, ...]]]:
+    """``(quantizer prefix, holder of the quantizers, weight shape)`` of a quantized module's GEMMs."""
+    gemms = module.expert_gemms()
+    if gemms:
+        return [(".".join(p for p in (name, g.name) if p), g.quantizers, tuple(g.weight_shape)) for g in gemms
+                if g.weight_shape]
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() >= 1 and "weight_quantizer" in module._modules:
+        return [(name, module, tuple(weight.shape))]
+    return []
+
+
+def check_quantizer_shapes(model: nn.Module) -> None:
+    """What cannot work, found when quantizers are configured rather than at the first forward: an NVFP4 quantizer
+    on a tensor whose last dim is not a multiple of 16 (int blocks are zero-padded instead), a per-channel axis
+    outside the weight's dims.
+
+    Raises:
+        ConfigError: naming each quantizer, its format and the module's shape.
+    """
+    problems = []
+    for name, module in model.named_modules():
+        if not is_quantized(module):
+            continue
+        for prefix, holder, wshape in _shape_targets(name, module):
+            # Last dims: the weight's; the input's is the weight's input features, the output's its output ones.
+            last = {"weight_quantizer": wshape[-1], "input_quantizer": wshape[-1],
+                    "output_quantizer": wshape[0] if len(wshape) > 1 else wshape[-1]}
+            for kind, dim in last.items():
+                q = getattr(holder, kind, None)
+                if not isinstance(q, TensorQuantizer) or not q.is_enabled:
+                    continue
+                full = f"{prefix}.{kind}" if prefix else kind
+                if q.fmt == "nvfp4" and dim % 16:
+                    problems.append(f"{full}: NVFP4 quantizes blocks of 16 along the last dim, which is {dim} here "
+                                    f"(weight shape {wshape}); use another format for this module or disable it")
+                axes = q.axis if isinstance(q.axis, tuple) else () if q.axis is None else (q.axis,)
+                if kind == "weight_quantizer" and any(not -len(wshape) <= a < len(wshape) for a in axes):
+                    problems.append(f"{full}: axis={q.axis} is outside the weight's {len(wshape)} dims "
+                                    f"(shape {wshape})")
+    if problems:
+        raise ConfigError("quantizers that cannot work on their modules:\n  " + "\n  ".join(problems))
+
+
+def matching_quantizers(model: nn.Module, wildcard_or_filter: str | Callable[[str], bool],
+                        parent_class: str | type | None = None) -> list[tuple[str, TensorQuantizer, nn.Module]]:
+    """``(full name, quantizer, module)`` of the quantizers a wildcard (matched against the full name, or the name
+    a per-expert view's rules use) or a filter function ``f(full_name) -> bool`` selects, optionally only those
+    whose module is a ``parent_class`` (a class, a class-name wildcard or a Model Optimizer registry name).
+
+    Raises:
+        TypeError: neither a string nor a callable.
+    """
+    if isinstance(wildcard_or_filter, str):
+        def selected(name: str) -> bool:
+            return fnmatch.fnmatchcase(name, wildcard_or_filter) or fnmatch.fnmatchcase(rule_name(name),
+                                                                                        wildcard_or_filter)
+    elif callable(wildcard_or_filter):
+        selected = wildcard_or_filter
+    else:
+        raise TypeError(f"expected a wildcard string or a filter function name -> bool, got "
+                        f"{type(wildcard_or_filter).__name__}")
+    out = []
+    for name, q, module in named_quantizers(model):
+        if not selected(name):
+            continue
+        if parent_class is not None:
+            if isinstance(parent_class, type):
+                if not isinstance(module, parent_class):
+                    continue
+            elif not QuantCfgEntry(quantizer_name="*", parent_class=parent_class, enable=True).matches(
+                    name, parent_class_names(module)):
+                continue
+        out.append((name, q, module))
+    return out
+
+
+def set_quantizer_by_pattern(model: nn.Module, pattern: str | Callable[[str], bool], enable: bool) -> int:
+    """Enables or disables every quantizer whose full name matches ``pattern`` (a wildcard, or a filter function
+    ``f(full_name) -> bool``); returns how many matched."""
+    found = matching_quantizers(model, pattern)
+    for _, q, _ in found:
+        q.enable() if enable else q.disable()
+    return len(found)

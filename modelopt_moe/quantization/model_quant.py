@@ -1,18 +1,53 @@
-"""The user-facing verbs: ``quantize``, ``calibrate``, ``print_quant_summary``, ``enable/disable_quantizer``,
-``fold_weight``."""
+"""The user-facing verbs, with NVIDIA Model Optimizer 0.47's names and signatures: ``quantize``, ``calibrate``,
+``set_quantizer_by_cfg``, ``set_quantizer_attributes_full`` / ``_partial`` (and the deprecated
+``set_quantizer_attribute``), ``enable_quantizer`` / ``disable_quantizer``, ``postprocess_amax``,
+``replace_quant_module``, ``print_quant_summary``, ``fold_weight``.
+
+Where this package deliberately differs (a second ``quantize`` on a quantized model, for one), the error says so
+and points to ``docs/modelopt_compat.md``.
+"""
 
 from __future__ import annotations
 
+import fnmatch
+import os
+import warnings
 from collections.abc import Callable
+from typing import Any
 
+import torch
 from torch import nn
 
-from .calibration import calibrate
-from .config import QuantizeConfig, to_config
-from .conversion import convert, is_quantized, named_quantizers, set_quantizer_by_pattern
+from .calibration import as_forward_loop, calibrate
+from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig, to_config
+from .conversion import (
+    _set_attributes,
+    apply_quant_cfg_entries,
+    check_quantizer_shapes,
+    convert,
+    is_quantized,
+    matching_quantizers,
+    named_quantizers,
+    set_quantizer_by_pattern,
+)
+from .expert_quantizer import ExpertQuantizer
+from .modelopt_compat import COMPAT_DOC
 from .utils import is_rank0
 
-__all__ = ["quantize", "calibrate", "print_quant_summary", "enable_quantizer", "disable_quantizer", "fold_weight"]
+__all__ = [
+    "quantize",
+    "calibrate",
+    "print_quant_summary",
+    "enable_quantizer",
+    "disable_quantizer",
+    "fold_weight",
+    "set_quantizer_by_cfg",
+    "set_quantizer_attributes_full",
+    "set_quantizer_attributes_partial",
+    "set_quantizer_attribute",
+    "postprocess_amax",
+    "replace_quant_module",
+]
 
 
 def quantize(model: nn.Module, config: QuantizeConfig | dict, forward_loop: Callable | None = None) -> nn.Module:
@@ -20,42 +55,186 @@ def quantize(model: nn.Module, config: QuantizeConfig | dict, forward_loop: Call
 
     Args:
         model: any model whose layers have registered quantized wrappers (``nn.Linear``, grouped expert linears;
-            Megatron-Core and Transformer Engine layers when the program has imported those frameworks).
-        config: a :class:`QuantizeConfig`, a dict of the same shape, a preset such as ``mtq.FP8_DEFAULT_CFG``, or
-            ``mtq.load_config("file.yaml")``.
-        forward_loop: ``forward_loop(model)`` feeds calibration data; without it only weights are calibrated.
+            Megatron-Core and Transformer Engine layers when the program has imported those frameworks); not yet
+            quantized.
+        config: a :class:`QuantizeConfig`, a dict of the same shape (also Model Optimizer's shapes), a preset such
+            as ``mtq.FP8_DEFAULT_CFG``, or ``mtq.load_config("file.yaml")``.
+        forward_loop: ``forward_loop(model)`` (or ``forward_loop()``) feeds calibration data; without it only
+            weights are calibrated.
 
     Returns:
         ``model`` (the same object).
 
     Raises:
-        ConfigError: an invalid config. ValueError: nothing quantizable.
+        ConfigError: an invalid config, or quantizers that cannot work on their modules (naming them).
+        TypeError: ``forward_loop`` is not callable (checked before anything is converted).
+        ValueError: nothing quantizable, or ``model`` is already quantized (Model Optimizer reconfigures it
+            silently; here: call :func:`set_quantizer_by_cfg` and :func:`calibrate`).
     """
     cfg = to_config(config)
+    as_forward_loop(forward_loop)  # a bad forward_loop fails before the model changes
+    quantized = [name or "<model>" for name, m in model.named_modules() if is_quantized(m)]
+    if quantized:
+        raise ValueError(
+            f"mtq.quantize: the model is already quantized ({len(quantized)} quantized modules, e.g. "
+            f"{quantized[:3]}); a second quantize would silently replace its quantizers' settings. To change them "
+            "call mtq.set_quantizer_by_cfg(model, config['quant_cfg']) and then mtq.calibrate(model, "
+            f"config['algorithm'], forward_loop). See {COMPAT_DOC}#differences-from-model-optimizer")
     convert(model, cfg)
-    return calibrate(model, cfg.algorithm, forward_loop)
+    return calibrate(model, cfg.max_calib if cfg.algorithm is not None else None, forward_loop)
 
 
-def enable_quantizer(model: nn.Module, pattern: str) -> int:
-    """Enables quantizers whose full name matches the wildcard ``pattern``; returns the count."""
-    return set_quantizer_by_pattern(model, pattern, True)
+def enable_quantizer(model: nn.Module, wildcard_or_filter_func: str | Callable[[str], bool]) -> int:
+    """Enables the quantizers whose full name matches a wildcard, or for which ``filter(name)`` is true; returns
+    how many."""
+    return set_quantizer_by_pattern(model, wildcard_or_filter_func, True)
 
 
-def disable_quantizer(model: nn.Module, pattern: str) -> int:
-    """Disables quantizers whose full name matches the wildcard ``pattern``; returns the count."""
-    return set_quantizer_by_pattern(model, pattern, False)
+def disable_quantizer(model: nn.Module, wildcard_or_filter_func: str | Callable[[str], bool]) -> int:
+    """Disables the quantizers whose full name matches a wildcard, or for which ``filter(name)`` is true; returns
+    how many."""
+    return set_quantizer_by_pattern(model, wildcard_or_filter_func, False)
 
 
-def fold_weight(model: nn.Module) -> nn.Module:
-    """Writes each fake-quantized weight into the weight and disables its weight quantizer (for export)."""
+def set_quantizer_by_cfg(quant_model: nn.Module, quant_cfg, strict: bool = False) -> None:
+    """Applies a ``quant_cfg`` (any shape :class:`QuantizeConfig` takes) to the quantizers of a quantized model,
+    in order: an entry with ``cfg`` replaces the matched quantizers' attributes, an entry with only ``enable``
+    switches them; quantizers no entry matches are left alone. Amaxes are kept (re-calibrate with
+    :func:`calibrate` after changing formats).
+
+    Raises:
+        ConfigError: an invalid entry, an attribute a quantizer cannot take, or (``strict``) an entry that
+            matches nothing.
+    """
+    entries = to_config({"quant_cfg": quant_cfg}, source="<quant_cfg>").quant_cfg
+    apply_quant_cfg_entries(quant_model, entries, strict)
+
+
+def _attributes(value) -> QuantizerAttributeConfig:
+    if isinstance(value, QuantizerAttributeConfig):
+        return value
+    if isinstance(value, list):
+        raise ConfigError(f"a list of attribute configs is Model Optimizer's SequentialQuantizer, not supported here; "
+                          f"see {COMPAT_DOC}#differences-from-model-optimizer")
+    if not isinstance(value, dict):
+        raise ConfigError(f"expected quantizer attributes (a QuantizerAttributeConfig or a dict), got "
+                          f"{type(value).__name__}")
+    return to_config({"quant_cfg": [{"quantizer_name": "*", "cfg": value}]}, source="<attributes>").quant_cfg[0].cfg
+
+
+def set_quantizer_attributes_full(quant_model: nn.Module, wildcard_or_filter_func: str | Callable[[str], bool],
+                                  attributes: QuantizerAttributeConfig | dict,
+                                  parent_class: str | type | None = None) -> int:
+    """Replaces every attribute of the selected quantizers (unspecified ones take their defaults); returns how
+    many quantizers were set.
+
+    Args:
+        quant_model: a quantized model.
+        wildcard_or_filter_func: a wildcard on full quantizer names, or ``filter(name) -> bool``.
+        attributes: a :class:`QuantizerAttributeConfig` (or a dict of its fields).
+        parent_class: only quantizers of modules of this class (a class, a class-name wildcard or a Model Optimizer
+            registry name such as ``"nn.Linear"``).
+
+    Raises:
+        ConfigError: invalid attributes, or attributes a quantizer cannot take (naming it).
+    """
+    attrs = _attributes(attributes)
+    found = matching_quantizers(quant_model, wildcard_or_filter_func, parent_class)
+    for name, q, _ in found:
+        _set_attributes(name, q, attrs)
+    check_quantizer_shapes(quant_model)
+    return len(found)
+
+
+def set_quantizer_attributes_partial(quant_model: nn.Module, wildcard_or_filter_func: str | Callable[[str], bool],
+                                     partial_attributes: dict[str, Any],
+                                     parent_class: str | type | None = None) -> int:
+    """Updates only the given attributes of the selected quantizers (``{"enable": False}``, ``{"num_bits": 4,
+    "axis": 0}``); the rest are kept. Returns how many quantizers were set.
+
+    Raises:
+        ConfigError: unknown or invalid attributes, or a result a quantizer cannot take (naming it).
+    """
+    if isinstance(partial_attributes, list):
+        _attributes(partial_attributes)  # raises: SequentialQuantizer
+    if not isinstance(partial_attributes, dict):
+        raise ConfigError(f"partial_attributes must be a dict of QuantizerAttributeConfig fields, got "
+                          f"{type(partial_attributes).__name__}")
+    unknown = sorted(set(partial_attributes) - set(QuantizerAttributeConfig.model_fields))
+    if unknown:
+        raise ConfigError(f"unknown quantizer attributes {unknown}; allowed: "
+                          f"{sorted(QuantizerAttributeConfig.model_fields)}")
+    found = matching_quantizers(quant_model, wildcard_or_filter_func, parent_class)
+    for name, q, _ in found:
+        if set(partial_attributes) == {"enable"}:
+            q.enable() if partial_attributes["enable"] else q.disable()
+        else:
+            _set_attributes(name, q, dict(partial_attributes))
+    check_quantizer_shapes(quant_model)
+    return len(found)
+
+
+def set_quantizer_attribute(quant_model: nn.Module, wildcard_or_filter_func: str | Callable[[str], bool],
+                            attribute: dict[str, Any], parent_class: str | type | None = None) -> int:
+    """Deprecated in Model Optimizer in favour of :func:`set_quantizer_attributes_partial`, which it calls."""
+    warnings.warn("set_quantizer_attribute is deprecated, use set_quantizer_attributes_partial or "
+                  "set_quantizer_attributes_full instead", DeprecationWarning, stacklevel=2)
+    return set_quantizer_attributes_partial(quant_model, wildcard_or_filter_func, attribute, parent_class)
+
+
+def postprocess_amax(model: nn.Module, key: str, post_process_fn: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """Replaces the amax of every quantizer whose full name matches the wildcard ``key`` by
+    ``post_process_fn(amax)`` (quantizers without an amax are skipped).
+
+    An expert quantizer whose name matches gets its whole ``[N, ...]`` amax; the per-expert entries
+    ``weight_quantizer.{i}`` of the ``per_expert`` layout match on their own (each gets its ``[]`` / ``[C, 1]``
+    row), but never in addition to their quantizer, so no amax is processed twice.
+    """
+    if not isinstance(key, str):
+        raise TypeError(f"postprocess_amax: key must be a wildcard string, got {type(key).__name__}")
+    done = set()
+    for name, q, _ in named_quantizers(model):
+        if fnmatch.fnmatchcase(name, key) and q.amax is not None:
+            q.amax = post_process_fn(q.amax)
+            done.add(id(q))
+    for name, module in model.named_modules():
+        owner = getattr(module, "owner", None)
+        if isinstance(owner, ExpertQuantizer) and id(owner) not in done and fnmatch.fnmatchcase(name, key):
+            if module.amax is not None:
+                module.amax = post_process_fn(module.amax)
+    return model
+
+
+def replace_quant_module(model: nn.Module) -> nn.Module:
+    """Swaps every registered module to its quantized class without applying a config: each quantizer keeps its
+    default attributes (8-bit per tensor, enabled), as Model Optimizer leaves them; then use
+    :func:`set_quantizer_by_cfg` and :func:`calibrate`. Prints how many quantizers were inserted (rank 0).
+
+    Raises:
+        ValueError: ``model`` is already quantized, or nothing in it is quantizable.
+    """
+    if any(is_quantized(m) for m in model.modules()):
+        raise ValueError("replace_quant_module: the model is already quantized")
+    convert(model, QuantizeConfig(), apply_rules=False)
+    if is_rank0():
+        print(f"Inserted {sum(1 for _ in named_quantizers(model))} quantizers", flush=True)
+    return model
+
+
+def fold_weight(model: nn.Module, keep_attrs: bool = False) -> nn.Module:
+    """Writes each fake-quantized weight into the weight and disables its weight quantizer (for export). The
+    quantizers keep their attributes and amaxes either way (``keep_attrs`` is accepted for Model Optimizer's
+    signature)."""
+    del keep_attrs
     for module in model.modules():
         if is_quantized(module):
             module.fold_weight()
     return model
 
 
-def print_quant_summary(model: nn.Module, file=None) -> str:
-    """Prints (rank 0) and returns one line per quantizer and a count of enabled ones."""
+def print_quant_summary(model: nn.Module, output_dir: str | None = None, file=None) -> str:
+    """Prints (rank 0) and returns one line per quantizer and a count of enabled ones; with ``output_dir`` (Model
+    Optimizer's argument) writes it to ``output_dir/.quant_summary.txt`` instead of printing."""
     lines = []
     enabled = 0
     for name, q, _ in named_quantizers(model):
@@ -63,6 +242,14 @@ def print_quant_summary(model: nn.Module, file=None) -> str:
         lines.append(f"{name:<80} {q.extra_repr()}")
     lines.append(f"{enabled} of {len(lines)} quantizers enabled")
     text = "\n".join(lines)
-    if is_rank0():
+    if not is_rank0():
+        return text
+    if output_dir is not None:
+        os.makedirs(output_dir, exist_ok=True)
+        path = os.path.join(output_dir, ".quant_summary.txt")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        print(f"Quant summary saved to {path}", file=file, flush=True)
+    else:
         print(text, file=file, flush=True)
     return text
