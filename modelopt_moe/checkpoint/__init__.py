@@ -5,6 +5,8 @@
   (optionally into other expert amax layouts). The amaxes themselves travel in the model's ``sharded_state_dict``
   with a global expert axis (:mod:`.expert_axis`; the Megatron plugin builds the sharded tensors).
 * :func:`save` / :func:`restore`: plain PyTorch, quantization state and weights in one file.
+* Model Optimizer's ``mto`` names: :func:`modelopt_state`, :func:`restore_from_modelopt_state`, :func:`save`,
+  :func:`restore` (which also read Model Optimizer 0.47's states and ``mto.save`` files, :mod:`.modelopt_format`).
 * :mod:`.files`: checkpoint directories that are complete or absent, never half-written.
 """
 
@@ -16,13 +18,21 @@ from .files import (
     commit_checkpoint_dir,
     resolve_checkpoint_dir,
 )
+from .modelopt_format import is_model_optimizer_state, restore_model_optimizer_state
 from .sharded import (
     checkpoint_amax_shapes,
     load_sharded_modelopt_state,
     restore_sharded_modelopt_state,
     save_sharded_modelopt_state,
 )
-from .state import iter_expert_quantizers, modelopt_state, restore, restore_modelopt_state, save
+from .state import (
+    iter_expert_quantizers,
+    modelopt_state,
+    restore,
+    restore_from_modelopt_state,
+    restore_modelopt_state,
+    save,
+)
 
 __all__ = [
     "save_sharded_modelopt_state",
@@ -33,6 +43,9 @@ __all__ = [
     "restore",
     "modelopt_state",
     "restore_modelopt_state",
+    "restore_from_modelopt_state",
+    "restore_model_optimizer_state",
+    "is_model_optimizer_state",
     "iter_expert_quantizers",
     "CheckpointMismatchError",
     "IncompleteCheckpointError",

@@ -23,6 +23,7 @@ from ..quantization.expert_quantizer import ExpertGemm, ExpertQuantizer
 from ..quantization.nn.experts import QUANTIZER_KINDS
 from .errors import CheckpointMismatchError
 from .files import atomic_torch_save
+from .modelopt_format import is_model_optimizer_checkpoint, is_model_optimizer_state, restore_model_optimizer_state
 
 __all__ = [
     "STATE_FORMAT",
@@ -31,6 +32,7 @@ __all__ = [
     "iter_expert_quantizers",
     "modelopt_state",
     "restore_modelopt_state",
+    "restore_from_modelopt_state",
     "check_state_header",
     "save",
     "restore",
@@ -207,6 +209,22 @@ def restore_modelopt_state(model: nn.Module, state: dict, experts: ExpertsConfig
     return model
 
 
+def restore_from_modelopt_state(model: nn.Module, modelopt_state: dict, experts: ExpertsConfig | dict | None = None,
+                                *, source: str = "<modelopt_state>") -> nn.Module:
+    """Model Optimizer's ``mto.restore_from_modelopt_state``: re-creates the quantization recorded in
+    ``modelopt_state`` in ``model`` and returns it; load the weights and amaxes after (``load_state_dict``).
+
+    Takes this package's :func:`modelopt_state` and Model Optimizer 0.47's ``mto.modelopt_state(model)``
+    (``{"modelopt_state_dict": [...], "modelopt_version": ...}``), e.g. a file its ``torch.save`` wrote.
+
+    Raises:
+        CheckpointMismatchError: the state does not fit the model or holds what this package cannot restore.
+    """
+    if is_model_optimizer_state(modelopt_state):
+        return restore_model_optimizer_state(model, modelopt_state, experts, source=source)
+    return restore_modelopt_state(model, modelopt_state, experts, source=source)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Plain PyTorch: one file with the quantization state and a state dict whose expert amaxes are [N, ...] tensors.
 
@@ -238,9 +256,12 @@ def restore(model: nn.Module, path: str | os.PathLike, experts: ExpertsConfig | 
             strict: bool = True) -> nn.Module:
     """Converts an unquantized ``model`` as saved by :func:`save` and loads the weights and amaxes.
 
+    Also reads the file Model Optimizer 0.47's ``mto.save(model, path)`` writes (``{"modelopt_state",
+    "model_state_dict"}``).
+
     Args:
         model: the freshly built model (a meta-device model is loaded by assignment).
-        path: a file written by :func:`save`.
+        path: a file written by :func:`save` (or Model Optimizer's ``mto.save``).
         experts: restore into these expert amax layouts instead of the saved ones.
         strict: passed to ``load_state_dict``.
 
@@ -255,6 +276,11 @@ def restore(model: nn.Module, path: str | os.PathLike, experts: ExpertsConfig | 
     if not path.is_file():
         raise FileNotFoundError(f"restore: no checkpoint file {path}")
     payload = torch.load(path, map_location="cpu", weights_only=True)
+    if is_model_optimizer_checkpoint(payload):
+        restore_model_optimizer_state(model, payload["modelopt_state"], experts, source=str(path))
+        assign = any(p.is_meta for p in model.parameters())
+        model.load_state_dict(payload["model_state_dict"], strict=strict, assign=assign)
+        return model
     if not isinstance(payload, dict) or "modelopt_moe_state" not in payload:
         raise CheckpointMismatchError(f"{path}: not a modelopt_moe checkpoint (no 'modelopt_moe_state' entry)")
     restore_modelopt_state(model, payload["modelopt_moe_state"], experts, source=str(path))
