@@ -165,7 +165,7 @@ def make_linear(out: Path) -> None:
                 cases[key]["mto_save"] = buf.getvalue()
             print(f"linear case {key}: amax keys {sorted(cases[key]['amax'])[:3]}...")
     payload = {"model_state": base.state_dict(), "calib": calib, "test": test, "cases": cases,
-               "modelopt_version": __import__("modelopt").__version__, "torch_version": torch.__version__}
+               "modelopt_version": __import__("modelopt").__version__, "torch_version": str(torch.__version__)}
     raw = io.BytesIO()
     torch.save(payload, raw)
     (out / "linear_cases.pt.xz").write_bytes(lzma.compress(raw.getvalue(), preset=9 | lzma.PRESET_EXTREME))

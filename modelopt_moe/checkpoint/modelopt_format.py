@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..quantization.config import ConfigError, ExpertsConfig, QuantizeConfig, to_config
@@ -29,6 +30,7 @@ from ..quantization.utils import warn_once
 from .errors import CheckpointMismatchError
 
 __all__ = [
+    "load_plain",
     "is_model_optimizer_state",
     "is_model_optimizer_checkpoint",
     "model_optimizer_config",
@@ -42,6 +44,13 @@ _PASSIVE_MODES = ("max_calibrate",)
 _LOCAL_EXPERT = re.compile(
     r"^(?P<head>.*)\.local_experts\.(?P<i>\d+)\.(?P<gemm>linear_fc[12])\.(?P<kind>\w+_quantizer)$")
 _GROUPED_EXPERT = re.compile(r"^(?P<head>.*\.(?P<kind>weight_quantizer))\.(?P<i>\d+)$")
+
+
+def load_plain(f) -> Any:
+    """``torch.load(f, weights_only=True)`` that also admits ``slice`` objects: Model Optimizer's quantizer states
+    keep one (``_slices``, the padding cut of static blocks). Nothing else is unpickled."""
+    with torch.serialization.safe_globals([slice]):
+        return torch.load(f, map_location="cpu", weights_only=True)
 
 
 def is_model_optimizer_state(obj: Any) -> bool:

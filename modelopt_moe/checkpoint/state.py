@@ -23,7 +23,12 @@ from ..quantization.expert_quantizer import ExpertGemm, ExpertQuantizer
 from ..quantization.nn.experts import QUANTIZER_KINDS
 from .errors import CheckpointMismatchError
 from .files import atomic_torch_save
-from .modelopt_format import is_model_optimizer_checkpoint, is_model_optimizer_state, restore_model_optimizer_state
+from .modelopt_format import (
+    is_model_optimizer_checkpoint,
+    is_model_optimizer_state,
+    load_plain,
+    restore_model_optimizer_state,
+)
 
 __all__ = [
     "STATE_FORMAT",
@@ -275,7 +280,7 @@ def restore(model: nn.Module, path: str | os.PathLike, experts: ExpertsConfig | 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"restore: no checkpoint file {path}")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    payload = load_plain(path)
     if is_model_optimizer_checkpoint(payload):
         restore_model_optimizer_state(model, payload["modelopt_state"], experts, source=str(path))
         assign = any(p.is_meta for p in model.parameters())

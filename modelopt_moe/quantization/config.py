@@ -578,8 +578,12 @@ def _format_validation_error(err: ValidationError, source: str, data: Any) -> st
             msg = f"unknown key {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
             msg += f"; allowed keys: {', '.join(allowed)}"
         else:
-            msg = f"{msg} (got {e.get('input')!r})"
-        lines.append(f"{source}: key '{loc}': {msg}")
+            msg = msg.removeprefix("Value error, ")
+            got = repr(e.get("input"))
+            # A whole entry or config as the bad value says little; the message names the key and value itself.
+            if not isinstance(e.get("input"), dict) and len(got) <= 200:
+                msg = f"{msg} (got {got})"
+        lines.append(f"{source}: key '{loc}': {msg}" if loc else f"{source}: {msg}")
     return "\n".join(lines)
 
 
