@@ -7,6 +7,7 @@ Public API::
         save_sharded_checkpoint, load_sharded_checkpoint,   # weights + amax + quantization + optimizer state
         checkpoint_load_metadata,                           # metadata for your own dist_checkpointing.load calls
         get_forward_backward_func,                          # Megatron's, reusing fake-quantized weights per step
+        load_modelopt_checkpoint,                           # a checkpoint NVIDIA Model Optimizer 0.47 saved
     )
 
 :func:`register` is called by the core (``mtq.quantize``, every restore) once ``megatron.core`` is imported; it
@@ -20,6 +21,7 @@ from modelopt_moe.quantization.calibration import register_group_provider
 from modelopt_moe.quantization.conversion import QuantModuleRegistry, register_wrapper
 
 from .checkpoint import load_sharded_checkpoint, model_sharded_state_dict, save_sharded_checkpoint
+from .modelopt_checkpoint import is_modelopt_checkpoint, load_modelopt_checkpoint
 from .modules import CLASSES, megatron_amax_groups
 from .schedule import get_forward_backward_func
 from .sharded_state_dict import checkpoint_load_metadata
@@ -32,6 +34,8 @@ __all__ = [
     "checkpoint_load_metadata",
     "get_forward_backward_func",
     "megatron_amax_groups",
+    "load_modelopt_checkpoint",
+    "is_modelopt_checkpoint",
 ]
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from modelopt_moe.checkpoint.files import (
+    STATE_FILE,
     begin_checkpoint_dir,
     check_checkpoint_dir,
     commit_checkpoint_dir,
@@ -26,6 +27,7 @@ from modelopt_moe.checkpoint.files import (
 from modelopt_moe.checkpoint.sharded import restore_sharded_modelopt_state, save_sharded_modelopt_state
 from modelopt_moe.quantization.conversion import unwrap_model
 
+from .modelopt_checkpoint import is_modelopt_checkpoint, load_modelopt_checkpoint
 from .sharded_state_dict import checkpoint_load_metadata
 
 __all__ = ["model_sharded_state_dict", "save_sharded_checkpoint", "load_sharded_checkpoint"]
@@ -96,7 +98,8 @@ def load_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     Args:
         model_list: a model or a list of model chunks, in any TP/EP layout.
         ckpt_dir: a checkpoint written by :func:`save_sharded_checkpoint` (or by ``dist_checkpointing.save`` plus
-            ``save_sharded_modelopt_state``).
+            ``save_sharded_modelopt_state``), or by NVIDIA Model Optimizer 0.47 (its ``modelopt_state/`` inside:
+            weights and quantization load through :func:`load_modelopt_checkpoint`).
         optimizer: the Megatron optimizer built for ``model_list`` (built after the quantization is restored).
         opt_param_scheduler: the scheduler to restore.
         experts: restore into these expert amax layouts (an ``ExpertsConfig`` or dict) instead of the saved ones.
@@ -112,6 +115,13 @@ def load_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     """
     models = _models(model_list)
     path = resolve_checkpoint_dir(ckpt_dir)
+    if is_modelopt_checkpoint(path) and not (path / STATE_FILE).is_file():
+        # Saved by NVIDIA Model Optimizer: weights and quantization (its checkpoints carry no state of ours).
+        if optimizer is not None or opt_param_scheduler is not None:
+            raise KeyError(f"load_sharded_checkpoint: {path} was saved by Model Optimizer; its optimizer and "
+                           "scheduler states are not read here (load the model alone)")
+        info = load_modelopt_checkpoint(models, path, experts=experts, strict=strict)
+        return {"iteration": None, "extra_state": None, "modelopt": info}
     check_checkpoint_dir(path)
     restore_sharded_modelopt_state(models, path, experts)
     common = dist_checkpointing.load_common_state_dict(str(path))

@@ -178,6 +178,18 @@ class QuantSequentialMLP(QuantModuleMixin):
         gemm, kind = quantizer_name.split(".")[:2]
         return expert_amax_reduction(getattr(getattr(self, gemm), kind), kind, self._SHARDED_AXIS[gemm])
 
+    def layer_sync_moe_local_experts_amax(self, sync_weight_amax: bool = False) -> None:
+        """Model Optimizer's name: every local expert takes the max of the local experts' input amaxes (and weight
+        amaxes with ``sync_weight_amax``), elementwise for per-channel amaxes. This rank only, no collective (the
+        EP reduction is calibration's, :func:`~modelopt_moe.quantization.calibration.sync_amax`)."""
+        for name in self._SHARDED_AXIS:
+            quantizers = getattr(self, name)
+            kinds = ("input_quantizer", "weight_quantizer") if sync_weight_amax else ("input_quantizer",)
+            for kind in kinds:
+                q = getattr(quantizers, kind)
+                if q.amax is not None:
+                    q.amax = q.amax.amax(dim=0, keepdim=True).expand_as(q.amax)
+
     def finalize_calibration(self, groups: dict) -> list[str]:
         notes = []
         for name in self._SHARDED_AXIS:
