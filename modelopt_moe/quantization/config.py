@@ -426,7 +426,8 @@ class QuantizeConfig(_Strict):
             if calib is not None:
                 given = values.get("max_calib")
                 given = given.model_dump(exclude_unset=True) if isinstance(given, MaxCalibConfig) else (given or {})
-                values["max_calib"] = {**calib.model_dump(exclude_unset=True), **given}
+                # Options written in the algorithm dict win over a max_calib (a dumped preset carries defaults).
+                values["max_calib"] = {**given, **calib.model_dump(exclude_unset=True)}
         return values
 
     @model_validator(mode="after")
@@ -497,8 +498,9 @@ def _preset_names() -> list[str]:
 def _import_target(importing: Path, target: str) -> Path:
     """``$import: target`` of file ``importing``: beside it first, else a shipped preset by bare name."""
     beside = importing.parent / target
-    if beside.is_file():
-        return beside
+    for candidate in (beside, beside.with_name(beside.name + ".yaml")):
+        if candidate.is_file():
+            return candidate
     return find_preset(target) or beside  # a missing file is reported with its path by _read_yaml
 
 

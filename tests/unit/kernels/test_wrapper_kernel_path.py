@@ -15,13 +15,17 @@ pytestmark = pytest.mark.skipif(not kernels_available("cpu"), reason="needs the 
 SPLITS = [3, 0, 5]
 
 
-def _run(preset, weight_amax, input_amax, ste, kernel):
+def _run(preset, weight_amax, input_amax, ste, kernel, narrow_range=None):
     torch.manual_seed(0)
     layer = GroupedLinear(len(SPLITS), 32, 16, bias=False)
     with torch.no_grad():
         for i, w in enumerate(layer.expert_weights()):
             w.mul_(1.0 + 3 * i)
     cfg = mtq.load_config(preset)
+    if narrow_range is not None:
+        for entry in cfg.quant_cfg:
+            if entry.cfg is not None:
+                entry.cfg = entry.cfg.model_copy(update={"narrow_range": narrow_range})
     cfg.experts.weight_amax, cfg.experts.input_amax = weight_amax, input_amax
     cfg.backward.ste, cfg.kernel = ste, kernel
     g = torch.Generator().manual_seed(1)
@@ -46,6 +50,16 @@ def test_kernel_path_matches_the_reference_bit_for_bit(preset, weight_amax, inpu
     fast = _run(preset, weight_amax, input_amax, ste, "triton")
     assert torch.equal(fast[0], ref[0])
     assert torch.equal(fast[1], ref[1])
+    assert all(torch.equal(a, b) for a, b in zip(fast[2], ref[2], strict=True))
+
+
+@pytest.mark.parametrize("preset", ["int8_default.yaml", "int4_blockwise_weight_only.yaml"])
+@pytest.mark.parametrize("narrow_range", [False, True])
+def test_int_kernel_path_matches_the_reference_in_both_ranges(preset, narrow_range):
+    # int8: per channel, inputs per tensor; int4: blocks of 128 on 32-wide experts (padded), both int ranges.
+    ref = _run(preset, "vectorized", "per_expert", "clipped", "torch", narrow_range)
+    fast = _run(preset, "vectorized", "per_expert", "clipped", "triton", narrow_range)
+    assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
     assert all(torch.equal(a, b) for a, b in zip(fast[2], ref[2], strict=True))
 
 
