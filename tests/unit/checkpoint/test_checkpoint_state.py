@@ -125,3 +125,22 @@ def test_check_checkpoint_dir_names_what_is_missing(tmp_path):
     with pytest.raises(IncompleteCheckpointError, match=r"ck\.tmp is incomplete.*metadata\.json.*modelopt_moe_state\.pt"
                                                         r".*modelopt_moe_complete\.json"):
         check_checkpoint_dir(d)
+
+
+def test_states_saved_before_narrow_range_existed_keep_their_int_meaning():
+    # Version 2 states had no narrow_range (int was symmetric) and int blocks without a type were dynamic.
+    from modelopt_moe.checkpoint import modelopt_state, restore_modelopt_state
+
+    cfg = {"quant_cfg": [{"quantizer_name": "*weight_quantizer",
+                          "cfg": {"num_bits": 4, "block_sizes": {-1: 16, "type": "dynamic"}}},
+                         {"quantizer_name": "*input_quantizer", "cfg": {"num_bits": 8}}]}
+    model = mtq.quantize(Tiny(), cfg, lambda m: m(torch.randn(8, 16)))
+    state = modelopt_state(model)
+    old = {**state, "version": 2, "quantizers": {
+        name: {**e, "cfg": {k: v for k, v in e["cfg"].items() if k not in ("narrow_range", "type")} | (
+            {"block_sizes": {-1: 16}} if e["cfg"]["block_sizes"] else {})}
+        for name, e in state["quantizers"].items()}}
+    fresh = restore_modelopt_state(Tiny(), old)
+    assert fresh.proj.input_quantizer.narrow_range and fresh.proj.weight_quantizer.narrow_range
+    assert fresh.proj.weight_quantizer.block_size == 16  # dynamic, as it meant then
+    assert not model.proj.input_quantizer.narrow_range  # today's default: Model Optimizer's
