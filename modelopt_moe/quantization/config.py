@@ -54,6 +54,13 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the file (if any), the key and the value."""
 
 
+def _check_effective_bits(v: float | None) -> float | None:
+    """Model Optimizer's range for ``effective_bits`` (its auto-quantize cost model; no effect here)."""
+    if v is not None and not 0 < v <= 16:
+        raise ValueError(f"effective_bits must be in (0, 16], got {v}")
+    return v
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True)
 
@@ -126,9 +133,7 @@ class QuantizerAttributeConfig(_Strict):
     @field_validator("effective_bits")
     @classmethod
     def _effective_bits(cls, v):
-        if v is not None and not 0 < v <= 16:
-            raise ValueError(f"effective_bits must be in (0, 16], got {v}")
-        return v
+        return _check_effective_bits(v)
 
     @model_validator(mode="after")
     def _modelopt_defaults_only(self):
@@ -443,9 +448,7 @@ class QuantizeConfig(_Strict):
     @field_validator("effective_bits")
     @classmethod
     def _effective_bits(cls, v):
-        if v is not None and not 0 < v <= 16:
-            raise ValueError(f"effective_bits must be in (0, 16], got {v}")
-        return v
+        return _check_effective_bits(v)
 
     def resolve(self, quantizer_name: str, parent_class_name: str | tuple[str, ...]) -> QuantizerAttributeConfig | None:
         """Applies the rules in order (later wins); returns the final attribute config, or None if no rule

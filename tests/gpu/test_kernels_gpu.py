@@ -68,27 +68,6 @@ SHAPES = {1: [(1536, 2048)], 3: [(768, 1024), (256, 1024), (512, 1024)], 32: [(3
 
 @pytest.mark.parametrize("n", sorted(SHAPES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("narrow_range", [True, False])
-@pytest.mark.parametrize("fmt,block_size", [("int8", None), ("int4", None), ("int8", 16), ("int4", 128)])
-def test_int_weights_and_inputs_bit_exact_in_both_ranges_and_padded_blocks(fmt, block_size, narrow_range):
-    # amax below each expert's max (clipping on both sides, so -B-1 is reached); 96-wide experts: a block of 128
-    # overhangs and is zero-padded, as formats.fake_quant (and Model Optimizer) pad.
-    shapes = [(64, 96), (16, 96), (48, 96)] if block_size == 128 else SHAPES[3]
-    weights = make_experts(shapes, torch.bfloat16, seed=5)
-    amax = distinct_amax(weights, factor=0.6)
-    outs = K.grouped_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=narrow_range)
-    for i, (w, o) in enumerate(zip(weights, outs, strict=True)):
-        r = fake_quant(w, fmt, expert_amax(amax, i), block_size, narrow_range=narrow_range)
-        assert_bits_equal(o, r, f"expert {i}")
-        assert_bits_equal(o, fake_quant(w.cpu(), fmt, expert_amax(amax, i).cpu(), block_size,
-                                        narrow_range=narrow_range), f"expert {i} vs CPU")
-    m = torch.tensor([5, 0, 7], device=DEV)
-    x = make_experts([(12, 96)], torch.bfloat16, seed=6)[0]
-    y = K.grouped_input_fake_quant(x, m, amax, fmt, block_size, narrow_range=narrow_range)
-    rows = torch.repeat_interleave(amax, m).unsqueeze(-1)
-    assert_bits_equal(y, fake_quant(x, fmt, None if block_size else rows, block_size, narrow_range=narrow_range))
-
-
 @pytest.mark.parametrize("fmt,block_size", FORMATS)
 def test_weights_bit_exact_per_expert(fmt, block_size, dtype, n):
     weights = make_experts(SHAPES[n], dtype, seed=n)
@@ -301,3 +280,24 @@ def test_no_host_sync(cached):
         torch.cuda.set_sync_debug_mode(0)
     assert_bits_equal(outs[5], fake_quant(weights[5], "e4m3", amax[5]))
     assert grads[0].shape == weights[0].shape and y.shape == gx.shape == x.shape
+
+
+@pytest.mark.parametrize("narrow_range", [True, False])
+@pytest.mark.parametrize("fmt,block_size", [("int8", None), ("int4", None), ("int8", 16), ("int4", 128)])
+def test_int_weights_and_inputs_bit_exact_in_both_ranges_and_padded_blocks(fmt, block_size, narrow_range):
+    # amax below each expert's max (clipping on both sides, so -B-1 is reached); 96-wide experts: a block of 128
+    # overhangs and is zero-padded, as formats.fake_quant (and Model Optimizer) pad.
+    shapes = [(64, 96), (16, 96), (48, 96)] if block_size == 128 else SHAPES[3]
+    weights = make_experts(shapes, torch.bfloat16, seed=5)
+    amax = distinct_amax(weights, factor=0.6)
+    outs = K.grouped_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=narrow_range)
+    for i, (w, o) in enumerate(zip(weights, outs, strict=True)):
+        r = fake_quant(w, fmt, expert_amax(amax, i), block_size, narrow_range=narrow_range)
+        assert_bits_equal(o, r, f"expert {i}")
+        assert_bits_equal(o, fake_quant(w.cpu(), fmt, expert_amax(amax, i).cpu(), block_size,
+                                        narrow_range=narrow_range), f"expert {i} vs CPU")
+    m = torch.tensor([5, 0, 7], device=DEV)
+    x = make_experts([(12, 96)], torch.bfloat16, seed=6)[0]
+    y = K.grouped_input_fake_quant(x, m, amax, fmt, block_size, narrow_range=narrow_range)
+    rows = torch.repeat_interleave(amax, m).unsqueeze(-1)
+    assert_bits_equal(y, fake_quant(x, fmt, None if block_size else rows, block_size, narrow_range=narrow_range))
