@@ -111,8 +111,20 @@ def parallel_linear_quantizers_sharded_state_dict(module: nn.Module, prefix: str
         if not isinstance(q, TensorQuantizer) or not _is_saved(q):
             continue
         sharded = channel_is_sharded(q, kind, module.sharded_axis)
+        if q.static_block_size is not None:
+            # [rows * blocks, 1] interleaves this rank's blocks with the other TP ranks' along the split weight.
+            if tp_size > 1:
+                raise NotImplementedError(f"{prefix}{kind}: static int blocks on a tensor-parallel linear (TP="
+                                          f"{tp_size}) are not supported in checkpoints; use block_sizes.type: "
+                                          "dynamic or TP=1")
+            if q.amax is None and kind != "weight_quantizer":
+                raise NotImplementedError(f"{prefix}{kind}: an uncalibrated static-block activation amax has no "
+                                          "known shape; calibrate before saving or loading")
         if q.amax is not None:
             data = q.amax.detach()
+        elif q.static_block_size is not None:
+            k = weight.shape[-1]
+            data = torch.zeros((weight.numel() // k * -(-k // q.static_block_size), 1), device=_module_device(module))
         elif q.axis is None:
             data = torch.zeros((), device=_module_device(module))
         else:  # a fresh per-channel quantizer: the amax shape follows the weight's channels

@@ -9,6 +9,8 @@
 * ``QuantModuleRegistry`` holds Megatron's parallel linears as soon as ``megatron.core`` is imported.
 * ``layer_sync_moe_local_experts_amax`` on quantized ``SequentialMLP`` experts.
 * The shipped INT4 preset on the demo model (64-wide expert inputs, blocks of 128): quantize, forward, no error.
+* Model Optimizer's static INT4 blocks on the dense linears (16-wide, padded to 128): our own checkpoint round trip
+  at TP1 is bit-exact; at TP2 saving says it is not supported.
 """
 
 import warnings
@@ -23,14 +25,14 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "modelopt_0_47" / "
 LAYOUTS = [(1, 2), (2, 1), (1, 1)]
 
 
-def _rank(rank, world, fixture_dir):
+def _rank(rank, world, fixture_dir, tmp_dir):
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.plugins.megatron import load_modelopt_checkpoint, load_sharded_checkpoint
+    from modelopt_moe.plugins.megatron import load_modelopt_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
     from modelopt_moe.plugins.testing import megatron_models as mm
 
     out = {"registry": [cls in mtq.QuantModuleRegistry for cls in (ColumnParallelLinear, RowParallelLinear,
@@ -105,13 +107,32 @@ def _rank(rank, world, fixture_dir):
     mtq.quantize(demo, mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG, lambda m: mm.lm_loss(m, batch))
     out["int4_loss"] = float(mm.lm_loss(demo, batch))
     mm.destroy_model_parallel()
+
+    # Static INT4 blocks of 128 on the 16-wide attention linears (padded): checkpoint round trip at TP1, refused at TP2.
+    static = {"quant_cfg": [{"quantizer_name": "*", "enable": False},
+                            {"quantizer_name": "*self_attention*weight_quantizer",
+                             "cfg": {"num_bits": 4, "block_sizes": {-1: 128, "type": "static"}}}], "algorithm": "max"}
+    model_spec = {k: v for k, v in spec.items() if k != "seed"}
+    for tp in (1, 2):
+        mm.init_model_parallel(tp=tp, ep=1, seed=1)
+        m = mtq.quantize(mm.build_moe_gpt(**model_spec, seed=7), static)
+        try:
+            save_sharded_checkpoint([m], f"{tmp_dir}/static_tp{tp}")
+        except NotImplementedError as e:
+            out[f"static_tp{tp}"] = str(e)
+        else:
+            fresh = mm.build_moe_gpt(**model_spec, seed=8)
+            load_sharded_checkpoint([fresh], f"{tmp_dir}/static_tp{tp}")
+            q0, q1 = (x.decoder.layers[0].self_attention.linear_qkv.weight_quantizer for x in (m, fresh))
+            out[f"static_tp{tp}"] = (q0.amax.shape, torch.equal(q0.amax, q1.amax), q1.static_block_size)
+        mm.destroy_model_parallel()
     dist.barrier()
     return out
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn(_rank, 2, args=(str(FIXTURE),), timeout=900)
+def results(tmp_path_factory):
+    return spawn(_rank, 2, args=(str(FIXTURE), str(tmp_path_factory.mktemp("ckpt"))), timeout=900)
 
 
 def _union(results, key, field):
@@ -168,3 +189,9 @@ def test_layer_sync_moe_local_experts_amax(results):
 
 def test_shipped_int4_preset_runs_on_the_demo_model(results):
     assert all(torch.isfinite(torch.tensor(r["int4_loss"])) for r in results)
+
+
+def test_static_int_blocks_on_dense_linears_round_trip_and_tp_sharding_is_refused(results):
+    shape, equal, block = results[0]["static_tp1"]
+    assert shape == (48, 1) and equal and block == 128  # [48, 16] weight: one padded block per row
+    assert "static int blocks on a tensor-parallel linear" in results[0]["static_tp2"]

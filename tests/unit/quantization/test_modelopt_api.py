@@ -396,3 +396,16 @@ def test_restore_from_modelopt_state_takes_our_state_too(tmp_path):
     fresh.load_state_dict(m.state_dict())
     x = torch.randn(2, 128)
     assert torch.equal(fresh(x), m(x))
+
+
+def test_dynamic_per_token_input_quantizer_with_a_tuple_axis():
+    # Model Optimizer's per-token activations of [batch, tokens, hidden]: keep axes (0, 1), amax of each token.
+    cfg = config({"quantizer_name": "*input_quantizer", "cfg": {"num_bits": (4, 3), "type": "dynamic",
+                                                                  "axis": (0, 1)}})
+    m = mtq.quantize(model(), cfg, loop(batches()))
+    q = m.fc1.input_quantizer
+    x = torch.randn(2, 5, 128)
+    assert q.is_dynamic and q.amax is None
+    assert torch.equal(q(x), fake_quant(x, "e4m3", x.abs().amax(-1, keepdim=True)))
+    with pytest.raises(ValueError, match="dynamic quantizer"):
+        q.load_calib_amax()
