@@ -225,6 +225,14 @@ def _read_yaml(path: Path, imported_from: Path | None) -> Any:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
 
 
+def _import_target(importer: Path, name: str) -> Path:
+    """``name`` beside the importing file, or else the shipped preset of that file name."""
+    beside = importer.parent / name
+    if not beside.is_file() and Path(name).name == name and preset_path(name).is_file():
+        return preset_path(name)
+    return beside
+
+
 def _resolve_imports(path: Path, stack: tuple[Path, ...] = ()) -> dict:
     path = path.resolve()
     if path in stack:
@@ -243,7 +251,7 @@ def _resolve_imports(path: Path, stack: tuple[Path, ...] = ()) -> dict:
     for target in [imports] if isinstance(imports, str) else imports:
         if not isinstance(target, str):
             raise ConfigError(f"{path}: key '$import': expected a file name or a list of them, got {target!r}")
-        base = _merge(base, _resolve_imports(path.parent / target, (*stack, path)))
+        base = _merge(base, _resolve_imports(_import_target(path, target), (*stack, path)))
     entries = data.get("quant_cfg")
     if entries is not None:
         if not isinstance(entries, list):
@@ -253,7 +261,7 @@ def _resolve_imports(path: Path, stack: tuple[Path, ...] = ()) -> dict:
             if isinstance(entry, dict) and "$import" in entry:
                 if len(entry) != 1 or not isinstance(entry["$import"], str):
                     raise ConfigError(f"{path}: key 'quant_cfg.{i}.$import': expected a lone file name, got {entry!r}")
-                sub = _resolve_imports(path.parent / entry["$import"], (*stack, path))
+                sub = _resolve_imports(_import_target(path, entry["$import"]), (*stack, path))
                 spliced.extend(sub.get("quant_cfg", []))
             else:
                 spliced.append(entry)
