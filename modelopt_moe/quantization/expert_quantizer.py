@@ -302,24 +302,14 @@ class ExpertQuantizer(TensorQuantizer):
         nn.Module._load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                                         unexpected_keys, error_msgs)
 
-    def extra_repr(self) -> str:
-        if not self._enabled:
-            return f"{self.layout}, {self.num_experts} experts, disabled"
-        parts = [self.layout, f"{self.num_experts} experts", self.fmt]
-        if self.axis is not None:
-            parts.append(f"axis={self.axis}")
-        if self.block_size is not None:
-            parts.append(f"block={self.block_size}")
+    def _repr_head(self) -> list[str]:
+        return [self.layout, f"{self.num_experts} experts"]
+
+    def _amax_repr(self) -> str:
         if self._amax is None:
-            parts.append("amax=None")
-        else:
-            lo, hi = self._amax.min().item(), self._amax.max().item()
-            parts.append(f"amax={hi:.4g}" if lo == hi else f"amax[{tuple(self._amax.shape)}] {lo:.4g}..{hi:.4g}")
-        if self._if_calib:
-            parts.append("calibrating")
-        if not self._if_quant:
-            parts.append("quant off")
-        return ", ".join(parts)
+            return "amax=None"
+        lo, hi = self._amax.min().item(), self._amax.max().item()
+        return f"amax={hi:.4g}" if lo == hi else f"amax[{tuple(self._amax.shape)}] {lo:.4g}..{hi:.4g}"
 
 
 class ExpertView(nn.Module):

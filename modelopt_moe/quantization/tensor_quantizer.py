@@ -217,20 +217,25 @@ class TensorQuantizer(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
+    def _amax_repr(self) -> str:
+        if self._amax is None:
+            return "amax=None"
+        if self._amax.numel() == 1:
+            return f"amax={self._amax.item():.4g}"
+        return f"amax[{tuple(self._amax.shape)}] max={self._amax.max().item():.4g}"
+
+    def _repr_head(self) -> list[str]:
+        return []
+
     def extra_repr(self) -> str:
         if not self._enabled:
-            return "disabled"
-        parts = [self.fmt]
+            return ", ".join([*self._repr_head(), "disabled"])
+        parts = [*self._repr_head(), self.fmt]
         if self.axis is not None:
             parts.append(f"axis={self.axis}")
         if self.block_size is not None:
             parts.append(f"block={self.block_size}")
-        if self._amax is None:
-            parts.append("amax=None")
-        elif self._amax.numel() == 1:
-            parts.append(f"amax={self._amax.item():.4g}")
-        else:
-            parts.append(f"amax[{tuple(self._amax.shape)}] max={self._amax.max().item():.4g}")
+        parts.append(self._amax_repr())
         if self._if_calib:
             parts.append("calibrating")
         if not self._if_quant:
