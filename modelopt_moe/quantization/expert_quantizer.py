@@ -61,6 +61,7 @@ class ExpertGemm:
         num_local: experts on this rank.
         sharded_axis: the weight axis split over expert-tensor-parallel ranks (0 column-, 1 row-parallel).
         weight_shape: one local expert weight's shape.
+        weights: the local expert weights, in expert order (for reports and export).
     """
 
     name: str
@@ -68,6 +69,7 @@ class ExpertGemm:
     num_local: int
     sharded_axis: int
     weight_shape: tuple[int, ...] | None
+    weights: list[torch.Tensor] | None = None
 
 
 class ExpertQuantizer(TensorQuantizer):
@@ -88,6 +90,9 @@ class ExpertQuantizer(TensorQuantizer):
         super().__init__(quant_attribute_cfg)
         self.num_experts = num_experts
         self.layout = layout
+        # Rows each expert calibrated on (its tokens, for an input quantizer; not counted for `shared`, which sees
+        # every expert's rows at once): reports mark the experts that saw none.
+        self.calibrated_rows: torch.Tensor | None = None
         if layout == "per_expert":
             self._non_persistent_buffers_set.add("_amax")  # the views carry it, under their own keys
             for i in range(num_experts):
@@ -185,8 +190,16 @@ class ExpertQuantizer(TensorQuantizer):
             self._amax = torch.zeros((self.num_experts, *like.shape), dtype=torch.float32, device=like.device)
         return self._amax
 
+    def reset_amax(self) -> None:
+        super().reset_amax()
+        self.calibrated_rows = None
+
     def collect_expert(self, index: int, x: torch.Tensor) -> None:
         """Max calibration of expert ``index`` on its tensor ``x`` (``shared``: every expert takes the max)."""
+        if self.layout != "shared":
+            if self.calibrated_rows is None:
+                self.calibrated_rows = torch.zeros(self.num_experts, dtype=torch.int64)
+            self.calibrated_rows[index] += x.numel() // max(1, x.shape[-1]) if x.dim() else 1
         new = self.amax_of(x)
         amax = self._ensure_amax(new)
         with torch.no_grad():
