@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	echo "torch==2.13.0" > $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) "triton==3.9.0" "pydantic>=2" "pyyaml>=6" "tqdm>=4" numpy \
-		"packaging>=24.2" psutil "pytest>=8" pytest-timeout ruff
+		"packaging>=24.2" psutil "pytest>=8" pytest-timeout ruff matplotlib
 	# megatron-core declares Python>=3.12 but ships a working cp311 wheel: install it alone, without deps.
 	$(PIP) install -q --no-deps --ignore-requires-python megatron-core==0.19.2
 	$(PIP) install -q --no-deps --no-build-isolation -e .

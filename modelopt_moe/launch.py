@@ -1,6 +1,7 @@
-"""Run a function on N real processes joined by ``torch.distributed`` (gloo on CPU, nccl on GPU).
+"""Run a function on N real processes joined by ``torch.distributed`` (gloo on CPU, nccl on GPU), or join the group a
+cluster launcher (``torchrun``, SLURM's ``srun``) already started.
 
-Framework-free: torch only. Used by the multi-rank tests and the demo::
+Framework-free: torch only. :func:`spawn` is used by the multi-rank tests and the demo on one machine::
 
     from modelopt_moe.launch import spawn
 
@@ -12,6 +13,10 @@ Framework-free: torch only. Used by the multi-rank tests and the demo::
 Every rank's return value (picklable) comes back to the parent, in rank order. An exception on any rank raises a
 ``RuntimeError`` in the parent that carries that rank's traceback; a run that does not finish in ``timeout``
 seconds raises ``TimeoutError``. In every case all child processes are gone when ``spawn`` returns or raises.
+
+Under a launcher, every process runs the program itself: :func:`launched_environment` reads where this process sits
+(torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``, else SLURM's ``SLURM_PROCID`` / ``SLURM_NTASKS`` /
+``SLURM_LOCALID``) and :func:`init_from_environment` joins the process group.
 """
 
 from __future__ import annotations
@@ -26,14 +31,15 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "free_port"]
+__all__ = ["spawn", "free_port", "LaunchEnvironment", "launched_environment", "init_from_environment"]
 
 # Seconds a rank's peers get to report their own failure after the first one: the root cause usually arrives
 # first, the others (broken connections) shortly after; waiting longer only delays the error.
@@ -262,3 +268,86 @@ def spawn(
             return payload
         message = payload
     raise RuntimeError(f"spawn: could not bind a free MASTER_PORT in {_PORT_RETRIES} tries:\n{message}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Processes started by a cluster launcher
+
+_DEFAULT_SLURM_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LaunchEnvironment:
+    """Where this process sits in a job a launcher started."""
+
+    launcher: str  # "torchrun" or "slurm"
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def _int_var(env: Mapping[str, str], name: str) -> int:
+    value = env.get(name)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"environment variable {name}={value!r}: expected an integer") from None
+
+
+def launched_environment(env: Mapping[str, str] | None = None) -> LaunchEnvironment | None:
+    """This process's rank, world size and local rank as its launcher set them, or None without a launcher.
+
+    torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` come first; without them, SLURM's ``SLURM_PROCID``,
+    ``SLURM_NTASKS`` and ``SLURM_LOCALID`` (what ``srun`` sets for each task).
+
+    Raises:
+        ValueError: a variable is not an integer, or the rank is outside ``[0, world_size)``.
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        found = LaunchEnvironment("torchrun", _int_var(env, "RANK"), _int_var(env, "WORLD_SIZE"),
+                                  _int_var(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0)
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        found = LaunchEnvironment("slurm", _int_var(env, "SLURM_PROCID"), _int_var(env, "SLURM_NTASKS"),
+                                  _int_var(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0)
+    else:
+        return None
+    if not 0 <= found.rank < found.world_size:
+        raise ValueError(f"{found.launcher}: rank {found.rank} is outside [0, world_size={found.world_size})")
+    return found
+
+
+def init_from_environment(backend: str | None = None, timeout: float = 1800.0) -> LaunchEnvironment:
+    """Joins the process group of a job started by torchrun or SLURM (``srun``), and returns this process's place.
+
+    The rendezvous is ``MASTER_ADDR`` / ``MASTER_PORT`` (torchrun sets them; under SLURM set them in the batch
+    script, or ``MASTER_ADDR`` defaults to ``SLURM_LAUNCH_NODE_IPADDR`` and ``MASTER_PORT`` to 29500). With CUDA,
+    each process takes GPU ``local_rank`` and the backend is NCCL; gloo otherwise.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; default by CUDA availability.
+        timeout: The process group's collective timeout, seconds.
+
+    Raises:
+        RuntimeError: no launcher variables, or no rendezvous address.
+    """
+    found = launched_environment()
+    if found is None:
+        raise RuntimeError("init_from_environment: not started by a launcher (no RANK/WORLD_SIZE from torchrun, no "
+                           "SLURM_PROCID/SLURM_NTASKS from srun); use modelopt_moe.launch.spawn on one machine")
+    if found.launcher == "slurm":
+        os.environ.setdefault("MASTER_PORT", str(_DEFAULT_SLURM_PORT))
+        if "MASTER_ADDR" not in os.environ and "SLURM_LAUNCH_NODE_IPADDR" in os.environ:
+            os.environ["MASTER_ADDR"] = os.environ["SLURM_LAUNCH_NODE_IPADDR"]
+        os.environ.update(RANK=str(found.rank), WORLD_SIZE=str(found.world_size), LOCAL_RANK=str(found.local_rank))
+    if "MASTER_ADDR" not in os.environ:
+        raise RuntimeError(f"init_from_environment ({found.launcher}): MASTER_ADDR is not set; export it in the job "
+                           "script (e.g. the first host of `scontrol show hostnames $SLURM_JOB_NODELIST`)")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(found.local_rank % torch.cuda.device_count())
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=found.rank, world_size=found.world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+    return found

@@ -62,6 +62,7 @@ class ExpertGemm:
         num_local: experts on this rank.
         sharded_axis: the weight axis split over expert-tensor-parallel ranks (0 column-, 1 row-parallel).
         weight_shape: one local expert weight's shape.
+        weights: the local expert weights, in expert order (for reports and export).
     """
 
     name: str
@@ -69,6 +70,7 @@ class ExpertGemm:
     num_local: int
     sharded_axis: int
     weight_shape: tuple[int, ...] | None
+    weights: list[torch.Tensor] | None = None
 
 
 class ExpertQuantizer(TensorQuantizer):
@@ -89,6 +91,9 @@ class ExpertQuantizer(TensorQuantizer):
         super().__init__(quant_attribute_cfg)
         self.num_experts = num_experts
         self.layout = layout
+        # Rows each expert calibrated on (its tokens, for an input quantizer; not counted for `shared`, which sees
+        # every expert's rows at once): reports mark the experts that saw none.
+        self.calibrated_rows: torch.Tensor | None = None
         if layout == "per_expert":
             self._non_persistent_buffers_set.add("_amax")  # the views carry it, under their own keys
             for i in range(num_experts):
@@ -201,11 +206,19 @@ class ExpertQuantizer(TensorQuantizer):
             self._amax = torch.zeros((self.num_experts, *like.shape), dtype=torch.float32, device=like.device)
         return self._amax
 
+    def reset_amax(self) -> None:
+        super().reset_amax()
+        self.calibrated_rows = None
+
     def collect_expert(self, index: int, x: torch.Tensor) -> None:
         """Max calibration of expert ``index`` on its tensor ``x`` (``shared``: every expert takes the max).
         Dynamic quantizers collect nothing."""
         if self.is_dynamic:
             return
+        if self.layout != "shared":
+            if self.calibrated_rows is None:
+                self.calibrated_rows = torch.zeros(self.num_experts, dtype=torch.int64)
+            self.calibrated_rows[index] += x.numel() // max(1, x.shape[-1]) if x.dim() else 1
         new = self.amax_of(x)
         amax = self._ensure_amax(new)
         with torch.no_grad():
@@ -331,24 +344,14 @@ class ExpertQuantizer(TensorQuantizer):
         nn.Module._load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                                         unexpected_keys, error_msgs)
 
-    def extra_repr(self) -> str:
-        if not self._enabled:
-            return f"{self.layout}, {self.num_experts} experts, disabled"
-        parts = [self.layout, f"{self.num_experts} experts", self.fmt]
-        if self.axis is not None:
-            parts.append(f"axis={self.axis}")
-        if self.block_size is not None:
-            parts.append(f"block={self.block_size}")
+    def _repr_head(self) -> list[str]:
+        return [self.layout, f"{self.num_experts} experts"]
+
+    def _amax_repr(self) -> str:
         if self._amax is None:
-            parts.append("amax=None")
-        else:
-            lo, hi = self._amax.min().item(), self._amax.max().item()
-            parts.append(f"amax={hi:.4g}" if lo == hi else f"amax[{tuple(self._amax.shape)}] {lo:.4g}..{hi:.4g}")
-        if self._if_calib:
-            parts.append("calibrating")
-        if not self._if_quant:
-            parts.append("quant off")
-        return ", ".join(parts)
+            return "amax=None"
+        lo, hi = self._amax.min().item(), self._amax.max().item()
+        return f"amax={hi:.4g}" if lo == hi else f"amax[{tuple(self._amax.shape)}] {lo:.4g}..{hi:.4g}"
 
 
 class ExpertView(nn.Module):

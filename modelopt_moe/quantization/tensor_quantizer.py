@@ -413,20 +413,31 @@ class TensorQuantizer(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
+    def _amax_repr(self) -> str:
+        if self._amax is None:
+            return "amax=None"
+        if self._amax.numel() == 1:
+            return f"amax={self._amax.item():.4g}"
+        return f"amax[{tuple(self._amax.shape)}] max={self._amax.max().item():.4g}"
+
+    def _repr_head(self) -> list[str]:
+        return []
+
     def extra_repr(self) -> str:
         if not self._enabled:
-            return "disabled"
-        parts = [self.fmt]
+            return ", ".join([*self._repr_head(), "disabled"])
+        parts = [*self._repr_head(), self.fmt]
         if self.axis is not None:
             parts.append(f"axis={self.axis}")
         if self.block_size is not None:
             parts.append(f"block={self.block_size}")
-        if self._amax is None:
-            parts.append("amax=None")
-        elif self._amax.numel() == 1:
-            parts.append(f"amax={self._amax.item():.4g}")
-        else:
-            parts.append(f"amax[{tuple(self._amax.shape)}] max={self._amax.max().item():.4g}")
+        if self.static_block_size is not None:
+            parts.append(f"static block={self.static_block_size}")
+        if self._cfg.per_token:
+            parts.append("per token")
+        if get_format(self.fmt).kind == "int" and (self.narrow_range or self.unsigned):
+            parts.append("unsigned" if self.unsigned else "narrow")
+        parts.append("dynamic" if self.is_dynamic else self._amax_repr())
         if self._if_calib:
             parts.append("calibrating")
         if not self._if_quant:

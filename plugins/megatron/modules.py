@@ -139,8 +139,9 @@ class QuantSequentialMLP(QuantModuleMixin):
     def expert_gemms(self) -> list[ExpertGemm]:
         gemms = []
         for name, axis in self._SHARDED_AXIS.items():
-            shape = tuple(getattr(self.local_experts[0], name).weight.shape) if len(self.local_experts) else None
-            gemms.append(ExpertGemm(name, getattr(self, name), self.num_local_experts, axis, shape))
+            weights = [getattr(expert, name).weight for expert in self.local_experts]
+            shape = tuple(weights[0].shape) if weights else None
+            gemms.append(ExpertGemm(name, getattr(self, name), self.num_local_experts, axis, shape, weights))
         return gemms
 
     def expert_grid(self) -> ExpertGrid:

@@ -35,7 +35,7 @@ from megatron.core.utils import get_model_config
 from modelopt_moe.plugins.megatron import get_forward_backward_func as reusing_forward_backward_func
 from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
 
-__all__ = ["Trainer", "setup_training", "train", "train_step", "unwrap"]
+__all__ = ["Trainer", "setup_training", "train", "train_step", "forward_step", "unwrap"]
 
 
 @dataclasses.dataclass
@@ -138,7 +138,7 @@ def _loss_func(output_tensor: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
     batch = next(data_iterator)
     device = next(model.parameters()).device
     b = {k: v.to(device) for k, v in batch.items()}
@@ -162,7 +162,7 @@ def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]
         model.zero_grad_buffer()
         optimizer.zero_grad()
         reported = trainer.forward_backward_func()(
-            forward_step_func=_forward_step,
+            forward_step_func=forward_step,
             data_iterator=iter(micro_batches),
             model=[model],
             num_microbatches=len(micro_batches),

@@ -8,8 +8,6 @@ built model and continues bit-identically. (On the CPU machine Megatron cannot l
 of torch's Adam; with TE's fused Adam it can: this is the test of that path.)
 """
 
-import os
-import socket
 import warnings
 
 import pytest
@@ -20,7 +18,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("transformer_engine.pytorch")
 
-import torch.distributed as dist  # noqa: E402
 
 import modelopt_moe.quantization as mtq  # noqa: E402
 from modelopt_moe.checkpoint import restore_sharded_modelopt_state  # noqa: E402
@@ -32,17 +29,8 @@ EXPERTS, STEPS, MICRO = 8, 4, 2
 
 
 @pytest.fixture(scope="module", autouse=True)
-def megatron_one_gpu():
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    mm.init_model_parallel(1, 1, seed=1234)
+def _megatron(megatron_one_gpu):
     yield
-    mm.destroy_model_parallel()
 
 
 def _build(seed):

@@ -4,8 +4,6 @@ amax layout gives the ``SequentialMLP`` layer's output with the same weights, an
 Run on the GPU machine: ``python3 -m pytest -m gpu tests/gpu``.
 """
 
-import os
-import socket
 import warnings
 
 import pytest
@@ -16,7 +14,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 te = pytest.importorskip("transformer_engine.pytorch")
 
-import torch.distributed as dist  # noqa: E402
 
 import modelopt_moe.quantization as mtq  # noqa: E402
 from modelopt_moe.plugins.testing import megatron_models as mm  # noqa: E402
@@ -26,17 +23,8 @@ LAYOUTS = ("shared", "vectorized", "per_expert")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def megatron_one_gpu():
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    mm.init_model_parallel(1, 1, seed=1234)
+def _megatron(megatron_one_gpu):
     yield
-    mm.destroy_model_parallel()
 
 
 def _moe_layers():

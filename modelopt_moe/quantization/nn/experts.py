@@ -120,7 +120,8 @@ def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], ker
                 for i, w in enumerate(weights)]
     fast = use_kernels(kernel, weights[0].device)
     amax = q.amax if q.needs_amax else None
-    if owner is None or _capturing(weights[0].device):
+    if owner is None or torch.compiler.is_compiling() or _capturing(weights[0].device):
+        # traced or captured: the differentiable op on every call (a replay runs no host code)
         if fast:
             return grouped_weight_fake_quant_ste(list(weights), amax, q.fmt, q.block_size, q.ste, q.narrow_range)
         return [q.fake_quant_expert(i, w) for i, w in enumerate(weights)]

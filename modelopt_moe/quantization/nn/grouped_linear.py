@@ -89,7 +89,7 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
 
     def expert_gemms(self) -> list[ExpertGemm]:
         weights = self.expert_weights()
-        return [ExpertGemm("", self, int(self.num_gemms), self.sharded_axis, tuple(weights[0].shape))]
+        return [ExpertGemm("", self, int(self.num_gemms), self.sharded_axis, tuple(weights[0].shape), list(weights))]
 
     def calibrate_weights(self) -> None:
         if self.weight_quantizer.is_enabled:

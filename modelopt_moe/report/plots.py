@@ -1,0 +1,126 @@
+"""PNG plots of a QAT run, from plain data (matplotlib, Agg backend: no display needed).
+
+Each function takes numbers (no models), writes one PNG and returns its path, so the same plots serve any framework.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["loss_curves", "expert_amax_heatmap", "expert_weight_errors", "expert_input_amax"]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+    return path
+
+
+def loss_curves(curves: Mapping[str, Sequence[tuple[int, float]]], path: str | Path, *,
+                title: str = "Training loss", references: Mapping[str, float] | None = None) -> Path:
+    """One line per phase (``{label: [(step, loss), ...]}``), steps continuing across phases; dashed horizontal
+    lines for reference losses (``{label: loss}``, e.g. the bf16 and PTQ evaluation losses)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, points in curves.items():
+        if points:
+            steps, losses = zip(*points, strict=True)
+            ax.plot(steps, losses, marker="o" if len(points) < 40 else None, markersize=3, label=label)
+    for i, (label, value) in enumerate((references or {}).items()):
+        ax.axhline(value, linestyle="--", linewidth=1, color=f"C{i + len(curves)}", label=f"{label}: {value:.4f}")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def expert_amax_heatmap(rows: Sequence[str], amax: Sequence[Sequence[float]], path: str | Path, *,
+                        title: str = "Expert weight amax") -> Path:
+    """A heatmap of ``amax[row][global expert]`` (rows: e.g. ``layer 0 fc1``), value printed where it fits."""
+    plt = _plt()
+    import numpy as np
+
+    data = np.asarray(amax, dtype=float)
+    n_rows, n_cols = data.shape
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * n_cols + 2.5), max(2.5, 0.45 * n_rows + 1.5)))
+    im = ax.imshow(data, aspect="auto", cmap="viridis")
+    ax.set_xticks(range(n_cols), [str(e) for e in range(n_cols)])
+    ax.set_yticks(range(n_rows), list(rows))
+    ax.set_xlabel("global expert")
+    ax.set_title(title)
+    if n_cols <= 16 and n_rows <= 16:
+        mid = (data.max() + data.min()) / 2
+        for r in range(n_rows):
+            for c in range(n_cols):
+                ax.text(c, r, f"{data[r, c]:.3g}", ha="center", va="center", fontsize=7,
+                        color="black" if data[r, c] > mid else "white")
+    fig.colorbar(im, ax=ax, label="amax")
+    return _save(fig, path)
+
+
+def expert_weight_errors(shared: Sequence[float], per_expert: Sequence[float], path: str | Path, *,
+                         title: str = "Weight quantization error per expert") -> Path:
+    """Side-by-side bars per global expert: relative quantization error with one amax for all experts (``shared``)
+    and with each expert's own (``per_expert``)."""
+    plt = _plt()
+    import numpy as np
+
+    x = np.arange(len(shared))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(shared) + 3), 4))
+    ax.bar(x - 0.2, shared, width=0.4, label="shared amax (one per layer)")
+    ax.bar(x + 0.2, per_expert, width=0.4, label="per-expert amax")
+    ax.set_xticks(x, [str(e) for e in x])
+    ax.set_xlabel("global expert")
+    ax.set_ylabel("relative MSE  |Q(w) - w|² / |w|²")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def expert_input_amax(panels: Mapping[str, tuple[Sequence[float], Sequence[bool]]], path: str | Path, *,
+                      title: str = "Input amax per expert") -> Path:
+    """One bar panel per GEMM (``{label: (amax per global expert, saw_tokens per global expert)}``); experts that saw
+    no calibration token (they take the shared amax) are hatched and listed in the panel title."""
+    plt = _plt()
+    import numpy as np
+
+    n = len(panels)
+    cols = min(2, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 2.8 * rows), squeeze=False)
+    for ax, (label, (amax, seen)) in zip(axes.flat, panels.items(), strict=False):
+        x = np.arange(len(amax))
+        colors = ["C0" if s else "lightgray" for s in seen]
+        bars = ax.bar(x, amax, color=colors, edgecolor="black", linewidth=0.4)
+        for bar, s in zip(bars, seen, strict=True):
+            if not s:
+                bar.set_hatch("//")
+        unseen = [int(i) for i in x if not seen[i]]
+        ax.set_title(f"{label}" + (f"  (no tokens: experts {unseen})" if unseen else ""), fontsize=9)
+        ax.set_xticks(x, [str(e) for e in x], fontsize=7)
+        ax.set_xlabel("global expert", fontsize=8)
+        ax.set_ylabel("input amax", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle(title)
+    return _save(fig, path)
