@@ -184,10 +184,6 @@ class TensorQuantizer(nn.Module):
         return self._cfg.is_dynamic
 
     @property
-    def fake_quant_enabled(self) -> bool:  # Model Optimizer's ``fake_quant`` attribute (always True here)
-        return True
-
-    @property
     def maxbound(self) -> float:
         """The largest quantized magnitude: 448 (e4m3), 57344 (e5m2), 6 (NVFP4 elements), ``2**(b-1+unsigned)-1``."""
         if self.fmt == "nvfp4":
