@@ -34,7 +34,7 @@ def _python(marker: str) -> str:
 
 def test_every_snippet_is_run_here():
     python = _blocks("python")
-    assert len(python) == 5, "a README python snippet was added or removed: run it in this file"
+    assert len(python) == 6, "a README python snippet was added or removed: run it in this file"
     assert sum(any(m in b for m in MEGATRON_SNIPPETS) for b in python) == 3
     assert len(_blocks("yaml")) == 1
 
@@ -45,6 +45,10 @@ def test_usage_snippet():
     y, experts = namespace["y"], namespace["experts"]
     assert y.shape == (40, 32) and torch.isfinite(y).all()
     assert experts.weight_quantizer.amax.shape == (4,)
+
+
+def test_model_optimizer_snippet():
+    exec(compile(_python("import modelopt_moe.checkpoint as mto"), "README.md", "exec"), {})
 
 
 def test_yaml_snippet(tmp_path):
