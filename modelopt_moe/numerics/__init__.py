@@ -22,6 +22,6 @@ from .formats import (
 )
 
 __all__ = [
-    "E2M1_MAX", "E4M3_MAX", "FORMATS", "NVFP4_BLOCK_SIZE", "TINY_AMAX", "FormatSpec", "Quantized", "clip_limit", "dequantize", "fake_quant",
-    "format_from_num_bits", "get_format", "quantize", "round_to_e2m1", "safe_amax",
+    "E2M1_MAX", "E4M3_MAX", "FORMATS", "NVFP4_BLOCK_SIZE", "TINY_AMAX", "FormatSpec", "Quantized", "clip_limit",
+    "dequantize", "fake_quant", "format_from_num_bits", "get_format", "quantize", "round_to_e2m1", "safe_amax",
 ]
