@@ -12,8 +12,8 @@ stored codes and block scales are exactly the ones training rounded to. Decoding
   ``weight_scale = 1 / s`` and compressed-tensors' NVFP4 the reciprocal ``weight_global_scale = 1 / sg``: no fp32
   number is the exact reciprocal of ``s`` (unless ``s`` is a power of two), so ``q * weight_scale`` can differ
   from training's ``q / s`` by one fp32 rounding (measured on 200,000 random amaxes: 17.6% give every FP8 code
-  exactly in fp32, 99.997% in bf16; never more than 1 fp32 ulp). We store the correctly rounded reciprocal, the
-  closest any file can be. See docs/export.md.
+  exactly in fp32, 99.997% in bf16; never more than 1 fp32 ulp; compressed-tensors' NVFP4 formula rounds twice,
+  at most 2 ulps). We store the correctly rounded reciprocal, the closest any file can be. See docs/export.md.
 
 NVFP4 packing (both formats, and what vLLM, SGLang, TensorRT-LLM and compressed-tensors unpack): two E2M1 codes per
 byte along the input (last) dim, the even column in the low nibble; a code is ``sign << 3 | index`` with index

@@ -117,8 +117,17 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
 
     expected = set(canonical_names(arch))
     seen: set[str] = set()
-    writer = CheckpointWriter(out_dir) if _is_writer() else None
+    writer = None
     try:
+        error = None
+        if _is_writer():
+            try:
+                writer = CheckpointWriter(out_dir)
+            except OSError as e:
+                error = f"cannot create a temporary directory beside {out_dir}: {e}"
+        error = _agree(error)
+        if error is not None:
+            raise ExportError(error)
         bar = _progress(num_groups, progress and writer is not None)
         for label, records in groups:
             error = None
@@ -126,8 +135,9 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
                 if writer is not None and error is None:
                     try:
                         _write_record(writer, family, rec, scheme, fmt, dtype, expected, seen)
-                    except ValueError as e:  # ExportError included
-                        error = f"{label}: {e}"
+                    except Exception as e:  # noqa: BLE001  (every rank must learn of it, whatever it is)
+                        error = f"{label}: {type(e).__name__}: {e}" if not isinstance(e, ExportError) else \
+                            f"{label}: {e}"
             error = _agree(error)
             if error is not None:
                 raise ExportError(error)
@@ -216,18 +226,16 @@ class HfCheckpointReader:
         else:
             raise ExportError(f"{self.path}: no model.safetensors or {INDEX_FILE}")
         self._files: dict[str, str] = {}
+        expected = set(canonical_names(self.arch))
         unexpected = []
         for name, file in weight_map.items():
             module, _, param = name.rpartition(".")
             canonical = self.family.canonical(module) if param == "weight" else None
-            if canonical is None:
-                unexpected.append(name)
-            else:
+            if canonical in expected:
                 self._files[canonical] = file
-        if self.arch.tie_word_embeddings:
-            self._files.pop("lm_head", None)
-            unexpected = [u for u in unexpected if u != "lm_head.weight"]
-        missing = sorted(set(canonical_names(self.arch)) - set(self._files))
+            elif not (canonical == "lm_head" and self.arch.tie_word_embeddings):  # tied copies are allowed
+                unexpected.append(name)
+        missing = sorted(expected - set(self._files))
         if missing or unexpected:
             raise ExportError(f"{self.path}: the tensors do not match {self.family.architecture} with config "
                               f"{self.arch}: missing {[self.family.hf_module(m) + '.weight' for m in missing[:5]]}"
