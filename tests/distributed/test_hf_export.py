@@ -143,7 +143,8 @@ def _rank(rank, world, paths: dict) -> dict:
 
     warnings.filterwarnings("ignore")
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.export import build_megatron_model, export_hf, import_hf
+    from modelopt_moe.export import build_megatron_model, export_hf, import_hf, save_hf_config
+    from modelopt_moe.plugins.megatron import save_sharded_checkpoint
     from modelopt_moe.plugins.testing import megatron_models as mm
 
     mm.init_model_parallel(tp=TP, ep=EP)
@@ -187,6 +188,8 @@ def _rank(rank, world, paths: dict) -> dict:
         for fmt in FORMATS:
             export_hf(m, out / f"{scheme}_{fmt}", format=fmt, dtype=torch.bfloat16, progress=False)
         if scheme == "fp8":
+            save_sharded_checkpoint(m, out / "ckpt")  # for `modelopt-moe export` (test_cli_export_...)
+            save_hf_config(paths["qwen3_moe"], out / "ckpt")
             _bad_exports(m, out, errors, rank)
         mtq.disable_quantizer(m, "*input_quantizer")  # transformers runs weight-only: compare like with like
         res[f"logits_{scheme}"] = logits(m)
@@ -543,3 +546,25 @@ def test_bad_inputs_fail_on_every_rank_before_writing(run):
         assert message is not None and re.search(pattern, message), (key, message)
         assert run["r0"]["errors"].get(key + "/leftovers", []) == [], key
     assert sorted(p.name for p in (run["out"] / "taken").iterdir()) == ["keep.txt"]
+
+
+def test_cli_exports_a_distributed_checkpoint_saved_at_another_layout(run, tmp_path, capfd):
+    """``modelopt-moe export`` on the FP8 model's checkpoint (saved at TP2 EP2, exported on one process at TP1 EP1)
+    writes the same tensors, byte for byte, as ``export_hf`` did inside the TP2 EP2 run."""
+    from modelopt_moe.plugins.cli import main
+
+    out = tmp_path / "cli_out"
+    rc = main(["export", "--checkpoint", str(run["out"] / "ckpt"), "--format", "modelopt", "--out", str(out),
+               "--dtype", "float32", "--timeout", "300"])
+    captured = capfd.readouterr()
+    assert rc == 0, captured.err[-3000:]
+    assert "export: 100%" in captured.err  # the per-layer progress bar
+    ours, direct = _tensors(out), _tensors(run["out"] / "fp8_modelopt")
+    assert sorted(ours) == sorted(direct)
+    for name, t in direct.items():
+        assert ours[name].dtype == t.dtype and ours[name].shape == t.shape, name
+        assert torch.equal(ours[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"] == json.loads((run["out"] / "fp8_modelopt" / "config.json").read_text())[
+        "quantization_config"]
+    assert cfg["initializer_range"] == 0.02  # the recorded config's other keys are kept
