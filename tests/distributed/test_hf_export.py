@@ -194,6 +194,16 @@ def _rank(rank, world, paths: dict) -> dict:
         mtq.disable_quantizer(m, "*input_quantizer")  # transformers runs weight-only: compare like with like
         res[f"logits_{scheme}"] = logits(m)
 
+    # grouped experts (TEGroupedMLP with the project's grouped linears, weight0..N) export like SequentialMLP ones
+    import torch.nn.functional as F
+
+    for kind in ("sequential", "grouped"):
+        m = mm.build_moe_gpt(num_layers=LAYERS, hidden=64, ffn_hidden=INTER, num_experts=EXPERTS, vocab_size=128,
+                             seq_len=16, experts=kind, normalization="RMSNorm", gated_linear_unit=True,
+                             activation_func=F.silu, seed=7).eval()
+        mtq.quantize(m, mtq.load_config("nvfp4_default.yaml"), calibrate)
+        export_hf(m, out / f"experts_{kind}", format="modelopt", progress=False)
+
     m = fresh("qwen3_moe")  # INT4 blocks: no compressed-tensors / modelopt scheme of ours
     mtq.quantize(m, mtq.load_config("int4_blockwise_weight_only.yaml"))
     _expect_error(errors, "int4", lambda: export_hf(m, out / "int4", format="compressed-tensors"), out / "int4")
@@ -568,3 +578,15 @@ def test_cli_exports_a_distributed_checkpoint_saved_at_another_layout(run, tmp_p
     assert cfg["quantization_config"] == json.loads((run["out"] / "fp8_modelopt" / "config.json").read_text())[
         "quantization_config"]
     assert cfg["initializer_range"] == 0.02  # the recorded config's other keys are kept
+
+
+def test_grouped_and_sequential_experts_export_the_same_checkpoint(run):
+    """Megatron's TEGroupedMLP (grouped linears, ``weight0..N``; here the project's CPU grouped linear) and
+    SequentialMLP with the same weights give the same Mixtral checkpoint, byte for byte."""
+    seq, grouped = _tensors(run["out"] / "experts_sequential"), _tensors(run["out"] / "experts_grouped")
+    assert sorted(seq) == sorted(grouped) and "model.layers.1.block_sparse_moe.experts.3.w3.weight_scale_2" in seq
+    for name, t in seq.items():
+        g = grouped[name]
+        assert g.dtype == t.dtype and torch.equal(g.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    configs = [json.loads((run["out"] / f"experts_{k}" / "config.json").read_text()) for k in ("sequential", "grouped")]
+    assert configs[0] == configs[1] and configs[0]["architectures"] == ["MixtralForCausalLM"]
