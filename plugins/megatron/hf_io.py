@@ -25,7 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from modelopt_moe.export.errors import ExportError
-from modelopt_moe.export.families import MoEArch, get_family, read_hf_config
+from modelopt_moe.export.families import MoEArch, family_for_architecture, get_family, read_hf_config
 from modelopt_moe.export.hf_checkpoint import HfCheckpointReader, LinearRecord, TensorRecord, write_hf_checkpoint
 from modelopt_moe.export.schemes import LinearQuant, QuantSpec
 from modelopt_moe.quantization.conversion import unwrap_model
@@ -279,8 +279,6 @@ def export_megatron(model, out_dir: str | os.PathLike, *, format: str = "compres
     m = unwrap_model(model)
     template = read_hf_config(hf_config) if hf_config is not None else None
     if family is None and template is not None:
-        from modelopt_moe.export.families import family_for_architecture
-
         family = family_for_architecture(template).name
     arch = megatron_arch(m, family)
     if template is not None:

@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from modelopt_moe.export.errors import ExportError
-from modelopt_moe.export.families import MoEArch, get_family, read_hf_config
+from modelopt_moe.export.families import MoEArch, family_for_architecture, get_family, read_hf_config
 from modelopt_moe.quantization.conversion import unwrap_model
 
 from .norms import sequence_parallel_norm
@@ -113,8 +113,6 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
         raise ExportError("build_megatron_model: pipeline parallelism is not supported (pipeline size "
                           f"{parallel_state.get_pipeline_model_parallel_world_size()}, expected 1)")
     cfg = read_hf_config(hf_dir_or_config)
-    from modelopt_moe.export.families import family_for_architecture
-
     arch = family_for_architecture(cfg).arch_from_hf(cfg)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
