@@ -36,6 +36,14 @@ _DEMO_DESCRIPTION = "The demo: quantize a real Megatron-Core MoE GPT on N CPU pr
 _TRAIN_OFFSET, _CALIB_OFFSET, _EVAL_OFFSET = 0, 4000, 6000
 
 
+def check_layout(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--tp`` and ``--ep`` must divide ``--world-size`` (an argparse error otherwise)."""
+    for name in ("tp", "ep"):
+        size = getattr(args, name)
+        if size < 1 or args.world_size % size:
+            p.error(f"--{name} {size} must be >= 1 and divide --world-size {args.world_size}")
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="modelopt-moe [demo]", description=_DEMO_DESCRIPTION,
                                 epilog="Other command: modelopt-moe export (see modelopt-moe export --help).")
@@ -55,10 +63,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234, help="weight seed (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run (default: %(default)s)")
     args = p.parse_args(argv)
-    for name in ("tp", "ep"):
-        size = getattr(args, name)
-        if size < 1 or args.world_size % size:
-            p.error(f"--{name} {size} must be >= 1 and divide --world-size {args.world_size}")
+    check_layout(p, args)
     if args.num_experts % args.ep:
         p.error(f"--num-experts {args.num_experts} must be a multiple of --ep {args.ep}")
     if args.seq_len % args.tp:

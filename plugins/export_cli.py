@@ -38,10 +38,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=1, help="processes (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run (default: %(default)s)")
     args = p.parse_args(argv)
-    for name in ("tp", "ep"):
-        size = getattr(args, name)
-        if size < 1 or args.world_size % size:
-            p.error(f"--{name} {size} must be >= 1 and divide --world-size {args.world_size}")
+    from modelopt_moe.plugins.cli import check_layout
+
+    check_layout(p, args)
     return args
 
 

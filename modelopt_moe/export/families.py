@@ -209,14 +209,17 @@ class Family:
             router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)), dtype=str(dtype).replace("torch.", ""))
 
 
+# The attention block and norms: the same module names in both families (Llama's).
+_DECODER_LAYER = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                  **{p: f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}}
+
+
 class Qwen3MoeFamily(Family):
     name = "qwen3_moe"
     architecture = "Qwen3MoeForCausalLM"
     model_type = "qwen3_moe"
     qk_norm = True
-    layer_modules = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
-                     "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-                     "o_proj": "self_attn.o_proj", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+    layer_modules = {**_DECODER_LAYER, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
                      "router": "mlp.gate"}
     expert_prefix = "mlp.experts"
     expert_modules = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -252,9 +255,7 @@ class MixtralFamily(Family):
     architecture = "MixtralForCausalLM"
     model_type = "mixtral"
     qk_norm = False
-    layer_modules = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
-                     "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-                     "o_proj": "self_attn.o_proj", "router": "block_sparse_moe.gate"}
+    layer_modules = {**_DECODER_LAYER, "router": "block_sparse_moe.gate"}
     expert_prefix = "block_sparse_moe.experts"
     expert_modules = {"gate": "w1", "up": "w3", "down": "w2"}
 

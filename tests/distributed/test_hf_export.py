@@ -322,8 +322,11 @@ def test_every_exported_weight_decodes_to_training_fake_quant(run, scheme, fmt):
         assert len(per_expert) > 1
 
 
-def _moe(model, layer):
-    return model.model.layers[layer].mlp.experts
+def _loaded_expert(model, layer: int, e: int) -> dict[str, torch.Tensor]:
+    """Expert ``e``'s matrices from transformers' fused experts (``gate_up_proj [E, 2I, H]``, gate rows first)."""
+    experts = model.model.layers[layer].mlp.experts
+    return {"gate_proj": experts.gate_up_proj[e, :INTER], "up_proj": experts.gate_up_proj[e, INTER:],
+            "down_proj": experts.down_proj[e]}
 
 
 def test_transformers_reads_fp8_compressed_tensors(run):
@@ -334,11 +337,9 @@ def test_transformers_reads_fp8_compressed_tensors(run):
     t, amax, src = _tensors(path), run["r0"]["amax_fp8"], _source(run)
     worst = 0.0
     for layer in range(LAYERS):
-        experts, p = _moe(model, layer), f"model.layers.{layer}.mlp.experts."
+        p = f"model.layers.{layer}.mlp.experts."
         for e in range(EXPERTS):
-            loaded = {"gate_proj": experts.gate_up_proj[e, :INTER], "up_proj": experts.gate_up_proj[e, INTER:],
-                      "down_proj": experts.down_proj[e]}
-            for mod, got in loaded.items():
+            for mod, got in _loaded_expert(model, layer, e).items():
                 name = f"{p}{e}.{mod}"
                 # their dequantize is the format's formula, codes * weight_scale ...
                 formula = codecs.decode_fp8_file(t[name + ".weight"], t[name + ".weight_scale"], torch.float32)
@@ -389,11 +390,9 @@ def _check_nvfp4_model(run, model, path) -> float:
     logits' max difference from the Megatron fake-quant model."""
     amax, src = run["r0"]["amax_nvfp4"], _source(run)
     for layer in range(LAYERS):
-        experts, p = _moe(model, layer), f"model.layers.{layer}.mlp.experts."
+        p = f"model.layers.{layer}.mlp.experts."
         for e in range(EXPERTS):
-            loaded = {"gate_proj": experts.gate_up_proj[e, :INTER], "up_proj": experts.gate_up_proj[e, INTER:],
-                      "down_proj": experts.down_proj[e]}
-            for mod, got in loaded.items():
+            for mod, got in _loaded_expert(model, layer, e).items():
                 name = f"{p}{e}.{mod}"
                 gemm = "linear_fc2" if mod == "down_proj" else "linear_fc1"
                 expected = fake_quant(src[name].float(), "nvfp4", amax[(layer, gemm, "weight_quantizer", e)])
