@@ -96,27 +96,14 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
     """
     error = None
     try:
-        if dtype is not None:
-            arch = replace(arch, dtype=str(dtype).replace("torch.", ""))
-        dtype = DTYPES.get(arch.dtype)
-        if dtype is None:
-            raise ExportError(f"dtype {arch.dtype!r}: expected one of {sorted(DTYPES)}")
-        config = family.hf_config(arch, template)
-        hf_quants = {family.hf_module(c): q for c, q in linear_quants.items()}
-        scheme = resolve_scheme(hf_quants, fmt)
-        ignore = [name for name, q in hf_quants.items() if scheme_of(q, name) is None]
-        if scheme is not None:
-            config["quantization_config"] = quantization_config(scheme, fmt, ignore)
+        arch, dtype, config, scheme, ignore = _plan(arch, family, fmt, linear_quants, dtype, template)
         if _is_writer():
             check_out_dir(out_dir)
     except ExportError as e:
         error = str(e)
-    error = _agree(error)
-    if error is not None:
-        raise ExportError(error)
+    _raise_agreed(error)
 
-    expected = set(canonical_names(arch))
-    seen: set[str] = set()
+    expected, seen = set(canonical_names(arch)), set()
     writer = None
     try:
         error = None
@@ -125,9 +112,7 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
                 writer = CheckpointWriter(out_dir)
             except OSError as e:
                 error = f"cannot create a temporary directory beside {out_dir}: {e}"
-        error = _agree(error)
-        if error is not None:
-            raise ExportError(error)
+        _raise_agreed(error)
         bar = _progress(num_groups, progress and writer is not None)
         for label, records in groups:
             error = None
@@ -136,11 +121,8 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
                     try:
                         _write_record(writer, family, rec, scheme, fmt, dtype, expected, seen)
                     except Exception as e:  # noqa: BLE001  (every rank must learn of it, whatever it is)
-                        error = f"{label}: {type(e).__name__}: {e}" if not isinstance(e, ExportError) else \
-                            f"{label}: {e}"
-            error = _agree(error)
-            if error is not None:
-                raise ExportError(error)
+                        error = f"{label}: {e}" if isinstance(e, ExportError) else f"{label}: {type(e).__name__}: {e}"
+            _raise_agreed(error)
             if bar is not None:
                 bar.set_postfix_str(label)
                 bar.update(1)
@@ -148,24 +130,48 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
             bar.close()
         error = None
         if writer is not None:
-            missing = sorted(expected - seen)
-            if missing:
-                error = (f"the adapter gave no tensor for {len(missing)} names of {family.architecture}, e.g. "
-                         f"{missing[:3]}")
-            else:
-                extra = {"hf_quant_config.json": hf_quant_config(scheme, ignore)} if fmt == "modelopt" else None
-                try:
-                    writer.commit(config, extra)
-                except OSError as e:
-                    error = f"writing {out_dir} failed: {e}"
-        error = _agree(error)
-        if error is not None:
-            raise ExportError(error)
+            error = _commit(writer, config, scheme, ignore, fmt, sorted(expected - seen), family)
+        _raise_agreed(error)
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
     return Path(out_dir)
+
+
+def _plan(arch: MoEArch, family: Family, fmt: str, linear_quants: dict[str, LinearQuant], dtype, template):
+    """Everything known before any tensor: the export dtype, ``config.json``, the scheme and the excluded linears."""
+    if dtype is not None:
+        arch = replace(arch, dtype=str(dtype).replace("torch.", ""))
+    if arch.dtype not in DTYPES:
+        raise ExportError(f"dtype {arch.dtype!r}: expected one of {sorted(DTYPES)}")
+    config = family.hf_config(arch, template)
+    hf_quants = {family.hf_module(c): q for c, q in linear_quants.items()}
+    scheme = resolve_scheme(hf_quants, fmt)
+    ignore = [name for name, q in hf_quants.items() if scheme_of(q, name) is None]
+    if scheme is not None:
+        config["quantization_config"] = quantization_config(scheme, fmt, ignore)
+    return arch, DTYPES[arch.dtype], config, scheme, ignore
+
+
+def _commit(writer: CheckpointWriter, config: dict, scheme, ignore: list[str], fmt: str, missing: list[str],
+            family: Family) -> str | None:
+    """Writer rank: the final files and the rename; returns an error to agree on (or None)."""
+    if missing:
+        return f"the adapter gave no tensor for {len(missing)} names of {family.architecture}, e.g. {missing[:3]}"
+    extra = {"hf_quant_config.json": hf_quant_config(scheme, ignore)} if fmt == "modelopt" else None
+    try:
+        writer.commit(config, extra)
+    except OSError as e:
+        return f"writing {writer.out_dir} failed: {e}"
+    return None
+
+
+def _raise_agreed(error: str | None) -> None:
+    """Raises the writer rank's error on every rank (one broadcast, made by every rank)."""
+    error = _agree(error)
+    if error is not None:
+        raise ExportError(error)
 
 
 def _progress(total: int, enabled: bool):
