@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	echo "torch==2.13.0" > $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) "triton==3.9.0" "pydantic>=2" "pyyaml>=6" "tqdm>=4" numpy \
 		"packaging>=24.2" psutil "pytest>=8" pytest-timeout ruff matplotlib
+	# Hugging Face export: safetensors (writer), transformers + compressed-tensors (the readers the tests prove with).
+	$(PIP) install -q -c $(CONSTRAINTS) "safetensors>=0.4" "transformers==5.23.0" "compressed-tensors==0.20.0"
 	# megatron-core declares Python>=3.12 but ships a working cp311 wheel: install it alone, without deps.
 	$(PIP) install -q --no-deps --ignore-requires-python megatron-core==0.19.2
 	$(PIP) install -q --no-deps --no-build-isolation -e .

@@ -2,9 +2,10 @@
 transformer_engine.
 
 Importing this package imports no framework. :func:`register_imported` is the one entry point the core calls
-(``modelopt_moe.quantization.conversion.register_framework_plugins``, made by ``mtq.quantize`` and every restore):
-for every plugin whose frameworks the program has imported, it imports the plugin and calls its ``register()``,
-which adds the plugin's quantized classes (and parallel groups) to the core's registries.
+(``modelopt_moe.quantization.conversion.register_framework_plugins``, made by ``mtq.quantize``, every restore and the
+Hugging Face export): for every plugin whose frameworks the program has imported, and every plugin the caller
+requires by name, it imports the plugin and calls its ``register()``, which adds the plugin's quantized classes,
+parallel groups and export adapter to the core's registries.
 """
 
 import importlib
@@ -19,10 +20,26 @@ _PLUGINS = {
 _registered: set[str] = set()
 
 
-def register_imported() -> list[str]:
-    """Registers every plugin whose frameworks are imported (once each); returns the names registered so far."""
+def register_imported(require: str | tuple[str, ...] | list[str] | None = None) -> list[str]:
+    """Registers every plugin whose frameworks are imported, and every plugin in ``require`` (importing its
+    framework), once each; returns the names registered so far.
+
+    Raises:
+        ValueError: ``require`` names an unknown plugin.
+        ImportError: a required plugin's framework cannot be imported (the message names the plugin).
+    """
+    required = {require} if isinstance(require, str) else set(require or ())
+    unknown = sorted(required - set(_PLUGINS))
+    if unknown:
+        raise ValueError(f"unknown plugin(s) {unknown}; expected one of {sorted(_PLUGINS)}")
     for plugin, frameworks in _PLUGINS.items():
-        if plugin not in _registered and all(f in sys.modules for f in frameworks):
-            importlib.import_module(f"{__name__}.{plugin}").register()
+        if plugin in _registered:
+            continue
+        if plugin in required or all(f in sys.modules for f in frameworks):
+            try:
+                module = importlib.import_module(f"{__name__}.{plugin}")
+            except ImportError as e:
+                raise ImportError(f"plugin {plugin!r} needs {' and '.join(frameworks)}: {e}") from e
+            module.register()
             _registered.add(plugin)
     return sorted(_registered)

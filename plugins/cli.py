@@ -1,7 +1,13 @@
-"""The demo: quantize a real Megatron-Core MoE GPT on N CPU processes (gloo) and compare its loss.
+"""The ``modelopt-moe`` console script: ``demo`` (the default) and ``export``.
 
-The ``modelopt-moe`` console script (or ``make demo``) spawns ``--world-size``
-processes (default 4: TP=2, EP=2), builds a small Megatron-Core MoE GPT with ``SequentialMLP`` experts, trains it
+``modelopt-moe export --checkpoint DIR --format compressed-tensors|modelopt --out DIR`` reads a distributed checkpoint
+saved by ``modelopt_moe.plugins.megatron.save_sharded_checkpoint`` at any TP / EP layout (the model it rebuilds is
+recorded beside it by ``modelopt_moe.export.save_hf_config``, or given with ``--hf-config``) and writes a servable
+Hugging Face checkpoint, with a progress bar per layer (see docs/export.md).
+
+``modelopt-moe demo [flags]`` (or just ``modelopt-moe [flags]``, or ``make demo``): quantize a real Megatron-Core
+MoE GPT on N CPU processes (gloo) and compare its loss. It spawns ``--world-size`` processes (default 4: TP=2,
+EP=2), builds a small Megatron-Core MoE GPT with ``SequentialMLP`` experts, trains it
 for a few steps on real English text (byte-level, ``pydoc_data.topics`` from the standard library) so the loss
 means something, measures the LM loss on held-out batches, quantizes with
 ``mtq.quantize(model, mtq.load_config(path), forward_loop)`` (max calibration on ``--num-calib-batches``
@@ -24,13 +30,23 @@ from typing import Any
 from modelopt_moe.launch import spawn
 
 DEFAULT_CONFIG = "configs/fp8_per_expert.yaml"
+_DEMO_DESCRIPTION = "The demo: quantize a real Megatron-Core MoE GPT on N CPU processes (gloo) and compare its loss."
 
 # Disjoint sample ranges of the corpus for training, calibration and evaluation (text_batches offsets, in samples).
 _TRAIN_OFFSET, _CALIB_OFFSET, _EVAL_OFFSET = 0, 4000, 6000
 
 
+def check_layout(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--tp`` and ``--ep`` must divide ``--world-size`` (an argparse error otherwise)."""
+    for name in ("tp", "ep"):
+        size = getattr(args, name)
+        if size < 1 or args.world_size % size:
+            p.error(f"--{name} {size} must be >= 1 and divide --world-size {args.world_size}")
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="modelopt-moe", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="modelopt-moe [demo]", description=_DEMO_DESCRIPTION,
+                                epilog="Other command: modelopt-moe export (see modelopt-moe export --help).")
     p.add_argument("--config", default=DEFAULT_CONFIG,
                    help="quantization config YAML; a bare file name also finds the shipped presets "
                         "(default: %(default)s)")
@@ -47,10 +63,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234, help="weight seed (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run (default: %(default)s)")
     args = p.parse_args(argv)
-    for name in ("tp", "ep"):
-        size = getattr(args, name)
-        if size < 1 or args.world_size % size:
-            p.error(f"--{name} {size} must be >= 1 and divide --world-size {args.world_size}")
+    check_layout(p, args)
     if args.num_experts % args.ep:
         p.error(f"--num-experts {args.num_experts} must be a multiple of --ep {args.ep}")
     if args.seq_len % args.tp:
@@ -145,7 +158,18 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point (``modelopt-moe``); returns the process exit code."""
+    """Console entry point (``modelopt-moe``): ``export ...``, ``demo ...`` or the demo's flags alone; returns the
+    process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["export"]:
+        from modelopt_moe.plugins.export_cli import export_main
+
+        return export_main(argv[1:])
+    return demo_main(argv[1:] if argv[:1] == ["demo"] else argv)
+
+
+def demo_main(argv: list[str] | None = None) -> int:
+    """``modelopt-moe demo``; returns the process exit code."""
     args = _parse_args(argv)
     # Only the import is silenced here: main() may run inside another program (tests), whose warning filters and
     # loggers must stay as they were. The ranks are fresh processes and silence themselves (_quiet).

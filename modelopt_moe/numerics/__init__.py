@@ -10,15 +10,18 @@ from .formats import (
     NVFP4_BLOCK_SIZE,
     TINY_AMAX,
     FormatSpec,
+    Quantized,
     clip_limit,
+    dequantize,
     fake_quant,
     format_from_num_bits,
     get_format,
+    quantize,
     round_to_e2m1,
     safe_amax,
 )
 
 __all__ = [
-    "E2M1_MAX", "E4M3_MAX", "FORMATS", "NVFP4_BLOCK_SIZE", "TINY_AMAX", "FormatSpec", "clip_limit", "fake_quant",
-    "format_from_num_bits", "get_format", "round_to_e2m1", "safe_amax",
+    "E2M1_MAX", "E4M3_MAX", "FORMATS", "NVFP4_BLOCK_SIZE", "TINY_AMAX", "FormatSpec", "Quantized", "clip_limit",
+    "dequantize", "fake_quant", "format_from_num_bits", "get_format", "quantize", "round_to_e2m1", "safe_amax",
 ]

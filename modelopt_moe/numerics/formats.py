@@ -50,6 +50,9 @@ __all__ = [
     "round_to_e2m1",
     "int_range",
     "fake_quant",
+    "Quantized",
+    "quantize",
+    "dequantize",
 ]
 
 # An amax at or below this (the smallest fp16 subnormal) is treated as "never calibrated / all zero".
@@ -213,6 +216,80 @@ def _div(num: torch.Tensor | float, den: torch.Tensor | float) -> torch.Tensor:
     return torch.div(num, den)
 
 
+@dataclass(frozen=True)
+class Quantized:
+    """What :func:`fake_quant` rounds ``x`` to, before it multiplies back: the format's values and scales.
+
+    ``fake_quant(x, ...) == dequantize(quantize(x, ...)).to(x.dtype)`` bit for bit (the same fp32 operations), so an
+    exporter that stores these values and scales stores exactly what training used.
+
+    Attributes:
+        fmt: the format name.
+        values: fp32 values on the format's grid (E4M3 / E5M2 values, E2M1 values, integers), shape of ``x``
+            (``[..., K // block, block]`` for block formats).
+        scale: fp8 and int per tensor / channel: the divisor ``bound / amax`` (``values / scale`` is the output);
+            nvfp4: the per-tensor (per-expert) second-level scale ``sg = amax / (6 * 448)``, broadcastable over the
+            block view; int blocks: the divisor of each block ``[..., K // block, 1]``.
+        block_scale: nvfp4 only: each block's E4M3 scale ``sb`` as fp32, ``[..., K // 16, 1]``.
+        block_size: the block length of the last dim (nvfp4: 16; int with blocks), None per tensor / channel.
+        length: int blocks: the last dim before its zero padding to a whole number of blocks.
+    """
+
+    fmt: str
+    values: torch.Tensor
+    scale: torch.Tensor
+    block_scale: torch.Tensor | None = None
+    block_size: int | None = None
+    length: int | None = None
+
+
+def quantize(x: torch.Tensor, fmt: str, amax: torch.Tensor | None = None, block_size: int | None = None, *,
+             narrow_range: bool = True, unsigned: bool = False) -> Quantized:
+    """The values and scales :func:`fake_quant` computes (same arguments, same checks); see :class:`Quantized`."""
+    spec = _check_inputs(x, fmt, amax, block_size)
+    if spec.kind != "int" and (unsigned or not narrow_range):
+        raise ValueError(f"fake_quant: narrow_range / unsigned apply to int formats only, got format {fmt!r} with "
+                         f"narrow_range={narrow_range}, unsigned={unsigned}")
+    xf = x.float()
+    if spec.kind == "fp8":
+        scale = _div(spec.bound, safe_amax(amax, spec.bound))
+        q = torch.clamp(xf * scale, -spec.bound, spec.bound).to(_FP8_DTYPES[fmt]).float()
+        return Quantized(fmt, q, scale)
+    if spec.kind == "int":
+        lo, hi = int_range(spec, narrow_range, unsigned)
+        if block_size is None:
+            scale = _div(hi, safe_amax(amax, hi))
+            return Quantized(fmt, torch.clamp(torch.round(xf * scale), lo, hi), scale)
+        k = xf.shape[-1]
+        pad = -k % block_size
+        xp = torch.nn.functional.pad(xf, (0, pad)) if pad else xf
+        blocks = xp.unflatten(-1, (-1, block_size))
+        scale = _div(hi, safe_amax(_nan_ignoring_block_max(xp, block_size), hi))
+        return Quantized(fmt, torch.clamp(torch.round(blocks * scale), lo, hi), scale, block_size=block_size,
+                         length=k)
+    # nvfp4
+    sg = _div(safe_amax(amax, spec.bound), spec.bound)
+    sg = sg.unsqueeze(-1) if sg.dim() > 0 else sg  # broadcast over the [..., K/16, 16] block view
+    blocks = xf.unflatten(-1, (-1, NVFP4_BLOCK_SIZE))
+    block_max = _nan_ignoring_block_max(xf, NVFP4_BLOCK_SIZE)
+    sb = torch.clamp(_div(_div(block_max, E2M1_MAX), sg), 0.0, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    s = sb * sg
+    v = torch.where(s > 0, _div(blocks, s), blocks * 0.0)
+    return Quantized(fmt, round_to_e2m1(v), sg, sb, NVFP4_BLOCK_SIZE)
+
+
+def dequantize(qx: Quantized) -> torch.Tensor:
+    """``values`` times their scales in fp32, in :func:`fake_quant`'s order of operations (its output before the
+    cast to the input dtype)."""
+    if qx.block_scale is not None:  # nvfp4: one multiply by the combined scale, as fake_quant does
+        return (qx.values * (qx.block_scale * qx.scale)).flatten(-2)
+    out = _div(qx.values, qx.scale)
+    if qx.block_size is None:
+        return out
+    out = out.flatten(-2)
+    return out[..., :qx.length] if qx.length is not None else out
+
+
 def fake_quant(
     x: torch.Tensor, fmt: str, amax: torch.Tensor | None = None, block_size: int | None = None, *,
     narrow_range: bool = True, unsigned: bool = False,
@@ -238,34 +315,4 @@ def fake_quant(
         ValueError: on an unknown format, an unsupported dtype, a missing or non-broadcastable amax, an nvfp4
             last dim that is not a multiple of 16, or ``narrow_range=False`` / ``unsigned`` on a float format.
     """
-    spec = _check_inputs(x, fmt, amax, block_size)
-    if spec.kind != "int" and (unsigned or not narrow_range):
-        raise ValueError(f"fake_quant: narrow_range / unsigned apply to int formats only, got format {fmt!r} with "
-                         f"narrow_range={narrow_range}, unsigned={unsigned}")
-    xf = x.float()
-    if spec.kind == "fp8":
-        scale = _div(spec.bound, safe_amax(amax, spec.bound))
-        q = torch.clamp(xf * scale, -spec.bound, spec.bound).to(_FP8_DTYPES[fmt]).float()
-        out = _div(q, scale)
-    elif spec.kind == "int":
-        lo, hi = int_range(spec, narrow_range, unsigned)
-        if block_size is None:
-            scale = _div(hi, safe_amax(amax, hi))
-            out = _div(torch.clamp(torch.round(xf * scale), lo, hi), scale)
-        else:
-            k = xf.shape[-1]
-            pad = -k % block_size
-            xp = torch.nn.functional.pad(xf, (0, pad)) if pad else xf
-            blocks = xp.unflatten(-1, (-1, block_size))
-            scale = _div(hi, safe_amax(_nan_ignoring_block_max(xp, block_size), hi))
-            out = _div(torch.clamp(torch.round(blocks * scale), lo, hi), scale).flatten(-2)[..., :k]
-    else:  # nvfp4
-        sg = _div(safe_amax(amax, spec.bound), spec.bound)
-        sg = sg.unsqueeze(-1) if sg.dim() > 0 else sg  # broadcast over the [..., K/16, 16] block view
-        blocks = xf.unflatten(-1, (-1, NVFP4_BLOCK_SIZE))
-        block_max = _nan_ignoring_block_max(xf, NVFP4_BLOCK_SIZE)
-        sb = torch.clamp(_div(_div(block_max, E2M1_MAX), sg), 0.0, E4M3_MAX).to(torch.float8_e4m3fn).float()
-        s = sb * sg
-        v = torch.where(s > 0, _div(blocks, s), blocks * 0.0)
-        out = (round_to_e2m1(v) * s).flatten(-2)
-    return out.to(x.dtype)
+    return dequantize(quantize(x, fmt, amax, block_size, narrow_range=narrow_range, unsigned=unsigned)).to(x.dtype)

@@ -150,15 +150,27 @@ class _Registry:
 QuantModuleRegistry = _Registry()
 
 
-def register_framework_plugins() -> list[str]:
-    """Registers the quantized classes (and parallel groups) of every framework the program has imported.
+def register_framework_plugins(require: str | tuple[str, ...] | list[str] | None = None) -> list[str]:
+    """Registers the quantized classes (and parallel groups, export adapters) of every framework the program has
+    imported; ``require`` names plugins to import and register even if their framework is not imported yet.
 
-    The core's one call into ``modelopt_moe.plugins``: made by :func:`convert` (``mtq.quantize``, every restore) and
-    by registry lookups; idempotent and cheap. Returns the names of the registered plugins.
+    The core's one call into ``modelopt_moe.plugins``: made by :func:`convert` (``mtq.quantize``, every restore), by
+    registry lookups, and by :mod:`modelopt_moe.export` (``require="megatron"`` for ``build_megatron_model``, which
+    has no model yet to tell the framework). Idempotent and cheap. The plugin imports its framework; the core never
+    does.
+
+    Args:
+        require: plugin name(s) (``"megatron"``, ``"transformer_engine"``, ``"megatron.te_experts"``).
+
+    Returns:
+        The names of the registered plugins.
+
+    Raises:
+        ValueError: an unknown plugin name. ImportError: a required plugin's framework is not installed.
     """
     from .. import plugins
 
-    return plugins.register_imported()
+    return plugins.register_imported(require=require)
 
 
 # Classes that wrap a model as ``.module`` without changing its state-dict keys (plugins add their frameworks').

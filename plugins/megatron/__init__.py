@@ -10,6 +10,9 @@ Public API::
         load_modelopt_checkpoint,                           # a checkpoint NVIDIA Model Optimizer 0.47 saved
     )
 
+Hugging Face export / import (``modelopt_moe.export.export_hf`` / ``import_hf`` / ``build_megatron_model``) reach
+this package's adapter (:mod:`.hf_io`, :mod:`.hf_model`) through :func:`register`.
+
 :func:`register` is called by the core (``mtq.quantize``, every restore) once ``megatron.core`` is imported; it
 registers the quantized Megatron classes and Megatron's process groups for amax reductions.
 """
@@ -17,10 +20,12 @@ registers the quantized Megatron classes and Megatron's process groups for amax 
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.module import Float16Module
 
+from modelopt_moe.export.registry import register_export_adapter
 from modelopt_moe.quantization.calibration import register_group_provider
 from modelopt_moe.quantization.conversion import QuantModuleRegistry, register_wrapper
 
 from .checkpoint import load_sharded_checkpoint, model_sharded_state_dict, save_sharded_checkpoint
+from .hf_io import MegatronExportAdapter
 from .modelopt_checkpoint import is_modelopt_checkpoint, load_modelopt_checkpoint
 from .modules import CLASSES, megatron_amax_groups
 from .schedule import get_forward_backward_func
@@ -40,10 +45,12 @@ __all__ = [
 
 
 def register() -> None:
-    """Adds the quantized Megatron classes to the registry, Megatron's process groups to calibration and Megatron's
-    model wrappers (DDP, ``Float16Module``, transparent in state dicts) to the quantization state's naming."""
+    """Adds the quantized Megatron classes to the registry, Megatron's process groups to calibration, Megatron's
+    model wrappers (DDP, ``Float16Module``, transparent in state dicts) to the quantization state's naming and the
+    Megatron adapter to the Hugging Face export (:mod:`modelopt_moe.export`)."""
     for original, quantized in CLASSES.items():
         QuantModuleRegistry.register(original, quantized)
     register_group_provider(megatron_amax_groups)
     for wrapper in (DistributedDataParallel, Float16Module):
         register_wrapper(wrapper)
+    register_export_adapter(MegatronExportAdapter())

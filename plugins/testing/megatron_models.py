@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import re
 import zlib
 from collections.abc import Iterator
@@ -50,6 +49,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from modelopt_moe.plugins.megatron.hf_model import split_gpt_overrides
+from modelopt_moe.plugins.megatron.norms import sequence_parallel_norm
 from modelopt_moe.plugins.testing.megatron_cpu import apply_cpu_shims
 from modelopt_moe.quantization.conversion import QuantModuleRegistry
 from modelopt_moe.quantization.nn import GroupedLinear
@@ -128,33 +129,6 @@ def parallel_layout() -> dict[str, int]:
 def destroy_model_parallel() -> None:
     """Tear down Megatron's model-parallel groups (the default process group stays)."""
     parallel_state.destroy_model_parallel()
-
-
-def sequence_parallel_norm(*, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any):
-    """Build a torch ``LayerNorm`` / ``RMSNorm`` that supports sequence parallelism (a Megatron norm builder).
-
-    Same module as Megatron's ``WrappedTorchNorm``, plus what that one lacks for sequence parallelism: its
-    parameters carry ``sequence_parallel = config.sequence_parallel``, the attribute Megatron's
-    ``finalize_model_grads`` (and :func:`allreduce_sequence_parallel_grads`) use to all-reduce their gradients over
-    the tensor-parallel group (each TP rank sees a different slice of the sequence).
-
-    Args:
-        config: The model's TransformerConfig (reads ``normalization`` and ``sequence_parallel``).
-        hidden_size: Normalised size.
-        eps: Epsilon.
-
-    Returns:
-        The norm module.
-    """
-    if config.normalization == "LayerNorm":
-        norm = torch.nn.LayerNorm(hidden_size, eps=eps)
-    elif config.normalization == "RMSNorm":
-        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
-    else:
-        raise ValueError(f"normalization={config.normalization!r}: expected 'LayerNorm' or 'RMSNorm'")
-    for p in norm.parameters():
-        p.sequence_parallel = config.sequence_parallel
-    return norm
 
 
 # ---------------------------------------------------------------------------------------------------- grouped experts
@@ -339,22 +313,6 @@ def grouped_mlp_spec(transformer_engine: bool = False):
     return functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
 
 
-def _split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Route each override to TransformerConfig or GPTModel by name; reject unknown names."""
-    config_fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    model_params = set(inspect.signature(GPTModel.__init__).parameters) - {"self", "config", "transformer_layer_spec"}
-    cfg, mdl = {}, {}
-    for key, value in overrides.items():
-        if key in config_fields:
-            cfg[key] = value
-        elif key in model_params:
-            mdl[key] = value
-        else:
-            raise TypeError(f"build_moe_gpt: unknown override {key!r} (neither a TransformerConfig field nor a "
-                            f"GPTModel argument)")
-    return cfg, mdl
-
-
 def _canonical_name(name: str, num_local_experts: int, ep_rank: int) -> str:
     """Parameter name with the local expert index replaced by the global one (layout-independent).
 
@@ -470,7 +428,7 @@ def build_moe_gpt(
     ep = parallel_state.get_expert_model_parallel_world_size()
     if num_experts % ep:
         raise ValueError(f"num_experts={num_experts} must be a multiple of the expert-parallel size {ep}")
-    cfg_over, model_over = _split_overrides(overrides)
+    cfg_over, model_over = split_gpt_overrides(overrides, "build_moe_gpt")
     on_gpu = torch.cuda.is_available()
     cfg_kwargs: dict[str, Any] = dict(
         num_layers=num_layers,

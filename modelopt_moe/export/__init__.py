@@ -1,0 +1,134 @@
+"""Hugging Face export and import: a QAT'd MoE model at any TP/EP to a servable checkpoint, and back.
+
+Public API (all framework-free here; the framework adapter comes from the plugin registered through the core's one
+registration call, :func:`modelopt_moe.quantization.conversion.register_framework_plugins`)::
+
+    from modelopt_moe.export import build_megatron_model, import_hf, export_hf
+
+    model = build_megatron_model("Qwen3-30B-A3B/")          # the matching Megatron-Core GPTModel, current TP/EP
+    import_hf(model, "Qwen3-30B-A3B/")                      # HF bf16 weights into it, any TP/EP
+    ...                                                     # mtq.quantize, QAT
+    export_hf(model, "out/", format="compressed-tensors")   # or "modelopt"; every rank calls it, rank 0 writes
+
+Formats: ``compressed-tensors`` (FP8 E4M3 per tensor / per channel, NVFP4; read by vLLM and transformers through the
+compressed-tensors package), ``modelopt`` (NVIDIA Model Optimizer's unified HF format: FP8, NVFP4, W4A16_NVFP4; read
+by vLLM, SGLang, TensorRT-LLM) and ``hf`` (unquantized). Families: Qwen3-MoE (``Qwen3MoeForCausalLM``) and Mixtral
+(``MixtralForCausalLM``). See docs/export.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from torch import nn
+
+from ..quantization.utils import rank
+from .errors import ExportError
+from .families import FAMILIES, Family, MoEArch, get_family, read_hf_config
+from .registry import ExportAdapter, adapter_for, adapter_named, register_export_adapter
+from .schemes import FORMATS
+
+__all__ = [
+    "export_hf",
+    "import_hf",
+    "build_megatron_model",
+    "save_hf_config",
+    "load_hf_config",
+    "HF_CONFIG_FILE",
+    "ExportError",
+    "ExportAdapter",
+    "register_export_adapter",
+    "FORMATS",
+    "FAMILIES",
+    "Family",
+    "MoEArch",
+    "get_family",
+]
+
+HF_CONFIG_FILE = "hf_config.json"
+
+
+def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "compressed-tensors",
+              family: str | None = None, dtype=None, hf_config=None, progress: bool = True) -> Path:
+    """Writes ``model`` as a Hugging Face checkpoint; every rank calls it, global rank 0 writes.
+
+    Args:
+        model: a (quantized) model of a framework with a registered adapter (Megatron-Core GPTModel, possibly
+            wrapped in DDP / Float16Module), at any tensor / expert parallel layout.
+        out_dir: the output directory; must not exist or be empty. Written to a temporary sibling and renamed when
+            complete.
+        format: ``compressed-tensors``, ``modelopt`` or ``hf`` (unquantized weights).
+        family: ``qwen3_moe`` / ``mixtral`` (or the architecture name); None infers it from the model (query/key
+            norm: Qwen3-MoE, none: Mixtral) or from ``hf_config``.
+        dtype: dtype of the unquantized tensors (default: the parameters' own).
+        hf_config: a Hugging Face config (dict, file or directory) whose other keys (token ids, ...) the written
+            ``config.json`` keeps; its architecture keys must match the model.
+        progress: a progress bar per layer on rank 0.
+
+    Returns:
+        The output directory.
+
+    Raises:
+        ExportError: an unsupported model, family or feature, a model that is not quantized, a quantization the
+            format cannot express, a non-empty output directory (all before writing).
+    """
+    return adapter_for(model).export_hf(model, out_dir, format=format, family=family, dtype=dtype,
+                                        hf_config=hf_config, progress=progress)
+
+
+def import_hf(model: nn.Module, hf_dir: str | os.PathLike) -> None:
+    """Loads an unquantized Hugging Face checkpoint (Qwen3-MoE or Mixtral, any dtype) into the already built
+    ``model``, at its tensor / expert parallel layout; each rank reads only its slices.
+
+    Raises:
+        ExportError: the checkpoint's architecture or shapes do not match the model (names what differs).
+    """
+    adapter_for(model).import_hf(model, hf_dir)
+
+
+def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides) -> nn.Module:
+    """Builds the Megatron-Core ``GPTModel`` of a Hugging Face config at the current parallel state.
+
+    Args:
+        hf_dir_or_config: a Hugging Face model directory, ``config.json`` path, or config dict.
+        spec: ``local`` (Megatron-Core modules, ``SequentialMLP`` experts; CPU or GPU) or ``te`` (Transformer Engine
+            layers, ``TEGroupedMLP`` experts; GPU).
+        **overrides: ``TransformerConfig`` fields (e.g. ``params_dtype``) or ``GPTModel`` arguments.
+
+    Raises:
+        ExportError: an unsupported architecture or feature; Megatron-Core cannot be imported.
+    """
+    return adapter_named("megatron").build_model(hf_dir_or_config, spec=spec, **overrides)
+
+
+def save_hf_config(hf_dir_or_config, ckpt_dir: str | os.PathLike) -> Path:
+    """Writes the model's Hugging Face config beside a distributed checkpoint (``<ckpt_dir>/hf_config.json``),
+    so ``modelopt-moe export`` can rebuild the model; rank 0 writes (atomically), the others return.
+
+    Returns:
+        The file's path.
+    """
+    cfg = read_hf_config(hf_dir_or_config)
+    path = Path(ckpt_dir) / HF_CONFIG_FILE
+    if rank() == 0:
+        if not path.parent.is_dir():
+            raise ExportError(f"save_hf_config: checkpoint directory {path.parent} does not exist")
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+        os.replace(tmp, path)
+    return path
+
+
+def load_hf_config(ckpt_dir: str | os.PathLike) -> dict:
+    """The Hugging Face config saved beside a checkpoint by :func:`save_hf_config`.
+
+    Raises:
+        ExportError: there is none (says how to provide one).
+    """
+    path = Path(ckpt_dir) / HF_CONFIG_FILE
+    if not path.is_file():
+        raise ExportError(f"{path} not found: the checkpoint does not record its model; save it with "
+                          "modelopt_moe.export.save_hf_config(hf_dir, ckpt_dir), or pass --hf-config")
+    return read_hf_config(path)

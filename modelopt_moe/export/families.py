@@ -1,0 +1,333 @@
+"""Hugging Face model families: their config (to and from the framework-free :class:`MoEArch`) and tensor names.
+
+Every exported tensor has a *canonical* name that says what it is, independent of any framework::
+
+    embed_tokens, norm, lm_head
+    layers.{L}.input_norm, layers.{L}.post_attn_norm
+    layers.{L}.q_proj, .k_proj, .v_proj, .o_proj, .q_norm, .k_norm
+    layers.{L}.router
+    layers.{L}.experts.{E}.gate, .up, .down
+
+A :class:`Family` maps canonical names to its Hugging Face module names (append ``.weight`` for the tensor) and
+back, and a Hugging Face ``config.json`` to an :class:`MoEArch` and back. Families:
+
+* ``qwen3_moe`` (``Qwen3MoeForCausalLM``): per-head RMSNorm on queries and keys, router ``mlp.gate``, experts
+  ``mlp.experts.E.{gate,up,down}_proj``; every layer MoE (``decoder_sparse_step`` 1, no ``mlp_only_layers``).
+* ``mixtral`` (``MixtralForCausalLM``): no query/key norm, router ``block_sparse_moe.gate``, experts
+  ``block_sparse_moe.experts.E.{w1,w3,w2}`` (gate, up, down) as ``transformers`` saves them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ExportError
+
+__all__ = ["MoEArch", "Family", "FAMILIES", "get_family", "family_for_architecture", "read_hf_config",
+           "canonical_names"]
+
+
+@dataclass(frozen=True)
+class MoEArch:
+    """A decoder-only MoE transformer: what both a Hugging Face config and a Megatron model must agree on.
+
+    Attributes:
+        family: ``qwen3_moe`` or ``mixtral``.
+        head_dim: the attention head size (``kv_channels``).
+        moe_ffn_hidden_size: each expert's FFN size (``moe_intermediate_size`` / Mixtral's ``intermediate_size``).
+        qk_norm: per-head RMSNorm on queries and keys (Qwen3).
+        norm_topk_prob: the top-k router probabilities are renormalised to sum to 1 (Mixtral always).
+        dtype: the checkpoint's parameter dtype name (``bfloat16``).
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    moe_ffn_hidden_size: int
+    num_experts: int
+    top_k: int
+    norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
+    dtype: str = "bfloat16"
+
+
+def read_hf_config(hf_dir_or_config: str | os.PathLike | dict) -> dict:
+    """A Hugging Face ``config.json`` as a dict, from a directory, a file or a dict (copied).
+
+    Raises:
+        ExportError: no ``config.json``, or not JSON.
+    """
+    if isinstance(hf_dir_or_config, dict):
+        return json.loads(json.dumps(hf_dir_or_config))
+    path = Path(hf_dir_or_config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ExportError(f"no Hugging Face config at {path} (expected a model directory with config.json)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{path}: not valid JSON: {e}") from None
+
+
+def _rope(cfg: dict, where: str) -> float:
+    """``rope_theta`` from a config with ``rope_parameters`` (transformers 5) or top-level ``rope_theta``."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default" or (scaling not in (None, {}) and scaling.get("rope_type", scaling.get("type"))
+                                  not in (None, "default")):
+        raise ExportError(f"{where}: rope scaling {params or scaling} is not supported (plain RoPE only)")
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        raise ExportError(f"{where}: no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
+    return float(theta)
+
+
+def _require(cfg: dict, key: str, where: str):
+    if cfg.get(key) is None:
+        raise ExportError(f"{where}: key {key!r} is missing")
+    return cfg[key]
+
+
+def _expect(cfg: dict, key: str, allowed: tuple, where: str, default=None) -> None:
+    value = cfg.get(key, default)
+    if value not in allowed:
+        raise ExportError(f"{where}: {key}={value!r} is not supported (expected one of {list(allowed)})")
+
+
+class Family:
+    """A Hugging Face MoE family: names, config mapping. Subclasses fill the tables."""
+
+    name: str
+    architecture: str
+    model_type: str
+    qk_norm: bool
+    layer_modules: dict[str, str]  # canonical per-layer name -> module path inside model.layers.{L}
+    expert_prefix: str  # module path of the experts inside model.layers.{L}
+    expert_modules: dict[str, str]  # gate / up / down -> module name inside an expert
+
+    # --- names -----------------------------------------------------------------------------------------------------
+    def hf_module(self, canonical: str) -> str:
+        """The Hugging Face module name of a canonical name (``layers.3.experts.5.gate`` ->
+        ``model.layers.3.mlp.experts.5.gate_proj``).
+
+        Raises:
+            ExportError: a canonical name this family does not have.
+        """
+        top = {"embed_tokens": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
+        if canonical in top:
+            return top[canonical]
+        m = re.fullmatch(r"layers\.(\d+)\.experts\.(\d+)\.(\w+)", canonical)
+        if m and m.group(3) in self.expert_modules:
+            return (f"model.layers.{m.group(1)}.{self.expert_prefix}.{m.group(2)}."
+                    f"{self.expert_modules[m.group(3)]}")
+        m = re.fullmatch(r"layers\.(\d+)\.(\w+)", canonical)
+        if m and m.group(2) in self.layer_modules:
+            return f"model.layers.{m.group(1)}.{self.layer_modules[m.group(2)]}"
+        raise ExportError(f"{self.architecture}: no tensor for canonical name {canonical!r}")
+
+    def canonical(self, hf_module: str) -> str | None:
+        """Inverse of :meth:`hf_module` (None: not a tensor of this family)."""
+        inverse = {"model.embed_tokens": "embed_tokens", "model.norm": "norm", "lm_head": "lm_head"}
+        if hf_module in inverse:
+            return inverse[hf_module]
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_module)
+        if not m:
+            return None
+        layer, rest = m.groups()
+        prefix = self.expert_prefix + "."
+        if rest.startswith(prefix):
+            e = re.fullmatch(r"(\d+)\.(.+)", rest[len(prefix):])
+            for kind, module in self.expert_modules.items():
+                if e and e.group(2) == module:
+                    return f"layers.{layer}.experts.{e.group(1)}.{kind}"
+            return None
+        for kind, module in self.layer_modules.items():
+            if rest == module:
+                return f"layers.{layer}.{kind}"
+        return None
+
+    # --- config ----------------------------------------------------------------------------------------------------
+    def arch_from_hf(self, cfg: dict) -> MoEArch:
+        """The :class:`MoEArch` of a Hugging Face config of this family.
+
+        Raises:
+            ExportError: a missing key or a feature this project does not map (names the key and value).
+        """
+        raise NotImplementedError
+
+    def hf_config(self, arch: MoEArch, template: dict | None = None) -> dict:
+        """A Hugging Face ``config.json`` dict for ``arch``: the template's other keys (token ids, ...) kept, the
+        architecture keys set from ``arch``."""
+        cfg = dict(template or {})
+        cfg.pop("quantization_config", None)
+        head_dim = arch.head_dim
+        cfg.update({
+            "architectures": [self.architecture], "model_type": self.model_type,
+            "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size, "num_hidden_layers": arch.num_layers,
+            "num_attention_heads": arch.num_attention_heads, "num_key_value_heads": arch.num_kv_heads,
+            "head_dim": head_dim, "hidden_act": "silu", "max_position_embeddings": arch.max_position_embeddings,
+            "rms_norm_eps": arch.norm_eps, "rope_theta": arch.rope_theta,
+            "rope_parameters": {"rope_theta": arch.rope_theta, "rope_type": "default"},
+            "num_experts_per_tok": arch.top_k, "tie_word_embeddings": arch.tie_word_embeddings,
+            "router_aux_loss_coef": arch.router_aux_loss_coef, "dtype": arch.dtype, "torch_dtype": arch.dtype,
+        })
+        cfg.pop("rope_scaling", None)
+        return cfg
+
+    def _common(self, cfg: dict, where: str) -> dict[str, Any]:
+        archs = cfg.get("architectures") or [self.architecture]
+        if self.architecture not in archs:
+            raise ExportError(f"{where}: architectures={archs}, expected {self.architecture}")
+        _expect(cfg, "hidden_act", ("silu",), where, "silu")
+        hidden, heads = int(_require(cfg, "hidden_size", where)), int(_require(cfg, "num_attention_heads", where))
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+        return dict(
+            vocab_size=int(_require(cfg, "vocab_size", where)), hidden_size=hidden,
+            num_layers=int(_require(cfg, "num_hidden_layers", where)), num_attention_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            top_k=int(_require(cfg, "num_experts_per_tok", where)),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_rope(cfg, where),
+            max_position_embeddings=int(_require(cfg, "max_position_embeddings", where)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)), dtype=str(dtype).replace("torch.", ""))
+
+
+# The attention block and norms: the same module names in both families (Llama's).
+_DECODER_LAYER = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                  **{p: f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}}
+
+
+class Qwen3MoeFamily(Family):
+    name = "qwen3_moe"
+    architecture = "Qwen3MoeForCausalLM"
+    model_type = "qwen3_moe"
+    qk_norm = True
+    layer_modules = {**_DECODER_LAYER, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+                     "router": "mlp.gate"}
+    expert_prefix = "mlp.experts"
+    expert_modules = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+    def arch_from_hf(self, cfg: dict) -> MoEArch:
+        where = f"{self.architecture} config"
+        common = self._common(cfg, where)
+        _expect(cfg, "attention_bias", (False,), where, False)
+        _expect(cfg, "use_sliding_window", (False,), where, False)
+        _expect(cfg, "decoder_sparse_step", (1,), where, 1)
+        if cfg.get("mlp_only_layers"):
+            raise ExportError(f"{where}: mlp_only_layers={cfg['mlp_only_layers']} (dense MLP layers) is not "
+                              "supported; every layer must be MoE")
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        if experts is None:
+            raise ExportError(f"{where}: key 'num_experts' (or 'num_local_experts') is missing")
+        return MoEArch(family=self.name, num_experts=int(experts),
+                       moe_ffn_hidden_size=int(_require(cfg, "moe_intermediate_size", where)), qk_norm=True,
+                       norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), **common)
+
+    def hf_config(self, arch: MoEArch, template: dict | None = None) -> dict:
+        cfg = super().hf_config(arch, template)
+        cfg.pop("num_local_experts", None)  # transformers 5 writes it; readers with transformers 4 know num_experts
+        cfg.update({"num_experts": arch.num_experts, "moe_intermediate_size": arch.moe_ffn_hidden_size,
+                    "intermediate_size": cfg.get("intermediate_size") or arch.moe_ffn_hidden_size,
+                    "norm_topk_prob": arch.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                    "attention_bias": False, "use_sliding_window": False, "sliding_window": None})
+        return cfg
+
+
+class MixtralFamily(Family):
+    name = "mixtral"
+    architecture = "MixtralForCausalLM"
+    model_type = "mixtral"
+    qk_norm = False
+    layer_modules = {**_DECODER_LAYER, "router": "block_sparse_moe.gate"}
+    expert_prefix = "block_sparse_moe.experts"
+    expert_modules = {"gate": "w1", "up": "w3", "down": "w2"}
+
+    def arch_from_hf(self, cfg: dict) -> MoEArch:
+        where = f"{self.architecture} config"
+        common = self._common(cfg, where)
+        if cfg.get("sliding_window") not in (None, 0) and cfg["sliding_window"] < common["max_position_embeddings"]:
+            raise ExportError(f"{where}: sliding_window={cfg['sliding_window']} is not supported (full attention "
+                              "only)")
+        if float(cfg.get("router_jitter_noise", 0.0) or 0.0) != 0.0:
+            raise ExportError(f"{where}: router_jitter_noise={cfg['router_jitter_noise']} is not supported")
+        return MoEArch(family=self.name, num_experts=int(_require(cfg, "num_local_experts", where)),
+                       moe_ffn_hidden_size=int(_require(cfg, "intermediate_size", where)), qk_norm=False,
+                       norm_topk_prob=True, **common)
+
+    def hf_config(self, arch: MoEArch, template: dict | None = None) -> dict:
+        if arch.qk_norm or not arch.norm_topk_prob:
+            raise ExportError(f"{self.architecture} has no query/key norm and always renormalises the top-k router "
+                              f"probabilities; the model has qk_norm={arch.qk_norm}, "
+                              f"norm_topk_prob={arch.norm_topk_prob}")
+        cfg = super().hf_config(arch, template)
+        cfg.update({"num_local_experts": arch.num_experts, "intermediate_size": arch.moe_ffn_hidden_size,
+                    "sliding_window": None, "router_jitter_noise": 0.0})
+        if arch.head_dim == arch.hidden_size // arch.num_attention_heads:
+            cfg["head_dim"] = None
+        return cfg
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (Qwen3MoeFamily(), MixtralFamily())}
+_ARCHITECTURES = {f.architecture: f for f in FAMILIES.values()}
+
+
+def get_family(name: str) -> Family:
+    """The family named ``name`` (``qwen3_moe``, ``mixtral``) or by its architecture (``Qwen3MoeForCausalLM``).
+
+    Raises:
+        ExportError: an unsupported family.
+    """
+    if name in FAMILIES:
+        return FAMILIES[name]
+    if name in _ARCHITECTURES:
+        return _ARCHITECTURES[name]
+    raise ExportError(f"family={name!r} is not supported; expected one of {sorted(FAMILIES)} "
+                      f"(or {sorted(_ARCHITECTURES)})")
+
+
+def family_for_architecture(cfg: dict) -> Family:
+    """The family of a Hugging Face config (by ``architectures``, else ``model_type``).
+
+    Raises:
+        ExportError: an architecture no family covers.
+    """
+    for arch in cfg.get("architectures") or []:
+        if arch in _ARCHITECTURES:
+            return _ARCHITECTURES[arch]
+    if cfg.get("model_type") in FAMILIES:
+        return FAMILIES[cfg["model_type"]]
+    raise ExportError(f"Hugging Face architectures={cfg.get('architectures')} (model_type="
+                      f"{cfg.get('model_type')!r}) is not supported; supported: {sorted(_ARCHITECTURES)}")
+
+
+def canonical_names(arch: MoEArch) -> list[str]:
+    """Every canonical tensor name of ``arch``, in checkpoint order (``lm_head`` absent with tied embeddings)."""
+    names = ["embed_tokens"]
+    for layer in range(arch.num_layers):
+        p = f"layers.{layer}."
+        names += [p + n for n in ("input_norm", "q_proj", "k_proj", "v_proj", "o_proj")]
+        if arch.qk_norm:
+            names += [p + "q_norm", p + "k_norm"]
+        names += [p + "post_attn_norm", p + "router"]
+        names += [f"{p}experts.{e}.{k}" for e in range(arch.num_experts) for k in ("gate", "up", "down")]
+    names.append("norm")
+    if not arch.tie_word_embeddings:
+        names.append("lm_head")
+    return names

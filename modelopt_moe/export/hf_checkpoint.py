@@ -1,0 +1,279 @@
+"""Writing and reading Hugging Face checkpoints from canonical tensors (framework-free).
+
+A framework adapter gathers its model's tensors and hands them over as canonical records (see
+:mod:`.families`); :func:`write_hf_checkpoint` maps them to the family's names, encodes the quantized linears in the
+chosen format (:mod:`.schemes`), writes shards, index and configs (:mod:`.writer`) with a progress bar per group
+(one group per layer). :class:`HfCheckpointReader` reads a checkpoint's tensors by canonical name, lazily and in
+slices, for import.
+
+Distributed use: every rank calls :func:`write_hf_checkpoint` with the same arguments and iterates the same groups
+(the adapter's collectives run inside the iteration); only the writer rank (global rank 0) receives tensors and
+writes. Whatever fails (a non-empty output directory, a NaN weight) is agreed on by one broadcast from the writer
+per group, so every rank raises the same :class:`~.errors.ExportError` and none waits in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .errors import ExportError
+from .families import Family, MoEArch, canonical_names, read_hf_config
+from .schemes import LinearQuant, encode_linear, hf_quant_config, quantization_config, resolve_scheme, scheme_of
+from .writer import INDEX_FILE, CheckpointWriter, check_out_dir
+
+__all__ = ["TensorRecord", "LinearRecord", "write_hf_checkpoint", "HfCheckpointReader", "DTYPES"]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class TensorRecord:
+    """A tensor written as is (cast to the export dtype): embeddings, norms, the router."""
+
+    canonical: str
+    tensor: torch.Tensor
+
+
+@dataclass
+class LinearRecord:
+    """A linear's full weight ``[out, in]`` and its quantization (amaxes as training used them)."""
+
+    canonical: str
+    weight: torch.Tensor
+    quant: LinearQuant = field(default_factory=LinearQuant)
+    weight_amax: torch.Tensor | None = None  # [] per tensor, [out] per channel
+    input_amax: torch.Tensor | None = None  # []
+
+
+def _agree(error: str | None) -> str | None:
+    """The writer rank's error (or None), on every rank: one broadcast, made by every rank unconditionally."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return error
+
+
+def _is_writer() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Family, fmt: str,
+                        linear_quants: dict[str, LinearQuant], groups: Iterable[tuple[str, list]], num_groups: int,
+                        dtype: torch.dtype | None = None, template: dict | None = None,
+                        progress: bool = True) -> Path:
+    """Writes a Hugging Face checkpoint of ``arch`` in format ``fmt``, all or nothing.
+
+    Args:
+        out_dir: the output directory (must not exist, or be empty).
+        arch: the model's architecture.
+        family: the Hugging Face family to write.
+        fmt: ``compressed-tensors``, ``modelopt`` or ``hf`` (unquantized).
+        linear_quants: canonical name -> quantizers, for every linear (known before any tensor is gathered, so a
+            scheme the format cannot express fails before writing).
+        groups: ``(label, records)`` per layer; records are :class:`TensorRecord` / :class:`LinearRecord` (on ranks
+            other than the writer: anything, ignored). Iterated on every rank.
+        num_groups: the number of groups (for the progress bar).
+        dtype: the dtype of unquantized tensors (default: ``arch.dtype``, the model's parameter dtype; norms built in
+            fp32 by the framework are cast to it too). ``config.json`` names it.
+        template: a Hugging Face config whose other keys (token ids, generation settings) are kept.
+        progress: show a progress bar (writer rank only).
+
+    Returns:
+        The output directory.
+
+    Raises:
+        ExportError: on every rank, before anything is written: an unsupported format, family or feature, a model
+            that is not quantized, a scheme the format cannot express, a non-empty output directory; and, with the
+            temporary directory removed, a tensor that cannot be encoded.
+    """
+    error = None
+    try:
+        arch, dtype, config, scheme, ignore = _plan(arch, family, fmt, linear_quants, dtype, template)
+        if _is_writer():
+            check_out_dir(out_dir)
+    except ExportError as e:
+        error = str(e)
+    _raise_agreed(error)
+
+    expected, seen = set(canonical_names(arch)), set()
+    writer = None
+    try:
+        error = None
+        if _is_writer():
+            try:
+                writer = CheckpointWriter(out_dir)
+            except OSError as e:
+                error = f"cannot create a temporary directory beside {out_dir}: {e}"
+        _raise_agreed(error)
+        bar = _progress(num_groups, progress and writer is not None)
+        for label, records in groups:
+            error = None
+            for rec in records:  # every rank iterates: the adapter's collectives run here
+                if writer is not None and error is None:
+                    try:
+                        _write_record(writer, family, rec, scheme, fmt, dtype, expected, seen)
+                    except Exception as e:  # noqa: BLE001  (every rank must learn of it, whatever it is)
+                        error = f"{label}: {e}" if isinstance(e, ExportError) else f"{label}: {type(e).__name__}: {e}"
+            _raise_agreed(error)
+            if bar is not None:
+                bar.set_postfix_str(label)
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        error = None
+        if writer is not None:
+            error = _commit(writer, config, scheme, ignore, fmt, sorted(expected - seen), family)
+        _raise_agreed(error)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    return Path(out_dir)
+
+
+def _plan(arch: MoEArch, family: Family, fmt: str, linear_quants: dict[str, LinearQuant], dtype, template):
+    """Everything known before any tensor: the export dtype, ``config.json``, the scheme and the excluded linears."""
+    if dtype is not None:
+        arch = replace(arch, dtype=str(dtype).replace("torch.", ""))
+    if arch.dtype not in DTYPES:
+        raise ExportError(f"dtype {arch.dtype!r}: expected one of {sorted(DTYPES)}")
+    config = family.hf_config(arch, template)
+    hf_quants = {family.hf_module(c): q for c, q in linear_quants.items()}
+    scheme = resolve_scheme(hf_quants, fmt)
+    ignore = [name for name, q in hf_quants.items() if scheme_of(q, name) is None]
+    if scheme is not None:
+        config["quantization_config"] = quantization_config(scheme, fmt, ignore)
+    return arch, DTYPES[arch.dtype], config, scheme, ignore
+
+
+def _commit(writer: CheckpointWriter, config: dict, scheme, ignore: list[str], fmt: str, missing: list[str],
+            family: Family) -> str | None:
+    """Writer rank: the final files and the rename; returns an error to agree on (or None)."""
+    if missing:
+        return f"the adapter gave no tensor for {len(missing)} names of {family.architecture}, e.g. {missing[:3]}"
+    extra = {"hf_quant_config.json": hf_quant_config(scheme, ignore)} if fmt == "modelopt" else None
+    try:
+        writer.commit(config, extra)
+    except OSError as e:
+        return f"writing {writer.out_dir} failed: {e}"
+    return None
+
+
+def _raise_agreed(error: str | None) -> None:
+    """Raises the writer rank's error on every rank (one broadcast, made by every rank)."""
+    error = _agree(error)
+    if error is not None:
+        raise ExportError(error)
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="export", unit="layer")
+
+
+def _write_record(writer: CheckpointWriter, family: Family, rec, scheme, fmt: str, dtype, expected: set,
+                  seen: set) -> None:
+    if rec.canonical not in expected:
+        raise ExportError(f"{rec.canonical} is not a tensor of this {family.architecture} model")
+    if rec.canonical in seen:
+        raise ExportError(f"{rec.canonical} given twice")
+    seen.add(rec.canonical)
+    module = family.hf_module(rec.canonical)
+    if isinstance(rec, LinearRecord) and scheme is not None and scheme_of(rec.quant, module) is not None:
+        for name, tensor in encode_linear(module, rec.weight, rec.weight_amax, rec.input_amax, scheme, fmt).items():
+            writer.add(name, tensor)
+        return
+    tensor = rec.weight if isinstance(rec, LinearRecord) else rec.tensor
+    writer.add(f"{module}.weight", tensor.to(dtype))
+
+
+class HfCheckpointReader:
+    """The tensors of an unquantized Hugging Face checkpoint (``model.safetensors`` or sharded with an index), read
+    by canonical name, lazily (one tensor or one slice at a time: memory stays bounded).
+
+    Args:
+        hf_dir: the model directory.
+
+    Raises:
+        ExportError: no config or safetensors, an unsupported architecture, a quantized checkpoint, or tensors that
+            do not match the config (names the missing and unexpected tensors).
+    """
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        from safetensors import safe_open  # the export extra; imported where used
+
+        from .families import family_for_architecture
+
+        self.path = Path(hf_dir)
+        self.config = read_hf_config(self.path)
+        if "quantization_config" in self.config:
+            raise ExportError(f"{self.path}: a quantized checkpoint (quant_method="
+                              f"{self.config['quantization_config'].get('quant_method')!r}); import reads "
+                              "unquantized (bf16 / fp16 / fp32) checkpoints")
+        self.family = family_for_architecture(self.config)
+        self.arch = self.family.arch_from_hf(self.config)
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.path / "model.safetensors").is_file():
+            with safe_open(str(self.path / "model.safetensors"), "pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise ExportError(f"{self.path}: no model.safetensors or {INDEX_FILE}")
+        self._files: dict[str, str] = {}
+        expected = set(canonical_names(self.arch))
+        unexpected = []
+        for name, file in weight_map.items():
+            module, _, param = name.rpartition(".")
+            canonical = self.family.canonical(module) if param == "weight" else None
+            if canonical in expected:
+                self._files[canonical] = file
+            elif not (canonical == "lm_head" and self.arch.tie_word_embeddings):  # tied copies are allowed
+                unexpected.append(name)
+        missing = sorted(expected - set(self._files))
+        if missing or unexpected:
+            raise ExportError(f"{self.path}: the tensors do not match {self.family.architecture} with config "
+                              f"{self.arch}: missing {[self.family.hf_module(m) + '.weight' for m in missing[:5]]}"
+                              f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                              f"{' ...' if len(unexpected) > 5 else ''}")
+
+    def _open(self, canonical: str):
+        from safetensors import safe_open
+
+        return safe_open(str(self.path / self._files[canonical]), "pt")
+
+    def tensor_name(self, canonical: str) -> str:
+        return f"{self.family.hf_module(canonical)}.weight"
+
+    def get(self, canonical: str) -> torch.Tensor:
+        """The whole tensor."""
+        with self._open(canonical) as f:
+            return f.get_tensor(self.tensor_name(canonical))
+
+    def shape(self, canonical: str) -> tuple[int, ...]:
+        with self._open(canonical) as f:
+            return tuple(f.get_slice(self.tensor_name(canonical)).get_shape())
+
+    def get_rows(self, canonical: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` (dim 0), read without loading the rest."""
+        with self._open(canonical) as f:
+            return f.get_slice(self.tensor_name(canonical))[start:stop]
+
+    def get_cols(self, canonical: str, start: int, stop: int) -> torch.Tensor:
+        """Columns ``start:stop`` (dim 1) of a 2-D tensor."""
+        with self._open(canonical) as f:
+            return f.get_slice(self.tensor_name(canonical))[:, start:stop]
+
+    def names(self) -> Iterator[str]:
+        return iter(self._files)

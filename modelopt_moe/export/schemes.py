@@ -1,0 +1,302 @@
+"""What the quantizers of a linear say, which checkpoint scheme that is, and how each format stores it.
+
+A framework adapter describes each exported linear's quantizers as a :class:`LinearQuant` (format name, axis, block
+size of the weight, input and output quantizers: plain values, no modules). :func:`resolve_scheme` turns the
+linears of a model into the ONE :class:`Scheme` of the checkpoint and checks that the chosen format can express it;
+:func:`encode_linear` writes one linear's tensors; :func:`quantization_config` and :func:`hf_quant_config` the
+config entries. Everything raises :class:`~.errors.ExportError` naming the linear, what it has and what the format
+takes, before anything is written.
+
+Schemes (``weight`` / ``input``):
+
+=================  =======================  ==================  ===================
+scheme             quantizers               compressed-tensors  Model Optimizer
+=================  =======================  ==================  ===================
+``FP8``            e4m3 tensor / e4m3       float-quantized     ``FP8``
+``FP8_A16``        e4m3 tensor / none       float-quantized     --
+``FP8_CHANNEL``    e4m3 axis 0 / e4m3       float-quantized     --
+``FP8_CHANNEL_A16``  e4m3 axis 0 / none     float-quantized     --
+``NVFP4``          nvfp4 / nvfp4            nvfp4-pack-quantized  ``NVFP4``
+``NVFP4_A16``      nvfp4 / none             nvfp4-pack-quantized  ``W4A16_NVFP4``
+=================  =======================  ==================  ===================
+
+Model Optimizer's ``FP8_PER_CHANNEL_PER_TOKEN`` quantizes activations per token at run time, which is not what a
+static per-tensor input amax trained, so per-channel FP8 goes to compressed-tensors only.
+
+Tensors per linear (``<m>`` the Hugging Face module name; scales fp32):
+
+* compressed-tensors FP8: ``<m>.weight`` E4M3, ``<m>.weight_scale`` ``[1]`` (``[C, 1]`` per channel) ``= 1 / s``,
+  ``<m>.input_scale`` ``[1]`` ``= 1 / s_in``;
+* compressed-tensors NVFP4: ``<m>.weight_packed`` uint8 ``[R, K/2]``, ``<m>.weight_scale`` E4M3 ``[R, K/16]``,
+  ``<m>.weight_global_scale`` ``[1]`` ``= 1 / sg`` (= 448 * 6 / amax up to rounding: the reciprocal of ours),
+  ``<m>.input_global_scale`` ``[1]`` ``= 1 / sg_in``;
+* Model Optimizer FP8: ``<m>.weight`` E4M3, ``<m>.weight_scale`` ``[]`` ``= 1 / s``, ``<m>.input_scale`` ``[]``;
+* Model Optimizer NVFP4: ``<m>.weight`` uint8 ``[R, K/2]``, ``<m>.weight_scale`` E4M3 ``[R, K/16]``,
+  ``<m>.weight_scale_2`` ``[]`` ``= sg = amax / 2688``, ``<m>.input_scale`` ``[]`` ``= sg_in``.
+
+``s = 448 / amax`` and ``sg = amax / (6 * 448)`` are the training scales of :mod:`modelopt_moe.numerics`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .codecs import encode_fp8, encode_nvfp4, fp8_scale, nvfp4_global_scale, reciprocal
+from .errors import ExportError
+
+__all__ = [
+    "FORMATS",
+    "QuantSpec",
+    "LinearQuant",
+    "Scheme",
+    "SCHEMES",
+    "scheme_of",
+    "resolve_scheme",
+    "encode_linear",
+    "quantization_config",
+    "hf_quant_config",
+    "PRODUCER",
+]
+
+FORMATS = ("compressed-tensors", "modelopt", "hf")
+PRODUCER = {"name": "modelopt_moe", "version": "0.1.0"}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One enabled quantizer: its format name (``e4m3``, ``nvfp4``, ``int4``, ...), axis and block size."""
+
+    fmt: str
+    axis: int | None = None
+    block_size: int | None = None
+
+    def __str__(self) -> str:
+        extra = "" if self.axis is None else f" axis={self.axis}"
+        return self.fmt + extra + ("" if self.block_size is None else f" block={self.block_size}")
+
+
+@dataclass(frozen=True)
+class LinearQuant:
+    """The enabled quantizers of one linear (None: disabled)."""
+
+    weight: QuantSpec | None = None
+    input: QuantSpec | None = None
+    output: QuantSpec | None = None
+
+    @property
+    def is_quantized(self) -> bool:
+        return any(q is not None for q in (self.weight, self.input, self.output))
+
+    def __str__(self) -> str:
+        return f"weight {self.weight or 'off'}, input {self.input or 'off'}, output {self.output or 'off'}"
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A checkpoint scheme: the weight format (``e4m3`` / ``nvfp4``), per-channel weights, quantized inputs."""
+
+    name: str
+    weight_fmt: str
+    per_channel: bool
+    input_quantized: bool
+
+    @property
+    def modelopt_algo(self) -> str | None:
+        return {"FP8": "FP8", "NVFP4": "NVFP4", "NVFP4_A16": "W4A16_NVFP4"}.get(self.name)
+
+    @property
+    def ct_format(self) -> str:
+        return "float-quantized" if self.weight_fmt == "e4m3" else "nvfp4-pack-quantized"
+
+
+SCHEMES = {s.name: s for s in (
+    Scheme("FP8", "e4m3", False, True),
+    Scheme("FP8_A16", "e4m3", False, False),
+    Scheme("FP8_CHANNEL", "e4m3", True, True),
+    Scheme("FP8_CHANNEL_A16", "e4m3", True, False),
+    Scheme("NVFP4", "nvfp4", False, True),
+    Scheme("NVFP4_A16", "nvfp4", False, False),
+)}
+_EXPRESSIBLE = ("FP8 E4M3 weights per tensor or per output channel (axis 0) with E4M3 per-tensor inputs or none; "
+                "NVFP4 weights with NVFP4 inputs or none; no output quantizer")
+
+
+def scheme_of(q: LinearQuant, where: str) -> Scheme | None:
+    """The scheme of one linear's quantizers (None: not quantized at all).
+
+    Raises:
+        ExportError: a quantization no exported format expresses (INT, E5M2, a weight format with a different input
+            format, an output quantizer, ...), naming ``where``.
+    """
+    if not q.is_quantized:
+        return None
+
+    def bad(reason: str) -> ExportError:
+        return ExportError(f"{where}: quantization ({q}) cannot be exported: {reason}; the formats express "
+                           f"{_EXPRESSIBLE}")
+
+    if q.output is not None:
+        raise bad("an output quantizer has no place in compressed-tensors or Model Optimizer checkpoints")
+    if q.weight is None:
+        raise bad("inputs are quantized but the weight is not")
+    w, x = q.weight, q.input
+    if w.fmt == "e4m3" and w.block_size is None and w.axis in (None, 0):
+        if x is not None and (x.fmt != "e4m3" or x.axis is not None or x.block_size is not None):
+            raise bad(f"FP8 weights need E4M3 per-tensor inputs (or none), got input {x}")
+        name = "FP8_CHANNEL" if w.axis == 0 else "FP8"
+        return SCHEMES[name if x is not None else name + "_A16"]
+    if w.fmt == "nvfp4":
+        if x is not None and x.fmt != "nvfp4":
+            raise bad(f"NVFP4 weights need NVFP4 inputs (or none), got input {x}")
+        return SCHEMES["NVFP4" if x is not None else "NVFP4_A16"]
+    raise bad(f"weight format {w} is not FP8 E4M3 (per tensor or axis 0) or NVFP4")
+
+
+def resolve_scheme(linears: dict[str, LinearQuant], fmt: str) -> Scheme | None:
+    """The one scheme of a model's quantized linears, checked against format ``fmt``.
+
+    Args:
+        linears: Hugging Face module name -> its quantizers, for every exported linear.
+        fmt: ``compressed-tensors``, ``modelopt`` or ``hf`` (unquantized).
+
+    Returns:
+        The scheme; None for ``fmt == "hf"``.
+
+    Raises:
+        ExportError: an unknown format; ``hf`` on a quantized model; a quantized format on a model with no
+            quantized linear; linears in different schemes; a scheme the format cannot express.
+    """
+    if fmt not in FORMATS:
+        raise ExportError(f"format={fmt!r}: expected one of {FORMATS}")
+    schemes = {name: scheme_of(q, name) for name, q in linears.items()}
+    quantized = {name: s for name, s in schemes.items() if s is not None}
+    if fmt == "hf":
+        if quantized:
+            first = next(iter(quantized))
+            raise ExportError(f"format='hf' writes unquantized weights, but the model is quantized ({first}: "
+                              f"{linears[first]}); use format='compressed-tensors' or 'modelopt'")
+        return None
+    if not quantized:
+        raise ExportError(f"format={fmt!r}: the model is not quantized (none of its {len(linears)} exported linears "
+                          "has an enabled quantizer); run mtq.quantize first, or use format='hf'")
+    kinds: dict[str, list[str]] = {}
+    for name, s in quantized.items():
+        kinds.setdefault(s.name, []).append(name)
+    if len(kinds) > 1:
+        detail = "; ".join(f"{k}: {v[0]}" + (f" and {len(v) - 1} more" if len(v) > 1 else "") for k, v in kinds.items())
+        raise ExportError(f"format={fmt!r}: one checkpoint holds one quantization scheme, the model mixes "
+                          f"{sorted(kinds)} ({detail})")
+    scheme = SCHEMES[next(iter(kinds))]
+    if fmt == "modelopt" and scheme.modelopt_algo is None:
+        first = kinds[scheme.name][0]
+        raise ExportError(f"format='modelopt': scheme {scheme.name} ({first}: {linears[first]}) has no Model "
+                          "Optimizer quant_algo (it has FP8 with per-tensor inputs, NVFP4, W4A16_NVFP4); export it "
+                          "with format='compressed-tensors'")
+    return scheme
+
+
+def _scalar(t: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A per-tensor scale as each format's producers store it: ``[1]`` (compressed-tensors), ``[]`` (modelopt)."""
+    t = t.float().reshape(())
+    return t.reshape(1).contiguous() if fmt == "compressed-tensors" else t.contiguous()
+
+
+def encode_linear(module: str, weight: torch.Tensor, weight_amax: torch.Tensor | None,
+                  input_amax: torch.Tensor | None, scheme: Scheme, fmt: str) -> dict[str, torch.Tensor]:
+    """The tensors of one quantized linear in format ``fmt`` (see the module docstring for names and values).
+
+    Args:
+        module: the Hugging Face module name (``model.layers.0.mlp.experts.3.gate_proj``).
+        weight: the 2-D weight ``[out, in]``.
+        weight_amax: per tensor ``[]``; per channel ``[out]`` or ``[out, 1]``.
+        input_amax: the per-tensor input amax ``[]`` (required when the scheme quantizes inputs).
+        scheme: the checkpoint's scheme.
+        fmt: ``compressed-tensors`` or ``modelopt``.
+
+    Raises:
+        ExportError: a missing amax, a NaN weight, or a weight shape the format cannot hold.
+    """
+    if weight.dim() != 2:
+        raise ExportError(f"{module}.weight: expected a 2-D weight, got shape {tuple(weight.shape)}")
+    if weight_amax is None:
+        raise ExportError(f"{module}: the weight quantizer has no amax (calibrate the model before exporting)")
+    if scheme.input_quantized and input_amax is None:
+        raise ExportError(f"{module}: the input quantizer has no amax (calibrate with a forward_loop before "
+                          "exporting)")
+    out: dict[str, torch.Tensor] = {}
+    try:
+        if scheme.weight_fmt == "e4m3":
+            amax = weight_amax.float().reshape(-1, 1) if scheme.per_channel else weight_amax.float().reshape(())
+            codes, s = encode_fp8(weight, amax, f"{module}.weight")
+            out[f"{module}.weight"] = codes
+            ws = reciprocal(s)
+            out[f"{module}.weight_scale"] = ws.contiguous() if scheme.per_channel else _scalar(ws, fmt)
+            if scheme.input_quantized:
+                out[f"{module}.input_scale"] = _scalar(reciprocal(fp8_scale(input_amax)), fmt)
+        else:
+            if weight.shape[1] % 16:
+                raise ExportError(f"{module}.weight: NVFP4 needs the input dim to be a multiple of 16, got shape "
+                                  f"{tuple(weight.shape)}")
+            packed, block_scale, sg = encode_nvfp4(weight, weight_amax.float().reshape(()), f"{module}.weight")
+            sg_in = nvfp4_global_scale(input_amax) if scheme.input_quantized else None
+            if fmt == "modelopt":
+                out[f"{module}.weight"] = packed
+                out[f"{module}.weight_scale"] = block_scale
+                out[f"{module}.weight_scale_2"] = _scalar(sg, fmt)
+                if sg_in is not None:
+                    out[f"{module}.input_scale"] = _scalar(sg_in, fmt)
+            else:
+                out[f"{module}.weight_packed"] = packed
+                out[f"{module}.weight_scale"] = block_scale
+                out[f"{module}.weight_global_scale"] = _scalar(reciprocal(sg), fmt)
+                if sg_in is not None:
+                    out[f"{module}.input_global_scale"] = _scalar(reciprocal(sg_in), fmt)
+    except ValueError as e:
+        if isinstance(e, ExportError):
+            raise
+        raise ExportError(str(e)) from None
+    return out
+
+
+def _ct_args(scheme: Scheme, inputs: bool) -> dict:
+    if scheme.weight_fmt == "e4m3":
+        strategy = "channel" if scheme.per_channel and not inputs else "tensor"
+        return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False}
+    return {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+            "dynamic": "local" if inputs else False, "scale_dtype": "torch.float8_e4m3fn"}
+
+
+def quantization_config(scheme: Scheme, fmt: str, ignore: list[str]) -> dict:
+    """The ``quantization_config`` entry of ``config.json``.
+
+    compressed-tensors: one config group targeting ``Linear`` (experts included), ``ignore`` the unquantized linears
+    (their exact Hugging Face names). Model Optimizer: ``quant_method: modelopt`` with ``quant_algo``,
+    ``group_size`` (NVFP4), ``kv_cache_quant_algo`` and the excluded modules under both names readers use
+    (``exclude_modules``; ``ignore``, which vLLM reads from ``config.json``).
+    """
+    if fmt == "compressed-tensors":
+        group = {"targets": ["Linear"], "weights": _ct_args(scheme, False),
+                 "input_activations": _ct_args(scheme, True) if scheme.input_quantized else None,
+                 "output_activations": None, "format": scheme.ct_format}
+        return {"quant_method": "compressed-tensors", "format": scheme.ct_format, "quantization_status": "compressed",
+                "config_groups": {"group_0": group}, "ignore": list(ignore), "kv_cache_scheme": None,
+                "global_compression_ratio": None, "sparsity_config": {}, "producer": dict(PRODUCER)}
+    if fmt == "modelopt":
+        cfg = {"quant_method": "modelopt", "quant_algo": scheme.modelopt_algo, "kv_cache_quant_algo": None,
+               "exclude_modules": list(ignore), "ignore": list(ignore), "producer": dict(PRODUCER)}
+        if scheme.weight_fmt == "nvfp4":
+            cfg["group_size"] = 16
+        return cfg
+    raise ExportError(f"format={fmt!r}: no quantization_config for it (expected 'compressed-tensors' or 'modelopt')")
+
+
+def hf_quant_config(scheme: Scheme, ignore: list[str]) -> dict:
+    """Model Optimizer's ``hf_quant_config.json`` (read by SGLang, TensorRT-LLM and vLLM when ``config.json`` has no
+    ``quantization_config``): ``{"producer", "quantization": {quant_algo, kv_cache_quant_algo, group_size,
+    exclude_modules}}``."""
+    quant = {"quant_algo": scheme.modelopt_algo, "kv_cache_quant_algo": None, "exclude_modules": list(ignore)}
+    if scheme.weight_fmt == "nvfp4":
+        quant["group_size"] = 16
+    return {"producer": dict(PRODUCER), "quantization": quant}

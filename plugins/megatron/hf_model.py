@@ -1,0 +1,223 @@
+"""Megatron-Core GPT models from Hugging Face configs, and the architecture of a Megatron model (both directions of
+the config mapping that export and import need).
+
+:func:`build_megatron_model` builds the ``GPTModel`` of a Qwen3-MoE or Mixtral config at the current parallel state
+(``megatron.core.parallel_state``: TP, EP, expert-TP; pipeline parallelism 1); :func:`megatron_arch` reads the
+:class:`~modelopt_moe.export.MoEArch` back from a built model, refusing what a Hugging Face family cannot express.
+
+The mapping (Hugging Face -> ``TransformerConfig``): ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+``num_key_value_heads`` -> ``num_query_groups``, ``head_dim`` -> ``kv_channels``, ``rms_norm_eps`` ->
+``layernorm_epsilon`` (RMSNorm), SiLU-gated experts (``gated_linear_unit``, ``activation_func=silu``, no biases),
+``moe_intermediate_size`` (Mixtral: ``intermediate_size``) -> ``moe_ffn_hidden_size``, ``num_experts`` ->
+``num_moe_experts``, ``num_experts_per_tok`` -> ``moe_router_topk`` with softmax routing (``norm_topk_prob``: top-k
+then softmax, Megatron's default, equals softmax then renormalising the top k; without it ``moe_router_pre_softmax``),
+Qwen3's q/k norm -> ``qk_layernorm``, ``router_aux_loss_coef`` -> ``moe_aux_loss_coeff``; ``GPTModel``: RoPE with
+``rotary_base = rope_theta``, ``max_sequence_length = max_position_embeddings``, ``share_embeddings_and_output_weights
+= tie_word_embeddings``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from modelopt_moe.export.errors import ExportError
+from modelopt_moe.export.families import MoEArch, family_for_architecture, get_family, read_hf_config
+from modelopt_moe.quantization.conversion import unwrap_model
+
+from .norms import sequence_parallel_norm
+
+__all__ = ["build_megatron_model", "megatron_arch", "split_gpt_overrides", "SPECS"]
+
+SPECS = ("local", "te")
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def split_gpt_overrides(overrides: dict[str, Any], caller: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Routes each override to ``TransformerConfig`` or ``GPTModel`` by name.
+
+    Raises:
+        TypeError: a name that is neither (names ``caller``).
+    """
+    config_fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    model_params = set(inspect.signature(GPTModel.__init__).parameters) - {"self", "config", "transformer_layer_spec"}
+    cfg, mdl = {}, {}
+    for key, value in overrides.items():
+        if key in config_fields:
+            cfg[key] = value
+        elif key in model_params:
+            mdl[key] = value
+        else:
+            raise TypeError(f"{caller}: unknown override {key!r} (neither a TransformerConfig field nor a "
+                            f"GPTModel argument)")
+    return cfg, mdl
+
+
+def _local_layer_spec(arch: MoEArch):
+    """Megatron's local layer spec with norms that support sequence parallelism (q/k norms included)."""
+    layer = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
+                                     qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    layer.submodules.input_layernorm = sequence_parallel_norm
+    layer.submodules.pre_mlp_layernorm = sequence_parallel_norm
+    if arch.qk_norm:
+        attn = layer.submodules.self_attention.submodules
+        attn.q_layernorm = sequence_parallel_norm
+        attn.k_layernorm = sequence_parallel_norm
+    return TransformerBlockSubmodules(layer_specs=[layer] * arch.num_layers, layer_norm=sequence_parallel_norm)
+
+
+def _te_layer_spec(arch: MoEArch):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=arch.num_experts, moe_grouped_gemm=True,
+                                                      qk_layernorm=arch.qk_norm)
+
+
+def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: Any) -> GPTModel:
+    """The Megatron-Core ``GPTModel`` of a Hugging Face Qwen3-MoE / Mixtral config, at the current parallel state.
+
+    Megatron's model-parallel state must be initialised (``parallel_state.initialize_model_parallel``); on a machine
+    without CUDA, Megatron also needs the CPU shims (``modelopt_moe.plugins.testing.megatron_cpu``). Weights are
+    Megatron's initialisation: load real ones with :func:`modelopt_moe.export.import_hf`.
+
+    Args:
+        hf_dir_or_config: a Hugging Face model directory, ``config.json`` or config dict.
+        spec: ``local`` (Megatron-Core modules, ``SequentialMLP`` experts; CPU or GPU) or ``te`` (Transformer
+            Engine layers, ``TEGroupedMLP`` experts; GPU).
+        **overrides: ``TransformerConfig`` fields (e.g. ``params_dtype=torch.float32``,
+            ``moe_token_dispatcher_type``) or ``GPTModel`` arguments.
+
+    Returns:
+        The model (CPU without CUDA, the current GPU otherwise), in training mode.
+
+    Raises:
+        ExportError: an unsupported architecture or feature, a ``spec`` other than local / te, or a parallel layout
+            the sizes do not divide.
+        TypeError: an unknown override.
+    """
+    if spec not in SPECS:
+        raise ExportError(f"spec={spec!r}: expected one of {SPECS}")
+    if not parallel_state.model_parallel_is_initialized():
+        raise ExportError("build_megatron_model: initialise Megatron's model parallel state first "
+                          "(parallel_state.initialize_model_parallel)")
+    if parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        raise ExportError("build_megatron_model: pipeline parallelism is not supported (pipeline size "
+                          f"{parallel_state.get_pipeline_model_parallel_world_size()}, expected 1)")
+    cfg = read_hf_config(hf_dir_or_config)
+    arch = family_for_architecture(cfg).arch_from_hf(cfg)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    for what, size, total in (("vocab_size", tp, arch.vocab_size), ("num_key_value_heads", tp, arch.num_kv_heads),
+                              ("num_experts", ep, arch.num_experts), ("moe_intermediate_size", etp,
+                                                                      arch.moe_ffn_hidden_size)):
+        if total % size:
+            raise ExportError(f"build_megatron_model: {what}={total} is not divisible by the parallel size {size}")
+    cfg_over, model_over = split_gpt_overrides(overrides, "build_megatron_model")
+    on_gpu = torch.cuda.is_available()
+    params_dtype = cfg_over.pop("params_dtype", _DTYPES.get(arch.dtype, torch.bfloat16))
+    config_kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.moe_ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, qk_layernorm=arch.qk_norm,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+        num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.top_k, moe_router_score_function="softmax",
+        moe_router_pre_softmax=not arch.norm_topk_prob, moe_aux_loss_coeff=arch.router_aux_loss_coef,
+        moe_grouped_gemm=spec == "te", moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1, params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=not on_gpu, gradient_accumulation_fusion=False,
+    )
+    if not on_gpu:  # fused kernels that need CUDA
+        config_kwargs.update(bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+                             apply_rope_fusion=False, bias_activation_fusion=False)
+    config_kwargs.update(cfg_over)
+    config = TransformerConfig(**config_kwargs)
+    layer_spec = _local_layer_spec(arch) if spec == "local" else _te_layer_spec(arch)
+    model_kwargs: dict[str, Any] = dict(
+        vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
+        position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings, parallel_output=True,
+    )
+    model_kwargs.update(model_over)
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec, **model_kwargs)
+    return model.cuda() if on_gpu else model
+
+
+def _unsupported(what: str, value, expected) -> ExportError:
+    return ExportError(f"Megatron model: {what}={value!r} has no Hugging Face Qwen3-MoE / Mixtral equivalent "
+                       f"(expected {expected})")
+
+
+def megatron_arch(model, family: str | None = None) -> MoEArch:
+    """The architecture of a Megatron-Core ``GPTModel`` (possibly wrapped).
+
+    Args:
+        model: the model.
+        family: the family to name (default: ``qwen3_moe`` with query/key norm, ``mixtral`` without).
+
+    Raises:
+        ExportError: not a GPTModel, pipeline parallelism, or a feature no supported family has (names it).
+    """
+    m = unwrap_model(model)
+    if not isinstance(m, GPTModel):
+        raise ExportError(f"expected a Megatron-Core GPTModel, got {type(m).__name__}")
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        raise ExportError("Hugging Face export/import: pipeline parallelism is not supported (size "
+                          f"{parallel_state.get_pipeline_model_parallel_world_size()}, expected 1)")
+    c = m.config
+    checks = [
+        ("normalization", c.normalization, ("RMSNorm",)),
+        ("gated_linear_unit", c.gated_linear_unit, (True,)),
+        ("add_bias_linear", c.add_bias_linear, (False,)),
+        ("add_qkv_bias", c.add_qkv_bias, (False,)),
+        ("moe_router_score_function", c.moe_router_score_function, ("softmax",)),
+        ("moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor, (None, 1.0)),
+        ("moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size, (None,)),
+        ("moe_layer_freq", c.moe_layer_freq, (1,)),
+        ("moe_router_enable_expert_bias", c.moe_router_enable_expert_bias, (False,)),
+        ("moe_router_num_groups", c.moe_router_num_groups, (None,)),
+        ("multi_latent_attention", c.multi_latent_attention, (False,)),
+        ("mtp_num_layers", c.mtp_num_layers, (None, 0)),
+        ("rotary_interleaved", c.rotary_interleaved, (False,)),
+        ("layernorm_zero_centered_gamma", c.layernorm_zero_centered_gamma, (False,)),
+        ("position_embedding_type", m.position_embedding_type, ("rope",)),
+        ("rotary_percent", m.rotary_percent, (1.0,)),
+        ("rope_scaling", m.rotary_scaling, (False,)),
+    ]
+    for what, value, allowed in checks:
+        if value not in allowed:
+            raise _unsupported(what, value, " or ".join(map(repr, allowed)))
+    if c.num_moe_experts is None:
+        raise _unsupported("num_moe_experts", None, "an MoE model")
+    if c.activation_func is not F.silu:
+        raise _unsupported("activation_func", getattr(c.activation_func, "__name__", c.activation_func), "silu")
+    if c.softmax_scale not in (None, c.kv_channels ** -0.5):
+        raise _unsupported("softmax_scale", c.softmax_scale, "1/sqrt(head_dim)")
+    name = family or ("qwen3_moe" if c.qk_layernorm else "mixtral")
+    fam = get_family(name)
+    if fam.qk_norm != bool(c.qk_layernorm):
+        raise ExportError(f"family {fam.name!r} {'has' if fam.qk_norm else 'has no'} query/key norm, the model has "
+                          f"qk_layernorm={c.qk_layernorm}")
+    aux = c.moe_aux_loss_coeff
+    aux = float(aux[0] if isinstance(aux, list | tuple) else aux or 0.0)
+    dtype = str(c.params_dtype).replace("torch.", "")
+    return MoEArch(
+        family=fam.name, vocab_size=int(m.vocab_size), hidden_size=c.hidden_size, num_layers=c.num_layers,
+        num_attention_heads=c.num_attention_heads, num_kv_heads=c.num_query_groups or c.num_attention_heads,
+        head_dim=c.kv_channels, moe_ffn_hidden_size=c.moe_ffn_hidden_size, num_experts=c.num_moe_experts,
+        top_k=c.moe_router_topk, norm_eps=c.layernorm_epsilon, rope_theta=float(m.rotary_base),
+        max_position_embeddings=int(m.max_sequence_length),
+        tie_word_embeddings=bool(m.share_embeddings_and_output_weights), qk_norm=bool(c.qk_layernorm),
+        norm_topk_prob=not c.moe_router_pre_softmax, router_aux_loss_coef=aux, dtype=dtype)

@@ -1,0 +1,44 @@
+"""Norm builders for Megatron layer specs.
+
+:func:`sequence_parallel_norm` is Megatron's ``WrappedTorchNorm`` (a plain torch ``LayerNorm`` / ``RMSNorm``) plus what
+that one lacks for sequence parallelism, which Megatron requires for MoE with tensor parallelism > 1 in training:
+its parameters carry ``sequence_parallel = config.sequence_parallel``, the attribute Megatron's
+``finalize_model_grads`` uses to all-reduce their gradients over the tensor-parallel group. Used by
+:func:`~modelopt_moe.plugins.megatron.hf_model.build_megatron_model` (``spec="local"``) and the test models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+__all__ = ["sequence_parallel_norm"]
+
+
+def sequence_parallel_norm(*, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any):
+    """Build a torch ``LayerNorm`` / ``RMSNorm`` that supports sequence parallelism (a Megatron norm builder).
+
+    Same module as Megatron's ``WrappedTorchNorm``, plus what that one lacks for sequence parallelism: its
+    parameters carry ``sequence_parallel = config.sequence_parallel``, the attribute Megatron's
+    ``finalize_model_grads`` (and the test models' ``allreduce_sequence_parallel_grads``) use to all-reduce their
+    gradients over the tensor-parallel group (each TP rank sees a different slice of the sequence).
+
+    Args:
+        config: The model's TransformerConfig (reads ``normalization`` and ``sequence_parallel``).
+        hidden_size: Normalised size.
+        eps: Epsilon.
+
+    Returns:
+        The norm module.
+    """
+    if config.normalization == "LayerNorm":
+        norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+    elif config.normalization == "RMSNorm":
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+    else:
+        raise ValueError(f"normalization={config.normalization!r}: expected 'LayerNorm' or 'RMSNorm'")
+    for p in norm.parameters():
+        p.sequence_parallel = config.sequence_parallel
+    return norm

@@ -1,0 +1,591 @@
+"""Hugging Face export and import of Megatron MoE GPTs at TP2 x EP2 on 4 gloo ranks, proven by third-party readers.
+
+One spawn (imports cost ~15 s) does all the Megatron work; the parent process reads what it wrote with
+``transformers`` 5.23 and ``compressed-tensors`` 0.20:
+
+* tiny random ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM`` saved with ``save_pretrained`` (bf16) ->
+  ``build_megatron_model`` + ``import_hf`` at TP2 EP2 -> ``export_hf(format="hf")``: every tensor bit-exact;
+  the fp32 Megatron model's logits match ``transformers``' on the same tokens;
+* ``mtq.quantize`` FP8 (per-expert weight and input amax) and NVFP4 (per-expert input amax) -> ``export_hf`` in
+  both formats. For every exported weight of every expert of every layer (and attention): the stored codes and block
+  scales decode with training's scales to ``fake_quant`` bit for bit, and the stored scales are exactly the documented
+  functions of the amax; input scales are per expert;
+* compressed-tensors checkpoints load with ``AutoModelForCausalLM.from_pretrained(..., CompressedTensorsConfig(
+  dequantize=True))``: every expert matrix and the logits are compared with the Megatron fake-quant model (weights
+  fake-quantized; transformers runs the experts weight-only, so the Megatron side's input quantizers are off for the
+  logits); NVFP4 experts need a small test-only patch (transformers 5.23 never passes ``weight_global_scale`` to the
+  experts' dequantize, see ``test_upstream_transformers_still_mis_scales_nvfp4_experts``), which decodes them with
+  compressed-tensors' own ``NVFP4PackedCompressor.decompress``;
+* Model Optimizer checkpoints go through compressed-tensors' ``ModelOptNvfp4Converter`` (``convert_checkpoint``),
+  whose output must equal our compressed-tensors export, then ``transformers``; FP8 tensors already have
+  compressed-tensors' names. A byte-level check covers the layout vLLM's ``modelopt`` loader reads;
+* bad inputs (unquantized model, INT4, per-channel FP8 to modelopt, unsupported family, non-empty output directory)
+  fail on every rank with the same message before anything is written; an export that fails midway leaves nothing.
+"""
+
+import glob
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelopt_moe.export import codecs
+from modelopt_moe.launch import spawn
+from modelopt_moe.numerics import fake_quant
+
+WORLD, TP, EP, LAYERS, EXPERTS, INTER = 4, 2, 2, 2, 4, 32
+FORMATS = ("compressed-tensors", "modelopt")
+
+
+def _make_hf(path: Path, family: str) -> None:
+    """A tiny random model of ``family`` saved by transformers in bf16 (norms perturbed so their mapping shows)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0 if family == "qwen3_moe" else 1)
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64)
+    if family == "qwen3_moe":  # norm_topk_prob=False: Megatron's moe_router_pre_softmax path
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=16, num_experts=EXPERTS, moe_intermediate_size=INTER,
+                                                   norm_topk_prob=False, **common))
+    else:
+        model = MixtralForCausalLM(MixtralConfig(num_local_experts=EXPERTS, intermediate_size=INTER, **common))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(glob.glob(f"{path}/*.safetensors")):
+        with safe_open(file, "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ ranks
+
+
+def _global_amax(model) -> dict:
+    """{(layer, gemm, kind, global expert) / (layer, "qkv"|"o_proj", kind): amax}, gathered independently of the
+    exporter (through the quantizers' views and Megatron's EP rank)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    local = {}
+    for li, layer in enumerate(model.decoder.layers):
+        attn = layer.self_attention
+        for name, lin in (("qkv", attn.linear_qkv), ("o_proj", attn.linear_proj)):
+            for kind in ("weight_quantizer", "input_quantizer"):
+                local[(li, name, kind)] = getattr(lin, kind).amax.detach().clone()
+        experts = layer.mlp.experts
+        n = experts.num_local_experts
+        for gemm in ("linear_fc1", "linear_fc2"):
+            for kind in ("weight_quantizer", "input_quantizer"):
+                q = getattr(getattr(experts, gemm), kind)
+                for i in range(n):
+                    local[(li, gemm, kind, ep_rank * n + i)] = q.expert_amax(i).detach().clone()
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _expect_error(errors: dict, key: str, fn, out: Path | None = None) -> None:
+    from modelopt_moe.export import ExportError
+
+    try:
+        fn()
+        errors[key] = None
+    except ExportError as e:
+        errors[key] = str(e)
+    if out is not None:
+        errors[key + "/leftovers"] = sorted(p.name for p in out.parent.iterdir()
+                                            if p.name == out.name or p.name.startswith(f".{out.name}."))
+
+
+def _bad_exports(m, out: Path, errors: dict, rank: int) -> None:
+    """Exports of the quantized model ``m`` that must fail on every rank, before (or, for a failing disk, instead
+    of) writing anything."""
+    from modelopt_moe.export import export_hf
+    from modelopt_moe.export.writer import CheckpointWriter
+
+    (out / "taken").mkdir(exist_ok=True)
+    if rank == 0:
+        (out / "taken" / "keep.txt").write_text("mine")
+    _expect_error(errors, "non_empty", lambda: export_hf(m, out / "taken", format="modelopt"))
+    _expect_error(errors, "family_unknown", lambda: export_hf(m, out / "llama", family="llama"), out / "llama")
+    _expect_error(errors, "family_mismatch", lambda: export_hf(m, out / "mix", family="mixtral"), out / "mix")
+    _expect_error(errors, "hf_on_quantized", lambda: export_hf(m, out / "hfq", format="hf"), out / "hfq")
+    # a disk that fails in the middle of the experts of layer 1 (writer rank only): every rank must learn it
+    real_add, calls = CheckpointWriter.add, {"n": 0}
+
+    def failing_add(self, name, tensor):
+        calls["n"] += 1
+        if calls["n"] == 60:
+            raise OSError(28, "No space left on device")
+        real_add(self, name, tensor)
+
+    CheckpointWriter.add = failing_add
+    try:
+        _expect_error(errors, "interrupted", lambda: export_hf(m, out / "broken", format="modelopt"), out / "broken")
+    finally:
+        CheckpointWriter.add = real_add
+
+
+def _rank(rank, world, paths: dict) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.export import build_megatron_model, export_hf, import_hf, save_hf_config
+    from modelopt_moe.plugins.megatron import save_sharded_checkpoint
+    from modelopt_moe.plugins.testing import megatron_models as mm
+
+    mm.init_model_parallel(tp=TP, ep=EP)
+    out = Path(paths["out"])
+    res: dict = {"errors": {}}
+    errors = res["errors"]
+    batches = mm.text_batches(2, 16, 3, vocab_size=128)
+
+    def calibrate(m):
+        with torch.no_grad():
+            for b in batches[:2]:
+                mm.gather_logits(m, b)
+
+    def logits(m):
+        with torch.no_grad():
+            return mm.gather_logits(m, batches[2]).float()
+
+    def fresh(family, dtype=torch.float32):
+        m = build_megatron_model(paths[family], perform_initialization=False, params_dtype=dtype)
+        import_hf(m, paths[family])
+        return m.eval()
+
+    # bf16 round trip, both families; an unquantized model cannot go to a quantized format
+    for family in ("qwen3_moe", "mixtral"):
+        m = fresh(family, torch.bfloat16)
+        export_hf(m, out / f"roundtrip_{family}", format="hf", progress=rank == 0)
+    _expect_error(errors, "unquantized", lambda: export_hf(m, out / "unquantized", format="compressed-tensors"),
+                  out / "unquantized")
+    res["tokens"] = batches[2]["tokens"]
+
+    for scheme in ("fp8", "nvfp4"):
+        m = fresh("qwen3_moe")
+        if scheme == "fp8":
+            res["logits_plain"] = logits(m)
+            cfg = mtq.load_config("fp8_per_expert.yaml")
+        else:
+            cfg = mtq.load_config("nvfp4_default.yaml")
+            cfg.experts.input_amax = "per_expert"
+        mtq.quantize(m, cfg, calibrate)
+        res[f"amax_{scheme}"] = _global_amax(m)
+        for fmt in FORMATS:
+            export_hf(m, out / f"{scheme}_{fmt}", format=fmt, dtype=torch.bfloat16, progress=False)
+        if scheme == "fp8":
+            save_sharded_checkpoint(m, out / "ckpt")  # for `modelopt-moe export` (test_cli_export_...)
+            save_hf_config(paths["qwen3_moe"], out / "ckpt")
+            _bad_exports(m, out, errors, rank)
+        mtq.disable_quantizer(m, "*input_quantizer")  # transformers runs weight-only: compare like with like
+        res[f"logits_{scheme}"] = logits(m)
+
+    # grouped experts (TEGroupedMLP with the project's grouped linears, weight0..N) export like SequentialMLP ones
+    import torch.nn.functional as F
+
+    for kind in ("sequential", "grouped"):
+        m = mm.build_moe_gpt(num_layers=LAYERS, hidden=64, ffn_hidden=INTER, num_experts=EXPERTS, vocab_size=128,
+                             seq_len=16, experts=kind, normalization="RMSNorm", gated_linear_unit=True,
+                             activation_func=F.silu, seed=7).eval()
+        mtq.quantize(m, mtq.load_config("nvfp4_default.yaml"), calibrate)
+        export_hf(m, out / f"experts_{kind}", format="modelopt", progress=False)
+
+    m = fresh("qwen3_moe")  # INT4 blocks: no compressed-tensors / modelopt scheme of ours
+    mtq.quantize(m, mtq.load_config("int4_blockwise_weight_only.yaml"))
+    _expect_error(errors, "int4", lambda: export_hf(m, out / "int4", format="compressed-tensors"), out / "int4")
+    m = fresh("qwen3_moe")  # FP8 per output channel: compressed-tensors yes, Model Optimizer no
+    per_channel = mtq.load_config("fp8_default.yaml")
+    per_channel.quant_cfg[0].cfg.axis = 0
+    mtq.quantize(m, per_channel, calibrate)
+    _expect_error(errors, "fp8_channel_modelopt", lambda: export_hf(m, out / "pc_mo", format="modelopt"),
+                  out / "pc_mo")
+    export_hf(m, out / "fp8_channel_compressed-tensors", format="compressed-tensors", progress=False)
+    mtq.disable_quantizer(m, "*input_quantizer")
+    res["logits_fp8_channel"] = logits(m)
+    mm.destroy_model_parallel()
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ parent
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("hf_export")
+    paths = {"out": str(base / "out")}
+    (base / "out").mkdir()
+    for family in ("qwen3_moe", "mixtral"):
+        paths[family] = str(base / family)
+        _make_hf(base / family, family)
+    results = spawn(_rank, WORLD, args=(paths,), timeout=600)
+    return {"paths": paths, "out": base / "out", "results": results, "r0": results[0]}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_bf16_round_trip_hf_megatron_hf_is_bit_exact(run, family):
+    src, got = _tensors(run["paths"][family]), _tensors(run["out"] / f"roundtrip_{family}")
+    assert sorted(src) == sorted(got)
+    for name, t in src.items():
+        assert got[name].dtype == t.dtype == torch.bfloat16, name
+        assert torch.equal(got[name].view(torch.int16), t.view(torch.int16)), name
+    cfg = json.loads((run["out"] / f"roundtrip_{family}" / "config.json").read_text())
+    assert "quantization_config" not in cfg
+
+
+def _hf_model(path, **kw):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+
+
+def _hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def test_megatron_logits_match_transformers(run):
+    ref = _hf_logits(_hf_model(run["paths"]["qwen3_moe"]), run["r0"]["tokens"])
+    diff = (run["r0"]["logits_plain"] - ref).abs().max().item()
+    print(f"bf16-imported fp32 model, logits max |Megatron - transformers| = {diff:.3g}")
+    assert diff <= 1e-5, diff  # measured 2e-7 (fp32, TP2 EP2 vs transformers)
+
+
+def _source(run):
+    """The imported (bf16) weights by Hugging Face module name: the Megatron model holds exactly these."""
+    return {k.removesuffix(".weight"): v for k, v in _tensors(run["paths"]["qwen3_moe"]).items()}
+
+
+def _linears(run, amax):
+    """(module, weight, weight amax, input amax) of every quantized linear of the exported Qwen3 model."""
+    src = _source(run)
+    for layer in range(LAYERS):
+        p = f"model.layers.{layer}."
+        for kind, mod in (("qkv", "q_proj"), ("qkv", "k_proj"), ("qkv", "v_proj"), ("o_proj", "o_proj")):
+            yield (p + "self_attn." + mod, src[p + "self_attn." + mod], amax[(layer, kind, "weight_quantizer")],
+                   amax[(layer, kind, "input_quantizer")])
+        for e in range(EXPERTS):
+            for gemm, mods in (("linear_fc1", ("gate_proj", "up_proj")), ("linear_fc2", ("down_proj",))):
+                for mod in mods:
+                    name = f"{p}mlp.experts.{e}.{mod}"
+                    yield (name, src[name], amax[(layer, gemm, "weight_quantizer", e)],
+                           amax[(layer, gemm, "input_quantizer", e)])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scheme", ["fp8", "nvfp4"])
+def test_every_exported_weight_decodes_to_training_fake_quant(run, scheme, fmt):
+    """The contract, for every expert of every layer and every attention projection: codes and block scales decode
+    with training's scales to fake_quant bit for bit; stored scales are the documented functions of the amax."""
+    t = _tensors(run["out"] / f"{scheme}_{fmt}")
+    amax = run["r0"][f"amax_{scheme}"]
+    count = 0
+    for name, w, w_amax, x_amax in _linears(run, amax):
+        fmt_name = "e4m3" if scheme == "fp8" else "nvfp4"
+        expected = fake_quant(w.float(), fmt_name, w_amax)
+        if scheme == "fp8":
+            s = codecs.fp8_scale(w_amax)
+            got = codecs.decode_fp8(t[f"{name}.weight"], s, torch.float32)
+            assert t[f"{name}.weight_scale"].item() == codecs.reciprocal(s).item()
+            assert t[f"{name}.input_scale"].item() == codecs.reciprocal(codecs.fp8_scale(x_amax)).item()
+        else:
+            sg, sg_in = codecs.nvfp4_global_scale(w_amax), codecs.nvfp4_global_scale(x_amax)
+            packed = t[f"{name}.weight" if fmt == "modelopt" else f"{name}.weight_packed"]
+            got = codecs.decode_nvfp4(packed, t[f"{name}.weight_scale"], sg, torch.float32)
+            if fmt == "modelopt":
+                assert t[f"{name}.weight_scale_2"] == sg and t[f"{name}.input_scale"] == sg_in
+                got_file = codecs.decode_nvfp4_modelopt(packed, t[f"{name}.weight_scale"], t[f"{name}.weight_scale_2"],
+                                                        torch.float32)
+                assert torch.equal(got_file.view(torch.int32), expected.view(torch.int32)), name
+            else:
+                assert t[f"{name}.weight_global_scale"] == codecs.reciprocal(sg)
+                assert t[f"{name}.input_global_scale"] == codecs.reciprocal(sg_in)
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), name
+        count += 1
+    assert count == LAYERS * (4 + 3 * EXPERTS)
+    # input amax is exported per expert (the calibration gave the experts different values)
+    for layer in range(LAYERS):
+        per_expert = {amax[(layer, "linear_fc1", "input_quantizer", e)].item() for e in range(EXPERTS)}
+        assert len(per_expert) > 1
+
+
+def _loaded_expert(model, layer: int, e: int) -> dict[str, torch.Tensor]:
+    """Expert ``e``'s matrices from transformers' fused experts (``gate_up_proj [E, 2I, H]``, gate rows first)."""
+    experts = model.model.layers[layer].mlp.experts
+    return {"gate_proj": experts.gate_up_proj[e, :INTER], "up_proj": experts.gate_up_proj[e, INTER:],
+            "down_proj": experts.down_proj[e]}
+
+
+def test_transformers_reads_fp8_compressed_tensors(run):
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    path = run["out"] / "fp8_compressed-tensors"
+    model = _hf_model(path, quantization_config=CompressedTensorsConfig(dequantize=True))
+    t, amax, src = _tensors(path), run["r0"]["amax_fp8"], _source(run)
+    worst = 0.0
+    for layer in range(LAYERS):
+        p = f"model.layers.{layer}.mlp.experts."
+        for e in range(EXPERTS):
+            for mod, got in _loaded_expert(model, layer, e).items():
+                name = f"{p}{e}.{mod}"
+                # their dequantize is the format's formula, codes * weight_scale ...
+                formula = codecs.decode_fp8_file(t[name + ".weight"], t[name + ".weight_scale"], torch.float32)
+                assert torch.equal(got, formula), name
+                # ... which is training's fake quant up to one fp32 rounding of the reciprocal scale
+                gemm = "linear_fc2" if mod == "down_proj" else "linear_fc1"
+                expected = fake_quant(src[name].float(), "e4m3", amax[(layer, gemm, "weight_quantizer", e)])
+                assert (got.view(torch.int32) - expected.view(torch.int32)).abs().max() <= 1, name
+                worst = max(worst, (got - expected).abs().max().item())
+    assert worst < 1e-6
+    diff = (run["r0"]["logits_fp8"] - _hf_logits(model, run["r0"]["tokens"])).abs().max().item()
+    print(f"FP8 compressed-tensors: experts max |transformers - fake_quant| = {worst:.3g}, logits {diff:.3g}")
+    assert diff <= 1e-5, diff  # measured 2e-7
+
+
+@pytest.fixture
+def nvfp4_experts_patch(monkeypatch):
+    """transformers 5.23's experts dequantize drops ``weight_global_scale``: decode each expert with
+    compressed-tensors' own ``NVFP4PackedCompressor.decompress`` instead (dense layers go the unpatched way)."""
+    from compressed_tensors.compressors import NVFP4PackedCompressor
+    from transformers.integrations import compressed_tensors as ct_integration
+
+    original = ct_integration.CompressedTensorsDequantize.convert
+
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, **kwargs):
+        packed = [k for k in input_dict if k.endswith("weight_packed")]
+        dense = "weight_packed" in input_dict  # one dense module's own names: transformers' path is right
+        if dense or not packed or not all(k.replace("weight_packed", "weight_global_scale") in input_dict
+                                          for k in packed):
+            return original(self, input_dict, source_patterns, target_patterns, full_layer_name=full_layer_name,
+                            **kwargs)
+        scheme = self.scheme or ct_integration.get_experts_scheme(self.hf_quantizer.compressor.quantization_config)
+        dtype = kwargs["model"].get_parameter(full_layer_name).dtype
+        out = {}
+        for key in packed:
+            parts = zip(*(input_dict[key.replace("weight_packed", n)]
+                          for n in ("weight_packed", "weight_scale", "weight_global_scale")), strict=True)
+            out[key] = torch.stack([NVFP4PackedCompressor.decompress(
+                {"weight_packed": p, "weight_scale": s, "weight_global_scale": g}, scheme)["weight"].to(dtype)
+                for p, s, g in parts])
+        return out
+
+    monkeypatch.setattr(ct_integration.CompressedTensorsDequantize, "convert", convert)
+
+
+def _check_nvfp4_model(run, model, path) -> float:
+    """Every expert matrix within one bf16 ulp of fake_quant (compressed-tensors' decoder returns bf16); returns the
+    logits' max difference from the Megatron fake-quant model."""
+    amax, src = run["r0"]["amax_nvfp4"], _source(run)
+    for layer in range(LAYERS):
+        p = f"model.layers.{layer}.mlp.experts."
+        for e in range(EXPERTS):
+            for mod, got in _loaded_expert(model, layer, e).items():
+                name = f"{p}{e}.{mod}"
+                gemm = "linear_fc2" if mod == "down_proj" else "linear_fc1"
+                expected = fake_quant(src[name].float(), "nvfp4", amax[(layer, gemm, "weight_quantizer", e)])
+                ulps = (got.bfloat16().view(torch.int16).int() - expected.bfloat16().view(torch.int16).int()).abs()
+                assert ulps.max() <= 1, (name, ulps.max())
+    return (run["r0"]["logits_nvfp4"] - _hf_logits(model, run["r0"]["tokens"])).abs().max().item()
+
+
+def test_transformers_reads_nvfp4_compressed_tensors(run, nvfp4_experts_patch):
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    path = run["out"] / "nvfp4_compressed-tensors"
+    model = _hf_model(path, quantization_config=CompressedTensorsConfig(dequantize=True))
+    diff = _check_nvfp4_model(run, model, path)
+    print(f"NVFP4 compressed-tensors via transformers (+ experts patch): logits max diff {diff:.3g}")
+    assert diff <= 5e-3, diff  # measured 1.2e-3: compressed-tensors decodes NVFP4 to bf16 weights
+
+
+def test_nvfp4_file_formula_in_fp32_gives_megatron_logits(run):
+    """The transformers reader's 1e-3 above is its bf16 decode: the same file decoded with the format's formula in
+    fp32 (ours, ``value * (weight_scale / weight_global_scale)``), put into the transformers model, gives the
+    Megatron fake-quant logits to fp32 accuracy."""
+    path = run["out"] / "nvfp4_compressed-tensors"
+    t, model = _tensors(path), _hf_model(run["paths"]["qwen3_moe"])
+
+    def decoded(name):
+        return codecs.decode_nvfp4_ct(t[name + ".weight_packed"], t[name + ".weight_scale"],
+                                      t[name + ".weight_global_scale"], torch.float32)
+
+    with torch.no_grad():
+        for layer in range(LAYERS):
+            p, block = f"model.layers.{layer}.", model.model.layers[layer]
+            for mod in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(block.self_attn, mod).weight.copy_(decoded(f"{p}self_attn.{mod}"))
+            for e in range(EXPERTS):
+                q = f"{p}mlp.experts.{e}."
+                block.mlp.experts.gate_up_proj[e].copy_(torch.cat([decoded(q + "gate_proj"), decoded(q + "up_proj")]))
+                block.mlp.experts.down_proj[e].copy_(decoded(q + "down_proj"))
+    diff = (run["r0"]["logits_nvfp4"] - _hf_logits(model, run["r0"]["tokens"])).abs().max().item()
+    print(f"NVFP4 file decoded in fp32 by the format's formula, in transformers: logits max diff {diff:.3g}")
+    assert diff <= 1e-5, diff
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="transformers 5.23 mis-scales NVFP4 MoE experts (weight_global_scale is never passed to the "
+                          "experts' dequantize); XPASS means upstream fixed it: drop the nvfp4_experts_patch fixture")
+def test_upstream_transformers_still_mis_scales_nvfp4_experts(run):
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    model = _hf_model(run["out"] / "nvfp4_compressed-tensors",
+                      quantization_config=CompressedTensorsConfig(dequantize=True))
+    _check_nvfp4_model(run, model, None)
+
+
+def test_modelopt_nvfp4_through_compressed_tensors_converter(run, tmp_path, nvfp4_experts_patch):
+    from compressed_tensors.entrypoints.convert import ModelOptNvfp4Converter, convert_checkpoint
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    src = run["out"] / "nvfp4_modelopt"
+    ignore = json.loads((src / "config.json").read_text())["quantization_config"]["exclude_modules"]
+    convert_checkpoint(src, tmp_path / "ct", ModelOptNvfp4Converter(ignore=ignore, targets=["Linear"]),
+                       max_workers=1, device="cpu")
+    converted, ours = _tensors(tmp_path / "ct"), _tensors(run["out"] / "nvfp4_compressed-tensors")
+    assert sorted(converted) == sorted(ours)
+    for name, t in ours.items():  # the same bytes (their per-tensor scales keep modelopt's 0-dim shape)
+        c = converted[name].reshape(t.shape)
+        assert c.dtype == t.dtype and torch.equal(c.view(torch.uint8), t.view(torch.uint8)), name
+    model = _hf_model(tmp_path / "ct", quantization_config=CompressedTensorsConfig(dequantize=True))
+    diff = _check_nvfp4_model(run, model, tmp_path / "ct")
+    print(f"NVFP4 modelopt -> ModelOptNvfp4Converter -> transformers: logits max diff {diff:.3g}")
+    assert diff <= 5e-3, diff
+
+
+def test_modelopt_fp8_tensors_load_as_compressed_tensors(run, tmp_path):
+    """Model Optimizer's FP8 tensors have compressed-tensors' names: with a compressed-tensors config they load."""
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from modelopt_moe.export.schemes import SCHEMES, quantization_config
+
+    shutil.copytree(run["out"] / "fp8_modelopt", tmp_path / "ct")
+    cfg = json.loads((tmp_path / "ct" / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config(SCHEMES["FP8"], "compressed-tensors",
+                                                     cfg["quantization_config"]["ignore"])
+    (tmp_path / "ct" / "config.json").write_text(json.dumps(cfg))
+    model = _hf_model(tmp_path / "ct", quantization_config=CompressedTensorsConfig(dequantize=True))
+    diff = (run["r0"]["logits_fp8"] - _hf_logits(model, run["r0"]["tokens"])).abs().max().item()
+    print(f"FP8 modelopt tensors via transformers: logits max diff {diff:.3g}")
+    assert diff <= 1e-5, diff
+
+
+def test_fp8_per_channel_compressed_tensors(run):
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    path = run["out"] / "fp8_channel_compressed-tensors"
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert cfg["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
+    t = _tensors(path)
+    assert t["model.layers.0.mlp.experts.3.up_proj.weight_scale"].shape == (INTER, 1)
+    model = _hf_model(path, quantization_config=CompressedTensorsConfig(dequantize=True))
+    diff = (run["r0"]["logits_fp8_channel"] - _hf_logits(model, run["r0"]["tokens"])).abs().max().item()
+    print(f"FP8 per-channel compressed-tensors via transformers: logits max diff {diff:.3g}")
+    assert diff <= 1e-5, diff
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "nvfp4"])
+def test_modelopt_layout_is_what_vllm_reads(run, scheme):
+    """The tensors and configs vLLM's ``modelopt`` loader creates parameters for (vllm/model_executor/layers/
+    quantization/modelopt.py: ``ModelOptFp8LinearMethod``, ``ModelOptFp8MoEMethod``, ``ModelOptNvFp4LinearMethod``,
+    ``ModelOptNvFp4FusedMoE``; the fused-MoE loaders take per-expert ``gate_proj``/``up_proj``/``down_proj``)."""
+    path = run["out"] / f"{scheme}_modelopt"
+    t = _tensors(path)
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    legacy = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
+    algo = "FP8" if scheme == "fp8" else "NVFP4"
+    assert cfg["quant_method"] == "modelopt" and cfg["quant_algo"] == legacy["quant_algo"] == algo
+    routers = [f"model.layers.{i}.mlp.gate" for i in range(LAYERS)]
+    assert sorted(cfg["ignore"]) == sorted(legacy["exclude_modules"]) == sorted([*routers, "lm_head"])
+    if scheme == "nvfp4":
+        assert cfg["group_size"] == legacy["group_size"] == 16 and "kv_cache_quant_algo" in legacy
+    for name, _, _, _ in _linears(run, run["r0"][f"amax_{scheme}"]):
+        w = t[name + ".weight"]
+        out_f, in_f = _source(run)[name].shape
+        for scale in ("weight_scale_2", "input_scale") if scheme == "nvfp4" else ("weight_scale", "input_scale"):
+            assert t[f"{name}.{scale}"].dtype == torch.float32 and t[f"{name}.{scale}"].shape == (), (name, scale)
+        if scheme == "fp8":
+            assert w.dtype == torch.float8_e4m3fn and w.shape == (out_f, in_f)
+        else:
+            assert w.dtype == torch.uint8 and w.shape == (out_f, in_f // 2)
+            assert t[name + ".weight_scale"].dtype == torch.float8_e4m3fn
+            assert t[name + ".weight_scale"].shape == (out_f, in_f // 16)
+    second = "weight_scale_2" if scheme == "nvfp4" else "weight_scale"
+    for layer in range(LAYERS):
+        p = f"model.layers.{layer}."
+        for e in range(EXPERTS):  # vLLM's fused w13: gate and up share the weight's second-level scale and the input
+            gate, up = f"{p}mlp.experts.{e}.gate_proj.", f"{p}mlp.experts.{e}.up_proj."
+            assert t[gate + second] == t[up + second] and t[gate + "input_scale"] == t[up + "input_scale"]
+        for kind in (second, "input_scale"):  # vLLM's fused qkv_proj: one scale for q, k, v
+            assert t[f"{p}self_attn.q_proj.{kind}"] == t[f"{p}self_attn.k_proj.{kind}"] == \
+                t[f"{p}self_attn.v_proj.{kind}"]
+    assert t["lm_head.weight"].dtype == t["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
+
+
+def test_bad_inputs_fail_on_every_rank_before_writing(run):
+    expected = {
+        "unquantized": "the model is not quantized",
+        "non_empty": r"output directory .*taken exists and is not empty \(keep.txt\)",
+        "family_unknown": "family='llama' is not supported",
+        "family_mismatch": "family 'mixtral' has no query/key norm, the model has qk_layernorm=True",
+        "hf_on_quantized": "format='hf' writes unquantized weights",
+        "int4": "weight format int4 block=128 is not FP8",
+        "fp8_channel_modelopt": "FP8_CHANNEL .* has no Model Optimizer quant_algo",
+        "interrupted": "OSError: .*No space left on device",
+    }
+    import re
+
+    for key, pattern in expected.items():
+        messages = {r["errors"][key] for r in run["results"]}
+        assert len(messages) == 1, (key, messages)  # every rank raised the same error
+        message = messages.pop()
+        assert message is not None and re.search(pattern, message), (key, message)
+        assert run["r0"]["errors"].get(key + "/leftovers", []) == [], key
+    assert sorted(p.name for p in (run["out"] / "taken").iterdir()) == ["keep.txt"]
+
+
+def test_cli_exports_a_distributed_checkpoint_saved_at_another_layout(run, tmp_path, capfd):
+    """``modelopt-moe export`` on the FP8 model's checkpoint (saved at TP2 EP2, exported on one process at TP1 EP1)
+    writes the same tensors, byte for byte, as ``export_hf`` did inside the TP2 EP2 run."""
+    from modelopt_moe.plugins.cli import main
+
+    out = tmp_path / "cli_out"
+    rc = main(["export", "--checkpoint", str(run["out"] / "ckpt"), "--format", "modelopt", "--out", str(out),
+               "--dtype", "float32", "--timeout", "300"])
+    captured = capfd.readouterr()
+    assert rc == 0, captured.err[-3000:]
+    assert "export: 100%" in captured.err  # the per-layer progress bar
+    ours, direct = _tensors(out), _tensors(run["out"] / "fp8_modelopt")
+    assert sorted(ours) == sorted(direct)
+    for name, t in direct.items():
+        assert ours[name].dtype == t.dtype and ours[name].shape == t.shape, name
+        assert torch.equal(ours[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"] == json.loads((run["out"] / "fp8_modelopt" / "config.json").read_text())[
+        "quantization_config"]
+    assert cfg["initializer_range"] == 0.02  # the recorded config's other keys are kept
+
+
+def test_grouped_and_sequential_experts_export_the_same_checkpoint(run):
+    """Megatron's TEGroupedMLP (grouped linears, ``weight0..N``; here the project's CPU grouped linear) and
+    SequentialMLP with the same weights give the same Mixtral checkpoint, byte for byte."""
+    seq, grouped = _tensors(run["out"] / "experts_sequential"), _tensors(run["out"] / "experts_grouped")
+    assert sorted(seq) == sorted(grouped) and "model.layers.1.block_sparse_moe.experts.3.w3.weight_scale_2" in seq
+    for name, t in seq.items():
+        g = grouped[name]
+        assert g.dtype == t.dtype and torch.equal(g.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    configs = [json.loads((run["out"] / f"experts_{k}" / "config.json").read_text()) for k in ("sequential", "grouped")]
+    assert configs[0] == configs[1] and configs[0]["architectures"] == ["MixtralForCausalLM"]
