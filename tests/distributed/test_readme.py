@@ -34,7 +34,7 @@ def _python(marker: str) -> str:
 
 def test_every_snippet_is_run_here():
     python = _blocks("python")
-    assert len(python) == 6, "a README python snippet was added or removed: run it in this file"
+    assert len(python) == 7, "a README python snippet was added or removed: run it in this file"
     assert sum(any(m in b for m in MEGATRON_SNIPPETS) for b in python) == 3
     assert len(_blocks("yaml")) == 1
 
@@ -68,6 +68,16 @@ def test_spawn_snippet(tmp_path):
     script.write_text(_python("def work(rank, world_size, scale)"))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_export_snippet(tmp_path):
+    script = tmp_path / "readme_export.py"
+    script.write_text(_python("def qat_and_export("))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = sorted(p.name for p in (tmp_path / "tiny-qwen3-moe-nvfp4").iterdir())
+    assert "config.json" in written and any(n.endswith(".safetensors") for n in written), written
 
 
 def _megatron_worker(rank, world_size, root):
