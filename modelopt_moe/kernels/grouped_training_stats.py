@@ -7,7 +7,8 @@ lazily like :mod:`.triton_kernels`):
 1. launchers (``_launch_*``) and pure-torch references (``_torch_*``), chosen by :func:`kernels_available`;
 2. public functions that validate their inputs with ``ValueError``: :func:`grouped_weight_amax`,
    :func:`grouped_weight_fake_quant_stats`, :func:`grouped_input_fake_quant_stats`;
-3. ``torch.library.custom_op`` s with ``register_fake``.
+3. ``torch.library.custom_op`` s with ``register_fake``;
+4. :class:`GroupedInputSTE`, the straight-through gradient of tokens quantized with statistics.
 
 Contracts: the amax equals ``max |w|`` (NaN ignored) of each expert, or of each row of each expert, bit for bit. The
 fake-quantized values equal :func:`~modelopt_moe.numerics.fake_quant` bit for bit (the same tile code as the plain
@@ -44,7 +45,8 @@ from .grouped_fake_quant import (
     kernels_available,
 )
 
-__all__ = ["grouped_weight_amax", "grouped_weight_fake_quant_stats", "grouped_input_fake_quant_stats"]
+__all__ = ["grouped_weight_amax", "grouped_weight_fake_quant_stats", "grouped_input_fake_quant_stats",
+           "expert_row_sums", "GroupedInputSTE"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -274,3 +276,34 @@ def _grouped_input_fake_quant_stats_op(
 @_grouped_input_fake_quant_stats_op.register_fake
 def _(x, m_splits, amax, fmt, block_size):
     return torch.empty_like(x), x.new_empty((m_splits.shape[0], 4), dtype=torch.float64)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autograd and helpers
+# ----------------------------------------------------------------------------------------------------------------
+def expert_row_sums(x: torch.Tensor, y: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
+    """Per-expert quantization-error sums of a token matrix ``x`` and its fake quant ``y`` (rows grouped by the
+    device tensor ``m_splits``), in torch: float64 ``[N, 4]``."""
+    return _rows_to_experts(quant_error_sums(x, y, keep_rows=True), m_splits)
+
+
+class GroupedInputSTE(torch.autograd.Function):
+    """``apply(x, m_splits, amax, ste, values) -> values`` (as a view): fake-quantized tokens computed earlier (e.g.
+    with :func:`grouped_input_fake_quant_stats`) put into the graph with the straight-through gradient of
+    :class:`~.grouped_fake_quant.GroupedInputFakeQuant` (pass-through, or clipped where ``|x| > amax``)."""
+
+    @staticmethod
+    def forward(ctx, x, m_splits, amax, ste, values):
+        ctx.clipped = ste == "clipped" and amax is not None
+        if ctx.clipped:
+            ctx.save_for_backward(x, m_splits, amax)
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.clipped:
+            return grad, None, None, None, None
+        from .grouped_fake_quant import grouped_input_clip_grad
+
+        x, m_splits, amax = ctx.saved_tensors
+        return grouped_input_clip_grad(grad.contiguous(), x, m_splits, amax), None, None, None, None

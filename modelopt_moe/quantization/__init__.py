@@ -1,5 +1,6 @@
 """``import modelopt_moe.quantization as mtq``: quantize, calibrate, print_quant_summary, enable/disable_quantizer,
-fold_weight, reuse_quantized_weights, presets and load_config.
+fold_weight, reuse_quantized_weights, update_weight_amax, autoswitch_step / autoswitch_summary, presets and
+load_config.
 
 Presets are the YAML files in ``configs/`` loaded at import, as plain dicts (like Model Optimizer's), so users can
 copy and edit them.
@@ -7,12 +8,14 @@ copy and edit them.
 
 from ..numerics import FORMATS, fake_quant
 from . import nn  # noqa: F401  registers the framework-free wrappers
+from .autoswitch import autoswitch_step, autoswitch_summary
 from .calibration import sync_amax
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig, load_config, preset_path
 from .conversion import QuantModuleRegistry, named_quantizers
 from .expert_quantizer import ExpertQuantizer
 from .model_quant import calibrate, disable_quantizer, enable_quantizer, fold_weight, print_quant_summary, quantize
 from .tensor_quantizer import TensorQuantizer
+from .weight_amax import update_weight_amax
 from .weight_reuse import reuse_quantized_weights
 
 FP8_DEFAULT_CFG = load_config(preset_path("fp8_default.yaml")).model_dump()
@@ -23,7 +26,7 @@ INT4_BLOCKWISE_WEIGHT_ONLY_CFG = load_config(preset_path("int4_blockwise_weight_
 __all__ = [
     "quantize", "calibrate", "print_quant_summary", "enable_quantizer", "disable_quantizer", "fold_weight",
     "load_config", "ConfigError", "QuantizeConfig", "QuantizerAttributeConfig", "TensorQuantizer", "ExpertQuantizer",
-    "reuse_quantized_weights", "fake_quant",
+    "reuse_quantized_weights", "fake_quant", "update_weight_amax", "autoswitch_step", "autoswitch_summary",
     "FORMATS", "QuantModuleRegistry", "named_quantizers", "sync_amax", "FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG",
     "INT8_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
 ]

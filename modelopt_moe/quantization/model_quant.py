@@ -11,6 +11,7 @@ from .calibration import calibrate
 from .config import QuantizeConfig, to_config
 from .conversion import convert, is_quantized, named_quantizers, set_quantizer_by_pattern
 from .utils import is_rank0
+from .weight_amax import update_weight_amax
 
 __all__ = ["quantize", "calibrate", "print_quant_summary", "enable_quantizer", "disable_quantizer", "fold_weight"]
 
@@ -47,7 +48,9 @@ def disable_quantizer(model: nn.Module, pattern: str) -> int:
 
 
 def fold_weight(model: nn.Module) -> nn.Module:
-    """Writes each fake-quantized weight into the weight and disables its weight quantizer (for export)."""
+    """Writes each fake-quantized weight into the weight and disables its weight quantizer (for export). Dynamic
+    weight amaxes are recomputed from the current weights first (every rank must call it then)."""
+    update_weight_amax(model)
     for module in model.modules():
         if is_quantized(module):
             module.fold_weight()
