@@ -6,7 +6,9 @@ Public API::
     from modelopt_moe.plugins.megatron import (
         save_sharded_checkpoint, load_sharded_checkpoint,   # weights + amax + quantization + optimizer state
         checkpoint_load_metadata,                           # metadata for your own dist_checkpointing.load calls
-        get_forward_backward_func,                          # Megatron's, reusing fake-quantized weights per step
+        get_forward_backward_func,                          # Megatron's, reusing fake-quantized weights per step,
+                                                            # one autoswitch step per call
+        distillation_model, distillation_loss_func,         # QAD: the student beside its frozen teacher
     )
 
 :func:`register` is called by the core (``mtq.quantize``, every restore) once ``megatron.core`` is imported; it
@@ -20,6 +22,7 @@ from modelopt_moe.quantization.calibration import register_group_provider
 from modelopt_moe.quantization.conversion import QuantModuleRegistry, register_wrapper
 
 from .checkpoint import load_sharded_checkpoint, model_sharded_state_dict, save_sharded_checkpoint
+from .distill import distillation_loss_func, distillation_model
 from .modules import CLASSES, megatron_amax_groups
 from .schedule import get_forward_backward_func
 from .sharded_state_dict import checkpoint_load_metadata
@@ -32,6 +35,8 @@ __all__ = [
     "checkpoint_load_metadata",
     "get_forward_backward_func",
     "megatron_amax_groups",
+    "distillation_model",
+    "distillation_loss_func",
 ]
 
 
