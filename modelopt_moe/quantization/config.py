@@ -214,7 +214,7 @@ class AutoswitchConfig(_Strict):
 # How weight amaxes follow the weights while training (docs/qad.md): "static" keeps the calibrated amax, "dynamic"
 # recomputes it from the current weights at every re-quantization, "learned" trains it (LSQ-style gradient).
 WEIGHT_AMAX_UPDATES = ("static", "dynamic", "learned")
-DEFAULT_WEIGHT_AMAX_UPDATE = "static"  # chosen by measurement: docs/qad.md
+DEFAULT_WEIGHT_AMAX_UPDATE = "dynamic"  # chosen by measurement: docs/qad.md
 
 
 class QuantizeConfig(_Strict):

@@ -162,8 +162,9 @@ def run_recovery(cfg: RecoveryConfig) -> dict:
         t = time.perf_counter()
         trainer = mt.setup_training(model, lr=cfg.lr)
         losses = mt.train(trainer, recover, steps=cfg.steps, num_microbatches=mb)
-        out[key] = {**evaluate(student if student is not None else mt.unwrap(trainer.model)), "train_losses": losses,
-                    "seconds": time.perf_counter() - t}
+        student = student if student is not None else mt.unwrap(trainer.model)
+        out[key] = {**evaluate(student), "train_losses": losses, "seconds": time.perf_counter() - t,
+                    "clipped_pct": _clipped_pct(student)}
 
     if "bf16" in cfg.methods:
         train_and_eval(copy_of_teacher(), "bf16")
@@ -199,18 +200,42 @@ def run_recovery(cfg: RecoveryConfig) -> dict:
     return out
 
 
+def _clipped_pct(model) -> float | None:
+    """Percentage of expert weights above the amax their quantizer holds (after the last step: a static amax clips
+    them; a dynamic one is first recomputed from them, so it clips none), over every rank."""
+    import torch.distributed as dist
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.checkpoint import iter_expert_quantizers
+
+    mtq.update_weight_amax(model)
+    counts = torch.zeros(2, dtype=torch.float64)
+    for e in iter_expert_quantizers(model):
+        q = e.quantizer
+        if e.kind != "weight_quantizer" or not q.is_enabled or q.amax is None:
+            continue
+        for i, w in enumerate(e.gemm.weights or []):
+            counts += torch.tensor([(w.detach().float().abs() > q.expert_amax(i).detach()).sum().item(), w.numel()],
+                                   dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    return float(100 * counts[0] / counts[1]) if counts[1] else None
+
+
 def format_report(result: dict) -> str:
     """A table of held-out losses, gaps to bf16-continued and KL to the teacher."""
     cfg = result["config"]
     lines = [f"teacher (bf16, {cfg['pretrain_steps']} steps at lr {cfg['pretrain_lr']}): held-out loss "
              f"{result['teacher']['loss']:.4f}",
              f"recovery: {cfg['steps']} steps at lr {cfg['lr']}, TP{cfg['tp']} EP{cfg['ep']}, {cfg['experts']} experts",
-             f"{'run':<28}{'loss':>9}{'gap to bf16':>13}{'PTQ gap closed':>16}{'KL to teacher':>15}"]
+             f"{'run':<28}{'loss':>9}{'gap to bf16':>13}{'PTQ gap closed':>16}{'KL to teacher':>15}"
+             f"{'clipped %':>11}"]
     if "bf16" in result:
         lines.append(f"{'bf16-continued':<28}{result['bf16']['loss']:>9.4f}{0.0:>13.4f}{'':>16}"
                      f"{result['bf16']['kl']:>15.5f}")
     for key, r in result.items():
         if "/" in key:
             closed = "" if math.isnan(r["closed"]) else f"{100 * r['closed']:.0f}%"
-            lines.append(f"{key:<28}{r['loss']:>9.4f}{r['gap']:>13.4f}{closed:>16}{r['kl']:>15.5f}")
+            clipped = "" if r.get("clipped_pct") is None else f"{r['clipped_pct']:.3f}"
+            lines.append(f"{key:<28}{r['loss']:>9.4f}{r['gap']:>13.4f}{closed:>16}{r['kl']:>15.5f}{clipped:>11}")
     return "\n".join(lines)

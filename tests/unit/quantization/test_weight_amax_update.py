@@ -239,3 +239,42 @@ def test_learned_per_channel_amax_is_refused_by_name():
     lin = torch.nn.Sequential(torch.nn.Linear(16, 8))
     with pytest.raises(ValueError, match=r"0\.weight_quantizer: .*per-channel"):
         mtq.quantize(lin, cfg)
+
+
+def test_learned_amax_inside_a_reuse_scope_sees_in_place_updates():
+    layer, x = _grouped("learned")
+    calls = {"n": 0}
+    real = experts_nn.fake_quant
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    experts_nn.fake_quant = counting
+    try:
+        with mtq.reuse_quantized_weights(layer):
+            layer(x, SPLITS).sum().backward()
+            layer(x, SPLITS).sum().backward()
+            assert calls["n"] == N  # computed once (one reference call per expert)
+            with torch.no_grad():
+                layer.weight_quantizer._amax.mul_(0.5)  # bumps the version the reuse key holds
+            y = layer(x, SPLITS)
+            assert calls["n"] == 2 * N
+    finally:
+        experts_nn.fake_quant = real
+    assert torch.equal(y.detach(), _expected(layer, x, layer.weight_quantizer.amax.detach()))
+
+
+def test_learned_expert_view_trains_its_own_row():
+    from modelopt_moe.quantization import ExpertQuantizer, QuantizerAttributeConfig
+    from modelopt_moe.quantization.weight_amax import quantize_weight_operand
+
+    q = ExpertQuantizer(3, "vectorized", QuantizerAttributeConfig(num_bits="e4m3"))
+    q.amax = torch.tensor([1.0, 0.5, 2.0])
+    q.set_amax_update("learned")
+    w = torch.randn(8, 16, requires_grad=True)
+    out = quantize_weight_operand(None, q.view(1), w)
+    assert torch.equal(out.detach(), fake_quant(w.detach(), "e4m3", torch.tensor(0.5)))
+    out.pow(2).sum().backward()
+    assert q._amax.grad[1] != 0 and q._amax.grad[0] == 0 and q._amax.grad[2] == 0
+    assert w.grad is not None
