@@ -29,14 +29,13 @@ from . import table_layout as tbl
 from .grouped_fake_quant import (
     _amax_mode,
     _cdiv,
-    _check_format,
-    _check_input,
+    _check_input_fake_quant,
+    _check_weight_fake_quant,
     _check_weights,
     _expert_amax,
     _inner_block,
     _input_tiling,
     _launch_kwargs,
-    _needs_amax,
     _next_pow2,
     _row_amax,
     _split_views,
@@ -196,12 +195,7 @@ def grouped_weight_fake_quant_stats(
     Raises:
         ValueError: as :func:`~.grouped_fake_quant.grouped_weight_fake_quant`.
     """
-    _check_format(fmt, block_size)
-    if amax is None and _needs_amax(fmt, block_size):
-        raise ValueError(f"grouped_weight_fake_quant_stats: format {fmt!r} needs an amax tensor, got None")
-    weights, amax = _check_weights(weights, "grouped_weight_fake_quant_stats", amax, fmt, block_size)
-    if not _needs_amax(fmt, block_size):
-        amax = None
+    weights, amax = _check_weight_fake_quant(weights, amax, fmt, block_size, "grouped_weight_fake_quant_stats")
     flat, stats = torch.ops.modelopt_moe.grouped_weight_fake_quant_stats(weights, amax, fmt, block_size)
     return _split_views(flat, weights), stats
 
@@ -218,17 +212,7 @@ def grouped_input_fake_quant_stats(
     Raises:
         ValueError: as :func:`~.grouped_fake_quant.grouped_input_fake_quant`.
     """
-    what = "grouped_input_fake_quant_stats"
-    _check_format(fmt, block_size)
-    if amax is None and _needs_amax(fmt, block_size):
-        raise ValueError(f"{what}: format {fmt!r} needs an amax tensor, got None")
-    m_splits, amax = _check_input(x, m_splits, amax, what)
-    bs = 16 if fmt == "nvfp4" else block_size
-    if bs is not None and x.shape[1] % bs:
-        raise ValueError(f"{what}: x has shape {tuple(x.shape)}; format {fmt!r} needs a last dim that is a "
-                         f"multiple of the block size {bs}")
-    if not _needs_amax(fmt, block_size):
-        amax = None
+    m_splits, amax = _check_input_fake_quant(x, m_splits, amax, fmt, block_size, "grouped_input_fake_quant_stats")
     return torch.ops.modelopt_moe.grouped_input_fake_quant_stats(x, m_splits, amax, fmt, block_size)
 
 

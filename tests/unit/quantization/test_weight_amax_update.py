@@ -109,25 +109,26 @@ def test_dynamic_amax_of_n_experts_is_one_launch(monkeypatch):
     assert calls == [N]
 
 
-def test_dynamic_inside_a_reuse_scope_computes_once_and_sees_the_next_step():
-    layer, x = _grouped("dynamic")
-    count = {"n": 0}
-    real = experts_nn.refresh_weight_amax
+def _count_calls(monkeypatch, module, name) -> dict:
+    calls, real = {"n": 0}, getattr(module, name)
 
     def counting(*a, **k):
-        count["n"] += 1
+        calls["n"] += 1
         return real(*a, **k)
 
-    experts_nn.refresh_weight_amax = counting
-    try:
-        for step in range(2):
-            with mtq.reuse_quantized_weights(layer):
-                for _ in range(3):  # micro-batches of one step
-                    layer(x, SPLITS).sum().backward()
-            _grow(layer, 2.0)  # the optimizer step, through .data
-            assert count["n"] == step + 1
-    finally:
-        experts_nn.refresh_weight_amax = real
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+def test_dynamic_inside_a_reuse_scope_computes_once_and_sees_the_next_step(monkeypatch):
+    layer, x = _grouped("dynamic")
+    count = _count_calls(monkeypatch, experts_nn, "refresh_weight_amax")
+    for step in range(2):
+        with mtq.reuse_quantized_weights(layer):
+            for _ in range(3):  # micro-batches of one step
+                layer(x, SPLITS).sum().backward()
+        _grow(layer, 2.0)  # the optimizer step, through .data
+        assert count["n"] == step + 1
     with torch.no_grad():
         y = layer(x, SPLITS)
     amax = torch.stack([w.detach().abs().amax() for w in layer.expert_weights()])
@@ -241,27 +242,17 @@ def test_learned_per_channel_amax_is_refused_by_name():
         mtq.quantize(lin, cfg)
 
 
-def test_learned_amax_inside_a_reuse_scope_sees_in_place_updates():
+def test_learned_amax_inside_a_reuse_scope_sees_in_place_updates(monkeypatch):
     layer, x = _grouped("learned")
-    calls = {"n": 0}
-    real = experts_nn.fake_quant
-
-    def counting(*a, **k):
-        calls["n"] += 1
-        return real(*a, **k)
-
-    experts_nn.fake_quant = counting
-    try:
-        with mtq.reuse_quantized_weights(layer):
-            layer(x, SPLITS).sum().backward()
-            layer(x, SPLITS).sum().backward()
-            assert calls["n"] == N  # computed once (one reference call per expert)
-            with torch.no_grad():
-                layer.weight_quantizer._amax.mul_(0.5)  # bumps the version the reuse key holds
-            y = layer(x, SPLITS)
-            assert calls["n"] == 2 * N
-    finally:
-        experts_nn.fake_quant = real
+    calls = _count_calls(monkeypatch, experts_nn, "fake_quant")
+    with mtq.reuse_quantized_weights(layer):
+        layer(x, SPLITS).sum().backward()
+        layer(x, SPLITS).sum().backward()
+        assert calls["n"] == N  # computed once (one reference call per expert)
+        with torch.no_grad():
+            layer.weight_quantizer._amax.mul_(0.5)  # bumps the version the reuse key holds
+        y = layer(x, SPLITS)
+        assert calls["n"] == 2 * N
     assert torch.equal(y.detach(), _expected(layer, x, layer.weight_quantizer.amax.detach()))
 
 
