@@ -149,8 +149,9 @@ def run_recovery(cfg: RecoveryConfig) -> dict:
         with torch.no_grad():
             loss = float(torch.stack([mm.lm_loss(model, b) for b in held_out]).mean())
             kls = []
+            device = next(model.parameters()).device
             for b in held_out:
-                args = (b["tokens"], b["position_ids"], b["attention_mask"])
+                args = tuple(b[k].to(device) for k in ("tokens", "position_ids", "attention_mask"))
                 kls.append(logits_kl_loss(model(*args), teacher(*args), tp_group=tp_group).mean())
         model.train(was_training)
         return {"loss": loss, "kl": float(torch.stack(kls).mean())}
@@ -209,17 +210,19 @@ def _clipped_pct(model) -> float | None:
     from modelopt_moe.checkpoint import iter_expert_quantizers
 
     mtq.update_weight_amax(model)
-    counts = torch.zeros(2, dtype=torch.float64)
+    device = next(model.parameters()).device  # NCCL reduces device tensors
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
     for e in iter_expert_quantizers(model):
         q = e.quantizer
         if e.kind != "weight_quantizer" or not q.is_enabled or q.amax is None:
             continue
         for i, w in enumerate(e.gemm.weights or []):
             counts += torch.tensor([(w.detach().float().abs() > q.expert_amax(i).detach()).sum().item(), w.numel()],
-                                   dtype=torch.float64)
+                                   dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(counts)
-    return float(100 * counts[0] / counts[1]) if counts[1] else None
+    counts = counts.tolist()
+    return 100 * counts[0] / counts[1] if counts[1] else None
 
 
 def format_report(result: dict) -> str:
