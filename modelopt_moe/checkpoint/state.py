@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from ..quantization.config import BackwardConfig, ExpertsConfig, QuantizeConfig, QuantizerAttributeConfig
-from ..quantization.conversion import convert, is_quantized, named_quantizers, unwrap_model
+from ..quantization.conversion import convert, is_quantized, named_quantizers, rule_name, unwrap_model
 from ..quantization.expert_quantizer import ExpertGemm, ExpertQuantizer
 from ..quantization.nn.experts import QUANTIZER_KINDS
+from ..quantization.weight_amax import set_weight_amax_update, update_weight_amax
 from .errors import CheckpointMismatchError
 from .files import atomic_torch_save
 from .modelopt_format import (
@@ -88,7 +89,8 @@ def modelopt_state(model: nn.Module) -> dict:
     modules = [(name, m) for name, m in model.named_modules() if is_quantized(m)]
     if not modules:
         raise ValueError(f"modelopt_state: {type(model).__name__} is not quantized (call mtq.quantize first)")
-    quantizers = {name: {"cfg": q.cfg.model_dump(), "enabled": q.is_enabled, "ste": q.ste}
+    quantizers = {name: {"cfg": q.cfg.model_dump(), "enabled": q.is_enabled, "ste": q.ste,
+                         "amax_update": q.amax_update}
                   for name, q, _ in named_quantizers(model)}
     experts, layouts = {}, {}
     for e in iter_expert_quantizers(model):
@@ -103,6 +105,8 @@ def modelopt_state(model: nn.Module) -> dict:
         "version": STATE_VERSION,
         "backward": first.quant_backward.model_dump(),
         "kernel": first.quant_kernel,
+        "weight_amax_update": _weight_amax_update(model),
+        "autoswitch": first.quant_autoswitch.model_dump() if getattr(first, "quant_autoswitch", None) else None,
         "experts": ExpertsConfig(**layouts).model_dump(),
         "quantized_modules": [name for name, _ in modules],
         "quantizers": quantizers,
@@ -120,6 +124,13 @@ def _upgrade_cfg_v2(cfg: dict) -> dict:
     if isinstance(bs, dict) and "type" not in bs:
         cfg["block_sizes"] = {**bs, "type": "dynamic"}
     return cfg
+
+
+def _weight_amax_update(model: nn.Module) -> str:
+    """The model's ``weight_amax_update`` (that of its enabled weight quantizers; ``static`` when none is)."""
+    modes = {q.amax_update for name, q, _ in named_quantizers(model) if q.is_enabled and
+             rule_name(name).endswith("weight_quantizer")}
+    return modes.pop() if len(modes) == 1 else "static"
 
 
 def _upgrade(state: dict) -> dict:
@@ -155,8 +166,10 @@ def _restore_config(state: dict, experts) -> QuantizeConfig:
     layouts = ExpertsConfig(**state["experts"])
     if experts is not None:
         layouts = experts if isinstance(experts, ExpertsConfig) else ExpertsConfig(**experts)
+    # States saved before weight_amax_update existed were static; autoswitch is optional.
     return QuantizeConfig(backward=BackwardConfig(**state["backward"]), kernel=state.get("kernel", "auto"),
-                          experts=layouts)
+                          experts=layouts, weight_amax_update=state.get("weight_amax_update", "static"),
+                          autoswitch=state.get("autoswitch"))
 
 
 def restore_modelopt_state(model: nn.Module, state: dict, experts: ExpertsConfig | dict | None = None, *,
@@ -185,6 +198,7 @@ def restore_modelopt_state(model: nn.Module, state: dict, experts: ExpertsConfig
     if not already:
         convert(model, _restore_config(state, experts))
     found = {name: q for name, q, _ in named_quantizers(model)}
+    owners = {name: module for name, _, module in named_quantizers(model)}
     saved = state["quantizers"]
     missing, extra = sorted(set(saved) - set(found)), sorted(set(found) - set(saved))
     if missing or extra:
@@ -203,6 +217,7 @@ def restore_modelopt_state(model: nn.Module, state: dict, experts: ExpertsConfig
         q.set_from_attribute_config(ckpt_cfg)
         q._enabled = entry["enabled"]
         q.ste = entry["ste"]
+        set_weight_amax_update(name, q, owners[name], entry.get("amax_update", "static"))
     for e in iter_expert_quantizers(model):
         entry = state["expert_quantizers"].get(e.name)
         if entry is None:
@@ -253,6 +268,7 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
         model: a quantized model.
         path: the file to write.
     """
+    update_weight_amax(model)  # a dynamic amax as the next forward computes it from the saved weights
     atomic_torch_save({"modelopt_moe_state": modelopt_state(model), "state_dict": _layout_free_state_dict(model)},
                       Path(path))
 

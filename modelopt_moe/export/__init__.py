@@ -25,6 +25,7 @@ from pathlib import Path
 from torch import nn
 
 from ..quantization.utils import rank
+from ..quantization.weight_amax import update_weight_amax
 from .errors import ExportError
 from .families import FAMILIES, Family, MoEArch, get_family, read_hf_config
 from .registry import ExportAdapter, adapter_for, adapter_named, register_export_adapter
@@ -74,8 +75,13 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "co
         ExportError: an unsupported model, family or feature, a model that is not quantized, a quantization the
             format cannot express, a non-empty output directory (all before writing).
     """
-    return adapter_for(model).export_hf(model, out_dir, format=format, family=family, dtype=dtype,
-                                        hf_config=hf_config, progress=progress)
+    adapter = adapter_for(model)
+    # A dynamic weight amax holds the value of the last forward; after an optimizer step, recompute it from the
+    # current weights so that the exported scales are those the next forward would use (same collectives on every
+    # rank, in module order).
+    update_weight_amax(model)
+    return adapter.export_hf(model, out_dir, format=format, family=family, dtype=dtype, hf_config=hf_config,
+                             progress=progress)
 
 
 def import_hf(model: nn.Module, hf_dir: str | os.PathLike) -> None:

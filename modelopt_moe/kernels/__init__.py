@@ -19,6 +19,13 @@ from .grouped_fake_quant import (
     grouped_weight_fake_quant_ste,
     kernels_available,
 )
+from .grouped_training_stats import (
+    GroupedInputSTE,
+    expert_row_sums,
+    grouped_input_fake_quant_stats,
+    grouped_weight_amax,
+    grouped_weight_fake_quant_stats,
+)
 
 __all__ = [
     "MAX_EXPERTS",
@@ -34,4 +41,9 @@ __all__ = [
     "grouped_weight_fake_quant",
     "grouped_weight_fake_quant_ste",
     "kernels_available",
+    "grouped_weight_amax",
+    "grouped_weight_fake_quant_stats",
+    "grouped_input_fake_quant_stats",
+    "expert_row_sums",
+    "GroupedInputSTE",
 ]

@@ -522,14 +522,18 @@ def grouped_weight_fake_quant(
         ValueError: on an empty or too long list, mixed dtypes or devices, non-contiguous experts, a bad amax shape,
             device or dtype, an unknown format, or a last dim that is not a multiple of the block size.
     """
-    _check_format(fmt, block_size)
-    if amax is None and _needs_amax(fmt, block_size):
-        raise ValueError(f"grouped_weight_fake_quant: format {fmt!r} needs an amax tensor, got None")
-    weights, amax = _check_weights(weights, "grouped_weight_fake_quant", amax, fmt, block_size)
-    if not _needs_amax(fmt, block_size):
-        amax = None
+    weights, amax = _check_weight_fake_quant(weights, amax, fmt, block_size, "grouped_weight_fake_quant")
     flat = torch.ops.modelopt_moe.grouped_weight_fake_quant(weights, amax, fmt, block_size, bool(narrow_range))
     return _split_views(flat, weights)
+
+
+def _check_weight_fake_quant(weights, amax, fmt: str, block_size: int | None, what: str):
+    """The checks of a grouped weight fake quant: (weights as a list, the fp32 amax or None where unused)."""
+    _check_format(fmt, block_size)
+    if amax is None and _needs_amax(fmt, block_size):
+        raise ValueError(f"{what}: format {fmt!r} needs an amax tensor, got None")
+    weights, amax = _check_weights(weights, what, amax, fmt, block_size)
+    return weights, amax if _needs_amax(fmt, block_size) else None
 
 
 def _split_views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -623,7 +627,12 @@ def grouped_input_fake_quant(
     Raises:
         ValueError: on a bad shape, dtype, device, contiguity, amax shape, format or block size.
     """
-    what = "grouped_input_fake_quant"
+    m_splits, amax = _check_input_fake_quant(x, m_splits, amax, fmt, block_size, "grouped_input_fake_quant")
+    return torch.ops.modelopt_moe.grouped_input_fake_quant(x, m_splits, amax, fmt, block_size, bool(narrow_range))
+
+
+def _check_input_fake_quant(x, m_splits, amax, fmt: str, block_size: int | None, what: str):
+    """The checks of a grouped input fake quant: (device m_splits, the fp32 amax or None where unused)."""
     _check_format(fmt, block_size)
     if amax is None and _needs_amax(fmt, block_size):
         raise ValueError(f"{what}: format {fmt!r} needs an amax tensor, got None")
@@ -631,9 +640,7 @@ def grouped_input_fake_quant(
     if fmt == "nvfp4" and x.shape[1] % NVFP4_BLOCK_SIZE:
         raise ValueError(f"{what}: x has shape {tuple(x.shape)}; format {fmt!r} needs a last dim that is a "
                          f"multiple of the block size {NVFP4_BLOCK_SIZE}")
-    if not _needs_amax(fmt, block_size):
-        amax = None
-    return torch.ops.modelopt_moe.grouped_input_fake_quant(x, m_splits, amax, fmt, block_size, bool(narrow_range))
+    return m_splits, amax if _needs_amax(fmt, block_size) else None
 
 
 def grouped_input_clip_grad(grad: torch.Tensor, x: torch.Tensor, m_splits, amax: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,10 @@ from .formats import (
     round_to_e2m1,
     safe_amax,
 )
+from .quant_error import STAT_FIELDS, quant_error_sums, relative_mse, underflow_pct
 
 __all__ = [
     "E2M1_MAX", "E4M3_MAX", "FORMATS", "NVFP4_BLOCK_SIZE", "TINY_AMAX", "FormatSpec", "Quantized", "clip_limit",
     "dequantize", "fake_quant", "format_from_num_bits", "get_format", "quantize", "round_to_e2m1", "safe_amax",
+    "STAT_FIELDS", "quant_error_sums", "relative_mse", "underflow_pct",
 ]

@@ -1,7 +1,7 @@
 """``import modelopt_moe.quantization as mtq``: quantize, calibrate, print_quant_summary, enable/disable_quantizer,
-fold_weight, reuse_quantized_weights, presets and load_config, and NVIDIA Model Optimizer 0.47's other ``mtq``
-functions under their names (set_quantizer_by_cfg, set_quantizer_attribute(s_full/_partial), postprocess_amax,
-replace_quant_module); see docs/modelopt_compat.md.
+fold_weight, reuse_quantized_weights, update_weight_amax, autoswitch_step / autoswitch_summary, presets and
+load_config, and NVIDIA Model Optimizer 0.47's other ``mtq`` functions under their names (set_quantizer_by_cfg,
+set_quantizer_attribute(s_full/_partial), postprocess_amax, replace_quant_module); see docs/modelopt_compat.md.
 
 Presets are the YAML files in ``configs/`` loaded at import, as plain dicts (like Model Optimizer's), so users can
 copy and edit them.
@@ -9,6 +9,7 @@ copy and edit them.
 
 from ..numerics import FORMATS, fake_quant
 from . import nn  # noqa: F401  registers the framework-free wrappers
+from .autoswitch import autoswitch_step, autoswitch_summary
 from .calibration import sync_amax
 from .config import (
     ConfigError,
@@ -36,6 +37,7 @@ from .model_quant import (
     set_quantizer_by_cfg,
 )
 from .tensor_quantizer import TensorQuantizer
+from .weight_amax import update_weight_amax
 from .weight_reuse import reuse_quantized_weights
 
 FP8_DEFAULT_CFG = load_config(preset_path("fp8_default.yaml")).model_dump()
@@ -48,7 +50,7 @@ __all__ = [
     "set_quantizer_by_cfg", "set_quantizer_attributes_full", "set_quantizer_attributes_partial",
     "set_quantizer_attribute", "postprocess_amax", "replace_quant_module", "MaxCalibConfig", "QuantCfgEntry",
     "load_config", "ConfigError", "QuantizeConfig", "QuantizerAttributeConfig", "TensorQuantizer", "ExpertQuantizer",
-    "reuse_quantized_weights", "fake_quant",
+    "reuse_quantized_weights", "fake_quant", "update_weight_amax", "autoswitch_step", "autoswitch_summary",
     "FORMATS", "QuantModuleRegistry", "named_quantizers", "sync_amax", "FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG",
     "INT8_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
 ]

@@ -11,6 +11,8 @@ A config says *what* precision goes *where*; :mod:`tensor_quantizer` says *how*.
     experts: {weight_amax: vectorized, input_amax: shared}
     backward: {mode: dequantized, ste: pass_through, grad_num_bits: e5m2}
     kernel: auto                     # auto | triton | torch (expert fake quant backend)
+    weight_amax_update: dynamic      # static | dynamic | learned (docs/qad.md)
+    autoswitch: {every: 100, underflow_pct: 5.0, mse: 0.05, gemms: [fprop, dgrad, wgrad]}   # optional
 
 ``$import: other.yaml`` at the top of a file merges that file first (its ``quant_cfg`` entries come before this
 file's); ``- $import: other.yaml`` inside ``quant_cfg`` splices the other file's entries at that place.
@@ -40,6 +42,10 @@ __all__ = [
     "ExpertsConfig",
     "BackwardConfig",
     "MaxCalibConfig",
+    "AutoswitchConfig",
+    "AUTOSWITCH_GEMMS",
+    "WEIGHT_AMAX_UPDATES",
+    "DEFAULT_WEIGHT_AMAX_UPDATE",
     "QuantizeConfig",
     "normalize_algorithm",
     "load_config",
@@ -396,6 +402,45 @@ def normalize_algorithm(algorithm: Any) -> MaxCalibConfig | None:
     return MaxCalibConfig(**algorithm)
 
 
+AUTOSWITCH_GEMMS = ("fprop", "dgrad", "wgrad")
+
+
+class AutoswitchConfig(_Strict):
+    """Precision autoswitch (docs/autoswitch.md): every ``every`` steps, each quantized GEMM (per expert) measures
+    the quantization error of the operands it uses and runs in high precision for that step where any monitored
+    operand crosses a threshold.
+
+    Attributes:
+        every: sample steps ``0, every, 2 * every, ...`` (the step of :func:`mtq.autoswitch_step`).
+        underflow_pct: switch when more than this percentage of an operand's non-zero values quantize to zero.
+        mse: switch when an operand's quantization MSE relative to its mean square exceeds this.
+        gemms: which GEMMs may switch: ``fprop`` (input x weight), ``dgrad`` (gradient x weight), ``wgrad``
+            (gradient x input).
+        log_dir: directory of the per-rank JSON-lines logs (``autoswitch_rank<r>.jsonl``).
+    """
+
+    every: int = Field(ge=1)
+    underflow_pct: float | None = Field(default=None, ge=0.0, le=100.0)
+    mse: float | None = Field(default=None, ge=0.0)
+    gemms: list[Literal["fprop", "dgrad", "wgrad"]] = Field(default_factory=lambda: list(AUTOSWITCH_GEMMS))
+    log_dir: str = "autoswitch_logs"
+
+    @model_validator(mode="after")
+    def _thresholds(self):
+        if self.underflow_pct is None and self.mse is None:
+            raise ValueError("autoswitch: set underflow_pct, mse or both (with neither nothing could switch)")
+        if not self.gemms or len(set(self.gemms)) != len(self.gemms):
+            raise ValueError(f"autoswitch.gemms={self.gemms!r}: expected a non-empty list of distinct GEMMs from "
+                             f"{list(AUTOSWITCH_GEMMS)}")
+        return self
+
+
+# How weight amaxes follow the weights while training (docs/qad.md): "static" keeps the calibrated amax, "dynamic"
+# recomputes it from the current weights at every re-quantization, "learned" trains it (LSQ-style gradient).
+WEIGHT_AMAX_UPDATES = ("static", "dynamic", "learned")
+DEFAULT_WEIGHT_AMAX_UPDATE = "dynamic"  # chosen by measurement: docs/qad.md
+
+
 class QuantizeConfig(_Strict):
     """The whole config given to :func:`mtq.quantize`.
 
@@ -415,6 +460,26 @@ class QuantizeConfig(_Strict):
     kernel: Literal["auto", "triton", "torch"] = "auto"
     experts: ExpertsConfig = Field(default_factory=ExpertsConfig)
     backward: BackwardConfig = Field(default_factory=BackwardConfig)
+    # A property of the training run, not of one quantizer: it applies to every enabled weight quantizer (activation
+    # amaxes stay calibrated), and it stays out of the per-quantizer attributes, which mirror Model Optimizer's.
+    weight_amax_update: Literal["static", "dynamic", "learned"] = DEFAULT_WEIGHT_AMAX_UPDATE
+    autoswitch: AutoswitchConfig | None = None
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        if self.weight_amax_update == "learned" and self.experts.weight_amax == "shared":
+            raise ValueError("weight_amax_update=learned with experts.weight_amax=shared: a shared amax is the max "
+                             "over experts, a learned one is each expert's own; use weight_amax vectorized or "
+                             "per_expert")
+        if self.weight_amax_update == "learned" and self.backward.mode == "high_precision":
+            raise ValueError("weight_amax_update=learned with backward.mode=high_precision: that backward runs through "
+                             "the unquantized weights, so a learned amax would get no gradient; use backward.mode "
+                             "dequantized or quantized")
+        hp = sorted({"dgrad", "wgrad"} & set(self.autoswitch.gemms)) if self.autoswitch else []
+        if hp and self.backward.mode == "high_precision":
+            raise ValueError(f"autoswitch.gemms includes {hp} but backward.mode=high_precision already runs dgrad "
+                             "and wgrad in high precision; monitor [fprop] only")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -602,7 +667,8 @@ def _allowed_keys(loc: tuple) -> list[str]:
         if field is None:
             break
         nxt = {"quant_cfg": QuantCfgEntry, "cfg": QuantizerAttributeConfig, "experts": ExpertsConfig,
-               "backward": BackwardConfig, "max_calib": MaxCalibConfig, "algorithm": MaxCalibConfig}.get(str(part))
+               "backward": BackwardConfig, "max_calib": MaxCalibConfig, "algorithm": MaxCalibConfig,
+               "autoswitch": AutoswitchConfig}.get(str(part))
         if nxt is None:
             break
         model = nxt

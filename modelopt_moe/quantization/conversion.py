@@ -58,6 +58,7 @@ class QuantModuleMixin:
     def _setup(self, config: QuantizeConfig) -> None:
         self.quant_backward = config.backward.model_copy()
         self.quant_kernel = config.kernel
+        self.quant_autoswitch = config.autoswitch.model_copy() if config.autoswitch else None
         self._setup_quantizers(config)
 
     def _after_convert(self) -> None:
@@ -286,10 +287,16 @@ def apply_quant_cfg(model: nn.Module, config: QuantizeConfig) -> None:
         attrs = config.resolve(rule_name(full_name), parent_class_names(module))
         _set_attributes(full_name, q, attrs if attrs is not None else QuantizerAttributeConfig(enable=False),
                         config.backward.ste)
+    from .weight_amax import set_weight_amax_update  # imports this module
+
+    for full_name, q, module in found:
+        weight = rule_name(full_name).endswith("weight_quantizer")
+        set_weight_amax_update(full_name, q, module, config.weight_amax_update if weight else "static")
     for module in model.modules():
         if is_quantized(module):
             module.quant_backward = config.backward.model_copy()
             module.quant_kernel = config.kernel
+            module.quant_autoswitch = config.autoswitch.model_copy() if config.autoswitch else None
     check_quantizer_shapes(model)
 
 

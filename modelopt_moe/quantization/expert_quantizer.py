@@ -171,7 +171,7 @@ class ExpertQuantizer(TensorQuantizer):
                 self._amax.copy_(value.to(self._amax.device))  # in place: bumps the version the weight reuse checks
         else:
             device = self._amax.device if self._amax is not None else value.device
-            self._amax = value.to(device).contiguous().clone()
+            self._put_amax(value.to(device).contiguous().clone())
 
     def expert_amax(self, index: int) -> torch.Tensor | None:
         """Expert ``index``'s amax in the shape :func:`~modelopt_moe.numerics.fake_quant` broadcasts over its
@@ -187,7 +187,7 @@ class ExpertQuantizer(TensorQuantizer):
         row = value.reshape(()) if self.axis is None else value.reshape(-1)
         if self._amax is None:
             device = value.device
-            self._amax = torch.zeros((self.num_experts, *row.shape), dtype=torch.float32, device=device)
+            self._put_amax(torch.zeros((self.num_experts, *row.shape), dtype=torch.float32, device=device))
         with torch.no_grad():
             if self.layout == "shared":
                 self._amax.copy_(row.to(self._amax.device).expand_as(self._amax))
@@ -203,7 +203,7 @@ class ExpertQuantizer(TensorQuantizer):
     # --- calibration -----------------------------------------------------------------------------------------------
     def _ensure_amax(self, like: torch.Tensor) -> torch.Tensor:
         if self._amax is None:
-            self._amax = torch.zeros((self.num_experts, *like.shape), dtype=torch.float32, device=like.device)
+            self._put_amax(torch.zeros((self.num_experts, *like.shape), dtype=torch.float32, device=like.device))
         return self._amax
 
     def reset_amax(self) -> None:
@@ -338,11 +338,17 @@ class ExpertQuantizer(TensorQuantizer):
             except ValueError as e:
                 error_msgs.append(f"{key}: {e}")
                 return
-            self._amax = torch.empty(value.shape, dtype=torch.float32,
-                                     device=self._amax.device if self._amax is not None else value.device)
+            if self._amax is None or self._amax.shape != value.shape:
+                self._put_amax(torch.empty(value.shape, dtype=torch.float32,
+                                           device=self._amax.device if self._amax is not None else value.device))
             state_dict = {**state_dict, key: value}
         nn.Module._load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                                         unexpected_keys, error_msgs)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.layout == "per_expert":  # a learned amax is a parameter (always saved): the views carry it
+            destination.pop(prefix + "_amax", None)
 
     def _repr_head(self) -> list[str]:
         return [self.layout, f"{self.num_experts} experts"]
@@ -387,6 +393,8 @@ class ExpertView(nn.Module):
     axis = property(lambda self: self.owner.axis)
     block_size = property(lambda self: self.owner.block_size)
     ste = property(lambda self: self.owner.ste)
+    amax_update = property(lambda self: self.owner.amax_update)
+    learns_amax = property(lambda self: self.owner.learns_amax)
     needs_amax = property(lambda self: self.owner.needs_amax)
     is_enabled = property(lambda self: self.owner.is_enabled)
     is_quantizing = property(lambda self: self.owner.is_quantizing)

@@ -33,6 +33,7 @@ from .conversion import (
 from .expert_quantizer import ExpertQuantizer
 from .modelopt_compat import COMPAT_DOC
 from .utils import is_rank0
+from .weight_amax import update_weight_amax
 
 __all__ = [
     "quantize",
@@ -224,8 +225,10 @@ def replace_quant_module(model: nn.Module) -> nn.Module:
 def fold_weight(model: nn.Module, keep_attrs: bool = False) -> nn.Module:
     """Writes each fake-quantized weight into the weight and disables its weight quantizer (for export). The
     quantizers keep their attributes and amaxes either way (``keep_attrs`` is accepted for Model Optimizer's
-    signature)."""
+    signature). Dynamic weight amaxes are recomputed from the current weights first (every rank must call it
+    then)."""
     del keep_attrs
+    update_weight_amax(model)
     for module in model.modules():
         if is_quantized(module):
             module.fold_weight()

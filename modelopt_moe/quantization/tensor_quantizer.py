@@ -84,6 +84,9 @@ class TensorQuantizer(nn.Module):
         amax: an initial amax (a tensor, number or nested list).
 
     The amax lives in the buffer ``_amax`` (in ``state_dict`` once set); its shapes are in the module docstring.
+    :attr:`amax_update` says how a weight quantizer's amax follows the weights while training (``static``,
+    ``dynamic``, ``learned``: :meth:`set_amax_update`); a learned amax is the parameter ``_amax`` instead of the
+    buffer (same state-dict key).
     """
 
     def __init__(self, quant_attribute_cfg: QuantizerAttributeConfig | dict | None = None, if_quant: bool = True,
@@ -94,6 +97,7 @@ class TensorQuantizer(nn.Module):
         self._if_quant = bool(if_quant)
         self._calib_seen = False
         self.ste = "pass_through"
+        self.amax_update = "static"
         cfg = quant_attribute_cfg if quant_attribute_cfg is not None else QuantizerAttributeConfig()
         self.set_from_attribute_config(QuantizerAttributeConfig(**cfg) if isinstance(cfg, dict) else cfg)
         if amax is not None:
@@ -257,7 +261,54 @@ class TensorQuantizer(nn.Module):
                 self._amax.copy_(value.to(self._amax.device))  # in place: bumps the version caches watch
         else:
             device = self._amax.device if self._amax is not None else value.device
-            self._amax = value.detach().clone().to(device)
+            self._put_amax(value.detach().clone().to(device))
+
+    def _put_amax(self, value: torch.Tensor) -> None:
+        """Stores ``value`` as the amax tensor: the buffer, or the learned amax's parameter (written in place when
+        the shape fits, so an optimizer holding it keeps training the same tensor)."""
+        if "_amax" not in self._parameters:
+            self._buffers["_amax"] = value
+            return
+        old = self._parameters["_amax"]
+        if old is not None and old.shape == value.shape:
+            with torch.no_grad():
+                old.copy_(value.to(old.device))
+            return
+        new = nn.Parameter(value.float(), requires_grad=True)
+        if old is not None:
+            new.__dict__.update(old.__dict__)  # Megatron's parameter attributes (e.g. ``allreduce``)
+        self._parameters["_amax"] = new
+
+    @property
+    def learns_amax(self) -> bool:
+        """Whether the amax is a trained parameter (``weight_amax_update: learned``)."""
+        return self._parameters.get("_amax") is not None
+
+    def set_amax_update(self, mode: str) -> None:
+        """How the amax follows the tensor while training: ``static`` (calibrated once), ``dynamic`` (recomputed from
+        the current weights at every re-quantization) or ``learned`` (the amax becomes the parameter ``_amax``,
+        trained with an LSQ-style gradient; per-tensor amax only). Set by ``mtq.quantize`` for weight quantizers.
+
+        Raises:
+            ValueError: an unknown mode, or ``learned`` for a per-channel amax.
+        """
+        from .config import WEIGHT_AMAX_UPDATES
+
+        if mode not in WEIGHT_AMAX_UPDATES:
+            raise ValueError(f"{type(self).__name__}: amax update {mode!r}; expected one of {WEIGHT_AMAX_UPDATES}")
+        learn = mode == "learned" and self._enabled and self.needs_amax
+        if learn and self.axis is not None:
+            raise ValueError(f"{type(self).__name__}: weight_amax_update=learned trains a per-tensor (per-expert) "
+                             f"amax; this quantizer has a per-channel amax (axis={self.axis})")
+        if learn and not self.learns_amax:
+            shape = self.amax_shape
+            value = self._amax.detach().float() if self._amax is not None else torch.zeros(shape)
+            self._buffers.pop("_amax", None)
+            self._parameters["_amax"] = nn.Parameter(value.clone(), requires_grad=True)
+        elif not learn and "_amax" in self._parameters:
+            value = self._parameters.pop("_amax")
+            self._buffers["_amax"] = None if value is None else value.detach().clone()
+        self.amax_update = mode
 
     @property
     def amax_shape(self) -> tuple[int, ...] | None:
@@ -267,6 +318,10 @@ class TensorQuantizer(nn.Module):
         return () if self.axis is None else None
 
     def reset_amax(self) -> None:
+        if self.learns_amax:  # keep the parameter object (an optimizer may hold it); max calibration starts at 0
+            with torch.no_grad():
+                self._amax.zero_()
+            return
         self._amax = None
         self._calib_seen = False
 
@@ -392,10 +447,14 @@ class TensorQuantizer(nn.Module):
     def _apply(self, fn, recurse=True):
         """Moves the amax with the module but keeps it fp32: ``model.bfloat16()`` (Megatron's ``Float16Module``
         does it) would otherwise round every calibrated amax to bf16."""
-        amax = self._amax
+        amax = self._amax.data if self._amax is not None else None  # .data: a parameter is converted in place
         super()._apply(fn, recurse)
         if amax is not None and self._amax is not None and self._amax.dtype != torch.float32:
-            self._buffers["_amax"] = self._amax.float() if amax.is_meta else amax.to(self._amax.device)
+            kept = self._amax.float() if amax.is_meta else amax.to(self._amax.device)
+            if self.learns_amax:
+                self._amax.data = kept
+            else:
+                self._buffers["_amax"] = kept
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -405,7 +464,7 @@ class TensorQuantizer(nn.Module):
             value = state_dict[key]
             if self._amax is None or self._amax.shape != value.shape:
                 device = self._amax.device if self._amax is not None else value.device
-                self._amax = torch.empty(value.shape, dtype=torch.float32, device=device)
+                self._put_amax(torch.empty(value.shape, dtype=torch.float32, device=device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 

@@ -6,7 +6,9 @@ Public API::
     from modelopt_moe.plugins.megatron import (
         save_sharded_checkpoint, load_sharded_checkpoint,   # weights + amax + quantization + optimizer state
         checkpoint_load_metadata,                           # metadata for your own dist_checkpointing.load calls
-        get_forward_backward_func,                          # Megatron's, reusing fake-quantized weights per step
+        get_forward_backward_func,                          # Megatron's, reusing fake-quantized weights per step,
+                                                            # one autoswitch step per call
+        distillation_model, distillation_loss_func,         # QAD: the student beside its frozen teacher
         load_modelopt_checkpoint,                           # a checkpoint NVIDIA Model Optimizer 0.47 saved
     )
 
@@ -25,6 +27,7 @@ from modelopt_moe.quantization.calibration import register_group_provider
 from modelopt_moe.quantization.conversion import QuantModuleRegistry, register_wrapper
 
 from .checkpoint import load_sharded_checkpoint, model_sharded_state_dict, save_sharded_checkpoint
+from .distill import distillation_loss_func, distillation_model
 from .hf_io import MegatronExportAdapter
 from .modelopt_checkpoint import is_modelopt_checkpoint, load_modelopt_checkpoint
 from .modules import CLASSES, megatron_amax_groups
@@ -41,6 +44,8 @@ __all__ = [
     "megatron_amax_groups",
     "load_modelopt_checkpoint",
     "is_modelopt_checkpoint",
+    "distillation_model",
+    "distillation_loss_func",
 ]
 
 

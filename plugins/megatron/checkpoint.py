@@ -26,6 +26,7 @@ from modelopt_moe.checkpoint.files import (
 )
 from modelopt_moe.checkpoint.sharded import restore_sharded_modelopt_state, save_sharded_modelopt_state
 from modelopt_moe.quantization.conversion import unwrap_model
+from modelopt_moe.quantization.weight_amax import update_weight_amax
 
 from .modelopt_checkpoint import is_modelopt_checkpoint, load_modelopt_checkpoint
 from .sharded_state_dict import checkpoint_load_metadata
@@ -73,6 +74,8 @@ def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
         extra_state: more picklable state (e.g. the data loader position), returned by the load.
     """
     models = _models(model_list)
+    for model in models:  # dynamic weight amaxes as the next forward computes them from the saved weights
+        update_weight_amax(model)
     tmp = begin_checkpoint_dir(ckpt_dir)
     dist.barrier()
     state = model_sharded_state_dict(models, OPTIMIZER_METADATA)

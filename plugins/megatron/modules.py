@@ -17,9 +17,10 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 
 from modelopt_moe.quantization.conversion import QuantModuleMixin
 from modelopt_moe.quantization.expert_quantizer import ExpertGemm, ExpertGrid
-from modelopt_moe.quantization.nn.experts import ExpertQuantizers, expert_amax_reduction
+from modelopt_moe.quantization.nn.experts import ExpertQuantizers, expert_amax_reduction, use_kernels
 from modelopt_moe.quantization.nn.functional import apply_quantized_gemm
 from modelopt_moe.quantization.nn.grouped_linear import QuantGroupedLinearMixin
+from modelopt_moe.quantization.weight_amax import refresh_weight_amax
 
 from .sharded_state_dict import expert_quantizers_sharded_state_dict, parallel_linear_quantizers_sharded_state_dict
 
@@ -146,6 +147,16 @@ class QuantSequentialMLP(QuantModuleMixin):
 
     def expert_grid(self) -> ExpertGrid:
         return expert_grid_of(self.ep_group, self.tp_group, self.dp_group)
+
+    def forward(self, *args, **kwargs):
+        """Megatron's forward; a ``dynamic`` weight amax is first recomputed for every local expert at once (its
+        experts' linears then quantize with their row of it)."""
+        for gemm in self.expert_gemms():
+            q = gemm.quantizers.weight_quantizer
+            if q.is_quantizing and not q._if_calib and q.needs_amax and q.amax_update == "dynamic" and gemm.weights:
+                refresh_weight_amax(self, f"{gemm.name}.weight_quantizer", q, gemm.weights,
+                                    fast=use_kernels(self.quant_kernel, gemm.weights[0].device))
+        return super().forward(*args, **kwargs)
 
     def calibrate_weights(self) -> None:
         for name in self._SHARDED_AXIS:

@@ -1,34 +1,53 @@
-"""Megatron's training schedule with fake-quantized weights reused across the micro-batches of one step.
+"""Megatron's training schedule with fake-quantized weights reused across the micro-batches of one step, and the step
+that precision autoswitch counts.
 
 One call of Megatron's ``forward_backward_func`` runs every micro-batch of one optimizer step, and nothing changes
 the weights during the call (the optimizer steps after it returns). :func:`get_forward_backward_func` returns
 Megatron's function wrapped in :func:`modelopt_moe.quantization.reuse_quantized_weights` for the models it is given,
 so each quantized module fake-quantizes its weights once per step instead of once per micro-batch. Outside such a
 call every forward re-quantizes (always correct).
+
+The same call is one step of :func:`modelopt_moe.quantization.autoswitch_step`: the returned function counts its
+calls, starting at ``first_step`` (pass the iteration a resumed run starts at), and a model with an ``autoswitch``
+config samples every ``every``-th of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
-from modelopt_moe.quantization.weight_reuse import reuse_quantized_weights
+from modelopt_moe.quantization.autoswitch import autoswitch_step
+from modelopt_moe.quantization.weight_reuse import reuse_quantized_weights as reuse_scope
 
 __all__ = ["get_forward_backward_func"]
 
 
-def get_forward_backward_func(*args, **kwargs):
+def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first_step: int = 0, **kwargs):
     """Drop-in for ``megatron.core.pipeline_parallel.get_forward_backward_func`` (same arguments, same returned
-    function) whose calls reuse each module's fake-quantized weights across the call's micro-batches."""
+    function) whose calls reuse each module's fake-quantized weights across the call's micro-batches and each count as
+    one autoswitch step.
+
+    Args:
+        *args, **kwargs: Megatron's.
+        reuse_quantized_weights: open the weight-reuse scope around each call.
+        first_step: the autoswitch step of the first call (each later call is the next step).
+    """
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_get_forward_backward_func
 
     schedule = megatron_get_forward_backward_func(*args, **kwargs)
+    step = first_step
 
     @functools.wraps(schedule)
     def forward_backward(*f_args, **f_kwargs):
+        nonlocal step
         model = f_kwargs.get("model")
         if model is None:
             raise TypeError("forward_backward_func: pass model=... by keyword (Megatron's schedules take it so)")
-        with reuse_quantized_weights(model):
-            return schedule(*f_args, **f_kwargs)
+        reuse = reuse_scope(model) if reuse_quantized_weights else contextlib.nullcontext()
+        with reuse, autoswitch_step(model, step):
+            result = schedule(*f_args, **f_kwargs)
+        step += 1
+        return result
 
     return forward_backward

@@ -518,7 +518,8 @@ def _corpus_bytes() -> bytes:
 
 
 def text_batches(
-    batch_size: int, seq_len: int, num_batches: int, vocab_size: int = 256, *, offset: int = 0
+    batch_size: int, seq_len: int, num_batches: int, vocab_size: int = 256, *, offset: int = 0,
+    corpus: bytes | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Byte-level language-modelling batches from real English text (``pydoc_data.topics``), deterministic.
 
@@ -532,12 +533,14 @@ def text_batches(
         num_batches: Number of batches.
         vocab_size: Token ids are ``byte % vocab_size`` (256 keeps bytes exact).
         offset: Index of the first sample (use different offsets for calibration and evaluation data).
+        corpus: Other bytes to cut the samples from (default: the shipped English text).
 
     Returns:
         A list of dicts with ``tokens``, ``labels`` (next token), ``position_ids`` (all ``[batch_size, seq_len]``
         int64) and ``attention_mask`` (``[1, 1, seq_len, seq_len]`` bool, True where attention is masked: causal).
     """
-    data = torch.frombuffer(bytearray(_corpus_bytes()), dtype=torch.uint8).to(torch.int64) % vocab_size
+    corpus = _corpus_bytes() if corpus is None else corpus
+    data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).to(torch.int64) % vocab_size
     n = data.numel()
     mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
     positions = torch.arange(seq_len, dtype=torch.int64).expand(batch_size, seq_len)

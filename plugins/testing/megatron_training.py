@@ -32,6 +32,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func as megatro
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
+from modelopt_moe.distill import DistillationModel
 from modelopt_moe.plugins.megatron import get_forward_backward_func as reusing_forward_backward_func
 from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
 
@@ -48,15 +49,24 @@ class Trainer:
     bf16: bool
     scheduler: OptimizerParamScheduler | None = None
     reuse_quantized_weights: bool = False
+    autoswitch: bool = False
+    _schedule: object = dataclasses.field(default=None, repr=False)
 
-    def forward_backward_func(self):
-        """Megatron's schedule, or modelopt_moe's drop-in that reuses fake-quantized weights within a step."""
-        return reusing_forward_backward_func() if self.reuse_quantized_weights else megatron_forward_backward_func()
+    def forward_backward_func(self, step: int = 0):
+        """Megatron's schedule, or modelopt_moe's drop-in (created once, at the first step ``step``) that reuses
+        fake-quantized weights within a step and counts autoswitch steps."""
+        if not (self.reuse_quantized_weights or self.autoswitch):
+            return megatron_forward_backward_func()
+        if self._schedule is None:
+            self._schedule = reusing_forward_backward_func(reuse_quantized_weights=self.reuse_quantized_weights,
+                                                           first_step=step)
+        return self._schedule
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The innermost module under ``DistributedDataParallel`` / ``Float16Module`` wrappers."""
-    while isinstance(model, (DistributedDataParallel, Float16Module)):
+    """The innermost module under ``DistributedDataParallel`` / ``Float16Module`` / ``DistillationModel`` wrappers
+    (a distillation model's student)."""
+    while isinstance(model, (DistributedDataParallel, Float16Module, DistillationModel)):
         model = model.module
     return model
 
@@ -71,6 +81,7 @@ def setup_training(
     clip_grad: float = 1.0,
     lr_decay_steps: int | None = None,
     reuse_quantized_weights: bool = False,
+    autoswitch: bool = False,
 ) -> Trainer:
     """Wrap ``model`` for training the Megatron way and build Megatron's optimizer.
 
@@ -93,6 +104,7 @@ def setup_training(
             ``lr / 10`` over that many steps (its state is part of a resumable checkpoint).
         reuse_quantized_weights: Train with ``modelopt_moe.plugins.megatron.get_forward_backward_func``, which reuses
             each module's fake-quantized weights across the micro-batches of a step.
+        autoswitch: Train with that function (reusing weights only if asked), whose calls are autoswitch steps.
 
     Returns:
         The :class:`Trainer`.
@@ -129,7 +141,7 @@ def setup_training(
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return Trainer(model=ddp_model, optimizer=optimizer, bf16=bf16, scheduler=scheduler,
-                   reuse_quantized_weights=reuse_quantized_weights)
+                   reuse_quantized_weights=reuse_quantized_weights, autoswitch=autoswitch)
 
 
 def _loss_func(output_tensor: torch.Tensor):
@@ -146,8 +158,9 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     return output, _loss_func
 
 
-def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]]) -> float:
-    """One optimizer step over ``micro_batches`` (gradient accumulation through ``get_forward_backward_func``).
+def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]], step: int = 0) -> float:
+    """One optimizer step over ``micro_batches`` (gradient accumulation through ``get_forward_backward_func``);
+    ``step`` is its index (the first one starts the autoswitch step count).
 
     Returns:
         The mean loss over the micro-batches (the same on every rank).
@@ -161,7 +174,7 @@ def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]
     with megatron_training_shims():
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        reported = trainer.forward_backward_func()(
+        reported = trainer.forward_backward_func(step)(
             forward_step_func=forward_step,
             data_iterator=iter(micro_batches),
             model=[model],
@@ -196,5 +209,6 @@ def train(
     Returns:
         The loss of every step.
     """
-    return [train_step(trainer, [batches[(s * num_microbatches + m) % len(batches)] for m in range(num_microbatches)])
+    return [train_step(trainer, [batches[(s * num_microbatches + m) % len(batches)] for m in range(num_microbatches)],
+                       step=s)
             for s in range(start_step, start_step + steps)]

@@ -244,6 +244,8 @@ def _matrix_worker(rank, world_size, root):
         model = build(mm, SEED)
         cfg = mtq.load_config(preset)
         cfg.experts.weight_amax, cfg.experts.input_amax = w, i
+        # Amaxes as calibrated and loaded: a dynamic weight amax would be recomputed from the weights on re-save.
+        cfg.weight_amax_update = "static"
         mtq.quantize(model, cfg, lambda m: mm.lm_loss(m, calib))
         ref = {"amax": global_amax(model, mm), "params": global_params(model, mm), "logits": {}}
         for ws in (False, True):
@@ -292,6 +294,7 @@ def _matrix_worker(rank, world_size, root):
             direct = build(mm, SEED)
             cfg = mtq.load_config(source_setup(s)[0])
             cfg.experts.weight_amax, cfg.experts.input_amax = w, i
+            cfg.weight_amax_update = "static"
             mtq.quantize(direct, cfg)
             assign_amax(direct, mm, expected_amax(refs[s]["amax"], w_shared, i_shared))
             with torch.no_grad():

@@ -193,6 +193,12 @@ def _rank(rank, world, paths: dict) -> dict:
             _bad_exports(m, out, errors, rank)
         mtq.disable_quantizer(m, "*input_quantizer")  # transformers runs weight-only: compare like with like
         res[f"logits_{scheme}"] = logits(m)
+        if scheme == "fp8":  # an optimizer-like write (no forward after it): the export uses the new weights' amax
+            with torch.no_grad():
+                for name, p in m.named_parameters():
+                    if ".experts." in name:
+                        p.data.mul_(2.0)  # exact in bf16: every expert's amax doubles exactly
+            export_hf(m, out / "fp8_doubled", format="compressed-tensors", dtype=torch.bfloat16, progress=False)
 
     # grouped experts (TEGroupedMLP with the project's grouped linears, weight0..N) export like SequentialMLP ones
     import torch.nn.functional as F
@@ -283,6 +289,15 @@ def _linears(run, amax):
                     name = f"{p}mlp.experts.{e}.{mod}"
                     yield (name, src[name], amax[(layer, gemm, "weight_quantizer", e)],
                            amax[(layer, gemm, "input_quantizer", e)])
+
+
+def test_export_after_an_optimizer_step_uses_the_current_weights_amax(run):
+    """weight_amax_update: dynamic (the default) keeps the amax of the last forward; export recomputes it first."""
+    before, after = _tensors(run["out"] / "fp8_compressed-tensors"), _tensors(run["out"] / "fp8_doubled")
+    experts = [k for k in before if ".experts." in k and k.endswith(".weight_scale")]
+    assert experts
+    for k in experts:
+        assert after[k].item() == 2 * before[k].item(), k  # the scale amax/448 of the doubled weights
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -11,16 +11,21 @@ import torch
 from torch import nn
 
 from ...kernels import (
+    GroupedInputSTE,
     GroupedWeightSTE,
+    expert_row_sums,
+    grouped_input_fake_quant_stats,
     grouped_input_fake_quant_ste,
     grouped_weight_fake_quant,
+    grouped_weight_fake_quant_stats,
     grouped_weight_fake_quant_ste,
     kernels_available,
 )
-from ...numerics import clip_limit, fake_quant
+from ...numerics import clip_limit, fake_quant, get_format, quant_error_sums
 from ..config import ExpertsConfig
 from ..expert_quantizer import ExpertQuantizer
 from ..tensor_quantizer import clip_mask
+from ..weight_amax import LearnedAmaxSTE, learned_amax_ste, refresh_weight_amax
 from ..weight_reuse import reused_or_computed, weight_key
 
 __all__ = [
@@ -93,8 +98,10 @@ def use_kernels(preference: str, device: torch.device) -> bool:
 
 
 def _calibrated(q: ExpertQuantizer) -> bool:
-    """Quantizing with a stored amax (or none needed), not calibrating: the path that handles all experts at once."""
-    return q.is_quantizing and not q._if_calib and (q.amax is not None or not q.needs_amax) and not q.is_dynamic
+    """Quantizing with a stored amax (or none needed, or one recomputed from the weights), not calibrating, and not
+    a dynamic (per call) quantizer: the path that handles all experts at once."""
+    return q.is_quantizing and not q._if_calib and not q.is_dynamic and (
+        q.amax is not None or not q.needs_amax or q.amax_update == "dynamic")
 
 
 def _capturing(device: torch.device) -> bool:
@@ -103,40 +110,82 @@ def _capturing(device: torch.device) -> bool:
 
 
 def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], kernel: str = "auto",
-                            owner: nn.Module | None = None) -> list[torch.Tensor]:
+                            owner: nn.Module | None = None, *, rel_name: str = "weight_quantizer",
+                            with_stats: bool = False):
     """Fake-quantizes (and calibrates) N expert weights, differentiably.
 
-    Calibrated: one kernel launch with the ``[N, ...]`` amax (or the reference per expert with ``kernel='torch'``).
-    Inside a :func:`~..weight_reuse.reuse_quantized_weights` scope that covers ``owner``, the values are computed on
-    the first forward and reused after (the weights' gradient still flows through the straight-through estimator).
-    Calibrating, quantization off, or no amax: expert by expert.
+    Calibrated: one kernel launch with the ``[N, ...]`` amax (or the reference per expert with ``kernel='torch'``);
+    ``weight_amax_update: dynamic`` first recomputes the amax from the weights (one more launch), ``learned`` trains
+    it (see :mod:`..weight_amax`). Inside a :func:`~..weight_reuse.reuse_quantized_weights` scope that covers
+    ``owner``, the values are computed on the first forward and reused after (the weights' gradient still flows through
+    the straight-through estimator). Calibrating, quantization off, or no amax: expert by expert.
+
+    Args:
+        q: the weight quantizer; ``owner``: the module holding it (named ``rel_name`` there), which also names the
+            groups a dynamic or learned amax is reduced over.
+        with_stats: also return each expert's quantization-error sums (precision autoswitch), from the same launch.
+
+    Returns:
+        The N weight operands; with ``with_stats``, ``(operands, float64 [N, 4] sums or None)``.
     """
     if not q.is_enabled:
-        return weights
+        return (weights, None) if with_stats else weights
     if not _calibrated(q):
         dynamic = q.is_quantizing and q.amax is None and q.needs_amax and not q.is_dynamic
         chunks_amax = q.dynamic_amax(weights) if dynamic else None
-        return [q.forward_expert(i, w, None if chunks_amax is None else _row(q, chunks_amax, i))
-                for i, w in enumerate(weights)]
-    fast = use_kernels(kernel, weights[0].device)
-    amax = q.amax if q.needs_amax else None
-    if owner is None or torch.compiler.is_compiling() or _capturing(weights[0].device):
-        # traced or captured: the differentiable op on every call (a replay runs no host code)
-        if fast:
-            return grouped_weight_fake_quant_ste(list(weights), amax, q.fmt, q.block_size, q.ste, q.narrow_range)
-        return [q.fake_quant_expert(i, w) for i, w in enumerate(weights)]
+        out = [q.forward_expert(i, w, None if chunks_amax is None else _row(q, chunks_amax, i))
+               for i, w in enumerate(weights)]
+        return (out, _weight_sums(weights, out) if q.is_quantizing else None) if with_stats else out
+    device = weights[0].device
+    fast = use_kernels(kernel, device)
+    mode = q.amax_update if q.needs_amax else "static"
+    learned = mode == "learned" and q.learns_amax
+    traced = torch.compiler.is_compiling() or _capturing(device)  # a replay runs no host code: no reuse
+    if owner is None or traced:
+        if mode == "static" and not with_stats:  # one autograd op around the kernel or the per-expert reference
+            amax = q.amax if q.needs_amax else None
+            if fast:
+                return grouped_weight_fake_quant_ste(list(weights), amax, q.fmt, q.block_size, q.ste, q.narrow_range)
+            return [q.fake_quant_expert(i, w) for i, w in enumerate(weights)]
 
     def compute():
         with torch.no_grad():
-            if fast:
-                return grouped_weight_fake_quant([w.detach() for w in weights], amax, q.fmt, q.block_size,
-                                                 q.narrow_range)
-            return [fake_quant(w.detach(), q.fmt, q.expert_amax(i) if q.needs_amax else None, q.block_size,
-                               **q.int_kwargs)
-                    for i, w in enumerate(weights)]
+            if mode == "dynamic":
+                amax = refresh_weight_amax(owner, rel_name, q, weights, fast) if owner is not None else \
+                    q.dynamic_amax(weights)
+            else:
+                amax = q.amax.detach() if q.needs_amax else None
+            ws = [w.detach() for w in weights]
+            if fast and with_stats:
+                values, sums = grouped_weight_fake_quant_stats(ws, amax, q.fmt, q.block_size, q.narrow_range)
+            elif fast:
+                values, sums = grouped_weight_fake_quant(ws, amax, q.fmt, q.block_size, q.narrow_range), None
+            else:
+                values = [fake_quant(w, q.fmt, None if amax is None else _row(q, amax, i), q.block_size,
+                                     **q.int_kwargs) for i, w in enumerate(ws)]
+                sums = _weight_sums(ws, values) if with_stats else None
+        return values, sums, amax
 
-    values = reused_or_computed(owner, lambda: weight_key(weights, amax, q.cfg, q.ste, fast), compute)
-    return list(GroupedWeightSTE.apply(amax, q.ste, values, *weights))
+    if owner is None or traced:
+        values, sums, amax = compute()
+    else:
+        # A dynamic amax is a function of the weights (and of the same weights on the other ranks of its reduction
+        # group), so the weights' key covers it; the collective inside compute() runs on the first forward of the
+        # scope on every rank alike.
+        values, sums, amax = reused_or_computed(
+            owner, lambda: weight_key(weights, None if mode == "dynamic" else (q.amax if q.needs_amax else None),
+                                      q.cfg, q.ste, fast, mode, with_stats), compute)
+    if learned:
+        out = learned_amax_ste(owner, rel_name, q, q.amax, weights, values) if owner is not None else \
+            list(LearnedAmaxSTE.apply(q.amax, get_format(q.fmt).bound, [], q.ste == "clipped", list(values),
+                                      *weights))
+    else:
+        out = list(GroupedWeightSTE.apply(amax, q.ste, values, *weights))
+    return (out, sums) if with_stats else out
+
+
+def _weight_sums(weights, values) -> torch.Tensor:
+    return torch.stack([quant_error_sums(w, v) for w, v in zip(weights, values, strict=True)])
 
 
 def _row(q: ExpertQuantizer, amax: torch.Tensor, i: int) -> torch.Tensor:
@@ -174,14 +223,26 @@ class DeviceSplits:
 
 
 def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel: str = "auto",
-                           device_splits: DeviceSplits | None = None) -> torch.Tensor:
+                           device_splits: DeviceSplits | None = None, *, with_stats: bool = False):
     """Fake-quantizes (and calibrates) the token matrix ``x`` whose row blocks ``m_splits`` belong to the experts.
 
     Calibrated per-expert amax on the kernel path: one launch with the ``[N]`` amax and device-side split offsets.
-    A ``shared`` amax (one value): the whole matrix at once. Otherwise expert by expert.
+    A ``shared`` amax (one value): the whole matrix at once. Otherwise expert by expert. ``with_stats`` also returns
+    each expert's quantization-error sums over its rows (``(y, float64 [N, 4] or None)``); on the kernel path from the
+    same launch (a ``shared`` amax too: every expert's entry holds the same value, so the bits are the same).
     """
     if not q.is_enabled:
-        return x
+        return (x, None) if with_stats else x
+    if with_stats:
+        splits = (device_splits or DeviceSplits())(m_splits, x.device)
+        if _calibrated(q) and x.dim() == 2 and q.amax is not None and use_kernels(kernel, x.device):
+            amax = q.amax.detach() if q.needs_amax else None
+            with torch.no_grad():
+                y, sums = grouped_input_fake_quant_stats(x.detach(), splits, amax, q.fmt, q.block_size,
+                                                         q.narrow_range)
+            return GroupedInputSTE.apply(x, splits, amax, q.ste, y), sums
+        y = quantize_expert_inputs(q, x, m_splits, kernel, device_splits)
+        return y, (expert_row_sums(x, y, splits) if q.is_quantizing else None)
     if q.layout == "shared":
         return q(x)
     if _calibrated(q) and x.dim() == 2 and use_kernels(kernel, x.device):

@@ -10,6 +10,12 @@ its :class:`BackwardConfig`:
   (``grad_num_bits``, per-tensor scale from the gradient's own amax), emulating FP8 training.
 
 Clipped STE zeroes the gradient of every operand element with ``|x| > amax`` in all three modes.
+
+In a step that precision autoswitch samples (:mod:`..autoswitch`), the operands come with their quantization-error
+sums, and each GEMM takes the original operand where its decision says so: the forward value is
+``gemm(x_f, w_f)`` (fprop's operands) and the gradient flows through ``gemm(x_b, w_b)`` (wgrad's activation,
+dgrad's weight), as in ``high_precision`` mode; ``quantized`` mode also keeps the original output gradient where its
+own quantization crosses a threshold.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ from collections.abc import Callable
 
 import torch
 
-from ...numerics import fake_quant
+from ...numerics import fake_quant, quant_error_sums
+from ..autoswitch import SampledGemm, gemm_sampler, select_tensor
 from ..tensor_quantizer import clip_mask, nan_ignoring_abs_max
+from ..weight_amax import quantize_weight_operand
 
 __all__ = [
     "apply_quantized_gemm", "run_quantized_gemm", "clip_mask_of", "quantize_grad", "mask_grad", "forward_value_of",
@@ -49,6 +57,22 @@ class _QuantizeGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return fake_quant(grad, ctx.fmt, nan_ignoring_abs_max(grad)), None
+
+
+class _QuantizeGradSampled(torch.autograd.Function):
+    """:class:`_QuantizeGrad` in a sampled step: measures the gradient's quantization and keeps the original gradient
+    where the sampler's thresholds are crossed."""
+
+    @staticmethod
+    def forward(ctx, x, fmt, sampler, record):
+        ctx.fmt, ctx.sampler, ctx.record = fmt, sampler, record
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q = fake_quant(grad, ctx.fmt, nan_ignoring_abs_max(grad))
+        switch = ctx.sampler.grad_crossed(ctx.record, quant_error_sums(grad, q)[None])
+        return (q if switch is None else torch.where(switch.reshape(()), grad, q)), None, None, None
 
 
 class _MaskGrad(torch.autograd.Function):
@@ -89,7 +113,8 @@ def _map(fn, value):
 
 
 def run_quantized_gemm(cfg, x, weight, gemm: Callable, quantize_input: Callable, quantize_weight: Callable,
-                       input_mask: Callable, weight_mask: Callable, output_quantizer: Callable):
+                       input_mask: Callable, weight_mask: Callable, output_quantizer: Callable,
+                       sample: SampledGemm | None = None):
     """The backward-mode machinery for one GEMM or a group of expert GEMMs.
 
     Args:
@@ -99,7 +124,10 @@ def run_quantized_gemm(cfg, x, weight, gemm: Callable, quantize_input: Callable,
         quantize_input / quantize_weight: fake-quantize (and calibrate) the operands; identity when disabled.
         input_mask / weight_mask: ``mask(x)`` -> the clipped-STE mask or None (``weight_mask`` maps over lists).
         output_quantizer: applied to the GEMM output.
+        sample: in a step precision autoswitch samples, how the operands are measured and selected.
     """
+    if sample is not None:
+        return _run_sampled_gemm(cfg, x, weight, gemm, sample, input_mask, weight_mask, output_quantizer)
     xq = quantize_input(x)
     wq = quantize_weight(weight)
     changed = xq is not x or (any(a is not b for a, b in zip(wq, weight, strict=True))
@@ -118,6 +146,47 @@ def run_quantized_gemm(cfg, x, weight, gemm: Callable, quantize_input: Callable,
     return _replace_first(result, output_quantizer(_first(result)))
 
 
+def _either(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return a | b
+
+
+def _run_sampled_gemm(cfg, x, weight, gemm, sample: SampledGemm, input_mask, weight_mask, output_quantizer):
+    s = sample.sampler
+    xq, x_sums = sample.quantize_input_stats(x)
+    wq, w_sums = sample.quantize_weight_stats(weight)
+    cx, cw = s.crossed(x_sums), s.crossed(w_sums)
+    fprop = _either(cx, cw) if s.monitors("fprop") else None
+    dgrad = cw if s.monitors("dgrad") else None
+    wgrad = cx if s.monitors("wgrad") else None
+    record = s.record(x_sums, w_sums, {"fprop": fprop, "dgrad": dgrad, "wgrad": wgrad})
+    x_f, w_f = sample.select_input(fprop, x, xq), sample.select_weight(fprop, weight, wq)
+    if not torch.is_grad_enabled():
+        result = gemm(x_f, w_f)
+    else:
+        if cfg.mode == "high_precision":
+            x_b = mask_grad(x, input_mask(x))
+            w_b = _map(lambda w: mask_grad(w, weight_mask(w)), weight)
+        else:
+            x_b, w_b = sample.select_input(wgrad, x, xq), sample.select_weight(dgrad, weight, wq)
+        with torch.no_grad():
+            value = gemm(x_f.detach(), _map(torch.Tensor.detach, w_f))
+        precise = gemm(x_b, w_b)
+        result = _replace_first(precise, forward_value_of(_first(precise), _first(value)))
+        if cfg.mode == "quantized":
+            result = _replace_first(result, _QuantizeGradSampled.apply(_first(result), cfg.grad_format, s, record))
+    return _replace_first(result, output_quantizer(_first(result)))
+
+
+def _with_sums(q, fn: Callable) -> Callable:
+    """``t -> (fn(t), its [1, 4] quantization-error sums)`` (sums None when ``q`` does not quantize)."""
+    def run(t):
+        out = fn(t)
+        return out, (quant_error_sums(t, out)[None] if q.is_quantizing else None)
+    return run
+
+
 def apply_quantized_gemm(module, x: torch.Tensor, weight: torch.Tensor, gemm: Callable):
     """Runs ``gemm(x_operand, weight_operand)`` with the module's quantizers and backward mode.
 
@@ -131,8 +200,18 @@ def apply_quantized_gemm(module, x: torch.Tensor, weight: torch.Tensor, gemm: Ca
         What ``gemm`` returns, with the output passed through ``output_quantizer``.
     """
     iq, wq = module.input_quantizer, module.weight_quantizer
-    return run_quantized_gemm(module.quant_backward, x, weight, gemm, iq, wq,
-                              lambda t: clip_mask_of(iq, t), lambda t: clip_mask_of(wq, t), module.output_quantizer)
+
+    def quantize_weight(w):
+        return quantize_weight_operand(module, wq, w)
+
+    sampler = gemm_sampler(module)
+    sample = None
+    if sampler is not None and (iq.is_quantizing or wq.is_quantizing):
+        sample = SampledGemm(sampler, _with_sums(iq, iq), _with_sums(wq, quantize_weight), select_tensor,
+                             select_tensor)
+    return run_quantized_gemm(module.quant_backward, x, weight, gemm, iq, quantize_weight,
+                              lambda t: clip_mask_of(iq, t), lambda t: clip_mask_of(wq, t), module.output_quantizer,
+                              sample)
 
 
 def _first(result):

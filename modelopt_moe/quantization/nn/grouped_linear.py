@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from ..autoswitch import SampledGemm, gemm_sampler
 from ..config import QuantizeConfig
 from ..conversion import QuantModuleMixin, QuantModuleRegistry
 from ..expert_quantizer import ExpertGemm
@@ -106,13 +107,36 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
         :meth:`expert_weights`)."""
         iq, wq = self.input_quantizer, self.weight_quantizer
         weights = self.expert_weights() if weights is None else weights
+        kernel, splits = self.quant_kernel, self._splits_cache()
+        sampler = gemm_sampler(self)
+        sample = None
+        if sampler is not None and (iq.is_quantizing or wq.is_quantizing):
+            device_splits = splits(m_splits, x.device)
+
+            def select_input(decision, t, tq):
+                if decision is None:
+                    return tq
+                rows = torch.repeat_interleave(decision, device_splits, output_size=t.shape[0])
+                return torch.where(rows.unsqueeze(-1), t, tq)
+
+            def select_weight(decision, ws, wqs):
+                if decision is None:
+                    return wqs
+                return [torch.where(decision[i], w, q) for i, (w, q) in enumerate(zip(ws, wqs, strict=True))]
+
+            sample = SampledGemm(
+                sampler,
+                lambda t: quantize_expert_inputs(iq, t, m_splits, kernel, splits, with_stats=True),
+                lambda ws: quantize_expert_weights(wq, ws, kernel, owner=self, with_stats=True),
+                select_input, select_weight)
         return run_quantized_gemm(
             self.quant_backward, x, weights, gemm=gemm,
-            quantize_input=lambda t: quantize_expert_inputs(iq, t, m_splits, self.quant_kernel, self._splits_cache()),
-            quantize_weight=lambda ws: quantize_expert_weights(wq, ws, self.quant_kernel, owner=self),
+            quantize_input=lambda t: quantize_expert_inputs(iq, t, m_splits, kernel, splits),
+            quantize_weight=lambda ws: quantize_expert_weights(wq, ws, kernel, owner=self),
             input_mask=lambda t: expert_input_clip_mask(iq, t, m_splits),
             weight_mask=expert_weight_clip_mask(wq, weights),
             output_quantizer=self.output_quantizer,
+            sample=sample,
         )
 
     def amax_reduction(self, quantizer_name: str) -> tuple[str, ...]:

@@ -40,11 +40,13 @@ def _config(preset, mode, ste, how, grad_num_bits="e5m2"):
     if how == "dict":
         cfg = copy.deepcopy(getattr(mtq, preset))
         cfg["backward"] = {"mode": mode, "ste": ste, "grad_num_bits": grad_num_bits}
+        cfg["weight_amax_update"] = "static"  # the hand-set weight amax below stays (dynamic would recompute it)
         return cfg
     cfg = mtq.load_config({"FP8_DEFAULT_CFG": "fp8_default.yaml", "INT8_DEFAULT_CFG": "int8_default.yaml"}[preset])
     cfg.backward.mode = mode
     cfg.backward.ste = ste
     cfg.backward.grad_num_bits = grad_num_bits
+    cfg.weight_amax_update = "static"
     return cfg
 
 

@@ -1,0 +1,110 @@
+"""The student beside its frozen teacher: one module whose forward returns the per-token distillation loss.
+
+The teacher is held outside the module tree (like a reference, not a child), so it has no place in
+``parameters()``, ``state_dict()``, ``.bfloat16()``/``.cuda()``, ``train()`` or any wrapper built around the
+distillation model: Megatron's DDP and optimizer see the student's parameters only, so the teacher costs no
+gradient buffer and no optimizer state, and a checkpoint holds the student alone. Its forward runs under
+``torch.no_grad()`` in eval mode.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..quantization.conversion import register_wrapper
+from .losses import logits_kl_loss, vocab_parallel_cross_entropy
+
+__all__ = ["DistillationModel"]
+
+
+class DistillationModel(nn.Module):
+    """``forward(*args, labels=None, **kwargs)`` runs ``student(*args, **kwargs)`` and, without gradient, the teacher
+    on the same inputs (both must return logits: ``[..., V]`` or the same TP slice of the vocabulary), and returns
+    the per-token loss ``kl_weight * KL(teacher || student) + lm_loss_weight * cross_entropy(student, labels)`` (the
+    second term only when ``labels`` is given and ``lm_loss_weight`` is not 0).
+
+    As a Megatron model: wrap it like the student (``Float16Module``, DDP) and keep the training loop; a forward step
+    that calls ``model(tokens, position_ids, attention_mask, labels=labels)`` and averages the per-token output (the
+    usual ``loss_func``) then trains by distillation through ``get_forward_backward_func``.
+    ``modelopt_moe.plugins.megatron.distillation_model`` passes Megatron's tensor-parallel group.
+
+    The student is the child ``module`` (the convention of Megatron's wrappers, so ``sharded_state_dict`` and
+    ``set_input_tensor`` reach it); ``modelopt_moe`` treats this class as a wrapper, so quantization state and
+    checkpoints name the student's modules as without it.
+
+    Args:
+        student: the model being trained (quantized or not).
+        teacher: the frozen reference (e.g. the bf16 model the student was quantized from, or another checkpoint of
+            the same architecture and parallel layout). It is put in eval mode and its parameters stop requiring
+            gradients; its device and dtype stay the caller's.
+        temperature: softmax temperature of the KL term.
+        kl_weight: weight of the KL term.
+        lm_loss_weight: weight of the language-modelling cross entropy on ``labels``.
+        tp_group: the tensor-parallel group the logits' vocabulary is split over (None: not split).
+
+    Raises:
+        ValueError: the teacher is the student, or a weight is negative.
+    """
+
+    def __init__(self, student: nn.Module, teacher: nn.Module, *, temperature: float = 1.0, kl_weight: float = 1.0,
+                 lm_loss_weight: float = 0.0, tp_group=None):
+        super().__init__()
+        if teacher is student:
+            raise ValueError("DistillationModel: the teacher must be a separate model from the student")
+        if kl_weight < 0 or lm_loss_weight < 0:
+            raise ValueError(f"DistillationModel: weights must be >= 0, got kl_weight={kl_weight}, "
+                             f"lm_loss_weight={lm_loss_weight}")
+        self.module = student
+        teacher.eval()
+        teacher.requires_grad_(False)
+        self.__dict__["_teacher"] = teacher  # not a submodule: see the module docstring
+        self.temperature, self.kl_weight, self.lm_loss_weight = float(temperature), float(kl_weight), float(
+            lm_loss_weight)
+        self.__dict__["_tp_group"] = tp_group  # a process group: never pickled with the model
+
+    @property
+    def student(self) -> nn.Module:
+        return self.module
+
+    @property
+    def teacher(self) -> nn.Module:
+        return self.__dict__["_teacher"]
+
+    @property
+    def config(self):
+        """The student's config (Megatron's ``get_model_config`` reads it)."""
+        return self.module.config
+
+    def forward(self, *args, labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        student_logits = self.module(*args, **kwargs)
+        with torch.no_grad():
+            teacher_logits = self.teacher(*args, **kwargs)
+        group = self.__dict__["_tp_group"]
+        loss = logits_kl_loss(student_logits, teacher_logits, temperature=self.temperature, tp_group=group)
+        if self.kl_weight != 1.0:
+            loss = loss * self.kl_weight
+        if labels is not None and self.lm_loss_weight:
+            loss = loss + self.lm_loss_weight * vocab_parallel_cross_entropy(student_logits, labels, tp_group=group)
+        return loss
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.teacher.eval()  # the teacher never trains (no dropout), whatever the schedule sets
+        return self
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Megatron's pipeline hook, for the student (distillation runs with pipeline parallelism 1)."""
+        self.module.set_input_tensor(input_tensor)
+
+    def sharded_state_dict(self, *args, **kwargs):
+        """The student's sharded state dict, under the student's own keys."""
+        return self.module.sharded_state_dict(*args, **kwargs)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_tp_group"] = None
+        return state
+
+
+register_wrapper(DistillationModel)

@@ -1,0 +1,302 @@
+"""Training-time statistics of N experts in one launch: the per-expert weight amax (``weight_amax_update:
+dynamic``) and fake quant with quantization-error sums (precision autoswitch).
+
+Parts, in the order STYLE.md asks for (the ``@triton.jit`` code is in :mod:`.triton_training_kernels`, imported
+lazily like :mod:`.triton_kernels`):
+
+1. launchers (``_launch_*``) and pure-torch references (``_torch_*``), chosen by :func:`kernels_available`;
+2. public functions that validate their inputs with ``ValueError``: :func:`grouped_weight_amax`,
+   :func:`grouped_weight_fake_quant_stats`, :func:`grouped_input_fake_quant_stats`;
+3. ``torch.library.custom_op`` s with ``register_fake``;
+4. :class:`GroupedInputSTE`, the straight-through gradient of tokens quantized with statistics.
+
+Contracts: the amax equals ``max |w|`` (NaN ignored) of each expert, or of each row of each expert, bit for bit. The
+fake-quantized values equal :func:`~modelopt_moe.numerics.fake_quant` bit for bit (the same tile code as the plain
+kernels). The statistics are :func:`~modelopt_moe.numerics.quant_error_sums` per expert: counts exact, the two sums
+of squares to a relative 1e-5 (fp32 tile sums, then float64). No host synchronisation on the device paths.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from ..numerics import fake_quant, get_format, quant_error_sums
+from . import table_layout as tbl
+from .grouped_fake_quant import (
+    _amax_mode,
+    _cdiv,
+    _check_input_fake_quant,
+    _check_weight_fake_quant,
+    _check_weights,
+    _expert_amax,
+    _inner_block,
+    _input_tiling,
+    _int_kwargs,
+    _launch_kwargs,
+    _next_pow2,
+    _padded,
+    _row_amax,
+    _split_views,
+    _weight_config,
+    _weight_plan,
+    kernels_available,
+)
+
+__all__ = ["grouped_weight_amax", "grouped_weight_fake_quant_stats", "grouped_input_fake_quant_stats",
+           "expert_row_sums", "GroupedInputSTE"]
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    from . import triton_training_kernels
+
+    return triton_training_kernels
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers and references
+# ----------------------------------------------------------------------------------------------------------------
+def _launch_weight_amax(weights, per_channel: bool) -> torch.Tensor:
+    n = len(weights)
+    out = torch.zeros((n, weights[0].shape[0]) if per_channel else (n,), dtype=torch.float32,
+                      device=weights[0].device)
+    plan = _weight_plan(weights, None, 16, two_d=per_channel)
+    if plan.n_tiles == 0:
+        return out
+    _kernels()._grouped_weight_amax_kernel[(plan.n_tiles,)](
+        weights[plan.base], out, plan.table, n, plan.u_tiles, plan.u_rows, plan.u_cols, plan.u_ctiles,
+        PER_ROW=per_channel, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs, VEC=plan.vec,
+        SEARCH_STEPS=plan.steps, UNIFORM=plan.uniform, num_warps=_launch_kwargs(out.device)["num_warps"],
+    )
+    return out
+
+
+def _abs_max(w: torch.Tensor, per_channel: bool) -> torch.Tensor:
+    a = w.detach().abs().float()
+    a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
+    if per_channel:
+        return a.reshape(a.shape[0], -1).amax(dim=1) if a.numel() else torch.zeros(a.shape[0], device=a.device)
+    return a.amax() if a.numel() else torch.zeros((), device=a.device)
+
+
+def _torch_weight_amax(weights, per_channel: bool) -> torch.Tensor:
+    return torch.stack([_abs_max(w, per_channel) for w in weights])
+
+
+def _tile_counts(plan, n: int) -> list[int]:
+    """Tiles of each expert, from the host copy of the plan's table (no device sync)."""
+    tile0 = plan.host[:, tbl.COL_TILE0].tolist()
+    return [b - a for a, b in zip(tile0, [*tile0[1:], plan.n_tiles], strict=True)][:n]
+
+
+def _launch_weight_stats(weights, amax, fmt, block_size, narrow_range=True) -> tuple[torch.Tensor, torch.Tensor]:
+    n = len(weights)
+    amax_mode, amax_stride = _amax_mode(amax, n)
+    bs, _ = _inner_block(fmt, block_size)
+    plan = _weight_plan(weights, None, bs, two_d=amax_mode == 2 or _padded(weights, block_size),
+                        tile_elems=_weight_config(fmt)["tile"])
+    device = weights[0].device
+    out = torch.empty(sum(w.numel() for w in weights), dtype=weights[0].dtype, device=device)
+    partial = torch.zeros(plan.n_tiles, 4, dtype=torch.float32, device=device)
+    if plan.n_tiles:
+        _kernels()._grouped_weight_fake_quant_stats_kernel[(plan.n_tiles,)](
+            weights[plan.base], out, partial, plan.table, amax if amax is not None else plan.table, n, amax_stride,
+            plan.u_tiles, plan.u_rows, plan.u_cols, plan.u_ctiles,
+            FMT=get_format(fmt).code, INT_BLOCK=fmt in ("int8", "int4") and block_size is not None,
+            AMAX_MODE=amax_mode, TWO_D=plan.two_d, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs,
+            VEC=plan.vec, SEARCH_STEPS=plan.steps, UNIFORM=plan.uniform, NARROW=bool(narrow_range),
+            **_launch_kwargs(device),
+        )
+    partial = partial.double()
+    if plan.uniform:
+        stats = partial.view(n, plan.u_tiles, 4).sum(1)
+    else:
+        stats = torch.stack([p.sum(0) for p in partial.split(_tile_counts(plan, n))])
+    return out, stats
+
+
+def _torch_weight_stats(weights, amax, fmt, block_size, narrow_range=True) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(sum(w.numel() for w in weights), dtype=weights[0].dtype, device=weights[0].device)
+    stats, o = [], 0
+    for i, w in enumerate(weights):
+        y = fake_quant(w, fmt, _expert_amax(amax, i), block_size, **_int_kwargs(fmt, narrow_range))
+        out[o : o + w.numel()] = y.reshape(-1)
+        stats.append(quant_error_sums(w, y))
+        o += w.numel()
+    return out, torch.stack(stats)
+
+
+def _rows_to_experts(row_stats: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
+    """``[T, 4]`` float64 per-row sums -> ``[N, 4]`` per expert (rows grouped by ``m_splits``, on the device)."""
+    n = m_splits.numel()
+    owner = torch.repeat_interleave(torch.arange(n, device=row_stats.device), m_splits.long(),
+                                    output_size=row_stats.shape[0])
+    return torch.zeros(n, 4, dtype=torch.float64, device=row_stats.device).index_add_(0, owner, row_stats)
+
+
+def _launch_input_stats(x, m_splits, amax, fmt, block_size, narrow_range=True) -> tuple[torch.Tensor, torch.Tensor]:
+    y = torch.empty_like(x)
+    t, kdim = x.shape
+    bs, _ = _inner_block(fmt, block_size)
+    tile_r, tile_nb, tile_w = _input_tiling(kdim, bs)
+    n_ctiles = max(1, _cdiv(kdim, tile_w))
+    partial = torch.zeros(t, n_ctiles, 4, dtype=torch.float32, device=x.device)
+    n = m_splits.numel()
+    if x.numel():
+        _kernels()._grouped_input_fake_quant_stats_kernel[(_cdiv(t, tile_r), n_ctiles)](
+            x, y, partial, m_splits, amax if amax is not None else m_splits, t, kdim, n, n_ctiles,
+            FMT=get_format(fmt).code, INT_BLOCK=fmt in ("int8", "int4") and block_size is not None,
+            PER_EXPERT=amax is not None and amax.dim() == 1, N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb,
+            BS=bs, NARROW=bool(narrow_range), **_launch_kwargs(x.device),
+        )
+    return y, _rows_to_experts(partial.sum(1, dtype=torch.float64), m_splits)
+
+
+def _torch_input_stats(x, m_splits, amax, fmt, block_size, narrow_range=True) -> tuple[torch.Tensor, torch.Tensor]:
+    y = fake_quant(x, fmt, _row_amax(x, m_splits, amax), block_size, **_int_kwargs(fmt, narrow_range))
+    return y, _rows_to_experts(quant_error_sums(x, y, keep_rows=True), m_splits)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------------------------
+def grouped_weight_amax(weights: Sequence[torch.Tensor], per_channel: bool = False) -> torch.Tensor:
+    """``max |w|`` of each of N expert weights (NaN ignored) in one launch, bit-exact with the torch reference.
+
+    Args:
+        weights: N (1 <= N <= 512) contiguous tensors of one float dtype on one device (shapes may differ).
+        per_channel: one amax per row (output channel) of each 2-D ``[C, K]`` expert instead of one per expert.
+
+    Returns:
+        float32 ``[N]``, or ``[N, C]`` with ``per_channel`` (an empty expert's amax is 0).
+
+    Raises:
+        ValueError: on an empty or too long list, mixed dtypes or devices, non-contiguous experts, or (per channel)
+            experts that are not 2-D with the same number of rows.
+    """
+    weights, _ = _check_weights(weights, "grouped_weight_amax", None, None, None)
+    if per_channel:
+        rows = {w.shape[0] if w.dim() == 2 else None for w in weights}
+        if len(rows) != 1 or None in rows:
+            raise ValueError(f"grouped_weight_amax: per_channel needs 2-D experts with one row count, got shapes "
+                             f"{[tuple(w.shape) for w in weights]}")
+    return torch.ops.modelopt_moe.grouped_weight_amax(weights, bool(per_channel))
+
+
+def grouped_weight_fake_quant_stats(
+    weights: Sequence[torch.Tensor], amax: torch.Tensor | None, fmt: str, block_size: int | None = None,
+    narrow_range: bool = True,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """:func:`~.grouped_fake_quant.grouped_weight_fake_quant` (same arguments, same bits) that also returns each
+    expert's quantization-error sums (:func:`~modelopt_moe.numerics.quant_error_sums`), from the same launch.
+
+    Returns:
+        (N fake-quantized tensors, views of one new buffer; float64 ``[N, 4]`` sums).
+
+    Raises:
+        ValueError: as :func:`~.grouped_fake_quant.grouped_weight_fake_quant`.
+    """
+    weights, amax = _check_weight_fake_quant(weights, amax, fmt, block_size, "grouped_weight_fake_quant_stats")
+    flat, stats = torch.ops.modelopt_moe.grouped_weight_fake_quant_stats(weights, amax, fmt, block_size,
+                                                                         bool(narrow_range))
+    return _split_views(flat, weights), stats
+
+
+def grouped_input_fake_quant_stats(
+    x: torch.Tensor, m_splits, amax: torch.Tensor | None, fmt: str, block_size: int | None = None,
+    narrow_range: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~.grouped_fake_quant.grouped_input_fake_quant` (same arguments, same bits) that also returns each
+    expert's quantization-error sums over its rows, from the same launch.
+
+    Returns:
+        (``y`` shaped like ``x``; float64 ``[N, 4]`` sums).
+
+    Raises:
+        ValueError: as :func:`~.grouped_fake_quant.grouped_input_fake_quant`.
+    """
+    m_splits, amax = _check_input_fake_quant(x, m_splits, amax, fmt, block_size, "grouped_input_fake_quant_stats")
+    return torch.ops.modelopt_moe.grouped_input_fake_quant_stats(x, m_splits, amax, fmt, block_size,
+                                                                 bool(narrow_range))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Custom ops
+# ----------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("modelopt_moe::grouped_weight_amax", mutates_args=())
+def _grouped_weight_amax_op(weights: list[torch.Tensor], per_channel: bool) -> torch.Tensor:
+    if kernels_available(weights[0].device):
+        return _launch_weight_amax(weights, per_channel)
+    return _torch_weight_amax(weights, per_channel)
+
+
+@_grouped_weight_amax_op.register_fake
+def _(weights, per_channel):
+    shape = (len(weights), weights[0].shape[0]) if per_channel else (len(weights),)
+    return weights[0].new_empty(shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("modelopt_moe::grouped_weight_fake_quant_stats", mutates_args=())
+def _grouped_weight_fake_quant_stats_op(
+    weights: list[torch.Tensor], amax: Optional[torch.Tensor], fmt: str, block_size: Optional[int],  # noqa: UP045
+    narrow_range: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if kernels_available(weights[0].device):
+        return _launch_weight_stats(weights, amax, fmt, block_size, narrow_range)
+    return _torch_weight_stats(weights, amax, fmt, block_size, narrow_range)
+
+
+@_grouped_weight_fake_quant_stats_op.register_fake
+def _(weights, amax, fmt, block_size, narrow_range=True):
+    return (weights[0].new_empty(sum(w.numel() for w in weights)),
+            weights[0].new_empty((len(weights), 4), dtype=torch.float64))
+
+
+@torch.library.custom_op("modelopt_moe::grouped_input_fake_quant_stats", mutates_args=())
+def _grouped_input_fake_quant_stats_op(
+    x: torch.Tensor, m_splits: torch.Tensor, amax: Optional[torch.Tensor], fmt: str,  # noqa: UP045
+    block_size: Optional[int], narrow_range: bool = True,  # noqa: UP045
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if kernels_available(x.device):
+        return _launch_input_stats(x, m_splits, amax, fmt, block_size, narrow_range)
+    return _torch_input_stats(x, m_splits, amax, fmt, block_size, narrow_range)
+
+
+@_grouped_input_fake_quant_stats_op.register_fake
+def _(x, m_splits, amax, fmt, block_size, narrow_range=True):
+    return torch.empty_like(x), x.new_empty((m_splits.shape[0], 4), dtype=torch.float64)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autograd and helpers
+# ----------------------------------------------------------------------------------------------------------------
+def expert_row_sums(x: torch.Tensor, y: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
+    """Per-expert quantization-error sums of a token matrix ``x`` and its fake quant ``y`` (rows grouped by the
+    device tensor ``m_splits``), in torch: float64 ``[N, 4]``."""
+    return _rows_to_experts(quant_error_sums(x, y, keep_rows=True), m_splits)
+
+
+class GroupedInputSTE(torch.autograd.Function):
+    """``apply(x, m_splits, amax, ste, values) -> values`` (as a view): fake-quantized tokens computed earlier (e.g.
+    with :func:`grouped_input_fake_quant_stats`) put into the graph with the straight-through gradient of
+    :class:`~.grouped_fake_quant.GroupedInputFakeQuant` (pass-through, or clipped where ``|x| > amax``)."""
+
+    @staticmethod
+    def forward(ctx, x, m_splits, amax, ste, values):
+        ctx.clipped = ste == "clipped" and amax is not None
+        if ctx.clipped:
+            ctx.save_for_backward(x, m_splits, amax)
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.clipped:
+            return grad, None, None, None, None
+        from .grouped_fake_quant import grouped_input_clip_grad
+
+        x, m_splits, amax = ctx.saved_tensors
+        return grouped_input_clip_grad(grad.contiguous(), x, m_splits, amax), None, None, None, None

@@ -1,0 +1,122 @@
+"""Distillation losses against torch's own softmax losses, and the teacher/student wrapper's contract: gradients and
+parameters are the student's only."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import modelopt_moe.quantization as mtq
+from modelopt_moe.distill import DistillationModel, logits_kl_loss, vocab_parallel_cross_entropy
+from modelopt_moe.quantization.conversion import unwrap_model
+
+
+def _logits(seed=0, shape=(3, 5, 64), dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 3).to(dtype), (torch.randn(shape, generator=g) * 3).to(dtype)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kl_matches_torch_and_its_gradient(temperature, dtype):
+    s, t = _logits(dtype=dtype)
+    s1 = s.clone().requires_grad_(True)
+    got = logits_kl_loss(s1, t, temperature=temperature)
+    s2 = s.float().clone().requires_grad_(True)
+    want = F.kl_div(F.log_softmax(s2 / temperature, -1), F.log_softmax(t.float() / temperature, -1),
+                    log_target=True, reduction="none").sum(-1) * temperature**2
+    assert got.dtype == torch.float32 and got.shape == s.shape[:-1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    g = torch.randn(got.shape)
+    got.backward(g)
+    want.backward(g)
+    assert s1.grad.dtype == dtype
+    torch.testing.assert_close(s1.grad.float(), s2.grad, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
+
+
+def test_kl_of_equal_logits_is_zero_and_teacher_gets_no_gradient():
+    s, _ = _logits()
+    t = s.clone().requires_grad_(True)
+    loss = logits_kl_loss(s.clone().requires_grad_(True), t)
+    assert loss.abs().max() < 1e-5
+    loss.sum().backward()
+    assert t.grad is None
+
+
+def test_cross_entropy_matches_torch():
+    s, _ = _logits()
+    labels = torch.randint(0, 64, s.shape[:-1], generator=torch.Generator().manual_seed(2))
+    a = s.clone().requires_grad_(True)
+    b = s.clone().requires_grad_(True)
+    got = vocab_parallel_cross_entropy(a, labels)
+    want = F.cross_entropy(b.reshape(-1, 64), labels.reshape(-1), reduction="none").reshape(labels.shape)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: logits_kl_loss(torch.zeros(2, 4), torch.zeros(2, 5)), "shape"),
+    (lambda: logits_kl_loss(torch.zeros(2, 4), torch.zeros(2, 4), temperature=0.0), "temperature"),
+    (lambda: vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(3, dtype=torch.long)), "labels"),
+])
+def test_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(32, 16)
+        self.proj = torch.nn.Linear(16, 32)
+        self.config = {"name": f"lm{seed}"}
+
+    def forward(self, tokens):
+        return self.proj(self.emb(tokens))
+
+
+def test_distillation_model_trains_the_student_only():
+    student, teacher = _TinyLM(0), _TinyLM(1)
+    model = DistillationModel(student, teacher, temperature=2.0, lm_loss_weight=0.5)
+    tokens = torch.randint(0, 32, (2, 6))
+    labels = torch.randint(0, 32, (2, 6))
+    assert {id(p) for p in model.parameters()} == {id(p) for p in student.parameters()}
+    assert all(k.startswith("module.") for k in model.state_dict())
+    assert model.config == student.config and unwrap_model(model) is student
+    model.train()
+    assert not teacher.training and all(not p.requires_grad for p in teacher.parameters())
+    loss = model(tokens, labels=labels)
+    with torch.no_grad():
+        s, t = student(tokens), teacher(tokens)
+    want = logits_kl_loss(s, t, temperature=2.0) + 0.5 * vocab_parallel_cross_entropy(s, labels)
+    torch.testing.assert_close(loss, want)
+    loss.mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
+    assert all(p.grad is None for p in teacher.parameters())
+    assert torch.equal(model(tokens), logits_kl_loss(student(tokens), teacher(tokens), temperature=2.0))
+    model.bfloat16()  # a Float16Module-style cast reaches the student only
+    assert student.proj.weight.dtype == torch.bfloat16 and teacher.proj.weight.dtype == torch.float32
+    clone = copy.deepcopy(model)
+    assert clone.teacher is not teacher and isinstance(pickle.loads(pickle.dumps(model)), DistillationModel)
+
+
+def test_quantized_student_distils_from_its_own_bf16_copy():
+    """The QAD setup: the student is the quantized copy of the teacher; before training its KL is small but not 0."""
+    teacher = _TinyLM(0)
+    student = copy.deepcopy(teacher)
+    tokens = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
+    mtq.quantize(student, mtq.NVFP4_DEFAULT_CFG, lambda m: m(tokens))
+    model = DistillationModel(student, teacher)
+    kl0 = model(tokens).mean().item()
+    assert kl0 > 0
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)  # a QAD learning rate: Adam's steps are about lr each
+    for _ in range(20):
+        opt.zero_grad()
+        model(tokens).mean().backward()
+        opt.step()
+    assert model(tokens).mean().item() < kl0
