@@ -34,7 +34,7 @@ def _python(marker: str) -> str:
 
 def test_every_snippet_is_run_here():
     python = _blocks("python")
-    assert len(python) == 7, "a README python snippet was added or removed: run it in this file"
+    assert len(python) == 8, "a README python snippet was added or removed: run it in this file"
     assert sum(any(m in b for m in MEGATRON_SNIPPETS) for b in python) == 3
     assert len(_blocks("yaml")) == 1
 
@@ -68,6 +68,14 @@ def test_spawn_snippet(tmp_path):
     script.write_text(_python("def work(rank, world_size, scale)"))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_distillation_snippet(tmp_path):
+    script = tmp_path / "readme_qad.py"
+    script.write_text(_python("DistillationModel(student, teacher)"))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "switched" in done.stdout and any((tmp_path / "autoswitch_logs").iterdir())
 
 
 @pytest.mark.timeout(300)
