@@ -23,7 +23,9 @@ def sequence_parallel_norm(*, config: TransformerConfig, hidden_size: int, eps: 
     Same module as Megatron's ``WrappedTorchNorm``, plus what that one lacks for sequence parallelism: its
     parameters carry ``sequence_parallel = config.sequence_parallel``, the attribute Megatron's
     ``finalize_model_grads`` (and the test models' ``allreduce_sequence_parallel_grads``) use to all-reduce their
-    gradients over the tensor-parallel group (each TP rank sees a different slice of the sequence).
+    gradients over the tensor-parallel group (each TP rank sees a different slice of the sequence). Its
+    parameters take ``config.params_dtype`` like Transformer Engine's norms, so a bf16 model runs before
+    ``Float16Module`` wraps it (on CUDA a float32 norm refuses bf16 activations).
 
     Args:
         config: The model's TransformerConfig (reads ``normalization`` and ``sequence_parallel``).
@@ -34,9 +36,9 @@ def sequence_parallel_norm(*, config: TransformerConfig, hidden_size: int, eps: 
         The norm module.
     """
     if config.normalization == "LayerNorm":
-        norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
     elif config.normalization == "RMSNorm":
-        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
     else:
         raise ValueError(f"normalization={config.normalization!r}: expected 'LayerNorm' or 'RMSNorm'")
     for p in norm.parameters():

@@ -1,0 +1,91 @@
+"""``modelopt-moe export``: a distributed checkpoint of a quantized Megatron MoE model -> a servable Hugging Face
+checkpoint (compressed-tensors or NVIDIA Model Optimizer format).
+
+The checkpoint is one written by ``modelopt_moe.plugins.megatron.save_sharded_checkpoint`` (weights, amaxes and the
+quantization state, at any TP / EP layout). The model it holds is rebuilt from the Hugging Face config recorded
+beside it (``modelopt_moe.export.save_hf_config(hf_dir, ckpt_dir)`` writes ``<ckpt_dir>/hf_config.json``) or given
+with ``--hf-config``; the export runs on ``--world-size`` ranks at ``--tp`` / ``--ep`` (any layout loads any
+checkpoint; under torchrun or srun, the launcher's ranks), rank 0 writing layer by layer with a progress bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from .ranks import add_layout_args, check_layout, quiet_third_party, run_ranks
+
+__all__ = ["main"]
+
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="modelopt-moe export", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="distributed checkpoint directory (save_sharded_checkpoint)")
+    p.add_argument("--format", required=True, choices=["compressed-tensors", "modelopt"], help="output format")
+    p.add_argument("--out", required=True, help="output directory (must not exist, or be empty)")
+    p.add_argument("--hf-config", help="Hugging Face config.json or model directory of the model (default: the "
+                                       "checkpoint's hf_config.json)")
+    p.add_argument("--family", choices=["qwen3_moe", "mixtral"], help="Hugging Face family (default: from the config)")
+    p.add_argument("--dtype", choices=_DTYPES,
+                   help="parameter dtype of the rebuilt model, as the checkpoint was saved (default: the config's)")
+    add_layout_args(p, tp=1, ep=1, world_size=1)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run (default: %(default)s)")
+    args = p.parse_args(argv)
+    args.layout = check_layout(p, args)
+    return args
+
+
+def _export_rank(rank: int, world_size: int, opts: dict[str, Any]) -> str:
+    """One rank: rebuild the model, load the checkpoint (any layout), export (rank 0 writes)."""
+    quiet_third_party(rank)
+    import torch
+
+    from modelopt_moe.export import build_megatron_model, export_hf
+    from modelopt_moe.plugins.megatron import load_sharded_checkpoint
+    from modelopt_moe.plugins.testing import megatron_models as mm  # parallel init (+ CPU shims without CUDA)
+
+    mm.init_model_parallel(opts["tp"], opts["ep"])
+    cfg = opts["hf_config"]
+    dtype = getattr(torch, opts["dtype"] or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+    model = build_megatron_model(cfg, perform_initialization=False, params_dtype=dtype)
+    load_sharded_checkpoint(model, opts["checkpoint"])
+    model.eval()
+    out = export_hf(model, opts["out"], format=opts["format"], family=opts["family"], hf_config=cfg,
+                    dtype=getattr(torch, cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
+                    progress=rank == 0)
+    mm.destroy_model_parallel()
+    return str(out)
+
+
+def main(argv: list[str]) -> int:
+    """``modelopt-moe export``; returns the exit code (2: bad arguments or inputs, found before any process
+    starts)."""
+    args = _parse_args(argv)
+    from modelopt_moe.checkpoint.errors import IncompleteCheckpointError
+    from modelopt_moe.checkpoint.files import check_checkpoint_dir
+    from modelopt_moe.export import ExportError, load_hf_config
+    from modelopt_moe.export.families import family_for_architecture, read_hf_config
+    from modelopt_moe.export.writer import check_out_dir
+
+    try:  # everything checkable before starting processes
+        check_checkpoint_dir(args.checkpoint)
+        cfg = read_hf_config(args.hf_config) if args.hf_config else load_hf_config(args.checkpoint)
+        family_for_architecture(cfg).arch_from_hf(cfg)
+        check_out_dir(args.out)
+    except (ExportError, IncompleteCheckpointError) as e:
+        print(f"modelopt-moe export: {e}", file=sys.stderr)
+        return 2
+    print(f"modelopt-moe export: {args.checkpoint} -> {args.out} ({args.format}), {args.layout}", flush=True)
+    opts = {"checkpoint": str(Path(args.checkpoint)), "out": str(Path(args.out)), "format": args.format,
+            "family": args.family, "hf_config": cfg, "dtype": args.dtype, "tp": args.tp, "ep": args.ep}
+    try:
+        out = run_ranks(_export_rank, args.layout, args=(opts,), timeout=args.timeout)[0]
+    except RuntimeError as e:
+        print(f"modelopt-moe export: failed: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}", flush=True)
+    return 0
