@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/modelopt-moe --config configs/fp8_per_expert.yaml
+	$(VENV)/bin/modelopt-moe demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -16,11 +16,13 @@ from .files import (
     begin_checkpoint_dir,
     check_checkpoint_dir,
     commit_checkpoint_dir,
+    megatron_lm_iteration_dir,
     resolve_checkpoint_dir,
 )
 from .modelopt_format import is_model_optimizer_state, restore_model_optimizer_state
 from .sharded import (
     checkpoint_amax_shapes,
+    has_sharded_modelopt_state,
     load_sharded_modelopt_state,
     restore_sharded_modelopt_state,
     save_sharded_modelopt_state,
@@ -37,6 +39,7 @@ from .state import (
 __all__ = [
     "save_sharded_modelopt_state",
     "restore_sharded_modelopt_state",
+    "has_sharded_modelopt_state",
     "load_sharded_modelopt_state",
     "checkpoint_amax_shapes",
     "save",
@@ -54,4 +57,5 @@ __all__ = [
     "commit_checkpoint_dir",
     "check_checkpoint_dir",
     "resolve_checkpoint_dir",
+    "megatron_lm_iteration_dir",
 ]

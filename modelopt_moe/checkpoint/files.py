@@ -27,9 +27,12 @@ __all__ = [
     "commit_checkpoint_dir",
     "check_checkpoint_dir",
     "resolve_checkpoint_dir",
+    "megatron_lm_iteration_dir",
 ]
 
 STATE_FILE = "modelopt_moe_state.pt"
+# Megatron-LM's checkpoint root names its latest iteration in this file (its checkpointing.py).
+MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 COMPLETE_MARKER = "modelopt_moe_complete.json"
 _DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's global metadata, written when the data is complete
 _MEGATRON_METADATA = "metadata.json"  # Megatron writes it after every rank's data (its own completion marker)
@@ -100,13 +103,16 @@ def check_checkpoint_dir(ckpt_dir: str | os.PathLike, require_state: bool = True
     after all data) are present, the quantization state file is present (if ``require_state``), and, where a
     completion marker exists, every file it lists is present with its size.
 
+    A Megatron-LM ``--save`` directory (``latest_checkpointed_iteration.txt`` beside ``iter_0000100/``) stands for
+    its latest iteration's directory (:func:`megatron_lm_iteration_dir`).
+
     Returns:
         The directory as a Path.
 
     Raises:
         IncompleteCheckpointError: naming the directory and what is missing.
     """
-    path = Path(ckpt_dir)
+    path = megatron_lm_iteration_dir(ckpt_dir)
     if not path.is_dir():
         hint = ""
         if _tmp_dir(path).is_dir():
@@ -132,10 +138,29 @@ def check_checkpoint_dir(ckpt_dir: str | os.PathLike, require_state: bool = True
     return path
 
 
+def megatron_lm_iteration_dir(ckpt_dir: str | os.PathLike) -> Path:
+    """``ckpt_dir``, or, when it is a Megatron-LM ``--save`` / ``--load`` directory, the checkpoint of the iteration its
+    ``latest_checkpointed_iteration.txt`` names (``iter_0000100`` for ``100``, ``release`` for ``release``).
+
+    Raises:
+        IncompleteCheckpointError: the tracker file names no iteration (names the file and its text).
+    """
+    path = Path(ckpt_dir)
+    tracker = path / MEGATRON_LM_TRACKER
+    if not tracker.is_file() or (path / _DCP_METADATA).is_file():
+        return path
+    text = tracker.read_text().strip()
+    if text == "release":
+        return path / "release"
+    if not text.isdigit():
+        raise IncompleteCheckpointError(f"{tracker}: expected an iteration number or 'release', found {text!r}")
+    return path / f"iter_{int(text):07d}"
+
+
 def resolve_checkpoint_dir(ckpt_dir: str | os.PathLike) -> Path:
     """``ckpt_dir``, or the previous checkpoint ``<ckpt_dir>.old`` (rank-0 warning) when a commit died between its
     two renames."""
-    path = Path(ckpt_dir)
+    path = megatron_lm_iteration_dir(ckpt_dir)
     old = _old_dir(path)
     if not path.exists() and old.is_dir():
         check_checkpoint_dir(old)

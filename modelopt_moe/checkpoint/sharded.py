@@ -26,13 +26,14 @@ from torch import nn
 from ..quantization.config import ExpertsConfig
 from ..quantization.utils import rank
 from .errors import CheckpointMismatchError
-from .files import STATE_FILE, atomic_torch_save, check_checkpoint_dir
+from .files import STATE_FILE, atomic_torch_save, check_checkpoint_dir, megatron_lm_iteration_dir
 from .state import modelopt_state, restore_modelopt_state
 
 __all__ = [
     "save_sharded_modelopt_state",
     "restore_sharded_modelopt_state",
     "load_sharded_modelopt_state",
+    "has_sharded_modelopt_state",
     "checkpoint_amax_shapes",
 ]
 
@@ -58,6 +59,13 @@ def save_sharded_modelopt_state(model_list, ckpt_dir: str | os.PathLike) -> None
     if not path.is_dir():
         raise FileNotFoundError(f"save_sharded_modelopt_state: checkpoint directory {path} does not exist")
     atomic_torch_save({"format": "modelopt_moe.sharded_state", "models": states}, path / STATE_FILE)
+
+
+def has_sharded_modelopt_state(ckpt_dir: str | os.PathLike) -> bool:
+    """Whether ``ckpt_dir`` (or the latest iteration of a Megatron-LM checkpoint root) holds a quantization state:
+    a training script resumes a QAT run with :func:`restore_sharded_modelopt_state` when it does, and quantizes
+    the bf16 model when it does not."""
+    return (megatron_lm_iteration_dir(ckpt_dir) / STATE_FILE).is_file()
 
 
 def load_sharded_modelopt_state(ckpt_dir: str | os.PathLike) -> list[dict]:

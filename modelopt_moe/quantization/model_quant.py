@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .calibration import as_forward_loop, calibrate
@@ -29,6 +30,7 @@ from .conversion import (
     matching_quantizers,
     named_quantizers,
     set_quantizer_by_pattern,
+    unwrap_model,
 )
 from .expert_quantizer import ExpertQuantizer
 from .modelopt_compat import COMPAT_DOC
@@ -235,15 +237,52 @@ def fold_weight(model: nn.Module, keep_attrs: bool = False) -> nn.Module:
     return model
 
 
+def _expert_amax_rows(model: nn.Module) -> dict[str, dict[int, str]]:
+    """``{expert quantizer name: {global expert: amax text}}`` of this rank's experts."""
+    rows: dict[str, dict[int, str]] = {}
+    for mod_name, module in unwrap_model(model).named_modules():
+        if not is_quantized(module):
+            continue
+        grid = module.expert_grid()
+        for gemm in module.expert_gemms():
+            base = ".".join(p for p in (mod_name, gemm.name) if p)
+            for kind in ("input_quantizer", "weight_quantizer", "output_quantizer"):
+                q = getattr(gemm.quantizers, kind)
+                if not q.is_enabled:
+                    continue
+                cells = rows.setdefault(f"{base}.{kind}" if base else kind, {})
+                for i in range(gemm.num_local):
+                    a = q.expert_amax(i)
+                    cells[grid.global_index(gemm.num_local, i)] = "None" if a is None else f"{a.max().item():.4g}"
+    return rows
+
+
 def print_quant_summary(model: nn.Module, output_dir: str | None = None, file=None) -> str:
-    """Prints (rank 0) and returns one line per quantizer and a count of enabled ones; with ``output_dir`` (Model
-    Optimizer's argument) writes it to ``output_dir/.quant_summary.txt`` instead of printing."""
+    """Prints (rank 0) and returns one line per quantizer, every expert quantizer's amax by GLOBAL expert index
+    (gathered from every rank: the same table at any tensor / expert parallel layout) and a count of enabled
+    quantizers; with ``output_dir`` (Model Optimizer's argument) writes it to ``output_dir/.quant_summary.txt``.
+
+    With ``torch.distributed`` initialised every rank must call it (one ``all_gather_object``).
+    """
     lines = []
-    enabled = 0
+    enabled = total = 0
     for name, q, _ in named_quantizers(model):
         enabled += q.is_enabled
+        total += 1
         lines.append(f"{name:<80} {q.extra_repr()}")
-    lines.append(f"{enabled} of {len(lines)} quantizers enabled")
+    rows = _expert_amax_rows(model)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, rows)
+        rows = {}
+        for part in parts:
+            for name, cells in part.items():
+                rows.setdefault(name, {}).update(cells)
+    if rows:
+        lines.append("expert amax by global expert index:")
+        for name, cells in rows.items():
+            lines.append(f"  {name:<78} " + " ".join(f"{g}:{cells[g]}" for g in sorted(cells)))
+    lines.append(f"{enabled} of {total} quantizers enabled")
     text = "\n".join(lines)
     if not is_rank0():
         return text
@@ -253,6 +292,6 @@ def print_quant_summary(model: nn.Module, output_dir: str | None = None, file=No
         with open(path, "w", encoding="utf-8") as f:
             f.write(text + "\n")
         print(f"Quant summary saved to {path}", file=file, flush=True)
-    else:
+    elif file is not False:
         print(text, file=file, flush=True)
     return text

@@ -31,24 +31,28 @@ def _save(fig, path: str | Path) -> Path:
 
 def loss_curves(curves: Mapping[str, Sequence[tuple[int, float]]], path: str | Path, *,
                 title: str = "Training loss", references: Mapping[str, float] | None = None) -> Path:
-    """One line per phase (``{label: [(step, loss), ...]}``), steps continuing across phases; dashed horizontal
-    lines for reference losses (``{label: loss}``, e.g. the bf16 and PTQ evaluation losses)."""
+    """One panel per phase (``{label: [(step, loss), ...]}``, steps continuing across phases), each on its own y
+    scale (an LM loss of ~2.5 and a KL of ~1e-3 do not share an axis); dashed horizontal lines in the first panel
+    for reference losses (``{label: loss}``, e.g. the bf16 and PTQ evaluation losses)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for label, points in curves.items():
-        if points:
-            steps, losses = zip(*points, strict=True)
-            ax.plot(steps, losses, marker="o" if len(points) < 40 else None, markersize=3, label=label)
-    for i, (label, value) in enumerate((references or {}).items()):
-        ax.axhline(value, linestyle="--", linewidth=1, color=f"C{i + len(curves)}", label=f"{label}: {value:.4f}")
     from matplotlib.ticker import MaxNLocator
 
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (nats / token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    phases = [(label, points) for label, points in curves.items() if points]
+    fig, axes = plt.subplots(1, max(1, len(phases)), figsize=(5.2 * max(1, len(phases)), 4.2), squeeze=False)
+    for i, (ax, (label, points)) in enumerate(zip(axes.flat, phases, strict=False)):
+        steps, losses = zip(*points, strict=True)
+        ax.plot(steps, losses, marker="o" if len(points) < 40 else None, markersize=3, color=f"C{i}", label=label)
+        if i == 0:
+            for j, (ref, value) in enumerate((references or {}).items()):
+                ax.axhline(value, linestyle=("--", ":")[j % 2], linewidth=1.2, color=f"C{j + len(phases)}",
+                           label=f"{ref}: {value:.4f}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss (nats / token)")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
     return _save(fig, path)
 
 
@@ -92,7 +96,8 @@ def expert_weight_errors(shared: Sequence[float], per_expert: Sequence[float], p
     ax.set_ylabel("relative MSE  |Q(w) - w|² / |w|²")
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, 1.3 * max([*shared, *per_expert, 1e-12]))  # room for the legend above the bars
+    ax.legend(fontsize=8, loc="upper right", ncol=2)
     return _save(fig, path)
 
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .ranks import add_layout_args, check_layout, quiet_third_party, run_ranks
+from .ranks import add_layout_args, check_layout, prints_here, quiet_third_party, run_ranks
 
 __all__ = ["main"]
 
@@ -79,7 +79,8 @@ def main(argv: list[str]) -> int:
     except (ExportError, IncompleteCheckpointError) as e:
         print(f"modelopt-moe export: {e}", file=sys.stderr)
         return 2
-    print(f"modelopt-moe export: {args.checkpoint} -> {args.out} ({args.format}), {args.layout}", flush=True)
+    if prints_here():
+        print(f"modelopt-moe export: {args.checkpoint} -> {args.out} ({args.format}), {args.layout}", flush=True)
     opts = {"checkpoint": str(Path(args.checkpoint)), "out": str(Path(args.out)), "format": args.format,
             "family": args.family, "hf_config": cfg, "dtype": args.dtype, "tp": args.tp, "ep": args.ep}
     try:
@@ -87,5 +88,6 @@ def main(argv: list[str]) -> int:
     except RuntimeError as e:
         print(f"modelopt-moe export: failed: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {out}", flush=True)
+    if prints_here():
+        print(f"wrote {out}", flush=True)
     return 0

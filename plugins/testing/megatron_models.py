@@ -66,6 +66,7 @@ __all__ = [
     "lm_loss",
     "gather_logits",
     "iter_params_with_global_names",
+    "global_state",
     "build_moe_layer",
     "MegatronGroupedLinear",
     "MegatronColumnParallelGroupedLinear",
@@ -583,6 +584,42 @@ def iter_params_with_global_names(model: torch.nn.Module) -> Iterator[tuple[str,
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     for name, p in model.named_parameters():
         yield _canonical_name(name, n_local, ep_rank), p
+
+
+def global_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter (tensor-parallel shards concatenated; experts under their global index) and every quantizer
+    amax (expert amaxes per global expert), the same dict on every rank of any layout: compare checkpoints across
+    layouts with it. Every rank must call it (all-gathers over the TP group and the world)."""
+    from modelopt_moe.checkpoint import iter_expert_quantizers
+    from modelopt_moe.quantization.conversion import named_quantizers
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group()
+    local: dict[str, torch.Tensor] = {}
+    for name, p in iter_params_with_global_names(model):
+        t = p.detach()
+        if tp > 1 and getattr(p, "tensor_model_parallel", False) and getattr(p, "allreduce", True):
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts, dim=p.partition_dim)
+        local[name] = t.cpu().clone()
+    for e in iter_expert_quantizers(model):
+        grid, q = e.owner.expert_grid(), e.quantizer
+        for i in range(e.gemm.num_local):
+            if q.amax is not None:
+                local[f"{e.name}.{grid.global_index(e.gemm.num_local, i)}._amax"] = q.expert_amax(i).detach().cpu()
+    experts = {e.name for e in iter_expert_quantizers(model)}
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    for name, q, _ in named_quantizers(model):
+        if name not in experts and q.amax is not None:  # a per-channel dense amax may hold this TP rank's channels
+            key = f"{name}._amax" if q.axis is None else f"{name}._amax@tp{tp_rank}of{tp}"
+            local[key] = q.amax.detach().cpu().clone()
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
 
 
 def _num_local_experts(model: torch.nn.Module) -> int:

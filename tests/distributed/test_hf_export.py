@@ -371,33 +371,13 @@ def test_transformers_reads_fp8_compressed_tensors(run):
 
 
 @pytest.fixture
-def nvfp4_experts_patch(monkeypatch):
+def nvfp4_experts_patch():
     """transformers 5.23's experts dequantize drops ``weight_global_scale``: decode each expert with
-    compressed-tensors' own ``NVFP4PackedCompressor.decompress`` instead (dense layers go the unpatched way)."""
-    from compressed_tensors.compressors import NVFP4PackedCompressor
-    from transformers.integrations import compressed_tensors as ct_integration
+    compressed-tensors' own decoder instead (plugins/testing/transformers_nvfp4.py)."""
+    from modelopt_moe.plugins.testing.transformers_nvfp4 import nvfp4_experts_decoded_right
 
-    original = ct_integration.CompressedTensorsDequantize.convert
-
-    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, **kwargs):
-        packed = [k for k in input_dict if k.endswith("weight_packed")]
-        dense = "weight_packed" in input_dict  # one dense module's own names: transformers' path is right
-        if dense or not packed or not all(k.replace("weight_packed", "weight_global_scale") in input_dict
-                                          for k in packed):
-            return original(self, input_dict, source_patterns, target_patterns, full_layer_name=full_layer_name,
-                            **kwargs)
-        scheme = self.scheme or ct_integration.get_experts_scheme(self.hf_quantizer.compressor.quantization_config)
-        dtype = kwargs["model"].get_parameter(full_layer_name).dtype
-        out = {}
-        for key in packed:
-            parts = zip(*(input_dict[key.replace("weight_packed", n)]
-                          for n in ("weight_packed", "weight_scale", "weight_global_scale")), strict=True)
-            out[key] = torch.stack([NVFP4PackedCompressor.decompress(
-                {"weight_packed": p, "weight_scale": s, "weight_global_scale": g}, scheme)["weight"].to(dtype)
-                for p, s, g in parts])
-        return out
-
-    monkeypatch.setattr(ct_integration.CompressedTensorsDequantize, "convert", convert)
+    with nvfp4_experts_decoded_right():
+        yield
 
 
 def _check_nvfp4_model(run, model, path) -> float:

@@ -52,3 +52,39 @@ def test_export_fails_fast_on_bad_inputs(tmp_path, capsys):
         '"intermediate_size": 8, "rope_theta": 10000.0}')
     assert main(["export", "--format", "modelopt", "--out", str(taken), "--checkpoint", str(ckpt)]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_report_refuses_what_is_not_a_run_record(tmp_path, capsys):
+    assert main(["report", "--run", str(tmp_path / "none.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"losses": {}}')
+    assert main(["report", "--run", str(bad)]) == 2
+    assert "not a run record" in capsys.readouterr().err
+
+
+def test_report_renders_a_run_record_without_processes(tmp_path):
+    import json
+
+    run = {"title": "t", "setup": ["a"], "stages": ["one", "two"], "losses": {"bf16 teacher (held out)": 2.5},
+           "curves": {"bf16": [[0, 3.0], [1, 2.5]]}}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert main(["report", "--run", str(tmp_path / "run.json")]) == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "1. one" in md and "2. two" in md and "| bf16 teacher (held out) | 2.5000 |" in md
+    assert (tmp_path / "loss_curve.png").is_file()
+
+
+def test_qat_needs_a_model_and_checks_its_imports_before_starting(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["qat", "--config", "nvfp4_experts.yaml"])
+    assert info.value.code == 2 and "give --model-provider or --hf" in capsys.readouterr().err
+    assert main(["qat", "--config", "nvfp4_experts.yaml", "--model-provider", "no_such_pkg.models:build"]) == 2
+    assert "--model-provider 'no_such_pkg.models:build': cannot import 'no_such_pkg.models'" in capsys.readouterr().err
+    assert main(["qat", "--config", "nvfp4_experts.yaml", "--model-provider", "json:no_such_fn"]) == 2
+    assert "json has no function 'no_such_fn'" in capsys.readouterr().err
+    assert main(["qat", "--config", "nvfp4_experts.yaml", "--model-provider", "json"]) == 2
+    assert "expected 'package.module:function'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["qat", "--config", "nvfp4_experts.yaml", "--model-provider", "json:loads", "--distill", "--load", "y"])
+    assert info.value.code == 2 and "--distill with --load needs --hf" in capsys.readouterr().err

@@ -145,3 +145,26 @@ def test_states_saved_before_narrow_range_existed_keep_their_int_meaning():
     assert fresh.proj.input_quantizer.narrow_range and fresh.proj.weight_quantizer.narrow_range
     assert fresh.proj.weight_quantizer.block_size == 16  # dynamic, as it meant then
     assert not model.proj.input_quantizer.narrow_range  # today's default: Model Optimizer's
+
+
+def test_a_megatron_lm_save_directory_stands_for_its_latest_iteration(tmp_path):
+    from modelopt_moe.checkpoint import megatron_lm_iteration_dir
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("120\n")
+    assert megatron_lm_iteration_dir(tmp_path) == tmp_path / "iter_0000120"
+    with pytest.raises(IncompleteCheckpointError, match="iter_0000120 does not exist"):
+        check_checkpoint_dir(tmp_path)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
+    assert megatron_lm_iteration_dir(tmp_path) == tmp_path / "release"
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("soon")
+    with pytest.raises(IncompleteCheckpointError, match="latest_checkpointed_iteration.txt: expected an iteration "
+                                                        "number or 'release', found 'soon'"):
+        megatron_lm_iteration_dir(tmp_path)
+    assert megatron_lm_iteration_dir(tmp_path / "iter_0000120") == tmp_path / "iter_0000120"  # no tracker: as given
+    from modelopt_moe.checkpoint import has_sharded_modelopt_state
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
+    assert not has_sharded_modelopt_state(tmp_path)
+    (tmp_path / "iter_0000007").mkdir()
+    (tmp_path / "iter_0000007" / "modelopt_moe_state.pt").write_bytes(b"")
+    assert has_sharded_modelopt_state(tmp_path) and has_sharded_modelopt_state(tmp_path / "iter_0000007")

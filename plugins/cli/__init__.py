@@ -1,0 +1,35 @@
+"""The ``modelopt-moe`` command.
+
+    modelopt-moe demo [flags]      the whole pipeline on a small MoE model, with a report (the default command)
+    modelopt-moe export [flags]    a distributed checkpoint -> a servable Hugging Face checkpoint
+    modelopt-moe report [flags]    render a run's report again from its run.json
+    modelopt-moe qat [flags]       QAT / QAD of your own Megatron model (a model provider and a YAML config)
+
+Every command runs its ranks on this machine (CPU processes with gloo, or one per GPU) or, started by ``torchrun`` or
+SLURM's ``srun``, in the launcher's processes (``modelopt_moe.plugins.cli.ranks``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["main", "COMMANDS"]
+
+COMMANDS = {
+    "demo": "modelopt_moe.plugins.cli.demo",
+    "export": "modelopt_moe.plugins.cli.export",
+    "report": "modelopt_moe.plugins.cli.report",
+    "qat": "modelopt_moe.plugins.cli.qat",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit code. Flags without a command run ``demo``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
+    command = argv[0] if argv and argv[0] in COMMANDS else "demo"
+    rest = argv[1:] if argv and argv[0] in COMMANDS else argv
+    return importlib.import_module(COMMANDS[command]).main(rest)

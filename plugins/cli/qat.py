@@ -1,0 +1,234 @@
+"""``modelopt-moe qat``: quantization-aware training or distillation (QAD) of your own Megatron MoE model.
+
+    # a published Hugging Face model (Qwen3-MoE, Mixtral): built and loaded by modelopt_moe, distilled from itself
+    torchrun --nproc-per-node 8 -m modelopt_moe.plugins.cli qat --hf /models/Qwen3-30B-A3B \\
+        --config nvfp4_experts.yaml --distill --tp 2 --ep 4 --steps 1000 --save ckpt/qad
+    # your own model: a function that builds it at the current parallel layout (Megatron-LM's model_provider)
+    modelopt-moe qat --model-provider my_project.models:model_provider --config my_quant.yaml --save ckpt/qat
+
+The steps are the ones the README's Megatron-LM recipe adds to a training script: build the model, quantize it with
+the YAML config (calibrating on ``--calib-batches`` batches) before Megatron's ``Float16Module`` / DDP wrap and
+optimizer, then train in Megatron's schedule with fake-quantized weights reused within each step. ``--distill``
+trains the quantized student towards a frozen bf16 copy of the starting weights (forward KL, plus ``--lm-weight``
+times the LM loss). ``--load`` resumes from a checkpoint this command saved (weights, amaxes, quantization state,
+optimizer, LR scheduler, iteration) at any TP / EP layout; ``--export`` writes the result as a Hugging Face
+checkpoint.
+
+Data: ``--data module:function`` is called as ``function(split, num_batches, batch_size, seq_len, offset)`` with
+``split`` ``"calib"`` or ``"train"`` and returns that many batches, each a dict of ``tokens`` / ``labels`` /
+``position_ids`` (int64 ``[batch_size, seq_len]``) and ``attention_mask`` (bool, True where masked); every rank of
+a data-parallel replica must get the same batches. Without it, the byte-level English text that ships with Python
+(a smoke test for models with a vocabulary of at least 256).
+
+Runs under ``torchrun`` / ``srun`` in the launcher's processes (one per GPU), or spawns ``--world-size`` processes
+on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import sys
+from typing import Any
+
+from .ranks import add_layout_args, check_layout, prints_here, quiet_third_party, run_ranks, say
+
+__all__ = ["main", "resolve_callable"]
+
+
+def resolve_callable(spec: str, flag: str):
+    """``"package.module:function"`` -> the function; ValueError naming ``flag`` and what is wrong."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{flag} {spec!r}: expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{flag} {spec!r}: cannot import {module_name!r} ({e})") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{flag} {spec!r}: {module_name} has no function {attr!r}")
+    return fn
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="modelopt-moe qat", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    src = p.add_argument_group("model")
+    src.add_argument("--model-provider", help="'module:function' that builds the Megatron model at the current "
+                                              "parallel layout (called with pre_process/post_process if it takes "
+                                              "them)")
+    src.add_argument("--hf", help="a Hugging Face Qwen3-MoE / Mixtral directory: its weights are the starting "
+                                  "point (and the teacher's); builds the model itself without --model-provider")
+    src.add_argument("--load", help="resume from a checkpoint saved by this command (at any layout)")
+    p.add_argument("--config", required=True, help="quantization YAML (a path, or a shipped preset's name)")
+    p.add_argument("--distill", action="store_true", help="QAD: distil from the frozen bf16 starting model")
+    p.add_argument("--lm-weight", type=float, default=0.0, help="with --distill: weight of the LM loss added to the "
+                                                                 "KL (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0, help="with --distill: KL temperature")
+    p.add_argument("--data", help="'module:function' giving the batches (see below; default: shipped text)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--calib-batches", type=int, default=16, help="calibration batches (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate, cosine-decayed to a tenth "
+                                                          "(default: %(default)s)")
+    p.add_argument("--save", help="checkpoint directory written at the end (and every --save-interval steps)")
+    p.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: at the end only)")
+    p.add_argument("--export", help="write a Hugging Face checkpoint here at the end")
+    p.add_argument("--export-format", choices=["compressed-tensors", "modelopt"], default="compressed-tensors")
+    p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds for the whole run")
+    add_layout_args(p)
+    args = p.parse_args(argv)
+    args.layout = check_layout(p, args)
+    if not (args.model_provider or args.hf):
+        p.error("give --model-provider or --hf (the model to train)")
+    if args.distill and args.load and not args.hf:
+        p.error("--distill with --load needs --hf: the teacher's weights are not in the student's checkpoint")
+    for name in ("steps", "micro_batches", "batch_size", "seq_len", "calib_batches"):
+        if getattr(args, name) < (0 if name == "steps" else 1):
+            p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'steps' else 1}")
+    if args.seq_len % args.tp:
+        p.error(f"--seq-len {args.seq_len} must be a multiple of --tp {args.tp} (sequence parallelism)")
+    return args
+
+
+def _build(opts: dict[str, Any]):
+    """The model at the current layout: the user's provider, or the Hugging Face config's Megatron model."""
+    import torch
+
+    if opts["model_provider"]:
+        provider = resolve_callable(opts["model_provider"], "--model-provider")
+        params = inspect.signature(provider).parameters
+        kwargs = {k: True for k in ("pre_process", "post_process") if k in params}
+        return provider(**kwargs)
+    from modelopt_moe.export import build_megatron_model
+
+    return build_megatron_model(opts["hf"], spec="te" if opts["gpus"] else "local", params_dtype=torch.bfloat16)
+
+
+def _batches(opts: dict[str, Any], split: str, num_batches: int, offset: int, vocab_size: int):
+    if opts["data"]:
+        fn = resolve_callable(opts["data"], "--data")
+        return list(fn(split, num_batches, opts["batch_size"], opts["seq_len"], offset))
+    if vocab_size < 256:
+        raise ValueError(f"the shipped byte-level text needs a vocabulary of at least 256 tokens; the model has "
+                         f"{vocab_size}: give --data")
+    from modelopt_moe.plugins.testing.megatron_models import text_batches
+
+    return text_batches(opts["batch_size"], opts["seq_len"], num_batches, offset=offset)
+
+
+def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    quiet_third_party(rank)
+    from tqdm.auto import tqdm
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.checkpoint import restore_sharded_modelopt_state
+    from modelopt_moe.export import export_hf, import_hf, save_hf_config
+    from modelopt_moe.plugins.megatron import distillation_model, load_sharded_checkpoint, save_sharded_checkpoint
+    from modelopt_moe.plugins.testing import megatron_models as mm  # parallel init (+ CPU shims without CUDA)
+    from modelopt_moe.plugins.testing import megatron_training as mt
+    from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
+
+    mm.init_model_parallel(opts["tp"], opts["ep"], seed=1234)
+    student = _build(opts)
+    vocab = student.vocab_size
+    if opts["hf"]:
+        import_hf(student, opts["hf"])
+    teacher = None
+    if opts["distill"]:
+        teacher = _build(opts)
+        if opts["hf"]:
+            import_hf(teacher, opts["hf"])
+        else:
+            teacher.load_state_dict(student.state_dict())
+    start = 0
+    if opts["load"]:
+        restore_sharded_modelopt_state([student], opts["load"])
+        say(rank, f"resuming from {opts['load']}")
+    else:
+        calib = _batches(opts, "calib", opts["calib_batches"], 0, vocab)
+
+        def forward_loop(model):
+            for b in tqdm(calib, desc="calibrating", disable=rank != 0, file=sys.stderr):
+                mm.lm_loss(model, b)
+
+        student.eval()
+        mtq.quantize(student, mtq.load_config(opts["config"]), forward_loop)
+    summary = mtq.print_quant_summary(student, file=False)
+    say(rank, summary)
+    model = distillation_model(student, teacher, temperature=opts["temperature"],
+                               lm_loss_weight=opts["lm_weight"]) if teacher is not None else student
+    # The distributed optimizer on GPUs; on CPU ranks the per-rank one (Megatron 0.19 cannot reload its distributed
+    # optimizer's state without CUDA).
+    trainer = mt.setup_training(model, lr=opts["lr"], lr_decay_steps=max(1, opts["steps"]),
+                                use_distributed_optimizer=opts["gpus"], reuse_quantized_weights=True)
+    if opts["load"]:
+        with megatron_training_shims():  # the optimizer's checkpoint code moves tensors with .cuda()
+            info = load_sharded_checkpoint([trainer.model], opts["load"], optimizer=trainer.optimizer,
+                                           opt_param_scheduler=trainer.scheduler)
+        start = info["iteration"] or 0
+
+    def save(step: int) -> None:
+        with megatron_training_shims():
+            save_sharded_checkpoint([trainer.model], opts["save"], optimizer=trainer.optimizer,
+                                    opt_param_scheduler=trainer.scheduler, iteration=step)
+        if rank == 0 and opts["hf"]:
+            save_hf_config(opts["hf"], opts["save"])  # so that `modelopt-moe export` rebuilds the model
+
+    m = opts["micro_batches"]
+    data = _batches(opts, "train", max(1, opts["steps"]) * m, opts["calib_batches"] * opts["batch_size"], vocab)
+    losses = []
+    bar = tqdm(total=opts["steps"], initial=min(start, opts["steps"]), desc="QAD" if teacher is not None else "QAT",
+               disable=rank != 0, file=sys.stderr)
+    for step in range(start, opts["steps"]):
+        loss = mt.train_step(trainer, [data[(step * m + i) % len(data)] for i in range(m)], step=step)
+        losses.append(loss)
+        bar.set_postfix(loss=f"{loss:.4f}")
+        bar.update(1)
+        if opts["save"] and opts["save_interval"] and (step + 1) % opts["save_interval"] == 0:
+            save(step + 1)
+    bar.close()
+    if opts["save"]:
+        save(opts["steps"])
+        say(rank, f"saved {opts['save']} (iteration {opts['steps']})")
+    if opts["export"]:
+        out = export_hf(trainer.model, opts["export"], format=opts["export_format"],
+                        hf_config=opts["hf"], progress=rank == 0)
+        say(rank, f"exported {out} ({opts['export_format']})")
+    mm.destroy_model_parallel()
+    return {"losses": losses, "start": start}
+
+
+def main(argv: list[str]) -> int:
+    """``modelopt-moe qat``; returns the exit code (2: bad arguments, found before any process starts)."""
+    args = _parse_args(argv)
+    import modelopt_moe.quantization as mtq
+
+    try:  # fail fast, before starting processes
+        mtq.load_config(args.config)
+        for flag, spec in (("--model-provider", args.model_provider), ("--data", args.data)):
+            if spec:
+                resolve_callable(spec, flag)
+    except (mtq.ConfigError, ValueError) as e:
+        print(f"modelopt-moe qat: {e}", file=sys.stderr)
+        return 2
+    opts = {k: getattr(args, k) for k in ("model_provider", "hf", "load", "config", "distill", "lm_weight",
+                                          "temperature", "data", "steps", "micro_batches", "batch_size", "seq_len",
+                                          "calib_batches", "lr", "save", "save_interval", "export",
+                                          "export_format", "tp", "ep")}
+    opts["gpus"] = args.layout.gpus
+    try:
+        results = run_ranks(_qat_rank, args.layout, args=(opts,), timeout=args.timeout)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"modelopt-moe qat: failed: {e}", file=sys.stderr)
+        return 1
+    losses = results[0]["losses"]
+    if losses and prints_here():
+        print(f"modelopt-moe qat: steps {results[0]['start'] + 1}..{results[0]['start'] + len(losses)}, loss "
+              f"{losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    return 0

@@ -1,0 +1,56 @@
+"""``modelopt-moe qat`` as a cluster runs it: under ``torchrun --nproc-per-node 4`` on CPU (gloo, TP=2 x EP=2), QAD of
+a Hugging Face Qwen3-MoE checkpoint with NVFP4 experts, saved, then resumed from the checkpoint at another layout
+(TP=1 x EP=4) and exported; every line printed once (rank 0), whatever the number of processes."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from modelopt_moe.quantization.config import preset_path
+
+
+def _hf_checkpoint(path):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = json.loads(preset_path("qwen3_moe_tiny.json").read_text())
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(args, timeout=600):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "modelopt_moe.plugins.cli", *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done.stdout
+
+
+@pytest.mark.timeout(900)
+def test_qat_under_torchrun_saves_resumes_at_another_layout_and_exports(tmp_path):
+    hf = _hf_checkpoint(tmp_path / "hf")
+    common = ["--hf", str(hf), "--config", "nvfp4_experts.yaml", "--distill", "--micro-batches", "2",
+              "--batch-size", "2", "--seq-len", "32", "--calib-batches", "2", "--lr", "1e-4"]
+    out = _torchrun(["qat", *common, "--tp", "2", "--ep", "2", "--steps", "2", "--save", str(tmp_path / "ck")])
+    assert out.count("modelopt-moe qat: steps 1..2, loss") == 1, out
+    assert out.count(f"saved {tmp_path / 'ck'} (iteration 2)") == 1, out
+    assert (tmp_path / "ck" / "modelopt_moe_state.pt").is_file() and (tmp_path / "ck" / "hf_config.json").is_file()
+
+    out = _torchrun(["qat", *common, "--tp", "1", "--ep", "4", "--steps", "3", "--load", str(tmp_path / "ck"),
+                     "--export", str(tmp_path / "export")])
+    assert out.count(f"resuming from {tmp_path / 'ck'}") == 1, out
+    assert out.count("modelopt-moe qat: steps 3..3, loss") == 1, out
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["quantization_config"]["format"] == "nvfp4-pack-quantized", exported["quantization_config"]
