@@ -225,9 +225,11 @@ def encode_linear(module: str, weight: torch.Tensor, weight_amax: torch.Tensor |
     if scheme.input_quantized and input_amax is None:
         raise ExportError(f"{module}: the input quantizer has no amax (calibrate with a forward_loop before "
                           "exporting)")
-    # Amaxes gathered over ranks arrive on the CPU, the weight on its GPU: encode where the weight is.
-    weight_amax = weight_amax.to(weight.device)
-    input_amax = input_amax.to(weight.device) if input_amax is not None else None
+    # Encode on the CPU, where the writer stores the result anyway: amaxes gathered over ranks arrive there while the
+    # weight may be on its GPU, and the codecs' lookup tables live there (the numerics are device-independent).
+    weight = weight.detach().cpu()
+    weight_amax = weight_amax.detach().cpu()
+    input_amax = input_amax.detach().cpu() if input_amax is not None else None
     out: dict[str, torch.Tensor] = {}
     try:
         if scheme.weight_fmt == "e4m3":
