@@ -21,29 +21,12 @@ from torch import nn
 from .config import MaxCalibConfig, normalize_algorithm
 from .conversion import is_quantized, named_quantizers, rule_name
 from .modelopt_compat import COMPAT_DOC
+from .process_groups import collective_device, default_groups, register_group_provider
 from .tensor_quantizer import TensorQuantizer
 from .utils import is_rank0, warn_once
 
 __all__ = ["calibrate", "sync_amax", "register_group_provider", "default_groups", "amax_placeholder",
            "as_forward_loop"]
-
-_GROUP_PROVIDERS: list[Callable[[], dict | None]] = []
-
-
-def register_group_provider(fn: Callable[[], dict | None]) -> None:
-    """Registers ``fn() -> {name: ProcessGroup} | None`` consulted when no groups are passed (plugins do this)."""
-    if fn not in _GROUP_PROVIDERS:
-        _GROUP_PROVIDERS.append(fn)
-
-
-def default_groups() -> dict:
-    """The groups of the first provider that has some (e.g. Megatron's parallel_state), else ``{}``."""
-    for fn in _GROUP_PROVIDERS:
-        groups = fn()
-        if groups:
-            return groups
-    return {}
-
 
 def _is_weight_quantizer(full_name: str) -> bool:
     return rule_name(full_name).endswith("weight_quantizer")
@@ -82,7 +65,7 @@ def sync_amax(model: nn.Module, groups: dict) -> None:
         quantizers = by_group[key]
         values = [q.amax if q.amax is not None else amax_placeholder(q) for q in quantizers]
         flat = torch.cat([v.detach().float().reshape(-1).cpu() for v in values])
-        device = _collective_device(groups[key])
+        device = collective_device(groups[key])
         flat = flat.to(device)
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=groups[key])
         offset = 0
@@ -90,11 +73,6 @@ def sync_amax(model: nn.Module, groups: dict) -> None:
             n = v.numel()
             q.amax = flat[offset:offset + n].reshape(v.shape).to(v.device if q.amax is None else q.amax.device)
             offset += n
-
-
-def _collective_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 class _ForwardCounter:

@@ -24,6 +24,7 @@ from .config import ConfigError, QuantCfgEntry, QuantizeConfig, QuantizerAttribu
 from .expert_quantizer import ExpertGemm, ExpertGrid
 from .tensor_quantizer import TensorQuantizer
 from .utils import warn_once
+from .weight_operands import set_weight_amax_update
 
 __all__ = [
     "QuantModuleRegistry",
@@ -287,8 +288,6 @@ def apply_quant_cfg(model: nn.Module, config: QuantizeConfig) -> None:
         attrs = config.resolve(rule_name(full_name), parent_class_names(module))
         _set_attributes(full_name, q, attrs if attrs is not None else QuantizerAttributeConfig(enable=False),
                         config.backward.ste)
-    from .weight_amax import set_weight_amax_update  # imports this module
-
     for full_name, q, module in found:
         weight = rule_name(full_name).endswith("weight_quantizer")
         set_weight_amax_update(full_name, q, module, config.weight_amax_update if weight else "static")

@@ -31,10 +31,11 @@ from torch import nn
 
 from ..kernels import grouped_weight_amax
 from ..numerics import TINY_AMAX, clip_limit, fake_quant, get_format
-from .calibration import _collective_device, default_groups
 from .conversion import is_quantized
 from .expert_quantizer import ExpertQuantizer, ExpertView
+from .process_groups import collective_device, default_groups
 from .tensor_quantizer import TensorQuantizer
+from .weight_operands import learned_amax_attributes, set_weight_amax_update, weight_operands
 
 __all__ = [
     "reduction_groups",
@@ -64,7 +65,7 @@ def reduction_groups(module: nn.Module, rel_name: str, groups: dict | None = Non
 
 def _all_reduce(t: torch.Tensor, op, groups: Sequence) -> torch.Tensor:
     for g in groups:
-        buf = t.to(_collective_device(g)).contiguous()
+        buf = t.to(collective_device(g)).contiguous()
         dist.all_reduce(buf, op=op, group=g)
         t = buf.to(t.device)
     return t
@@ -160,19 +161,6 @@ def quantize_weight_operand(module: nn.Module, q, w: torch.Tensor, rel_name: str
     return q(w)
 
 
-def _weight_operands(module: nn.Module):
-    """``(relative name, quantizer, weights)`` of every weight quantizer ``module`` owns (expert GEMMs and a dense
-    ``weight``); an expert's linear whose quantizer is a view of its layer's has none of its own."""
-    for gemm in module.expert_gemms():
-        q = gemm.quantizers.weight_quantizer
-        weights = gemm.weights if gemm.weights is not None else module.expert_weights()
-        yield (f"{gemm.name}.weight_quantizer" if gemm.name else "weight_quantizer"), q, list(weights)
-    q = module._modules.get("weight_quantizer")
-    if isinstance(q, TensorQuantizer) and not isinstance(q, ExpertQuantizer) and isinstance(
-            getattr(module, "weight", None), torch.Tensor):
-        yield "weight_quantizer", q, [module.weight]
-
-
 def update_weight_amax(model: nn.Module, groups: dict | None = None) -> int:
     """Recomputes every ``dynamic`` weight amax from the current weights (after an optimizer step: before a checkpoint
     or an export, so that the stored amax is the one the next forward uses). Every rank must call it (it makes the
@@ -185,33 +173,8 @@ def update_weight_amax(model: nn.Module, groups: dict | None = None) -> int:
     for module in model.modules():
         if not is_quantized(module):
             continue
-        for rel, q, weights in _weight_operands(module):
+        for rel, q, weights in weight_operands(module):
             if q.is_enabled and q.needs_amax and q.amax_update == "dynamic" and weights:
                 refresh_weight_amax(module, rel, q, weights, groups=groups)
                 n += 1
     return n
-
-
-def learned_amax_attributes(module: nn.Module, q: TensorQuantizer) -> dict:
-    """Megatron parameter attributes a learned amax copies from the weights it quantizes: ``allreduce`` (False for
-    expert parameters, which Megatron's DDP reduces over expert-data-parallel ranks only)."""
-    for _, owner, weights in _weight_operands(module):
-        if owner is q and weights and hasattr(weights[0], "allreduce"):
-            return {"allreduce": weights[0].allreduce}
-    return {}
-
-
-def set_weight_amax_update(name: str, q: TensorQuantizer, module: nn.Module, mode: str) -> None:
-    """Gives quantizer ``q`` (full name ``name``, owned by ``module``) the amax update ``mode``; a learned amax
-    parameter gets the Megatron attributes of the weights it quantizes.
-
-    Raises:
-        ValueError: naming the quantizer, for a mode it cannot have.
-    """
-    try:
-        q.set_amax_update(mode)
-    except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
-    if q.learns_amax:
-        for key, value in learned_amax_attributes(module, q).items():
-            setattr(q._amax, key, value)

@@ -23,8 +23,8 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.module import Float16Module
 
 from modelopt_moe.export.registry import register_export_adapter
-from modelopt_moe.quantization.calibration import register_group_provider
 from modelopt_moe.quantization.conversion import QuantModuleRegistry, register_wrapper
+from modelopt_moe.quantization.process_groups import register_group_provider
 
 from .checkpoint import load_sharded_checkpoint, model_sharded_state_dict, save_sharded_checkpoint
 from .distill import distillation_loss_func, distillation_model
