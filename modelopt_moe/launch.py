@@ -21,6 +21,7 @@ Under a launcher, every process runs the program itself: :func:`launched_environ
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import multiprocessing.connection
@@ -47,6 +48,7 @@ _ERROR_GRACE_S = 2.0
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # Seconds the ranks get to exit on their own once all results are in.
 _EXIT_GRACE_S = 30.0
+_ERROR_EXIT_GRACE_S = 10.0  # per reporting rank, once some rank failed
 # How often spawn retries when rank 0 could not bind the port it was given (another program took it between
 # free_port() and the bind).
 _PORT_RETRIES = 3
@@ -135,9 +137,24 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", repr(fn))  # functools.partial has no __qualname__
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, recursively (psutil, which Megatron needs anyway; none without it)."""
+    try:
+        import psutil
+
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except Exception:  # noqa: BLE001  (no psutil, or the process is gone: nothing to find)
+        return []
+
+
 def _kill_all(procs: list[mp.process.BaseProcess]) -> None:
+    """Kills the ranks still alive AND the processes they started (Megatron's checkpoint writer starts a
+    multiprocessing manager): an orphan would outlive us and hold our stdout open, hanging ``spawn ... | tee``."""
     for p in procs:
         if p.is_alive():
+            for pid in _descendants(p.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             p.kill()
     for p in procs:
         p.join(timeout=10)
@@ -212,6 +229,11 @@ def _run_once(
                 if first_error_at is None:
                     first_error_at = time.monotonic()
         if errors:
+            # The ranks that reported are shutting down on their own (process group teardown, the processes they
+            # started): let them finish briefly rather than kill them mid-way.
+            for r in range(world_size):
+                if r not in pending:
+                    procs[r].join(timeout=_ERROR_EXIT_GRACE_S)
             first = next(iter(errors))
             others = [r for r in errors if r != first]
             msg = f"spawn: rank {first} of {world_size} failed in {_name(fn)}:\n{errors[first]}"

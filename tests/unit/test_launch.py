@@ -142,3 +142,28 @@ def test_ranks_die_when_the_launcher_is_killed(tmp_path):
     finally:
         launcher.kill()
         launcher.wait()
+
+
+def _start_a_helper_then_fail(rank, world_size):
+    # Like Megatron's checkpoint writer: the rank starts a process of its own (here one that would never end).
+    helper = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,), daemon=False)
+    helper.start()
+    raise RuntimeError("boom after starting a helper process")
+
+
+def test_a_failed_rank_leaves_no_process_holding_the_output_open():
+    # `spawn ... | tee log` must end when spawn raises: nothing the ranks started may outlive it with our stdout.
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_launch import _start_a_helper_then_fail
+        from modelopt_moe.launch import spawn
+        try:
+            spawn(_start_a_helper_then_fail, 1, timeout=60)
+        except RuntimeError as e:
+            print("spawn raised:", str(e).strip().splitlines()[-1])
+    """)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)  # waits for EOF
+    assert "spawn raised: RuntimeError: boom after starting a helper process" in done.stdout, done.stdout + done.stderr
+    assert time.monotonic() - start < 90
