@@ -1,6 +1,6 @@
 """Grouped fake quantization of MoE experts: all N experts in one launch, bit-exact with ``formats.fake_quant``.
 
-Parts, in the order STYLE.md asks for (the ``@triton.jit`` kernels themselves live in
+Parts, in this order (the ``@triton.jit`` kernels themselves live in
 :mod:`modelopt_moe.kernels.triton_kernels`, imported lazily so that this module imports with torch alone and so
 that ``TRITON_INTERPRET=1`` may be set any time before the first launch):
 

@@ -1,7 +1,7 @@
 """Training-time statistics of N experts in one launch: the per-expert weight amax (``weight_amax_update:
 dynamic``) and fake quant with quantization-error sums (precision autoswitch).
 
-Parts, in the order STYLE.md asks for (the ``@triton.jit`` code is in :mod:`.triton_training_kernels`, imported
+Parts, in this order (the ``@triton.jit`` code is in :mod:`.triton_training_kernels`, imported
 lazily like :mod:`.triton_kernels`):
 
 1. launchers (``_launch_*``) and pure-torch references (``_torch_*``), chosen by :func:`kernels_available`;
