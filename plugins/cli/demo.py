@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .ranks import add_layout_args, check_layout, prints_here, quiet_third_party, run_ranks, say
+from .ranks import add_layout_args, check_layout, prints_here, progress, quiet_third_party, run_ranks, say
 
 __all__ = ["main"]
 
@@ -121,41 +121,12 @@ def main(argv: list[str]) -> int:
 # One rank
 
 
-def _progress(rank: int, total: int, desc: str):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, disable=rank != 0, file=sys.stderr)  # stdout keeps the stage lines
-
-
-def _eval(model, teacher, batches, tp_group) -> dict[str, float]:
-    """Held-out LM loss, and the KL to ``teacher`` (None for the teacher itself)."""
-    import torch
-
-    from modelopt_moe.distill import logits_kl_loss
-    from modelopt_moe.plugins.testing import megatron_models as mm
-
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        loss = float(torch.stack([mm.lm_loss(model, b).float() for b in batches]).mean())
-        kl = None
-        if teacher is not None:
-            device = next(model.parameters()).device
-            kls = []
-            for b in batches:
-                inputs = tuple(b[k].to(device) for k in ("tokens", "position_ids", "attention_mask"))
-                kls.append(logits_kl_loss(model(*inputs), teacher(*inputs), tp_group=tp_group).float().mean())
-            kl = float(torch.stack(kls).mean())
-    model.train(was_training)
-    return {"loss": loss, "kl": kl}
-
-
 def _train(rank, trainer, batches, steps: int, desc: str, start: int = 0) -> list[list[float]]:
     """``steps`` optimizer steps, one micro-batch each; ``[[global step, loss], ...]``."""
     from modelopt_moe.plugins.testing import megatron_training as mt
 
     curve = []
-    bar = _progress(rank, steps, desc)
+    bar = progress(rank, steps, desc)
     for s in range(steps):
         loss = mt.train_step(trainer, [batches[s % len(batches)]])
         curve.append([start + s, loss])
@@ -228,7 +199,7 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     del trainer, trained
     teacher.eval()
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    bf16 = _eval(teacher, None, held_out, tp_group)
+    bf16 = mm.loss_and_kl(teacher, held_out, None, tp_group)
     run["losses"]["bf16 teacher (held out)"] = bf16["loss"]
     curve = run["curves"]["bf16 teacher training"]
     stage(f"teacher: {opts['train_steps']} bf16 steps in Megatron's training loop (loss {curve[0][1]:.3f} -> "
@@ -242,16 +213,16 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     student.eval()
 
     def forward_loop(model):
-        bar = _progress(rank, len(calib), "calibrating")
+        bar = progress(rank, len(calib), "calibrating")
         for b in calib:
             mm.lm_loss(model, b)
             bar.update(1)
         bar.close()
 
     mtq.quantize(student, mtq.load_config(opts["config"]), forward_loop)
-    ptq = _eval(student, teacher, held_out, tp_group)
+    ptq = mm.loss_and_kl(student, held_out, teacher, tp_group)
     qad_seen = qad[:opts["num_eval_batches"]]  # the KL that QAD minimises, on batches it trains on
-    ptq_seen_kl = _eval(student, teacher, qad_seen, tp_group)["kl"]
+    ptq_seen_kl = mm.loss_and_kl(student, qad_seen, teacher, tp_group)["kl"]
     run["losses"]["PTQ (held out)"] = ptq["loss"]
     enabled = sum(q.is_enabled for e in iter_expert_quantizers(student) for q in [e.quantizer])
     stage(f"PTQ: {enabled} expert quantizers ({opts['format']}) calibrated on {len(calib)} batches: held-out loss "
@@ -269,8 +240,8 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     run["curves"]["QAD (KL to the teacher)"] = _train(rank, trainer, qad, opts["steps"], "QAD", start)
     del trainer
     mtq.update_weight_amax(student)
-    qad_eval = _eval(student, teacher, held_out, tp_group)
-    qad_seen_kl = _eval(student, teacher, qad_seen, tp_group)["kl"]
+    qad_eval = mm.loss_and_kl(student, held_out, teacher, tp_group)
+    qad_seen_kl = mm.loss_and_kl(student, qad_seen, teacher, tp_group)["kl"]
     run["losses"]["KL to teacher on QAD data, after PTQ"] = ptq_seen_kl
     run["losses"]["KL to teacher on QAD data, after QAD"] = qad_seen_kl
     run["losses"]["QAD (held out)"] = qad_eval["loss"]

@@ -32,7 +32,7 @@ import inspect
 import sys
 from typing import Any
 
-from .ranks import add_layout_args, check_layout, prints_here, quiet_third_party, run_ranks, say
+from .ranks import add_layout_args, check_layout, prints_here, progress, quiet_third_party, run_ranks, say
 
 __all__ = ["main", "resolve_callable"]
 
@@ -124,8 +124,6 @@ def _batches(opts: dict[str, Any], split: str, num_batches: int, offset: int, vo
 
 def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     quiet_third_party(rank)
-    from tqdm.auto import tqdm
-
     import modelopt_moe.quantization as mtq
     from modelopt_moe.checkpoint import restore_sharded_modelopt_state
     from modelopt_moe.export import export_hf, import_hf, save_hf_config
@@ -137,7 +135,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     mm.init_model_parallel(opts["tp"], opts["ep"], seed=1234)
     student = _build(opts)
     vocab = student.vocab_size
-    if opts["hf"]:
+    if opts["hf"] and not opts["load"]:  # resuming: the checkpoint holds the student's weights
         import_hf(student, opts["hf"])
     teacher = None
     if opts["distill"]:
@@ -154,8 +152,11 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         calib = _batches(opts, "calib", opts["calib_batches"], 0, vocab)
 
         def forward_loop(model):
-            for b in tqdm(calib, desc="calibrating", disable=rank != 0, file=sys.stderr):
+            bar = progress(rank, len(calib), "calibrating")
+            for b in calib:
                 mm.lm_loss(model, b)
+                bar.update(1)
+            bar.close()
 
         student.eval()
         mtq.quantize(student, mtq.load_config(opts["config"]), forward_loop)
@@ -183,8 +184,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     m = opts["micro_batches"]
     data = _batches(opts, "train", max(1, opts["steps"]) * m, opts["calib_batches"] * opts["batch_size"], vocab)
     losses = []
-    bar = tqdm(total=opts["steps"], initial=min(start, opts["steps"]), desc="QAD" if teacher is not None else "QAT",
-               disable=rank != 0, file=sys.stderr)
+    bar = progress(rank, opts["steps"], "QAD" if teacher is not None else "QAT", initial=min(start, opts["steps"]))
     for step in range(start, opts["steps"]):
         loss = mt.train_step(trainer, [data[(step * m + i) % len(data)] for i in range(m)], step=step)
         losses.append(loss)

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 from modelopt_moe.launch import init_from_environment, launched_environment, spawn
 
 __all__ = ["Layout", "add_layout_args", "check_layout", "run_ranks", "quiet_third_party", "say", "gpus_hidden",
-           "prints_here"]
+           "prints_here", "progress"]
 
 
 class Layout:
@@ -130,6 +131,13 @@ def quiet_third_party(rank: int) -> None:
     for handler in [logging.lastResort, *logging.getLogger().handlers]:
         if handler is not None and not any(isinstance(f, _OnceFilter) for f in handler.filters):
             handler.addFilter(once)
+
+
+def progress(rank: int, total: int, desc: str, initial: int = 0):
+    """A tqdm bar shown on rank 0 only, on stderr (stdout keeps the commands' one-line results)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, disable=rank != 0, file=sys.stderr)
 
 
 def prints_here() -> bool:

@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +65,7 @@ __all__ = [
     "text_batches",
     "lm_loss",
     "gather_logits",
+    "loss_and_kl",
     "iter_params_with_global_names",
     "global_state",
     "build_moe_layer",
@@ -576,6 +577,29 @@ def gather_logits(model: GPTModel, batch: dict[str, torch.Tensor]) -> torch.Tens
     """Full-vocabulary logits ``[batch, seq, vocab]`` (gathered over TP), the same on every rank of any layout."""
     b = _to_model_device(batch, model)
     return model(b["tokens"], b["position_ids"], b["attention_mask"], runtime_gather_output=True)
+
+
+def loss_and_kl(model: GPTModel, batches: Sequence[dict[str, torch.Tensor]], teacher: GPTModel | None = None,
+                tp_group=None) -> dict[str, float | None]:
+    """The mean LM loss of ``model`` on ``batches`` and its mean KL to ``teacher`` (None without one), without
+    gradient, in eval mode (the training mode is restored). ``tp_group``: the vocabulary-parallel group of the
+    logits. Every rank must call it (the losses reduce over tensor-parallel ranks)."""
+    from modelopt_moe.distill import logits_kl_loss
+
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        loss = float(torch.stack([lm_loss(model, b) for b in batches]).mean())
+        kl = None
+        if teacher is not None:
+            kls = []
+            for batch in batches:
+                b = _to_model_device(batch, model)
+                args = (b["tokens"], b["position_ids"], b["attention_mask"])
+                kls.append(logits_kl_loss(model(*args), teacher(*args), tp_group=tp_group).float().mean())
+            kl = float(torch.stack(kls).mean())
+    model.train(was_training)
+    return {"loss": loss, "kl": kl}
 
 
 def iter_params_with_global_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -103,7 +103,6 @@ def run_recovery(cfg: RecoveryConfig) -> dict:
         "train_losses", "seconds"}, "config": {...}}``, the same on every rank.
     """
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.distill import logits_kl_loss
     from modelopt_moe.plugins.megatron import distillation_model
     from modelopt_moe.plugins.testing import megatron_models as mm
     from modelopt_moe.plugins.testing import megatron_training as mt
@@ -144,17 +143,7 @@ def run_recovery(cfg: RecoveryConfig) -> dict:
         return model
 
     def evaluate(model) -> dict:
-        was_training = model.training
-        model.eval()
-        with torch.no_grad():
-            loss = float(torch.stack([mm.lm_loss(model, b) for b in held_out]).mean())
-            kls = []
-            device = next(model.parameters()).device
-            for b in held_out:
-                args = tuple(b[k].to(device) for k in ("tokens", "position_ids", "attention_mask"))
-                kls.append(logits_kl_loss(model(*args), teacher(*args), tp_group=tp_group).mean())
-        model.train(was_training)
-        return {"loss": loss, "kl": float(torch.stack(kls).mean())}
+        return mm.loss_and_kl(model, held_out, teacher, tp_group)
 
     out = {"config": dataclasses.asdict(cfg),
            "teacher": {**evaluate(teacher), "train_losses": pre_losses, "seconds": time.perf_counter() - t0}}
