@@ -26,7 +26,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .ranks import add_layout_args, check_layout, prints_here, progress, quiet_third_party, run_ranks, say
+from .ranks import (
+    add_layout_args,
+    calibration_loop,
+    check_layout,
+    prints_here,
+    progress,
+    quiet_third_party,
+    run_ranks,
+    say,
+)
 
 __all__ = ["main"]
 
@@ -212,14 +221,7 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     import_hf(student, teacher_hf)
     student.eval()
 
-    def forward_loop(model):
-        bar = progress(rank, len(calib), "calibrating")
-        for b in calib:
-            mm.lm_loss(model, b)
-            bar.update(1)
-        bar.close()
-
-    mtq.quantize(student, mtq.load_config(opts["config"]), forward_loop)
+    mtq.quantize(student, mtq.load_config(opts["config"]), calibration_loop(rank, calib))
     ptq = mm.loss_and_kl(student, held_out, teacher, tp_group)
     qad_seen = qad[:opts["num_eval_batches"]]  # the KL that QAD minimises, on batches it trains on
     ptq_seen_kl = mm.loss_and_kl(student, qad_seen, teacher, tp_group)["kl"]

@@ -32,7 +32,16 @@ import inspect
 import sys
 from typing import Any
 
-from .ranks import add_layout_args, check_layout, prints_here, progress, quiet_third_party, run_ranks, say
+from .ranks import (
+    add_layout_args,
+    calibration_loop,
+    check_layout,
+    prints_here,
+    progress,
+    quiet_third_party,
+    run_ranks,
+    say,
+)
 
 __all__ = ["main", "resolve_callable"]
 
@@ -150,16 +159,8 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         say(rank, f"resuming from {opts['load']}")
     else:
         calib = _batches(opts, "calib", opts["calib_batches"], 0, vocab)
-
-        def forward_loop(model):
-            bar = progress(rank, len(calib), "calibrating")
-            for b in calib:
-                mm.lm_loss(model, b)
-                bar.update(1)
-            bar.close()
-
         student.eval()
-        mtq.quantize(student, mtq.load_config(opts["config"]), forward_loop)
+        mtq.quantize(student, mtq.load_config(opts["config"]), calibration_loop(rank, calib))
     summary = mtq.print_quant_summary(student, file=False)
     say(rank, summary)
     model = distillation_model(student, teacher, temperature=opts["temperature"],

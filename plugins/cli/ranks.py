@@ -23,7 +23,7 @@ from typing import Any
 from modelopt_moe.launch import init_from_environment, launched_environment, spawn
 
 __all__ = ["Layout", "add_layout_args", "check_layout", "run_ranks", "quiet_third_party", "say", "gpus_hidden",
-           "prints_here", "progress"]
+           "prints_here", "progress", "calibration_loop"]
 
 
 class Layout:
@@ -138,6 +138,21 @@ def progress(rank: int, total: int, desc: str, initial: int = 0):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, disable=rank != 0, file=sys.stderr)
+
+
+def calibration_loop(rank: int, batches: list) -> Callable:
+    """``mtq.quantize``'s forward loop: the model's LM loss on each batch, with a progress bar on rank 0."""
+
+    def forward_loop(model) -> None:
+        from modelopt_moe.plugins.testing.megatron_models import lm_loss
+
+        bar = progress(rank, len(batches), "calibrating")
+        for b in batches:
+            lm_loss(model, b)
+            bar.update(1)
+        bar.close()
+
+    return forward_loop
 
 
 def prints_here() -> bool:
