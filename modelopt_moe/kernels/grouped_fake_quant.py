@@ -33,12 +33,14 @@ NaN gradient stays NaN even where clipped).
 """
 
 import functools
+import operator
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from ..numerics import NVFP4_BLOCK_SIZE, clip_limit, fake_quant, get_format
 from . import table_layout as tbl
@@ -143,13 +145,53 @@ def _launch_kwargs(device: torch.device) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Weight-list signatures: what the checks and the tables of a list of experts depend on, read without Python work per
+# expert (``map`` over C accessors), so that a call with already-seen tensors costs no per-expert tensor ops.
+# ----------------------------------------------------------------------------------------------------------------
+_T = torch.Tensor
+_dtype_of = operator.attrgetter("dtype")
+
+
+class _Signature:
+    """Addresses, shapes, strides, dtypes and devices of a list of tensors: everything the checks and the tables of
+    a grouped call depend on. Read with ``map`` over C accessors (no Python work per expert); hashed once (hashing the
+    long tuple would otherwise dominate a cache hit)."""
+
+    __slots__ = ("value", "hash")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.value = (tuple(map(_T.data_ptr, tensors)), tuple(map(_T.size, tensors)), tuple(map(_T.stride, tensors)),
+                      tuple(map(_dtype_of, tensors)), tuple(map(_T.get_device, tensors)))
+        self.hash = hash(self.value)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Signature) and self.hash == other.hash and self.value == other.value
+
+
+def _signature(tensors: Sequence[torch.Tensor]) -> _Signature | None:
+    """The :class:`_Signature` of ``tensors``, or None if an entry is not a tensor."""
+    try:
+        return _Signature(tensors)
+    except TypeError:
+        return None
+
+
+# Signatures (with the format, block size and amax shape) of weight lists that passed _check_weights: a later call
+# with the same tensors skips the per-expert loop. A pure function of its key, so it can never be stale.
+_checked: "OrderedDict[tuple, None]" = OrderedDict()
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Weight tables (host-built, cached, one non-blocking H2D copy on a miss)
 # ----------------------------------------------------------------------------------------------------------------
 class _WeightPlan:
     """Tiling and device table for one call of a grouped weight kernel."""
 
-    __slots__ = ("table", "host", "base", "aux_base", "n_tiles", "tile_r", "tile_nb", "bs", "vec", "two_d", "steps",
-                 "uniform", "even", "u_tiles", "u_rows", "u_cols", "u_ctiles")
+    __slots__ = ("table", "host", "base", "aux_base", "n_tiles", "total", "tile_r", "tile_nb", "bs", "vec", "two_d",
+                 "steps", "uniform", "even", "u_tiles", "u_rows", "u_cols", "u_ctiles")
 
 
 _plan_cache: "OrderedDict[tuple, _WeightPlan]" = OrderedDict()
@@ -172,19 +214,20 @@ def _weight_config(fmt: str) -> dict:
 
 
 def _weight_plan(inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor] | None, bs: int, two_d: bool,
-                 tile_elems: int = _TILE_ELEMS) -> _WeightPlan:
-    device = inputs[0].device
-    shapes = [tuple(t.shape) for t in inputs]
-    ptrs = [t.data_ptr() for t in inputs]
-    aux_ptrs = [t.data_ptr() for t in aux] if aux is not None else []
-    key = (device, inputs[0].dtype, aux[0].dtype if aux else None, tuple(ptrs), tuple(aux_ptrs), tuple(shapes),
-           bs, two_d, tile_elems)
+                 tile_elems: int = _TILE_ELEMS, sig: _Signature | None = None) -> _WeightPlan:
+    """The tiling and table of ``inputs`` (and ``aux``, read at the same offsets); ``sig``: ``inputs``' signature
+    when the caller has it."""
+    key = (sig or _Signature(inputs), _Signature(aux) if aux is not None else None, bs, two_d, tile_elems)
     plan = _plan_cache.get(key) or _captured_plans.get(key)
     if plan is not None:
         if key in _plan_cache:
             _plan_cache.move_to_end(key)
         return plan
 
+    device = inputs[0].device
+    shapes = [tuple(t.shape) for t in inputs]
+    ptrs = [t.data_ptr() for t in inputs]
+    aux_ptrs = [t.data_ptr() for t in aux] if aux is not None else []
     tile_r, tile_nb = _tiling(shapes, bs, two_d, tile_elems)
     tile_elems = tile_r * tile_nb * bs
     tile_w = tile_nb * bs
@@ -228,7 +271,7 @@ def _weight_plan(inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor] | N
     else:
         plan.table = host
     plan.host = host  # keeps the pinned source of a captured copy alive
-    plan.base, plan.aux_base, plan.n_tiles = base, aux_base, n_tiles
+    plan.base, plan.aux_base, plan.n_tiles, plan.total = base, aux_base, n_tiles, out_off
     plan.tile_r, plan.tile_nb, plan.bs, plan.vec, plan.two_d = tile_r, tile_nb, bs, vec, two_d
     plan.steps = max(0, (len(inputs) - 1).bit_length())
     # One shape for all experts: the kernel may locate a tile by division instead of the table search.
@@ -250,8 +293,10 @@ def _weight_plan(inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor] | N
 
 
 def clear_table_cache() -> None:
-    """Drops cached pointer tables (not those created during CUDA graph capture, which the graphs still read)."""
+    """Drops cached pointer tables (not those created during CUDA graph capture, which the graphs still read) and
+    the memo of checked weight lists."""
     _plan_cache.clear()
+    _checked.clear()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -282,7 +327,7 @@ def _padded(weights, block_size) -> bool:
     return block_size is not None and any(w.dim() == 0 or w.shape[-1] % block_size for w in weights)
 
 
-def _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=True) -> torch.Tensor:
+def _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=True, sig=None) -> torch.Tensor:
     k = _kernels()
     amax_mode, amax_stride = _amax_mode(amax, len(weights))
     bs, _ = _inner_block(fmt, block_size)
@@ -290,13 +335,11 @@ def _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=True)
     # Padded int blocks need the 2-D tiling: its tiles start at a row and mask the columns past the last one (loaded
     # as 0: the zero padding), so no block spans two rows.
     plan = _weight_plan(weights, None, bs, two_d=amax_mode == 2 or _padded(weights, block_size),
-                        tile_elems=cfg["tile"])
-    total = sum(w.numel() for w in weights)
-    out = torch.empty(total, dtype=weights[0].dtype, device=weights[0].device)
+                        tile_elems=cfg["tile"], sig=sig)
+    out = torch.empty(plan.total, dtype=weights[0].dtype, device=weights[0].device)
     if plan.n_tiles == 0:
         return out
     amax_arg = amax if amax is not None else plan.table  # any tensor: never read when AMAX_MODE == 0
-    on_gpu = out.device.type == "cuda"
     uniform = bool(cfg["uniform"]) and plan.uniform
     kwargs = _launch_kwargs(out.device)
     kwargs["num_warps"] = cfg["warps"]
@@ -306,10 +349,17 @@ def _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=True)
         FMT=get_format(fmt).code, INT_BLOCK=fmt in ("int8", "int4") and block_size is not None, AMAX_MODE=amax_mode,
         TWO_D=plan.two_d, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs, VEC=plan.vec,
         SEARCH_STEPS=plan.steps, UNIFORM=uniform, EVEN=uniform and bool(cfg["even"]) and plan.even,
-        HW_CVT=on_gpu and bool(cfg["hw_cvt"]), LEAN=bool(cfg["lean"]),
-        FAST_MAX=on_gpu and bool(cfg["fast_max"]), NARROW=bool(narrow_range), **kwargs,
+        NARROW=bool(narrow_range), **_rounding_options(cfg, out.device), **kwargs,
     )
     return out
+
+
+def _rounding_options(cfg: dict, device: torch.device) -> dict:
+    """The kernels' rounding options of launch config ``cfg`` (same bits with or without; GPU-only ones off
+    elsewhere)."""
+    on_gpu = device.type == "cuda"
+    return {"HW_CVT": on_gpu and bool(cfg["hw_cvt"]), "LEAN": bool(cfg["lean"]),
+            "FAST_MAX": on_gpu and bool(cfg["fast_max"])}
 
 
 def _expert_amax(amax: torch.Tensor | None, i: int) -> torch.Tensor | None:
@@ -379,7 +429,7 @@ def _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range=Tr
         x, y, m_splits, amax_arg, t, kdim, n,
         FMT=get_format(fmt).code, INT_BLOCK=fmt in ("int8", "int4") and block_size is not None, PER_EXPERT=per_expert,
         N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb, BS=bs, NARROW=bool(narrow_range),
-        **_launch_kwargs(x.device),
+        **_rounding_options(_weight_config(fmt), x.device), **_launch_kwargs(x.device),
     )
     return y
 
@@ -452,7 +502,13 @@ def _check_amax_tensor(amax: torch.Tensor, device: torch.device, what: str) -> t
 
 
 def _check_weights(weights: Sequence[torch.Tensor], what: str, amax: torch.Tensor | None, fmt: str | None,
-                   block_size: int | None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+                   block_size: int | None) -> tuple[list[torch.Tensor], torch.Tensor | None, _Signature | None]:
+    """Checks a list of experts (and their amax); returns (the list, the fp32 amax, the list's signature; None
+    while torch.compile traces).
+
+    The per-expert checks run once per distinct signature (with the format, block size and amax shape): a call
+    with tensors seen before costs no Python work per expert.
+    """
     if isinstance(weights, torch.Tensor) or not isinstance(weights, Sequence):
         raise ValueError(f"{what}: expected a list of expert tensors, got {type(weights).__name__}")
     weights = list(weights)
@@ -460,6 +516,27 @@ def _check_weights(weights: Sequence[torch.Tensor], what: str, amax: torch.Tenso
         raise ValueError(f"{what}: empty list of experts")
     if len(weights) > MAX_EXPERTS:
         raise ValueError(f"{what}: at most {MAX_EXPERTS} experts per launch, got {len(weights)}")
+    w0 = weights[0]
+    if amax is not None and isinstance(w0, torch.Tensor):  # else the per-expert checks below name expert 0
+        amax = _check_amax_tensor(amax, w0.device, what)
+    if torch.compiler.is_compiling():  # traced once: no addresses to read, nothing to save
+        _check_each_weight(weights, what, amax, fmt, block_size)
+        return weights, amax, None
+    sig = _signature(weights)
+    memo = (sig, fmt, block_size, None if amax is None else amax.shape)
+    if sig is not None and memo in _checked:
+        _checked.move_to_end(memo)
+        return weights, amax, sig
+    _check_each_weight(weights, what, amax, fmt, block_size)
+    _checked[memo] = None  # sig is not None: every entry is a tensor
+    if len(_checked) > 4 * _CACHE_SIZE:
+        _checked.popitem(last=False)
+    return weights, amax, sig
+
+
+def _check_each_weight(weights: list[torch.Tensor], what: str, amax: torch.Tensor | None, fmt: str | None,
+                       block_size: int | None) -> None:
+    """The per-expert checks of :func:`_check_weights` (``amax`` already checked as a tensor on the right device)."""
     w0 = weights[0]
     for i, w in enumerate(weights):
         if not isinstance(w, torch.Tensor):
@@ -481,7 +558,6 @@ def _check_weights(weights: Sequence[torch.Tensor], what: str, amax: torch.Tenso
                 raise ValueError(f"{what}: expert {i} is a scalar; block_size={block_size} needs a last dim")
     n = len(weights)
     if amax is not None:
-        amax = _check_amax_tensor(amax, w0.device, what)
         if amax.dim() == 2:
             if amax.shape[0] != n:
                 raise ValueError(f"{what}: per-channel amax of shape {tuple(amax.shape)} does not match {n} experts")
@@ -495,7 +571,6 @@ def _check_weights(weights: Sequence[torch.Tensor], what: str, amax: torch.Tenso
                                  f"(expected [{n}], [{n}, C] or a scalar)")
         elif amax.dim() != 0:
             raise ValueError(f"{what}: amax must be a scalar, [N] or [N, C]; got shape {tuple(amax.shape)}")
-    return weights, amax
 
 
 def grouped_weight_fake_quant(
@@ -522,22 +597,37 @@ def grouped_weight_fake_quant(
         ValueError: on an empty or too long list, mixed dtypes or devices, non-contiguous experts, a bad amax shape,
             device or dtype, an unknown format, or a last dim that is not a multiple of the block size.
     """
-    weights, amax = _check_weight_fake_quant(weights, amax, fmt, block_size, "grouped_weight_fake_quant")
-    flat = torch.ops.modelopt_moe.grouped_weight_fake_quant(weights, amax, fmt, block_size, bool(narrow_range))
-    return _split_views(flat, weights)
+    weights, amax, sig = _check_weight_fake_quant(weights, amax, fmt, block_size, "grouped_weight_fake_quant")
+    if _eager():  # the op's body without the dispatcher round trip (list conversions, schema checks)
+        flat = _weight_fake_quant_impl(weights, amax, fmt, block_size, bool(narrow_range), sig)
+    else:
+        flat = torch.ops.modelopt_moe.grouped_weight_fake_quant(weights, amax, fmt, block_size, bool(narrow_range))
+    return _split_views(flat, weights, sig)
+
+
+def _eager() -> bool:
+    """Whether a custom op may be bypassed: not traced by torch.compile and no dispatch mode (fake tensors,
+    functionalization) that must see the op."""
+    return not torch.compiler.is_compiling() and _current_dispatch_mode() is None
 
 
 def _check_weight_fake_quant(weights, amax, fmt: str, block_size: int | None, what: str):
-    """The checks of a grouped weight fake quant: (weights as a list, the fp32 amax or None where unused)."""
+    """The checks of a grouped weight fake quant: (weights as a list, the fp32 amax or None where unused, the
+    weights' signature)."""
     _check_format(fmt, block_size)
     if amax is None and _needs_amax(fmt, block_size):
         raise ValueError(f"{what}: format {fmt!r} needs an amax tensor, got None")
-    weights, amax = _check_weights(weights, what, amax, fmt, block_size)
-    return weights, amax if _needs_amax(fmt, block_size) else None
+    weights, amax, sig = _check_weights(weights, what, amax, fmt, block_size)
+    return weights, amax if _needs_amax(fmt, block_size) else None, sig
 
 
-def _split_views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in like]), like, strict=True)]
+def _split_views(flat: torch.Tensor, like: Sequence[torch.Tensor], sig: _Signature | None = None) -> list[torch.Tensor]:
+    """``flat`` as views shaped like ``like`` (whose signature ``sig`` has the shapes): one ``unbind`` when all share
+    a shape (the usual experts), else one view per tensor."""
+    shapes = sig.value[1] if sig is not None else tuple(map(_T.size, like))
+    if shapes.count(shapes[0]) == len(shapes):
+        return list(flat.view(len(shapes), *shapes[0]).unbind(0))
+    return [v.view(shape) for v, shape in zip(flat.split([t.numel() for t in like]), shapes, strict=True)]
 
 
 def grouped_weight_clip_grad(
@@ -557,19 +647,25 @@ def grouped_weight_clip_grad(
         ValueError: on mismatched lists, shapes, devices, non-contiguous tensors or a bad amax.
     """
     what = "grouped_weight_clip_grad"
-    weights, amax = _check_weights(weights, what, amax, None, None)
-    grads, _ = _check_weights(grads, what, None, None, None)
+    weights, amax, weights_sig = _check_weights(weights, what, amax, None, None)
+    grads, _, grads_sig = _check_weights(grads, what, None, None, None)
     if amax is None:
         raise ValueError(f"{what}: amax is required (use the gradients unchanged for no clipping)")
     if len(grads) != len(weights):
         raise ValueError(f"{what}: {len(grads)} gradients for {len(weights)} experts")
-    for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
-        if g.shape != w.shape:
-            raise ValueError(f"{what}: gradient {i} has shape {tuple(g.shape)}, weight has {tuple(w.shape)}")
-        if g.device != w.device:
-            raise ValueError(f"{what}: gradient {i} is on {g.device}, weight on {w.device}")
-    flat = torch.ops.modelopt_moe.grouped_weight_clip_grad(grads, weights, amax)
-    return _split_views(flat, grads)
+    shapes, devices = 1, 4  # fields of a signature
+    if grads_sig is None or weights_sig is None or (grads_sig.value[shapes], grads_sig.value[devices]) != (
+            weights_sig.value[shapes], weights_sig.value[devices]):
+        for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
+            if g.shape != w.shape:
+                raise ValueError(f"{what}: gradient {i} has shape {tuple(g.shape)}, weight has {tuple(w.shape)}")
+            if g.device != w.device:
+                raise ValueError(f"{what}: gradient {i} is on {g.device}, weight on {w.device}")
+    if _eager():
+        flat = _weight_clip_grad_impl(grads, weights, amax)
+    else:
+        flat = torch.ops.modelopt_moe.grouped_weight_clip_grad(grads, weights, amax)
+    return _split_views(flat, grads, grads_sig)
 
 
 def _check_input(x: torch.Tensor, m_splits, amax: torch.Tensor | None, what: str):
@@ -668,8 +764,12 @@ def _grouped_weight_fake_quant_op(
     weights: list[torch.Tensor], amax: Optional[torch.Tensor], fmt: str, block_size: Optional[int],  # noqa: UP045
     narrow_range: bool = True,
 ) -> torch.Tensor:
+    return _weight_fake_quant_impl(weights, amax, fmt, block_size, narrow_range)
+
+
+def _weight_fake_quant_impl(weights, amax, fmt, block_size, narrow_range, sig: _Signature | None = None):
     if kernels_available(weights[0].device):
-        return _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range)
+        return _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range, sig)
     return _torch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range)
 
 
@@ -682,6 +782,10 @@ def _(weights, amax, fmt, block_size, narrow_range=True):
 def _grouped_weight_clip_grad_op(
     grads: list[torch.Tensor], weights: list[torch.Tensor], amax: torch.Tensor
 ) -> torch.Tensor:
+    return _weight_clip_grad_impl(grads, weights, amax)
+
+
+def _weight_clip_grad_impl(grads, weights, amax) -> torch.Tensor:
     if kernels_available(weights[0].device):
         return _launch_weight_clip_grad(grads, weights, amax)
     return _torch_weight_clip_grad(grads, weights, amax)
@@ -755,7 +859,9 @@ class GroupedWeightSTE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, amax, ste, values, *weights):
         _save_weight_ste(ctx, ste, amax, weights)
-        return tuple(v.view_as(v) for v in values)
+        # New tensor objects for the same values (a reused list goes into several graphs), made in C, not per expert
+        # in Python.
+        return tuple(map(_T.detach, values))
 
     @staticmethod
     def backward(ctx, *grads):

@@ -178,7 +178,7 @@ def grouped_weight_amax(weights: Sequence[torch.Tensor], per_channel: bool = Fal
         ValueError: on an empty or too long list, mixed dtypes or devices, non-contiguous experts, or (per channel)
             experts that are not 2-D with the same number of rows.
     """
-    weights, _ = _check_weights(weights, "grouped_weight_amax", None, None, None)
+    weights, _, _ = _check_weights(weights, "grouped_weight_amax", None, None, None)
     if per_channel:
         rows = {w.shape[0] if w.dim() == 2 else None for w in weights}
         if len(rows) != 1 or None in rows:
@@ -200,10 +200,10 @@ def grouped_weight_fake_quant_stats(
     Raises:
         ValueError: as :func:`~.grouped_fake_quant.grouped_weight_fake_quant`.
     """
-    weights, amax = _check_weight_fake_quant(weights, amax, fmt, block_size, "grouped_weight_fake_quant_stats")
+    weights, amax, sig = _check_weight_fake_quant(weights, amax, fmt, block_size, "grouped_weight_fake_quant_stats")
     flat, stats = torch.ops.modelopt_moe.grouped_weight_fake_quant_stats(weights, amax, fmt, block_size,
                                                                          bool(narrow_range))
-    return _split_views(flat, weights), stats
+    return _split_views(flat, weights, sig), stats
 
 
 def grouped_input_fake_quant_stats(

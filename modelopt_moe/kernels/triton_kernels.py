@@ -497,12 +497,13 @@ def _grouped_input_fake_quant_kernel(
     x_ptr, y_ptr, m_splits_ptr, amax_ptr, n_rows, n_cols, n_experts,
     FMT: tl.constexpr, INT_BLOCK: tl.constexpr, PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr,
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, BITWISE_CVT: tl.constexpr,
-    NARROW: tl.constexpr = True,
+    NARROW: tl.constexpr = True, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False,
+    FAST_MAX: tl.constexpr = False,
 ):
     start, local, mask, rows = _input_tile(n_rows, n_cols, TILE_R, TILE_NB, BS)
     x = _to_fp32(tl.load(x_ptr + start + local, mask=mask, other=0.0))
     a = _row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT, N_PAD, TILE_R)
-    y = _fake_quant_tile(x, a, FMT, INT_BLOCK, NARROW=NARROW)
+    y = _fake_quant_tile(x, a, FMT, INT_BLOCK, False, HW_CVT, LEAN, FAST_MAX, NARROW)
     tl.store(y_ptr + start + local, _to_out_dtype(y, y_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
 
 

@@ -325,11 +325,17 @@ class BackwardConfig(_Strict):
     ``dequantized``: the fake-quantized forward operands; ``high_precision``: the original operands;
     ``quantized``: the fake-quantized operands and a fake-quantized incoming gradient (``grad_num_bits``,
     per-tensor scale from the gradient's own amax).
+
+    ``weight_operands`` (grouped expert GEMMs, outside a ``reuse_quantized_weights`` block): ``recompute``
+    fake-quantizes the unchanged expert weights again in the backward (one more launch per GEMM, same bits) instead of
+    keeping the forward's copy alive until then; ``keep`` keeps it (one extra copy of the expert weights at the step's
+    peak, one launch fewer). Inside a reuse block the step's cached values serve both passes.
     """
 
     mode: Literal["dequantized", "high_precision", "quantized"] = "dequantized"
     ste: Literal["pass_through", "clipped"] = "pass_through"
     grad_num_bits: int | tuple[int, int] | str = "e5m2"
+    weight_operands: Literal["recompute", "keep"] = "recompute"
 
     @field_validator("grad_num_bits", mode="before")
     @classmethod

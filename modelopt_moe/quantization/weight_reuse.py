@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["reuse_quantized_weights", "reused_or_computed", "weight_key", "active_reuse_scopes"]
+__all__ = ["reuse_quantized_weights", "reused_or_computed", "weight_key", "active_reuse_scopes", "in_reuse_scope"]
 
 
 class _Scope:
@@ -81,6 +81,11 @@ def _scope_of(module: nn.Module) -> _Scope | None:
             if id(module) in scope.module_ids:
                 return scope
     return None
+
+
+def in_reuse_scope(module: nn.Module) -> bool:
+    """Whether an open :func:`reuse_quantized_weights` block covers ``module``."""
+    return _scope_of(module) is not None
 
 
 def weight_key(weights: list[torch.Tensor], amax: torch.Tensor | None, *settings: Hashable) -> tuple:

@@ -121,6 +121,10 @@ def test_sweep_all_finite_bf16(fmt, amax):
     out = K.grouped_weight_fake_quant([x], a, fmt)[0]
     assert_bits_equal(out, fake_quant(x, fmt, a[0]))
     assert_bits_equal(out, fake_quant(x.cpu(), fmt, a[0].cpu()))
+    # The input kernel rounds with the same hardware converter: every value again, split over two experts.
+    halves = torch.tensor([128, 128], device=DEV)
+    y = K.grouped_input_fake_quant(x, halves, a.expand(2).contiguous(), fmt)
+    assert_bits_equal(y, out)
     if (fmt, amax) == ("e4m3", 448.0):
         assert_bits_equal(out, torch.clamp(x.float(), -448, 448).to(torch.float8_e4m3fn).float().to(x.dtype))
 

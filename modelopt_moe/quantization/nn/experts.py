@@ -26,7 +26,8 @@ from ..config import ExpertsConfig
 from ..expert_quantizer import ExpertQuantizer
 from ..tensor_quantizer import clip_mask
 from ..weight_amax import LearnedAmaxSTE, learned_amax_ste, refresh_weight_amax
-from ..weight_reuse import reused_or_computed, weight_key
+from ..weight_reuse import in_reuse_scope, reused_or_computed, weight_key
+from .weight_recompute import RecomputedWeights
 
 __all__ = [
     "QUANTIZER_KINDS",
@@ -111,7 +112,7 @@ def _capturing(device: torch.device) -> bool:
 
 def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], kernel: str = "auto",
                             owner: nn.Module | None = None, *, rel_name: str = "weight_quantizer",
-                            with_stats: bool = False):
+                            with_stats: bool = False, recompute_into: list | None = None):
     """Fake-quantizes (and calibrates) N expert weights, differentiably.
 
     Calibrated: one kernel launch with the ``[N, ...]`` amax (or the reference per expert with ``kernel='torch'``);
@@ -124,6 +125,9 @@ def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], ker
         q: the weight quantizer; ``owner``: the module holding it (named ``rel_name`` there), which also names the
             groups a dynamic or learned amax is reduced over.
         with_stats: also return each expert's quantization-error sums (precision autoswitch), from the same launch.
+        recompute_into: when given, and the values are one fresh launch outside a reuse scope, a
+            :class:`.weight_recompute.RecomputedWeights` is appended: the recipe the backward runs again instead of
+            keeping the values (``backward.weight_operands: recompute``).
 
     Returns:
         The N weight operands; with ``with_stats``, ``(operands, float64 [N, 4] sums or None)``.
@@ -155,7 +159,7 @@ def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], ker
                     q.dynamic_amax(weights)
             else:
                 amax = q.amax.detach() if q.needs_amax else None
-            ws = [w.detach() for w in weights]
+            ws = weights  # no_grad: the values carry no graph (the STE below connects the weights)
             if fast and with_stats:
                 values, sums = grouped_weight_fake_quant_stats(ws, amax, q.fmt, q.block_size, q.narrow_range)
             elif fast:
@@ -168,6 +172,11 @@ def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], ker
 
     if owner is None or traced:
         values, sums, amax = compute()
+    elif recompute_into is not None and fast and not with_stats and not learned and not in_reuse_scope(owner):
+        values, sums, amax = compute()
+        recompute_into.append(RecomputedWeights(
+            values, lambda: grouped_weight_fake_quant(weights, amax, q.fmt, q.block_size, q.narrow_range), weights,
+            amax, f"{type(owner).__name__}.{rel_name}"))
     else:
         # A dynamic amax is a function of the weights (and of the same weights on the other ranks of its reduction
         # group), so the weights' key covers it; the collective inside compute() runs on the first forward of the
@@ -269,11 +278,13 @@ def expert_input_clip_mask(q: ExpertQuantizer, x: torch.Tensor, m_splits) -> tor
 
 def expert_weight_clip_mask(q: ExpertQuantizer, weights: list[torch.Tensor]):
     """``mask(w)`` -> the clipped-STE mask of expert weight ``w`` (one of ``weights``) or None."""
-    index = {id(w): i for i, w in enumerate(weights)}
+    index: dict[int, int] = {}  # built on first use (high-precision backward only): no per-expert work otherwise
 
     def mask(w: torch.Tensor) -> torch.Tensor | None:
         if not q.is_quantizing or q.ste != "clipped" or not q.needs_amax or q.amax is None:
             return None
+        if not index:
+            index.update((id(e), i) for i, e in enumerate(weights))
         return clip_mask(w, q.expert_amax(index[id(w)]))
 
     return mask

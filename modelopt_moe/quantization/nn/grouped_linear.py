@@ -129,10 +129,19 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
                 lambda t: quantize_expert_inputs(iq, t, m_splits, kernel, splits, with_stats=True),
                 lambda ws: quantize_expert_weights(wq, ws, kernel, owner=self, with_stats=True),
                 select_input, select_weight)
+        # backward.weight_operands: recompute -> the recipe of the weight operands, whose GEMM saves only their place
+        recipes = [] if self.quant_backward.weight_operands == "recompute" else None
+
+        def gemm_saving_recipes(xo, wo):
+            if not recipes:
+                return gemm(xo, wo)
+            with recipes[-1].saving():
+                return gemm(xo, wo)
+
         return run_quantized_gemm(
-            self.quant_backward, x, weights, gemm=gemm,
+            self.quant_backward, x, weights, gemm=gemm_saving_recipes,
             quantize_input=lambda t: quantize_expert_inputs(iq, t, m_splits, kernel, splits),
-            quantize_weight=lambda ws: quantize_expert_weights(wq, ws, kernel, owner=self),
+            quantize_weight=lambda ws: quantize_expert_weights(wq, ws, kernel, owner=self, recompute_into=recipes),
             input_mask=lambda t: expert_input_clip_mask(iq, t, m_splits),
             weight_mask=expert_weight_clip_mask(wq, weights),
             output_quantizer=self.output_quantizer,

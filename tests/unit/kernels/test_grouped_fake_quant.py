@@ -574,3 +574,43 @@ def test_pointer_table_cache_is_keyed_on_pointers():
     moved = [weights[0], weights[1].clone()]
     assert_bits_equal(K.grouped_weight_fake_quant(moved, amax, "e4m3")[1], fake_quant(moved[1], "e4m3", amax[1]))
     assert len(gfq._plan_cache) == 2
+
+
+def test_checked_lists_are_rechecked_when_a_tensor_changes_behind_the_same_objects():
+    """The per-expert checks run once per signature (addresses, shapes, strides, dtypes, devices); a parameter whose
+    ``.data`` is swapped (as Megatron's DDP and ``Float16Module`` do) is checked again, and the result follows it."""
+    gfq.clear_table_cache()
+    weights = [torch.nn.Parameter(w) for w in make_experts([(4, 32), (4, 32)], torch.float32)]
+    amax = distinct_amax(weights).detach()
+    with torch.no_grad():
+        for _ in range(2):
+            out = K.grouped_weight_fake_quant(weights, amax, "e4m3")
+        assert len(gfq._checked) == 1
+        # Same address, transposed: not contiguous any more.
+        original = weights[0].data
+        weights[0].data = original.t()
+        with pytest.raises(ValueError, match="expert 0 .* is not contiguous"):
+            K.grouped_weight_fake_quant(weights, amax, "e4m3")
+        # Same address, another dtype.
+        weights[0].data = original.view(torch.bfloat16)
+        with pytest.raises(ValueError, match="expert 1 has dtype torch.float32 but expert 0 has torch.bfloat16"):
+            K.grouped_weight_fake_quant(weights, amax, "e4m3")
+        # New storage with new values: checked, and quantized from the new values.
+        weights[0].data = torch.randn(4, 32) * 3
+        out = K.grouped_weight_fake_quant(weights, amax, "e4m3")
+        assert_bits_equal(out[0], fake_quant(weights[0].data, "e4m3", amax[0]))
+        # A format with stricter shapes is checked on its own: e4m3 accepted [4, 24], nvfp4 needs a multiple of 16.
+        odd = make_experts([(4, 24), (4, 24)], torch.float32)
+        K.grouped_weight_fake_quant(odd, distinct_amax(odd), "e4m3")
+        with pytest.raises(ValueError, match="multiple of the block size 16"):
+            K.grouped_weight_fake_quant(odd, distinct_amax(odd), "nvfp4")
+
+
+@pytest.mark.parametrize("shapes", [[(4, 32)] * 3, [(4, 32), (2, 32), (4, 16)]], ids=["uniform", "ragged"])
+def test_output_views_have_each_experts_shape_and_follow_the_buffer(shapes):
+    weights = make_experts(shapes, torch.float32)
+    out = K.grouped_weight_fake_quant(weights, distinct_amax(weights), "e4m3")
+    assert [tuple(o.shape) for o in out] == shapes
+    offsets = [o.storage_offset() for o in out]
+    assert offsets == [sum(torch.Size(s).numel() for s in shapes[:i]) for i in range(len(shapes))]
+    assert len({o.untyped_storage().data_ptr() for o in out}) == 1
