@@ -5,6 +5,9 @@ The wrapper fake-quantizes the input (shared or per expert, split by ``m_splits`
 runs the layer's own forward (Megatron's wrapper and TE's grouped GEMM, with TE's communication and bias
 handling), which fetches its weights through ``_get_weight_tensors()``: that hook returns the fake-quantized
 weights while the GEMM runs. TE's own FP8 must be off while fake quant runs (both would quantize).
+
+With ``kernel: te_fp8`` a calibrated layer runs its forward GEMM as a real FP8 GEMM in TE instead, with our static
+scales and the configured backward (:mod:`.te_fp8`); calibration still runs the fake-quant path.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import transformer_engine.pytorch as te
 
 from modelopt_moe.quantization.conversion import QuantModuleRegistry
 from modelopt_moe.quantization.nn.grouped_linear import QuantGroupedLinearMixin
+
+from . import te_fp8
 
 try:  # TE >= 2.8 moved FP8GlobalStateManager
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
@@ -45,6 +50,7 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
     """Quantized TE ``GroupedLinear`` (and Megatron's TE grouped linears, which subclass it)."""
 
     _fake_quant_weights = None
+    _transient_attributes = (*QuantGroupedLinearMixin._transient_attributes, "_te_fp8_quantizers")
 
     @property
     def sharded_axis(self) -> int:
@@ -77,6 +83,9 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
         bound = _forward_signature(self._original_cls).bind(self, *args, **kwargs)
         x_name, split_name = _split_arg_names(self._original_cls)
         x, m_splits = bound.arguments[x_name], bound.arguments[split_name]
+        if te_fp8.engaged(self):
+            others = {k: v for k, v in bound.arguments.items() if k not in ("self", x_name, split_name)}
+            return te_fp8.forward(self, x, m_splits, **others)
 
         def gemm(x_operand, weights):
             bound.arguments[x_name] = x_operand
@@ -87,6 +96,12 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
                 self._fake_quant_weights = None
 
         return self.quantized_forward(x, m_splits, gemm=gemm)
+
+    def finalize_calibration(self, groups: dict) -> list[str]:
+        notes = super().finalize_calibration(groups)
+        if te_fp8.engaged(self):
+            te_fp8.check(self)  # a config the FP8 GEMM cannot run fails in mtq.quantize, not at the first step
+        return notes
 
 
 def register() -> None:

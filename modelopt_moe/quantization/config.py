@@ -10,7 +10,7 @@ A config says *what* precision goes *where*; :mod:`tensor_quantizer` says *how*.
     algorithm: max
     experts: {weight_amax: vectorized, input_amax: shared}
     backward: {mode: dequantized, ste: pass_through, grad_num_bits: e5m2}
-    kernel: auto                     # auto | triton | torch (expert fake quant backend)
+    kernel: auto                     # auto | triton | torch (expert fake quant backend) | te_fp8 (real FP8 TE GEMMs)
     weight_amax_update: dynamic      # static | dynamic | learned (docs/qad.md)
     autoswitch: {every: 100, underflow_pct: 5.0, mse: 0.05, gemms: [fprop, dgrad, wgrad]}   # optional
 
@@ -463,7 +463,9 @@ class QuantizeConfig(_Strict):
     strict: bool = False
     # Expert fake quant: "auto" = the one-launch Triton kernels on CUDA, the torch reference elsewhere;
     # "triton" = the kernels wherever Triton runs (CPU only under TRITON_INTERPRET=1); "torch" = the reference.
-    kernel: Literal["auto", "triton", "torch"] = "auto"
+    # "te_fp8" = calibrated FP8 Transformer Engine grouped linears run real FP8 forward GEMMs with the calibrated
+    # scales (modelopt_moe.plugins.te_fp8); every other module as "auto".
+    kernel: Literal["auto", "triton", "torch", "te_fp8"] = "auto"
     experts: ExpertsConfig = Field(default_factory=ExpertsConfig)
     backward: BackwardConfig = Field(default_factory=BackwardConfig)
     # A property of the training run, not of one quantizer: it applies to every enabled weight quantizer (activation

@@ -10,9 +10,8 @@ import torch
 
 import modelopt_moe.quantization as mtq
 from modelopt_moe.kernels import kernels_available
-from modelopt_moe.quantization.nn import GroupedLinear
+from modelopt_moe.quantization.nn import GroupedLinear, weight_recompute
 from modelopt_moe.quantization.nn import experts as experts_mod
-from modelopt_moe.quantization.nn import weight_recompute
 
 pytestmark = pytest.mark.skipif(not kernels_available("cpu"), reason="needs the Triton interpreter on CPU")
 

@@ -1,0 +1,360 @@
+"""``kernel: te_fp8`` on one GPU: quantized Transformer Engine grouped linears run their forward GEMMs as real FP8 GEMMs
+with the calibrated scales (``modelopt_moe.plugins.te_fp8``).
+
+* (i) the FP8 codes TE computes for the expert weights and tokens are :func:`modelopt_moe.numerics.quantize`'s, bit for
+  bit (saturation, zeros and subnormals included); with their scale they dequantize to the fp32 fake quant bit for
+  bit, and cast to bf16 to the fake-quant path's operand;
+* (ii) the forward equals the exact (float64) product of those FP8 operands up to the bf16 output rounding, and the
+  fake-quant forward (which multiplies the bf16-rounded values ``q / s``) within FP8-operand rounding;
+* (iii) the input, weight and bias gradients of every backward mode are the fake-quant path's, bit for bit: both run
+  TE's bf16 grouped GEMMs on the same operands;
+* (iv) a Megatron GPT with ``TEGroupedMLP`` experts trains in Megatron's loop with ``te_fp8``; the amaxes stay;
+* (v) a timing print: te_fp8 vs bf16 vs fake quant, N=32 experts [1536 x 2048], 16384 tokens (no assertion).
+
+Measured numbers are printed with the prefix ``TE_FP8`` (pytest ``-s``) and appended to ``$OUT/te_fp8_numbers.txt``
+when ``OUT`` is set. Run: ``bash tools/run_gpu_suite.sh tests -k te_fp8 -s``.
+"""
+
+import contextlib
+import copy
+import os
+import statistics
+import warnings
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+te = pytest.importorskip("transformer_engine.pytorch")
+if torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("FP8 GEMMs need compute capability 8.9 or newer", allow_module_level=True)
+
+
+import modelopt_moe.quantization as mtq  # noqa: E402
+from modelopt_moe.numerics import Quantized, dequantize, fake_quant, quantize  # noqa: E402
+from modelopt_moe.plugins import te_fp8  # noqa: E402
+from modelopt_moe.quantization.config import ConfigError  # noqa: E402
+
+N, IN, OUT = 4, 256, 128
+SPLITS = [96, 0, 37, 123]  # ragged, and expert 1 gets no token
+TOKENS = sum(SPLITS)
+# te_fp8 vs the exact product of its FP8 operands: the bf16 rounding of the output (<= 2**-9 relative per element,
+# ~1.1e-3 rms); fp32 split accumulation adds ~1e-5 at K=256.
+EXACT_BOUND = 3e-3
+# te_fp8 vs fake quant: the fake-quant GEMM multiplies q/s rounded to bf16 (<= 2**-9 relative per operand, ~1.6e-3
+# rms on a sum of random-sign products), and both round the output to bf16: ~2.5e-3 expected.
+FAKE_QUANT_BOUND = 1e-2
+
+
+def _report(line: str) -> None:
+    print(f"TE_FP8 {line}", flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "te_fp8_numbers.txt"), "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _layer(bias="none", seed=0, n=N, k=IN, out=OUT):
+    torch.manual_seed(seed)
+    layer = te.GroupedLinear(n, k, out, bias=bias != "none", return_bias=bias == "return",
+                             params_dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():  # a distinct magnitude per expert: a wrong expert's scale cannot pass
+        for i in range(n):
+            getattr(layer, f"weight{i}").mul_(1.0 + 0.5 * i)
+            if bias != "none":
+                getattr(layer, f"bias{i}").normal_()
+    return layer
+
+
+def _config(mode="dequantized", ste="pass_through", weight_amax="vectorized", input_amax="per_expert",
+            kernel="te_fp8", preset="fp8_default.yaml"):
+    cfg = mtq.load_config(preset)
+    cfg.kernel = kernel
+    cfg.experts.weight_amax, cfg.experts.input_amax = weight_amax, input_amax
+    cfg.backward.mode, cfg.backward.ste = mode, ste
+    cfg.weight_amax_update = "static"  # amaxes that training leaves alone (the tests scale weights past them)
+    return cfg
+
+
+def _tokens(seed, rows=TOKENS, k=IN):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
+
+
+def _quantized(cfg, bias="none"):
+    layer = _layer(bias)
+    x = _tokens(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(layer, cfg, lambda m: m(x, SPLITS))
+    return layer
+
+
+@contextlib.contextmanager
+def _kernel(model, kernel):
+    """Every quantized module of ``model`` with ``kernel`` for the block (the same weights and amaxes)."""
+    modules = [m for m in model.modules() if hasattr(m, "quant_kernel")]
+    saved = [m.quant_kernel for m in modules]
+    for m in modules:
+        m.quant_kernel = kernel
+    try:
+        yield
+    finally:
+        for m, k in zip(modules, saved, strict=True):
+            m.quant_kernel = k
+
+
+def _run(layer, x, g):
+    x = x.clone().requires_grad_(True)
+    for p in layer.parameters():
+        p.grad = None
+    result = layer(x, SPLITS)
+    y = result[0] if isinstance(result, tuple) else result
+    y.backward(g)
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return y.detach(), x.grad, grads, result
+
+
+def _exact(layer, x):
+    """The float64 product of the FP8 operands, ``q_x q_w^T / (s_x s_w)`` (+ bias) per expert."""
+    iq, wq = layer.input_quantizer, layer.weight_quantizer
+    outs = []
+    for i, (chunk, w) in enumerate(zip(torch.split(x, SPLITS), layer.expert_weights(), strict=True)):
+        qx, qw = quantize(chunk.float(), "e4m3", iq.amax[i]), quantize(w.detach().float(), "e4m3", wq.amax[i])
+        y = (qx.values.double() @ qw.values.double().t()) / (qx.scale.double() * qw.scale.double())
+        if layer.apply_bias:
+            y = y + getattr(layer, f"bias{i}").double()
+        outs.append(y)
+    return torch.cat(outs)
+
+
+def _codes(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------------------- (i)
+@pytest.mark.parametrize("weight_amax,input_amax", [("vectorized", "per_expert"), ("shared", "shared"),
+                                                     ("per_expert", "per_expert")])
+def test_fp8_codes_are_the_fake_quant_codes_bit_for_bit(weight_amax, input_amax):
+    layer = _quantized(_config(weight_amax=weight_amax, input_amax=input_amax))
+    iq, wq = layer.input_quantizer, layer.weight_quantizer
+    weights = layer.expert_weights()
+    with torch.no_grad():
+        weights[2].mul_(1.5)  # past its static amax: saturates at +-448
+        weights[3][0, :4] = torch.tensor([0.0, -0.0, 1e-6, -1e-6], device="cuda")  # zeros, FP8 subnormals
+    amax_before = (iq.amax.clone(), wq.amax.clone())
+    fp8_weights = te_fp8.quantize_weights(layer, weights)
+    saturated = 0
+    for i, (w, t) in enumerate(zip(weights, fp8_weights, strict=True)):
+        ref = quantize(w.detach().float(), "e4m3", wq.amax[i])
+        assert torch.equal(t._data, _codes(ref.values)), f"expert {i}: FP8 codes differ from numerics.quantize"
+        values = t._data.view(torch.float8_e4m3fn).float()
+        fp32 = dequantize(Quantized("e4m3", values, ref.scale))
+        assert torch.equal(fp32, fake_quant(w.detach().float(), "e4m3", wq.amax[i])), i
+        assert torch.equal(fp32.to(torch.bfloat16), fake_quant(w.detach(), "e4m3", wq.amax[i])), i
+        # TE's GEMM scales the product by scale_inv = 1/s, the fp32 reciprocal of our scale (within 1 ulp)
+        torch.testing.assert_close(t._scale_inv.reshape(()), (1.0 / ref.scale.double()).float(), rtol=1.2e-7, atol=0)
+        saturated += int((values.abs() == 448).sum())
+    assert saturated > 0
+
+    x = _tokens(5) * 3  # past the calibrated input amax
+    x[0, :4] = torch.tensor([0.0, -0.0, 1e-6, -1e-6], dtype=torch.bfloat16, device="cuda")
+    fp8_inputs = te_fp8.quantize_inputs(layer, x, SPLITS)
+    for i, (chunk, t) in enumerate(zip(torch.split(x, SPLITS), fp8_inputs, strict=True)):
+        assert tuple(t._data.shape) == tuple(chunk.shape)
+        ref = quantize(chunk.float(), "e4m3", iq.amax[i])
+        assert torch.equal(t._data, _codes(ref.values)), f"expert {i}: input FP8 codes differ"
+    assert torch.equal(iq.amax, amax_before[0]) and torch.equal(wq.amax, amax_before[1])  # TE's cast left them
+    _report(f"codes {weight_amax}/{input_amax}: weight and input FP8 codes bit-identical to numerics.quantize "
+            f"({saturated} saturated weight elements)")
+
+
+# --------------------------------------------------------------------------------------------------------- (ii)
+@pytest.mark.parametrize("bias,input_amax", [("none", "per_expert"), ("apply", "shared"), ("return", "per_expert")])
+def test_forward_is_the_fp8_product_and_close_to_fake_quant(bias, input_amax):
+    layer = _quantized(_config(input_amax=input_amax), bias)
+    x = _tokens(7)
+    with torch.no_grad():
+        got = layer(x, SPLITS)
+        with _kernel(layer, "auto"):
+            fake = layer(x, SPLITS)
+    if bias == "return":
+        assert isinstance(got, tuple) and len(got[1]) == N
+        assert all(torch.equal(a, b) for a, b in zip(got[1], fake[1], strict=True))
+        got, fake = got[0], fake[0]
+    assert got.dtype == torch.bfloat16 and got.shape == (TOKENS, OUT) and torch.isfinite(got).all()
+    exact = _exact(layer, x)
+    rel_exact, rel_fake = _rel(got, exact), _rel(got, fake)
+    max_abs = (got.double() - fake.double()).abs().max().item()
+    scale = fake.double().abs().max().item()
+    _report(f"forward bias={bias} input_amax={input_amax}: rel_fro(te_fp8, exact fp8 product)={rel_exact:.3e} "
+            f"rel_fro(fake quant, exact)={_rel(fake, exact):.3e} rel_fro(te_fp8, fake quant)={rel_fake:.3e} "
+            f"max_abs(te_fp8 - fake quant)={max_abs:.3e} (max|y|={scale:.3e}, ratio {max_abs / scale:.3e})")
+    assert rel_exact < EXACT_BOUND, rel_exact
+    assert rel_fake < FAKE_QUANT_BOUND, rel_fake
+    assert not torch.equal(got, fake)  # the FP8 GEMM did run
+
+
+def test_te_fp8_forward_runs_the_fp8_gemm_and_leaves_the_amax(monkeypatch):
+    layer = _quantized(_config())
+    calls = []
+    real = te_fp8.forward
+    monkeypatch.setattr(te_fp8, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    before = (layer.input_quantizer.amax.clone(), layer.weight_quantizer.amax.clone())
+    x = _tokens(8).requires_grad_(True)
+    layer(x, SPLITS).float().square().mean().backward()
+    assert calls == [1]
+    assert torch.equal(layer.input_quantizer.amax, before[0]) and torch.equal(layer.weight_quantizer.amax, before[1])
+
+
+# -------------------------------------------------------------------------------------------------------- (iii)
+@pytest.mark.parametrize("mode,ste,bias", [
+    ("dequantized", "pass_through", "none"),
+    ("dequantized", "clipped", "apply"),
+    ("high_precision", "pass_through", "none"),
+    ("quantized", "pass_through", "none"),
+])
+def test_gradients_are_the_fake_quant_gradients_bit_for_bit(mode, ste, bias):
+    layer = _quantized(_config(mode, ste), bias)
+    with torch.no_grad():
+        layer.weight1.mul_(1.3)  # past the static amax: the clipped STE masks something
+    x = _tokens(9) * 1.5
+    g = _tokens(10, k=OUT)
+    fp8 = _run(layer, x, g)
+    with _kernel(layer, "auto"):
+        fake = _run(layer, x, g)
+    assert sorted(fp8[2]) == sorted(fake[2])
+    diffs = {"input": (fp8[1].double() - fake[1].double()).abs().max().item()}
+    for name in fake[2]:
+        diffs[name] = (fp8[2][name].double() - fake[2][name].double()).abs().max().item()
+    _report(f"gradients mode={mode} ste={ste} bias={bias}: max |te_fp8 - fake quant| "
+            + " ".join(f"{k}={v:.3e}" for k, v in diffs.items()) + f"; forward rel_fro {_rel(fp8[0], fake[0]):.3e}")
+    assert torch.equal(fp8[1], fake[1]), "input gradient"
+    for name in fake[2]:
+        assert torch.equal(fp8[2][name], fake[2][name]), name
+    assert fp8[1].abs().sum() > 0 and fp8[2]["weight0"].abs().sum() > 0  # expert 1 has no token: zeros there
+
+
+def test_reuse_scope_reuses_the_fp8_weights_exactly_and_weight_writes_are_seen_outside_it():
+    layer = _quantized(_config())
+    x, g = _tokens(13), _tokens(14, k=OUT)
+    plain = _run(layer, x, g)
+    with mtq.reuse_quantized_weights(layer):
+        first, second = _run(layer, x, g), _run(layer, x, g)
+    for got in (first, second):
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+        assert all(torch.equal(got[2][n], plain[2][n]) for n in plain[2])
+    with torch.no_grad():
+        for w in layer.expert_weights():
+            w.data.mul_(1.25)  # how Megatron's optimizers write: no version bump
+    assert not torch.equal(_run(layer, x, g)[0], plain[0])
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+def test_a_config_the_fp8_gemm_cannot_run_fails_in_quantize():
+    with pytest.raises(ConfigError, match="te_fp8.*\n.*nvfp4"):
+        _quantized(_config(preset="nvfp4_default.yaml"))
+    layer = _layer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ConfigError, match="no calibrated amax"):
+            mtq.quantize(layer, _config())  # no forward_loop: no input amax for a static scale
+
+
+# --------------------------------------------------------------------------------------------------------- (iv)
+def test_megatron_te_grouped_mlp_trains_with_te_fp8(megatron_one_gpu, monkeypatch):
+    from modelopt_moe.plugins.testing import megatron_models as mm
+    from modelopt_moe.plugins.testing import megatron_training as mt
+
+    steps, micro = 6, 2
+    model = mm.build_moe_gpt(num_experts=8, hidden=128, ffn_hidden=256, seed=1, experts="te",
+                             params_dtype=torch.bfloat16)
+    cfg = _config(weight_amax="per_expert", input_amax="per_expert")
+    calib = mm.text_batches(2, 32, 2)
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(model, cfg, lambda m: [mm.lm_loss(m, b) for b in calib])
+    model.train()
+    fc1 = model.decoder.layers[0].mlp.experts.linear_fc1
+    assert type(fc1).__name__ == "QuantTEColumnParallelGroupedLinear" and fc1.quant_kernel == "te_fp8"
+    amax = {n: b.clone() for n, b in model.named_buffers() if n.endswith("_amax")}
+    assert any(".experts.linear_fc2." in n for n in amax)
+    calls = []
+    real = te_fp8.forward
+    monkeypatch.setattr(te_fp8, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    trainer = mt.setup_training(model, reuse_quantized_weights=True)
+    batches = mm.text_batches(2, 32, steps * micro, offset=100)
+    losses = mt.train(trainer, batches, steps=steps, num_microbatches=micro)
+    _report(f"megatron TEGroupedMLP te_fp8 losses {[round(v, 4) for v in losses]}")
+    assert calls and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    trained = mt.unwrap(trainer.model)
+    for name, b in trained.named_buffers():
+        if name in amax:
+            assert torch.equal(b, amax[name]), name  # static: training leaves every amax
+
+    eval_batch = mm.text_batches(2, 32, 1, offset=1000)[0]
+    with torch.no_grad():
+        fp8_logits = mm.gather_logits(trainer.model.eval(), eval_batch).float()
+        with _kernel(trained, "auto"):
+            fake_logits = mm.gather_logits(trainer.model, eval_batch).float()
+    rel = _rel(fp8_logits, fake_logits)
+    _report(f"megatron logits rel_fro(te_fp8, fake quant) = {rel:.3e} (2 MoE layers; a near-tie routing decision "
+            "may flip between the two)")
+    assert rel < 0.2  # a sanity bound: the per-GEMM agreement is (ii)'s
+
+
+# ---------------------------------------------------------------------------------------------------------- (v)
+def _median_ms(fn, warmup=3, iters=10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def test_timing_te_fp8_vs_bf16_vs_fake_quant():
+    n, k, out, tokens = 32, 2048, 1536, 16384
+    splits = [tokens // n] * n
+    base = _layer(n=n, k=k, out=out)
+    x = _tokens(11, rows=tokens, k=k)
+    g = _tokens(12, rows=tokens, k=out)
+
+    def quantized(kernel):
+        layer = copy.deepcopy(base)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mtq.quantize(layer, _config(kernel=kernel, input_amax="shared"), lambda m: m(x, splits))
+        return layer
+
+    variants = {"bf16": (base, None), "fake quant": (quantized("auto"), None), "te_fp8": (quantized("te_fp8"), None)}
+    variants["fake quant, reuse"] = (variants["fake quant"][0], mtq.reuse_quantized_weights)
+    variants["te_fp8, reuse"] = (variants["te_fp8"][0], mtq.reuse_quantized_weights)
+    xg = x.clone().requires_grad_(True)
+    rows = []
+    for name, (layer, scope) in variants.items():
+        with scope(layer) if scope else contextlib.nullcontext():
+            step = _median_ms(lambda layer=layer: layer(xg, splits).backward(g))
+            with torch.no_grad():
+                fwd = _median_ms(lambda layer=layer: layer(x, splits))
+        rows.append((name, fwd, step))
+    bf16_fwd, bf16_step = rows[0][1], rows[0][2]
+    _report(f"timing {torch.cuda.get_device_name(0)}: N={n} experts [{out} x {k}], {tokens} tokens, bf16; "
+            "median of 10 (ms; x bf16)")
+    for name, fwd, step in rows:
+        _report(f"  {name:<18} forward {fwd:7.3f} ({fwd / bf16_fwd:4.2f}x)   forward+backward {step:7.3f} "
+                f"({step / bf16_step:4.2f}x)")
