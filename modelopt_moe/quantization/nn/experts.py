@@ -235,8 +235,9 @@ def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel
                            device_splits: DeviceSplits | None = None, *, with_stats: bool = False):
     """Fake-quantizes (and calibrates) the token matrix ``x`` whose row blocks ``m_splits`` belong to the experts.
 
-    Calibrated per-expert amax on the kernel path: one launch with the ``[N]`` amax and device-side split offsets.
-    A ``shared`` amax (one value): the whole matrix at once. Otherwise expert by expert. ``with_stats`` also returns
+    Calibrated amax on the kernel path (per expert, or ``shared``: ``[N]`` equal entries): one launch with the
+    ``[N]`` amax and device-side split offsets. A ``shared`` amax elsewhere: the whole matrix at once (reference).
+    Otherwise expert by expert. ``with_stats`` also returns
     each expert's quantization-error sums over its rows (``(y, float64 [N, 4] or None)``); on the kernel path from the
     same launch (a ``shared`` amax too: every expert's entry holds the same value, so the bits are the same).
     """
@@ -252,12 +253,14 @@ def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel
             return GroupedInputSTE.apply(x, splits, amax, q.ste, y), sums
         y = quantize_expert_inputs(q, x, m_splits, kernel, device_splits)
         return y, (expert_row_sums(x, y, splits) if q.is_quantizing else None)
-    if q.layout == "shared":
-        return q(x)
     if _calibrated(q) and x.dim() == 2 and use_kernels(kernel, x.device):
+        # One launch, shared amax too (its [N] entries are all equal): the reference on the whole token matrix would
+        # run a chain of elementwise kernels with fp32 temporaries on every micro-batch.
         splits = (device_splits or DeviceSplits())(m_splits, x.device)
         return grouped_input_fake_quant_ste(x, splits, q.amax if q.needs_amax else None, q.fmt, q.block_size,
                                             q.ste, q.narrow_range)
+    if q.layout == "shared":
+        return q(x)
     chunks = torch.split(x, split_sizes(m_splits))
     dynamic = q.is_quantizing and q.amax is None and q.needs_amax and not q.is_dynamic
     dyn = q.dynamic_amax(list(chunks)) if dynamic else None

@@ -43,6 +43,7 @@ def _run(preset, weight_amax, input_amax, ste, kernel, narrow_range=None):
 @pytest.mark.parametrize("weight_amax,input_amax,ste", [
     ("vectorized", "per_expert", "clipped"),
     ("per_expert", "shared", "pass_through"),
+    ("vectorized", "shared", "clipped"),
     ("shared", "per_expert", "pass_through"),
 ])
 def test_kernel_path_matches_the_reference_bit_for_bit(preset, weight_amax, input_amax, ste):
