@@ -6,7 +6,12 @@ Variants:
   fp8 reuse             vectorized [N] amax, one-launch Triton kernels, inside ``mtq.reuse_quantized_weights``:
                         weights fake-quantized once per optimizer step, reused by the other micro-batches (the steady
                         state of gradient accumulation with ``plugins.megatron.get_forward_backward_func``)
-  fp8 re-quantize       the same outside a scope (the default): weights fake-quantized on every forward
+  fp8 re-quantize       the same outside a scope (the default): weights fake-quantized on every forward, and again
+                        in the backward (``backward.weight_operands: recompute``, the default)
+  fp8 re-q, keep        the same with ``weight_operands: keep``: the forward's fake-quantized weights are kept for
+                        the backward (one launch fewer, one more copy of the weights alive)
+  te_fp8 reuse /        ``kernel: te_fp8``: the forward GEMM as a real FP8 GEMM in Transformer Engine with our static
+  te_fp8 re-quantize    per-expert scales, backward on the fake-quant operands
   fp8 torch loop        per-expert amax and the torch reference, one expert at a time (what a per-expert Python
                         loop costs; NVIDIA Model Optimizer 0.47's layout)
 
@@ -47,20 +52,23 @@ def _variants(base, x, splits):
     """name -> (layer, reuse scope or None)."""
     import modelopt_moe.quantization as mtq
 
-    def quantized(layout, kernel):
+    def quantized(layout, kernel, weight_operands="recompute"):
         layer = copy.deepcopy(base)
         cfg = mtq.load_config("fp8_default.yaml")
-        cfg.experts.weight_amax, cfg.kernel = layout, kernel
+        cfg.experts.weight_amax, cfg.kernel, cfg.backward.weight_operands = layout, kernel, weight_operands
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mtq.quantize(layer, cfg, lambda m: m(x, splits))
         return layer
 
-    reused = quantized("vectorized", "auto")
+    reused, te_reused = quantized("vectorized", "auto"), quantized("vectorized", "te_fp8")
     return {
         "bf16": (base, None),
         "fp8 reuse": (reused, lambda: mtq.reuse_quantized_weights(reused)),
         "fp8 re-quantize": (quantized("vectorized", "auto"), None),
+        "fp8 re-q, keep": (quantized("vectorized", "auto", "keep"), None),
+        "te_fp8 reuse": (te_reused, lambda: mtq.reuse_quantized_weights(te_reused)),
+        "te_fp8 re-quantize": (quantized("vectorized", "te_fp8"), None),
         "fp8 torch loop": (quantized("per_expert", "torch"), None),
     }
 
@@ -101,9 +109,9 @@ def main():
 
     print(f"\nTE GroupedLinear fwd+bwd, {args.tokens} tokens, experts [{args.out_features} x {args.in_features}] "
           f"bf16, {torch.cuda.get_device_name(0)}, {args.rounds} alternating rounds")
-    print(f"{'N':>5} {'variant':<18} {'ms (median)':>12} {'x bf16 (median)':>16} {'x bf16 range':>14}")
+    print(f"{'N':>5} {'variant':<20} {'ms (median)':>12} {'x bf16 (median)':>16} {'x bf16 range':>14}")
     for n, name, ms, ratio, lo, hi in rows:
-        print(f"{n:>5} {name:<18} {ms:>12.3f} {ratio:>16.2f} {lo:>6.2f}..{hi:<6.2f}")
+        print(f"{n:>5} {name:<20} {ms:>12.3f} {ratio:>16.2f} {lo:>6.2f}..{hi:<6.2f}")
 
 
 if __name__ == "__main__":

@@ -9,16 +9,14 @@ with the calibrated scales (``modelopt_moe.plugins.te_fp8``).
 * (iii) the input, weight and bias gradients of every backward mode are the fake-quant path's, bit for bit: both run
   TE's bf16 grouped GEMMs on the same operands;
 * (iv) a Megatron GPT with ``TEGroupedMLP`` experts trains in Megatron's loop with ``te_fp8``; the amaxes stay;
-* (v) a timing print: te_fp8 vs bf16 vs fake quant, N=32 experts [1536 x 2048], 16384 tokens (no assertion).
+  (timings: tools/bench_te_grouped_step.py, variants te_fp8 reuse / re-quantize).
 
 Measured numbers are printed with the prefix ``TE_FP8`` (pytest ``-s``) and appended to ``$OUT/te_fp8_numbers.txt``
 when ``OUT`` is set. Run: ``bash tools/run_gpu_suite.sh tests -k te_fp8 -s``.
 """
 
 import contextlib
-import copy
 import os
-import statistics
 import warnings
 
 import pytest
@@ -309,52 +307,3 @@ def test_megatron_te_grouped_mlp_trains_with_te_fp8(megatron_one_gpu, monkeypatc
     _report(f"megatron logits rel_fro(te_fp8, fake quant) = {rel:.3e} (2 MoE layers; a near-tie routing decision "
             "may flip between the two)")
     assert rel < 0.2  # a sanity bound: the per-GEMM agreement is (ii)'s
-
-
-# ---------------------------------------------------------------------------------------------------------- (v)
-def _median_ms(fn, warmup=3, iters=10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def test_timing_te_fp8_vs_bf16_vs_fake_quant():
-    n, k, out, tokens = 32, 2048, 1536, 16384
-    splits = [tokens // n] * n
-    base = _layer(n=n, k=k, out=out)
-    x = _tokens(11, rows=tokens, k=k)
-    g = _tokens(12, rows=tokens, k=out)
-
-    def quantized(kernel):
-        layer = copy.deepcopy(base)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mtq.quantize(layer, _config(kernel=kernel, input_amax="shared"), lambda m: m(x, splits))
-        return layer
-
-    variants = {"bf16": (base, None), "fake quant": (quantized("auto"), None), "te_fp8": (quantized("te_fp8"), None)}
-    variants["fake quant, reuse"] = (variants["fake quant"][0], mtq.reuse_quantized_weights)
-    variants["te_fp8, reuse"] = (variants["te_fp8"][0], mtq.reuse_quantized_weights)
-    xg = x.clone().requires_grad_(True)
-    rows = []
-    for name, (layer, scope) in variants.items():
-        with scope(layer) if scope else contextlib.nullcontext():
-            step = _median_ms(lambda layer=layer: layer(xg, splits).backward(g))
-            with torch.no_grad():
-                fwd = _median_ms(lambda layer=layer: layer(x, splits))
-        rows.append((name, fwd, step))
-    bf16_fwd, bf16_step = rows[0][1], rows[0][2]
-    _report(f"timing {torch.cuda.get_device_name(0)}: N={n} experts [{out} x {k}], {tokens} tokens, bf16; "
-            "median of 10 (ms; x bf16)")
-    for name, fwd, step in rows:
-        _report(f"  {name:<18} forward {fwd:7.3f} ({fwd / bf16_fwd:4.2f}x)   forward+backward {step:7.3f} "
-                f"({step / bf16_step:4.2f}x)")
