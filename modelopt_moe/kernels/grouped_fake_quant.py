@@ -172,10 +172,11 @@ class _Signature:
 
 
 def _signature(tensors: Sequence[torch.Tensor]) -> _Signature | None:
-    """The :class:`_Signature` of ``tensors``, or None if an entry is not a tensor."""
+    """The :class:`_Signature` of ``tensors``, or None if an entry is not a tensor or has no storage to point at
+    (fake tensors outside ``torch.compile``): such lists are checked every call."""
     try:
         return _Signature(tensors)
-    except TypeError:
+    except (TypeError, RuntimeError, NotImplementedError):
         return None
 
 
@@ -519,7 +520,7 @@ def _check_weights(weights: Sequence[torch.Tensor], what: str, amax: torch.Tenso
     w0 = weights[0]
     if amax is not None and isinstance(w0, torch.Tensor):  # else the per-expert checks below name expert 0
         amax = _check_amax_tensor(amax, w0.device, what)
-    if torch.compiler.is_compiling():  # traced once: no addresses to read, nothing to save
+    if not _eager():  # traced, or fake tensors under a dispatch mode: no addresses to read
         _check_each_weight(weights, what, amax, fmt, block_size)
         return weights, amax, None
     sig = _signature(weights)
@@ -528,9 +529,10 @@ def _check_weights(weights: Sequence[torch.Tensor], what: str, amax: torch.Tenso
         _checked.move_to_end(memo)
         return weights, amax, sig
     _check_each_weight(weights, what, amax, fmt, block_size)
-    _checked[memo] = None  # sig is not None: every entry is a tensor
-    if len(_checked) > 4 * _CACHE_SIZE:
-        _checked.popitem(last=False)
+    if sig is not None:
+        _checked[memo] = None
+        if len(_checked) > 4 * _CACHE_SIZE:
+            _checked.popitem(last=False)
     return weights, amax, sig
 
 

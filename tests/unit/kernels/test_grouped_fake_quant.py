@@ -614,3 +614,16 @@ def test_output_views_have_each_experts_shape_and_follow_the_buffer(shapes):
     offsets = [o.storage_offset() for o in out]
     assert offsets == [sum(torch.Size(s).numel() for s in shapes[:i]) for i in range(len(shapes))]
     assert len({o.untyped_storage().data_ptr() for o in out}) == 1
+
+
+def test_fake_tensors_outside_compile_are_checked_and_give_fake_outputs():
+    """Under a FakeTensorMode without torch.compile (shape propagation, memory estimates) there are no addresses to
+    read: the checks run every call and the op's fake implementation gives the shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        weights = [torch.empty(4, 32), torch.empty(2, 32)]
+        out = K.grouped_weight_fake_quant(weights, torch.ones(2), "e4m3")
+        assert [tuple(o.shape) for o in out] == [(4, 32), (2, 32)]
+        with pytest.raises(ValueError, match="expert 1 .* not contiguous"):
+            K.grouped_weight_fake_quant([weights[0], torch.empty(32, 2).t()], torch.ones(2), "e4m3")
