@@ -64,6 +64,15 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
                 "supported yet; build the layer with single_grouped_weight=False (Megatron: "
                 "moe_single_grouped_weight=False)"
             )
+        if getattr(self, "fuse_wgrad_accumulation", False) and config.kernel != "te_fp8":
+            # TE's backward would add the weight gradient into weight.main_grad of the weights its forward saw: the
+            # fake-quantized copies, which have none (and a clipped STE could not mask it). te_fp8 returns .grad.
+            raise ValueError(
+                f"{type(self).__name__}: fuse_wgrad_accumulation=True (Megatron: gradient_accumulation_fusion) "
+                "accumulates the weight gradient into weight.main_grad inside TE's GEMM, which a fake-quantized "
+                "weight does not have; set gradient_accumulation_fusion=False (Megatron-LM: "
+                "--no-gradient-accumulation-fusion) for QAT with modelopt_moe, or use kernel: te_fp8"
+            )
         super()._setup_quantizers(config)
 
     def expert_weights(self):

@@ -96,7 +96,8 @@ def test_te_fp8_autocast_during_fake_quant_is_refused(layers):
             grouped(_hidden(7))
 
 
-def test_plain_te_grouped_linear_uses_the_kernel_path_and_matches_the_reference():
+@pytest.mark.parametrize("input_amax", ["per_expert", "shared"])
+def test_plain_te_grouped_linear_uses_the_kernel_path_and_matches_the_reference(input_amax):
     splits = [100, 0, 37, 119]
     x = torch.randn(sum(splits), 256, device="cuda", dtype=torch.bfloat16)
     outs = {}
@@ -105,7 +106,7 @@ def test_plain_te_grouped_linear_uses_the_kernel_path_and_matches_the_reference(
         m = te.GroupedLinear(4, 256, 128, bias=False, params_dtype=torch.bfloat16, device="cuda")
         cfg = mtq.load_config("fp8_default.yaml")
         cfg.kernel = kernel
-        cfg.experts.input_amax = "per_expert"
+        cfg.experts.input_amax = input_amax
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mtq.quantize(m, cfg, lambda mod: mod(x, splits))
@@ -116,6 +117,22 @@ def test_plain_te_grouped_linear_uses_the_kernel_path_and_matches_the_reference(
     assert torch.equal(outs["triton"][0], outs["torch"][0])
     assert torch.equal(outs["triton"][1], outs["torch"][1])
     assert all(torch.equal(a, b) for a, b in zip(outs["triton"][2], outs["torch"][2], strict=True))
+
+
+def test_fused_wgrad_accumulation_is_refused_at_quantize_time_except_with_te_fp8():
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    for kernel in ("auto", "te_fp8"):
+        m = te.GroupedLinear(2, 256, 128, bias=False, params_dtype=torch.bfloat16, device="cuda",
+                             fuse_wgrad_accumulation=True)
+        cfg = mtq.load_config("fp8_default.yaml")
+        cfg.kernel = kernel
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if kernel == "auto":
+                with pytest.raises(ValueError, match="no-gradient-accumulation-fusion"):
+                    mtq.quantize(m, cfg, lambda mod: mod(x, [32, 32]))
+            else:
+                mtq.quantize(m, cfg, lambda mod: mod(x, [32, 32]))
 
 
 def _quantized_te_grouped_linear(input_amax="per_expert", seed=3):
