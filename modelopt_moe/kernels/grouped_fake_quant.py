@@ -164,6 +164,14 @@ class _Signature:
                       tuple(map(_dtype_of, tensors)), tuple(map(_T.get_device, tensors)))
         self.hash = hash(self.value)
 
+    @property
+    def shapes(self) -> tuple[torch.Size, ...]:
+        return self.value[1]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return self.value[4]
+
     def __hash__(self) -> int:
         return self.hash
 
@@ -505,7 +513,7 @@ def _check_amax_tensor(amax: torch.Tensor, device: torch.device, what: str) -> t
 def _check_weights(weights: Sequence[torch.Tensor], what: str, amax: torch.Tensor | None, fmt: str | None,
                    block_size: int | None) -> tuple[list[torch.Tensor], torch.Tensor | None, _Signature | None]:
     """Checks a list of experts (and their amax); returns (the list, the fp32 amax, the list's signature; None
-    while torch.compile traces).
+    while traced or under a dispatch mode, and for entries without addresses).
 
     The per-expert checks run once per distinct signature (with the format, block size and amax shape): a call
     with tensors seen before costs no Python work per expert.
@@ -626,7 +634,7 @@ def _check_weight_fake_quant(weights, amax, fmt: str, block_size: int | None, wh
 def _split_views(flat: torch.Tensor, like: Sequence[torch.Tensor], sig: _Signature | None = None) -> list[torch.Tensor]:
     """``flat`` as views shaped like ``like`` (whose signature ``sig`` has the shapes): one ``unbind`` when all share
     a shape (the usual experts), else one view per tensor."""
-    shapes = sig.value[1] if sig is not None else tuple(map(_T.size, like))
+    shapes = sig.shapes if sig is not None else tuple(map(_T.size, like))
     if shapes.count(shapes[0]) == len(shapes):
         return list(flat.view(len(shapes), *shapes[0]).unbind(0))
     return [v.view(shape) for v, shape in zip(flat.split([t.numel() for t in like]), shapes, strict=True)]
@@ -655,9 +663,8 @@ def grouped_weight_clip_grad(
         raise ValueError(f"{what}: amax is required (use the gradients unchanged for no clipping)")
     if len(grads) != len(weights):
         raise ValueError(f"{what}: {len(grads)} gradients for {len(weights)} experts")
-    shapes, devices = 1, 4  # fields of a signature
-    if grads_sig is None or weights_sig is None or (grads_sig.value[shapes], grads_sig.value[devices]) != (
-            weights_sig.value[shapes], weights_sig.value[devices]):
+    if grads_sig is None or weights_sig is None or (grads_sig.shapes, grads_sig.devices) != (
+            weights_sig.shapes, weights_sig.devices):
         for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
             if g.shape != w.shape:
                 raise ValueError(f"{what}: gradient {i} has shape {tuple(g.shape)}, weight has {tuple(w.shape)}")

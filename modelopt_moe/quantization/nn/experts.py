@@ -159,15 +159,14 @@ def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], ker
                     q.dynamic_amax(weights)
             else:
                 amax = q.amax.detach() if q.needs_amax else None
-            ws = weights  # no_grad: the values carry no graph (the STE below connects the weights)
             if fast and with_stats:
-                values, sums = grouped_weight_fake_quant_stats(ws, amax, q.fmt, q.block_size, q.narrow_range)
+                values, sums = grouped_weight_fake_quant_stats(weights, amax, q.fmt, q.block_size, q.narrow_range)
             elif fast:
-                values, sums = grouped_weight_fake_quant(ws, amax, q.fmt, q.block_size, q.narrow_range), None
+                values, sums = grouped_weight_fake_quant(weights, amax, q.fmt, q.block_size, q.narrow_range), None
             else:
                 values = [fake_quant(w, q.fmt, None if amax is None else _row(q, amax, i), q.block_size,
-                                     **q.int_kwargs) for i, w in enumerate(ws)]
-                sums = _weight_sums(ws, values) if with_stats else None
+                                     **q.int_kwargs) for i, w in enumerate(weights)]
+                sums = _weight_sums(weights, values) if with_stats else None
         return values, sums, amax
 
     if owner is None or traced:
@@ -237,9 +236,9 @@ def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel
 
     Calibrated amax on the kernel path (per expert, or ``shared``: ``[N]`` equal entries): one launch with the
     ``[N]`` amax and device-side split offsets. A ``shared`` amax elsewhere: the whole matrix at once (reference).
-    Otherwise expert by expert. ``with_stats`` also returns
-    each expert's quantization-error sums over its rows (``(y, float64 [N, 4] or None)``); on the kernel path from the
-    same launch (a ``shared`` amax too: every expert's entry holds the same value, so the bits are the same).
+    Otherwise expert by expert. ``with_stats`` also returns each expert's quantization-error sums over its rows
+    (``(y, float64 [N, 4] or None)``); on the kernel path from the same launch (a ``shared`` amax too: every expert's
+    entry holds the same value, so the bits are the same).
     """
     if not q.is_enabled:
         return (x, None) if with_stats else x

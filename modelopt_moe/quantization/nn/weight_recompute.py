@@ -15,20 +15,13 @@ changed raises instead of computing a gradient through different operands than i
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable, Iterator
 
 import torch
 
+from ..weight_reuse import weight_key
+
 __all__ = ["RecomputedWeights"]
-
-_version_of = operator.attrgetter("_version")
-
-
-def _state(weights: list[torch.Tensor], amax: torch.Tensor | None) -> tuple:
-    """What must be unchanged for a recompute to give the forward's values (read in C, no work per expert)."""
-    amax_state = None if amax is None else (amax.data_ptr(), amax._version)
-    return tuple(map(torch.Tensor.data_ptr, weights)), tuple(map(_version_of, weights)), amax_state
 
 
 class _Saved:
@@ -49,7 +42,7 @@ class RecomputedWeights:
         storage = values[0].untyped_storage()
         self._ptr, self._device, self._dtype = storage.data_ptr(), values[0].device, values[0].dtype
         self._recompute, self._weights, self._amax, self._name = recompute, weights, amax, name
-        self._state = _state(weights, amax)
+        self._key = weight_key(weights, amax)  # what must be unchanged for the recompute to give the same values
         self._buffer: torch.Tensor | None = None
         self._pending = 0  # saved operands not yet handed to the backward
 
@@ -74,7 +67,7 @@ class RecomputedWeights:
 
     def _materialize(self, saved: _Saved) -> torch.Tensor:
         if self._buffer is None:
-            if _state(self._weights, self._amax) != self._state:
+            if weight_key(self._weights, self._amax) != self._key:
                 raise RuntimeError(
                     f"{self._name}: the expert weights or their amax changed between the forward and the backward, "
                     "so the backward cannot recompute the fake-quantized weights its forward used (set "
