@@ -7,7 +7,9 @@ each under ``torch.profiler`` and prints, per variant:
                     the GPU waited for the host
   by category       the kernels' summed time per step in each category (GEMM, attention, our fake-quant kernels, TE's
                     FP8 casts, MoE dispatch, optimizer, ...), and the difference to bf16
-and the kernels of each quantized variant whose time per step differs most from bf16's.
+and the kernels of each quantized variant whose time per step differs most from bf16's. With ``--host N`` it also
+runs the steps under ``cProfile`` and lists the N Python functions whose own host time per step (``tottime``) grows
+most from bf16 to each quantized variant (cProfile slows every Python call, so read the ranks, not the sums).
 
 Usage (GPU machine): python3 tools/profile_megatron_step.py [--profile-mode re-quantize] [bench_megatron_step options]
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import pstats
 import re
 import statistics
 import sys
@@ -74,6 +78,43 @@ def profile(step, steps: int) -> tuple[dict[str, float], float]:
     return dict(kernels), _busy_us(intervals) / steps
 
 
+def host_profile(step, steps: int) -> dict[str, tuple[float, float, float]]:
+    """``{function: (calls, own ms, cumulative ms per step, whether it is this project's)}`` of ``steps`` calls of
+    ``step`` under cProfile."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    bench._synchronize()
+    prof.disable()
+    out = {}
+    for (file, line, fn), (_, calls, tottime, cumtime, _) in pstats.Stats(prof).stats.items():
+        key = f"{fn} ({'/'.join(Path(file).parts[-2:])}:{line})"
+        out[key] = (calls / steps, tottime * 1e3 / steps, cumtime * 1e3 / steps, "modelopt_moe" in file)
+    return out
+
+
+def host_report(hosts: dict[str, dict], top: int) -> str:
+    base = hosts.get("bf16", {})
+    lines = []
+    for n, funcs in hosts.items():
+        if n == "bf16":
+            continue
+        total = sum(v[1] for v in funcs.values()) - sum(v[1] for v in base.values())
+        lines.append(f"\n{n} - bf16, host (cProfile) ms per step: {total:+.2f}; functions by own time added "
+                     "(calls, own ms, cumulative ms per step):")
+        diff = {k: v[1] - base.get(k, (0, 0.0))[1] for k, v in funcs.items()}
+        for k in sorted(diff, key=lambda k: -diff[k])[:top]:
+            calls, own, cum, _ = funcs[k]
+            lines.append(f"  {diff[k]:+8.3f}  {calls:>7.0f} {own:>8.3f} {cum:>8.3f}  {k[:120]}")
+        lines.append(f"{n}: this project's functions by cumulative ms per step (calls, own ms, cumulative ms):")
+        ours = [k for k, v in funcs.items() if v[3]]
+        for k in sorted(ours, key=lambda k: -funcs[k][2])[:top]:
+            calls, own, cum, _ = funcs[k]
+            lines.append(f"  {calls:>7.0f} {own:>8.3f} {cum:>8.3f}  {k[:120]}")
+    return "\n".join(lines)
+
+
 def by_category(kernels: dict[str, float]) -> dict[str, float]:
     out = collections.Counter()
     for name, us in kernels.items():
@@ -117,6 +158,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile-mode", choices=bench.MODES, default="re-quantize")
     p.add_argument("--top", type=int, default=12, help="kernels listed per quantized variant")
+    p.add_argument("--host", type=int, default=0, help="also list this many Python functions (cProfile)")
     own, rest = p.parse_known_args(argv)
     args = bench.parse_args(rest + ["--modes", own.profile_mode])
     if not torch.cuda.is_available():
@@ -130,7 +172,7 @@ def main(argv=None) -> int:
         residency = bench.Residency(args.resident or None)
         variants = [bench.prepare(name, args, calib, steps, residency)[0] for name in dict.fromkeys(args.variants)
                     if name not in bench.MODELOPT_PRESETS or not bench.modelopt_unavailable(name)]
-        results = {}
+        results, hosts = {}, {}
         for variant in variants:
             residency.activate(variant)
             step = steps(variant, own.profile_mode)
@@ -139,9 +181,13 @@ def main(argv=None) -> int:
             wall = statistics.median(bench.time_steps(step, 1) for _ in range(args.steps))
             kernels, busy = profile(step, args.steps)
             results[variant.name] = (wall, kernels, busy)
+            if own.host:
+                hosts[variant.name] = host_profile(step, args.steps)
         print(f"\n{bench.header(args, device, residency, len(variants))}\nmode {own.profile_mode} "
               f"({modes[own.profile_mode]} micro-batches per step), {args.steps} profiled steps per variant")
         print(report(results, own.top))
+        if hosts:
+            print(host_report(hosts, own.host))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
