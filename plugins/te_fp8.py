@@ -189,7 +189,7 @@ def quantize_weights(module, weights: list[torch.Tensor]) -> list:
 
     def compute():
         q = _expert_quantizers(module, "weight", weights[0].device).with_scales_of(wq.amax)
-        return _te().tex.multi_tensor_quantize([w.detach() for w in weights], q)
+        return _te().tex.multi_tensor_quantize(list(map(torch.Tensor.detach, weights)), q)
 
     device = weights[0].device
     if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):

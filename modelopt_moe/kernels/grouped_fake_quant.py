@@ -223,10 +223,12 @@ def _weight_config(fmt: str) -> dict:
 
 
 def _weight_plan(inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor] | None, bs: int, two_d: bool,
-                 tile_elems: int = _TILE_ELEMS, sig: _Signature | None = None) -> _WeightPlan:
-    """The tiling and table of ``inputs`` (and ``aux``, read at the same offsets); ``sig``: ``inputs``' signature
-    when the caller has it."""
-    key = (sig or _Signature(inputs), _Signature(aux) if aux is not None else None, bs, two_d, tile_elems)
+                 tile_elems: int = _TILE_ELEMS, sig: _Signature | None = None,
+                 aux_sig: _Signature | None = None) -> _WeightPlan:
+    """The tiling and table of ``inputs`` (and ``aux``, read at the same offsets); ``sig`` / ``aux_sig``: their
+    signatures when the caller has them."""
+    aux_sig = None if aux is None else aux_sig or _Signature(aux)
+    key = (sig or _Signature(inputs), aux_sig, bs, two_d, tile_elems)
     plan = _plan_cache.get(key) or _captured_plans.get(key)
     if plan is not None:
         if key in _plan_cache:
@@ -393,10 +395,10 @@ def _torch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=True) 
     return out
 
 
-def _launch_weight_clip_grad(grads, weights, amax) -> torch.Tensor:
+def _launch_weight_clip_grad(grads, weights, amax, grads_sig=None, weights_sig=None) -> torch.Tensor:
     k = _kernels()
     amax_mode, amax_stride = _amax_mode(amax, len(weights))
-    plan = _weight_plan(grads, weights, 16, two_d=amax_mode == 2)
+    plan = _weight_plan(grads, weights, 16, two_d=amax_mode == 2, sig=grads_sig, aux_sig=weights_sig)
     out = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
     if plan.n_tiles == 0:
         return out
@@ -671,7 +673,7 @@ def grouped_weight_clip_grad(
             if g.device != w.device:
                 raise ValueError(f"{what}: gradient {i} is on {g.device}, weight on {w.device}")
     if _eager():
-        flat = _weight_clip_grad_impl(grads, weights, amax)
+        flat = _weight_clip_grad_impl(grads, weights, amax, grads_sig, weights_sig)
     else:
         flat = torch.ops.modelopt_moe.grouped_weight_clip_grad(grads, weights, amax)
     return _split_views(flat, grads, grads_sig)
@@ -733,7 +735,8 @@ def grouped_input_fake_quant(
         ValueError: on a bad shape, dtype, device, contiguity, amax shape, format or block size.
     """
     m_splits, amax = _check_input_fake_quant(x, m_splits, amax, fmt, block_size, "grouped_input_fake_quant")
-    return torch.ops.modelopt_moe.grouped_input_fake_quant(x, m_splits, amax, fmt, block_size, bool(narrow_range))
+    op = _input_fake_quant_impl if _eager() else torch.ops.modelopt_moe.grouped_input_fake_quant
+    return op(x, m_splits, amax, fmt, block_size, bool(narrow_range))
 
 
 def _check_input_fake_quant(x, m_splits, amax, fmt: str, block_size: int | None, what: str):
@@ -762,7 +765,8 @@ def grouped_input_clip_grad(grad: torch.Tensor, x: torch.Tensor, m_splits, amax:
         raise ValueError(f"{what}: grad must be a tensor shaped like x {tuple(x.shape)} on {x.device}")
     if grad.dtype not in _FLOAT_DTYPES or not grad.is_contiguous():
         raise ValueError(f"{what}: grad must be a contiguous bf16/fp16/fp32 tensor, got {grad.dtype}")
-    return torch.ops.modelopt_moe.grouped_input_clip_grad(grad, x, m_splits, amax)
+    op = _input_clip_grad_impl if _eager() else torch.ops.modelopt_moe.grouped_input_clip_grad
+    return op(grad, x, m_splits, amax)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -794,9 +798,9 @@ def _grouped_weight_clip_grad_op(
     return _weight_clip_grad_impl(grads, weights, amax)
 
 
-def _weight_clip_grad_impl(grads, weights, amax) -> torch.Tensor:
+def _weight_clip_grad_impl(grads, weights, amax, grads_sig=None, weights_sig=None) -> torch.Tensor:
     if kernels_available(weights[0].device):
-        return _launch_weight_clip_grad(grads, weights, amax)
+        return _launch_weight_clip_grad(grads, weights, amax, grads_sig, weights_sig)
     return _torch_weight_clip_grad(grads, weights, amax)
 
 
@@ -810,6 +814,10 @@ def _grouped_input_fake_quant_op(
     x: torch.Tensor, m_splits: torch.Tensor, amax: Optional[torch.Tensor], fmt: str,  # noqa: UP045
     block_size: Optional[int], narrow_range: bool = True,  # noqa: UP045
 ) -> torch.Tensor:
+    return _input_fake_quant_impl(x, m_splits, amax, fmt, block_size, narrow_range)
+
+
+def _input_fake_quant_impl(x, m_splits, amax, fmt, block_size, narrow_range=True) -> torch.Tensor:
     if kernels_available(x.device):
         return _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range)
     return _torch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range)
@@ -824,6 +832,10 @@ def _(x, m_splits, amax, fmt, block_size, narrow_range=True):
 def _grouped_input_clip_grad_op(
     grad: torch.Tensor, x: torch.Tensor, m_splits: torch.Tensor, amax: torch.Tensor
 ) -> torch.Tensor:
+    return _input_clip_grad_impl(grad, x, m_splits, amax)
+
+
+def _input_clip_grad_impl(grad, x, m_splits, amax) -> torch.Tensor:
     if kernels_available(x.device):
         return _launch_input_clip_grad(grad, x, m_splits, amax)
     return _torch_input_clip_grad(grad, x, m_splits, amax)

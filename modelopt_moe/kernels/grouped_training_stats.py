@@ -32,6 +32,7 @@ from .grouped_fake_quant import (
     _check_input_fake_quant,
     _check_weight_fake_quant,
     _check_weights,
+    _eager,
     _expert_amax,
     _inner_block,
     _input_tiling,
@@ -60,11 +61,11 @@ def _kernels():
 # ----------------------------------------------------------------------------------------------------------------
 # Launchers and references
 # ----------------------------------------------------------------------------------------------------------------
-def _launch_weight_amax(weights, per_channel: bool) -> torch.Tensor:
+def _launch_weight_amax(weights, per_channel: bool, sig=None) -> torch.Tensor:
     n = len(weights)
     out = torch.zeros((n, weights[0].shape[0]) if per_channel else (n,), dtype=torch.float32,
                       device=weights[0].device)
-    plan = _weight_plan(weights, None, 16, two_d=per_channel)
+    plan = _weight_plan(weights, None, 16, two_d=per_channel, sig=sig)
     if plan.n_tiles == 0:
         return out
     _kernels()._grouped_weight_amax_kernel[(plan.n_tiles,)](
@@ -93,12 +94,13 @@ def _tile_counts(plan, n: int) -> list[int]:
     return [b - a for a, b in zip(tile0, [*tile0[1:], plan.n_tiles], strict=True)][:n]
 
 
-def _launch_weight_stats(weights, amax, fmt, block_size, narrow_range=True) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_weight_stats(weights, amax, fmt, block_size, narrow_range=True,
+                        sig=None) -> tuple[torch.Tensor, torch.Tensor]:
     n = len(weights)
     amax_mode, amax_stride = _amax_mode(amax, n)
     bs, _ = _inner_block(fmt, block_size)
     plan = _weight_plan(weights, None, bs, two_d=amax_mode == 2 or _padded(weights, block_size),
-                        tile_elems=_weight_config(fmt)["tile"])
+                        tile_elems=_weight_config(fmt)["tile"], sig=sig)
     device = weights[0].device
     out = torch.empty(sum(w.numel() for w in weights), dtype=weights[0].dtype, device=device)
     partial = torch.zeros(plan.n_tiles, 4, dtype=torch.float32, device=device)
@@ -178,12 +180,14 @@ def grouped_weight_amax(weights: Sequence[torch.Tensor], per_channel: bool = Fal
         ValueError: on an empty or too long list, mixed dtypes or devices, non-contiguous experts, or (per channel)
             experts that are not 2-D with the same number of rows.
     """
-    weights, _, _ = _check_weights(weights, "grouped_weight_amax", None, None, None)
+    weights, _, sig = _check_weights(weights, "grouped_weight_amax", None, None, None)
     if per_channel:
         rows = {w.shape[0] if w.dim() == 2 else None for w in weights}
         if len(rows) != 1 or None in rows:
             raise ValueError(f"grouped_weight_amax: per_channel needs 2-D experts with one row count, got shapes "
                              f"{[tuple(w.shape) for w in weights]}")
+    if _eager():  # the op's body without the dispatcher round trip
+        return _weight_amax_impl(weights, bool(per_channel), sig)
     return torch.ops.modelopt_moe.grouped_weight_amax(weights, bool(per_channel))
 
 
@@ -201,8 +205,11 @@ def grouped_weight_fake_quant_stats(
         ValueError: as :func:`~.grouped_fake_quant.grouped_weight_fake_quant`.
     """
     weights, amax, sig = _check_weight_fake_quant(weights, amax, fmt, block_size, "grouped_weight_fake_quant_stats")
-    flat, stats = torch.ops.modelopt_moe.grouped_weight_fake_quant_stats(weights, amax, fmt, block_size,
-                                                                         bool(narrow_range))
+    if _eager():
+        flat, stats = _weight_stats_impl(weights, amax, fmt, block_size, bool(narrow_range), sig)
+    else:
+        flat, stats = torch.ops.modelopt_moe.grouped_weight_fake_quant_stats(weights, amax, fmt, block_size,
+                                                                             bool(narrow_range))
     return _split_views(flat, weights, sig), stats
 
 
@@ -220,8 +227,8 @@ def grouped_input_fake_quant_stats(
         ValueError: as :func:`~.grouped_fake_quant.grouped_input_fake_quant`.
     """
     m_splits, amax = _check_input_fake_quant(x, m_splits, amax, fmt, block_size, "grouped_input_fake_quant_stats")
-    return torch.ops.modelopt_moe.grouped_input_fake_quant_stats(x, m_splits, amax, fmt, block_size,
-                                                                 bool(narrow_range))
+    op = _input_stats_impl if _eager() else torch.ops.modelopt_moe.grouped_input_fake_quant_stats
+    return op(x, m_splits, amax, fmt, block_size, bool(narrow_range))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -229,8 +236,12 @@ def grouped_input_fake_quant_stats(
 # ----------------------------------------------------------------------------------------------------------------
 @torch.library.custom_op("modelopt_moe::grouped_weight_amax", mutates_args=())
 def _grouped_weight_amax_op(weights: list[torch.Tensor], per_channel: bool) -> torch.Tensor:
+    return _weight_amax_impl(weights, per_channel)
+
+
+def _weight_amax_impl(weights, per_channel: bool, sig=None) -> torch.Tensor:
     if kernels_available(weights[0].device):
-        return _launch_weight_amax(weights, per_channel)
+        return _launch_weight_amax(weights, per_channel, sig)
     return _torch_weight_amax(weights, per_channel)
 
 
@@ -245,8 +256,12 @@ def _grouped_weight_fake_quant_stats_op(
     weights: list[torch.Tensor], amax: Optional[torch.Tensor], fmt: str, block_size: Optional[int],  # noqa: UP045
     narrow_range: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _weight_stats_impl(weights, amax, fmt, block_size, narrow_range)
+
+
+def _weight_stats_impl(weights, amax, fmt, block_size, narrow_range=True, sig=None):
     if kernels_available(weights[0].device):
-        return _launch_weight_stats(weights, amax, fmt, block_size, narrow_range)
+        return _launch_weight_stats(weights, amax, fmt, block_size, narrow_range, sig)
     return _torch_weight_stats(weights, amax, fmt, block_size, narrow_range)
 
 
@@ -261,6 +276,10 @@ def _grouped_input_fake_quant_stats_op(
     x: torch.Tensor, m_splits: torch.Tensor, amax: Optional[torch.Tensor], fmt: str,  # noqa: UP045
     block_size: Optional[int], narrow_range: bool = True,  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _input_stats_impl(x, m_splits, amax, fmt, block_size, narrow_range)
+
+
+def _input_stats_impl(x, m_splits, amax, fmt, block_size, narrow_range=True) -> tuple[torch.Tensor, torch.Tensor]:
     if kernels_available(x.device):
         return _launch_input_stats(x, m_splits, amax, fmt, block_size, narrow_range)
     return _torch_input_stats(x, m_splits, amax, fmt, block_size, narrow_range)

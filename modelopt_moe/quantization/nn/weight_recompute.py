@@ -25,12 +25,13 @@ __all__ = ["RecomputedWeights"]
 
 
 class _Saved:
-    """A saved tensor that lies in the fake-quantized buffer: where it lies."""
+    """A saved tensor that lies in the fake-quantized buffer: where it lies (``offset`` in elements from the
+    buffer's start)."""
 
     __slots__ = ("owner", "offset", "size", "stride")
 
-    def __init__(self, owner: RecomputedWeights, t: torch.Tensor):
-        self.owner, self.offset, self.size, self.stride = owner, t.storage_offset(), t.size(), t.stride()
+    def __init__(self, owner: RecomputedWeights, t: torch.Tensor, offset: int):
+        self.owner, self.offset, self.size, self.stride = owner, offset, t.size(), t.stride()
 
 
 class RecomputedWeights:
@@ -40,7 +41,8 @@ class RecomputedWeights:
     def __init__(self, values: list[torch.Tensor], recompute: Callable[[], list[torch.Tensor]],
                  weights: list[torch.Tensor], amax: torch.Tensor | None, name: str):
         storage = values[0].untyped_storage()
-        self._ptr, self._device, self._dtype = storage.data_ptr(), values[0].device, values[0].dtype
+        self._ptr, self._end, self._dtype = storage.data_ptr(), storage.data_ptr() + storage.nbytes(), values[0].dtype
+        self._itemsize = values[0].element_size()
         self._recompute, self._weights, self._amax, self._name = recompute, weights, amax, name
         self._key = weight_key(weights, amax)  # what must be unchanged for the recompute to give the same values
         self._buffer: torch.Tensor | None = None
@@ -53,11 +55,15 @@ class RecomputedWeights:
             yield
 
     def _pack(self, t: torch.Tensor):
-        if (t.device == self._device and t.dtype == self._dtype and not t.is_sparse
-                and t.untyped_storage().data_ptr() == self._ptr):
-            self._pending += 1
-            return _Saved(self, t)
-        return t
+        # Called for every tensor the GEMM saves, so the test is cheap: an address inside the buffer's allocation
+        # (no other live tensor's memory overlaps it; on another device it is another allocation) and its dtype.
+        if t.layout is not torch.strided or t.dtype is not self._dtype:
+            return t
+        ptr = t.data_ptr()
+        if not self._ptr <= ptr < self._end:
+            return t
+        self._pending += 1
+        return _Saved(self, t, (ptr - self._ptr) // self._itemsize)
 
     @staticmethod
     def _unpack(packed):

@@ -627,3 +627,13 @@ def test_fake_tensors_outside_compile_are_checked_and_give_fake_outputs():
         assert [tuple(o.shape) for o in out] == [(4, 32), (2, 32)]
         with pytest.raises(ValueError, match="expert 1 .* not contiguous"):
             K.grouped_weight_fake_quant([weights[0], torch.empty(32, 2).t()], torch.ones(2), "e4m3")
+        # Every grouped op: the fake implementation answers (eager calls bypass the op only with real tensors).
+        x, m, amax = torch.empty(6, 32), torch.tensor([4, 2]), torch.ones(2)
+        assert K.grouped_input_fake_quant(x, m, amax, "e4m3").shape == (6, 32)
+        assert K.grouped_input_clip_grad(torch.empty(6, 32), x, m, amax).shape == (6, 32)
+        assert K.grouped_weight_amax(weights).shape == (2,)
+        assert [tuple(g.shape) for g in K.grouped_weight_clip_grad(weights, weights, amax)] == [(4, 32), (2, 32)]
+        (a, b), sums = K.grouped_weight_fake_quant_stats(weights, amax, "e4m3")
+        assert (tuple(a.shape), tuple(b.shape), tuple(sums.shape)) == ((4, 32), (2, 32), (2, 4))
+        y, sums = K.grouped_input_fake_quant_stats(x, m, amax, "e4m3")
+        assert (tuple(y.shape), tuple(sums.shape)) == ((6, 32), (2, 4))
