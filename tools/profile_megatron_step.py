@@ -37,9 +37,9 @@ CATEGORIES = (
     ("GEMM", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_"),
     ("TE FP8 cast", r"cast|quantize|fp8|transpose"),
     ("optimizer", r"adam|multi_tensor|l2norm"),
+    ("communication", r"nccl"),
     ("MoE dispatch", r"permut|sort|topk|scatter|gather|index|histc|cumsum|bincount|router"),
     ("norm/act/rope/loss", r"norm|swiglu|silu|glu|rope|rotary|softmax|cross_entropy|logsumexp"),
-    ("communication", r"nccl"),
     ("copy/fill", r"memcpy|memset|copy|fill|cat"),
     ("elementwise/reduce", r"elementwise|vectorized|reduce|unrolled"),
 )
