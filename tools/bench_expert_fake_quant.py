@@ -10,6 +10,10 @@ sets) and compares with the measured device copy bandwidth (bytes read + written
 * ``compiled``: ``torch.compile(formats.fake_quant)`` on weights stacked beforehand ([N, R, K], amax [N, 1, 1]),
   the best a single generic fused kernel does (the stacking copy itself is not timed).
 
+Then the tokens of N experts (``input`` rows): :func:`modelopt_moe.kernels.grouped_input_fake_quant` on one
+``[T, K]`` matrix split unevenly over N experts, each expert's rows with its own amax, eager (host included) and
+from a CUDA graph, against ``formats.fake_quant`` per expert on its rows (``torch loop``).
+
 Usage: ``python tools/bench_expert_fake_quant.py [--quick] [--sweep]`` (``--sweep`` also tries tile sizes and warp
 counts of the grouped kernel and prints the best).
 """
@@ -28,6 +32,11 @@ CONFIGS = [  # (format, N, rows, cols)
     ("e4m3", 8, 28672, 4096),
     ("e4m3", 256, 512, 1024),
     ("nvfp4", 128, 1536, 2048),
+]
+INPUT_CONFIGS = [  # (format, N, tokens, features)
+    ("e4m3", 128, 32768, 2048),
+    ("e4m3", 128, 4096, 2048),
+    ("nvfp4", 128, 32768, 2048),
 ]
 
 
@@ -67,6 +76,60 @@ def rotating(fn, sets):
         return fn(sets[state["i"]])
 
     return call
+
+
+def uneven_splits(n: int, tokens: int, seed: int = 0) -> list[int]:
+    """``n`` split sizes summing to ``tokens``, uneven as a router's (some experts get none)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(n, generator=g) ** 3
+    sizes = (weights / weights.sum() * tokens).floor().long()
+    sizes[0] += tokens - int(sizes.sum())
+    return sizes.tolist()
+
+
+def bench_inputs(bw: float, quick: bool) -> list[tuple]:
+    """Rows of the input (token) kernel: eager, CUDA graph and (without ``quick``) the per-expert torch loop."""
+    from modelopt_moe.kernels import grouped_input_fake_quant
+    from modelopt_moe.numerics import fake_quant
+
+    rows_out = []
+    for fmt, n, t, k in INPUT_CONFIGS:
+        splits = uneven_splits(n, t)
+        m = torch.tensor(splits, device="cuda")
+        xs = [torch.randn(t, k, device="cuda", dtype=torch.bfloat16) * (1 + s) for s in range(3)]
+        amax = torch.stack([c.float().abs().amax() if c.numel() else torch.ones((), device="cuda")
+                            for c in xs[0].split(splits)])
+        nbytes = 2 * t * k * 2
+        name = f"input {fmt} N={n} [{t}x{k}]"
+
+        def grouped(x, fmt=fmt, m=m, amax=amax):
+            return grouped_input_fake_quant(x, m, amax, fmt)
+
+        out = grouped(xs[0])
+        for i in (0, n - 1):
+            lo = sum(splits[:i])
+            chunk = xs[0][lo:lo + splits[i]]
+            assert torch.equal(out[lo:lo + splits[i]], fake_quant(chunk, fmt, amax[i])), f"{name}: expert {i}"
+        results = {"grouped (eager, host-inclusive)": bench(rotating(grouped, xs))}
+        graphs = []
+        for x in xs:
+            grouped(x)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                grouped(x)
+            graphs.append(g)
+        results["grouped (CUDA graph replay)"] = bench(rotating(lambda g: g.replay(), graphs))
+        del graphs
+        if not quick:
+            def loop(x, fmt=fmt, splits=splits, amax=amax):
+                return torch.cat([fake_quant(c, fmt, amax[i]) for i, c in enumerate(x.split(splits))])
+
+            results["torch loop"] = bench(rotating(loop, xs), rep_ms=100)
+        for method, ms in results.items():
+            rows_out.append((name, method, ms, nbytes / (ms * 1e-3) / 1e9, nbytes / (ms * 1e-3) / bw))
+        del xs, out
+        torch.cuda.empty_cache()
+    return rows_out
 
 
 def main() -> None:
@@ -145,12 +208,14 @@ def main() -> None:
         del sets, out
         torch.cuda.empty_cache()
 
-    print(f"\n{'config':<28} {'method':<44} {'median ms':>10} {'GB/s':>8} {'of copy':>8}")
-    for name, method, ms, gbs, frac in rows_out:
-        print(f"{name:<28} {method:<44} {ms:>10.3f} {gbs:>8.0f} {frac:>8.2f}")
-    for kind in ("eager", "CUDA graph"):
-        fracs = [f for _, m, _, _, f in rows_out if m.startswith("grouped") and kind in m]
-        print(f"grouped kernel ({kind}): median {statistics.median(fracs):.2f} of copy bandwidth")
+    input_rows = bench_inputs(bw, args.quick)
+    print(f"\n{'config':<34} {'method':<44} {'median ms':>10} {'GB/s':>8} {'of copy':>8}")
+    for name, method, ms, gbs, frac in rows_out + input_rows:
+        print(f"{name:<34} {method:<44} {ms:>10.3f} {gbs:>8.0f} {frac:>8.2f}")
+    for what, rows in (("weight", rows_out), ("input", input_rows)):
+        for kind in ("eager", "CUDA graph"):
+            fracs = [f for _, m, _, _, f in rows if m.startswith("grouped") and kind in m]
+            print(f"grouped {what} kernel ({kind}): median {statistics.median(fracs):.2f} of copy bandwidth")
 
 
 if __name__ == "__main__":

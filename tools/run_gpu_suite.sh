@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and/or benchmarks on the GPU machine (the `device` tool), from the repo root with .gpu carried
-# (see ../shared/gpu/prepare.sh):   bash tools/run_gpu_suite.sh [tests|bench|step|profile|all] [extra args]
-# tests: the GPU tests (extra args go to pytest); bench: the kernel and TE GroupedLinear benchmarks; step: the whole
+# (see ../shared/gpu/prepare.sh):   bash tools/run_gpu_suite.sh [tests|bench|kernels|step|profile|all] [extra args]
+# tests: the GPU tests (extra args go to pytest); bench: the kernel and TE GroupedLinear benchmarks (kernels: the
+# kernel benchmark alone, extra args go to tools/bench_expert_fake_quant.py); step: the whole
 # Megatron step benchmark (extra args go to tools/bench_megatron_step.py); profile: its GPU time by kernel category
 # (extra args go to tools/profile_megatron_step.py); all: tests and bench.
 # Installs this package (not editable: plugins/ maps to modelopt_moe.plugins) into a scratch dir and runs from
@@ -22,8 +23,12 @@ if [[ $what == tests || $what == all ]]; then
     "$root/tests/gpu" "$@" 2>&1 | tee "$out/gpu_tests.log" | grep -vE "Warning|warnings.warn|^\s*$" | tail -40
   status=${PIPESTATUS[0]}
 fi
+if [[ $what == bench || $what == all || $what == kernels ]]; then
+  [[ $what == kernels ]] || set --   # extra args of the other modes are not this script's
+  python3 "$root/tools/bench_expert_fake_quant.py" "$@" 2>&1 | tee "$out/bench_expert_fake_quant.log" | tail -35
+  status=${PIPESTATUS[0]}
+fi
 if [[ $what == bench || $what == all ]]; then
-  python3 "$root/tools/bench_expert_fake_quant.py" 2>&1 | tee "$out/bench_expert_fake_quant.log" | tail -25
   python3 "$root/tools/bench_te_grouped_step.py" 2>&1 | tee "$out/bench_te_grouped_step.log" | tail -15
 fi
 if [[ $what == step ]]; then
