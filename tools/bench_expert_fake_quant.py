@@ -78,6 +78,21 @@ def rotating(fn, sets):
     return call
 
 
+def eager_and_graph(fn, arg_sets) -> dict[str, float]:
+    """Median ms of ``fn`` called eagerly (host included) and replayed from CUDA graphs (device time only: no
+    Python checks or view creation), rotating over ``arg_sets``."""
+    results = {"grouped (eager, host-inclusive)": bench(rotating(fn, arg_sets))}
+    graphs = []
+    for args in arg_sets:
+        fn(args)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(args)
+        graphs.append(g)
+    results["grouped (CUDA graph replay)"] = bench(rotating(lambda g: g.replay(), graphs))
+    return results
+
+
 def uneven_splits(n: int, tokens: int, seed: int = 0) -> list[int]:
     """``n`` split sizes summing to ``tokens``, uneven as a router's (some experts get none)."""
     g = torch.Generator().manual_seed(seed)
@@ -110,16 +125,7 @@ def bench_inputs(bw: float, quick: bool) -> list[tuple]:
             lo = sum(splits[:i])
             chunk = xs[0][lo:lo + splits[i]]
             assert torch.equal(out[lo:lo + splits[i]], fake_quant(chunk, fmt, amax[i])), f"{name}: expert {i}"
-        results = {"grouped (eager, host-inclusive)": bench(rotating(grouped, xs))}
-        graphs = []
-        for x in xs:
-            grouped(x)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                grouped(x)
-            graphs.append(g)
-        results["grouped (CUDA graph replay)"] = bench(rotating(lambda g: g.replay(), graphs))
-        del graphs
+        results = eager_and_graph(grouped, xs)
         if not quick:
             def loop(x, fmt=fmt, splits=splits, amax=amax):
                 return torch.cat([fake_quant(c, fmt, amax[i]) for i, c in enumerate(x.split(splits))])
@@ -163,17 +169,7 @@ def main() -> None:
         out = grouped(sets[0])
         for i in (0, n - 1):
             assert torch.equal(out[i], fake_quant(sets[0][i], fmt, amax[i])), f"{name}: expert {i} mismatch"
-        results = {"grouped (eager, host-inclusive)": bench(rotating(grouped, sets))}
-        # The same op replayed from CUDA graphs: device time only (no Python validation / view overhead).
-        graphs = []
-        for ws in sets:
-            grouped(ws)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                grouped(ws)
-            graphs.append(g)
-        results["grouped (CUDA graph replay)"] = bench(rotating(lambda g: g.replay(), graphs))
-        del graphs
+        results = eager_and_graph(grouped, sets)
         if args.sweep:
             best = None
             for tile in (1024, 2048, 4096, 8192):
