@@ -399,7 +399,7 @@ def _launch_weight_clip_grad(grads, weights, amax, grads_sig=None, weights_sig=N
     k = _kernels()
     amax_mode, amax_stride = _amax_mode(amax, len(weights))
     plan = _weight_plan(grads, weights, 16, two_d=amax_mode == 2, sig=grads_sig, aux_sig=weights_sig)
-    out = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+    out = torch.empty(plan.total, dtype=grads[0].dtype, device=grads[0].device)
     if plan.n_tiles == 0:
         return out
     k._grouped_weight_clip_grad_kernel[(plan.n_tiles,)](

@@ -102,7 +102,7 @@ def _launch_weight_stats(weights, amax, fmt, block_size, narrow_range=True,
     plan = _weight_plan(weights, None, bs, two_d=amax_mode == 2 or _padded(weights, block_size),
                         tile_elems=_weight_config(fmt)["tile"], sig=sig)
     device = weights[0].device
-    out = torch.empty(sum(w.numel() for w in weights), dtype=weights[0].dtype, device=device)
+    out = torch.empty(plan.total, dtype=weights[0].dtype, device=device)
     partial = torch.zeros(plan.n_tiles, 4, dtype=torch.float32, device=device)
     if plan.n_tiles:
         _kernels()._grouped_weight_fake_quant_stats_kernel[(plan.n_tiles,)](
