@@ -86,8 +86,13 @@ class _ForwardCounter:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(desc="calibrating", unit="batch", delay=2.0, leave=False)
-            self.handle = self.model.register_forward_hook(lambda *_: self.bar.update(1))
+            self.handle = self.model.register_forward_hook(self._count)
         return self
+
+    def _count(self, module, args, output) -> None:
+        # A forward hook that returns anything but None replaces the module's output (tqdm.update returns True
+        # whenever it redraws), so the return value is dropped here.
+        self.bar.update(1)
 
     def __exit__(self, *exc):
         if self.handle is not None:
