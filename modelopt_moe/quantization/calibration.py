@@ -143,8 +143,8 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
     alone: their amax comes from each tensor.
 
     If ``forward_loop`` raises, every quantizer is put back as it was before this call (amaxes, calibration and
-    quantization switches: a freshly quantized model is left converted and uncalibrated) and the exception
-    propagates with a note saying so; the model is in eval mode or training mode as before.
+    quantization switches) and the exception propagates with a note saying so; the model is in eval mode or
+    training mode as before. (Inside :func:`mtq.quantize` the whole conversion is undone as well.)
 
     Args:
         model: a model converted by :func:`mtq.quantize`.

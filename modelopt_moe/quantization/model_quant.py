@@ -34,6 +34,7 @@ from .conversion import (
 )
 from .expert_quantizer import ExpertQuantizer
 from .modelopt_compat import COMPAT_DOC
+from .rollback import StructureSnapshot
 from .utils import is_rank0
 from .weight_amax import update_weight_amax
 
@@ -55,6 +56,10 @@ __all__ = [
 
 def quantize(model: nn.Module, config: QuantizeConfig | dict, forward_loop: Callable | None = None) -> nn.Module:
     """Converts ``model`` in place to fake-quantized modules per ``config`` and max-calibrates it.
+
+    All or nothing: if anything fails (an invalid config, a quantizer that cannot work on its module, a
+    ``forward_loop`` that raises, an interrupt), the model is left exactly as it was before the call (module classes,
+    submodules, parameters, buffers, hooks and the training mode), so the call can be retried with a fixed config.
 
     Args:
         model: any model whose layers have registered quantized wrappers (``nn.Linear``, grouped expert linears;
@@ -83,8 +88,15 @@ def quantize(model: nn.Module, config: QuantizeConfig | dict, forward_loop: Call
             f"{quantized[:3]}); a second quantize would silently replace its quantizers' settings. To change them "
             "call mtq.set_quantizer_by_cfg(model, config['quant_cfg']) and then mtq.calibrate(model, "
             f"config['algorithm'], forward_loop). See {COMPAT_DOC}#differences-from-model-optimizer")
-    convert(model, cfg)
-    return calibrate(model, cfg.max_calib if cfg.algorithm is not None else None, forward_loop)
+    snapshot = StructureSnapshot(model)
+    try:
+        convert(model, cfg)
+        return calibrate(model, cfg.max_calib if cfg.algorithm is not None else None, forward_loop)
+    except BaseException as e:
+        snapshot.restore()
+        if hasattr(e, "add_note"):
+            e.add_note("mtq.quantize: the model is back as it was before this call (not quantized)")
+        raise
 
 
 def enable_quantizer(model: nn.Module, wildcard_or_filter_func: str | Callable[[str], bool]) -> int:
