@@ -249,6 +249,17 @@ def fold_weight(model: nn.Module, keep_attrs: bool = False) -> nn.Module:
     return model
 
 
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5, 6]`` -> ``"0-2, 5-6"``."""
+    spans = []
+    for i in indices:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def _expert_amax_rows(model: nn.Module) -> dict[str, dict[int, str]]:
     """``{expert quantizer name: {global expert: amax text}}`` of this rank's experts."""
     rows: dict[str, dict[int, str]] = {}
@@ -269,12 +280,24 @@ def _expert_amax_rows(model: nn.Module) -> dict[str, dict[int, str]]:
     return rows
 
 
-def print_quant_summary(model: nn.Module, output_dir: str | None = None, file=None) -> str:
-    """Prints (rank 0) and returns one line per quantizer, every expert quantizer's amax by GLOBAL expert index
-    (gathered from every rank: the same table at any tensor / expert parallel layout) and a count of enabled
-    quantizers; with ``output_dir`` (Model Optimizer's argument) writes it to ``output_dir/.quant_summary.txt``.
+def print_quant_summary(model: nn.Module, output_dir: str | None = None, file=None, *,
+                        gather: bool = False) -> str:
+    """Prints (rank 0) and returns one line per quantizer, a table of every expert quantizer's amax by GLOBAL expert
+    index, and a count of enabled quantizers; with ``output_dir`` (Model Optimizer's argument) writes it to
+    ``output_dir/.quant_summary.txt``.
 
-    With ``torch.distributed`` initialised every rank must call it (one ``all_gather_object``).
+    Safe to call from one rank (``if rank == 0: mtq.print_quant_summary(model)``): by default it enters no collective
+    and the expert table lists this rank's local experts (the header says which global experts they are).
+
+    Args:
+        model: a quantized model (wrappers are fine).
+        output_dir: write the summary to ``output_dir/.quant_summary.txt`` instead of printing it.
+        file: where to print (``sys.stdout`` by default; ``False``: print nothing, only return the text).
+        gather: a collective: every rank must call it. The expert table then holds every expert of every rank
+            (one ``all_gather_object``), the same at any tensor / expert parallel layout.
+
+    Returns:
+        The summary text (on every rank).
     """
     lines = []
     enabled = total = 0
@@ -283,7 +306,8 @@ def print_quant_summary(model: nn.Module, output_dir: str | None = None, file=No
         total += 1
         lines.append(f"{name:<80} {q.extra_repr()}")
     rows = _expert_amax_rows(model)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if gather and distributed:
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, rows)
         rows = {}
@@ -291,7 +315,10 @@ def print_quant_summary(model: nn.Module, output_dir: str | None = None, file=No
             for name, cells in part.items():
                 rows.setdefault(name, {}).update(cells)
     if rows:
-        lines.append("expert amax by global expert index:")
+        experts = sorted({g for cells in rows.values() for g in cells})
+        scope = "every rank's experts" if gather or not distributed else \
+            f"rank {dist.get_rank()}'s local experts only; gather=True for every rank's"
+        lines.append(f"expert amax by global expert index ({scope}: {_ranges(experts)}):")
         for name, cells in rows.items():
             lines.append(f"  {name:<78} " + " ".join(f"{g}:{cells[g]}" for g in sorted(cells)))
     lines.append(f"{enabled} of {total} quantizers enabled")

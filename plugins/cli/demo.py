@@ -271,7 +271,7 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     with torch.no_grad():
         saved_logits = mm.gather_logits(student, probe)
     saved_state = mm.global_state(student)
-    summary = mtq.print_quant_summary(student, file=False)  # every rank: it gathers every expert to rank 0
+    summary = mtq.print_quant_summary(student, file=False, gather=True)  # every rank: it gathers every expert
     stats = gather_expert_stats(student)
     del student, teacher
     mm.init_model_parallel(tp, ep, seed=opts["seed"])  # fresh process groups, the same layout

@@ -161,7 +161,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         calib = _batches(opts, "calib", opts["calib_batches"], 0, vocab)
         student.eval()
         mtq.quantize(student, mtq.load_config(opts["config"]), calibration_loop(rank, calib))
-    summary = mtq.print_quant_summary(student, file=False)
+    summary = mtq.print_quant_summary(student, file=False, gather=True)  # every rank calls it
     say(rank, summary)
     model = distillation_model(student, teacher, temperature=opts["temperature"],
                                lm_loss_weight=opts["lm_weight"]) if teacher is not None else student

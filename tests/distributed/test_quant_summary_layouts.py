@@ -18,13 +18,14 @@ def _summaries(rank, world_size):
         model = mm.build_moe_gpt(num_experts=8, seed=3).eval()
         cfg = mtq.load_config("nvfp4_experts.yaml")
         mtq.quantize(model, cfg, lambda m: [mm.lm_loss(m, b) for b in calib])
-        tables[(tp, ep)] = mtq.print_quant_summary(model, file=False)  # a collective: every rank calls it
+        tables[(tp, ep)] = mtq.print_quant_summary(model, file=False, gather=True)  # a collective: every rank
         mm.destroy_model_parallel()
     return tables
 
 
 def _expert_rows(summary: str) -> dict[str, dict[int, float]]:
-    table = summary.split("expert amax by global expert index:\n", 1)[1]
+    assert "expert amax by global expert index (every rank's experts: 0-7):" in summary
+    table = summary.split("):\n", 1)[1]
     rows = {}
     for line in table.splitlines()[:-1]:  # the last line counts the enabled quantizers
         name, cells = line.split(None, 1)
