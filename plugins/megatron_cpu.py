@@ -1,43 +1,50 @@
-"""The few patches megatron-core 0.19.2 needs to run on a CPU-only machine (gloo). Never used with CUDA.
+"""Megatron-Core 0.19 on a machine without CUDA: build, train, checkpoint and export Megatron models in CPU
+processes (gloo), e.g. to try a training script on a laptop or in CI before it runs on GPUs.
 
-This is the ONLY module of the project that patches torch (for the tests and the demo). ``apply_cpu_shims()`` is
-called in every process that builds a Megatron model without CUDA (``modelopt_moe.plugins.testing.megatron_models``
-does it for you); it does nothing when ``torch.cuda.is_available()``, so the GPU path always runs unpatched torch.
+    from modelopt_moe.plugins.megatron_cpu import enable_cpu_megatron
 
-Each patch, and why it is needed:
+    enable_cpu_megatron()  # first, before megatron.core is imported; does nothing where CUDA is available
 
+Megatron calls CUDA in places that have a CPU meaning; :func:`enable_cpu_megatron` gives them that meaning for the
+rest of the process, and does nothing where ``torch.cuda.is_available()`` (the GPU path always runs unpatched torch
+and Megatron). This is the only module of the project that patches torch. It imports torch only.
+
+What it does, each for one reason:
+
+* hides Transformer Engine and Apex from imports (``import transformer_engine`` raises ``ModuleNotFoundError``):
+  where they are installed but CUDA is not usable (GPUs hidden with ``CUDA_VISIBLE_DEVICES=""``), Megatron would
+  pick their CUDA kernels (the MoE router's GEMM, fused Adam, multi-tensor helpers) and fail with "No CUDA GPUs are
+  available"; hidden, Megatron takes its own torch code, as on a machine without them. Hence "before
+  megatron.core is imported": a Megatron that already bound them is refused with that advice;
 * ``torch.cuda.current_device()`` -> ``torch.device("cpu")``: Megatron passes it as ``device=`` when it allocates
-  tensors (RoPE frequencies, the MoE router and token dispatcher, tensor-parallel communication buffers, the
-  dist-checkpoint saver). On a CPU build the real function raises ("Torch not compiled with CUDA enabled").
-  Returning a CPU *device object* (rather than an index) makes every ``device=torch.cuda.current_device()`` land
-  on the CPU, which is what we want.
-* ``torch.cuda.synchronize()`` -> no-op: ``dist_checkpointing.save`` and a few timers call it to wait for GPU
-  work; on CPU all work is already synchronous.
+  tensors (RoPE frequencies, the MoE router and token dispatcher, tensor-parallel buffers, the dist-checkpoint
+  saver); on a CPU build the real function raises ("Torch not compiled with CUDA enabled");
+* ``torch.cuda.synchronize()`` -> no-op: ``dist_checkpointing.save`` and timers wait for GPU work;
+* for Megatron's training machinery (``DistributedDataParallel``, ``get_megatron_optimizer``, ``clip_grads``, the
+  pipeline schedules, ``save_sharded_checkpoint(..., optimizer=...)``): the patches of
+  :func:`megatron_training_shims` (a ``TorchFunctionMode`` that maps ``device="cuda"`` to the CPU, ``Tensor.cuda()``
+  to the tensor itself and ``Tensor.type()`` to the ``torch.cuda.<X>Tensor`` name Megatron's optimizers compare
+  with; dummy CUDA streams and events). :func:`enable_cpu_megatron` keeps them on for the whole process (in the
+  thread that called it); the context manager scopes them to a block.
 
-What is deliberately *not* patched:
-
-* The CUDA RNG: use ``tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)``; that
-  tracker keeps no CUDA RNG state (``init_model_parallel`` in ``megatron_models.py`` does it).
-* CUDA streams/events: only Megatron's alltoall token dispatcher creates them; use the allgather dispatcher.
-* The non-TE norm's refusal of ``sequence_parallel``: solved without patching, by building the norms from our own
-  builder in the layer spec (``megatron_models.sequence_parallel_norm``).
-
-Megatron's *training machinery* (``DistributedDataParallel``, ``get_megatron_optimizer`` with its Float16 / FP32 /
-distributed optimizers, gradient clipping, the pipeline schedules) needs more, and only while it runs:
-:func:`megatron_training_shims` is a context manager for that (see its docstring for each patch and why). It is
-scoped (entered around building the wrappers and optimizer and around each training step) rather than applied
-for the whole process, because its ``TorchFunctionMode`` sees every torch call made inside it.
+Not patched: the CUDA RNG (seed Megatron with ``tensor_parallel.model_parallel_cuda_manual_seed(seed,
+inference_rng_tracker=True)``, which keeps no CUDA RNG state); CUDA streams of the alltoall token dispatcher (use
+``moe_token_dispatcher_type="allgather"``); the non-TE norm's refusal of ``sequence_parallel`` (build the norms with
+``modelopt_moe.plugins.megatron.norms.sequence_parallel_norm``). ``modelopt_moe.export.build_megatron_model`` sets
+all three on a machine without CUDA.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import sys
 from collections.abc import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["apply_cpu_shims", "cpu_shims_applied", "megatron_training_shims"]
+__all__ = ["enable_cpu_megatron", "apply_cpu_shims", "cpu_shims_applied", "megatron_training_shims"]
 
 # Marker attribute set on torch.cuda once the shims are in, so a second call (or a second importer) is a no-op.
 _MARKER = "_modelopt_moe_cpu_shims"
@@ -58,20 +65,51 @@ def cpu_shims_applied() -> bool:
     return bool(getattr(torch.cuda, _MARKER, False))
 
 
-def apply_cpu_shims() -> bool:
-    """Patch ``torch.cuda`` so megatron-core runs on CPU; idempotent; a no-op when CUDA is available.
+# Packages whose kernels need CUDA and which Megatron uses whenever they import (see the module docstring).
+GPU_ONLY_PACKAGES = ("transformer_engine", "transformer_engine_torch", "apex")
 
-    Call it in every process before building a Megatron model on a CPU-only machine (before or after importing
-    megatron.core: Megatron looks the functions up on ``torch.cuda`` at call time).
+
+class _HideGpuOnlyPackages(importlib.abc.MetaPathFinder):
+    """Makes ``import transformer_engine`` (and Apex) fail as if not installed (Megatron then takes its torch code)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in GPU_ONLY_PACKAGES:
+            raise ModuleNotFoundError(f"{fullname} is hidden in this process: it needs CUDA, and Megatron runs on "
+                                      "CPU here (modelopt_moe.plugins.megatron_cpu)", name=fullname)
+        return None
+
+
+def _hide_gpu_only_packages() -> None:
+    imported = sorted(name for name in sys.modules if name.split(".")[0] in GPU_ONLY_PACKAGES)
+    if imported:
+        raise RuntimeError(
+            f"Megatron on CPU: {imported[0]} was imported before the CPU setup, and Megatron would call its CUDA "
+            "kernels (e.g. the MoE router's GEMM: 'No CUDA GPUs are available'). Call "
+            "modelopt_moe.plugins.megatron_cpu.enable_cpu_megatron() first, before importing megatron.core")
+    if not any(isinstance(f, _HideGpuOnlyPackages) for f in sys.meta_path):
+        sys.meta_path.insert(0, _HideGpuOnlyPackages())
+
+
+def apply_cpu_shims() -> bool:
+    """Patch ``torch.cuda`` so megatron-core builds and runs models on CPU, and hide Transformer Engine and Apex;
+    idempotent; a no-op when CUDA is available. :func:`enable_cpu_megatron` does this and more (training).
+
+    Call it in every process before building a Megatron model on a CPU-only machine, before importing megatron.core
+    where Transformer Engine or Apex are installed (without them, before or after: Megatron looks the patched
+    functions up on ``torch.cuda`` at call time).
 
     Returns:
         True if the shims are in effect in this process (applied now or before), False if CUDA is available and
         nothing was patched.
+
+    Raises:
+        RuntimeError: Transformer Engine or Apex is already imported (Megatron would use its CUDA kernels).
     """
     if torch.cuda.is_available():
         return False
     if cpu_shims_applied():
         return True
+    _hide_gpu_only_packages()
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = _cpu_synchronize
     setattr(torch.cuda, _MARKER, True)
@@ -204,3 +242,32 @@ def megatron_training_shims() -> Iterator[bool]:
     finally:
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
+
+
+_enabled_mode: _CudaAsCpuMode | None = None
+
+
+def enable_cpu_megatron() -> bool:
+    """Lets Megatron-Core build, train (DDP, ``get_megatron_optimizer``, the schedules), checkpoint and export models
+    in this process on a machine without CUDA; a no-op where CUDA is available. Idempotent.
+
+    Call it first, before importing megatron.core (Transformer Engine and Apex, where installed, must stay out of
+    Megatron on CPU). Every patch, and why, is in the module docstring; they stay for the rest of the process (the
+    ``TorchFunctionMode`` for the calling thread).
+
+    Returns:
+        True if Megatron runs on CPU in this process (set up now or before), False where CUDA is available and
+        nothing was changed.
+
+    Raises:
+        RuntimeError: Transformer Engine or Apex was imported already (the message says what to do).
+    """
+    global _enabled_mode
+    if not apply_cpu_shims():
+        return False
+    if _enabled_mode is None:
+        for name, value in _TRAINING_PATCHES.items():
+            setattr(torch.cuda, name, value)
+        _enabled_mode = _CudaAsCpuMode()
+        _enabled_mode.__enter__()  # pushed for good: the process runs Megatron on CPU from here on
+    return True

@@ -175,11 +175,9 @@ def _raise_agreed(error: str | None) -> None:
 
 
 def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
+    from ..progress import progress  # a bar on a terminal, periodic lines in a log
 
-    return tqdm(total=total, desc="export", unit="layer")
+    return progress(total, "export", unit="layer", enabled=enabled)
 
 
 def _write_record(writer: CheckpointWriter, family: Family, rec, scheme, fmt: str, dtype, expected: set,

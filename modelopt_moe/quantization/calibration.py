@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..progress import progress
 from .config import MaxCalibConfig, normalize_algorithm
 from .conversion import is_quantized, named_quantizers, rule_name
 from .modelopt_compat import COMPAT_DOC
@@ -76,16 +77,15 @@ def sync_amax(model: nn.Module, groups: dict) -> None:
 
 
 class _ForwardCounter:
-    """A tqdm bar on rank 0 counting forward calls; it appears only once calibration runs longer than 2 s."""
+    """Progress on rank 0 counting forward calls, shown once calibration runs longer than 2 s: a bar on a terminal,
+    a line every 30 s in a log (:func:`modelopt_moe.progress.progress`)."""
 
     def __init__(self, model: nn.Module):
         self.model, self.bar, self.handle = model, None, None
 
     def __enter__(self):
         if is_rank0():
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(desc="calibrating", unit="batch", delay=2.0, leave=False)
+            self.bar = progress(None, "calibrating", unit="batch", delay=2.0, leave=False)
             self.handle = self.model.register_forward_hook(self._count)
         return self
 

@@ -80,10 +80,12 @@ class ExpertQuantizer(TensorQuantizer):
         num_experts: N, the local experts.
         layout: ``shared``, ``vectorized`` or ``per_expert`` (see the module docstring).
         quant_attribute_cfg: the format; ``axis`` must be None (per tensor) or 0 (per output channel).
+        config_name: the config's name for this layout, shown by summaries where it differs (``input_amax:
+            per_expert`` is kept ``vectorized``: inputs get no per-expert child quantizers).
     """
 
     def __init__(self, num_experts: int, layout: str = "vectorized",
-                 quant_attribute_cfg: QuantizerAttributeConfig | None = None):
+                 quant_attribute_cfg: QuantizerAttributeConfig | None = None, *, config_name: str | None = None):
         if layout not in EXPERT_LAYOUTS:
             raise ValueError(f"ExpertQuantizer: layout must be one of {EXPERT_LAYOUTS}, got {layout!r}")
         if num_experts < 1:
@@ -91,6 +93,7 @@ class ExpertQuantizer(TensorQuantizer):
         super().__init__(quant_attribute_cfg)
         self.num_experts = num_experts
         self.layout = layout
+        self.config_name = config_name or layout
         # Rows each expert calibrated on (its tokens, for an input quantizer; not counted for `shared`, which sees
         # every expert's rows at once): reports mark the experts that saw none.
         self.calibrated_rows: torch.Tensor | None = None
@@ -351,7 +354,7 @@ class ExpertQuantizer(TensorQuantizer):
             destination.pop(prefix + "_amax", None)
 
     def _repr_head(self) -> list[str]:
-        return [self.layout, f"{self.num_experts} experts"]
+        return [self.config_name, f"{self.num_experts} experts"]
 
     def _amax_repr(self) -> str:
         if self._amax is None:

@@ -27,6 +27,10 @@ class ExpertStats:
         input_seen: whether the expert calibrated on at least one token (None where the layout does not count).
         weight_error_own: relative squared error of the weights fake-quantized with the expert's own amax.
         weight_error_shared: the same with one amax for the GEMM (the max over all its experts).
+        weight_format: the weight quantizer's format (``nvfp4``, ``e4m3``, ``int8``, ...).
+        weight_block_size: its block size (None: per tensor or channel). With blocks, each block has its own scale
+            and the amax only sets the range of those scales (NVFP4) or is not used (INT blocks): one amax for all
+            experts then costs little.
     """
 
     num_experts: dict[str, int] = field(default_factory=dict)
@@ -35,6 +39,8 @@ class ExpertStats:
     input_seen: dict[str, list[bool] | None] = field(default_factory=dict)
     weight_error_own: dict[str, list[float]] = field(default_factory=dict)
     weight_error_shared: dict[str, list[float]] = field(default_factory=dict)
+    weight_format: dict[str, str] = field(default_factory=dict)
+    weight_block_size: dict[str, int | None] = field(default_factory=dict)
 
 
 def _gather(local: dict) -> list[dict]:
@@ -98,6 +104,9 @@ def gather_expert_stats(model: nn.Module, errors: bool = True) -> ExpertStats | 
     for gemm_name, (gemm, grid) in gemms.items():
         n = grid.ep_size * gemm.num_local
         stats.num_experts[gemm_name] = n
+        wq = gemm.quantizers.weight_quantizer
+        if wq.is_enabled:
+            stats.weight_format[gemm_name], stats.weight_block_size[gemm_name] = wq.fmt, wq.block_size
         for kind, table in (("weight_quantizer", stats.weight_amax), ("input_quantizer", stats.input_amax)):
             values = [amax.get((gemm_name, kind, g)) for g in range(n)]
             if all(v is not None for v in values):

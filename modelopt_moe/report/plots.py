@@ -30,26 +30,56 @@ def _save(fig, path: str | Path) -> Path:
 
 
 def loss_curves(curves: Mapping[str, Sequence[tuple[int, float]]], path: str | Path, *,
-                title: str = "Training loss", references: Mapping[str, float] | None = None) -> Path:
+                title: str = "Training loss", references: Mapping[str, Mapping[str, float]] | None = None,
+                held_out: Mapping[str, tuple[float, float | None]] | None = None,
+                log_panels: Sequence[str] = ()) -> Path:
     """One panel per phase (``{label: [(step, loss), ...]}``, steps continuing across phases), each on its own y
-    scale (an LM loss of ~2.5 and a KL of ~1e-3 do not share an axis); dashed horizontal lines in the first panel
-    for reference losses (``{label: loss}``, e.g. the bf16 and PTQ evaluation losses)."""
+    scale (an LM loss of ~2.5 and a KL of ~1e-4 do not share an axis).
+
+    Args:
+        curves: the training curves, one panel each.
+        path: the PNG to write.
+        title: the figure's title.
+        references: ``{panel label: {line label: value}}``: horizontal lines in that panel (e.g. the held-out KL
+            before and after QAD in the QAD panel), each in its own colour and dash, its value in the legend; the y
+            axis takes them in.
+        held_out: ``{label: (mean, noise)}``: a last panel of points with error bars (e.g. the held-out loss of
+            the teacher, the PTQ and the QAD model), its y axis fitted to them, so a difference of 1e-3 on a loss
+            of 3.5 is visible (as horizontal lines in a training panel, they would lie on top of each other).
+        log_panels: panel labels drawn on a log y scale (a KL that falls by orders of magnitude).
+    """
     plt = _plt()
     from matplotlib.ticker import MaxNLocator
 
     phases = [(label, points) for label, points in curves.items() if points]
-    fig, axes = plt.subplots(1, max(1, len(phases)), figsize=(5.2 * max(1, len(phases)), 4.2), squeeze=False)
+    n = max(1, len(phases) + bool(held_out))
+    fig, axes = plt.subplots(1, n, figsize=(5.2 * n, 4.2), squeeze=False)
+    dashes = ("--", ":", "-.", (0, (5, 1)))
     for i, (ax, (label, points)) in enumerate(zip(axes.flat, phases, strict=False)):
         steps, losses = zip(*points, strict=True)
-        ax.plot(steps, losses, marker="o" if len(points) < 40 else None, markersize=3, color=f"C{i}", label=label)
-        if i == 0:
-            for j, (ref, value) in enumerate((references or {}).items()):
-                ax.axhline(value, linestyle=("--", ":")[j % 2], linewidth=1.2, color=f"C{j + len(phases)}",
-                           label=f"{ref}: {value:.4f}")
+        ax.plot(steps, losses, marker="o" if len(points) < 40 else None, markersize=3, color=f"C{i}",
+                label=f"{label} (training batches)")
+        for j, (ref, value) in enumerate((references or {}).get(label, {}).items()):
+            ax.axhline(value, linestyle=dashes[j % len(dashes)], linewidth=1.6, color=f"C{j + len(phases) + 1}",
+                       label=f"{ref}: {value:.4g}")
+        if label in log_panels:
+            ax.set_yscale("log")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("loss (nats / token)")
         ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if held_out:
+        ax = axes.flat[len(phases)]
+        for i, (label, (mean, noise)) in enumerate(held_out.items()):
+            ax.errorbar([i], [mean], yerr=[noise or 0.0], fmt="o", capsize=6, markersize=7, color=f"C{i}",
+                        label=f"{label}: {mean:.5g}" + (f" ± {noise:.2g}" if noise else ""))
+        ax.set_xticks(range(len(held_out)), list(held_out), fontsize=8)
+        ax.set_xlim(-0.6, len(held_out) - 0.4)
+        ax.set_ylabel("held-out loss (nats / token)")
+        ax.set_title("held-out loss (mean ± standard error over batches)", fontsize=10)
+        ax.ticklabel_format(axis="y", useOffset=False)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
@@ -81,30 +111,31 @@ def expert_amax_heatmap(rows: Sequence[str], amax: Sequence[Sequence[float]], pa
 
 
 def expert_weight_errors(shared: Sequence[float], per_expert: Sequence[float], path: str | Path, *,
-                         title: str = "Weight quantization error per expert") -> Path:
-    """Side-by-side bars per global expert: relative quantization error with one amax for all experts (``shared``)
-    and with each expert's own (``per_expert``)."""
+                         title: str = "Weight quantization error per expert", note: str | None = None) -> Path:
+    """Per global expert, the relative quantization error with one amax for all experts (``shared``) and with each
+    expert's own (``per_expert``), as points: the y axis is fitted to the values (from 0, bars of nearly equal
+    errors would hide their differences). ``note``: a line under the title (e.g. why the two are close)."""
     plt = _plt()
     import numpy as np
 
     x = np.arange(len(shared))
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(shared) + 3), 4))
-    ax.bar(x - 0.2, shared, width=0.4, label="shared amax (one per layer)")
-    ax.bar(x + 0.2, per_expert, width=0.4, label="per-expert amax")
+    fig, ax = plt.subplots(figsize=(max(6.5, 0.5 * len(shared) + 3), 4.4))
+    ax.plot(x, shared, "o-", color="C3", markersize=6, linewidth=1, label="shared amax (one per layer)")
+    ax.plot(x, per_expert, "s--", color="C0", markersize=5, linewidth=1, label="per-expert amax")
     ax.set_xticks(x, [str(e) for e in x])
     ax.set_xlabel("global expert")
     ax.set_ylabel("relative MSE  |Q(w) - w|² / |w|²")
-    ax.set_title(title)
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_ylim(0, 1.3 * max([*shared, *per_expert, 1e-12]))  # room for the legend above the bars
-    ax.legend(fontsize=8, loc="upper right", ncol=2)
+    ax.set_title(title if note is None else f"{title}\n{note}", fontsize=10 if note is None else 9)
+    ax.grid(alpha=0.3)
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3), useOffset=False)
+    ax.legend(fontsize=8)
     return _save(fig, path)
 
 
 def expert_input_amax(panels: Mapping[str, tuple[Sequence[float], Sequence[bool]]], path: str | Path, *,
                       title: str = "Input amax per expert") -> Path:
-    """One bar panel per GEMM (``{label: (amax per global expert, saw_tokens per global expert)}``); experts that saw
-    no calibration token (they take the shared amax) are hatched and listed in the panel title."""
+    """One bar panel per GEMM (``{label: (amax per global expert, saw_tokens per global expert)}``), on a log scale;
+    experts that saw no calibration token (they take the shared amax) are hatched and listed in the panel title."""
     plt = _plt()
     import numpy as np
 
@@ -123,8 +154,9 @@ def expert_input_amax(panels: Mapping[str, tuple[Sequence[float], Sequence[bool]
         ax.set_title(f"{label}" + (f"  (no tokens: experts {unseen})" if unseen else ""), fontsize=9)
         ax.set_xticks(x, [str(e) for e in x], fontsize=7)
         ax.set_xlabel("global expert", fontsize=8)
-        ax.set_ylabel("input amax", fontsize=8)
-        ax.grid(axis="y", alpha=0.3)
+        ax.set_ylabel("input amax (log scale)", fontsize=8)
+        ax.set_yscale("log", nonpositive="clip")  # amaxes span decades: a linear axis hides the small experts
+        ax.grid(axis="y", which="both", alpha=0.3)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     fig.suptitle(title)

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from . import plots
+from .outcome import mean_and_noise
 
 __all__ = ["write_report", "short_gemm_name"]
 
@@ -22,37 +23,92 @@ def short_gemm_name(name: str) -> str:
     return f"layer {layer} {gemm}"
 
 
-def _fmt(x, digits: int = 4) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+def _fmt(x) -> str:
+    """Five significant digits: a KL of 1.2e-05 stays 1.2e-05 (not 0.0000), a loss of 3.5292 stays 3.5292."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:.5g}" if isinstance(x, (int, float)) else str(x)
+
+
+def _held_out(run: dict) -> tuple[list[str], dict[str, tuple[float, float | None]]]:
+    """The held-out table (mean ± noise per model, loss and KL) and the loss points for the plot."""
+    ev = run.get("eval") or {}
+    if not ev:
+        return [], {}
+    n = len(next(iter(ev.values()))["loss"])
+    md = ["", f"## Held out ({n} batches: mean ± standard error)", "", "| | loss | KL to the teacher |",
+          "|---|---|---|"]
+    points = {}
+    for label, values in ev.items():
+        cells = []
+        for key in ("loss", "kl"):
+            if values.get(key) is None:
+                cells.append("-" if key == "kl" else "n/a")
+                continue
+            mean, noise = mean_and_noise(values[key])
+            cells.append(f"{mean:.5g}" + ("" if math.isnan(noise) else f" ± {noise:.2g}"))
+            if key == "loss":
+                points[label] = (mean, None if math.isnan(noise) else noise)
+        md.append(f"| {label} | {cells[0]} | {cells[1]} |")
+    outcome = run.get("outcome")
+    if outcome:
+        md += ["", f"**What QAD did:** {outcome['text']}."]
+    return md, points
+
+
+def _weight_error_note(stats: dict) -> str | None:
+    """Why a per-expert amax may look no better than a shared one: block-scaled formats."""
+    blocks = {(stats.get("weight_format") or {}).get(k): b for k, b in (stats.get("weight_block_size") or {}).items()
+              if b}
+    if not blocks:
+        return None
+    fmt, size = next(iter(blocks.items()))
+    if fmt == "nvfp4":
+        return (f"NVFP4: every block of {size} weights has its own E4M3 scale; the per-tensor amax only sets the "
+                "range of those block scales, so a per-expert amax changes the error little")
+    return (f"{fmt} in blocks of {size}: every block has its own scale from its own values; the per-tensor amax does "
+            "not set the step sizes, so a per-expert amax changes the error little")
 
 
 def write_report(run: dict, out_dir: str | Path) -> list[Path]:
     """Writes ``report.md`` and the PNG plots of ``run`` into ``out_dir``; returns the written paths.
 
-    ``run`` keys used: ``title``, ``setup`` (lines), ``stages`` (one line each), ``losses`` (name -> number),
-    ``curves`` (label -> [[step, loss], ...]), ``stats`` (:class:`~.expert_stats.ExpertStats` as a dict),
-    ``summary`` (the quantizer summary text).
+    ``run`` keys used (all optional but ``stages``): ``title``, ``setup`` (lines), ``stages`` (one line each),
+    ``losses`` (name -> number), ``eval`` (model -> ``{"loss": [per batch], "kl": [per batch] or None}``), ``outcome``
+    (:func:`~.outcome.qad_outcome`), ``curves`` (label -> [[step, loss], ...]), ``stats``
+    (:class:`~.expert_stats.ExpertStats` as a dict), ``summary`` (the quantizer summary text).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     curves = {k: [tuple(p) for p in v] for k, v in run.get("curves", {}).items()}
-    refs = {k: v for k, v in run.get("losses", {}).items() if k in ("bf16 teacher (held out)", "PTQ (held out)")}
+    losses = run.get("losses", {})
+    held_md, held_points = _held_out(run)
+    qad_panel = next((k for k in curves if k.startswith("QAD")), None)
+    refs = {}
+    if qad_panel and "KL to teacher after PTQ" in losses and "KL to teacher after QAD" in losses:
+        refs[qad_panel] = {"held-out KL after PTQ": losses["KL to teacher after PTQ"],
+                           "held-out KL after QAD": losses["KL to teacher after QAD"]}
     if curves:
-        written.append(plots.loss_curves(curves, out / "loss_curve.png", title="Training loss: bf16 teacher, then QAD",
-                                         references=refs))
+        if not held_points:  # an older record: the held-out losses as they were recorded
+            held_points = {k: (v, None) for k, v in losses.items() if k in ("bf16 teacher (held out)",
+                                                                            "PTQ (held out)", "QAD (held out)")}
+        written.append(plots.loss_curves(curves, out / "loss_curve.png",
+                                         title="bf16 teacher training, QAD, and the held-out loss of each model",
+                                         references=refs, held_out=held_points))
     stats = run.get("stats") or {}
     wa = stats.get("weight_amax") or {}
     if wa:
         written.append(plots.expert_amax_heatmap([short_gemm_name(k) for k in wa], list(wa.values()),
                                                  out / "expert_weight_amax.png",
-                                                 title="Expert weight amax (layer x global expert)"))
+                                                 title="Expert weight amax (layer x global expert, every rank's)"))
     own, shared = stats.get("weight_error_own") or {}, stats.get("weight_error_shared") or {}
     if own:
         n = len(next(iter(own.values())))
         mean = lambda table: [sum(v[e] for v in table.values()) / len(table) for e in range(n)]  # noqa: E731
         written.append(plots.expert_weight_errors(mean(shared), mean(own), out / "expert_weight_error.png",
-                                                  title="Weight quantization error per expert (mean over layers)"))
+                                                  title="Weight quantization error per expert (mean over layers)",
+                                                  note=_weight_error_note(stats)))
     ia, seen = stats.get("input_amax") or {}, stats.get("input_seen") or {}
     if ia:
         panels = {short_gemm_name(k): (v, seen.get(k) or [True] * len(v)) for k, v in ia.items()}
@@ -62,11 +118,12 @@ def write_report(run: dict, out_dir: str | Path) -> list[Path]:
     md += [f"- {line}" for line in run.get("setup", [])]
     md += ["", "## What each stage proved", ""]
     md += [f"{i + 1}. {line}" for i, line in enumerate(run.get("stages", []))]
-    md += ["", "## Losses", "", "| | value |", "|---|---|"]
-    md += [f"| {k} | {_fmt(v)} |" for k, v in run.get("losses", {}).items()]
+    md += held_md
+    md += ["", "## Numbers", "", "| | value |", "|---|---|"]
+    md += [f"| {k} | {_fmt(v)} |" for k, v in losses.items()]
     md += ["", "## Plots", ""]
     md += [f"![{p.stem}]({p.name})" for p in written]
     if run.get("summary"):
-        md += ["", "## Quantizers", "", "```", run["summary"].rstrip(), "```"]
+        md += ["", "## Quantizers (every rank's experts, by global index)", "", "```", run["summary"].rstrip(), "```"]
     (out / "report.md").write_text("\n".join(md) + "\n")
     return [out / "report.md", *written]

@@ -25,11 +25,21 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; returns the exit code. Flags without a command run ``demo``."""
+    """Console entry point; returns the exit code. Flags without a command (``modelopt-moe --steps 5``) run
+    ``demo``; an unknown command is an error that names the commands.
+
+    Each command parses its flags before it imports torch or Megatron, so ``--help`` and usage errors answer at
+    once (argparse exits with code 2 on a usage error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__.strip())
         return 0
-    command = argv[0] if argv and argv[0] in COMMANDS else "demo"
-    rest = argv[1:] if argv and argv[0] in COMMANDS else argv
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        print(f"usage: modelopt-moe {{{','.join(COMMANDS)}}} [flags]\nmodelopt-moe: error: unknown command "
+              f"{argv[0]!r}; the commands are {', '.join(COMMANDS)} (modelopt-moe --help)", file=sys.stderr)
+        return 2
+    command, rest = (argv[0], argv[1:]) if argv and argv[0] in COMMANDS else ("demo", argv)
+    from .noise import hide_known_warnings
+
+    hide_known_warnings()  # this process's own imports (the command's ranks hide them in theirs)
     return importlib.import_module(COMMANDS[command]).main(rest)

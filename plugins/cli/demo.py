@@ -10,9 +10,11 @@
 5. export: compressed-tensors and NVIDIA Model Optimizer formats; ``transformers`` loads the first;
 6. report: ``<out>/report.md`` with the numbers, the quantizer summary and PNG plots.
 
-On CPU (the default without GPUs) it runs 4 gloo processes at TP=2 x EP=2 with the Megatron-Core local spec; with
-enough GPUs, one process per GPU with Transformer Engine experts (``TEGroupedMLP``) and the Triton kernels. Under
-``torchrun`` / ``srun`` it runs in the launcher's processes.
+The layout fits the machine unless flags say otherwise (the first output line says which): one process per visible
+GPU with Transformer Engine experts (``TEGroupedMLP``) and the Triton kernels, TP and EP chosen to divide the
+process count and the 8 experts (1 GPU: TP=1 x EP=1; 8 GPUs: TP=2 x EP=4); without GPUs (or with ``--cpu``) 4 gloo
+processes at TP=2 x EP=2 with the Megatron-Core local spec, Transformer Engine kept out. Under ``torchrun`` /
+``srun`` it runs in the launcher's processes.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .noise import print_warnings
 from .ranks import (
+    LayoutError,
     add_layout_args,
     calibration_loop,
     check_layout,
     prints_here,
     progress,
-    quiet_third_party,
     run_ranks,
     say,
 )
@@ -69,13 +72,22 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run (default: %(default)s)")
     add_layout_args(p)
     args = p.parse_args(argv)
-    args.layout = check_layout(p, args)
     for name in ("steps", "train_steps", "batch_size", "seq_len", "num_calib_batches", "num_eval_batches"):
         if getattr(args, name) < (0 if name in ("steps", "train_steps") else 1):
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name in ('steps', 'train_steps') else 1}")
-    if args.seq_len % args.tp:
-        p.error(f"--seq-len {args.seq_len} must be a multiple of --tp {args.tp} (sequence parallelism)")
+    model = _model_config()
+    # Sequence parallelism splits the sequence over TP; attention heads, KV heads and the vocabulary split over it too.
+    args.layout = check_layout(p, args, num_experts=model["num_experts"], tp_divides={
+        "--seq-len": args.seq_len, "the model's num_key_value_heads": model["num_key_value_heads"],
+        "the model's num_attention_heads": model["num_attention_heads"], "the model's vocab_size": model["vocab_size"]})
     return args
+
+
+def _model_config() -> dict[str, Any]:
+    """The shipped model's Hugging Face config (read without importing torch: the layout depends on it)."""
+    from importlib import resources
+
+    return json.loads(resources.files("modelopt_moe.configs").joinpath(MODEL_CONFIG).read_text())
 
 
 def _prepare_out(out: Path) -> str | None:
@@ -109,19 +121,23 @@ def main(argv: list[str]) -> int:
             print(f"modelopt-moe demo: {problem}", file=sys.stderr)
             return 2
     if print_here:
-        print(f"modelopt-moe demo: {args.format} experts ({config}), {args.layout}", flush=True)
+        print(f"modelopt-moe demo: {args.layout.describe()}; {args.format} experts ({config})", flush=True)
     opts = {k: getattr(args, k) for k in ("format", "steps", "train_steps", "batch_size", "seq_len",
                                           "num_calib_batches", "num_eval_batches", "lr", "seed", "tp", "ep",
                                           "no_export", "train_all")}
     opts.update(config=config, out=str(out), gpus=args.layout.gpus)
     try:
-        results = run_ranks(_demo_rank, args.layout, args=(opts,), timeout=args.timeout)
+        ran = run_ranks(_demo_rank, args.layout, args=(opts,), timeout=args.timeout)
+    except LayoutError as e:
+        print(f"modelopt-moe demo: {e}", file=sys.stderr)
+        return 2
     except (RuntimeError, TimeoutError) as e:
         print(f"modelopt-moe demo: failed: {e}", file=sys.stderr)
         return 1
     if print_here:
-        r0 = results[0]
+        r0 = ran.results[0]
         print(f"\nreport: {r0['report']}", flush=True)
+        print_warnings(ran.warnings)
         return 0 if r0["ok"] else 1
     return 0
 
@@ -139,7 +155,7 @@ def _train(rank, trainer, batches, steps: int, desc: str, start: int = 0) -> lis
     for s in range(steps):
         loss = mt.train_step(trainer, [batches[s % len(batches)]])
         curve.append([start + s, loss])
-        bar.set_postfix(loss=f"{loss:.4f}")
+        bar.set_postfix(loss=f"{loss:.4g}")  # significant digits: a KL of 1e-5 is not 0.0000
         bar.update(1)
     bar.close()
     return curve
@@ -147,7 +163,6 @@ def _train(rank, trainer, batches, steps: int, desc: str, start: int = 0) -> lis
 
 def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
     """Every rank runs every stage (the same collectives in the same order); rank 0 prints and writes."""
-    quiet_third_party(rank)
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -161,13 +176,14 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     from modelopt_moe.plugins.testing import megatron_training as mt
     from modelopt_moe.quantization.config import preset_path
     from modelopt_moe.report import gather_expert_stats
+    from modelopt_moe.report.outcome import mean_and_noise, qad_outcome
 
     t_start = time.perf_counter()
     out, art = Path(opts["out"]), Path(opts["out"]) / "artifacts"
     spec = "te" if opts["gpus"] else "local"
     bs, seq, tp, ep = opts["batch_size"], opts["seq_len"], opts["tp"], opts["ep"]
     run: dict[str, Any] = {"title": "modelopt_moe demo: QAT of a MoE model, end to end", "stages": [], "losses": {},
-                           "curves": {}}
+                           "curves": {}, "format": opts["format"], "eval": {}}
     ok = True
 
     def stage(text: str) -> None:
@@ -192,7 +208,8 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     run["setup"] = [f"model: {MODEL_CONFIG} (Qwen3-MoE: {hf_config['num_hidden_layers']} layers, hidden "
                     f"{hf_config['hidden_size']}, {hf_config['num_experts']} experts top-"
                     f"{hf_config['num_experts_per_tok']}), Megatron-Core {spec} spec",
-                    f"{world_size} {'GPU' if opts['gpus'] else 'CPU'} ranks, TP={tp} EP={ep}",
+                    f"{world_size} {'GPU' if opts['gpus'] else 'CPU'} ranks, TP={tp} EP={ep}; held-out numbers: "
+                    f"means over {len(held_out)} batches of {bs} x {seq} tokens, ± their standard error",
                     f"data: English text from Python's standard library, byte tokens, {bs} x {seq} per step",
                     f"quantization: {opts['config']} ({opts['format']} experts)"]
 
@@ -210,6 +227,7 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     tp_group = parallel_state.get_tensor_model_parallel_group()
     bf16 = mm.loss_and_kl(teacher, held_out, None, tp_group)
     run["losses"]["bf16 teacher (held out)"] = bf16["loss"]
+    run["eval"]["bf16 teacher"] = {"loss": bf16["losses"]}
     curve = run["curves"]["bf16 teacher training"]
     stage(f"teacher: {opts['train_steps']} bf16 steps in Megatron's training loop (loss {curve[0][1]:.3f} -> "
           f"{curve[-1][1]:.3f}), saved as a Hugging Face checkpoint and imported back "
@@ -221,14 +239,17 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     import_hf(student, teacher_hf)
     student.eval()
 
-    mtq.quantize(student, mtq.load_config(opts["config"]), calibration_loop(rank, calib))
+    mtq.quantize(student, mtq.load_config(opts["config"]), calibration_loop(calib))
     ptq = mm.loss_and_kl(student, held_out, teacher, tp_group)
     qad_seen = qad[:opts["num_eval_batches"]]  # the KL that QAD minimises, on batches it trains on
     ptq_seen_kl = mm.loss_and_kl(student, qad_seen, teacher, tp_group)["kl"]
     run["losses"]["PTQ (held out)"] = ptq["loss"]
+    run["eval"]["PTQ"] = {"loss": ptq["losses"], "kl": ptq["kls"]}
     enabled = sum(q.is_enabled for e in iter_expert_quantizers(student) for q in [e.quantizer])
+    gap, gap_noise = mean_and_noise([q - b for q, b in zip(ptq["losses"], bf16["losses"], strict=True)])
     stage(f"PTQ: {enabled} expert quantizers ({opts['format']}) calibrated on {len(calib)} batches: held-out loss "
-          f"{ptq['loss']:.4f} ({ptq['loss'] - bf16['loss']:+.4f} vs bf16), KL to the teacher {ptq['kl']:.5f}")
+          f"{ptq['loss']:.5g} ({gap:+.2g}{'' if math.isnan(gap_noise) else f' ± {gap_noise:.2g}'} vs bf16), KL to "
+          f"the teacher {ptq['kl']:.3g}")
 
     # 3. QAD ----------------------------------------------------------------------------------------------------
     if not opts["train_all"]:
@@ -248,17 +269,14 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     run["losses"]["KL to teacher on QAD data, after QAD"] = qad_seen_kl
     run["losses"]["QAD (held out)"] = qad_eval["loss"]
     run["losses"]["KL to teacher after PTQ"], run["losses"]["KL to teacher after QAD"] = ptq["kl"], qad_eval["kl"]
-    # The gap to the bf16 model, measured where it is well defined: the KL to the teacher (0 for the teacher).
-    # The held-out loss difference of this small model is within its noise, and can be negative.
-    closed = 1.0 - qad_eval["kl"] / ptq["kl"] if ptq["kl"] > 0 else math.nan
-    run["losses"]["share of the PTQ gap (KL) closed"] = closed
-    gap = ptq["loss"] - bf16["loss"]
-    loss_note = (f"{100 * (ptq['loss'] - qad_eval['loss']) / gap:.0f}% of the PTQ loss gap closed" if gap > 0 else
-                 "PTQ cost no held-out loss here")
+    run["eval"]["QAD"] = {"loss": qad_eval["losses"], "kl": qad_eval["kls"]}
+    # Said plainly, with the noise of each difference (the spread over the held-out batches): a share of the loss
+    # gap closed only where that gap is larger than its noise, and a loss that got worse called worse.
+    outcome = qad_outcome(bf16["losses"], ptq["losses"], qad_eval["losses"], ptq["kls"], qad_eval["kls"])
+    run["outcome"] = outcome
     stage(f"QAD: {opts['steps']} steps training {trained_what} on the KL to the bf16 teacher (Megatron's schedule, "
-          f"fake-quantized weights reused within each step): KL on its data {ptq_seen_kl:.5f} -> {qad_seen_kl:.5f}, "
-          f"held-out KL {ptq['kl']:.5f} -> {qad_eval['kl']:.5f} ({100 * closed:.0f}% of the PTQ gap closed), "
-          f"held-out loss {qad_eval['loss']:.4f} ({loss_note})")
+          f"fake-quantized weights reused within each step): KL on its data {ptq_seen_kl:.3g} -> {qad_seen_kl:.3g}; "
+          f"{outcome['text']}")
 
     # 4. checkpoint ---------------------------------------------------------------------------------------------
     ckpt = art / "checkpoint"

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .ranks import add_layout_args, check_layout, prints_here, quiet_third_party, run_ranks
+from .noise import print_warnings
+from .ranks import LayoutError, add_layout_args, check_layout, prints_here, run_ranks
 
 __all__ = ["main"]
 
@@ -41,7 +42,6 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
 
 def _export_rank(rank: int, world_size: int, opts: dict[str, Any]) -> str:
     """One rank: rebuild the model, load the checkpoint (any layout), export (rank 0 writes)."""
-    quiet_third_party(rank)
     import torch
 
     from modelopt_moe.export import build_megatron_model, export_hf
@@ -80,14 +80,19 @@ def main(argv: list[str]) -> int:
         print(f"modelopt-moe export: {e}", file=sys.stderr)
         return 2
     if prints_here():
-        print(f"modelopt-moe export: {args.checkpoint} -> {args.out} ({args.format}), {args.layout}", flush=True)
+        print(f"modelopt-moe export: {args.checkpoint} -> {args.out} ({args.format}), {args.layout.describe()}",
+              flush=True)
     opts = {"checkpoint": str(Path(args.checkpoint)), "out": str(Path(args.out)), "format": args.format,
             "family": args.family, "hf_config": cfg, "dtype": args.dtype, "tp": args.tp, "ep": args.ep}
     try:
-        out = run_ranks(_export_rank, args.layout, args=(opts,), timeout=args.timeout)[0]
-    except RuntimeError as e:
+        ran = run_ranks(_export_rank, args.layout, args=(opts,), timeout=args.timeout)
+    except LayoutError as e:
+        print(f"modelopt-moe export: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, TimeoutError) as e:
         print(f"modelopt-moe export: failed: {e}", file=sys.stderr)
         return 1
     if prints_here():
-        print(f"wrote {out}", flush=True)
+        print(f"wrote {ran.results[0]}", flush=True)
+        print_warnings(ran.warnings)
     return 0

@@ -32,13 +32,14 @@ import inspect
 import sys
 from typing import Any
 
+from .noise import print_warnings
 from .ranks import (
+    LayoutError,
     add_layout_args,
     calibration_loop,
     check_layout,
     prints_here,
     progress,
-    quiet_third_party,
     run_ranks,
     say,
 )
@@ -76,7 +77,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--distill", action="store_true", help="QAD: distil from the frozen bf16 starting model")
     p.add_argument("--lm-weight", type=float, default=0.0, help="with --distill: weight of the LM loss added to the "
                                                                  "KL (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=1.0, help="with --distill: KL temperature")
+    p.add_argument("--temperature", type=float, default=1.0, help="with --distill: KL temperature (default: "
+                                                                  "%(default)s)")
     p.add_argument("--data", help="'module:function' giving the batches (see below; default: shipped text)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: %(default)s)")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (default: %(default)s)")
@@ -86,13 +88,16 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate, cosine-decayed to a tenth "
                                                           "(default: %(default)s)")
     p.add_argument("--save", help="checkpoint directory written at the end (and every --save-interval steps)")
-    p.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: at the end only)")
+    p.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (default: 0, at the end "
+                                                                "only)")
     p.add_argument("--export", help="write a Hugging Face checkpoint here at the end")
-    p.add_argument("--export-format", choices=["compressed-tensors", "modelopt"], default="compressed-tensors")
-    p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds for the whole run")
+    p.add_argument("--export-format", choices=["compressed-tensors", "modelopt"], default="compressed-tensors",
+                   help="format of --export: compressed-tensors (vLLM, transformers) or modelopt (NVIDIA Model "
+                        "Optimizer's: vLLM, SGLang, TensorRT-LLM) (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=24 * 3600.0,
+                   help="seconds for the whole run (default: %(default)s, a day)")
     add_layout_args(p)
     args = p.parse_args(argv)
-    args.layout = check_layout(p, args)
     if not (args.model_provider or args.hf):
         p.error("give --model-provider or --hf (the model to train)")
     if args.distill and args.load and not args.hf:
@@ -100,9 +105,30 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("steps", "micro_batches", "batch_size", "seq_len", "calib_batches"):
         if getattr(args, name) < (0 if name == "steps" else 1):
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'steps' else 1}")
-    if args.seq_len % args.tp:
-        p.error(f"--seq-len {args.seq_len} must be a multiple of --tp {args.tp} (sequence parallelism)")
+    model = _hf_model_config(args.hf)
+    # Sequence parallelism splits the sequence over TP; the heads and the vocabulary split over it too.
+    tp_divides = {"--seq-len": args.seq_len}
+    tp_divides.update({f"the model's {k}": model[k] for k in ("num_key_value_heads", "num_attention_heads",
+                                                                "vocab_size") if isinstance(model.get(k), int)})
+    experts = model.get("num_experts", model.get("num_local_experts"))
+    args.layout = check_layout(p, args, num_experts=experts if isinstance(experts, int) else None,
+                               tp_divides=tp_divides)
     return args
+
+
+def _hf_model_config(hf: str | None) -> dict[str, Any]:
+    """``--hf``'s config.json where it can be read (its sizes constrain the layout), else {} (the run reports it)."""
+    import json
+    from pathlib import Path
+
+    if hf is None:
+        return {}
+    path = Path(hf) / "config.json" if Path(hf).is_dir() else Path(hf)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def _build(opts: dict[str, Any]):
@@ -132,7 +158,6 @@ def _batches(opts: dict[str, Any], split: str, num_batches: int, offset: int, vo
 
 
 def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
-    quiet_third_party(rank)
     import modelopt_moe.quantization as mtq
     from modelopt_moe.checkpoint import restore_sharded_modelopt_state
     from modelopt_moe.export import export_hf, import_hf, save_hf_config
@@ -160,9 +185,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     else:
         calib = _batches(opts, "calib", opts["calib_batches"], 0, vocab)
         student.eval()
-        mtq.quantize(student, mtq.load_config(opts["config"]), calibration_loop(rank, calib))
-    summary = mtq.print_quant_summary(student, file=False, gather=True)  # every rank calls it
-    say(rank, summary)
+        mtq.quantize(student, mtq.load_config(opts["config"]), calibration_loop(calib))
     model = distillation_model(student, teacher, temperature=opts["temperature"],
                                lm_loss_weight=opts["lm_weight"]) if teacher is not None else student
     # The distributed optimizer on GPUs; on CPU ranks the per-rank one (Megatron 0.19 cannot reload its distributed
@@ -174,6 +197,9 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
             info = load_sharded_checkpoint([trainer.model], opts["load"], optimizer=trainer.optimizer,
                                            opt_param_scheduler=trainer.scheduler)
         start = info["iteration"] or 0
+    # After the load: resumed quantizers get their amaxes with the weights (before it, every amax is None).
+    summary = mtq.print_quant_summary(student, file=False, gather=True)  # a collective: every rank calls it
+    say(rank, summary)
 
     def save(step: int) -> None:
         with megatron_training_shims():
@@ -189,7 +215,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     for step in range(start, opts["steps"]):
         loss = mt.train_step(trainer, [data[(step * m + i) % len(data)] for i in range(m)], step=step)
         losses.append(loss)
-        bar.set_postfix(loss=f"{loss:.4f}")
+        bar.set_postfix(loss=f"{loss:.4g}")
         bar.update(1)
         if opts["save"] and opts["save_interval"] and (step + 1) % opts["save_interval"] == 0:
             save(step + 1)
@@ -223,13 +249,21 @@ def main(argv: list[str]) -> int:
                                           "calib_batches", "lr", "save", "save_interval", "export",
                                           "export_format", "tp", "ep")}
     opts["gpus"] = args.layout.gpus
+    if prints_here():
+        print(f"modelopt-moe qat: {args.layout.describe()}", flush=True)
     try:
-        results = run_ranks(_qat_rank, args.layout, args=(opts,), timeout=args.timeout)
+        ran = run_ranks(_qat_rank, args.layout, args=(opts,), timeout=args.timeout)
+    except LayoutError as e:
+        print(f"modelopt-moe qat: {e}", file=sys.stderr)
+        return 2
     except (RuntimeError, TimeoutError) as e:
         print(f"modelopt-moe qat: failed: {e}", file=sys.stderr)
         return 1
-    losses = results[0]["losses"]
-    if losses and prints_here():
-        print(f"modelopt-moe qat: steps {results[0]['start'] + 1}..{results[0]['start'] + len(losses)}, loss "
-              f"{losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    result = ran.results[0]
+    losses = result["losses"]
+    if prints_here():
+        if losses:  # significant digits: a KL of 1e-5 is not 0.0000
+            print(f"modelopt-moe qat: steps {result['start'] + 1}..{result['start'] + len(losses)}, loss "
+                  f"{losses[0]:.4g} -> {losses[-1]:.4g}", flush=True)
+        print_warnings(ran.warnings)
     return 0

@@ -2,67 +2,56 @@
 
 * Started by a cluster launcher (``torchrun``, or SLURM's ``srun``: :func:`modelopt_moe.launch.launched_environment`),
   every process IS a rank: :func:`run_ranks` joins the launcher's process group and runs the rank function here.
-* Started by hand on one machine, :func:`run_ranks` spawns ``world_size`` processes: one per GPU with NCCL when the
-  machine has enough GPUs, else CPU processes joined with gloo (GPUs hidden from them).
+* Started by hand on one machine, :func:`run_ranks` spawns the layout's processes: one per GPU with NCCL, or CPU
+  processes joined with gloo, with GPUs hidden from them and Megatron set up for the CPU
+  (:func:`modelopt_moe.plugins.megatron_cpu.apply_cpu_shims`: Transformer Engine stays out).
 
-Third-party noise (Megatron's deprecation and async-save notices, the same warning from every rank) is silenced on
-ranks > 0 and shown once on rank 0 (:func:`quiet_third_party`).
+The layout itself is chosen before anything heavy is imported (:mod:`.layout`); this module imports torch only
+inside :func:`run_ranks`. Output: stage lines on stdout from rank 0, progress on stderr from rank 0
+(:func:`progress`), third-party noise hidden and warnings printed last (:mod:`.noise`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
-import sys
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from modelopt_moe.launch import init_from_environment, launched_environment, spawn
+from .layout import Layout, LayoutError, choose_layout, launcher_world_size, visible_gpus
+from .noise import hide_known_warnings, rank_output
 
-__all__ = ["Layout", "add_layout_args", "check_layout", "run_ranks", "quiet_third_party", "say", "gpus_hidden",
+__all__ = ["Layout", "LayoutError", "Ran", "add_layout_args", "check_layout", "run_ranks", "say", "gpus_hidden",
            "prints_here", "progress", "calibration_loop"]
 
 
-class Layout:
-    """The parallel layout a subcommand runs at: ``world_size`` ranks, ``tp`` x ``ep``, on GPUs or CPUs."""
-
-    def __init__(self, world_size: int, tp: int, ep: int, gpus: bool):
-        self.world_size, self.tp, self.ep, self.gpus = world_size, tp, ep, gpus
-
-    def __repr__(self) -> str:
-        return f"{self.world_size} {'GPU' if self.gpus else 'CPU'} rank(s), TP={self.tp} EP={self.ep}"
-
-
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def add_layout_args(p: argparse.ArgumentParser, *, tp: int = 2, ep: int = 2, world_size: int = 4) -> None:
-    """``--tp``, ``--ep``, ``--world-size`` and ``--cpu``; under a launcher its world size wins."""
-    p.add_argument("--tp", type=int, default=tp, help="tensor-parallel size (default: %(default)s)")
-    p.add_argument("--ep", type=int, default=ep, help="expert-parallel size (default: %(default)s)")
+def add_layout_args(p: argparse.ArgumentParser, *, tp: int | None = None, ep: int | None = None,
+                    world_size: int | None = None) -> None:
+    """``--tp``, ``--ep``, ``--world-size`` and ``--cpu``; a default of None is chosen to fit the machine."""
+    auto = "chosen to fit the world size and the model"
+    p.add_argument("--tp", type=int, default=tp, help=f"tensor-parallel size (default: {tp or auto})")
+    p.add_argument("--ep", type=int, default=ep, help=f"expert-parallel size (default: {ep or auto})")
+    per_gpu = "one per visible GPU; 4 CPU processes without GPUs or with --cpu"
     p.add_argument("--world-size", type=int, default=world_size,
-                   help="processes to start on this machine (default: %(default)s; under torchrun or srun the "
-                        "launcher's)")
-    p.add_argument("--cpu", action="store_true", help="run on CPU processes (gloo) even where GPUs are present")
+                   help=f"processes to start on this machine (default: {world_size or per_gpu}; under torchrun or "
+                        "srun the launcher's)")
+    p.add_argument("--cpu", action="store_true", help="run CPU processes (gloo) even where GPUs are visible")
 
 
-def check_layout(p: argparse.ArgumentParser, args: argparse.Namespace) -> Layout:
-    """The run's :class:`Layout`; an argparse error where ``--tp`` / ``--ep`` do not divide the world size."""
-    found = launched_environment()
-    if found is not None:
-        args.world_size = found.world_size
-    for name in ("tp", "ep"):
-        size = getattr(args, name)
-        if size < 1 or args.world_size % size:
-            p.error(f"--{name} {size} must be >= 1 and divide --world-size {args.world_size}")
-    gpus = not getattr(args, "cpu", False) and _gpu_count() >= (1 if found is not None else args.world_size)
-    return Layout(args.world_size, args.tp, args.ep, gpus)
+def check_layout(p: argparse.ArgumentParser, args: argparse.Namespace, *, num_experts: int | None = None,
+                 tp_divides: Mapping[str, int] | None = None) -> Layout:
+    """The run's :class:`Layout` from the parsed flags and this machine (an argparse error, exit 2, where it cannot
+    run: the message says what would). Sets ``args.world_size`` / ``tp`` / ``ep`` to the chosen values."""
+    try:
+        layout = choose_layout(0 if args.cpu else visible_gpus(), world_size=args.world_size, tp=args.tp,
+                               ep=args.ep, cpu=args.cpu, launched_world_size=launcher_world_size(),
+                               num_experts=num_experts, tp_divides=tp_divides)
+    except LayoutError as e:
+        p.error(str(e))
+    args.world_size, args.tp, args.ep = layout.world_size, layout.tp, layout.ep
+    return layout
 
 
 @contextlib.contextmanager
@@ -80,77 +69,95 @@ def gpus_hidden() -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
-def run_ranks(fn: Callable[..., Any], layout: Layout, *, args: tuple = (), timeout: float = 3600.0) -> list[Any]:
+@dataclass
+class Ran:
+    """What :func:`run_ranks` brings back: every rank's result (this rank's alone under a launcher) and rank 0's
+    warnings, to print after the command's own lines."""
+
+    results: list[Any]
+    warnings: list[str] = field(default_factory=list)
+
+
+def _rank_entry(rank: int, world_size: int, fn: Callable[..., Any], gpus: bool, args: tuple) -> dict[str, Any]:
+    """Every rank: Megatron set up for the CPU on CPU ranks (before it is imported), output tidied, then ``fn``."""
+    if not gpus:
+        from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
+
+        apply_cpu_shims()
+    with rank_output(rank) as collected:
+        result = fn(rank, world_size, *args)
+    return {"result": result, "warnings": collected}
+
+
+def run_ranks(fn: Callable[..., Any], layout: Layout, *, args: tuple = (), timeout: float = 3600.0) -> Ran:
     """Runs ``fn(rank, world_size, *args)`` on every rank of ``layout``.
 
     ``fn`` must be a module-level function (spawned processes import it by its module's name).
 
     Returns:
-        Under a launcher: ``[this rank's result]``. Spawned here: every rank's result, in rank order.
+        A :class:`Ran`: under a launcher, this rank's result; spawned here, every rank's, in rank order.
 
     Raises:
+        LayoutError: torch sees fewer GPUs than the layout needs (checked before any process starts).
         RuntimeError: a rank failed (its traceback in the message); TimeoutError: the run took too long.
     """
+    import torch
+
+    from modelopt_moe.launch import init_from_environment, launched_environment, spawn
+
     found = launched_environment()
+    if layout.gpus:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        need = 1 if found is not None else layout.world_size
+        if have < need:
+            raise LayoutError(f"{layout} needs {need} GPU(s) and torch {torch.__version__} sees {have}: run with "
+                              "--cpu, or install a torch built with CUDA")
     if found is not None:
         init_from_environment(backend="nccl" if layout.gpus else "gloo", timeout=timeout)
-        return [fn(found.rank, found.world_size, *args)]
-    if layout.gpus:
-        return spawn(fn, layout.world_size, args=args, timeout=timeout, backend="nccl")
-    with gpus_hidden():
-        return spawn(fn, layout.world_size, args=args, timeout=timeout)
+        out = [_rank_entry(found.rank, found.world_size, fn, layout.gpus, args)]
+    elif layout.gpus:
+        out = spawn(_rank_entry, layout.world_size, args=(fn, True, args), timeout=timeout, backend="nccl")
+    else:
+        with gpus_hidden():
+            out = spawn(_rank_entry, layout.world_size, args=(fn, False, args), timeout=timeout)
+    return Ran([o["result"] for o in out], out[0]["warnings"])
 
 
-class _OnceFilter(logging.Filter):
-    """Lets each distinct log message through once."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        key = f"{record.name}:{record.getMessage()}"
-        if key in self.seen:
-            return False
-        self.seen.add(key)
-        return True
+def quiet_parent() -> None:
+    """The process that parses and spawns hides the known third-party warnings of its own imports too."""
+    hide_known_warnings()
 
 
-def quiet_third_party(rank: int) -> None:
-    """Ranks > 0 print no third-party warnings or log notices; rank 0 shows each distinct one once."""
-    logger = logging.getLogger("megatron")
-    if rank != 0:
-        warnings.filterwarnings("ignore")
-        logger.setLevel(logging.ERROR)
-        return
-    warnings.simplefilter("once")
-    logger.setLevel(logging.WARNING)
-    # Megatron logs through per-module child loggers; a filter on the "megatron" logger never sees their records
-    # (logger filters apply only where a record is created), so deduplicate where they are printed: the handlers.
-    once = _OnceFilter()
-    for handler in [logging.lastResort, *logging.getLogger().handlers]:
-        if handler is not None and not any(isinstance(f, _OnceFilter) for f in handler.filters):
-            handler.addFilter(once)
+class _Silent:
+    """The progress of ranks > 0: every call does nothing."""
+
+    def update(self, n: int = 1) -> None:
+        del n
+
+    def set_postfix(self, **values) -> None:
+        del values
+
+    def close(self) -> None:
+        pass
 
 
 def progress(rank: int, total: int, desc: str, initial: int = 0):
-    """A tqdm bar shown on rank 0 only, on stderr (stdout keeps the commands' one-line results)."""
-    from tqdm.auto import tqdm
+    """Progress on rank 0, on stderr (stdout keeps the commands' one-line results): a bar on a terminal, a line per
+    tenth or per 30 s in a log (:func:`modelopt_moe.progress.progress`); on other ranks an object that does
+    nothing."""
+    from modelopt_moe.progress import progress as make
 
-    return tqdm(total=total, initial=initial, desc=desc, disable=rank != 0, file=sys.stderr)
+    return make(total, desc, unit="step", initial=initial) if rank == 0 else _Silent()
 
 
-def calibration_loop(rank: int, batches: list) -> Callable:
-    """``mtq.quantize``'s forward loop: the model's LM loss on each batch, with a progress bar on rank 0."""
+def calibration_loop(batches: list) -> Callable:
+    """``mtq.quantize``'s forward loop: the model's LM loss on each batch (``mtq.calibrate`` shows the progress)."""
 
     def forward_loop(model) -> None:
         from modelopt_moe.plugins.testing.megatron_models import lm_loss
 
-        bar = progress(rank, len(batches), "calibrating")
         for b in batches:
             lm_loss(model, b)
-            bar.update(1)
-        bar.close()
 
     return forward_loop
 
@@ -158,6 +165,8 @@ def calibration_loop(rank: int, batches: list) -> Callable:
 def prints_here() -> bool:
     """Whether this process prints a command's own lines: always when started by hand (the spawned ranks report
     back to it), only global rank 0 under a launcher (every rank runs ``main``)."""
+    from modelopt_moe.launch import launched_environment
+
     found = launched_environment()
     return found is None or found.rank == 0
 

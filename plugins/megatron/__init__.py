@@ -8,6 +8,7 @@ Public API::
         checkpoint_load_metadata,                           # metadata for your own dist_checkpointing.load calls
         get_forward_backward_func,                          # Megatron's, reusing fake-quantized weights per step,
                                                             # one autoswitch step per call
+        lm_forward_step,                                    # a forward_step_func with a plain LM loss
         distillation_model, distillation_loss_func,         # QAD: the student beside its frozen teacher
         load_modelopt_checkpoint,                           # a checkpoint NVIDIA Model Optimizer 0.47 saved
     )
@@ -28,6 +29,7 @@ from modelopt_moe.quantization.process_groups import register_group_provider
 
 from .checkpoint import load_sharded_checkpoint, model_sharded_state_dict, save_sharded_checkpoint
 from .distill import distillation_loss_func, distillation_model
+from .forward_step import lm_forward_step, lm_loss_func
 from .hf_io import MegatronExportAdapter
 from .modelopt_checkpoint import is_modelopt_checkpoint, load_modelopt_checkpoint
 from .modules import CLASSES, megatron_amax_groups
@@ -41,6 +43,8 @@ __all__ = [
     "model_sharded_state_dict",
     "checkpoint_load_metadata",
     "get_forward_backward_func",
+    "lm_forward_step",
+    "lm_loss_func",
     "megatron_amax_groups",
     "load_modelopt_checkpoint",
     "is_modelopt_checkpoint",

@@ -580,26 +580,28 @@ def gather_logits(model: GPTModel, batch: dict[str, torch.Tensor]) -> torch.Tens
 
 
 def loss_and_kl(model: GPTModel, batches: Sequence[dict[str, torch.Tensor]], teacher: GPTModel | None = None,
-                tp_group=None) -> dict[str, float | None]:
+                tp_group=None) -> dict[str, Any]:
     """The mean LM loss of ``model`` on ``batches`` and its mean KL to ``teacher`` (None without one), without
-    gradient, in eval mode (the training mode is restored). ``tp_group``: the vocabulary-parallel group of the
-    logits. Every rank must call it (the losses reduce over tensor-parallel ranks)."""
+    gradient, in eval mode (the training mode is restored), and both per batch (``losses``, ``kls``: their spread
+    is the noise of the means). ``tp_group``: the vocabulary-parallel group of the logits. Every rank must call it
+    (the losses reduce over tensor-parallel ranks)."""
     from modelopt_moe.distill import logits_kl_loss
 
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        loss = float(torch.stack([lm_loss(model, b) for b in batches]).mean())
-        kl = None
+        losses = torch.stack([lm_loss(model, b) for b in batches])
+        kls = None
         if teacher is not None:
-            kls = []
+            per_batch = []
             for batch in batches:
                 b = _to_model_device(batch, model)
                 args = (b["tokens"], b["position_ids"], b["attention_mask"])
-                kls.append(logits_kl_loss(model(*args), teacher(*args), tp_group=tp_group).float().mean())
-            kl = float(torch.stack(kls).mean())
+                per_batch.append(logits_kl_loss(model(*args), teacher(*args), tp_group=tp_group).float().mean())
+            kls = torch.stack(per_batch)
     model.train(was_training)
-    return {"loss": loss, "kl": kl}
+    return {"loss": float(losses.mean()), "kl": None if kls is None else float(kls.mean()),
+            "losses": losses.tolist(), "kls": None if kls is None else kls.tolist()}
 
 
 def iter_params_with_global_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -2,9 +2,10 @@
 
 Python snippets that are complete programs run as they are (the usage example in this process, the ``spawn``
 example as a script); the Megatron snippets define functions (``qat``, ``resume``, ``save_with_own_calls``,
-``load_with_own_calls``), which are written to a module and called here on 2 gloo ranks (TP=1 x EP=2) with a small
-real Megatron MoE GPT: train 2 steps, save, restore into a freshly built model through each documented call, and
-compare every weight and amax. The YAML snippet is loaded with ``mtq.load_config``. A new snippet must be added here:
+``load_with_own_calls``), which are written to a module, exactly as printed (its first lines set Megatron up for this
+CPU machine: ``enable_cpu_megatron()``), and called here on 2 gloo ranks (TP=1 x EP=2) with a small real Megatron
+MoE GPT: train 2 steps, save with the optimizer, restore into a freshly built model through each documented call,
+and compare every weight and amax. The YAML snippet is loaded with ``mtq.load_config``. A new snippet must be added here:
 the first test counts them.
 """
 
@@ -90,6 +91,7 @@ def test_export_snippet(tmp_path):
 
 def _megatron_worker(rank, world_size, root):
     sys.path.insert(0, root)
+    assert "megatron.core" not in sys.modules  # the README's first lines run before Megatron is imported
     import readme_megatron as rm
     import torch.distributed as dist
     from test_checkpoint_reshard import global_amax, global_params
@@ -97,7 +99,6 @@ def _megatron_worker(rank, world_size, root):
     import modelopt_moe.quantization as mtq
     from modelopt_moe.plugins.testing import megatron_models as mm
     from modelopt_moe.plugins.testing import megatron_training as mt
-    from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
 
     mm.init_model_parallel(1, 2, seed=3)
     batches = mm.text_batches(2, 32, 4, offset=50)
@@ -110,9 +111,7 @@ def _megatron_worker(rank, world_size, root):
             mm.lm_loss(model, b)
 
     ckpt = os.path.join(root, "ckpt")
-    with megatron_training_shims():  # a no-op on a GPU machine
-        model, _ = rm.qat(build(3), mt.forward_step, batches, forward_loop, steps=2, num_microbatches=2,
-                          ckpt_dir=ckpt)
+    model, _ = rm.qat(build(3), batches, forward_loop, steps=2, num_microbatches=2, ckpt_dir=ckpt)
     trained = mt.unwrap(model)
     want = {"amax": global_amax(trained, mm), "params": global_params(trained, mm)}
     assert isinstance(trained.decoder.layers[0].mlp.experts.linear_fc1.weight_quantizer, mtq.ExpertQuantizer)
@@ -125,8 +124,7 @@ def _megatron_worker(rank, world_size, root):
         return trainer.model, None
 
     out = {}
-    with megatron_training_shims():
-        resumed, optimizer, out["iteration"] = rm.resume(build(11), wrap_and_build_optimizer, ckpt)
+    resumed, optimizer, out["iteration"] = rm.resume(build(11), wrap_and_build_optimizer, ckpt)
     out["resume_amax"] = global_amax(mt.unwrap(resumed), mm)
     out["resume_params"] = global_params(mt.unwrap(resumed), mm)
     own = os.path.join(root, "own")

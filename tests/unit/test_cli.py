@@ -1,5 +1,11 @@
 """The ``modelopt-moe`` command line: ``demo`` (also the bare flags) and ``export`` (argument and input checks that
-fail before any process starts; the end-to-end export is in tests/distributed/test_hf_export.py)."""
+fail before any process starts; the end-to-end export is in tests/distributed/test_hf_export.py); help and usage
+errors answered before torch is imported."""
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -9,9 +15,60 @@ from modelopt_moe.plugins.cli import main
 @pytest.mark.parametrize("prefix", [[], ["demo"]])
 def test_demo_flags_work_bare_and_as_a_subcommand(prefix, capsys):
     with pytest.raises(SystemExit) as info:
-        main([*prefix, "--tp", "3"])
+        main([*prefix, "--cpu", "--tp", "3"])
     assert info.value.code == 2
-    assert "--tp 3 must be >= 1 and divide --world-size 4" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--tp 3 must divide the world size 4" in err
+    assert "This would run: --world-size 4 --tp 2 --ep 2" in err
+
+
+def test_an_unknown_command_names_the_commands(capsys):
+    assert main(["frobnicate"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'frobnicate'" in err and "demo, export, report, qat" in err
+    assert "modelopt-moe demo" not in err  # not taken for a demo argument
+
+
+# Every parse path: help and usage errors of each command. Run in a fresh interpreter that must never import torch
+# (importing it takes seconds; these answer at once).
+_PARSE_ONLY = [
+    ["--help"], ["frobnicate"], ["--steps", "x"], ["demo", "--help"], ["demo", "--cpu", "--tp", "3"],
+    ["demo", "--world-size", "2", "--tp", "2", "--seq-len", "33"], ["demo", "--format", "int3"],
+    ["qat", "--help"], ["qat", "--config", "nvfp4_experts.yaml"],
+    ["qat", "--config", "c.yaml", "--hf", "m", "--ep", "0"],
+    ["export", "--help"], ["export", "--checkpoint", "c"], ["report", "--help"], ["report"],
+]
+
+
+def test_help_and_usage_errors_never_import_torch():
+    code = f"""
+import json, sys
+from modelopt_moe.plugins.cli import main
+codes = []
+for argv in {_PARSE_ONLY!r}:
+    try:
+        codes.append(main(argv))
+    except SystemExit as e:
+        codes.append(e.code)
+    heavy = sorted(m for m in ("torch", "megatron", "transformers", "numpy") if m in sys.modules)
+    assert not heavy, (argv, heavy)
+print(json.dumps(codes))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    codes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert codes == [0 if "--help" in a else 2 for a in _PARSE_ONLY], codes
+
+
+def test_qat_and_export_help_show_every_default(capsys):
+    for command in ("qat", "export"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = capsys.readouterr().out
+        for flag in ("--temperature", "--timeout", "--export-format") if command == "qat" else ("--timeout",):
+            help_text = " ".join(out.split(f"\n  {flag} ", 1)[1].split("\n  -", 1)[0].split())
+            assert "(default: " in help_text, (command, flag, help_text)
 
 
 def test_export_help_and_required_flags(capsys):
@@ -71,7 +128,7 @@ def test_report_renders_a_run_record_without_processes(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps(run))
     assert main(["report", "--run", str(tmp_path / "run.json")]) == 0
     md = (tmp_path / "report.md").read_text()
-    assert "1. one" in md and "2. two" in md and "| bf16 teacher (held out) | 2.5000 |" in md
+    assert "1. one" in md and "2. two" in md and "| bf16 teacher (held out) | 2.5 |" in md
     assert (tmp_path / "loss_curve.png").is_file()
 
 

@@ -50,8 +50,8 @@ def build_expert_quantizers(module: nn.Module, num_experts: int, experts: Expert
     """Gives ``module`` an input, weight and output :class:`ExpertQuantizer` in the configured layouts (an output
     is one tensor of every expert, so its quantizer is ``shared``)."""
     module.weight_quantizer = ExpertQuantizer(num_experts, experts.weight_amax)
-    module.input_quantizer = ExpertQuantizer(num_experts,
-                                             "shared" if experts.input_amax == "shared" else "vectorized")
+    module.input_quantizer = ExpertQuantizer(num_experts, "shared" if experts.input_amax == "shared" else "vectorized",
+                                             config_name=experts.input_amax)
     module.output_quantizer = ExpertQuantizer(num_experts, "shared")
 
 
