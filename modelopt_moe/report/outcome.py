@@ -80,7 +80,7 @@ def qad_outcome(bf16_loss: Sequence[float], ptq_loss: Sequence[float], qad_loss:
     kl_text = f"held-out KL to the teacher {kl_before:.3g} -> {kl_after:.3g}"
     if math.isfinite(kl_pct):
         kl_text += f" ({kl_dir} {abs(kl_pct):.0f}%{'' if math.isnan(kl_noise_pct) else f' ± {kl_noise_pct:.0f}%'})"
-    moved = f"{loss['ptq']:.5g} -> {loss['qad']:.5g}"
+    moved = f"{loss['ptq']:#.5g} -> {loss['qad']:#.5g}"
     if verdict == "worse":
         loss_text = (f"QAD made the held-out loss WORSE: up by {change:.2g} ± {change_noise:.2g} ({moved}) while the "
                      f"KL went {kl_dir} by {abs(kl_pct):.0f}%")

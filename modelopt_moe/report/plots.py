@@ -32,7 +32,7 @@ def _save(fig, path: str | Path) -> Path:
 def loss_curves(curves: Mapping[str, Sequence[tuple[int, float]]], path: str | Path, *,
                 title: str = "Training loss", references: Mapping[str, Mapping[str, float]] | None = None,
                 held_out: Mapping[str, tuple[float, float | None]] | None = None,
-                log_panels: Sequence[str] = ()) -> Path:
+                held_out_baseline: str | None = None, log_panels: Sequence[str] = ()) -> Path:
     """One panel per phase (``{label: [(step, loss), ...]}``, steps continuing across phases), each on its own y
     scale (an LM loss of ~2.5 and a KL of ~1e-4 do not share an axis).
 
@@ -43,9 +43,12 @@ def loss_curves(curves: Mapping[str, Sequence[tuple[int, float]]], path: str | P
         references: ``{panel label: {line label: value}}``: horizontal lines in that panel (e.g. the held-out KL
             before and after QAD in the QAD panel), each in its own colour and dash, its value in the legend; the y
             axis takes them in.
-        held_out: ``{label: (mean, noise)}``: a last panel of points with error bars (e.g. the held-out loss of
-            the teacher, the PTQ and the QAD model), its y axis fitted to them, so a difference of 1e-3 on a loss
-            of 3.5 is visible (as horizontal lines in a training panel, they would lie on top of each other).
+        held_out: ``{label: (mean, noise)}``: a last panel of points with error bars, its y axis fitted to them
+            (e.g. the held-out loss of the PTQ and the QAD model minus the teacher's, paired by batch: a difference
+            of 1e-3 on a loss of 3.5 stays visible; as horizontal lines in a training panel, the losses would lie on
+            top of each other).
+        held_out_baseline: with ``held_out`` given as differences, what they are measured from: drawn as the zero
+            line, labelled.
         log_panels: panel labels drawn on a log y scale (a KL that falls by orders of magnitude).
     """
     plt = _plt()
@@ -59,11 +62,17 @@ def loss_curves(curves: Mapping[str, Sequence[tuple[int, float]]], path: str | P
         steps, losses = zip(*points, strict=True)
         ax.plot(steps, losses, marker="o" if len(points) < 40 else None, markersize=3, color=f"C{i}",
                 label=f"{label} (training batches)")
-        for j, (ref, value) in enumerate((references or {}).get(label, {}).items()):
+        refs = (references or {}).get(label, {})
+        for j, (ref, value) in enumerate(refs.items()):
             ax.axhline(value, linestyle=dashes[j % len(dashes)], linewidth=1.6, color=f"C{j + len(phases) + 1}",
                        label=f"{ref}: {value:.4g}")
-        if label in log_panels:
+        values = [*losses, *refs.values()]
+        lo, hi = min(values), max(values)
+        if label in log_panels and lo > 0:
             ax.set_yscale("log")
+            ax.set_ylim(lo / 1.3, hi * 3.0)  # headroom above the lines for the legend
+        else:
+            ax.set_ylim(lo - 0.05 * (hi - lo or 1.0), hi + 0.35 * (hi - lo or 1.0))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("loss (nats / token)")
@@ -73,12 +82,16 @@ def loss_curves(curves: Mapping[str, Sequence[tuple[int, float]]], path: str | P
     if held_out:
         ax = axes.flat[len(phases)]
         for i, (label, (mean, noise)) in enumerate(held_out.items()):
-            ax.errorbar([i], [mean], yerr=[noise or 0.0], fmt="o", capsize=6, markersize=7, color=f"C{i}",
-                        label=f"{label}: {mean:.5g}" + (f" ± {noise:.2g}" if noise else ""))
+            ax.errorbar([i], [mean], yerr=[noise or 0.0], fmt="o", capsize=6, markersize=7, color=f"C{i + 2}",
+                        label=f"{label}: {mean:+.3g}" + (f" ± {noise:.2g}" if noise else ""))
+        if held_out_baseline:
+            ax.axhline(0.0, color="black", linewidth=1.2, linestyle="--", label=f"{held_out_baseline}: 0")
         ax.set_xticks(range(len(held_out)), list(held_out), fontsize=8)
         ax.set_xlim(-0.6, len(held_out) - 0.4)
-        ax.set_ylabel("held-out loss (nats / token)")
-        ax.set_title("held-out loss (mean ± standard error over batches)", fontsize=10)
+        what = f"minus the {held_out_baseline}'s, paired by batch" if held_out_baseline else "mean over batches"
+        ax.set_ylabel("held-out loss difference (nats / token)" if held_out_baseline else
+                      "held-out loss (nats / token)", fontsize=9)
+        ax.set_title(f"held-out loss {what}\n(mean ± standard error over the batches)", fontsize=9)
         ax.ticklabel_format(axis="y", useOffset=False)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -115,19 +128,25 @@ def expert_weight_errors(shared: Sequence[float], per_expert: Sequence[float], p
     """Per global expert, the relative quantization error with one amax for all experts (``shared``) and with each
     expert's own (``per_expert``), as points: the y axis is fitted to the values (from 0, bars of nearly equal
     errors would hide their differences). ``note``: a line under the title (e.g. why the two are close)."""
+    import textwrap
+
     plt = _plt()
     import numpy as np
 
     x = np.arange(len(shared))
-    fig, ax = plt.subplots(figsize=(max(6.5, 0.5 * len(shared) + 3), 4.4))
-    ax.plot(x, shared, "o-", color="C3", markersize=6, linewidth=1, label="shared amax (one per layer)")
-    ax.plot(x, per_expert, "s--", color="C0", markersize=5, linewidth=1, label="per-expert amax")
+    width = max(6.5, 0.5 * len(shared) + 3)
+    fig, ax = plt.subplots(figsize=(width, 4.6))
+    # In percent: relative errors of ~1e-2 would otherwise carry a "1e-3" offset label that collides with the title.
+    ax.plot(x, 100 * np.asarray(shared), "o-", color="C3", markersize=6, linewidth=1,
+            label="shared amax (one per layer)")
+    ax.plot(x, 100 * np.asarray(per_expert), "s--", color="C0", markersize=5, linewidth=1, label="per-expert amax")
     ax.set_xticks(x, [str(e) for e in x])
     ax.set_xlabel("global expert")
-    ax.set_ylabel("relative MSE  |Q(w) - w|² / |w|²")
-    ax.set_title(title if note is None else f"{title}\n{note}", fontsize=10 if note is None else 9)
+    ax.set_ylabel("relative MSE  |Q(w) - w|² / |w|²  (%)")
+    lines = [title, *textwrap.wrap(note, width=int(13 * width))] if note else [title]
+    ax.set_title("\n".join(lines), fontsize=10 if note is None else 8.5)
     ax.grid(alpha=0.3)
-    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3), useOffset=False)
+    ax.ticklabel_format(axis="y", useOffset=False)
     ax.legend(fontsize=8)
     return _save(fig, path)
 
@@ -138,6 +157,7 @@ def expert_input_amax(panels: Mapping[str, tuple[Sequence[float], Sequence[bool]
     experts that saw no calibration token (they take the shared amax) are hatched and listed in the panel title."""
     plt = _plt()
     import numpy as np
+    from matplotlib.ticker import FuncFormatter
 
     n = len(panels)
     cols = min(2, n)
@@ -156,7 +176,15 @@ def expert_input_amax(panels: Mapping[str, tuple[Sequence[float], Sequence[bool]
         ax.set_xlabel("global expert", fontsize=8)
         ax.set_ylabel("input amax (log scale)", fontsize=8)
         ax.set_yscale("log", nonpositive="clip")  # amaxes span decades: a linear axis hides the small experts
-        ax.grid(axis="y", which="both", alpha=0.3)
+        positive = [v for v in amax if v > 0]
+        if positive:  # bars grow from the bottom: put it well below the smallest so that one stays visible
+            ax.set_ylim(min(positive) / 3, max(positive) * 2)
+        if len(amax) <= 16:
+            for xi, v in zip(x, amax, strict=True):
+                ax.text(xi, v, f"{v:.3g}", ha="center", va="bottom", fontsize=6.5)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        ax.grid(axis="y", which="major", alpha=0.3)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     fig.suptitle(title)

@@ -31,25 +31,29 @@ def _fmt(x) -> str:
 
 
 def _held_out(run: dict) -> tuple[list[str], dict[str, tuple[float, float | None]]]:
-    """The held-out table (mean ± noise per model, loss and KL) and the loss points for the plot."""
+    """The held-out table and, for the plot, each model's loss minus the teacher's, paired over the same batches
+    (the batches differ far more from each other than the models do: unpaired, the spread would hide everything)."""
     ev = run.get("eval") or {}
     if not ev:
         return [], {}
-    n = len(next(iter(ev.values()))["loss"])
-    md = ["", f"## Held out ({n} batches: mean ± standard error)", "", "| | loss | KL to the teacher |",
-          "|---|---|---|"]
+    base_label = next(iter(ev))
+    base = ev[base_label]["loss"]
+    md = ["", f"## Held out ({len(base)} batches; mean ± standard error over them)", "",
+          f"| | loss | minus the {base_label}'s (paired by batch) | KL to the teacher |", "|---|---|---|---|"]
     points = {}
+
+    def cell(values, fmt: str = "#.5g") -> str:
+        if values is None:
+            return "-"
+        mean, noise = mean_and_noise(values)
+        return f"{mean:{fmt}}" + ("" if math.isnan(noise) else f" ± {noise:.2g}")
+
     for label, values in ev.items():
-        cells = []
-        for key in ("loss", "kl"):
-            if values.get(key) is None:
-                cells.append("-" if key == "kl" else "n/a")
-                continue
-            mean, noise = mean_and_noise(values[key])
-            cells.append(f"{mean:.5g}" + ("" if math.isnan(noise) else f" ± {noise:.2g}"))
-            if key == "loss":
-                points[label] = (mean, None if math.isnan(noise) else noise)
-        md.append(f"| {label} | {cells[0]} | {cells[1]} |")
+        diff = None if label == base_label else [a - b for a, b in zip(values["loss"], base, strict=True)]
+        md.append(f"| {label} | {cell(values['loss'])} | {cell(diff, '+.2g')} | {cell(values.get('kl'), '.3g')} |")
+        if diff is not None:
+            mean, noise = mean_and_noise(diff)
+            points[label] = (mean, None if math.isnan(noise) else noise)
     outcome = run.get("outcome")
     if outcome:
         md += ["", f"**What QAD did:** {outcome['text']}."]
@@ -58,14 +62,16 @@ def _held_out(run: dict) -> tuple[list[str], dict[str, tuple[float, float | None
 
 def _weight_error_note(stats: dict) -> str | None:
     """Why a per-expert amax may look no better than a shared one: block-scaled formats."""
-    blocks = {(stats.get("weight_format") or {}).get(k): b for k, b in (stats.get("weight_block_size") or {}).items()
-              if b}
+    formats, sizes = stats.get("weight_format") or {}, stats.get("weight_block_size") or {}
+    blocks = {fmt: sizes.get(k) or (16 if fmt == "nvfp4" else None) for k, fmt in formats.items()}
+    blocks = {fmt: size for fmt, size in blocks.items() if size}
     if not blocks:
         return None
     fmt, size = next(iter(blocks.items()))
     if fmt == "nvfp4":
         return (f"NVFP4: every block of {size} weights has its own E4M3 scale; the per-tensor amax only sets the "
-                "range of those block scales, so a per-expert amax changes the error little")
+                "range of those block scales, so a per-expert amax changes the error little (either may come out "
+                "lower: the block scales round differently)")
     return (f"{fmt} in blocks of {size}: every block has its own scale from its own values; the per-tensor amax does "
             "not set the step sizes, so a per-expert amax changes the error little")
 
@@ -90,12 +96,11 @@ def write_report(run: dict, out_dir: str | Path) -> list[Path]:
         refs[qad_panel] = {"held-out KL after PTQ": losses["KL to teacher after PTQ"],
                            "held-out KL after QAD": losses["KL to teacher after QAD"]}
     if curves:
-        if not held_points:  # an older record: the held-out losses as they were recorded
-            held_points = {k: (v, None) for k, v in losses.items() if k in ("bf16 teacher (held out)",
-                                                                            "PTQ (held out)", "QAD (held out)")}
-        written.append(plots.loss_curves(curves, out / "loss_curve.png",
-                                         title="bf16 teacher training, QAD, and the held-out loss of each model",
-                                         references=refs, held_out=held_points))
+        base = next(iter(run.get("eval") or {}), None)
+        written.append(plots.loss_curves(
+            curves, out / "loss_curve.png", title="bf16 teacher training, QAD, and the held-out loss of each model",
+            references=refs, held_out=held_points, log_panels=[qad_panel] if qad_panel else [],
+            held_out_baseline=base))
     stats = run.get("stats") or {}
     wa = stats.get("weight_amax") or {}
     if wa:

@@ -127,8 +127,8 @@ def rank_output(rank: int) -> Iterator[list[str]]:
     collected: list[str] = []
     megatron = logging.getLogger("megatron")
     level = megatron.level
-    handlers = [h for h in [logging.lastResort, *logging.getLogger().handlers] if h is not None]
-    log_filter = _LogFilter()
+    # One filter per handler: each handler shows a message once (a shared one would let only the first print it).
+    filters = {h: _LogFilter() for h in [logging.lastResort, *logging.getLogger().handlers] if h is not None}
     with warnings.catch_warnings():
         if rank != 0:
             warnings.simplefilter("ignore")
@@ -144,8 +144,8 @@ def rank_output(rank: int) -> Iterator[list[str]]:
                     collected.append(text)
 
             warnings.showwarning = show
-            for h in handlers:  # Megatron logs through per-module loggers: filter where records are printed
-                h.addFilter(log_filter)
+            for h, f in filters.items():  # Megatron logs through per-module loggers: filter where records print
+                h.addFilter(f)
         try:
             yield collected
         except BaseException:
@@ -153,8 +153,8 @@ def rank_output(rank: int) -> Iterator[list[str]]:
             raise
         finally:
             megatron.setLevel(level)
-            for h in handlers:
-                h.removeFilter(log_filter)
+            for h, f in filters.items():
+                h.removeFilter(f)
 
 
 def print_warnings(messages: list[str], title: str = "warnings") -> None:
@@ -162,4 +162,4 @@ def print_warnings(messages: list[str], title: str = "warnings") -> None:
     if messages:
         print(f"\n{title} ({len(messages)}):", file=sys.stderr)
         for m in messages:
-            print("  " + m.replace("\n", "\n    "), file=sys.stderr, flush=True)
+            print("  " + m.replace("\n", "\n  "), file=sys.stderr, flush=True)

@@ -147,7 +147,7 @@ def progress(rank: int, total: int, desc: str, initial: int = 0):
     nothing."""
     from modelopt_moe.progress import progress as make
 
-    return make(total, desc, unit="step", initial=initial) if rank == 0 else _Silent()
+    return make(total, desc, unit="steps", initial=initial) if rank == 0 else _Silent()
 
 
 def calibration_loop(batches: list) -> Callable:

@@ -1,6 +1,6 @@
-"""``modelopt-moe demo``: argument checks before any process starts, and a shortened end-to-end run (the default
-4 gloo ranks at TP=2 x EP=2, the shipped Qwen3-MoE-shaped config, NVFP4 experts) whose report, plots and numbers
-are checked."""
+"""``modelopt-moe demo``: argument checks before any process starts, and a shortened end-to-end run (with no layout
+flag on this GPU-less machine: 4 gloo ranks at TP=2 x EP=2, the shipped Qwen3-MoE-shaped config, NVFP4 experts)
+whose output, report, plots and numbers are checked."""
 
 import json
 import math
@@ -14,9 +14,10 @@ from modelopt_moe.plugins.cli import main
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--tp", "3"], "--tp 3 must be >= 1 and divide --world-size 4"),
-        (["--ep", "3"], "--ep 3 must be >= 1 and divide --world-size 4"),
-        (["--tp", "2", "--seq-len", "33"], "--seq-len 33 must be a multiple of --tp 2"),
+        (["--cpu", "--tp", "3"], "--tp 3 must divide the world size 4"),
+        (["--cpu", "--ep", "3"], "--ep 3 must divide the world size 4"),
+        (["--cpu", "--tp", "2", "--seq-len", "33"], "--seq-len 33 must be a multiple of --tp 2"),
+        (["--cpu", "--world-size", "16", "--ep", "16"], "--ep 16 must divide the model's 8 experts"),
         (["--steps", "-1"], "--steps must be >= 0"),
     ],
 )
@@ -45,10 +46,24 @@ def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capf
     out = tmp_path / "report"
     rc = main(["demo", "--out", str(out), "--train-steps", "40", "--steps", "8", "--seq-len", "32",
                "--timeout", "840"])
-    printed = capfd.readouterr().out
-    assert rc == 0, printed
+    captured = capfd.readouterr()
+    printed, err = captured.out, captured.err
+    assert rc == 0, printed + err[-3000:]
+    # the first line says the layout chosen for this machine, and why
+    assert printed.startswith("modelopt-moe demo: 4 CPU processes (gloo), TP=2 x EP=2 (no GPU visible"), printed
     for i in range(1, 7):  # every stage says what it proved, once (rank 0 only)
         assert printed.count(f"[{i}/6] ") == 1, printed
+    # a log, not a terminal: progress as plain lines; no third-party noise; the project's own warning last, once
+    assert "\r" not in err and "bf16 teacher: 4/40 steps (10%)" in err and "QAD: 8/8 steps (100%)" in err, err
+    for noise in ("Apex", "GPTModel IS DEPRECATED", "ShardedTensor", "there is no optimizer", "async save",
+                  "quantization_config", "Transformer Engine"):
+        assert noise not in err, (noise, err)
+    warnings_block = err[err.index("\nwarnings ("):]
+    assert warnings_block.count("saw no calibration tokens") == 1, err
+    # QAD's outcome said plainly, with its noise: no share of a loss gap that is noise, a worse loss called worse
+    assert "held-out KL to the teacher" in printed
+    assert re.search(r"(\d+% ± \d+% of the PTQ loss gap \(.*\) closed|no share of it closed is reported|"
+                     r"QAD made the held-out loss WORSE)", printed), printed
     assert "imported back bit-exact" in printed
     assert "logits bit-identical" in printed and "every weight and amax bit-identical" in printed
 
@@ -57,6 +72,9 @@ def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capf
     for key in ("bf16 teacher (held out)", "PTQ (held out)", "QAD (held out)", "KL to teacher after PTQ",
                 "KL to teacher after QAD"):
         assert math.isfinite(losses[key]), (key, losses)
+    # per-batch held-out numbers, the noise behind every comparison
+    assert [len(run["eval"][m]["loss"]) for m in ("bf16 teacher", "PTQ", "QAD")] == [4, 4, 4]
+    assert run["outcome"]["verdict"] in ("better", "worse", "within noise") and run["outcome"]["gap_noise"] > 0
     # QAD lowers the KL it minimises (on its own batches; the held-out KL of this short run is only reported)
     assert losses["KL to teacher on QAD data, after QAD"] < losses["KL to teacher on QAD data, after PTQ"], losses
     # transformers reads the compressed-tensors export; its logits agree with the Megatron model's up to bf16
@@ -75,8 +93,10 @@ def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capf
     for png in pngs:
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / png).stat().st_size > 10_000
         assert f"({png})" in report
-    # the quantizer summary lists every expert under its global index, from rank 0
+    # the quantizer summary lists every expert under its global index, from rank 0, and says so
     assert re.search(" ".join(rf"{e}:[0-9.]+" for e in range(8)), report), report
+    assert "every rank's experts" in report
+    assert "## Held out (4 batches; mean ± standard error over them)" in report
 
     # `modelopt-moe report` renders the same report again from run.json
     again = tmp_path / "again"

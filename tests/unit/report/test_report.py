@@ -10,6 +10,7 @@ import modelopt_moe.quantization as mtq
 from modelopt_moe.numerics import fake_quant
 from modelopt_moe.quantization.nn import GroupedLinear
 from modelopt_moe.report import gather_expert_stats
+from modelopt_moe.report.outcome import qad_outcome
 
 N = 4
 SPLITS = [6, 0, 5, 9]  # expert 1 sees no token
@@ -66,14 +67,66 @@ def test_plots_are_written(tmp_path):
 
     stats = gather_expert_stats(_quantized())
     paths = [
-        plots.loss_curves({"bf16": [(0, 3.0), (1, 2.5)], "QAD": [(2, 2.6), (3, 2.4)]}, tmp_path / "loss.png",
-                          references={"bf16 eval": 2.45}),
+        plots.loss_curves({"bf16": [(0, 3.0), (1, 2.5)], "QAD": [(2, 2e-4), (3, 1e-4)]}, tmp_path / "loss.png",
+                          references={"QAD": {"held-out KL after PTQ": 2e-4, "held-out KL after QAD": 1.5e-4}},
+                          held_out={"PTQ": (1e-3, 4e-4), "QAD": (5e-4, 3e-4)}, held_out_baseline="bf16 teacher",
+                          log_panels=["QAD"]),
         plots.expert_amax_heatmap(["layer 0 fc1", "layer 0 fc2"], [stats.weight_amax["experts"]] * 2,
                                   tmp_path / "amax.png"),
         plots.expert_weight_errors(stats.weight_error_shared["experts"], stats.weight_error_own["experts"],
-                                   tmp_path / "errors.png"),
+                                   tmp_path / "errors.png", note="why the two are close"),
         plots.expert_input_amax({"layer 0 fc1": (stats.input_amax["experts"], stats.input_seen["experts"])},
                                 tmp_path / "inputs.png"),
     ]
     for p in paths:
         assert p.is_file() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# Held-out losses of 4 batches: batch-to-batch spread (0.1) far above the differences between models, as on real data.
+BF16 = [3.5, 3.4, 3.6, 3.5]
+
+
+def _outcome(ptq_gap, qad_change, kl=(2e-4, 1e-4)):
+    ptq = [b + g for b, g in zip(BF16, ptq_gap, strict=True)]
+    qad = [p + c for p, c in zip(ptq, qad_change, strict=True)]
+    return qad_outcome(BF16, ptq, qad, [kl[0] * f for f in (1, 0.9, 1.1, 1.05)], [kl[1] * f for f in (1, 1.1, 1.2, 1)])
+
+
+def test_qad_that_made_the_held_out_loss_worse_is_said_plainly():
+    out = _outcome([0.0010, 0.0012, 0.0011, 0.0013], [0.005, 0.006, 0.007, 0.0065])
+    assert out["verdict"] == "worse" and out["share_closed"] is None
+    assert "QAD made the held-out loss WORSE: up by 0.0061" in out["text"]
+    assert "held-out KL to the teacher 0.000203 -> 0.000107 (down 47%" in out["text"]
+    assert "% of the PTQ loss gap" not in out["text"]  # no negative share of a gap
+
+
+def test_a_share_of_the_gap_only_where_the_gap_exceeds_its_noise():
+    clear = _outcome([0.10, 0.12, 0.11, 0.13], [-0.05, -0.06, -0.055, -0.065])
+    assert clear["verdict"] == "better" and clear["share_closed"] == pytest.approx(0.5, abs=1e-9)
+    assert "50% ± " in clear["text"] and "of the PTQ loss gap (+0.11 ± 0.0065) closed" in clear["text"]
+    noisy = _outcome([0.004, -0.003, 0.002, -0.001], [-0.001, 0.002, -0.002, 0.0005])
+    assert noisy["verdict"] == "within noise" and noisy["share_closed"] is None
+    assert "is not larger than twice its noise, so no share of it closed is reported" in noisy["text"]
+    one = qad_outcome([3.5], [3.6], [3.55], [2e-2], [1e-2])
+    assert one["verdict"] == "unknown" and one["gap_noise"] is None and "no noise estimate" in one["text"]
+
+
+def test_the_report_shows_the_noise_and_significant_digits(tmp_path):
+    pytest.importorskip("matplotlib")
+    from modelopt_moe.report.writer import write_report
+
+    ptq = [b + 0.001 for b in BF16]
+    qad = [p + 0.0061 for p in ptq]
+    run = {"stages": ["s"], "losses": {"KL to teacher after PTQ": 2.04e-4, "KL to teacher after QAD": 1.2e-5},
+           "curves": {"bf16 teacher training": [[0, 3.0], [1, 2.5]], "QAD (KL to the teacher)": [[2, 2e-4], [3, 1e-5]]},
+           "eval": {"bf16 teacher": {"loss": BF16, "kl": None}, "PTQ": {"loss": ptq, "kl": [2e-4] * 4},
+                    "QAD": {"loss": qad, "kl": [1.2e-5] * 4}},
+           "outcome": qad_outcome(BF16, ptq, qad, [2e-4] * 4, [1.2e-5] * 4),
+           "stats": {"weight_error_own": {"g": [0.01, 0.02]}, "weight_error_shared": {"g": [0.011, 0.02]},
+                     "weight_format": {"g": "nvfp4"}, "weight_block_size": {"g": 16}}}
+    write_report(run, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| KL to teacher after QAD | 1.2e-05 |" in md  # not 0.0000
+    assert "| QAD | 3.5071 ± 0.041 | +0.0071 ± " in md  # minus the teacher's loss, paired by batch
+    assert "**What QAD did:** held-out KL to the teacher" in md and "WORSE" in md
+    assert (tmp_path / "loss_curve.png").is_file() and (tmp_path / "expert_weight_error.png").is_file()
