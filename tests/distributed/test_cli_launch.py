@@ -4,6 +4,7 @@ a Hugging Face Qwen3-MoE checkpoint with NVFP4 experts, saved, then resumed from
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -52,5 +53,10 @@ def test_qat_under_torchrun_saves_resumes_at_another_layout_and_exports(tmp_path
                      "--export", str(tmp_path / "export")])
     assert out.count(f"resuming from {tmp_path / 'ck'}") == 1, out
     assert out.count("modelopt-moe qat: steps 3..3, loss") == 1, out
+    # the layout line, once; the quantizer summary after the checkpoint loaded (every expert amax restored)
+    assert out.count("modelopt-moe qat: 4 CPU processes (gloo), TP=1 x EP=4") == 1, out
+    summary = out[out.index("expert amax by global expert index"):]
+    assert "amax=None" not in out and "None" not in summary.split("quantizers enabled")[0], out
+    assert re.search(" ".join(rf"{e}:[0-9.]+" for e in range(8)), summary), summary
     exported = json.loads((tmp_path / "export" / "config.json").read_text())
     assert exported["quantization_config"]["format"] == "nvfp4-pack-quantized", exported["quantization_config"]
