@@ -11,11 +11,11 @@ and Megatron). This is the only module of the project that patches torch. It imp
 
 What it does, each for one reason:
 
-* hides Transformer Engine and Apex from imports (``import transformer_engine`` raises ``ModuleNotFoundError``):
-  where they are installed but CUDA is not usable (GPUs hidden with ``CUDA_VISIBLE_DEVICES=""``), Megatron would
-  pick their CUDA kernels (the MoE router's GEMM, fused Adam, multi-tensor helpers) and fail with "No CUDA GPUs are
-  available"; hidden, Megatron takes its own torch code, as on a machine without them. Hence "before
-  megatron.core is imported": a Megatron that already bound them is refused with that advice;
+* hides Transformer Engine and Apex (``import transformer_engine`` raises ``ModuleNotFoundError``, ``find_spec``
+  finds nothing): where they are installed but CUDA is not usable (GPUs hidden with ``CUDA_VISIBLE_DEVICES=""``),
+  Megatron would pick their CUDA kernels (the MoE router's GEMM, fused Adam, multi-tensor helpers) and fail with
+  "No CUDA GPUs are available"; hidden, Megatron takes its own torch code, as on a machine without them. Hence
+  "before megatron.core is imported": a Megatron that already bound them is refused with that advice;
 * ``torch.cuda.current_device()`` -> ``torch.device("cpu")``: Megatron passes it as ``device=`` when it allocates
   tensors (RoPE frequencies, the MoE router and token dispatcher, tensor-parallel buffers, the dist-checkpoint
   saver); on a CPU build the real function raises ("Torch not compiled with CUDA enabled");
@@ -30,14 +30,13 @@ What it does, each for one reason:
 Not patched: the CUDA RNG (seed Megatron with ``tensor_parallel.model_parallel_cuda_manual_seed(seed,
 inference_rng_tracker=True)``, which keeps no CUDA RNG state); CUDA streams of the alltoall token dispatcher (use
 ``moe_token_dispatcher_type="allgather"``); the non-TE norm's refusal of ``sequence_parallel`` (build the norms with
-``modelopt_moe.plugins.megatron.norms.sequence_parallel_norm``). ``modelopt_moe.export.build_megatron_model`` sets
-all three on a machine without CUDA.
+``modelopt_moe.plugins.megatron.norms.sequence_parallel_norm``). ``modelopt_moe.export.build_megatron_model``
+chooses that dispatcher and those norms on a machine without CUDA.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
 import sys
 from collections.abc import Iterator
 
@@ -69,25 +68,19 @@ def cpu_shims_applied() -> bool:
 GPU_ONLY_PACKAGES = ("transformer_engine", "transformer_engine_torch", "apex")
 
 
-class _HideGpuOnlyPackages(importlib.abc.MetaPathFinder):
-    """Makes ``import transformer_engine`` (and Apex) fail as if not installed (Megatron then takes its torch code)."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname.split(".")[0] in GPU_ONLY_PACKAGES:
-            raise ModuleNotFoundError(f"{fullname} is hidden in this process: it needs CUDA, and Megatron runs on "
-                                      "CPU here (modelopt_moe.plugins.megatron_cpu)", name=fullname)
-        return None
-
-
 def _hide_gpu_only_packages() -> None:
-    imported = sorted(name for name in sys.modules if name.split(".")[0] in GPU_ONLY_PACKAGES)
+    """Makes Transformer Engine and Apex look uninstalled: ``import transformer_engine`` raises
+    ``ModuleNotFoundError`` and ``importlib.util.find_spec`` returns None (a None entry in ``sys.modules``), so
+    Megatron (and any library that checks) takes its torch code."""
+    imported = sorted(name for name, m in sys.modules.items() if name.split(".")[0] in GPU_ONLY_PACKAGES
+                      and m is not None)
     if imported:
         raise RuntimeError(
             f"Megatron on CPU: {imported[0]} was imported before the CPU setup, and Megatron would call its CUDA "
             "kernels (e.g. the MoE router's GEMM: 'No CUDA GPUs are available'). Call "
             "modelopt_moe.plugins.megatron_cpu.enable_cpu_megatron() first, before importing megatron.core")
-    if not any(isinstance(f, _HideGpuOnlyPackages) for f in sys.meta_path):
-        sys.meta_path.insert(0, _HideGpuOnlyPackages())
+    for name in GPU_ONLY_PACKAGES:
+        sys.modules[name] = None
 
 
 def apply_cpu_shims() -> bool:
