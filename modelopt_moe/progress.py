@@ -16,7 +16,7 @@ __all__ = ["progress", "LineProgress"]
 
 
 class LineProgress:
-    """A progress report for logs: ``desc: 30/100 (30%), 12 s, loss=2.31``, one line per tenth of ``total`` (with a
+    """A progress report for logs: ``desc: 30% (30/100), 12 s, loss=2.31``, one line per tenth of ``total`` (with a
     total) and at least every ``interval`` seconds while updates come. tqdm's calls that the project uses
     (``update``, ``set_postfix``, ``set_postfix_str``, ``close``) return None.
 
@@ -40,11 +40,10 @@ class LineProgress:
         self.last_n, self.closed = initial, False
 
     def _line(self, now: float) -> str:
-        count = f"{self.n}/{self.total}" if self.total else str(self.n)
-        share = f" ({100 * self.n // self.total}%)" if self.total else ""
         unit = f" {self.unit}" if self.unit else ""
+        count = f"{100 * self.n // self.total}% ({self.n}/{self.total}{unit})" if self.total else f"{self.n}{unit}"
         postfix = f", {self.postfix}" if self.postfix else ""
-        return f"{self.desc}: {count}{unit}{share}, {now - self.start:.0f} s{postfix}"
+        return f"{self.desc}: {count}, {now - self.start:.0f} s{postfix}"
 
     def _write(self, now: float) -> None:
         print(self._line(now), file=self.file or sys.stderr, flush=True)

@@ -177,7 +177,7 @@ def _raise_agreed(error: str | None) -> None:
 def _progress(total: int, enabled: bool):
     from ..progress import progress  # a bar on a terminal, periodic lines in a log
 
-    return progress(total, "export", unit="layer", enabled=enabled)
+    return progress(total, "export", unit="layers", enabled=enabled)
 
 
 def _write_record(writer: CheckpointWriter, family: Family, rec, scheme, fmt: str, dtype, expected: set,

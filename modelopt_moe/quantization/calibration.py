@@ -85,7 +85,7 @@ class _ForwardCounter:
 
     def __enter__(self):
         if is_rank0():
-            self.bar = progress(None, "calibrating", unit="batch", delay=2.0, leave=False)
+            self.bar = progress(None, "calibrating", unit="batches", delay=2.0, leave=False)
             self.handle = self.model.register_forward_hook(self._count)
         return self
 

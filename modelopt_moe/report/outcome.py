@@ -79,11 +79,11 @@ def qad_outcome(bf16_loss: Sequence[float], ptq_loss: Sequence[float], qad_loss:
     kl_dir = "down" if kl_change < 0 else "up"
     kl_text = f"held-out KL to the teacher {kl_before:.3g} -> {kl_after:.3g}"
     if math.isfinite(kl_pct):
-        kl_text += f" ({kl_dir} {abs(kl_pct):.0f}%{'' if math.isnan(kl_noise_pct) else f' ± {kl_noise_pct:.0f}%'})"
+        kl_text += f" ({kl_dir} {abs(kl_pct):.2g}%{'' if math.isnan(kl_noise_pct) else f' ± {kl_noise_pct:.2g}%'})"
     moved = f"{loss['ptq']:#.5g} -> {loss['qad']:#.5g}"
     if verdict == "worse":
         loss_text = (f"QAD made the held-out loss WORSE: up by {change:.2g} ± {change_noise:.2g} ({moved}) while the "
-                     f"KL went {kl_dir} by {abs(kl_pct):.0f}%")
+                     f"KL went {kl_dir} by {abs(kl_pct):.2g}%")
     elif verdict == "better":
         loss_text = f"held-out loss down by {-change:.2g} ± {change_noise:.2g} ({moved})"
     elif verdict == "within noise":
@@ -91,14 +91,17 @@ def qad_outcome(bf16_loss: Sequence[float], ptq_loss: Sequence[float], qad_loss:
     else:
         loss_text = f"held-out loss {moved} ({change:+.2g}; one batch gives no noise estimate)"
     batches = f"{n} held-out batch{'es' if n != 1 else ''}"
-    if verdict == "worse":
+    after = f"after QAD the loss is {gap + change:+.2g} against the teacher's"
+    if gap_counts and verdict == "worse":
         gap_part = f"the PTQ loss gap grew from {pm(gap, gap_noise)} to {gap + change:+.2g}"
-    elif share is not None:
+    elif gap_counts:
         gap_part = (f"{100 * share:.0f}% ± {100 * change_noise / gap:.0f}% of the PTQ loss gap ({pm(gap, gap_noise)}) "
                     "closed")
+    elif gap < 0 and _significant(gap, gap_noise):
+        gap_part = f"PTQ's held-out loss was below the teacher's ({pm(gap, gap_noise)}): no loss gap to close; {after}"
     else:
         gap_part = (f"the PTQ loss gap ({pm(gap, gap_noise)} over {batches}) is not larger than twice its noise, so "
-                    "no share of it closed is reported")
+                    f"no share of it closed is reported{'; ' + after if verdict == 'worse' else ''}")
     out = {"batches": n, "loss": loss, "gap": gap, "gap_noise": gap_noise, "change": change,
            "change_noise": change_noise, "share_closed": share, "kl_before": kl_before, "kl_after": kl_after,
            "kl_change_pct": kl_pct, "kl_change_noise_pct": kl_noise_pct, "verdict": verdict,

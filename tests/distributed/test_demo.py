@@ -54,7 +54,7 @@ def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capf
     for i in range(1, 7):  # every stage says what it proved, once (rank 0 only)
         assert printed.count(f"[{i}/6] ") == 1, printed
     # a log, not a terminal: progress as plain lines; no third-party noise; the project's own warning last, once
-    assert "\r" not in err and "bf16 teacher: 4/40 steps (10%)" in err and "QAD: 8/8 steps (100%)" in err, err
+    assert "\r" not in err and "bf16 teacher: 10% (4/40 steps)" in err and "QAD: 100% (8/8 steps)" in err, err
     for noise in ("Apex", "GPTModel IS DEPRECATED", "ShardedTensor", "there is no optimizer", "async save",
                   "quantization_config", "Transformer Engine"):
         assert noise not in err, (noise, err)

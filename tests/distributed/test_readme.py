@@ -5,8 +5,8 @@ example as a script); the Megatron snippets define functions (``qat``, ``resume`
 ``load_with_own_calls``), which are written to a module, exactly as printed (its first lines set Megatron up for this
 CPU machine: ``enable_cpu_megatron()``), and called here on 2 gloo ranks (TP=1 x EP=2) with a small real Megatron
 MoE GPT: train 2 steps, save with the optimizer, restore into a freshly built model through each documented call,
-and compare every weight and amax. The YAML snippet is loaded with ``mtq.load_config``. A new snippet must be added here:
-the first test counts them.
+and compare every weight and amax. The YAML snippet is loaded with ``mtq.load_config``. A new snippet must be added
+here: the first test counts them.
 """
 
 import os

@@ -19,8 +19,8 @@ def test_a_log_gets_a_line_per_tenth_and_no_redraws():
     lines = log.getvalue().splitlines()
     assert "\r" not in log.getvalue()
     assert len(lines) == 10, lines  # one per tenth; close() adds nothing when the last line showed the end
-    assert lines[0].startswith("QAD: 4/40 steps (10%), ") and lines[0].endswith("loss=4e-05")
-    assert lines[-1].startswith("QAD: 40/40 steps (100%)")
+    assert lines[0].startswith("QAD: 10% (4/40 steps), ") and lines[0].endswith("loss=4e-05")
+    assert lines[-1].startswith("QAD: 100% (40/40 steps)")
 
 
 def test_without_a_total_lines_come_with_time_and_at_close():
@@ -42,7 +42,7 @@ def test_a_short_job_under_its_delay_stays_silent_and_a_resumed_one_starts_where
     assert log.getvalue() == ""
     resumed = progress(10, "QAT", file=log, initial=5)
     resumed.update(1)
-    assert log.getvalue().startswith("QAT: 6/10 (60%)")
+    assert log.getvalue().startswith("QAT: 60% (6/10)")
 
 
 def test_a_terminal_gets_a_tqdm_bar_and_disabled_gets_none():

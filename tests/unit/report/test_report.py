@@ -107,6 +107,9 @@ def test_a_share_of_the_gap_only_where_the_gap_exceeds_its_noise():
     noisy = _outcome([0.004, -0.003, 0.002, -0.001], [-0.001, 0.002, -0.002, 0.0005])
     assert noisy["verdict"] == "within noise" and noisy["share_closed"] is None
     assert "is not larger than twice its noise, so no share of it closed is reported" in noisy["text"]
+    below = _outcome([-0.0011, -0.0014, -0.0009, -0.0012], [0.0023, 0.0029, 0.0019, 0.0025])
+    assert below["verdict"] == "worse" and below["share_closed"] is None
+    assert "PTQ's held-out loss was below the teacher's (-0.0011 ± 0.0001): no loss gap to close" in below["text"]
     one = qad_outcome([3.5], [3.6], [3.55], [2e-2], [1e-2])
     assert one["verdict"] == "unknown" and one["gap_noise"] is None and "no noise estimate" in one["text"]
 
