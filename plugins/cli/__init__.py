@@ -5,8 +5,9 @@
     modelopt-moe report [flags]    render a run's report again from its run.json
     modelopt-moe qat [flags]       QAT / QAD of your own Megatron model (a model provider and a YAML config)
 
-Every command runs its ranks on this machine (CPU processes with gloo, or one per GPU) or, started by ``torchrun`` or
-SLURM's ``srun``, in the launcher's processes (``modelopt_moe.plugins.cli.ranks``).
+Every command runs its ranks on this machine (one process per visible GPU, or CPU processes with gloo: the layout is
+chosen to fit the machine, ``modelopt_moe.plugins.cli.layout``) or, started by ``torchrun`` or SLURM's ``srun``, in
+the launcher's processes (``modelopt_moe.plugins.cli.ranks``). ``modelopt-moe <command> --help`` for its flags.
 """
 
 from __future__ import annotations
