@@ -158,8 +158,8 @@ def rank_output(rank: int) -> Iterator[list[str]]:
 
 
 def print_warnings(messages: list[str], title: str = "warnings") -> None:
-    """Prints the collected warnings on stderr, one block, after a command's own lines."""
+    """Prints the collected warnings on stderr, one block, after a command's own lines; the project's own last."""
     if messages:
         print(f"\n{title} ({len(messages)}):", file=sys.stderr)
-        for m in messages:
+        for m in sorted(messages, key=lambda m: m.startswith("modelopt_moe:")):
             print("  " + m.replace("\n", "\n  "), file=sys.stderr, flush=True)

@@ -22,13 +22,15 @@ def test_rank0_hides_known_warnings_and_collects_the_rest_once(capsys):
             warnings.warn("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning,
                           stacklevel=1)
             warnings.warn("calibrate: these experts saw no calibration tokens", UserWarning, stacklevel=1)
-            warnings.warn("an unknown library notice", DeprecationWarning, stacklevel=1)
+            warnings.warn_explicit("an unknown library notice", DeprecationWarning,
+                                   "/venv/lib/python3.11/site-packages/somelib/module.py", 7)
     assert collected == ["modelopt_moe: calibrate: these experts saw no calibration tokens",
-                         "modelopt_moe: DeprecationWarning: an unknown library notice"]
+                         "somelib: DeprecationWarning: an unknown library notice"]
     assert capsys.readouterr().err == ""  # nothing shown while it runs
     print_warnings(collected)
     err = capsys.readouterr().err
     assert err.startswith("\nwarnings (2):\n") and "calibrate: these experts" in err
+    assert err.index("an unknown library notice") < err.index("calibrate: these experts")  # the project's last
 
 
 def test_other_ranks_show_no_warning_and_no_megatron_notice(capsys):
