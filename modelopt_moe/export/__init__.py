@@ -88,8 +88,15 @@ def import_hf(model: nn.Module, hf_dir: str | os.PathLike) -> None:
     """Loads an unquantized Hugging Face checkpoint (Qwen3-MoE or Mixtral, any dtype) into the already built
     ``model``, at its tensor / expert parallel layout; each rank reads only its slices.
 
+    All or nothing: before the first parameter is written, ``config.json`` is checked against the model, the index
+    and the header of every shard against the config (each tensor present in the shard the index names, with the
+    expected shape and a float dtype, no file shorter than its header says), and this rank's slices are read; on
+    any error the model's parameters and buffers are exactly as before. Every rank checks the whole checkpoint, so
+    all ranks raise the same error (no collective). Memory: this rank's share of the weights, once, on the host.
+
     Raises:
-        ExportError: the checkpoint's architecture or shapes do not match the model (names what differs).
+        ExportError: the checkpoint's config, files or tensors do not match the model, or a file cannot be read
+            (names the file, the tensor, what was expected and what was found).
     """
     adapter_for(model).import_hf(model, hf_dir)
 

@@ -13,9 +13,10 @@ One spawn (imports cost ~15 s) does all the Megatron work; the parent process re
 * compressed-tensors checkpoints load with ``AutoModelForCausalLM.from_pretrained(..., CompressedTensorsConfig(
   dequantize=True))``: every expert matrix and the logits are compared with the Megatron fake-quant model (weights
   fake-quantized; transformers runs the experts weight-only, so the Megatron side's input quantizers are off for the
-  logits); NVFP4 experts need a small test-only patch (transformers 5.23 never passes ``weight_global_scale`` to the
-  experts' dequantize, see ``test_upstream_transformers_still_mis_scales_nvfp4_experts``), which decodes them with
-  compressed-tensors' own ``NVFP4PackedCompressor.decompress``;
+  logits); NVFP4 experts need the public fix ``modelopt_moe.export.transformers_compat.fix_nvfp4_experts()``
+  (transformers 5.23 never passes ``weight_global_scale`` to the experts' dequantize, see
+  ``test_upstream_transformers_still_mis_scales_nvfp4_experts``), which decodes them with compressed-tensors' own
+  ``NVFP4PackedCompressor.decompress``;
 * Model Optimizer checkpoints go through compressed-tensors' ``ModelOptNvfp4Converter`` (``convert_checkpoint``),
   whose output must equal our compressed-tensors export, then ``transformers``; FP8 tensors already have
   compressed-tensors' names. A byte-level check covers the layout vLLM's ``modelopt`` loader reads;
@@ -372,11 +373,12 @@ def test_transformers_reads_fp8_compressed_tensors(run):
 
 @pytest.fixture
 def nvfp4_experts_patch():
-    """transformers 5.23's experts dequantize drops ``weight_global_scale``: decode each expert with
-    compressed-tensors' own decoder instead (plugins/testing/transformers_nvfp4.py)."""
-    from modelopt_moe.plugins.testing.transformers_nvfp4 import nvfp4_experts_decoded_right
+    """transformers 5.23's experts dequantize drops ``weight_global_scale``: the public fix decodes each expert with
+    compressed-tensors' own decoder instead (modelopt_moe.export.transformers_compat)."""
+    from modelopt_moe.export import transformers_compat
 
-    with nvfp4_experts_decoded_right():
+    with transformers_compat.fix_nvfp4_experts() as fix:
+        assert fix.applied, fix.note
         yield
 
 
@@ -433,7 +435,7 @@ def test_nvfp4_file_formula_in_fp32_gives_megatron_logits(run):
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="transformers 5.23 mis-scales NVFP4 MoE experts (weight_global_scale is never passed to the "
-                          "experts' dequantize); XPASS means upstream fixed it: drop the nvfp4_experts_patch fixture")
+                          "experts' dequantize); XPASS means upstream fixed it: set transformers_compat.FIXED_IN")
 def test_upstream_transformers_still_mis_scales_nvfp4_experts(run):
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
