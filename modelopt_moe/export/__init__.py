@@ -11,8 +11,9 @@ registration call, :func:`modelopt_moe.quantization.conversion.register_framewor
     export_hf(model, "out/", format="compressed-tensors")   # or "modelopt"; every rank calls it, rank 0 writes
 
 Formats: ``compressed-tensors`` (FP8 E4M3 per tensor / per channel, NVFP4; read by vLLM and transformers through the
-compressed-tensors package), ``modelopt`` (NVIDIA Model Optimizer's unified HF format: FP8, NVFP4, W4A16_NVFP4; read
-by vLLM, SGLang, TensorRT-LLM) and ``hf`` (unquantized). Families: Qwen3-MoE (``Qwen3MoeForCausalLM``) and Mixtral
+compressed-tensors package; NVFP4 MoE experts through transformers only with :mod:`.transformers_compat`'s fix),
+``modelopt`` (NVIDIA Model Optimizer's unified HF format: FP8, NVFP4, W4A16_NVFP4; read by vLLM, SGLang,
+TensorRT-LLM) and ``hf`` (unquantized). Families: Qwen3-MoE (``Qwen3MoeForCausalLM``) and Mixtral
 (``MixtralForCausalLM``). See docs/export.md.
 """
 
@@ -74,6 +75,9 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "co
     Raises:
         ExportError: an unsupported model, family or feature, a model that is not quantized, a quantization the
             format cannot express, a non-empty output directory (all before writing).
+
+    Warns once per process, on rank 0, when it writes NVFP4 MoE experts in compressed-tensors format: transformers
+    5.13 and later read them wrong without :func:`modelopt_moe.export.transformers_compat.fix_nvfp4_experts`.
     """
     adapter = adapter_for(model)
     # A dynamic weight amax holds the value of the last forward; after an optimizer step, recompute it from the
