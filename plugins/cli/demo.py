@@ -322,12 +322,12 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
             f"max |diff| {agreement['max_abs_diff']:.3g} on logits up to {agreement['max_abs_logit']:.3g} (bf16), "
             f"the same top-1 token at {100 * agreement['top1']:.1f}% of positions")
         how = "" if fix is None else (
-            " with modelopt_moe.export.transformers_compat.fix_nvfp4_experts() applied (transformers 5.13+ "
+            ", with modelopt_moe.export.transformers_compat.fix_nvfp4_experts() applied (transformers 5.13+ "
             "mis-scales NVFP4 experts without it)" if fix.applied else
-            f" (modelopt_moe.export.transformers_compat.fix_nvfp4_experts(): not needed, {fix.note})")
+            f", modelopt_moe.export.transformers_compat.fix_nvfp4_experts() not needed ({fix.note})")
         stage(f"export: {ct} (compressed-tensors) and {mo} (Model Optimizer) written from TP={other_tp} "
-              f"EP={other_ep}; transformers loads the first{how} (it dequantizes the weights and ignores input "
-              f"scales, so it is compared with our weight-only forward): {text}")
+              f"EP={other_ep}; transformers loads the first{how}; it dequantizes the weights and ignores input "
+              f"scales, so it is compared with our weight-only forward: {text}")
 
     # 6. report -------------------------------------------------------------------------------------------------
     report = None
