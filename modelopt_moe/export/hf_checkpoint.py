@@ -224,8 +224,7 @@ class HfCheckpointReader:
 
     Construction checks everything the files can tell without reading tensor data: the config, the index, and the
     header of every shard (each tensor present where the index places it, with the shape the config implies and a
-    float dtype, every file as long as its header says). An import that uses the reader therefore fails, if it
-    fails on the checkpoint, before it writes anything.
+    float dtype, every file as long as its header says): a broken checkpoint is refused before any tensor is read.
 
     Args:
         hf_dir: the model directory.
