@@ -50,6 +50,8 @@ def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capf
     for i in range(1, 7):  # every stage says what it proved, once (rank 0 only)
         assert printed.count(f"[{i}/6] ") == 1, printed
     assert "imported back bit-exact" in printed
+    # transformers reads the NVFP4 experts through the public fix, and the demo says so
+    assert "with modelopt_moe.export.transformers_compat.fix_nvfp4_experts() applied" in printed
     assert "logits bit-identical" in printed and "every weight and amax bit-identical" in printed
 
     run = json.loads((out / "run.json").read_text())
