@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.transformer.module import MegatronModule
 from torch.distributed.checkpoint.api import CheckpointException
@@ -82,8 +81,8 @@ def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     its siblings ``<ckpt_dir>.tmp`` / ``.old`` hold nothing else), and every rank raises when it is not. Every rank
     then writes into ``<ckpt_dir>.tmp`` (Megatron's ``dist_checkpointing.save``, which validates the sharding of
     every tensor); then rank 0 writes the quantization state and the completion marker and moves the directory into
-    place, and every rank learns whether that worked. Collectives: two agreements (all-gathers), a barrier and
-    Megatron's own, the same on every rank.
+    place, and every rank learns whether that worked. Collectives: three agreements (all-gathers) and Megatron's
+    own, the same on every rank.
 
     Args:
         model_list: a model or a list of model chunks (Megatron DDP / Float16Module wrappers are fine).
@@ -103,13 +102,17 @@ def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     if rank() == 0:  # one rank decides (a shared directory), every rank raises
         try:
             check_save_target(ckpt_dir, "save_sharded_checkpoint")
-        except FileExistsError as e:
+        except OSError as e:  # FileExistsError, or a directory that cannot be listed
             refusal = e
     raise_agreed(refusal, "save_sharded_checkpoint")
     for model in models:  # dynamic weight amaxes as the next forward computes them from the saved weights
         update_weight_amax(model)
-    tmp = begin_checkpoint_dir(ckpt_dir)
-    dist.barrier()
+    failure = None
+    try:  # rank 0 creates the staging directory; the agreement is the barrier before every rank writes into it
+        tmp = begin_checkpoint_dir(ckpt_dir)
+    except Exception as e:  # noqa: BLE001 - re-raised on this rank, reported to the others
+        failure = e
+    raise_agreed(failure, "save_sharded_checkpoint")
     state = model_sharded_state_dict(models, OPTIMIZER_METADATA)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=dict(OPTIMIZER_METADATA))
