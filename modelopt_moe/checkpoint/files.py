@@ -66,11 +66,11 @@ def atomic_torch_save(obj, path: Path) -> None:
         raise
 
 
-def read_torch_file(path: str | os.PathLike, allowed_globals: tuple = ()):
+def read_torch_file(path, allowed_globals: tuple = ()):
     """``torch.load(path, weights_only=True)`` onto the CPU, with errors that name the file.
 
     Args:
-        path: the file.
+        path: the file (or an open binary file object).
         allowed_globals: Python objects to admit besides tensors and plain data (``torch.serialization.safe_globals``).
 
     Raises:
@@ -78,7 +78,8 @@ def read_torch_file(path: str | os.PathLike, allowed_globals: tuple = ()):
         CorruptCheckpointError: the file is truncated or damaged (names it).
         CheckpointMismatchError: the file holds a Python object that is never unpickled here (names its class).
     """
-    path = Path(path)
+    if isinstance(path, str | os.PathLike):
+        path = Path(path)
     try:
         with torch.serialization.safe_globals(list(allowed_globals)):
             return torch.load(path, map_location="cpu", weights_only=True)
