@@ -19,7 +19,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..quantization.config import ConfigError, ExpertsConfig, QuantizeConfig, to_config
@@ -28,6 +27,7 @@ from ..quantization.modelopt_compat import COMPAT_DOC
 from ..quantization.tensor_quantizer import parse_modelopt_quantizer_state
 from ..quantization.utils import warn_once
 from .errors import CheckpointMismatchError
+from .files import read_torch_file
 
 __all__ = [
     "load_plain",
@@ -46,11 +46,15 @@ _LOCAL_EXPERT = re.compile(
 _GROUPED_EXPERT = re.compile(r"^(?P<head>.*\.(?P<kind>weight_quantizer))\.(?P<i>\d+)$")
 
 
-def load_plain(f) -> Any:
-    """``torch.load(f, weights_only=True)`` that also admits ``slice`` objects: Model Optimizer's quantizer states
-    keep one (``_slices``, the padding cut of static blocks). Nothing else is unpickled."""
-    with torch.serialization.safe_globals([slice]):
-        return torch.load(f, map_location="cpu", weights_only=True)
+def load_plain(path) -> Any:
+    """``torch.load(path, weights_only=True)`` that also admits ``slice`` objects: Model Optimizer's quantizer states
+    keep one (``_slices``, the padding cut of static blocks). Nothing else is unpickled.
+
+    Raises:
+        CorruptCheckpointError: the file is truncated or damaged (names it).
+        CheckpointMismatchError: it holds another Python object (names its class).
+    """
+    return read_torch_file(path, allowed_globals=(slice,))
 
 
 def is_model_optimizer_state(obj: Any) -> bool:

@@ -267,7 +267,12 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
     Args:
         model: a quantized model.
         path: the file to write.
+
+    Raises:
+        IsADirectoryError: ``path`` is a directory (nothing is written).
     """
+    if Path(path).is_dir():
+        raise IsADirectoryError(f"save: {path} is a directory; give the path of the file to write")
     update_weight_amax(model)  # a dynamic amax as the next forward computes it from the saved weights
     atomic_torch_save({"modelopt_moe_state": modelopt_state(model), "state_dict": _layout_free_state_dict(model)},
                       Path(path))
@@ -291,6 +296,7 @@ def restore(model: nn.Module, path: str | os.PathLike, experts: ExpertsConfig | 
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        CorruptCheckpointError: the file is truncated or damaged (names it; nothing is changed).
         CheckpointMismatchError: the file does not fit the model (see :func:`restore_modelopt_state`).
     """
     path = Path(path)
