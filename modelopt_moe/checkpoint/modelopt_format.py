@@ -24,6 +24,7 @@ from torch import nn
 from ..quantization.config import ConfigError, ExpertsConfig, QuantizeConfig, to_config
 from ..quantization.conversion import convert, is_quantized, named_quantizers, unwrap_model
 from ..quantization.modelopt_compat import COMPAT_DOC
+from ..quantization.rollback import unchanged_on_error
 from ..quantization.tensor_quantizer import parse_modelopt_quantizer_state
 from ..quantization.utils import warn_once
 from .errors import CheckpointMismatchError
@@ -191,10 +192,10 @@ def restore_model_optimizer_state(model: nn.Module, state: dict, experts: Expert
         raise CheckpointMismatchError(f"{source}: restore into an unquantized model (this one is already quantized)")
     layouts = experts if experts is not None else model_optimizer_expert_layouts(cfg)
     layouts = layouts if isinstance(layouts, ExpertsConfig) else ExpertsConfig(**layouts)
-    convert(model, cfg.model_copy(update={"experts": layouts}))
-    if quantizer_state:
-        unknown = apply_quantizer_states(model, quantizer_state, source)
-        if unknown:
-            warn_once(f"{source}: Model Optimizer quantizers with no counterpart in this model are ignored: "
-                      f"{unknown[:6]}{' ...' if len(unknown) > 6 else ''} (see {COMPAT_DOC})")
+    with unchanged_on_error(model, "restore_model_optimizer_state"):
+        convert(model, cfg.model_copy(update={"experts": layouts}))
+        unknown = apply_quantizer_states(model, quantizer_state, source) if quantizer_state else []
+    if unknown:
+        warn_once(f"{source}: Model Optimizer quantizers with no counterpart in this model are ignored: "
+                  f"{unknown[:6]}{' ...' if len(unknown) > 6 else ''} (see {COMPAT_DOC})")
     return model
