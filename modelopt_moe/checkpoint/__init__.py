@@ -7,15 +7,20 @@
 * :func:`save` / :func:`restore`: plain PyTorch, quantization state and weights in one file.
 * Model Optimizer's ``mto`` names: :func:`modelopt_state`, :func:`restore_from_modelopt_state`, :func:`save`,
   :func:`restore` (which also read Model Optimizer 0.47's states and ``mto.save`` files, :mod:`.modelopt_format`).
-* :mod:`.files`: checkpoint directories that are complete or absent, never half-written.
+* :mod:`.files`: checkpoint directories that are complete or absent, never half-written; a save replaces only a
+  checkpoint of ours (:func:`check_save_target`); data files are checked against torch DCP's ``.metadata``
+  (:func:`check_dcp_file_sizes`) before a load.
 """
 
-from .errors import CheckpointMismatchError, IncompleteCheckpointError
+from .errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
 from .files import (
     atomic_torch_save,
     begin_checkpoint_dir,
     check_checkpoint_dir,
+    check_dcp_file_sizes,
+    check_save_target,
     commit_checkpoint_dir,
+    is_our_checkpoint,
     megatron_lm_iteration_dir,
     resolve_checkpoint_dir,
 )
@@ -24,6 +29,7 @@ from .sharded import (
     checkpoint_amax_shapes,
     has_sharded_modelopt_state,
     load_sharded_modelopt_state,
+    register_sharded_checkpoint_check,
     restore_sharded_modelopt_state,
     save_sharded_modelopt_state,
 )
@@ -50,12 +56,17 @@ __all__ = [
     "restore_model_optimizer_state",
     "is_model_optimizer_state",
     "iter_expert_quantizers",
+    "register_sharded_checkpoint_check",
     "CheckpointMismatchError",
     "IncompleteCheckpointError",
+    "CorruptCheckpointError",
     "atomic_torch_save",
     "begin_checkpoint_dir",
     "commit_checkpoint_dir",
     "check_checkpoint_dir",
+    "check_save_target",
+    "check_dcp_file_sizes",
+    "is_our_checkpoint",
     "resolve_checkpoint_dir",
     "megatron_lm_iteration_dir",
 ]

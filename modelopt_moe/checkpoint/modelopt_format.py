@@ -19,15 +19,16 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..quantization.config import ConfigError, ExpertsConfig, QuantizeConfig, to_config
 from ..quantization.conversion import convert, is_quantized, named_quantizers, unwrap_model
 from ..quantization.modelopt_compat import COMPAT_DOC
+from ..quantization.rollback import unchanged_on_error
 from ..quantization.tensor_quantizer import parse_modelopt_quantizer_state
 from ..quantization.utils import warn_once
 from .errors import CheckpointMismatchError
+from .files import read_torch_file
 
 __all__ = [
     "load_plain",
@@ -46,11 +47,15 @@ _LOCAL_EXPERT = re.compile(
 _GROUPED_EXPERT = re.compile(r"^(?P<head>.*\.(?P<kind>weight_quantizer))\.(?P<i>\d+)$")
 
 
-def load_plain(f) -> Any:
-    """``torch.load(f, weights_only=True)`` that also admits ``slice`` objects: Model Optimizer's quantizer states
-    keep one (``_slices``, the padding cut of static blocks). Nothing else is unpickled."""
-    with torch.serialization.safe_globals([slice]):
-        return torch.load(f, map_location="cpu", weights_only=True)
+def load_plain(path) -> Any:
+    """``torch.load(path, weights_only=True)`` that also admits ``slice`` objects: Model Optimizer's quantizer states
+    keep one (``_slices``, the padding cut of static blocks). Nothing else is unpickled.
+
+    Raises:
+        CorruptCheckpointError: the file is truncated or damaged (names it).
+        CheckpointMismatchError: it holds another Python object (names its class).
+    """
+    return read_torch_file(path, allowed_globals=(slice,))
 
 
 def is_model_optimizer_state(obj: Any) -> bool:
@@ -187,10 +192,10 @@ def restore_model_optimizer_state(model: nn.Module, state: dict, experts: Expert
         raise CheckpointMismatchError(f"{source}: restore into an unquantized model (this one is already quantized)")
     layouts = experts if experts is not None else model_optimizer_expert_layouts(cfg)
     layouts = layouts if isinstance(layouts, ExpertsConfig) else ExpertsConfig(**layouts)
-    convert(model, cfg.model_copy(update={"experts": layouts}))
-    if quantizer_state:
-        unknown = apply_quantizer_states(model, quantizer_state, source)
-        if unknown:
-            warn_once(f"{source}: Model Optimizer quantizers with no counterpart in this model are ignored: "
-                      f"{unknown[:6]}{' ...' if len(unknown) > 6 else ''} (see {COMPAT_DOC})")
+    with unchanged_on_error(model, "restore_model_optimizer_state"):
+        convert(model, cfg.model_copy(update={"experts": layouts}))
+        unknown = apply_quantizer_states(model, quantizer_state, source) if quantizer_state else []
+    if unknown:
+        warn_once(f"{source}: Model Optimizer quantizers with no counterpart in this model are ignored: "
+                  f"{unknown[:6]}{' ...' if len(unknown) > 6 else ''} (see {COMPAT_DOC})")
     return model

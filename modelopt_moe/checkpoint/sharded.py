@@ -13,20 +13,33 @@ Flow (Megatron; ``modelopt_moe.plugins.megatron`` wraps it as ``save_sharded_che
 The expert amaxes themselves travel in the model's sharded state dict, with a global expert axis
 (:mod:`.expert_axis`). :func:`checkpoint_amax_shapes` reads their global shapes from a checkpoint's metadata, for
 load-time checks.
+
+Before it changes the model, :func:`restore_sharded_modelopt_state` checks the checkpoint's files
+(:func:`~.files.check_checkpoint_dir`, data file sizes included) and runs the model checks a framework plugin
+registered with :func:`register_sharded_checkpoint_check` (Megatron: every tensor's global shape against the
+checkpoint's ``.metadata``), so that the user's own ``dist_checkpointing.load`` that follows cannot fail halfway.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from ..quantization.config import ExpertsConfig
+from ..quantization.conversion import register_framework_plugins
 from ..quantization.utils import rank
 from .errors import CheckpointMismatchError
-from .files import STATE_FILE, atomic_torch_save, check_checkpoint_dir, megatron_lm_iteration_dir
+from .files import (
+    STATE_FILE,
+    atomic_torch_save,
+    check_checkpoint_dir,
+    megatron_lm_iteration_dir,
+    read_dcp_metadata,
+    read_torch_file,
+)
 from .state import modelopt_state, restore_modelopt_state
 
 __all__ = [
@@ -35,7 +48,23 @@ __all__ = [
     "load_sharded_modelopt_state",
     "has_sharded_modelopt_state",
     "checkpoint_amax_shapes",
+    "register_sharded_checkpoint_check",
 ]
+
+# Checks of model chunks against a checkpoint, registered by framework plugins (see restore_sharded_modelopt_state).
+_MODEL_CHECKS: list[Callable[[list[nn.Module], Path], None]] = []
+
+
+def register_sharded_checkpoint_check(check: Callable[[list[nn.Module], Path], None]) -> None:
+    """Adds a plugin's check of model chunks against a checkpoint directory, run by
+    :func:`restore_sharded_modelopt_state` before it changes anything.
+
+    ``check(models, ckpt_dir)`` must return None for models that are not its framework's and raise a
+    :class:`CheckpointMismatchError` (or :class:`IncompleteCheckpointError`) for a checkpoint that does not fit; it is
+    called on every rank, with the same outcome on every rank. Registering the same function twice adds it once.
+    """
+    if check not in _MODEL_CHECKS:
+        _MODEL_CHECKS.append(check)
 
 
 def _as_list(model_list) -> list[nn.Module]:
@@ -73,35 +102,50 @@ def load_sharded_modelopt_state(ckpt_dir: str | os.PathLike) -> list[dict]:
 
     Raises:
         IncompleteCheckpointError: the directory or its state file is missing or the save did not finish.
+        CorruptCheckpointError: the state file is truncated or damaged (names it).
     """
-    path = check_checkpoint_dir(ckpt_dir, require_state=True)
-    payload = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    return _read_states(check_checkpoint_dir(ckpt_dir, require_state=True))
+
+
+def _read_states(path: Path) -> list[dict]:
+    payload = read_torch_file(path / STATE_FILE)
     if not isinstance(payload, dict) or not isinstance(payload.get("models"), list):
         raise CheckpointMismatchError(f"{path / STATE_FILE}: not a modelopt_moe sharded quantization state")
     return payload["models"]
 
 
 def restore_sharded_modelopt_state(model_list, ckpt_dir: str | os.PathLike,
-                                   experts: ExpertsConfig | dict | None = None) -> None:
+                                   experts: ExpertsConfig | dict | None = None, *, check: bool = True) -> None:
     """Re-creates the saved quantization in freshly built model chunks, before their weights load.
 
-    Converts each (unquantized, possibly meta-device) chunk, restores every quantizer's format, enablement and STE,
-    and checks each expert quantizer's global expert count against the checkpoint's. No collective.
+    First checks, without changing anything: the checkpoint is complete (every data file as long as its
+    ``.metadata`` needs), its quantization state is readable, and (``check``) the model fits the checkpoint: the
+    framework plugin's check (Megatron: every model tensor the checkpoint holds has the checkpoint's global shape).
+    Then converts each (unquantized, possibly meta-device) chunk, restores every quantizer's format, enablement and
+    STE, and checks each expert quantizer's global expert count against the checkpoint's.
+
+    Call it on every rank. Collectives: the Megatron check agrees on its outcome over all ranks (one all-gather).
 
     Args:
         model_list: a model or a list of model chunks, as saved.
         ckpt_dir: the checkpoint directory.
         experts: restore into these expert amax layouts instead of the saved ones.
+        check: run the plugin's model check (``load_sharded_checkpoint`` passes False: it has made a stricter one).
 
     Raises:
-        IncompleteCheckpointError: the checkpoint is partial (names the directory and what is missing).
+        IncompleteCheckpointError: the checkpoint is partial (names the directory and what is missing or short).
+        CorruptCheckpointError: the quantization state file is truncated or damaged (names it).
         CheckpointMismatchError: the checkpoint does not fit the model (names the key, expected and found values).
     """
     models = _as_list(model_list)
     path = check_checkpoint_dir(ckpt_dir, require_state=True)
-    states = load_sharded_modelopt_state(path)
+    states = _read_states(path)
     if len(states) != len(models):
         raise CheckpointMismatchError(f"{path}: expected {len(models)} model chunks, found {len(states)}")
+    if check:
+        register_framework_plugins()
+        for model_check in _MODEL_CHECKS:
+            model_check(models, path)
     for model, state in zip(models, states, strict=True):
         restore_modelopt_state(model, state, experts, source=str(path / STATE_FILE))
 
@@ -109,9 +153,8 @@ def restore_sharded_modelopt_state(model_list, ckpt_dir: str | os.PathLike,
 def checkpoint_amax_shapes(ckpt_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """Global shapes of the ``*_amax`` tensors of a ``torch.distributed.checkpoint`` directory (reads its
     ``.metadata`` file; no collective)."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = FileSystemReader(str(ckpt_dir)).read_metadata()
+    meta = read_dcp_metadata(ckpt_dir)
     return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items()
             if isinstance(v, TensorStorageMetadata) and k.endswith("_amax")}

@@ -21,6 +21,7 @@ from ..quantization.config import BackwardConfig, ExpertsConfig, QuantizeConfig,
 from ..quantization.conversion import convert, is_quantized, named_quantizers, rule_name, unwrap_model
 from ..quantization.expert_quantizer import ExpertGemm, ExpertQuantizer
 from ..quantization.nn.experts import QUANTIZER_KINDS
+from ..quantization.rollback import unchanged_on_error
 from ..quantization.weight_amax import set_weight_amax_update, update_weight_amax
 from .errors import CheckpointMismatchError
 from .files import atomic_torch_save
@@ -194,6 +195,11 @@ def restore_modelopt_state(model: nn.Module, state: dict, experts: ExpertsConfig
     """
     state = check_state_header(state, source)
     model = unwrap_model(model)
+    with unchanged_on_error(model, "restore_modelopt_state"):  # converted, then checked: all or nothing
+        return _restore_quantizers(model, state, experts, source)
+
+
+def _restore_quantizers(model: nn.Module, state: dict, experts, source: str) -> nn.Module:
     already = any(is_quantized(m) for m in model.modules())
     if not already:
         convert(model, _restore_config(state, experts))
@@ -267,7 +273,12 @@ def save(model: nn.Module, path: str | os.PathLike) -> None:
     Args:
         model: a quantized model.
         path: the file to write.
+
+    Raises:
+        IsADirectoryError: ``path`` is a directory (nothing is written).
     """
+    if Path(path).is_dir():
+        raise IsADirectoryError(f"save: {path} is a directory; give the path of the file to write")
     update_weight_amax(model)  # a dynamic amax as the next forward computes it from the saved weights
     atomic_torch_save({"modelopt_moe_state": modelopt_state(model), "state_dict": _layout_free_state_dict(model)},
                       Path(path))
@@ -291,21 +302,28 @@ def restore(model: nn.Module, path: str | os.PathLike, experts: ExpertsConfig | 
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        CorruptCheckpointError: the file is truncated or damaged (names it; nothing is changed).
         CheckpointMismatchError: the file does not fit the model (see :func:`restore_modelopt_state`).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"restore: no checkpoint file {path}")
     payload = load_plain(path)
-    if is_model_optimizer_checkpoint(payload):
-        restore_model_optimizer_state(model, payload["modelopt_state"], experts, source=str(path))
-        assign = any(p.is_meta for p in model.parameters())
-        model.load_state_dict(payload["model_state_dict"], strict=strict, assign=assign)
-        return model
-    if not isinstance(payload, dict) or "modelopt_moe_state" not in payload:
+    if not is_model_optimizer_checkpoint(payload) and (
+            not isinstance(payload, dict) or "modelopt_moe_state" not in payload):
         raise CheckpointMismatchError(f"{path}: not a modelopt_moe checkpoint (no 'modelopt_moe_state' entry)")
-    restore_modelopt_state(model, payload["modelopt_moe_state"], experts, source=str(path))
-    sd = dict(payload["state_dict"])
+    with unchanged_on_error(model, "restore"):
+        if is_model_optimizer_checkpoint(payload):
+            restore_model_optimizer_state(model, payload["modelopt_state"], experts, source=str(path))
+            _load_checked(model, payload["model_state_dict"], strict, path)
+            return model
+        restore_modelopt_state(model, payload["modelopt_moe_state"], experts, source=str(path))
+        _load_checked(model, _expert_rows_as_views(model, dict(payload["state_dict"]), path), strict, path)
+    return model
+
+
+def _expert_rows_as_views(model: nn.Module, sd: dict, path: Path) -> dict:
+    """``sd`` with each ``per_expert`` quantizer's ``[N]`` amax split into its views' own keys."""
     for e in iter_expert_quantizers(model):
         key = f"{e.name}._amax"
         if key not in sd:
@@ -316,6 +334,24 @@ def restore(model: nn.Module, path: str | os.PathLike, experts: ExpertsConfig | 
         if e.quantizer.layout == "per_expert":  # the views' own keys
             for i, row in enumerate(sd.pop(key)):
                 sd[f"{e.name}.{i}._amax"] = row
-    assign = any(p.is_meta for p in model.parameters())
-    model.load_state_dict(sd, strict=strict, assign=assign)
-    return model
+    return sd
+
+
+def _load_checked(model: nn.Module, sd: dict, strict: bool, path: Path) -> None:
+    """``load_state_dict`` once every key and shape is known to fit (torch's own load copies what fits before it
+    reports what does not, which would leave the model half loaded). Quantizers take an ``_amax`` of any shape, also
+    where they hold none yet."""
+    own = model.state_dict()
+    amax_keys = {f"{name}._amax" for name, m in model.named_modules() if hasattr(type(m), "amax")}
+    missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own) - amax_keys)
+    wrong = sorted(f"{k}: the model has {tuple(own[k].shape)}, the checkpoint {tuple(sd[k].shape)}"
+                   for k in (own.keys() & sd.keys()) - amax_keys
+                   if isinstance(sd[k], torch.Tensor) and own[k].shape != sd[k].shape)
+    problems = [*wrong[:4]]
+    if strict and missing:
+        problems.append(f"{len(missing)} keys missing from the checkpoint, e.g. {missing[:3]}")
+    if strict and unexpected:
+        problems.append(f"{len(unexpected)} keys the model does not have, e.g. {unexpected[:3]}")
+    if problems:
+        raise CheckpointMismatchError(f"{path} does not fit the model: " + "; ".join(problems))
+    model.load_state_dict(sd, strict=strict, assign=any(p.is_meta for p in model.parameters()))

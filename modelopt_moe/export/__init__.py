@@ -11,8 +11,9 @@ registration call, :func:`modelopt_moe.quantization.conversion.register_framewor
     export_hf(model, "out/", format="compressed-tensors")   # or "modelopt"; every rank calls it, rank 0 writes
 
 Formats: ``compressed-tensors`` (FP8 E4M3 per tensor / per channel, NVFP4; read by vLLM and transformers through the
-compressed-tensors package), ``modelopt`` (NVIDIA Model Optimizer's unified HF format: FP8, NVFP4, W4A16_NVFP4; read
-by vLLM, SGLang, TensorRT-LLM) and ``hf`` (unquantized). Families: Qwen3-MoE (``Qwen3MoeForCausalLM``) and Mixtral
+compressed-tensors package; NVFP4 MoE experts through transformers only with :mod:`.transformers_compat`'s fix),
+``modelopt`` (NVIDIA Model Optimizer's unified HF format: FP8, NVFP4, W4A16_NVFP4; read by vLLM, SGLang,
+TensorRT-LLM) and ``hf`` (unquantized). Families: Qwen3-MoE (``Qwen3MoeForCausalLM``) and Mixtral
 (``MixtralForCausalLM``). See docs/export.md.
 """
 
@@ -74,6 +75,9 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "co
     Raises:
         ExportError: an unsupported model, family or feature, a model that is not quantized, a quantization the
             format cannot express, a non-empty output directory (all before writing).
+
+    Warns once per process, on rank 0, when it writes NVFP4 MoE experts in compressed-tensors format: transformers
+    5.13 and later read them wrong without :func:`modelopt_moe.export.transformers_compat.fix_nvfp4_experts`.
     """
     adapter = adapter_for(model)
     # A dynamic weight amax holds the value of the last forward; after an optimizer step, recompute it from the
@@ -88,8 +92,15 @@ def import_hf(model: nn.Module, hf_dir: str | os.PathLike) -> None:
     """Loads an unquantized Hugging Face checkpoint (Qwen3-MoE or Mixtral, any dtype) into the already built
     ``model``, at its tensor / expert parallel layout; each rank reads only its slices.
 
+    All or nothing: before the first parameter is written, ``config.json`` is checked against the model, the index
+    and the header of every shard against the config (each tensor present in the shard the index names, with the
+    expected shape and a float dtype, no file shorter than its header says), and this rank's slices are read; on
+    any error the model's parameters and buffers are exactly as before. Every rank checks the whole checkpoint, so
+    all ranks raise the same error (no collective). Memory: this rank's share of the weights, once, on the host.
+
     Raises:
-        ExportError: the checkpoint's architecture or shapes do not match the model (names what differs).
+        ExportError: the checkpoint's config, files or tensors do not match the model, or a file cannot be read
+            (names the file, the tensor, what was expected and what was found).
     """
     adapter_for(model).import_hf(model, hf_dir)
 

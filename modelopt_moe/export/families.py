@@ -29,7 +29,7 @@ from typing import Any
 from .errors import ExportError
 
 __all__ = ["MoEArch", "Family", "FAMILIES", "get_family", "family_for_architecture", "read_hf_config",
-           "canonical_names"]
+           "canonical_names", "canonical_shapes"]
 
 
 @dataclass(frozen=True)
@@ -331,3 +331,14 @@ def canonical_names(arch: MoEArch) -> list[str]:
     if not arch.tie_word_embeddings:
         names.append("lm_head")
     return names
+
+
+def canonical_shapes(arch: MoEArch) -> dict[str, tuple[int, ...]]:
+    """The full (unsharded) Hugging Face shape of every canonical tensor of ``arch`` (linears ``[out, in]``)."""
+    h, d, inter = arch.hidden_size, arch.head_dim, arch.moe_ffn_hidden_size
+    per_layer = {"input_norm": (h,), "post_attn_norm": (h,), "q_proj": (arch.num_attention_heads * d, h),
+                 "k_proj": (arch.num_kv_heads * d, h), "v_proj": (arch.num_kv_heads * d, h),
+                 "o_proj": (h, arch.num_attention_heads * d), "q_norm": (d,), "k_norm": (d,),
+                 "router": (arch.num_experts, h), "gate": (inter, h), "up": (inter, h), "down": (h, inter)}
+    top = {"embed_tokens": (arch.vocab_size, h), "norm": (h,), "lm_head": (arch.vocab_size, h)}
+    return {name: top[name] if name in top else per_layer[name.rsplit(".", 1)[-1]] for name in canonical_names(arch)}

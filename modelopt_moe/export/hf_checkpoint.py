@@ -14,7 +14,6 @@ per group, so every rank raises the same :class:`~.errors.ExportError` and none 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -23,10 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..quantization.utils import warn_once
+from . import transformers_compat
 from .errors import ExportError
 from .families import Family, MoEArch, canonical_names, read_hf_config
+from .safetensors_files import check_tensors, read_weight_map
 from .schemes import LinearQuant, encode_linear, hf_quant_config, quantization_config, resolve_scheme, scheme_of
-from .writer import INDEX_FILE, CheckpointWriter, check_out_dir
+from .writer import CheckpointWriter, check_out_dir
 
 __all__ = ["TensorRecord", "LinearRecord", "write_hf_checkpoint", "HfCheckpointReader", "DTYPES"]
 
@@ -93,6 +95,9 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
         ExportError: on every rank, before anything is written: an unsupported format, family or feature, a model
             that is not quantized, a scheme the format cannot express, a non-empty output directory; and, with the
             temporary directory removed, a tensor that cannot be encoded.
+
+    Warns (once per process, on global rank 0) after writing NVFP4 experts in compressed-tensors format: some
+    transformers releases read them wrong (:mod:`.transformers_compat` has the fix).
     """
     error = None
     try:
@@ -136,7 +141,22 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
         if writer is not None:
             writer.abort()
         raise
+    if fmt == "compressed-tensors" and _has_nvfp4_experts(scheme, linear_quants):
+        warn_once(NVFP4_EXPERTS_WARNING)
     return Path(out_dir)
+
+
+NVFP4_EXPERTS_WARNING = (
+    "export_hf wrote NVFP4 MoE experts in compressed-tensors format: "
+    f"{transformers_compat.AFFECTED_VERSIONS} dequantize these experts without their weight_global_scale and give "
+    "wrong logits without any error. Before loading the checkpoint with transformers, call "
+    "modelopt_moe.export.transformers_compat.fix_nvfp4_experts() (transformers>=5.23). See docs/export.md, "
+    "'Which readers are exact'.")
+
+
+def _has_nvfp4_experts(scheme, linear_quants: dict[str, LinearQuant]) -> bool:
+    return scheme is not None and scheme.weight_fmt == "nvfp4" and any(
+        ".experts." in name and q.is_quantized for name, q in linear_quants.items())
 
 
 def _plan(arch: MoEArch, family: Family, fmt: str, linear_quants: dict[str, LinearQuant], dtype, template):
@@ -200,18 +220,21 @@ class HfCheckpointReader:
     """The tensors of an unquantized Hugging Face checkpoint (``model.safetensors`` or sharded with an index), read
     by canonical name, lazily (one tensor or one slice at a time: memory stays bounded).
 
+    Construction checks everything the files can tell without reading tensor data: the config, the index, and the
+    header of every shard (each tensor present where the index places it, with the shape the config implies and a
+    float dtype, every file as long as its header says): a broken checkpoint is refused before any tensor is read.
+
     Args:
         hf_dir: the model directory.
 
     Raises:
-        ExportError: no config or safetensors, an unsupported architecture, a quantized checkpoint, or tensors that
-            do not match the config (names the missing and unexpected tensors).
+        ExportError: no config or safetensors, an unsupported architecture, a quantized checkpoint, tensors that do
+            not match the config (names the missing and unexpected tensors), or shard files that do not hold what
+            the index and config say (names the file, the tensor, what was expected and found).
     """
 
     def __init__(self, hf_dir: str | os.PathLike):
-        from safetensors import safe_open  # the export extra; imported where used
-
-        from .families import family_for_architecture
+        from .families import canonical_shapes, family_for_architecture
 
         self.path = Path(hf_dir)
         self.config = read_hf_config(self.path)
@@ -221,14 +244,7 @@ class HfCheckpointReader:
                               "unquantized (bf16 / fp16 / fp32) checkpoints")
         self.family = family_for_architecture(self.config)
         self.arch = self.family.arch_from_hf(self.config)
-        index = self.path / INDEX_FILE
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (self.path / "model.safetensors").is_file():
-            with safe_open(str(self.path / "model.safetensors"), "pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
-        else:
-            raise ExportError(f"{self.path}: no model.safetensors or {INDEX_FILE}")
+        weight_map = read_weight_map(self.path)
         self._files: dict[str, str] = {}
         expected = set(canonical_names(self.arch))
         unexpected = []
@@ -245,33 +261,38 @@ class HfCheckpointReader:
                               f"{self.arch}: missing {[self.family.hf_module(m) + '.weight' for m in missing[:5]]}"
                               f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                               f"{' ...' if len(unexpected) > 5 else ''}")
+        shapes = canonical_shapes(self.arch)
+        self._headers = check_tensors(self.path, weight_map,
+                                      {self.tensor_name(c): shapes[c] for c in self._files})
 
-    def _open(self, canonical: str):
+    def _read(self, canonical: str, index):
+        """``index`` (a slice tuple, or None for the whole tensor) of a tensor, errors naming the file and tensor."""
         from safetensors import safe_open
 
-        return safe_open(str(self.path / self._files[canonical]), "pt")
+        path, name = self.path / self._files[canonical], self.tensor_name(canonical)
+        try:
+            with safe_open(str(path), "pt") as f:
+                return f.get_tensor(name) if index is None else f.get_slice(name)[index]
+        except Exception as e:  # noqa: BLE001  (the safetensors error and OSError alike name no file)
+            raise ExportError(f"{path}: reading tensor {name} failed: {type(e).__name__}: {e}") from e
 
     def tensor_name(self, canonical: str) -> str:
         return f"{self.family.hf_module(canonical)}.weight"
 
     def get(self, canonical: str) -> torch.Tensor:
         """The whole tensor."""
-        with self._open(canonical) as f:
-            return f.get_tensor(self.tensor_name(canonical))
+        return self._read(canonical, None)
 
     def shape(self, canonical: str) -> tuple[int, ...]:
-        with self._open(canonical) as f:
-            return tuple(f.get_slice(self.tensor_name(canonical)).get_shape())
+        return self._headers[self.tensor_name(canonical)].shape
 
     def get_rows(self, canonical: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` (dim 0), read without loading the rest."""
-        with self._open(canonical) as f:
-            return f.get_slice(self.tensor_name(canonical))[start:stop]
+        return self._read(canonical, (slice(start, stop),))
 
     def get_cols(self, canonical: str, start: int, stop: int) -> torch.Tensor:
         """Columns ``start:stop`` (dim 1) of a 2-D tensor."""
-        with self._open(canonical) as f:
-            return f.get_slice(self.tensor_name(canonical))[:, start:stop]
+        return self._read(canonical, (slice(None), slice(start, stop)))
 
     def names(self) -> Iterator[str]:
         return iter(self._files)

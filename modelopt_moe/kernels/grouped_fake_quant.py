@@ -138,6 +138,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def format_constexprs(fmt: str, block_size: int | None) -> dict:
+    """The kernels' format constexprs: ``FMT`` (the format's code) and ``INT_BLOCK`` (an int format whose amax
+    comes from each block of the data)."""
+    return {"FMT": get_format(fmt).code, "INT_BLOCK": get_format(fmt).kind == "int" and block_size is not None}
+
+
 def _launch_kwargs(device: torch.device) -> dict:
     # No fused multiply-add: the rounding relies on x * scale being rounded before the magic add.
     # BITWISE_CVT: the interpreter's fp32 -> bf16 .to() is wrong, so it rounds by arithmetic; GPUs use cvt.rn.
@@ -357,7 +363,7 @@ def _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=True,
     k._grouped_weight_fake_quant_kernel[(plan.n_tiles,)](
         weights[plan.base], out, plan.table, amax_arg, len(weights), amax_stride, plan.u_tiles,
         plan.u_rows, plan.u_cols, plan.u_ctiles,
-        FMT=get_format(fmt).code, INT_BLOCK=fmt in ("int8", "int4") and block_size is not None, AMAX_MODE=amax_mode,
+        **format_constexprs(fmt, block_size), AMAX_MODE=amax_mode,
         TWO_D=plan.two_d, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs, VEC=plan.vec,
         SEARCH_STEPS=plan.steps, UNIFORM=uniform, EVEN=uniform and bool(cfg["even"]) and plan.even,
         NARROW=bool(narrow_range), **_rounding_options(cfg, out.device), **kwargs,
@@ -438,7 +444,7 @@ def _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range=Tr
     amax_arg = amax if amax is not None else m_splits  # never read for block int formats
     k._grouped_input_fake_quant_kernel[(_cdiv(t, tile_r), _cdiv(kdim, tile_w))](
         x, y, m_splits, amax_arg, t, kdim, n,
-        FMT=get_format(fmt).code, INT_BLOCK=fmt in ("int8", "int4") and block_size is not None, PER_EXPERT=per_expert,
+        **format_constexprs(fmt, block_size), PER_EXPERT=per_expert,
         N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb, BS=bs, NARROW=bool(narrow_range),
         **_rounding_options(_weight_config(fmt), x.device), **_launch_kwargs(x.device),
     )
@@ -597,7 +603,7 @@ def grouped_weight_fake_quant(
         amax: per expert ``[N]``, per expert and output channel ``[N, C]`` (2-D ``[C, K]`` experts), or a scalar
             shared by all experts; any float dtype (used as fp32). ``None`` only for int formats with
             ``block_size``. NVFP4 uses it as the global amax.
-        fmt: ``"e4m3"``, ``"e5m2"``, ``"nvfp4"``, ``"int8"`` or ``"int4"``.
+        fmt: ``"e4m3"``, ``"e5m2"``, ``"nvfp4"``, or ``"int2"`` .. ``"int8"``.
         block_size: int formats only: dynamic per-block amax over blocks of this many elements of the last dim (a
             power of two; a last dim that is not a multiple is zero-padded). NVFP4 always uses blocks of 16.
         narrow_range: int formats only: levels ``[-B, B]`` (True) or ``[-B-1, B]`` (formats.int_range).
@@ -723,7 +729,7 @@ def grouped_input_fake_quant(
         m_splits: ``[N]`` integer tensor on ``x``'s device (offsets are computed on the device, no sync), or a list
             of ints (then copied to the device).
         amax: ``[N]`` per expert or a scalar shared by all; ``None`` only for int formats with ``block_size``.
-        fmt: ``"e4m3"``, ``"e5m2"``, ``"nvfp4"``, ``"int8"`` or ``"int4"``.
+        fmt: ``"e4m3"``, ``"e5m2"``, ``"nvfp4"``, or ``"int2"`` .. ``"int8"``.
         block_size: int formats only: dynamic per-block amax along the last dim (power of two; a last dim that is
             not a multiple is zero-padded).
         narrow_range: int formats only: levels ``[-B, B]`` (True) or ``[-B-1, B]``.

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ..numerics import fake_quant, get_format, quant_error_sums
+from ..numerics import fake_quant, quant_error_sums
 from . import table_layout as tbl
 from .grouped_fake_quant import (
     _amax_mode,
@@ -44,6 +44,7 @@ from .grouped_fake_quant import (
     _split_views,
     _weight_config,
     _weight_plan,
+    format_constexprs,
     kernels_available,
 )
 
@@ -108,7 +109,7 @@ def _launch_weight_stats(weights, amax, fmt, block_size, narrow_range=True,
         _kernels()._grouped_weight_fake_quant_stats_kernel[(plan.n_tiles,)](
             weights[plan.base], out, partial, plan.table, amax if amax is not None else plan.table, n, amax_stride,
             plan.u_tiles, plan.u_rows, plan.u_cols, plan.u_ctiles,
-            FMT=get_format(fmt).code, INT_BLOCK=fmt in ("int8", "int4") and block_size is not None,
+            **format_constexprs(fmt, block_size),
             AMAX_MODE=amax_mode, TWO_D=plan.two_d, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs,
             VEC=plan.vec, SEARCH_STEPS=plan.steps, UNIFORM=plan.uniform, NARROW=bool(narrow_range),
             **_launch_kwargs(device),
@@ -151,7 +152,7 @@ def _launch_input_stats(x, m_splits, amax, fmt, block_size, narrow_range=True) -
     if x.numel():
         _kernels()._grouped_input_fake_quant_stats_kernel[(_cdiv(t, tile_r), n_ctiles)](
             x, y, partial, m_splits, amax if amax is not None else m_splits, t, kdim, n, n_ctiles,
-            FMT=get_format(fmt).code, INT_BLOCK=fmt in ("int8", "int4") and block_size is not None,
+            **format_constexprs(fmt, block_size),
             PER_EXPERT=amax is not None and amax.dim() == 1, N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb,
             BS=bs, NARROW=bool(narrow_range), **_launch_kwargs(x.device),
         )

@@ -30,6 +30,11 @@ E5M2: tl.constexpr = tl.constexpr(FORMATS["e5m2"].code)
 NVFP4: tl.constexpr = tl.constexpr(FORMATS["nvfp4"].code)
 INT8: tl.constexpr = tl.constexpr(FORMATS["int8"].code)
 INT4: tl.constexpr = tl.constexpr(FORMATS["int4"].code)
+INT2: tl.constexpr = tl.constexpr(FORMATS["int2"].code)
+INT3: tl.constexpr = tl.constexpr(FORMATS["int3"].code)
+INT5: tl.constexpr = tl.constexpr(FORMATS["int5"].code)
+INT6: tl.constexpr = tl.constexpr(FORMATS["int6"].code)
+INT7: tl.constexpr = tl.constexpr(FORMATS["int7"].code)
 
 # The invalid-amax threshold (2**-24) and the largest finite fp32; both exact in fp32.
 TINY_AMAX: tl.constexpr = tl.constexpr(_TINY_AMAX)
@@ -280,6 +285,16 @@ def _fake_quant_tile(x, amax, FMT: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE
         out = _int_tile(x, amax, 127.0, INT_BLOCK, NATIVE_DIV, 127.0 if NARROW else 128.0)
     elif FMT == INT4:
         out = _int_tile(x, amax, 7.0, INT_BLOCK, NATIVE_DIV, 7.0 if NARROW else 8.0)
+    elif FMT == INT2:
+        out = _int_tile(x, amax, 1.0, INT_BLOCK, NATIVE_DIV, 1.0 if NARROW else 2.0)
+    elif FMT == INT3:
+        out = _int_tile(x, amax, 3.0, INT_BLOCK, NATIVE_DIV, 3.0 if NARROW else 4.0)
+    elif FMT == INT5:
+        out = _int_tile(x, amax, 15.0, INT_BLOCK, NATIVE_DIV, 15.0 if NARROW else 16.0)
+    elif FMT == INT6:
+        out = _int_tile(x, amax, 31.0, INT_BLOCK, NATIVE_DIV, 31.0 if NARROW else 32.0)
+    elif FMT == INT7:
+        out = _int_tile(x, amax, 63.0, INT_BLOCK, NATIVE_DIV, 63.0 if NARROW else 64.0)
     else:
         out = _nvfp4_tile(x, amax, NATIVE_DIV, HW_CVT, LEAN, FAST_MAX)
     return out

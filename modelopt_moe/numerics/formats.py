@@ -11,14 +11,14 @@ Formats (``fmt``):
   ``sb = e4m3(clamp(blockmax / 6 / sg, 0, 448))`` and ``s = sb * sg``; values ``x / s`` round to E2M1
   ``{0, .5, 1, 1.5, 2, 3, 4, 6}`` (ties to even, saturating at 6); output ``q * s``. Where ``s == 0`` (an
   all-zero block, or a block scale that underflows E4M3) ``x * 0`` is used instead of ``x / s``.
-* ``"int8"`` / ``"int4"``: ``scale = B / amax`` with ``B = 2**(b-1) - 1`` (127 / 7, Model Optimizer's scale as
-  well); ``q = clamp(round_half_even(x * scale), lo, B)``; output ``q / scale``. ``lo`` is ``-B`` with
-  ``narrow_range=True`` (symmetric) and ``-B - 1`` with ``narrow_range=False`` (-128 / -8: Model Optimizer's default
-  and the configs' default; this function's keyword defaults to the symmetric range). ``unsigned=True`` (reference
-  only, not the kernels): ``B = 2**b - 1``, ``lo = 0``. With ``block_size`` the amax of each block of the last dim
-  is taken from the data itself (dynamic, like NVFP4's block scales), so it tracks the weights during QAT; a last
-  dim that is not a multiple of ``block_size`` is zero-padded to one (as Model Optimizer pads), which leaves every
-  block maximum unchanged: the last block of each row is simply shorter.
+* ``"int8"`` / ``"int4"`` (and ``"int2"`` .. ``"int7"``): ``scale = B / amax`` with ``B = 2**(b-1) - 1`` (127 / 7,
+  Model Optimizer's scale as well); ``q = clamp(round_half_even(x * scale), lo, B)``; output ``q / scale``. ``lo``
+  is ``-B`` with ``narrow_range=True`` (symmetric) and ``-B - 1`` with ``narrow_range=False`` (-128 / -8: Model
+  Optimizer's default and the configs' default; this function's keyword defaults to the symmetric range).
+  ``unsigned=True`` (reference only, not the kernels): ``B = 2**b - 1``, ``lo = 0``. With ``block_size`` the amax of
+  each block of the last dim is taken from the data itself (dynamic, like NVFP4's block scales), so it tracks the
+  weights during QAT; a last dim that is not a multiple of ``block_size`` is zero-padded to one (as Model Optimizer
+  pads), which leaves every block maximum unchanged: the last block of each row is simply shorter.
 
 Edge-value rules (tested in ``tests/unit/numerics/test_formats.py``):
 
@@ -80,12 +80,17 @@ FORMATS: dict[str, FormatSpec] = {
     "nvfp4": FormatSpec("nvfp4", "fp4", E2M1_MAX * E4M3_MAX, (2, 1), 2),
     "int8": FormatSpec("int8", "int", 127.0, 8, 3),
     "int4": FormatSpec("int4", "int", 7.0, 4, 4),
+    # The other integer widths Model Optimizer takes (its num_bits may be any int); kernel codes 5..9.
+    **{f"int{b}": FormatSpec(f"int{b}", "int", float(2 ** (b - 1) - 1), b, code)
+       for code, b in zip(range(5, 10), (2, 3, 5, 6, 7), strict=True)},
 }
 
 _FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-_NUM_BITS_TO_FORMAT = {(4, 3): "e4m3", (5, 2): "e5m2", (2, 1): "nvfp4", 8: "int8", 4: "int4"}
+_INT_FORMATS = [name for name, spec in FORMATS.items() if spec.kind == "int"]
+_NUM_BITS_TO_FORMAT = {(4, 3): "e4m3", (5, 2): "e5m2", (2, 1): "nvfp4",
+                       **{FORMATS[name].num_bits: name for name in sorted(_INT_FORMATS, reverse=True)}}
 _NUM_BITS_ALIASES = {"e4m3": "e4m3", "fp8": "e4m3", "e5m2": "e5m2", "e2m1": "nvfp4", "nvfp4": "nvfp4",
-                     "int8": "int8", "int4": "int4"}
+                     **{name: name for name in sorted(_INT_FORMATS, reverse=True)}}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

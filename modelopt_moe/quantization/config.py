@@ -75,7 +75,7 @@ class QuantizerAttributeConfig(_Strict):
     """How one quantizer quantizes (names and defaults follow NVIDIA Model Optimizer 0.47 so users switch by import).
 
     Attributes:
-        num_bits: ``(4, 3)``/``"e4m3"``, ``(5, 2)``/``"e5m2"``, ``(2, 1)``/``"e2m1"`` (NVFP4), ``8``, ``4``.
+        num_bits: ``(4, 3)``/``"e4m3"``, ``(5, 2)``/``"e5m2"``, ``(2, 1)``/``"e2m1"`` (NVFP4), an int 2..8.
         axis: ``None`` for one amax per tensor; an int (or tuple of ints) for one amax per slice along those axes
             (per channel: the kept axes, as in Model Optimizer).
         block_sizes: ``{-1: 16, "type": "dynamic", "scale_bits": (4, 3)}`` for NVFP4; ``{-1: 128, "type":

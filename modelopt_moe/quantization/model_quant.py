@@ -34,7 +34,7 @@ from .conversion import (
 )
 from .expert_quantizer import ExpertQuantizer
 from .modelopt_compat import COMPAT_DOC
-from .rollback import StructureSnapshot
+from .rollback import unchanged_on_error
 from .utils import is_rank0
 from .weight_amax import update_weight_amax
 
@@ -88,15 +88,9 @@ def quantize(model: nn.Module, config: QuantizeConfig | dict, forward_loop: Call
             f"{quantized[:3]}); a second quantize would silently replace its quantizers' settings. To change them "
             "call mtq.set_quantizer_by_cfg(model, config['quant_cfg']) and then mtq.calibrate(model, "
             f"config['algorithm'], forward_loop). See {COMPAT_DOC}#differences-from-model-optimizer")
-    snapshot = StructureSnapshot(model)
-    try:
+    with unchanged_on_error(model, "mtq.quantize"):
         convert(model, cfg)
         return calibrate(model, cfg.max_calib if cfg.algorithm is not None else None, forward_loop)
-    except BaseException as e:
-        snapshot.restore()
-        if hasattr(e, "add_note"):
-            e.add_note("mtq.quantize: the model is back as it was before this call (not quantized)")
-        raise
 
 
 def enable_quantizer(model: nn.Module, wildcard_or_filter_func: str | Callable[[str], bool]) -> int:

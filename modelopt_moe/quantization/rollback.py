@@ -10,9 +10,12 @@ not write parameters or buffers.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from torch import nn
 
-__all__ = ["StructureSnapshot"]
+__all__ = ["StructureSnapshot", "unchanged_on_error"]
 
 
 class StructureSnapshot:
@@ -38,3 +41,17 @@ class StructureSnapshot:
                 target = attributes[name]
                 target.clear()
                 target.update(items)
+
+
+@contextlib.contextmanager
+def unchanged_on_error(model: nn.Module, call: str) -> Iterator[None]:
+    """Runs the block; if anything in it raises (an interrupt too), ``model``'s structure is restored and the
+    exception, with a note naming ``call``, propagates."""
+    snapshot = StructureSnapshot(model)
+    try:
+        yield
+    except BaseException as e:
+        snapshot.restore()
+        if hasattr(e, "add_note"):
+            e.add_note(f"{call}: the model is back as it was before this call")
+        raise

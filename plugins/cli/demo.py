@@ -7,7 +7,8 @@
 3. QAD: distil the quantized student from the bf16 teacher (forward KL) in Megatron's training loop;
 4. checkpoint: save a distributed checkpoint, restore it in fresh process groups into freshly built models, at the
    same layout (logits bit-identical) and at TP=1 x EP=world (every weight and amax bit-identical);
-5. export: compressed-tensors and NVIDIA Model Optimizer formats; ``transformers`` loads the first;
+5. export: compressed-tensors and NVIDIA Model Optimizer formats; ``transformers`` loads the first, with the public
+   fix for its NVFP4 experts loader applied (:func:`modelopt_moe.export.transformers_compat.fix_nvfp4_experts`);
 6. report: ``<out>/report.md`` with the numbers, the quantizer summary and PNG plots.
 
 The layout fits the machine unless flags say otherwise (the first output line says which): one process per visible
@@ -326,9 +327,9 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
         mtq.disable_quantizer(restored, "*input_quantizer")  # transformers runs the experts weight-only
         with torch.no_grad():
             weight_only = mm.gather_logits(restored, probe).float()
-        agreement = None
+        agreement, fix = None, None
         if rank == 0:
-            theirs = _transformers_logits(ct, probe["tokens"], opts["format"])
+            theirs, fix = _transformers_logits(ct, probe["tokens"])
             ours = weight_only.cpu()
             agreement = {"max_abs_diff": (theirs - ours).abs().max().item(), "max_abs_logit": ours.abs().max().item(),
                          "top1": (theirs.argmax(-1) == ours.argmax(-1)).float().mean().item()}
@@ -338,9 +339,13 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
         text = "n/a on this rank" if agreement is None else (
             f"max |diff| {agreement['max_abs_diff']:.3g} on logits up to {agreement['max_abs_logit']:.3g} (bf16), "
             f"the same top-1 token at {100 * agreement['top1']:.1f}% of positions")
+        how = "" if fix is None else (
+            ", with modelopt_moe.export.transformers_compat.fix_nvfp4_experts() applied (transformers 5.13+ "
+            "mis-scales NVFP4 experts without it)" if fix.applied else
+            f", modelopt_moe.export.transformers_compat.fix_nvfp4_experts() not needed ({fix.note})")
         stage(f"export: {ct} (compressed-tensors) and {mo} (Model Optimizer) written from TP={other_tp} "
-              f"EP={other_ep}; transformers loads the first (it dequantizes the weights and ignores input scales, "
-              f"so it is compared with our weight-only forward): {text}")
+              f"EP={other_ep}; transformers loads the first{how}; it dequantizes the weights and ignores input "
+              f"scales, so it is compared with our weight-only forward: {text}")
 
     # 6. report -------------------------------------------------------------------------------------------------
     report = None
@@ -361,23 +366,21 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     return {"ok": ok, "report": report, "run": run if rank == 0 else None}
 
 
-def _transformers_logits(hf_dir: Path, tokens, fmt: str):
-    """Logits of the exported compressed-tensors checkpoint as ``transformers`` loads it (dequantized, bf16)."""
-    import contextlib
-
+def _transformers_logits(hf_dir: Path, tokens) -> tuple:
+    """Logits of the exported compressed-tensors checkpoint as ``transformers`` loads it (dequantized, bf16), with
+    the public NVFP4 experts fix in effect; and the fix's note."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    from modelopt_moe.plugins.testing.transformers_nvfp4 import nvfp4_experts_decoded_right
+    from modelopt_moe.export import transformers_compat
 
-    # transformers 5.23 mis-scales NVFP4 MoE experts (an upstream bug): decode them with compressed-tensors' own.
-    fix = nvfp4_experts_decoded_right() if fmt == "nvfp4" else contextlib.nullcontext()
     transformers_logging.set_verbosity_error()  # its load report lists the input scales it does not use
     transformers_logging.disable_progress_bar()
-    with fix:
+    # transformers 5.13+ mis-scales NVFP4 MoE experts; the fix is what users apply too (a no-op where not needed)
+    with transformers_compat.fix_nvfp4_experts() as fix:
         model = AutoModelForCausalLM.from_pretrained(hf_dir, quantization_config=CompressedTensorsConfig(
             dequantize=True), dtype=torch.bfloat16)
     with torch.no_grad():
-        return model(tokens).logits.float()
+        return model(tokens).logits.float(), fix

@@ -5,6 +5,7 @@ Public API::
 
     from modelopt_moe.plugins.megatron import (
         save_sharded_checkpoint, load_sharded_checkpoint,   # weights + amax + quantization + optimizer state
+        check_sharded_checkpoint,                           # files and tensor shapes, before a load
         checkpoint_load_metadata,                           # metadata for your own dist_checkpointing.load calls
         get_forward_backward_func,                          # Megatron's, reusing fake-quantized weights per step,
                                                             # one autoswitch step per call
@@ -23,11 +24,18 @@ registers the quantized Megatron classes and Megatron's process groups for amax 
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.module import Float16Module
 
+from modelopt_moe.checkpoint.sharded import register_sharded_checkpoint_check
 from modelopt_moe.export.registry import register_export_adapter
 from modelopt_moe.quantization.conversion import QuantModuleRegistry, register_wrapper
 from modelopt_moe.quantization.process_groups import register_group_provider
 
-from .checkpoint import load_sharded_checkpoint, model_sharded_state_dict, save_sharded_checkpoint
+from .checkpoint import (
+    check_sharded_checkpoint,
+    load_sharded_checkpoint,
+    model_sharded_state_dict,
+    restore_check,
+    save_sharded_checkpoint,
+)
 from .distill import distillation_loss_func, distillation_model
 from .forward_step import lm_forward_step, lm_loss_func
 from .hf_io import MegatronExportAdapter
@@ -40,6 +48,7 @@ __all__ = [
     "register",
     "save_sharded_checkpoint",
     "load_sharded_checkpoint",
+    "check_sharded_checkpoint",
     "model_sharded_state_dict",
     "checkpoint_load_metadata",
     "get_forward_backward_func",
@@ -55,11 +64,13 @@ __all__ = [
 
 def register() -> None:
     """Adds the quantized Megatron classes to the registry, Megatron's process groups to calibration, Megatron's
-    model wrappers (DDP, ``Float16Module``, transparent in state dicts) to the quantization state's naming and the
-    Megatron adapter to the Hugging Face export (:mod:`modelopt_moe.export`)."""
+    model wrappers (DDP, ``Float16Module``, transparent in state dicts) to the quantization state's naming, the
+    Megatron adapter to the Hugging Face export (:mod:`modelopt_moe.export`) and the tensor-shape check to
+    ``restore_sharded_modelopt_state``."""
     for original, quantized in CLASSES.items():
         QuantModuleRegistry.register(original, quantized)
     register_group_provider(megatron_amax_groups)
     for wrapper in (DistributedDataParallel, Float16Module):
         register_wrapper(wrapper)
     register_export_adapter(MegatronExportAdapter())
+    register_sharded_checkpoint_check(restore_check)

@@ -9,7 +9,8 @@ interleaves them per query group), fused ``fc1`` into ``gate/up`` (gate rows fir
 its slice of both). Rank 0 encodes and writes through :func:`modelopt_moe.export.hf_checkpoint.write_hf_checkpoint`;
 the others drop what they gathered. At most one layer's dense weights and ``EP`` experts are in flight at a time.
 
-Import reads each rank's slices straight from the safetensors files (no collective, no full tensor in memory).
+Import reads each rank's slices straight from the safetensors files (no collective, no full tensor in memory), after
+checking the whole checkpoint from its files' headers; it writes the parameters only once every slice is read.
 """
 
 from __future__ import annotations
@@ -301,23 +302,40 @@ def _check_same_arch(theirs: MoEArch, ours: MoEArch, what: str) -> None:
         raise ExportError(f"{what} does not match the Megatron model: {detail}")
 
 
-def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(value.shape):
-        raise ExportError(f"{name}: Hugging Face slice of shape {tuple(value.shape)} does not fit the Megatron "
-                          f"parameter of shape {tuple(param.shape)}")
-    param.data.copy_(value)
+class _Staged:
+    """Every parameter's new value, read and shape-checked before any parameter is written (all or nothing)."""
+
+    def __init__(self):
+        self.items: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add(self, param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        if tuple(param.shape) != tuple(value.shape):
+            raise ExportError(f"{name}: Hugging Face slice of shape {tuple(value.shape)} does not fit the Megatron "
+                              f"parameter of shape {tuple(param.shape)}")
+        self.items.append((param, value))
+
+    def write(self) -> None:
+        for param, value in self.items:
+            param.data.copy_(value)
 
 
 @torch.no_grad()
 def import_megatron(model, hf_dir: str | os.PathLike) -> None:
-    """:func:`modelopt_moe.export.import_hf` for a Megatron-Core GPTModel: each rank reads its own slices."""
+    """:func:`modelopt_moe.export.import_hf` for a Megatron-Core GPTModel: each rank reads its own slices.
+
+    All or nothing: the checkpoint's files are checked from their headers (:class:`HfCheckpointReader`), and every
+    slice this rank needs is read and shape-checked, before the first parameter is written. The check covers the
+    whole checkpoint on every rank, so every rank reaches the same verdict without a collective.
+    """
     m = unwrap_model(model)
     reader = HfCheckpointReader(hf_dir)
     arch = megatron_arch(m, reader.family.name)
     _check_same_arch(reader.arch, arch, f"{hf_dir}/config.json")
     lay = _Layout()
+    staged = _Staged()
     emb = m.embedding.word_embeddings
-    _copy(emb.weight, reader.get_rows("embed_tokens", emb.vocab_start_index, emb.vocab_end_index), "embed_tokens")
+    staged.add(emb.weight, reader.get_rows("embed_tokens", emb.vocab_start_index, emb.vocab_end_index),
+               "embed_tokens")
     ng, d, hpg = arch.num_kv_heads, arch.head_dim, arch.num_attention_heads // arch.num_kv_heads
     ng_local = ng // lay.tp_size
     g0 = lay.tp_rank * ng_local
@@ -326,31 +344,33 @@ def import_megatron(model, hf_dir: str | os.PathLike) -> None:
     for L, layer in enumerate(m.decoder.layers):
         p = f"layers.{L}."
         attn = layer.self_attention
-        _copy(_input_norm(layer), reader.get(p + "input_norm"), p + "input_norm")
+        staged.add(_input_norm(layer), reader.get(p + "input_norm"), p + "input_norm")
         q = reader.get_rows(p + "q_proj", g0 * hpg * d, (g0 + ng_local) * hpg * d).reshape(ng_local, hpg * d, -1)
         k = reader.get_rows(p + "k_proj", g0 * d, (g0 + ng_local) * d).reshape(ng_local, d, -1)
         v = reader.get_rows(p + "v_proj", g0 * d, (g0 + ng_local) * d).reshape(ng_local, d, -1)
-        _copy(attn.linear_qkv.weight, torch.cat([q, k, v], 1).reshape(-1, q.shape[-1]), p + "q/k/v_proj")
+        staged.add(attn.linear_qkv.weight, torch.cat([q, k, v], 1).reshape(-1, q.shape[-1]), p + "q/k/v_proj")
         c0 = lay.tp_rank * heads_cols
-        _copy(attn.linear_proj.weight, reader.get_cols(p + "o_proj", c0, c0 + heads_cols), p + "o_proj")
+        staged.add(attn.linear_proj.weight, reader.get_cols(p + "o_proj", c0, c0 + heads_cols), p + "o_proj")
         if arch.qk_norm:
-            _copy(attn.q_layernorm.weight, reader.get(p + "q_norm"), p + "q_norm")
-            _copy(attn.k_layernorm.weight, reader.get(p + "k_norm"), p + "k_norm")
-        _copy(layer.pre_mlp_layernorm.weight, reader.get(p + "post_attn_norm"), p + "post_attn_norm")
-        _copy(layer.mlp.router.weight, reader.get(p + "router"), p + "router")
+            staged.add(attn.q_layernorm.weight, reader.get(p + "q_norm"), p + "q_norm")
+            staged.add(attn.k_layernorm.weight, reader.get(p + "k_norm"), p + "k_norm")
+        staged.add(layer.pre_mlp_layernorm.weight, reader.get(p + "post_attn_norm"), p + "post_attn_norm")
+        staged.add(layer.mlp.router.weight, reader.get(p + "router"), p + "router")
         experts = layer.mlp.experts
         n = _num_local_experts(experts)
         r0 = lay.etp_rank * inter
         for i in range(n):
             e = f"{p}experts.{lay.ep_rank * n + i}."
             fc1 = torch.cat([reader.get_rows(e + "gate", r0, r0 + inter), reader.get_rows(e + "up", r0, r0 + inter)])
-            _copy(_expert_weight(experts, "linear_fc1", i), fc1, e + "gate/up")
-            _copy(_expert_weight(experts, "linear_fc2", i), reader.get_cols(e + "down", r0, r0 + inter), e + "down")
-    _copy(m.decoder.final_layernorm.weight, reader.get("norm"), "norm")
+            staged.add(_expert_weight(experts, "linear_fc1", i), fc1, e + "gate/up")
+            staged.add(_expert_weight(experts, "linear_fc2", i), reader.get_cols(e + "down", r0, r0 + inter),
+                       e + "down")
+    staged.add(m.decoder.final_layernorm.weight, reader.get("norm"), "norm")
     if not arch.tie_word_embeddings:
         out = m.output_layer
         rows = out.weight.shape[0]
-        _copy(out.weight, reader.get_rows("lm_head", lay.tp_rank * rows, (lay.tp_rank + 1) * rows), "lm_head")
+        staged.add(out.weight, reader.get_rows("lm_head", lay.tp_rank * rows, (lay.tp_rank + 1) * rows), "lm_head")
+    staged.write()
 
 
 class MegatronExportAdapter:

@@ -13,9 +13,10 @@ One spawn (imports cost ~15 s) does all the Megatron work; the parent process re
 * compressed-tensors checkpoints load with ``AutoModelForCausalLM.from_pretrained(..., CompressedTensorsConfig(
   dequantize=True))``: every expert matrix and the logits are compared with the Megatron fake-quant model (weights
   fake-quantized; transformers runs the experts weight-only, so the Megatron side's input quantizers are off for the
-  logits); NVFP4 experts need a small test-only patch (transformers 5.23 never passes ``weight_global_scale`` to the
-  experts' dequantize, see ``test_upstream_transformers_still_mis_scales_nvfp4_experts``), which decodes them with
-  compressed-tensors' own ``NVFP4PackedCompressor.decompress``;
+  logits); NVFP4 experts need the public fix ``modelopt_moe.export.transformers_compat.fix_nvfp4_experts()``
+  (transformers 5.23 never passes ``weight_global_scale`` to the experts' dequantize, see
+  ``test_upstream_transformers_still_mis_scales_nvfp4_experts``), which decodes them with compressed-tensors' own
+  ``NVFP4PackedCompressor.decompress``;
 * Model Optimizer checkpoints go through compressed-tensors' ``ModelOptNvfp4Converter`` (``convert_checkpoint``),
   whose output must equal our compressed-tensors export, then ``transformers``; FP8 tensors already have
   compressed-tensors' names. A byte-level check covers the layout vLLM's ``modelopt`` loader reads;
@@ -372,11 +373,12 @@ def test_transformers_reads_fp8_compressed_tensors(run):
 
 @pytest.fixture
 def nvfp4_experts_patch():
-    """transformers 5.23's experts dequantize drops ``weight_global_scale``: decode each expert with
-    compressed-tensors' own decoder instead (plugins/testing/transformers_nvfp4.py)."""
-    from modelopt_moe.plugins.testing.transformers_nvfp4 import nvfp4_experts_decoded_right
+    """transformers 5.23's experts dequantize drops ``weight_global_scale``: the public fix decodes each expert with
+    compressed-tensors' own decoder instead (modelopt_moe.export.transformers_compat)."""
+    from modelopt_moe.export import transformers_compat
 
-    with nvfp4_experts_decoded_right():
+    with transformers_compat.fix_nvfp4_experts() as fix:
+        assert fix.applied, fix.note
         yield
 
 
@@ -402,7 +404,7 @@ def test_transformers_reads_nvfp4_compressed_tensors(run, nvfp4_experts_patch):
     path = run["out"] / "nvfp4_compressed-tensors"
     model = _hf_model(path, quantization_config=CompressedTensorsConfig(dequantize=True))
     diff = _check_nvfp4_model(run, model, path)
-    print(f"NVFP4 compressed-tensors via transformers (+ experts patch): logits max diff {diff:.3g}")
+    print(f"NVFP4 compressed-tensors via transformers (+ transformers_compat fix): logits max diff {diff:.3g}")
     assert diff <= 5e-3, diff  # measured 1.2e-3: compressed-tensors decodes NVFP4 to bf16 weights
 
 
@@ -432,11 +434,14 @@ def test_nvfp4_file_formula_in_fp32_gives_megatron_logits(run):
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="transformers 5.23 mis-scales NVFP4 MoE experts (weight_global_scale is never passed to the "
-                          "experts' dequantize); XPASS means upstream fixed it: drop the nvfp4_experts_patch fixture")
+                   reason="transformers 5.23 mis-scales NVFP4 MoE experts (its experts' dequantize drops "
+                          "weight_global_scale); XPASS means upstream fixed it: set transformers_compat.FIXED_IN")
 def test_upstream_transformers_still_mis_scales_nvfp4_experts(run):
+    from transformers.integrations.compressed_tensors import CompressedTensorsDequantize
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
+    if hasattr(CompressedTensorsDequantize.convert, "__wrapped__"):  # not an AssertionError: fails, never xfails
+        raise RuntimeError("transformers_compat's fix is still applied: this test must see transformers alone")
     model = _hf_model(run["out"] / "nvfp4_compressed-tensors",
                       quantization_config=CompressedTensorsConfig(dequantize=True))
     _check_nvfp4_model(run, model, None)

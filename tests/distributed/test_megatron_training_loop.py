@@ -10,8 +10,10 @@ not bump ``Tensor._version``.
 
 Cases: SequentialMLP and grouped (TEGroupedMLP) experts with Megatron's own schedule (every micro-batch
 re-quantizes), grouped experts with ``modelopt_moe.plugins.megatron.get_forward_backward_func`` (fake-quantized
-weights reused across the micro-batches of a step: once per step, and still exact), and a control: grouped experts
-with fp32 parameters and Megatron's non-distributed FP32 optimizer.
+weights reused across the micro-batches of a step: once per step), each beside its twin that differs only in
+re-quantizing (the same optimizer, distributed or not: the two sum the clip norm in different orders), with which it
+must train bit-identically, and a control: grouped experts with fp32 parameters and Megatron's non-distributed FP32
+optimizer.
 
 The checkpoint runs use Megatron's non-distributed optimizers (Float16 with fp32 main parameters; FP32): on this
 machine (no Transformer Engine / Apex) the inner optimizer is torch's Adam, whose per-parameter ``step`` makes
@@ -21,9 +23,11 @@ Megatron-Core 0.19 fail to load any distributed-optimizer checkpoint (``KeyError
 Then, in FRESH processes (nothing imported or registered by the training processes): the trained model saved with
 each documented checkpoint call (``save_sharded_checkpoint`` with the optimizer state; the README's own
 ``dist_checkpointing`` calls plus ``save/restore_sharded_modelopt_state``) is restored at TP=1 x EP=4 into a freshly
-built model, bit-exact in every weight and amax, and trains on; and an fp32 run saved after 2 of 4 steps (weights,
-amax, quantization, optimizer, LR scheduler, iteration) resumes at its own layout and continues bit-identically to
-the uninterrupted run.
+built model, bit-exact in every weight and amax, with the logits, bit for bit, of a model built at TP=1 x EP=4 in the
+same processes and given the saved weights and amaxes directly (the saved TP=2 x EP=2 logits are no reference: another
+layout sums in another order, and in bf16 that moves fake-quant bins and routing), and trains on; and an fp32 run
+saved after 2 of 4 steps (weights, amax, quantization, optimizer, LR scheduler, iteration) resumes at its own layout
+and continues bit-identically to the uninterrupted run.
 """
 
 import math
@@ -33,7 +37,7 @@ import zlib
 
 import pytest
 import torch
-from test_checkpoint_reshard import global_amax, global_params  # noqa: E402 - sibling test module
+from test_checkpoint_reshard import assign_amax, global_amax, global_params  # noqa: E402 - sibling test module
 
 from modelopt_moe.launch import spawn
 from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
@@ -44,10 +48,16 @@ KINDS = ("sequential", "grouped")
 CASES = {
     "sequential": ("sequential", True, True, False),
     "grouped": ("grouped", True, True, False),
-    "grouped_reuse": ("grouped", True, False, True),  # Megatron's Float16 optimizer (see the module docstring)
+    "grouped_reuse": ("grouped", True, True, True),
+    "grouped_local_optimizer": ("grouped", True, False, False),  # Megatron's Float16 optimizer (module docstring)
+    "grouped_reuse_local_optimizer": ("grouped", True, False, True),
     "grouped_fp32_local_optimizer": ("grouped", False, False, False),
 }
-SAVED_CASE = "grouped_reuse"  # the trained model the checkpoint phase saves
+# Each reusing case and the re-quantizing case it must train bit-identically to: the same optimizer. The distributed
+# and the per-rank optimizers sum the squared gradients of the clip norm over different partitions, so their runs
+# part in the last bits of the clip factor and, a few steps later, in a bf16 rounding of a weight.
+REUSE_TWINS = {"grouped_reuse": "grouped", "grouped_reuse_local_optimizer": "grouped_local_optimizer"}
+SAVED_CASE = "grouped_reuse_local_optimizer"  # the trained model the checkpoint phase saves
 RESUME_STEPS = 2  # the resume run saves after this many of 2 * RESUME_STEPS steps
 STEPS, MICROBATCHES = 5, 2
 BATCH, SEQ = 2, 32
@@ -56,14 +66,18 @@ EMBEDDING = "embedding.word_embeddings.weight"
 VARIANTS = {"default": {}, "glu_bias": {"gated_linear_unit": True, "add_bias_linear": True}}
 
 
-def _quantize(model, batches, mtq, mm):
+def _config(mtq):
     cfg = mtq.load_config("fp8_default.yaml")
     cfg.experts.weight_amax = "vectorized"
     # Calibrated amaxes, as this module's checkpoint comparisons expect; the dynamic default trains exactly too
     # (tests/distributed/test_amax_update_autoswitch_megatron.py).
     cfg.weight_amax_update = "static"
+    return cfg
+
+
+def _quantize(model, batches, mtq, mm):
     model.eval()
-    mtq.quantize(model, cfg, lambda m: [mm.lm_loss(m, b) for b in batches])
+    mtq.quantize(model, _config(mtq), lambda m: [mm.lm_loss(m, b) for b in batches])
     model.train()
     return model
 
@@ -107,9 +121,20 @@ def _train_and_compare(case, calib, train_batches, eval_batch, root):
     initial = {n: p.detach().clone() for n, p in mm.iter_params_with_global_names(model)}
     trainer = mt.setup_training(model, bf16=bf16, use_distributed_optimizer=distributed,
                                 reuse_quantized_weights=reuse)
+    grad_norms = []
+    optimizer_step = trainer.optimizer.step
+
+    def step_recording_the_grad_norm():
+        result = optimizer_step()
+        grad_norms.append(float(result[1]))  # (update successful, grad norm, zeros)
+        return result
+
+    trainer.optimizer.step = step_recording_the_grad_norm
     with _CountWeightQuantization() as count:
         losses = mt.train(trainer, train_batches, steps=STEPS, num_microbatches=MICROBATCHES)
-    changed = {n: not torch.equal(initial[n], p) for n, p in mm.iter_params_with_global_names(mt.unwrap(trainer.model))}
+    trainer.optimizer.step = optimizer_step
+    params = {n: p.detach().clone() for n, p in mm.iter_params_with_global_names(mt.unwrap(trainer.model))}
+    changed = {n: not torch.equal(initial[n], p) for n, p in params.items()}
     trainer.model.eval()
     with torch.no_grad():
         trained_logits = mm.gather_logits(trainer.model, eval_batch)
@@ -135,6 +160,8 @@ def _train_and_compare(case, calib, train_batches, eval_batch, root):
         fresh_logits = mm.gather_logits(fresh, eval_batch)
     out = {
         "losses": losses,
+        "grad_norms": grad_norms,
+        "params": params,
         "changed": changed,
         "equal": torch.equal(trained_logits, fresh_logits),
         "max_abs_diff": (trained_logits.float() - fresh_logits.float()).abs().max().item(),
@@ -144,6 +171,29 @@ def _train_and_compare(case, calib, train_batches, eval_batch, root):
     if case == SAVED_CASE:
         out["saved"] = _save_both_ways(trainer, eval_batch, root)
     return out
+
+
+def _built_from(saved):
+    """A model built and quantized at the current layout, given ``saved``'s global weights and amaxes directly (no
+    checkpoint involved) and wrapped in ``Float16Module`` as training wraps it."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.module import Float16Module
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.plugins.testing import megatron_models as mm
+
+    model = mm.build_moe_gpt(num_experts=EXPERTS, seed=SEED + 11, experts="grouped", params_dtype=torch.bfloat16)
+    mtq.quantize(model, _config(mtq))
+    assign_amax(model, mm, saved["amax"])
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in mm.iter_params_with_global_names(model):
+            full = saved["params"][name]
+            if tp > 1 and getattr(p, "tensor_model_parallel", False) and getattr(p, "allreduce", True):
+                full = full.chunk(tp, dim=p.partition_dim)[tp_rank]  # the inverse of global_params
+            p.copy_(full)
+    return Float16Module(model.config, model).eval()
 
 
 def _save_both_ways(trainer, eval_batch, root):
@@ -170,7 +220,10 @@ def _save_both_ways(trainer, eval_batch, root):
     model = mt.unwrap(trainer.model)
     with torch.no_grad():
         logits = mm.gather_logits(trainer.model.eval(), eval_batch)
-    return {"amax": global_amax(model, mm), "params": global_params(model, mm), "logits": logits}
+    saved = {"amax": global_amax(model, mm), "params": global_params(model, mm), "logits": logits}
+    with torch.no_grad():  # what the restore compares against, built at this layout: the trained model's logits
+        saved["built_here_equal"] = torch.equal(mm.gather_logits(_built_from(saved), eval_batch), logits)
+    return saved
 
 
 def _resume_run(calib, train_batches, root, restore_from=None):
@@ -293,8 +346,9 @@ def _train_worker(rank, world_size, root):
     return out
 
 
-def _restore_and_train_on(flow, root, eval_batch, train_batches):
-    """At TP=1 x EP=4, a freshly built model restored through one documented call, then two training steps."""
+def _restore_and_train_on(flow, root, eval_batch, train_batches, saved):
+    """At TP=1 x EP=4, a freshly built model restored through one documented call, then two training steps; and the
+    logits of ``saved`` (the trained weights and amaxes) given directly to a model built at this layout."""
     from megatron.core import dist_checkpointing
 
     from modelopt_moe.checkpoint import restore_sharded_modelopt_state
@@ -317,11 +371,12 @@ def _restore_and_train_on(flow, root, eval_batch, train_batches):
     out = {"info": info, "amax": global_amax(model, mm), "params": global_params(model, mm)}
     with torch.no_grad():
         out["logits"] = mm.gather_logits(trainer.model.eval(), eval_batch)
+        out["built_here_logits"] = mm.gather_logits(_built_from(saved), eval_batch)
     out["losses"] = mt.train(trainer, train_batches, steps=2, num_microbatches=MICROBATCHES)
     return out
 
 
-def _restore_worker(rank, world_size, root):
+def _restore_worker(rank, world_size, root, saved):
     from modelopt_moe.plugins.testing import megatron_models as mm
 
     calib = mm.text_batches(BATCH, SEQ, 2)
@@ -334,7 +389,7 @@ def _restore_worker(rank, world_size, root):
     out["layout"] = mm.parallel_layout()
     for flow in ("api", "readme"):
         try:
-            out[flow] = _restore_and_train_on(flow, root, eval_batch, train_batches)
+            out[flow] = _restore_and_train_on(flow, root, eval_batch, train_batches, saved)
         except Exception:
             out[flow] = {"error": traceback.format_exc()}
     mm.destroy_model_parallel()
@@ -353,7 +408,8 @@ def results(root):
 
 @pytest.fixture(scope="module")
 def restored(results, root):
-    return spawn(_restore_worker, WORLD, args=(root,), timeout=300)  # fresh processes
+    saved = {k: v for k, v in _case(results, SAVED_CASE)[0]["saved"].items() if k in ("amax", "params")}
+    return spawn(_restore_worker, WORLD, args=(root, saved), timeout=300)  # fresh processes
 
 
 def _case(results, case):
@@ -414,14 +470,21 @@ def test_trained_forward_equals_a_fresh_model_with_the_trained_weights(results, 
 
 
 @pytest.mark.timeout(300)
-def test_grouped_weights_are_quantized_every_micro_batch_or_once_per_step_with_reuse(results):
+@pytest.mark.parametrize("reuse_case", list(REUSE_TWINS))
+def test_grouped_weights_are_quantized_every_micro_batch_or_once_per_step_with_reuse(results, reuse_case):
     gemms = 2 * 2  # layers x (fc1, fc2)
-    for r in _case(results, "grouped"):
+    twin = REUSE_TWINS[reuse_case]
+    assert CASES[reuse_case][:3] == CASES[twin][:3] and CASES[reuse_case][3] and not CASES[twin][3]
+    for r in _case(results, twin):
         assert r["weight_quantizations"] == STEPS * MICROBATCHES * gemms
-    for r in _case(results, "grouped_reuse"):
+    for r in _case(results, reuse_case):
         assert r["weight_quantizations"] == STEPS * gemms
-    # and the reusing run trained exactly like the re-quantizing one
-    assert [r["losses"] for r in _case(results, "grouped_reuse")] == [r["losses"] for r in _case(results, "grouped")]
+    # and the reusing run trained exactly like the re-quantizing one: the same gradients (their clip norm) at every
+    # step, the same losses, the same trained weights
+    for reused, requantized in zip(_case(results, reuse_case), _case(results, twin), strict=True):
+        assert reused["grad_norms"] == requantized["grad_norms"]
+        assert reused["losses"] == requantized["losses"]
+        _assert_same(reused["params"], requantized["params"], f"{reuse_case} vs {twin} trained params")
 
 
 def _assert_same(got: dict, want: dict, what: str):
@@ -440,9 +503,11 @@ def test_restored_at_tp1_ep4_in_fresh_processes_is_bit_exact_and_trains_on(resul
         assert "error" not in got, got.get("error")
         _assert_same(got["amax"], saved["amax"], f"{flow} amax")
         _assert_same(got["params"], saved["params"], f"{flow} params")
-        # another TP layout reduces in another order (bf16 model): close, not bit-equal
-        diff = (got["logits"].float() - saved["logits"].float()).abs().max().item()
-        assert diff <= 0.05 * saved["logits"].float().abs().max().item(), diff
+        # The saved weights and amaxes given directly to a model built at TP=1 x EP=4 (which at TP=2 x EP=2 gives the
+        # saved logits bit for bit): the restored model computes exactly what they define at this layout.
+        assert saved["built_here_equal"]
+        assert torch.equal(got["logits"], got["built_here_logits"]), \
+            (got["logits"].float() - got["built_here_logits"].float()).abs().max().item()
         assert len(got["losses"]) == 2 and all(math.isfinite(x) for x in got["losses"])
         if flow == "api":
             assert got["info"] == {"iteration": STEPS, "extra_state": {"data_offset": 100 + STEPS * MICROBATCHES}}

@@ -17,7 +17,7 @@ from modelopt_moe.kernels import grouped_fake_quant as gfq  # noqa: E402
 from modelopt_moe.numerics import fake_quant, round_to_e2m1  # noqa: E402
 
 FORMATS = [("e4m3", None), ("e5m2", None), ("nvfp4", None), ("int8", None), ("int4", None), ("int8", 16),
-           ("int4", 128)]
+           ("int4", 128), ("int7", None), ("int2", None), ("int3", 16), ("int5", None), ("int6", 32)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 DEV = "cuda"

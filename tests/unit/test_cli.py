@@ -84,8 +84,11 @@ def test_export_help_and_required_flags(capsys):
 
 
 def _fake_checkpoint(path):
-    path.mkdir()
-    for name in (".metadata", "metadata.json", "modelopt_moe_state.pt"):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"x": torch.zeros(1)}, checkpoint_id=str(path))  # a readable .metadata and its data file
+    for name in ("metadata.json", "modelopt_moe_state.pt"):
         (path / name).write_text("x")
     return path
 

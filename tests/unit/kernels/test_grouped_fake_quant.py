@@ -21,7 +21,7 @@ needs_triton = pytest.mark.skipif(
 
 # (format, block_size): every format, with per-tensor and per-block int.
 FORMATS = [("e4m3", None), ("e5m2", None), ("nvfp4", None), ("int8", None), ("int4", None), ("int8", 16),
-           ("int4", 32)]
+           ("int4", 32), ("int7", None), ("int2", None), ("int3", 16), ("int5", None), ("int6", 32)]
 AMAX_FORMATS = [f for f in FORMATS if f[1] is None]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}

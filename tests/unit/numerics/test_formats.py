@@ -232,14 +232,18 @@ def test_int4_rounds_half_to_even_at_scale_one():
     assert_bits_equal(out, _t([0.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, -2.0, -6.0]))
 
 
-@pytest.mark.parametrize(("fmt", "bound"), [("int8", 127.0), ("int4", 7.0)])
+INT_BOUNDS = [("int8", 127.0), ("int4", 7.0), ("int2", 1.0), ("int3", 3.0), ("int5", 15.0), ("int6", 31.0),
+              ("int7", 63.0)]
+
+
+@pytest.mark.parametrize(("fmt", "bound"), INT_BOUNDS)
 def test_int_clamps_symmetrically_to_the_bound(fmt, bound):
     x = _t([bound + 0.4, bound + 0.6, 1000.0, -(bound + 1.0), -1000.0, -(bound + 0.5)])
     out = fake_quant(x, fmt, _t(bound))
     assert_bits_equal(out, _t([bound, bound, bound, -bound, -bound, -bound]))
 
 
-@pytest.mark.parametrize(("fmt", "bound"), [("int8", 127.0), ("int4", 7.0)])
+@pytest.mark.parametrize(("fmt", "bound"), INT_BOUNDS)
 def test_int_wide_range_clamps_negatives_to_minus_bound_minus_one(fmt, bound):
     # narrow_range=False (Model Optimizer's default): two's complement levels [-B-1, B]; the scale stays B / amax.
     x = _t([bound + 0.4, 1000.0, -(bound + 0.4), -(bound + 0.6), -(bound + 1.0), -1000.0, -(bound + 0.5)])
@@ -251,7 +255,7 @@ def test_int_wide_range_clamps_negatives_to_minus_bound_minus_one(fmt, bound):
     assert_bits_equal(fake_quant(inner, fmt, _t(bound), narrow_range=False), fake_quant(inner, fmt, _t(bound)))
 
 
-@pytest.mark.parametrize(("fmt", "top"), [("int8", 255.0), ("int4", 15.0)])
+@pytest.mark.parametrize(("fmt", "top"), [("int8", 255.0), ("int4", 15.0), ("int7", 127.0), ("int2", 3.0)])
 def test_int_unsigned_uses_levels_zero_to_two_to_the_bits_minus_one(fmt, top):
     x = _t([0.4, 0.6, 2.5, top + 0.4, 1000.0, -0.6, -1000.0])
     out = fake_quant(x, fmt, _t(top), unsigned=True)
@@ -278,7 +282,7 @@ def test_int_block_pads_the_last_dim_like_model_optimizer(k, block, narrow_range
     assert_bits_equal(fake_quant(x, "int4", block_size=block, narrow_range=narrow_range), expected)
 
 
-@pytest.mark.parametrize(("fmt", "bits"), [("int8", 8), ("int4", 4)])
+@pytest.mark.parametrize(("fmt", "bits"), [(f"int{b}", b) for b in range(2, 9)])
 def test_int_per_channel_amax_quantizes_each_row_with_its_own_scale(fmt, bits):
     g = torch.Generator().manual_seed(21)
     x = torch.randn(5, 33, generator=g) * torch.logspace(-4, 4, 5).unsqueeze(1)
@@ -496,12 +500,14 @@ def test_nvfp4_amax_varying_along_the_last_dim_is_rejected():
 
 @pytest.mark.parametrize(("num_bits", "fmt"), [((4, 3), "e4m3"), ([4, 3], "e4m3"), ("e4m3", "e4m3"),
                                                ((5, 2), "e5m2"), ("E2M1", "nvfp4"), ((2, 1), "nvfp4"),
-                                               (8, "int8"), (4, "int4"), (" INT8 ", "int8")])
+                                               (8, "int8"), (4, "int4"), (" INT8 ", "int8"), (7, "int7"),
+                                               (2, "int2"), (3, "int3"), (5, "int5"), (6, "int6"),
+                                               ("int7", "int7")])
 def test_format_from_num_bits_maps_model_optimizer_names(num_bits, fmt):
     assert format_from_num_bits(num_bits) == fmt
 
 
-@pytest.mark.parametrize("num_bits", [(3, 3), [3, 3], "fp16", True, False, 16, None, (4, 3, 1)])
+@pytest.mark.parametrize("num_bits", [(3, 3), [3, 3], "fp16", True, False, 1, 9, 16, None, (4, 3, 1), "int9"])
 def test_format_from_num_bits_rejects_unsupported_values(num_bits):
     with pytest.raises(ValueError, match="unsupported num_bits"):
         format_from_num_bits(num_bits)
@@ -515,5 +521,6 @@ def test_format_from_num_bits_rejects_unhashable_values_with_value_error(num_bit
 
 def test_format_table_bounds():
     assert {k: v.bound for k, v in formats.FORMATS.items()} == {
-        "e4m3": 448.0, "e5m2": 57344.0, "nvfp4": 2688.0, "int8": 127.0, "int4": 7.0}
+        "e4m3": 448.0, "e5m2": 57344.0, "nvfp4": 2688.0, "int8": 127.0, "int4": 7.0, "int2": 1.0, "int3": 3.0,
+        "int5": 15.0, "int6": 31.0, "int7": 63.0}
     assert torch.finfo(torch.float8_e4m3fn).max == 448.0 and torch.finfo(torch.float8_e5m2).max == 57344.0

@@ -408,3 +408,20 @@ def test_dynamic_per_token_input_quantizer_with_a_tuple_axis():
     assert torch.equal(q(x), fake_quant(x, "e4m3", x.abs().amax(-1, keepdim=True)))
     with pytest.raises(ValueError, match="dynamic quantizer"):
         q.load_calib_amax()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 6, 7])
+def test_any_integer_width_from_two_to_eight_bits_as_model_optimizer_takes_it(bits):
+    # Model Optimizer's own unit tests set e.g. ``quantizer.num_bits = 7``; its levels are [-2**(b-1), 2**(b-1)-1].
+    m = nn.Sequential(nn.Linear(64, 32))
+    x = torch.randn(8, 64)
+    config = {"quant_cfg": [{"quantizer_name": "*", "enable": False},
+                            {"quantizer_name": "*weight_quantizer", "cfg": {"num_bits": 8, "axis": 0}}]}
+    mtq.quantize(m, config, lambda mod: mod(x))
+    q = m[0].weight_quantizer
+    q.num_bits = bits
+    w = m[0].weight.detach()
+    scale = (2 ** (bits - 1) - 1) / q.amax
+    levels = torch.round(q(w) * scale)
+    assert torch.equal(levels, torch.clamp(torch.round(w * scale), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1))
+    assert levels.unique().numel() <= 2 ** bits
