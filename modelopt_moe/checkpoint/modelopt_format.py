@@ -193,4 +193,7 @@ def restore_model_optimizer_state(model: nn.Module, state: dict, experts: Expert
         if unknown:
             warn_once(f"{source}: Model Optimizer quantizers with no counterpart in this model are ignored: "
                       f"{unknown[:6]}{' ...' if len(unknown) > 6 else ''} (see {COMPAT_DOC})")
+    from .state import warn_if_down_proj_input_calibrated_otherwise  # state imports this module
+
+    warn_if_down_proj_input_calibrated_otherwise(model, None, source)  # Model Optimizer calibrates prob * act
     return model

@@ -21,6 +21,8 @@ from ..quantization.config import BackwardConfig, ExpertsConfig, QuantizeConfig,
 from ..quantization.conversion import convert, is_quantized, named_quantizers, rule_name, unwrap_model
 from ..quantization.expert_quantizer import ExpertGemm, ExpertQuantizer
 from ..quantization.nn.experts import QUANTIZER_KINDS
+from ..quantization.nn.row_scale import DOWN_PROJ_INPUT
+from ..quantization.utils import warn_once
 from ..quantization.weight_amax import set_weight_amax_update, update_weight_amax
 from .errors import CheckpointMismatchError
 from .files import atomic_torch_save
@@ -40,6 +42,7 @@ __all__ = [
     "restore_modelopt_state",
     "restore_from_modelopt_state",
     "check_state_header",
+    "warn_if_down_proj_input_calibrated_otherwise",
     "save",
     "restore",
 ]
@@ -80,7 +83,9 @@ def modelopt_state(model: nn.Module) -> dict:
 
     Returns:
         ``{"format", "version", "backward", "kernel", "experts" (the amax layouts), "quantized_modules",
-        "quantizers" (name -> cfg / enabled / ste), "expert_quantizers" (name -> layout, global expert count)}``.
+        "quantizers" (name -> cfg / enabled / ste), "expert_quantizers" (name -> layout, global expert count),
+        "expert_down_proj_input" (what the expert down projections' input quantizers see: the activation before the
+        router probability multiplies it; states without this key were calibrated on ``prob * act``)}``.
 
     Raises:
         ValueError: ``model`` is not quantized.
@@ -111,6 +116,7 @@ def modelopt_state(model: nn.Module) -> dict:
         "quantized_modules": [name for name, _ in modules],
         "quantizers": quantizers,
         "expert_quantizers": experts,
+        "expert_down_proj_input": DOWN_PROJ_INPUT,
     }
 
 
@@ -226,7 +232,28 @@ def restore_modelopt_state(model: nn.Module, state: dict, experts: ExpertsConfig
             raise CheckpointMismatchError(
                 f"{e.name}._amax: expected {e.num_global_experts} experts in checkpoint {source}, found "
                 f"{entry['num_global_experts']}")
+    warn_if_down_proj_input_calibrated_otherwise(model, state.get("expert_down_proj_input"), source)
     return model
+
+
+def warn_if_down_proj_input_calibrated_otherwise(model: nn.Module, saved: str | None, source: str) -> list[str]:
+    """Warns once (rank 0), naming them, when the model's enabled expert down-projection input quantizers load an
+    amax calibrated on something else than what they now quantize: a checkpoint whose state does not record
+    ``expert_down_proj_input`` (``saved`` None: modelopt_moe before it quantized that input ahead of the router
+    probability, or Model Optimizer) holds amaxes of ``prob * act``. Returns the quantizers' names."""
+    if saved == DOWN_PROJ_INPUT:
+        return []
+    names = [e.name for e in iter_expert_quantizers(model)
+             if e.kind == "input_quantizer" and e.gemm.sharded_axis == 1 and e.quantizer.is_enabled]
+    if names:
+        warn_once(
+            f"{source}: this checkpoint's expert down-projection (linear_fc2) input amaxes were calibrated on the "
+            "activation times the router probability (Megatron's order, what checkpoints without "
+            "'expert_down_proj_input' in their quantization state hold); the quantizers now see the activation "
+            "itself, as serving engines do, so these amaxes are too small and clip. Recalibrate after loading: "
+            "mtq.calibrate(model, forward_loop=...) (weights and the other amaxes are unaffected). Quantizers:\n  "
+            + "\n  ".join(names))
+    return names
 
 
 def restore_from_modelopt_state(model: nn.Module, modelopt_state: dict, experts: ExpertsConfig | dict | None = None,
