@@ -101,6 +101,9 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
 
     def grouped_gemm(self, x: torch.Tensor, m_splits, weights: list[torch.Tensor]):
         """The host's grouped GEMM on fake-quantized operands (with the configured backward mode)."""
+        if row_scale_of(self) is not None and self.expert_biases() is not None:
+            raise NotImplementedError(f"{type(self).__name__}: the router probabilities scale the GEMM's input, so a "
+                                      "bias added inside the GEMM would not be scaled; return the biases instead")
         host = super().grouped_gemm
         return self.quantized_forward(x, m_splits, lambda xo, wo: host(xo, m_splits, wo), weights)
 
