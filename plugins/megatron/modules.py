@@ -164,7 +164,7 @@ class QuantSequentialMLP(QuantModuleMixin):
     def expert_grid(self) -> ExpertGrid:
         return expert_grid_of(self.ep_group, self.tp_group, self.dp_group)
 
-    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
         """Megatron's forward; a ``dynamic`` weight amax is first recomputed for every local expert at once (its
         experts' linears then quantize with their row of it), and each expert's ``linear_fc2`` applies its tokens'
         router probabilities after its input quantization (:mod:`.router_probs`)."""
@@ -175,8 +175,8 @@ class QuantSequentialMLP(QuantModuleMixin):
                                     fast=use_kernels(self.quant_kernel, gemm.weights[0].device))
         if probs_after_down_proj(self, self.linear_fc2):
             return sequential_experts_forward(self, super().forward, permuted_local_hidden_states, tokens_per_expert,
-                                              permuted_probs)
-        return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+                                              permuted_probs, *args, **kwargs)
+        return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
 
     def calibrate_weights(self) -> None:
         for name in self._SHARDED_AXIS:

@@ -39,14 +39,16 @@ def probs_after_down_proj(layer: torch.nn.Module, down_proj: torch.nn.Module) ->
     return q is not None and q.is_enabled and not layer.config.moe_apply_probs_on_input
 
 
-def sequential_experts_forward(layer, forward, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+def sequential_experts_forward(layer, forward, permuted_local_hidden_states, tokens_per_expert, permuted_probs,
+                               *args, **kwargs):
     """``SequentialMLP``'s forward (``forward``, Megatron's) with each expert's ``linear_fc2`` given its tokens'
-    probabilities."""
+    probabilities (Megatron splits the tokens by ``tokens_per_expert`` the same way)."""
     probs = torch.split(permuted_probs, split_sizes(tokens_per_expert))
     with contextlib.ExitStack() as scopes:
         for expert, p in zip(layer.local_experts, probs, strict=True):
             scopes.enter_context(down_proj_row_scale(expert.linear_fc2, p))
-        return forward(permuted_local_hidden_states, tokens_per_expert, torch.ones_like(permuted_probs))
+        return forward(permuted_local_hidden_states, tokens_per_expert, torch.ones_like(permuted_probs), *args,
+                       **kwargs)
 
 
 class QuantTEGroupedMLP(QuantModuleMixin):

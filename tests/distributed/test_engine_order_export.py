@@ -8,8 +8,9 @@ engines do, or the exported down_proj input scale clips what the engines feed it
 
 One spawn (4 gloo ranks) builds tiny random Qwen3-MoE and Mixtral models (written by transformers; 3 layers, 8
 experts, top-2) at TP1 x EP4 and TP2 x EP2, imports them into Megatron, quantizes them (FP8 W8A8 and NVFP4 W4A4, one
-input amax per expert), exports compressed-tensors checkpoints and records the fake-quant logits; it also measures
-the down_proj input amax in both orders at top-8 of 64 experts.
+input amax per expert), exports compressed-tensors checkpoints and records the fake-quant logits, through the public
+API as a training script does (on CPU, Megatron also needs the shims of ``megatron_cpu``); it also measures the
+down_proj input amax in both orders at top-8 of 64 experts.
 
 The engine emulation in the parent process uses no modelopt_moe code: transformers loads each exported checkpoint
 (FP8 through ``CompressedTensorsConfig(dequantize=True)``; NVFP4 as the unquantized architecture with every quantized
@@ -112,22 +113,49 @@ def _glu(fc1_out, offset, act):
     return act(gate) * (up + offset)
 
 
+def _setup(tp: int, ep: int) -> None:
+    """Megatron's model-parallel state (expert TP 1) and RNG trackers, as a training script sets them up."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from modelopt_moe.plugins.testing.megatron_cpu import apply_cpu_shims
+
+    apply_cpu_shims()  # Megatron on a CPU-only machine (a no-op with CUDA)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=1)
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
+
+
+def _batches(n: int, batch: int = 2, seq: int = 16) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 128, (batch, seq), generator=g) for _ in range(n)]
+
+
+def _logits(m, tokens: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits of the Megatron GPT (causal mask, positions 0..seq-1), the same on every rank."""
+    seq = tokens.shape[1]
+    positions = torch.arange(seq).expand_as(tokens)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        return m(tokens, positions, mask, runtime_gather_output=True).float()
+
+
 def _rank(rank, world, paths: dict) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
     import modelopt_moe.quantization as mtq
     from modelopt_moe.export import build_megatron_model, export_hf, import_hf
-    from modelopt_moe.plugins.testing import megatron_models as mm
 
     out = Path(paths["out"])
-    batches = mm.text_batches(2, 16, 3, vocab_size=128)
-    res: dict = {"tokens": batches[2]["tokens"]}
+    batches = _batches(3)
+    res: dict = {"tokens": batches[2]}
 
     def calibrate(m):
-        with torch.no_grad():
-            for b in batches[:2]:
-                mm.gather_logits(m, b)
+        for b in batches[:2]:
+            _logits(m, b)
 
     def imported(hf_dir):
         m = build_megatron_model(hf_dir, perform_initialization=False, params_dtype=torch.float32)
@@ -140,18 +168,17 @@ def _rank(rank, world, paths: dict) -> dict:
         return mtq.quantize(m, cfg, calibrate)
 
     for tp, ep in LAYOUTS:
-        mm.init_model_parallel(tp=tp, ep=ep)
+        _setup(tp, ep)
         for family in FAMILIES:
             for scheme in SCHEMES:
                 m = quantize(imported(paths[family]), scheme)
                 name = f"{family}_{scheme}_tp{tp}ep{ep}"
                 export_hf(m, out / name, format="compressed-tensors", progress=False)
-                with torch.no_grad():
-                    res[name] = mm.gather_logits(m, batches[2]).float()
-        mm.destroy_model_parallel()
-    mm.init_model_parallel(tp=1, ep=4)
+                res[name] = _logits(m, batches[2])
+        parallel_state.destroy_model_parallel()
+    _setup(1, 4)
     res["amax"] = _down_proj_input_amax(imported(paths[WIDE]), calibrate, quantize)
-    mm.destroy_model_parallel()
+    parallel_state.destroy_model_parallel()
     return res
 
 
