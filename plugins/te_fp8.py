@@ -16,6 +16,11 @@ forward as a deployed FP8 model does:
   (``dequantized``, ``quantized`` with the output gradient fake-quantized first) or ``x``, ``w`` (``high_precision``).
   The gradients are the fake-quant path's; ``weight_amax_update`` static, dynamic and learned all work as there.
 
+* **Router probabilities.** As ``TEGroupedMLP``'s ``linear_fc2`` given the tokens' probabilities
+  (:mod:`.megatron.router_probs`), the FP8 GEMM runs on ``Q(act)`` and its output rows are multiplied by them, the
+  engines' order (one pass over the output); the backward operand is ``scale_rows(Q(act), prob)``, so the
+  probabilities get their gradient as on the fake-quant path.
+
 Amaxes, checkpoints and export are unchanged: only the forward GEMM differs from ``kernel: auto``. While
 ``mtq.quantize`` calibrates, the fake-quant path runs (it collects the amaxes).
 
@@ -45,7 +50,7 @@ from types import SimpleNamespace
 import torch
 from torch.autograd.function import once_differentiable
 
-from modelopt_moe.numerics import E4M3_MAX, safe_amax
+from modelopt_moe.numerics import E4M3_MAX, safe_amax, scale_rows
 from modelopt_moe.quantization.config import ConfigError
 from modelopt_moe.quantization.nn.experts import (
     expert_input_clip_mask,
@@ -55,6 +60,7 @@ from modelopt_moe.quantization.nn.experts import (
     split_sizes,
 )
 from modelopt_moe.quantization.nn.functional import mask_grad, quantize_grad
+from modelopt_moe.quantization.nn.row_scale import row_scale_of, rows_of
 from modelopt_moe.quantization.weight_reuse import reused_or_computed, weight_key
 
 __all__ = ["KERNEL", "engaged", "problems", "check", "forward", "fp8_scales", "quantize_inputs", "quantize_weights"]
@@ -206,15 +212,19 @@ def _fp8_grouped_gemm(x_fp8, w_fp8, splits, out_features, dtype, device, biases)
 
 
 class _Fp8ForwardGemm(torch.autograd.Function):
-    """``apply(x_fp8, w_fp8, splits, dtype, x_b, *w_b, *biases)``: the output of the FP8 grouped GEMM on
-    ``x_fp8`` / ``w_fp8`` (plus ``biases``); the gradient of ``x_b @ w_b^T + b``, by the calls TE's GroupedLinear
-    backward makes: dgrad ``g @ w_b`` (layout NN), wgrad ``g^T @ x_b`` with the bias gradient in its epilogue (NT)."""
+    """``apply(x_fp8, w_fp8, splits, dtype, row_scale, x_b, *w_b, *biases)``: the output of the FP8 grouped GEMM on
+    ``x_fp8`` / ``w_fp8`` (plus ``biases``), its rows times ``row_scale`` if given (an expert down projection's router
+    probabilities, applied to the output as the engines do; ``x_b`` then carries them too); the gradient of ``x_b @
+    w_b^T + b``, by the calls TE's GroupedLinear backward makes: dgrad ``g @ w_b`` (layout NN), wgrad ``g^T @ x_b``
+    with the bias gradient in its epilogue (NT)."""
 
     @staticmethod
-    def forward(ctx, x_fp8, w_fp8, splits, dtype, x_b, *operands):
+    def forward(ctx, x_fp8, w_fp8, splits, dtype, row_scale, x_b, *operands):
         n = len(w_fp8)
         w_b, biases = operands[:n], [b.to(dtype) for b in operands[n:]]
         out = _fp8_grouped_gemm(x_fp8, w_fp8, splits, w_b[0].shape[0], dtype, x_b.device, biases)
+        if row_scale is not None:
+            out = scale_rows(out, row_scale)
         ctx.save_for_backward(x_b, *w_b, *biases)
         ctx.n, ctx.splits, ctx.dtype = n, splits, dtype
         return out
@@ -229,12 +239,12 @@ class _Fp8ForwardGemm(torch.autograd.Function):
         grads = torch.split(grad, splits)
         gemm = _te().grouped_gemm
         dgrad = None
-        if ctx.needs_input_grad[4]:
+        if ctx.needs_input_grad[5]:
             dgrad = torch.empty(grad.shape[0], x_b.shape[-1], dtype=dtype, device=grad.device)
             gemm([w.to(dtype) for w in w_b], grads, [dgrad], [None] * n, dtype, single_output=True, layout="NN",
                  m_splits=splits, grad=True, use_split_accumulator=_DGRAD_SPLIT_ACCUMULATOR)
         wgrads, bgrads = [None] * n, [None] * len(biases)
-        if any(ctx.needs_input_grad[5:]):
+        if any(ctx.needs_input_grad[6:]):
             packed = torch.empty(n, *w_b[0].shape, dtype=dtype, device=grad.device)
             wgrads = [packed[i] for i in range(n)]
             _, bias_grads, _ = gemm(list(torch.split(x_b.to(dtype), splits)), grads, wgrads, [None] * n, dtype,
@@ -243,7 +253,7 @@ class _Fp8ForwardGemm(torch.autograd.Function):
                                     accumulate=False)
             if biases:
                 bgrads = list(bias_grads)
-        return (None, None, None, None, dgrad, *wgrads, *bgrads)
+        return (None, None, None, None, None, dgrad, *wgrads, *bgrads)
 
 
 # --- the layer's forward ----------------------------------------------------------------------------------------------
@@ -292,6 +302,14 @@ def forward(module, x: torch.Tensor, m_splits, **host_args):
         raise ValueError(f"{type(module).__name__}: m_splits {splits} must have {module.num_gemms} entries summing "
                          f"to the {x2d.shape[0]} input rows")
     weights = list(module.expert_weights())
+    # As an expert down projection given the router probabilities (plugins/megatron/router_probs.py): the FP8 GEMM
+    # runs on Q(x) and its output rows are multiplied by them, the engines' order.
+    scale = row_scale_of(module)
+    if scale is not None:
+        scale = rows_of(scale, x2d, type(module).__name__)
+        if module.apply_bias:
+            raise NotImplementedError(f"{type(module).__name__}: kernel te_fp8 adds the bias in the GEMM, where the "
+                                      "router probabilities would not scale it (return the bias instead)")
     with_grad = torch.is_grad_enabled()
     # The fake-quantized weights are the backward operands; computing them also refreshes a dynamic amax, which the
     # FP8 scales then take (without autograd only that refresh is needed).
@@ -303,17 +321,20 @@ def forward(module, x: torch.Tensor, m_splits, **host_args):
     if with_grad:
         if module.quant_backward.mode == "high_precision":
             x_b = mask_grad(x2d, expert_input_clip_mask(iq, x2d, splits))
+            x_b = x_b if scale is None else scale_rows(x_b, scale)
             weight_mask = expert_weight_clip_mask(wq, weights)
             w_b = [mask_grad(w, weight_mask(w)) for w in weights]
         else:
-            x_b = quantize_expert_inputs(iq, x2d, splits, "auto", module._splits_cache())
+            x_b = quantize_expert_inputs(iq, x2d, splits, "auto", module._splits_cache(), row_scale=scale)
             w_b = w_q
-        out = _Fp8ForwardGemm.apply(x_fp8, w_fp8, splits, dtype, x_b, *w_b, *biases)
+        out = _Fp8ForwardGemm.apply(x_fp8, w_fp8, splits, dtype, None if scale is None else scale.detach(), x_b,
+                                    *w_b, *biases)
         if module.quant_backward.mode == "quantized":
             out = quantize_grad(out, module.quant_backward.grad_format)
     else:
         out = _fp8_grouped_gemm(x_fp8, w_fp8, splits, weights[0].shape[0], dtype, x.device,
                                 [b.to(dtype) for b in biases])
+        out = out if scale is None else scale_rows(out, scale)
     out = out.view(-1, *x.shape[1:-1], out.shape[-1])
     result = (out, [b.to(dtype) for b in module._get_bias_tensors()]) if module.return_bias else out
     if convention == "megatron":

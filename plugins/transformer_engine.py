@@ -1,10 +1,12 @@
 """Transformer Engine support: quantized ``transformer_engine.pytorch.GroupedLinear`` (Megatron's TE grouped linears
 build on it in ``plugins/megatron/te_experts.py``).
 
-The wrapper fake-quantizes the input (shared or per expert, split by ``m_splits``) and the N expert weights, then
-runs the layer's own forward (Megatron's wrapper and TE's grouped GEMM, with TE's communication and bias
-handling), which fetches its weights through ``_get_weight_tensors()``: that hook returns the fake-quantized
-weights while the GEMM runs. TE's own FP8 must be off while fake quant runs (both would quantize).
+The wrapper fake-quantizes the input (shared or per expert, split by ``m_splits``; as Megatron's ``TEGroupedMLP``
+``linear_fc2``, times the tokens' router probabilities in the same launch, see
+``modelopt_moe.quantization.nn.row_scale``) and the N expert weights, then runs the layer's own forward (Megatron's
+wrapper and TE's grouped GEMM, with TE's communication and bias handling), which fetches its weights through
+``_get_weight_tensors()``: that hook returns the fake-quantized weights while the GEMM runs. TE's own FP8 must be
+off while fake quant runs (both would quantize).
 
 With ``kernel: te_fp8`` a calibrated layer runs its forward GEMM as a real FP8 GEMM in TE instead, with our static
 scales and the configured backward (:mod:`.te_fp8`); calibration still runs the fake-quant path.
@@ -19,6 +21,7 @@ import transformer_engine.pytorch as te
 
 from modelopt_moe.quantization.conversion import QuantModuleRegistry
 from modelopt_moe.quantization.nn.grouped_linear import QuantGroupedLinearMixin
+from modelopt_moe.quantization.nn.row_scale import row_scale_of
 
 from . import te_fp8
 
@@ -89,6 +92,10 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
                 f"{type(self).__name__}: Transformer Engine FP8 autocast is on while modelopt_moe fake quantization "
                 "is active; turn TE's fp8_autocast off (the fake quantizers already emulate the low precision)"
             )
+        if row_scale_of(self) is not None and getattr(self, "apply_bias", False):
+            raise NotImplementedError(f"{type(self).__name__}: the router probabilities scale the GEMM's input, so a "
+                                      "bias added inside the GEMM would not be scaled; return the biases instead "
+                                      "(return_bias=True; Megatron: skip_bias_add=True)")
         bound = _forward_signature(self._original_cls).bind(self, *args, **kwargs)
         x_name, split_name = _split_arg_names(self._original_cls)
         x, m_splits = bound.arguments[x_name], bound.arguments[split_name]

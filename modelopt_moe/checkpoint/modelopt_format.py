@@ -28,6 +28,7 @@ from ..quantization.rollback import unchanged_on_error
 from ..quantization.tensor_quantizer import parse_modelopt_quantizer_state
 from ..quantization.utils import warn_once
 from .errors import CheckpointMismatchError
+from .expert_quantizers import warn_if_down_proj_input_calibrated_otherwise
 from .files import read_torch_file
 
 __all__ = [
@@ -198,4 +199,5 @@ def restore_model_optimizer_state(model: nn.Module, state: dict, experts: Expert
     if unknown:
         warn_once(f"{source}: Model Optimizer quantizers with no counterpart in this model are ignored: "
                   f"{unknown[:6]}{' ...' if len(unknown) > 6 else ''} (see {COMPAT_DOC})")
+    warn_if_down_proj_input_calibrated_otherwise(model, None, source)  # Model Optimizer calibrates prob * act
     return model

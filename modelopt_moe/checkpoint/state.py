@@ -10,8 +10,6 @@ layout restores into another.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,11 +17,15 @@ from torch import nn
 
 from ..quantization.config import BackwardConfig, ExpertsConfig, QuantizeConfig, QuantizerAttributeConfig
 from ..quantization.conversion import convert, is_quantized, named_quantizers, rule_name, unwrap_model
-from ..quantization.expert_quantizer import ExpertGemm, ExpertQuantizer
-from ..quantization.nn.experts import QUANTIZER_KINDS
+from ..quantization.nn.row_scale import DOWN_PROJ_INPUT
 from ..quantization.rollback import unchanged_on_error
 from ..quantization.weight_amax import set_weight_amax_update, update_weight_amax
 from .errors import CheckpointMismatchError
+from .expert_quantizers import (
+    ExpertQuantizerEntry,
+    iter_expert_quantizers,
+    warn_if_down_proj_input_calibrated_otherwise,
+)
 from .files import atomic_torch_save
 from .modelopt_format import (
     is_model_optimizer_checkpoint,
@@ -41,6 +43,7 @@ __all__ = [
     "restore_modelopt_state",
     "restore_from_modelopt_state",
     "check_state_header",
+    "warn_if_down_proj_input_calibrated_otherwise",
     "save",
     "restore",
 ]
@@ -49,39 +52,14 @@ STATE_FORMAT = "modelopt_moe.quantization_state"
 STATE_VERSION = 3
 
 
-@dataclass
-class ExpertQuantizerEntry:
-    """One expert quantizer of a model: its full name, kind, the quantizer, its GEMM and the owning module."""
-
-    name: str
-    kind: str
-    quantizer: ExpertQuantizer
-    gemm: ExpertGemm
-    owner: nn.Module
-
-    @property
-    def num_global_experts(self) -> int:
-        return self.owner.expert_grid().ep_size * self.gemm.num_local
-
-
-def iter_expert_quantizers(model: nn.Module) -> Iterator[ExpertQuantizerEntry]:
-    """Every expert quantizer of ``model`` (inside any wrappers), in module order."""
-    for mod_name, module in unwrap_model(model).named_modules():
-        if not is_quantized(module):
-            continue
-        for gemm in module.expert_gemms():
-            base = ".".join(p for p in (mod_name, gemm.name) if p)
-            for kind in QUANTIZER_KINDS:
-                q = getattr(gemm.quantizers, kind)
-                yield ExpertQuantizerEntry(f"{base}.{kind}" if base else kind, kind, q, gemm, module)
-
-
 def modelopt_state(model: nn.Module) -> dict:
     """Everything needed to re-create ``model``'s quantization in a freshly built model (plain data, no tensors).
 
     Returns:
         ``{"format", "version", "backward", "kernel", "experts" (the amax layouts), "quantized_modules",
-        "quantizers" (name -> cfg / enabled / ste), "expert_quantizers" (name -> layout, global expert count)}``.
+        "quantizers" (name -> cfg / enabled / ste), "expert_quantizers" (name -> layout, global expert count),
+        "expert_down_proj_input" (what the expert down projections' input quantizers see: the activation before the
+        router probability multiplies it; states without this key were calibrated on ``prob * act``)}``.
 
     Raises:
         ValueError: ``model`` is not quantized.
@@ -112,6 +90,7 @@ def modelopt_state(model: nn.Module) -> dict:
         "quantized_modules": [name for name, _ in modules],
         "quantizers": quantizers,
         "expert_quantizers": experts,
+        "expert_down_proj_input": DOWN_PROJ_INPUT,
     }
 
 
@@ -232,6 +211,7 @@ def _restore_quantizers(model: nn.Module, state: dict, experts, source: str) -> 
             raise CheckpointMismatchError(
                 f"{e.name}._amax: expected {e.num_global_experts} experts in checkpoint {source}, found "
                 f"{entry['num_global_experts']}")
+    warn_if_down_proj_input_calibrated_otherwise(model, state.get("expert_down_proj_input"), source)
     return model
 
 

@@ -19,6 +19,12 @@ from .grouped_fake_quant import (
     grouped_weight_fake_quant_ste,
     kernels_available,
 )
+from .grouped_scaled_input import (
+    GroupedScaledInputFakeQuant,
+    grouped_input_fake_quant_scaled,
+    grouped_input_fake_quant_scaled_ste,
+    grouped_input_scaled_clip_grad,
+)
 from .grouped_training_stats import (
     GroupedInputSTE,
     expert_row_sums,
@@ -46,4 +52,8 @@ __all__ = [
     "grouped_input_fake_quant_stats",
     "expert_row_sums",
     "GroupedInputSTE",
+    "grouped_input_fake_quant_scaled",
+    "grouped_input_fake_quant_scaled_ste",
+    "grouped_input_scaled_clip_grad",
+    "GroupedScaledInputFakeQuant",
 ]

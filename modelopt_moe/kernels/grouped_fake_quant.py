@@ -431,7 +431,8 @@ def _input_tiling(n_cols: int, bs: int) -> tuple[int, int, int]:
     return max(1, _TILE_ELEMS // tile_w), tile_w // bs, tile_w
 
 
-def _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range=True) -> torch.Tensor:
+def _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range=True, row_scale=None) -> torch.Tensor:
+    """The input kernel; with ``row_scale`` [T] each output row is also multiplied by its scale (same launch)."""
     k = _kernels()
     y = torch.empty_like(x)
     t, kdim = x.shape
@@ -443,10 +444,11 @@ def _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range=Tr
     per_expert = amax is not None and amax.dim() == 1
     amax_arg = amax if amax is not None else m_splits  # never read for block int formats
     k._grouped_input_fake_quant_kernel[(_cdiv(t, tile_r), _cdiv(kdim, tile_w))](
-        x, y, m_splits, amax_arg, t, kdim, n,
+        x, y, m_splits, amax_arg, row_scale if row_scale is not None else m_splits, t, kdim, n,
         **format_constexprs(fmt, block_size), PER_EXPERT=per_expert,
         N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb, BS=bs, NARROW=bool(narrow_range),
-        **_rounding_options(_weight_config(fmt), x.device), **_launch_kwargs(x.device),
+        HAS_SCALE=row_scale is not None, **_rounding_options(_weight_config(fmt), x.device),
+        **_launch_kwargs(x.device),
     )
     return y
 
@@ -468,7 +470,8 @@ def _torch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range=Tru
     return fake_quant(x, fmt, _row_amax(x, m_splits, amax), block_size, **_int_kwargs(fmt, narrow_range))
 
 
-def _launch_input_clip_grad(grad, x, m_splits, amax) -> torch.Tensor:
+def _launch_input_clip_grad(grad, x, m_splits, amax, row_scale=None) -> torch.Tensor:
+    """The clipped-STE kernel; with ``row_scale`` [T] the gradient is first multiplied by its row's scale."""
     k = _kernels()
     out = torch.empty_like(grad)
     t, kdim = x.shape
@@ -477,9 +480,9 @@ def _launch_input_clip_grad(grad, x, m_splits, amax) -> torch.Tensor:
     tile_r, tile_nb, tile_w = _input_tiling(kdim, 16)
     n = m_splits.numel()
     k._grouped_input_clip_grad_kernel[(_cdiv(t, tile_r), _cdiv(kdim, tile_w))](
-        grad, x, out, m_splits, amax, t, kdim, n,
+        grad, x, out, m_splits, amax, row_scale if row_scale is not None else amax, t, kdim, n,
         PER_EXPERT=amax.dim() == 1, N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb, BS=16,
-        **_launch_kwargs(x.device),
+        HAS_SCALE=row_scale is not None, **_launch_kwargs(x.device),
     )
     return out
 

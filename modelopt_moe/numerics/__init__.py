@@ -21,9 +21,10 @@ from .formats import (
     safe_amax,
 )
 from .quant_error import STAT_FIELDS, quant_error_sums, relative_mse, underflow_pct
+from .row_scale import scale_rows, scale_rows_backward
 
 __all__ = [
     "E2M1_MAX", "E4M3_MAX", "FORMATS", "NVFP4_BLOCK_SIZE", "TINY_AMAX", "FormatSpec", "Quantized", "clip_limit",
     "dequantize", "fake_quant", "format_from_num_bits", "get_format", "quantize", "round_to_e2m1", "safe_amax",
-    "STAT_FIELDS", "quant_error_sums", "relative_mse", "underflow_pct",
+    "STAT_FIELDS", "quant_error_sums", "relative_mse", "underflow_pct", "scale_rows", "scale_rows_backward",
 ]

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..progress import progress
 from .config import MaxCalibConfig, normalize_algorithm
-from .conversion import is_quantized, named_quantizers, rule_name
+from .conversion import is_quantized, named_quantizers, own_quantizers, rule_name
 from .modelopt_compat import COMPAT_DOC
 from .process_groups import collective_device, default_groups, register_group_provider
 from .tensor_quantizer import TensorQuantizer
@@ -56,8 +56,8 @@ def sync_amax(model: nn.Module, groups: dict) -> None:
     for module in model.modules():
         if not is_quantized(module):
             continue
-        for rel, q in module.named_modules():
-            if not isinstance(q, TensorQuantizer) or not q.is_enabled:
+        for rel, q in own_quantizers(module):
+            if not q.is_enabled:
                 continue
             for key in module.amax_reduction(rel):
                 if key in groups and groups[key] is not None and dist.get_world_size(groups[key]) > 1:

@@ -35,6 +35,7 @@ __all__ = [
     "convert",
     "is_quantized",
     "named_quantizers",
+    "own_quantizers",
     "apply_quant_cfg",
     "apply_quant_cfg_entries",
     "rule_name",
@@ -236,14 +237,25 @@ def convert(model: nn.Module, config: QuantizeConfig, apply_rules: bool = True) 
     return converted
 
 
+def own_quantizers(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, TensorQuantizer]]:
+    """``(relative name, quantizer)`` of the quantizers a quantized module owns: those among its submodules, but not
+    inside a nested quantized module (e.g. an expert layer around its quantized linears), which owns its own."""
+    for name, child in module._modules.items():
+        if child is None or is_quantized(child):
+            continue
+        if isinstance(child, TensorQuantizer):
+            yield prefix + name, child
+        yield from own_quantizers(child, f"{prefix}{name}.")
+
+
 def named_quantizers(model: nn.Module) -> Iterator[tuple[str, TensorQuantizer, nn.Module]]:
-    """Yields ``(full name, quantizer, owning quantized module)`` in a deterministic (module) order."""
+    """Yields ``(full name, quantizer, owning quantized module)`` in a deterministic (module) order; each quantizer
+    once, with its nearest quantized module as owner."""
     for mod_name, module in model.named_modules():
         if not is_quantized(module):
             continue
-        for q_name, q in module.named_modules():
-            if isinstance(q, TensorQuantizer) and q_name:
-                yield (f"{mod_name}.{q_name}" if mod_name else q_name), q, module
+        for q_name, q in own_quantizers(module):
+            yield (f"{mod_name}.{q_name}" if mod_name else q_name), q, module
 
 
 def rule_name(full_name: str) -> str:

@@ -201,6 +201,11 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
             raise _unsupported(what, value, " or ".join(map(repr, allowed)))
     if c.num_moe_experts is None:
         raise _unsupported("num_moe_experts", None, "an MoE model")
+    if c.moe_apply_probs_on_input:
+        raise ExportError("Megatron model: moe_apply_probs_on_input=True multiplies the router probability into the "
+                          "experts' input (before linear_fc1); Qwen3-MoE, Mixtral and the serving engines (vLLM, "
+                          "SGLang, TensorRT-LLM, transformers) multiply it into the expert output after down_proj, so "
+                          "the exported model would compute something else (expected moe_apply_probs_on_input=False)")
     if c.activation_func is not F.silu:
         raise _unsupported("activation_func", getattr(c.activation_func, "__name__", c.activation_func), "silu")
     if c.softmax_scale not in (None, c.kv_channels ** -0.5):

@@ -20,8 +20,11 @@ from modelopt_moe.quantization.expert_quantizer import ExpertGemm, ExpertGrid
 from modelopt_moe.quantization.nn.experts import ExpertQuantizers, expert_amax_reduction, use_kernels
 from modelopt_moe.quantization.nn.functional import apply_quantized_gemm
 from modelopt_moe.quantization.nn.grouped_linear import QuantGroupedLinearMixin
+from modelopt_moe.quantization.nn.row_scale import add_row_scaled_bias, row_scale_of
 from modelopt_moe.quantization.weight_amax import refresh_weight_amax
 
+from .router_probs import CLASSES as ROUTER_PROBS_CLASSES
+from .router_probs import probs_after_down_proj, sequential_experts_forward
 from .sharded_state_dict import expert_quantizers_sharded_state_dict, parallel_linear_quantizers_sharded_state_dict
 
 __all__ = [
@@ -76,7 +79,20 @@ class _QuantParallelLinearMixin(QuantModuleMixin):
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         parent = super()._forward_impl
-        return apply_quantized_gemm(self, input, weight, lambda x, w: parent(x, w, *args, **kwargs))
+        return apply_quantized_gemm(self, input, weight, lambda x, w: parent(x, w, *args, **kwargs),
+                                    row_scale=row_scale_of(self))
+
+    def forward(self, *args, **kwargs):
+        """Megatron's forward; as an expert's ``linear_fc2`` given its tokens' router probabilities
+        (:mod:`.router_probs`), the returned bias is added here as ``out + prob * bias`` (Megatron's formula)."""
+        scale = row_scale_of(self)
+        if scale is None:
+            return super().forward(*args, **kwargs)
+        if not self.skip_bias_add and self.bias is not None:
+            raise NotImplementedError(f"{type(self).__name__}: a bias added inside the linear would not be scaled "
+                                      "by the router probabilities; expert linears return theirs (skip_bias_add)")
+        output, bias = super().forward(*args, **kwargs)
+        return (output if bias is None else add_row_scaled_bias(output, bias, scale)), None
 
     @property
     def is_expert_view(self) -> bool:
@@ -148,15 +164,19 @@ class QuantSequentialMLP(QuantModuleMixin):
     def expert_grid(self) -> ExpertGrid:
         return expert_grid_of(self.ep_group, self.tp_group, self.dp_group)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
         """Megatron's forward; a ``dynamic`` weight amax is first recomputed for every local expert at once (its
-        experts' linears then quantize with their row of it)."""
+        experts' linears then quantize with their row of it), and each expert's ``linear_fc2`` applies its tokens'
+        router probabilities after its input quantization (:mod:`.router_probs`)."""
         for gemm in self.expert_gemms():
             q = gemm.quantizers.weight_quantizer
             if q.is_quantizing and not q._if_calib and q.needs_amax and q.amax_update == "dynamic" and gemm.weights:
                 refresh_weight_amax(self, f"{gemm.name}.weight_quantizer", q, gemm.weights,
                                     fast=use_kernels(self.quant_kernel, gemm.weights[0].device))
-        return super().forward(*args, **kwargs)
+        if probs_after_down_proj(self, self.linear_fc2):
+            return sequential_experts_forward(self, super().forward, permuted_local_hidden_states, tokens_per_expert,
+                                              permuted_probs, *args, **kwargs)
+        return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
 
     def calibrate_weights(self) -> None:
         for name in self._SHARDED_AXIS:
@@ -233,6 +253,21 @@ class MegatronGroupedExpertsMixin:
                                                            metadata))
         return sd
 
+    def forward(self, x, m_splits, *args, **kwargs):
+        """The host's forward (``(out, bias or None)``); as ``TEGroupedMLP``'s ``linear_fc2`` given the router
+        probabilities (:mod:`.router_probs`), the returned per-expert biases are added here as ``out + prob * bias``
+        (Megatron's ``_apply_bias``), and no bias is returned."""
+        scale = row_scale_of(self)
+        if scale is None:
+            return super().forward(x, m_splits, *args, **kwargs)
+        if getattr(self, "apply_bias", False) or (not getattr(self, "te_return_bias", False) and
+                                                  getattr(self, "use_bias", False)):
+            raise NotImplementedError(f"{type(self).__name__}: a bias added inside the grouped GEMM would not be "
+                                      "scaled by the router probabilities; TEGroupedMLP's linear_fc2 returns its "
+                                      "biases (skip_bias_add=True)")
+        out, bias = super().forward(x, m_splits, *args, **kwargs)
+        return (out if bias is None else add_row_scaled_bias(out, bias, scale, m_splits)), None
+
 
 class QuantMegatronColumnGroupedLinear(MegatronGroupedExpertsMixin, QuantGroupedLinearMixin):
     """A framework-free grouped linear (``modelopt_moe.quantization.nn.GroupedLinear`` subclass) used as
@@ -251,4 +286,5 @@ CLASSES = {
     ColumnParallelLinear: QuantColumnParallelLinear,
     RowParallelLinear: QuantRowParallelLinear,
     SequentialMLP: QuantSequentialMLP,
+    **ROUTER_PROBS_CLASSES,
 }

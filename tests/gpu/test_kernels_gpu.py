@@ -14,7 +14,7 @@ pytestmark = [
 
 from modelopt_moe import kernels as K  # noqa: E402
 from modelopt_moe.kernels import grouped_fake_quant as gfq  # noqa: E402
-from modelopt_moe.numerics import fake_quant, round_to_e2m1  # noqa: E402
+from modelopt_moe.numerics import fake_quant, round_to_e2m1, scale_rows  # noqa: E402
 
 FORMATS = [("e4m3", None), ("e5m2", None), ("nvfp4", None), ("int8", None), ("int4", None), ("int8", 16),
            ("int4", 128), ("int7", None), ("int2", None), ("int3", 16), ("int5", None), ("int6", 32)]
@@ -191,6 +191,68 @@ def test_input_per_expert(fmt, block_size, n):
     gy = torch.randn_like(x)
     rows = torch.repeat_interleave(amax, m).unsqueeze(-1)
     assert_bits_equal(K.grouped_input_clip_grad(gy, x, m, amax), gy * (x.float().abs() <= rows))
+
+
+@pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt,block_size", FORMATS)
+def test_scaled_input_per_expert(fmt, block_size, dtype, p_dtype):
+    """``prob * Q(act)`` in one launch (an expert down projection's operand): the reference on the GPU and on the CPU,
+    bit for bit; the clipped gradient with the same scale too."""
+    g = torch.Generator(device=DEV).manual_seed(11)
+    n = 32
+    m = torch.randint(0, 64, (n,), generator=g, device=DEV)
+    m[0] = 0
+    t = int(m.sum())
+    x = (torch.randn(t, 1024, generator=g, device=DEV) * 3).to(dtype)
+    amax = torch.rand(n, generator=g, device=DEV) * 4 + 0.1
+    p = torch.rand(t, generator=g, device=DEV).to(p_dtype)
+    p[:3] = torch.tensor([0.0, 1.0, 2.0**-30], device=DEV).to(p_dtype)
+    y = K.grouped_input_fake_quant_scaled(x, m, amax, fmt, p, block_size)
+    splits = m.tolist()
+    for where in (DEV, "cpu"):
+        xs, ams, ps = x.to(where), amax.to(where), p.to(where)
+        ref = scale_rows(torch.cat([fake_quant(c, fmt, ams[i], block_size) for i, c in enumerate(xs.split(splits))]),
+                         ps)
+        assert_bits_equal(y, ref, f"reference on {where}")
+    gy = torch.randn(x.shape, generator=g, device=DEV).to(dtype)
+    rows = torch.repeat_interleave(amax, m).unsqueeze(-1)
+    assert_bits_equal(K.grouped_input_scaled_clip_grad(gy, x, m, amax, p),
+                      scale_rows(gy, p) * (x.float().abs() <= rows))
+
+
+class _ReferenceSTE(torch.autograd.Function):
+    """``apply(x, q, mask) -> q`` with the straight-through gradient to ``x`` (times ``mask`` unless None)."""
+
+    @staticmethod
+    def forward(ctx, x, q, mask):
+        ctx.mask = mask
+        return q.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.mask is None else grad * ctx.mask), None, None
+
+
+@pytest.mark.parametrize("ste", ["pass_through", "clipped"])
+def test_scaled_input_autograd_matches_the_reference(ste):
+    """The gradients of the tokens and of the scale equal autograd through ``scale_rows(fake_quant(x))`` with the
+    same straight-through estimator, bit for bit."""
+    g = torch.Generator(device=DEV).manual_seed(12)
+    m = torch.tensor([100, 0, 28, 64], device=DEV)
+    x0 = (torch.randn(192, 512, generator=g, device=DEV) * 3).to(torch.bfloat16)
+    p0 = torch.rand(192, generator=g, device=DEV)
+    amax = torch.tensor([2.0, 1.0, 5.0, 0.5], device=DEV)
+    gy = torch.randn(x0.shape, generator=g, device=DEV).to(torch.bfloat16)
+    x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+    K.grouped_input_fake_quant_scaled_ste(x, m, amax, "e4m3", p, ste=ste).backward(gy)
+    rows = torch.repeat_interleave(amax, m).unsqueeze(-1)
+    q = torch.cat([fake_quant(c, "e4m3", amax[i]) for i, c in enumerate(x0.split(m.tolist()))])
+    xr, pr = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+    mask = (x0.float().abs() <= rows) if ste == "clipped" else None
+    scale_rows(_ReferenceSTE.apply(xr, q, mask), pr).backward(gy)
+    assert_bits_equal(x.grad, xr.grad)
+    assert_bits_equal(p.grad, pr.grad)
 
 
 def _graph_inputs():

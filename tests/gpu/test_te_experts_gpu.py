@@ -16,6 +16,7 @@ te = pytest.importorskip("transformer_engine.pytorch")
 
 
 import modelopt_moe.quantization as mtq  # noqa: E402
+from modelopt_moe.numerics import fake_quant, scale_rows  # noqa: E402
 from modelopt_moe.plugins.testing import megatron_models as mm  # noqa: E402
 
 EXPERTS, HIDDEN, FFN, TOKENS = 8, 256, 512, 512
@@ -41,10 +42,11 @@ def _hidden(seed):
     return torch.randn(TOKENS // 4, 4, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
 
 
-def _quantize(layer, preset, layout):
+def _quantize(layer, preset, layout, input_amax="per_expert", ste="pass_through"):
     cfg = mtq.load_config(preset)
     cfg.experts.weight_amax = layout
-    cfg.experts.input_amax = "per_expert"
+    cfg.experts.input_amax = input_amax
+    cfg.backward.ste = ste
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mtq.quantize(layer, cfg, lambda m: [m(_hidden(s)) for s in range(2)])
@@ -87,6 +89,111 @@ def test_te_grouped_backward_reaches_every_expert_weight(layers, layout):
         for i in range(EXPERTS):
             grad = getattr(getattr(grouped.experts, gemm), f"weight{i}").grad
             assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, (gemm, i)
+
+
+def _experts_inputs(layer, x):
+    """The arguments the MoE layer passes its experts for ``x``: dispatched tokens, tokens per expert, probabilities."""
+    captured = []
+    hook = layer.experts.register_forward_pre_hook(lambda mod, args: captured.append(args) and None)
+    with torch.no_grad():
+        layer(x)
+    hook.remove()
+    return [t.detach().clone() for t in captured[0][:3]]
+
+
+def _fake_quant_rows(q, t, splits):
+    """Expert quantizer ``q``'s reference fake quant of the token matrix ``t`` (row blocks ``splits``)."""
+    return torch.cat([fake_quant(c, q.fmt, q.expert_amax(i), q.block_size, **q.int_kwargs)
+                      for i, c in enumerate(t.split(splits))])
+
+
+@pytest.mark.parametrize("preset", ["fp8_default.yaml", "nvfp4_default.yaml"])
+@pytest.mark.parametrize("input_amax", ["per_expert", "shared"])
+def test_te_grouped_down_proj_input_is_the_prob_times_the_quantized_activation(layers, preset, input_amax,
+                                                                               monkeypatch):
+    """TEGroupedMLP's linear_fc2 GEMM receives ``prob * Q(act)`` (the fused kernel), bit for bit the reference on
+    the token rows; its output is the engines' ``prob * down_proj(Q(act))`` up to the GEMM's rounding."""
+    experts = _quantize(layers[0], preset, "vectorized", input_amax).experts
+    hidden, tokens, probs = _experts_inputs(layers[0], _hidden(8))
+    fc2 = experts.linear_fc2
+    acts, operands = [], []
+    real = te.GroupedLinear.forward
+
+    def recording(self, inp, *args, **kwargs):  # TE's own forward (the GEMM), recording fc2's input operand
+        if self is fc2:
+            operands.append(inp.detach().clone())
+        return real(self, inp, *args, **kwargs)
+
+    monkeypatch.setattr(te.GroupedLinear, "forward", recording)
+    hook = fc2.register_forward_pre_hook(lambda mod, args: acts.append(args[0].detach().clone()) and None)
+    with torch.no_grad():
+        out, bias = experts(hidden, tokens, probs)
+    hook.remove()
+    assert bias is None and len(operands) == 1 and len(acts) == 1
+    splits = tokens.tolist()
+    q_act = _fake_quant_rows(fc2.input_quantizer, acts[0], splits)
+    want = scale_rows(q_act, probs.reshape(-1))
+    assert operands[0].dtype == want.dtype and torch.equal(operands[0], want)
+    wq = fc2.weight_quantizer
+    engine = torch.cat([
+        (a.float() @ fake_quant(getattr(fc2, f"weight{i}").detach(), wq.fmt, wq.expert_amax(i), wq.block_size,
+                                **wq.int_kwargs).float().t()) * p.float().unsqueeze(-1)
+        for i, (a, p) in enumerate(zip(q_act.split(splits), probs.reshape(-1).split(splits), strict=True))])
+    rel = ((out.float() - engine).norm() / engine.norm()).item()
+    assert rel < 1e-2, rel  # bf16 GEMM and rounding of the operand
+
+
+@pytest.mark.parametrize("ste", ["pass_through", "clipped"])
+def test_te_grouped_and_sequential_experts_give_the_router_the_same_gradient(layers, ste):
+    """The router probabilities get their gradient through the down projection's input on both expert kinds."""
+    grouped, sequential = (_quantize(m, "fp8_default.yaml", "vectorized", ste=ste) for m in layers)
+    inputs = _experts_inputs(grouped, _hidden(9))
+    g = torch.randn(inputs[0].shape[0], HIDDEN, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    res = {}
+    for name, layer in (("grouped", grouped), ("sequential", sequential)):
+        hidden, tokens, probs = (t.clone() for t in inputs)
+        hidden.requires_grad_(True)
+        probs.requires_grad_(True)
+        out, _ = layer.experts(hidden, tokens, probs)
+        out.backward(g.to(out.dtype))
+        res[name] = (out.detach(), hidden.grad, probs.grad)
+    assert res["grouped"][2] is not None and res["grouped"][2].abs().sum() > 0
+    for what, a, b in zip(("output", "token gradient", "probability gradient"), res["grouped"], res["sequential"],
+                          strict=True):
+        assert torch.isfinite(a).all(), what
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 2e-2, (what, rel)  # only the bf16 GEMM implementations differ
+
+
+def test_te_grouped_experts_with_biases_match_sequential_experts():
+    """A returned fc2 bias is added as ``out + prob * bias`` (Megatron's formula) on both expert kinds."""
+    kinds = [mm.build_moe_layer(transformer_engine=te_, num_experts=EXPERTS, hidden=HIDDEN, ffn_hidden=FFN,
+                                add_bias_linear=True) for te_ in (True, False)]
+    grouped, sequential = kinds
+    with torch.no_grad():
+        for i in range(EXPERTS):
+            for gemm in ("linear_fc1", "linear_fc2"):
+                b = getattr(getattr(grouped.experts, gemm), f"bias{i}")
+                value = torch.randn(b.shape, generator=torch.Generator().manual_seed(10 * i + len(gemm))) * 0.1
+                b.copy_(value)
+                getattr(sequential.experts.local_experts[i], gemm).bias.copy_(value)
+    for layer in kinds:
+        _quantize(layer, "fp8_default.yaml", "vectorized")
+    x = _hidden(5)
+    outs = []
+    for layer in kinds:
+        xx = x.clone().requires_grad_(True)
+        out = layer(xx)[0]
+        out.float().square().mean().backward()
+        outs.append((out.detach(), xx.grad))
+    for a, b in zip(outs[0], outs[1], strict=True):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 2e-2, rel
+    for i in range(EXPERTS):
+        a = getattr(grouped.experts.linear_fc2, f"bias{i}").grad
+        b = sequential.experts.local_experts[i].linear_fc2.bias.grad
+        if b is not None and b.abs().sum() > 0:
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2, i
 
 
 def test_te_fp8_autocast_during_fake_quant_is_refused(layers):

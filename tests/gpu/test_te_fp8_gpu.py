@@ -239,6 +239,44 @@ def test_gradients_are_the_fake_quant_gradients_bit_for_bit(mode, ste, bias):
     assert fp8[1].abs().sum() > 0 and fp8[2]["weight0"].abs().sum() > 0  # expert 1 has no token: zeros there
 
 
+@pytest.mark.parametrize("mode,ste", [("dequantized", "pass_through"), ("dequantized", "clipped"),
+                                     ("high_precision", "pass_through"), ("quantized", "pass_through")])
+def test_router_probabilities_scale_the_fp8_output_and_get_the_fake_quant_gradients(mode, ste):
+    """As an expert down projection given its tokens' router probabilities: the FP8 GEMM's output rows times the
+    probabilities (the engines' order), and every gradient, the probabilities' included, the fake-quant path's bit
+    for bit."""
+    from modelopt_moe.numerics import scale_rows
+    from modelopt_moe.quantization.nn.row_scale import down_proj_row_scale
+
+    layer = _quantized(_config(mode, ste))
+    x, g = _tokens(9) * 1.5, _tokens(10, k=OUT)
+    p0 = torch.rand(TOKENS, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+
+    def run():
+        xx, p = x.clone().requires_grad_(True), p0.clone().requires_grad_(True)
+        for q in layer.parameters():
+            q.grad = None
+        with down_proj_row_scale(layer, p):
+            y = layer(xx, SPLITS)
+        y.backward(g)
+        return y.detach(), xx.grad, p.grad, {n: q.grad.clone() for n, q in layer.named_parameters()
+                                             if q.grad is not None}
+
+    fp8 = run()
+    with _kernel(layer, "auto"):
+        fake = run()
+    with torch.no_grad():
+        plain = layer(x, SPLITS)  # the FP8 GEMM without the probabilities
+    assert torch.equal(fp8[0], scale_rows(plain, p0))
+    rel = _rel(fp8[0], fake[0])
+    _report(f"router probabilities mode={mode} ste={ste}: rel_fro(te_fp8, fake quant) {rel:.3e}")
+    assert rel < FAKE_QUANT_BOUND, rel
+    assert torch.equal(fp8[1], fake[1]), "input gradient"
+    assert torch.equal(fp8[2], fake[2]), "probability gradient"
+    assert fp8[2].abs().sum() > 0
+    assert sorted(fp8[3]) == sorted(fake[3]) and all(torch.equal(fp8[3][n], fake[3][n]) for n in fake[3])
+
+
 def test_reuse_scope_reuses_the_fp8_weights_exactly_and_weight_writes_are_seen_outside_it():
     layer = _quantized(_config())
     x, g = _tokens(13), _tokens(14, k=OUT)

@@ -14,6 +14,7 @@ from ...kernels import (
     GroupedInputSTE,
     GroupedWeightSTE,
     expert_row_sums,
+    grouped_input_fake_quant_scaled_ste,
     grouped_input_fake_quant_stats,
     grouped_input_fake_quant_ste,
     grouped_weight_fake_quant,
@@ -21,12 +22,13 @@ from ...kernels import (
     grouped_weight_fake_quant_ste,
     kernels_available,
 )
-from ...numerics import clip_limit, fake_quant, get_format, quant_error_sums
+from ...numerics import clip_limit, fake_quant, get_format, quant_error_sums, scale_rows
 from ..config import ExpertsConfig
 from ..expert_quantizer import ExpertQuantizer
 from ..tensor_quantizer import clip_mask
 from ..weight_amax import LearnedAmaxSTE, learned_amax_ste, refresh_weight_amax
 from ..weight_reuse import in_reuse_scope, reused_or_computed, weight_key
+from .row_scale import rows_of
 from .weight_recompute import RecomputedWeights
 
 __all__ = [
@@ -231,7 +233,8 @@ class DeviceSplits:
 
 
 def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel: str = "auto",
-                           device_splits: DeviceSplits | None = None, *, with_stats: bool = False):
+                           device_splits: DeviceSplits | None = None, *, with_stats: bool = False,
+                           row_scale: torch.Tensor | None = None):
     """Fake-quantizes (and calibrates) the token matrix ``x`` whose row blocks ``m_splits`` belong to the experts.
 
     Calibrated amax on the kernel path (per expert, or ``shared``: ``[N]`` equal entries): one launch with the
@@ -239,25 +242,48 @@ def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel
     Otherwise expert by expert. ``with_stats`` also returns each expert's quantization-error sums over its rows
     (``(y, float64 [N, 4] or None)``); on the kernel path from the same launch (a ``shared`` amax too: every expert's
     entry holds the same value, so the bits are the same).
+
+    ``row_scale`` (one value per row: an expert down projection's router probabilities, see :mod:`.row_scale`): the
+    result is ``scale_rows(Q(x), row_scale)``; ``x`` itself is what the quantizer calibrates on and quantizes (and
+    the statistics measure). On the kernel path the product is part of the same launch.
     """
-    if not q.is_enabled:
-        return (x, None) if with_stats else x
+    if row_scale is not None:
+        row_scale = rows_of(row_scale, x, "quantize_expert_inputs")
     if with_stats:
-        splits = (device_splits or DeviceSplits())(m_splits, x.device)
-        if _calibrated(q) and x.dim() == 2 and q.amax is not None and use_kernels(kernel, x.device):
-            amax = q.amax.detach() if q.needs_amax else None
-            with torch.no_grad():
-                y, sums = grouped_input_fake_quant_stats(x.detach(), splits, amax, q.fmt, q.block_size,
-                                                         q.narrow_range)
-            return GroupedInputSTE.apply(x, splits, amax, q.ste, y), sums
-        y = quantize_expert_inputs(q, x, m_splits, kernel, device_splits)
-        return y, (expert_row_sums(x, y, splits) if q.is_quantizing else None)
-    if _calibrated(q) and x.dim() == 2 and use_kernels(kernel, x.device):
+        y, sums = _quantize_expert_inputs_stats(q, x, m_splits, kernel, device_splits)
+        return (y if row_scale is None else scale_rows(y, row_scale)), sums
+    if q.is_enabled and _calibrated(q) and x.dim() == 2 and use_kernels(kernel, x.device):
         # One launch, shared amax too (its [N] entries are all equal): the reference on the whole token matrix would
         # run a chain of elementwise kernels with fp32 temporaries on every micro-batch.
         splits = (device_splits or DeviceSplits())(m_splits, x.device)
-        return grouped_input_fake_quant_ste(x, splits, q.amax if q.needs_amax else None, q.fmt, q.block_size,
-                                            q.ste, q.narrow_range)
+        amax = q.amax if q.needs_amax else None
+        if row_scale is not None:
+            return grouped_input_fake_quant_scaled_ste(x, splits, amax, q.fmt, row_scale, q.block_size, q.ste,
+                                                       q.narrow_range)
+        return grouped_input_fake_quant_ste(x, splits, amax, q.fmt, q.block_size, q.ste, q.narrow_range)
+    y = _quantize_expert_inputs_reference(q, x, m_splits)
+    return y if row_scale is None else scale_rows(y, row_scale)
+
+
+def _quantize_expert_inputs_stats(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel: str,
+                                  device_splits: DeviceSplits | None):
+    """:func:`quantize_expert_inputs` with ``with_stats`` (no row scale): ``(y, sums or None)``."""
+    if not q.is_enabled:
+        return x, None
+    splits = (device_splits or DeviceSplits())(m_splits, x.device)
+    if _calibrated(q) and x.dim() == 2 and q.amax is not None and use_kernels(kernel, x.device):
+        amax = q.amax.detach() if q.needs_amax else None
+        with torch.no_grad():
+            y, sums = grouped_input_fake_quant_stats(x.detach(), splits, amax, q.fmt, q.block_size, q.narrow_range)
+        return GroupedInputSTE.apply(x, splits, amax, q.ste, y), sums
+    y = quantize_expert_inputs(q, x, m_splits, kernel, device_splits)
+    return y, (expert_row_sums(x, y, splits) if q.is_quantizing else None)
+
+
+def _quantize_expert_inputs_reference(q: ExpertQuantizer, x: torch.Tensor, m_splits) -> torch.Tensor:
+    """The torch path of :func:`quantize_expert_inputs`: the whole matrix (``shared``) or expert by expert."""
+    if not q.is_enabled:
+        return x
     if q.layout == "shared":
         return q(x)
     chunks = torch.split(x, split_sizes(m_splits))

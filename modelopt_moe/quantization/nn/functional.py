@@ -24,10 +24,11 @@ from collections.abc import Callable
 
 import torch
 
-from ...numerics import fake_quant, quant_error_sums
+from ...numerics import fake_quant, quant_error_sums, scale_rows
 from ..autoswitch import SampledGemm, gemm_sampler, select_tensor
 from ..tensor_quantizer import clip_mask, nan_ignoring_abs_max
 from ..weight_amax import quantize_weight_operand
+from .row_scale import rows_of
 
 __all__ = [
     "apply_quantized_gemm", "run_quantized_gemm", "clip_mask_of", "quantize_grad", "mask_grad", "forward_value_of",
@@ -112,9 +113,13 @@ def _map(fn, value):
     return [fn(v) for v in value] if isinstance(value, list | tuple) else fn(value)
 
 
+def _identity(t):
+    return t
+
+
 def run_quantized_gemm(cfg, x, weight, gemm: Callable, quantize_input: Callable, quantize_weight: Callable,
                        input_mask: Callable, weight_mask: Callable, output_quantizer: Callable,
-                       sample: SampledGemm | None = None):
+                       sample: SampledGemm | None = None, input_operand: Callable | None = None):
     """The backward-mode machinery for one GEMM or a group of expert GEMMs.
 
     Args:
@@ -125,9 +130,13 @@ def run_quantized_gemm(cfg, x, weight, gemm: Callable, quantize_input: Callable,
         input_mask / weight_mask: ``mask(x)`` -> the clipped-STE mask or None (``weight_mask`` maps over lists).
         output_quantizer: applied to the GEMM output.
         sample: in a step precision autoswitch samples, how the operands are measured and selected.
+        input_operand: the GEMM's unquantized input operand as a function of ``x`` (default ``x`` itself); an
+            expert down projection's is ``scale_rows(x, prob)``, and ``quantize_input`` then returns
+            ``scale_rows(Q(x), prob)`` (see :mod:`.row_scale`).
     """
+    operand = input_operand or _identity
     if sample is not None:
-        return _run_sampled_gemm(cfg, x, weight, gemm, sample, input_mask, weight_mask, output_quantizer)
+        return _run_sampled_gemm(cfg, x, weight, gemm, sample, input_mask, weight_mask, output_quantizer, operand)
     xq = quantize_input(x)
     wq = quantize_weight(weight)
     changed = xq is not x or (any(a is not b for a, b in zip(wq, weight, strict=True))
@@ -135,7 +144,7 @@ def run_quantized_gemm(cfg, x, weight, gemm: Callable, quantize_input: Callable,
     if cfg.mode == "high_precision" and changed:
         with torch.no_grad():
             quantized = gemm(xq.detach(), _map(torch.Tensor.detach, wq))
-        x_hp = mask_grad(x, input_mask(x))
+        x_hp = operand(mask_grad(x, input_mask(x)))
         w_hp = _map(lambda w: mask_grad(w, weight_mask(w)), weight)
         precise = gemm(x_hp, w_hp)
         result = _replace_first(precise, forward_value_of(_first(precise), _first(quantized)))
@@ -152,7 +161,8 @@ def _either(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | No
     return a | b
 
 
-def _run_sampled_gemm(cfg, x, weight, gemm, sample: SampledGemm, input_mask, weight_mask, output_quantizer):
+def _run_sampled_gemm(cfg, x, weight, gemm, sample: SampledGemm, input_mask, weight_mask, output_quantizer,
+                      operand: Callable = _identity):
     s = sample.sampler
     xq, x_sums = sample.quantize_input_stats(x)
     wq, w_sums = sample.quantize_weight_stats(weight)
@@ -161,15 +171,16 @@ def _run_sampled_gemm(cfg, x, weight, gemm, sample: SampledGemm, input_mask, wei
     dgrad = cw if s.monitors("dgrad") else None
     wgrad = cx if s.monitors("wgrad") else None
     record = s.record(x_sums, w_sums, {"fprop": fprop, "dgrad": dgrad, "wgrad": wgrad})
-    x_f, w_f = sample.select_input(fprop, x, xq), sample.select_weight(fprop, weight, wq)
+    x_op = operand(x)  # the unquantized operand the selections take rows from
+    x_f, w_f = sample.select_input(fprop, x_op, xq), sample.select_weight(fprop, weight, wq)
     if not torch.is_grad_enabled():
         result = gemm(x_f, w_f)
     else:
         if cfg.mode == "high_precision":
-            x_b = mask_grad(x, input_mask(x))
+            x_b = operand(mask_grad(x, input_mask(x)))
             w_b = _map(lambda w: mask_grad(w, weight_mask(w)), weight)
         else:
-            x_b, w_b = sample.select_input(wgrad, x, xq), sample.select_weight(dgrad, weight, wq)
+            x_b, w_b = sample.select_input(wgrad, x_op, xq), sample.select_weight(dgrad, weight, wq)
         with torch.no_grad():
             value = gemm(x_f.detach(), _map(torch.Tensor.detach, w_f))
         precise = gemm(x_b, w_b)
@@ -179,15 +190,17 @@ def _run_sampled_gemm(cfg, x, weight, gemm, sample: SampledGemm, input_mask, wei
     return _replace_first(result, output_quantizer(_first(result)))
 
 
-def _with_sums(q, fn: Callable) -> Callable:
-    """``t -> (fn(t), its [1, 4] quantization-error sums)`` (sums None when ``q`` does not quantize)."""
+def _with_sums(q, fn: Callable, operand: Callable = _identity) -> Callable:
+    """``t -> (operand(fn(t)), the [1, 4] quantization-error sums of fn(t) against t)`` (sums None when ``q`` does
+    not quantize)."""
     def run(t):
         out = fn(t)
-        return out, (quant_error_sums(t, out)[None] if q.is_quantizing else None)
+        return operand(out), (quant_error_sums(t, out)[None] if q.is_quantizing else None)
     return run
 
 
-def apply_quantized_gemm(module, x: torch.Tensor, weight: torch.Tensor, gemm: Callable):
+def apply_quantized_gemm(module, x: torch.Tensor, weight: torch.Tensor, gemm: Callable,
+                         row_scale: torch.Tensor | None = None):
     """Runs ``gemm(x_operand, weight_operand)`` with the module's quantizers and backward mode.
 
     Args:
@@ -195,23 +208,33 @@ def apply_quantized_gemm(module, x: torch.Tensor, weight: torch.Tensor, gemm: Ca
             (a :class:`BackwardConfig`); the quantizers may be experts' views (``SequentialMLP``).
         x, weight: the original operands.
         gemm: the layer's own GEMM; returns a tensor or a tuple whose first element is the output.
+        row_scale: an expert down projection's router probabilities, one per row of ``x``: the input operand is
+            ``scale_rows(Q(x), row_scale)`` (:mod:`.row_scale`).
 
     Returns:
         What ``gemm`` returns, with the output passed through ``output_quantizer``.
     """
     iq, wq = module.input_quantizer, module.weight_quantizer
+    operand = _identity if row_scale is None else _row_scaled(rows_of(row_scale, x, type(module).__name__))
 
     def quantize_weight(w):
         return quantize_weight_operand(module, wq, w)
 
+    def quantize_input(t):
+        return operand(iq(t))
+
     sampler = gemm_sampler(module)
     sample = None
     if sampler is not None and (iq.is_quantizing or wq.is_quantizing):
-        sample = SampledGemm(sampler, _with_sums(iq, iq), _with_sums(wq, quantize_weight), select_tensor,
+        sample = SampledGemm(sampler, _with_sums(iq, iq, operand), _with_sums(wq, quantize_weight), select_tensor,
                              select_tensor)
-    return run_quantized_gemm(module.quant_backward, x, weight, gemm, iq, quantize_weight,
-                              lambda t: clip_mask_of(iq, t), lambda t: clip_mask_of(wq, t), module.output_quantizer,
-                              sample)
+    return run_quantized_gemm(module.quant_backward, x, weight, gemm, iq if row_scale is None else quantize_input,
+                              quantize_weight, lambda t: clip_mask_of(iq, t), lambda t: clip_mask_of(wq, t),
+                              module.output_quantizer, sample, None if row_scale is None else operand)
+
+
+def _row_scaled(scale: torch.Tensor) -> Callable:
+    return lambda t: scale_rows(t, scale)
 
 
 def _first(result):

@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from ...numerics import scale_rows
 from ..autoswitch import SampledGemm, gemm_sampler
 from ..config import QuantizeConfig
 from ..conversion import QuantModuleMixin, QuantModuleRegistry
@@ -28,6 +29,7 @@ from .experts import (
     split_sizes,
 )
 from .functional import run_quantized_gemm
+from .row_scale import row_scale_of, rows_of
 
 __all__ = ["GroupedLinear", "QuantGroupedLinearMixin"]
 
@@ -99,15 +101,23 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
 
     def grouped_gemm(self, x: torch.Tensor, m_splits, weights: list[torch.Tensor]):
         """The host's grouped GEMM on fake-quantized operands (with the configured backward mode)."""
+        if row_scale_of(self) is not None and self.expert_biases() is not None:
+            raise NotImplementedError(f"{type(self).__name__}: the router probabilities scale the GEMM's input, so a "
+                                      "bias added inside the GEMM would not be scaled; return the biases instead")
         host = super().grouped_gemm
         return self.quantized_forward(x, m_splits, lambda xo, wo: host(xo, m_splits, wo), weights)
 
     def quantized_forward(self, x: torch.Tensor, m_splits, gemm, weights: list[torch.Tensor] | None = None):
         """Runs ``gemm(x_operand, weight_operands)`` on the fake-quantized input and expert weights (default:
-        :meth:`expert_weights`)."""
+        :meth:`expert_weights`). As an expert down projection given the router probabilities
+        (:func:`.row_scale.down_proj_row_scale`), the input operand is ``scale_rows(Q(x), prob)``."""
         iq, wq = self.input_quantizer, self.weight_quantizer
         weights = self.expert_weights() if weights is None else weights
         kernel, splits = self.quant_kernel, self._splits_cache()
+        scale = row_scale_of(self)
+        if scale is not None:
+            scale = rows_of(scale, x, type(self).__name__)
+        operand = None if scale is None else (lambda t: scale_rows(t, scale))
         sampler = gemm_sampler(self)
         sample = None
         if sampler is not None and (iq.is_quantizing or wq.is_quantizing):
@@ -126,7 +136,7 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
 
             sample = SampledGemm(
                 sampler,
-                lambda t: quantize_expert_inputs(iq, t, m_splits, kernel, splits, with_stats=True),
+                lambda t: quantize_expert_inputs(iq, t, m_splits, kernel, splits, with_stats=True, row_scale=scale),
                 lambda ws: quantize_expert_weights(wq, ws, kernel, owner=self, with_stats=True),
                 select_input, select_weight)
         # backward.weight_operands: recompute -> the recipe of the weight operands, whose GEMM saves only their place
@@ -140,12 +150,13 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
 
         return run_quantized_gemm(
             self.quant_backward, x, weights, gemm=gemm_saving_recipes,
-            quantize_input=lambda t: quantize_expert_inputs(iq, t, m_splits, kernel, splits),
+            quantize_input=lambda t: quantize_expert_inputs(iq, t, m_splits, kernel, splits, row_scale=scale),
             quantize_weight=lambda ws: quantize_expert_weights(wq, ws, kernel, owner=self, recompute_into=recipes),
             input_mask=lambda t: expert_input_clip_mask(iq, t, m_splits),
             weight_mask=expert_weight_clip_mask(wq, weights),
             output_quantizer=self.output_quantizer,
             sample=sample,
+            input_operand=operand,
         )
 
     def amax_reduction(self, quantizer_name: str) -> tuple[str, ...]:
