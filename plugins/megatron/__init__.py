@@ -9,6 +9,7 @@ Public API::
         get_forward_backward_func,                          # Megatron's, reusing fake-quantized weights per step,
                                                             # one autoswitch step per call
         distillation_model, distillation_loss_func,         # QAD: the student beside its frozen teacher
+        select_trainable, qad_optimizer_config, qad_lr_scheduler,  # ... trained the QADRecipe's way
         load_modelopt_checkpoint,                           # a checkpoint NVIDIA Model Optimizer 0.47 saved
     )
 
@@ -27,7 +28,13 @@ from modelopt_moe.quantization.conversion import QuantModuleRegistry, register_w
 from modelopt_moe.quantization.process_groups import register_group_provider
 
 from .checkpoint import load_sharded_checkpoint, model_sharded_state_dict, save_sharded_checkpoint
-from .distill import distillation_loss_func, distillation_model
+from .distill import (
+    distillation_loss_func,
+    distillation_model,
+    qad_lr_scheduler,
+    qad_optimizer_config,
+    select_trainable,
+)
 from .hf_io import MegatronExportAdapter
 from .modelopt_checkpoint import is_modelopt_checkpoint, load_modelopt_checkpoint
 from .modules import CLASSES, megatron_amax_groups
@@ -46,6 +53,9 @@ __all__ = [
     "is_modelopt_checkpoint",
     "distillation_model",
     "distillation_loss_func",
+    "select_trainable",
+    "qad_optimizer_config",
+    "qad_lr_scheduler",
 ]
 
 
