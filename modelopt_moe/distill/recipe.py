@@ -83,7 +83,7 @@ class QADRecipe:
         ValueError: a value out of range, naming the field, the value and what is allowed.
     """
 
-    lr: float = 1e-5
+    lr: float = 3e-5
     min_lr_ratio: float = 0.1
     warmup_fraction: float = 0.05
     lr_decay_style: str = "cosine"

@@ -306,17 +306,35 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
         return {g: math.sqrt(total[2 * i] / total[2 * i + 1]) if total[2 * i + 1] else 0.0
                 for i, g in enumerate(groups)}
 
-    def split_kl(model, fmt) -> dict:
-        """Held-out KL with only the weight quantizers on, and with only the input quantizers on."""
-        out = {}
+    def split_kl(model, fmt, gemms: bool = False) -> dict:
+        """Held-out KL with only the expert weight quantizers on, and with only the input quantizers on (``gemms``:
+        also with only fc1's inputs, and only fc2's)."""
         if "-" in fmt:
             return {"kl_weights_only": math.nan, "kl_inputs_only": math.nan}
-        for key, off in (("kl_weights_only", "*experts*input_quantizer"),
-                         ("kl_inputs_only", "*experts*weight_quantizer")):
-            mtq.disable_quantizer(model, off)
+        cases = [("kl_weights_only", ["*experts*input_quantizer"]),
+                 ("kl_inputs_only", ["*experts*weight_quantizer"])]
+        if gemms:
+            cases += [("kl_fc1_inputs_only", ["*experts*weight_quantizer", "*experts*linear_fc2*input_quantizer"]),
+                      ("kl_fc2_inputs_only", ["*experts*weight_quantizer", "*experts*linear_fc1*input_quantizer"])]
+        out = {}
+        for key, off in cases:
+            for pattern in off:
+                mtq.disable_quantizer(model, pattern)
             out[key] = statistics.fmean(evaluate(model, held_out)["kl"])
-            mtq.enable_quantizer(model, off)
+            for pattern in off:
+                mtq.enable_quantizer(model, pattern)
         return out
+
+    def weight_rms(model) -> dict:
+        """Per parameter group: the RMS of its elements (over every rank), the scale Adam's steps compare to."""
+        sums: dict[str, list[float]] = {}
+        for n, p in model.named_parameters():
+            s = sums.setdefault(param_group(n), [0.0, 0.0])
+            s[0] += float(p.detach().float().square().sum())
+            s[1] += p.numel()
+        groups = sorted(sums)
+        total = _all_sum([x for g in groups for x in sums[g]], device)
+        return {g: math.sqrt(total[2 * i] / total[2 * i + 1]) for i, g in enumerate(groups)}
 
     def copy_of_teacher():
         model = build()
@@ -341,7 +359,7 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
 
     out = {"config": dataclasses.asdict(cfg), "data": data["info"], "checkpoints": checkpoints,
            "teacher": {**evaluate(teacher, held_out), "pretrain_losses": pre_losses[::max(1, len(pre_losses) // 50)],
-                       "seconds": time.perf_counter() - t0},
+                       "weight_rms": weight_rms(teacher), "seconds": time.perf_counter() - t0},
            "ptq": {}, "variants": {}, "skipped": []}
 
     def report(line: str) -> None:
@@ -355,17 +373,19 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
                 json.dump(partial, f, indent=1, default=str)
 
     report(f"teacher: {cfg.pretrain_steps} steps, loss {pre_losses[0]:.3f} -> {pre_losses[-1]:.3f}, held-out "
-           f"{statistics.fmean(out['teacher']['loss']):.4f}")
+           f"{statistics.fmean(out['teacher']['loss']):.4f}; weight RMS "
+           + " ".join(f"{g} {v:.3g}" for g, v in out["teacher"]["weight_rms"].items()))
 
     # 2. PTQ per format -------------------------------------------------------------------------------------------
     for fmt in dict.fromkeys(f for _, f, _, _ in specs):
         model = quantized(fmt, "dynamic")
         out["ptq"][fmt] = {**evaluate(model, held_out), "train_kl": evaluate(model, train_eval)["kl"],
-                           "route_flips": route_flips(model), **split_kl(model, fmt)}
+                           "route_flips": route_flips(model), **split_kl(model, fmt, gemms=True)}
         del model
         p = out["ptq"][fmt]
-        report(f"{fmt}/ptq: held-out KL {statistics.fmean(p['kl']):.5f} (weights alone {p['kl_weights_only']:.5f}, "
-               f"inputs alone {p['kl_inputs_only']:.5f}), loss {statistics.fmean(p['loss']):.4f}")
+        split = ", ".join(f"{k[3:]} {v:.5f}" for k, v in p.items() if k.startswith("kl_") and v == v)
+        report(f"{fmt}/ptq: held-out KL {statistics.fmean(p['kl']):.5f} ({split}), loss "
+               f"{statistics.fmean(p['loss']):.4f}")
 
     def run_variant(fmt, method, recipe) -> dict:
         student = quantized(fmt, recipe.weight_amax_update)
