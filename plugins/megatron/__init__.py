@@ -9,7 +9,8 @@ Public API::
         get_forward_backward_func,                          # Megatron's, reusing fake-quantized weights per step,
                                                             # one autoswitch step per call
         distillation_model, distillation_loss_func,         # QAD: the student beside its frozen teacher
-        select_trainable, qad_optimizer_config, qad_lr_scheduler,  # ... trained the QADRecipe's way
+        select_trainable, qad_optimizer_config,             # ... trained the QADRecipe's way
+        get_qad_optimizer, qad_lr_scheduler,
         load_modelopt_checkpoint,                           # a checkpoint NVIDIA Model Optimizer 0.47 saved
     )
 
@@ -31,6 +32,7 @@ from .checkpoint import load_sharded_checkpoint, model_sharded_state_dict, save_
 from .distill import (
     distillation_loss_func,
     distillation_model,
+    get_qad_optimizer,
     qad_lr_scheduler,
     qad_optimizer_config,
     select_trainable,
@@ -55,6 +57,7 @@ __all__ = [
     "distillation_loss_func",
     "select_trainable",
     "qad_optimizer_config",
+    "get_qad_optimizer",
     "qad_lr_scheduler",
 ]
 

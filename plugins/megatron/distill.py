@@ -21,7 +21,7 @@ The settings of a QAD run are a :class:`~modelopt_moe.distill.QADRecipe` (the de
     mtq.quantize(student, recipe.quant_config(cfg), forward_loop)
     select_trainable(student, recipe)
     model = DDP(Float16Module(distillation_model(student, teacher, recipe=recipe)))
-    optimizer = get_megatron_optimizer(qad_optimizer_config(recipe, bf16=True), [model])
+    optimizer = get_qad_optimizer(qad_optimizer_config(recipe, bf16=True), [model])
     scheduler = qad_lr_scheduler(optimizer, recipe, steps)      # scheduler.step(1) after every optimizer step
 """
 
@@ -33,7 +33,7 @@ from megatron.core import parallel_state
 from modelopt_moe.distill import DistillationModel, QADRecipe, param_group
 
 __all__ = ["distillation_model", "distillation_loss_func", "select_trainable", "qad_optimizer_config",
-           "qad_lr_scheduler"]
+           "get_qad_optimizer", "qad_lr_scheduler"]
 
 
 def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, recipe: QADRecipe | None = None,
@@ -83,6 +83,22 @@ def qad_optimizer_config(recipe: QADRecipe, **kwargs):
     return OptimizerConfig(optimizer="adam", lr=recipe.lr, min_lr=recipe.min_lr, adam_beta1=recipe.adam_beta1,
                            adam_beta2=recipe.adam_beta2, adam_eps=recipe.adam_eps, weight_decay=recipe.weight_decay,
                            clip_grad=recipe.clip_grad, **kwargs)
+
+
+def get_qad_optimizer(config, model_chunks: list, **kwargs):
+    """Megatron's ``get_megatron_optimizer(config, model_chunks, **kwargs)`` without the optimizers that hold no
+    parameter. With only the experts training, Megatron (0.19) still builds a dense-parameter optimizer, empty (a
+    "stub"), inside its ``ChainedOptimizer``, and then fails to save the optimizer state (``_synchronize_steps`` reads
+    the stub's missing ``torch.optim`` optimizer); without it the checkpoint holds the experts' optimizer alone. Every
+    rank drops the same ones (the parameter groups are agreed over all ranks)."""
+    from megatron.core.optimizer import ChainedOptimizer, get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(config, model_chunks, **kwargs)
+    if isinstance(optimizer, ChainedOptimizer):
+        kept = [o for o in optimizer.chained_optimizers if not getattr(o, "is_stub_optimizer", False)]
+        if kept and len(kept) < len(optimizer.chained_optimizers):
+            optimizer = ChainedOptimizer(kept)
+    return optimizer
 
 
 def qad_lr_scheduler(optimizer, recipe: QADRecipe, steps: int):

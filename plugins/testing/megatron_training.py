@@ -34,7 +34,7 @@ from megatron.core.utils import get_model_config
 
 from modelopt_moe.distill import DistillationModel
 from modelopt_moe.plugins.megatron import get_forward_backward_func as reusing_forward_backward_func
-from modelopt_moe.plugins.megatron import qad_lr_scheduler, qad_optimizer_config
+from modelopt_moe.plugins.megatron import get_qad_optimizer, qad_lr_scheduler, qad_optimizer_config
 from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
 
 __all__ = ["Trainer", "setup_training", "train", "train_step", "forward_step", "unwrap"]
@@ -139,7 +139,9 @@ def setup_training(
                 clip_grad=clip_grad,
                 **precision,
             )
-        optimizer = get_megatron_optimizer(opt_config, [ddp_model])
+        # With a recipe some parameters may be frozen: no empty optimizer in the chain (see get_qad_optimizer).
+        build_optimizer = get_qad_optimizer if recipe is not None else get_megatron_optimizer
+        optimizer = build_optimizer(opt_config, [ddp_model])
     scheduler = None
     if recipe is not None:
         if lr_decay_steps is None:
