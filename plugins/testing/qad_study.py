@@ -518,10 +518,11 @@ def _decompose(student, teacher_weights, group_of, held_out_kl) -> dict:
 
 def _summarize(out: dict) -> None:
     """Adds the statistics over held-out batches and the ratios to PTQ (of the means, and paired by batch)."""
-    for r in [out["teacher"], *out["ptq"].values(), *out["variants"].values()]:
+    measured = [r for r in out["variants"].values() if "error" not in r]
+    for r in [out["teacher"], *out["ptq"].values(), *measured]:
         r["kl_stats"] = _stats(r["kl"]) if "kl" in r else None
         r["loss_stats"] = _stats(r["loss"])
-    for r in out["variants"].values():
+    for r in measured:
         ptq = out["ptq"][r["format"]]
         r["kl_vs_ptq"] = statistics.fmean(r["kl"]) / statistics.fmean(ptq["kl"])
         r["kl_vs_ptq_by_batch"] = _stats([a / b for a, b in zip(r["kl"], ptq["kl"], strict=True)])
@@ -550,16 +551,20 @@ def format_study(out: dict) -> str:
         k = p["kl_stats"]
         lines.append(f"{fmt + '/ptq':<60}{k['mean']:>11.5f} +-{k['std']:.5f}{1.0:>20.2f}{0.0:>18.4f}{1.0:>16.2f}"
                      f"{100 * p['route_flips']:>6.1f}%")
-    for spec, r in out["variants"].items():
+    failed = {spec: r["error"] for spec, r in out["variants"].items() if "error" in r}
+    measured = {spec: r for spec, r in out["variants"].items() if "error" not in r}
+    for spec, r in measured.items():
         k, b, d = r["kl_stats"], r["kl_vs_ptq_by_batch"], r["loss_minus_ptq"]
         lines.append(f"{spec:<60}{k['mean']:>11.5f} +-{k['std']:.5f}{r['kl_vs_ptq']:>8.2f} [{b['min']:.2f}.."
                      f"{b['max']:.2f}]{d['mean']:>+11.4f} +-{d['std']:.4f}{r['train_kl_vs_ptq'][-1]:>16.2f}"
                      f"{100 * r['route_flips']:>6.1f}%{r['seconds']:>6.0f}")
+    for spec, error in failed.items():
+        lines.append(f"{spec:<60} FAILED: {error}")
     if out["skipped"]:
         lines.append(f"skipped (time budget): {', '.join(out['skipped'])}")
     lines += ["", "KL x PTQ at steps " + ", ".join(str(c) for c in out["checkpoints"]) + " (train batches | held out)"
               + "; drift ||w - w_teacher|| / ||w_teacher|| per group; gradient RMS (first step) and coherence"]
-    for spec, r in out["variants"].items():
+    for spec, r in measured.items():
         train = " ".join(f"{x:.2f}" for x in r["train_kl_vs_ptq"])
         held = " ".join(f"{x:.2f}" for x in r["held_out_kl_vs_ptq"])
         drift = " ".join(f"{g}={v:.1e}" for g, v in r["drift"].items() if v > 0)
