@@ -135,9 +135,12 @@ class QADRecipe:
     def min_lr(self) -> float:
         return self.lr * self.min_lr_ratio
 
-    def quant_config(self, config: dict) -> dict:
-        """A copy of the quantization config ``config`` with this recipe's ``weight_amax_update``."""
-        return {**config, "weight_amax_update": self.weight_amax_update}
+    def quant_config(self, config):
+        """A copy of the quantization config ``config`` (a dict, or a ``QuantizeConfig`` from ``mtq.load_config``)
+        with this recipe's ``weight_amax_update``."""
+        if isinstance(config, dict):
+            return {**config, "weight_amax_update": self.weight_amax_update}
+        return config.model_copy(update={"weight_amax_update": self.weight_amax_update})
 
     def replace(self, **changes) -> QADRecipe:
         """A copy with ``changes`` (validated)."""

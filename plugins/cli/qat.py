@@ -187,7 +187,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         student.eval()
         config = mtq.load_config(opts["config"])
         if recipe is not None and "weight_amax_update" not in config.model_fields_set:  # the YAML's own wins
-            config = config.model_copy(update={"weight_amax_update": recipe.weight_amax_update})
+            config = recipe.quant_config(config)
         mtq.quantize(student, config, calibration_loop(rank, calib))
     summary = mtq.print_quant_summary(student, file=False, gather=True)  # every rank calls it
     say(rank, summary)

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+import modelopt_moe.quantization as mtq
 from modelopt_moe.distill import PARAM_GROUPS, QADRecipe, param_group
 
 NAMES = {
@@ -74,6 +75,8 @@ def test_warmup_steps_and_helpers():
     assert recipe.min_lr == pytest.approx(2e-6)
     assert recipe.quant_config({"algorithm": "max"}) == {"algorithm": "max",
                                                          "weight_amax_update": recipe.weight_amax_update}
+    loaded = recipe.replace(weight_amax_update="learned").quant_config(mtq.load_config("nvfp4_experts.yaml"))
+    assert loaded.weight_amax_update == "learned" and loaded.algorithm == "max"
     assert recipe.to_dict() == dataclasses.asdict(recipe)
     with pytest.raises(dataclasses.FrozenInstanceError):
         recipe.lr = 1.0
