@@ -13,6 +13,19 @@ Usage:
                                                          # 600 bf16 steps then 200 steps at lr 1e-4 (the issue's)
 Any knob of ``RecoveryConfig`` can be overridden, e.g. ``--set steps=40 lr=3e-4 amax_updates=static,dynamic``.
 ``--json FILE`` also writes the raw results.
+
+``--study``: the QAD study (``modelopt_moe.plugins.testing.qad_study``, measurements in docs/qad.md): one teacher,
+then PTQ and every variant of ``STUDY_VARIANTS`` (the default ``QADRecipe``, the former default, plain QAT, then
+one change each: learning rate, schedule, which parameters train, Adam's eps and beta2, weight decay, temperature,
+LM-loss mix, weight_amax_update; NVFP4 and FP8) for the same steps on the same batches, measured on held-out text
+no run trained on (KL to the teacher and LM loss per batch, train-vs-held-out KL curves, parameter drift, routing
+changes, gradient statistics). Knobs of ``StudyConfig`` go to ``--set``; ``--variants`` replaces the list (in
+priority order), ``--budget SECONDS`` skips the variants that would end past it:
+  python tools/bench_qat_recovery.py --cpu --study [--quick]   # 1 gloo rank, a small model
+  python tools/bench_qat_recovery.py --gpu --study --budget 360 --json qad.json
+                                                         # the GPU model above, 200 steps per variant
+``--set data=legacy`` measures the way the recovery table does (held-out text at a fixed offset of the English text,
+which a long pretraining reads too).
 """
 
 from __future__ import annotations
@@ -30,6 +43,19 @@ QUICK = {"tp": 2, "ep": 2, "experts": "sequential", "pretrain_steps": 3, "steps"
 GPU = {"tp": 1, "experts": "te", "num_layers": 4, "num_experts": 16, "topk": 2, "hidden": 512, "ffn_hidden": 1024,
        "seq": 256, "batch": 16, "pretrain_steps": 600, "pretrain_lr": 1e-3, "steps": 200, "lr": 1e-4,
        "eval_batches": 16, "formats": ("nvfp4", "fp8"), "amax_updates": ("static", "dynamic")}
+# The study (StudyConfig). CPU: a model small enough for 2 shared cores on which NVFP4 PTQ still visibly hurts.
+CPU_STUDY = {"tp": 1, "ep": 1, "experts": "sequential", "num_layers": 2, "hidden": 64, "ffn_hidden": 256,
+             "num_experts": 4, "topk": 2, "seq": 64, "batch": 8, "pretrain_steps": 300, "pretrain_lr": 3e-3,
+             "steps": 100, "eval_batches": 8, "corpus": "code"}
+QUICK_STUDY = {"tp": 1, "ep": 1, "experts": "sequential", "num_layers": 2, "hidden": 32, "ffn_hidden": 64,
+               "num_experts": 4, "topk": 2, "seq": 32, "batch": 2, "pretrain_steps": 4, "steps": 4, "eval_batches": 2,
+               "train_eval_batches": 2, "corpus": "text",
+               "variants": ("nvfp4/qad", "nvfp4/qad:train=all,lr=1e-4,lr_decay_style=constant,warmup_fraction=0",
+                            "fp8/qat:weight_amax_update=learned")}
+# The GPU model of the recovery benchmark, batches of 32 x 256 bytes of Python source (no byte seen twice).
+GPU_STUDY = {"tp": 1, "experts": "te", "num_layers": 4, "num_experts": 16, "topk": 2, "hidden": 512,
+             "ffn_hidden": 1024, "seq": 256, "batch": 32, "pretrain_steps": 600, "pretrain_lr": 1e-3, "steps": 200,
+             "eval_batches": 16, "train_eval_batches": 4, "calib_batches": 4, "corpus": "code"}
 
 
 def _worker(rank, world_size, overrides):
@@ -38,9 +64,18 @@ def _worker(rank, world_size, overrides):
     return run_recovery(RecoveryConfig(**overrides))
 
 
+def _study_worker(rank, world_size, overrides):
+    from modelopt_moe.plugins.testing.qad_study import StudyConfig, run_study
+
+    return run_study(StudyConfig(**overrides), verbose=rank == 0)
+
+
 def _parse_value(field, text: str):
-    if field.type in ("tuple[str, ...]",) or isinstance(field.default, tuple):
-        return tuple(v for v in text.split(",") if v)
+    if field.default_factory is dict:
+        return json.loads(text)
+    if str(field.type).startswith("tuple") or isinstance(field.default, tuple):
+        items = tuple(v for v in text.split(",") if v)
+        return tuple(int(v) for v in items) if "int" in str(field.type) else items
     if isinstance(field.default, bool):
         return text.lower() in ("1", "true", "yes")
     if isinstance(field.default, int):
@@ -58,7 +93,16 @@ def main(argv=None) -> int:
     where.add_argument("--cpu", action="store_true", help="4 gloo ranks on this machine")
     where.add_argument("--gpu", action="store_true", help="every visible GPU, NCCL")
     parser.add_argument("--quick", action="store_true", help="a few steps only (CI: checks that the tool runs)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="RecoveryConfig overrides")
+    parser.add_argument("--study", action="store_true", help="the QAD study (StudyConfig) instead of the recovery "
+                                                             "table")
+    parser.add_argument("--variants", nargs="+", metavar="SPEC", help="--study: the variants to run, in priority "
+                                                                       "order (e.g. nvfp4/qad:lr=1e-4,train=all)")
+    parser.add_argument("--budget", type=float, default=0.0, help="--study: seconds of the study (the teacher's "
+                                                                  "training included); variants that would end past "
+                                                                  "it are skipped (0: none)")
+    parser.add_argument("--ranks", type=int, help="--cpu: gloo ranks (default: 4, or 1 with --study)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="RecoveryConfig (StudyConfig "
+                                                                                  "with --study) overrides")
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument("--timeout", type=float, default=3600.0)
     args = parser.parse_args(argv)
@@ -66,24 +110,45 @@ def main(argv=None) -> int:
     import torch
 
     from modelopt_moe.launch import spawn
+    from modelopt_moe.plugins.testing.qad_study import StudyConfig, format_study, parse_variant
 
-    overrides = dict(QUICK if args.quick else CPU) if args.cpu else dict(GPU)
-    fields = {f.name: f for f in dataclasses.fields(RecoveryConfig)}
+    if args.study:
+        config_cls = StudyConfig
+        overrides = dict(QUICK_STUDY if args.quick else CPU_STUDY) if args.cpu else dict(GPU_STUDY)
+    else:
+        config_cls = RecoveryConfig
+        overrides = dict(QUICK if args.quick else CPU) if args.cpu else dict(GPU)
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
     for item in args.set:
         key, _, value = item.partition("=")
         if key not in fields:
             parser.error(f"--set {item}: unknown key {key!r}; expected one of {sorted(fields)}")
         overrides[key] = _parse_value(fields[key], value)
+    if args.variants or args.budget:
+        if not args.study:
+            parser.error("--variants and --budget need --study")
+        if args.variants:
+            overrides["variants"] = tuple(args.variants)
+        overrides["time_budget_s"] = args.budget
+    if args.study and args.json:
+        overrides["partial_json"] = args.json  # rewritten after every variant: a run cut short keeps what it measured
+    if args.study:
+        try:  # a typo in a variant fails here, not after the teacher's training
+            for spec in overrides.get("variants", StudyConfig().variants):
+                parse_variant(spec, overrides.get("recipe"))
+        except ValueError as e:
+            parser.error(str(e))
     if args.cpu:
-        world, backend = 4, "gloo"
+        world, backend = args.ranks or (1 if args.study else 4), "gloo"
     else:
         if not torch.cuda.is_available():
             parser.error("--gpu: no CUDA device")
         world, backend = torch.cuda.device_count(), "nccl"
         overrides.setdefault("ep", world)
     start = time.perf_counter()
-    result = spawn(_worker, world, args=(overrides,), timeout=args.timeout, backend=backend)[0]
-    print(format_report(result))
+    worker = _study_worker if args.study else _worker
+    result = spawn(worker, world, args=(overrides,), timeout=args.timeout, backend=backend)[0]
+    print(format_study(result) if args.study else format_report(result))
     print(f"({world} ranks, {backend}, {time.perf_counter() - start:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and/or benchmarks on the GPU machine (the `device` tool), from the repo root with .gpu carried
-# (see ../shared/gpu/prepare.sh):   bash tools/run_gpu_suite.sh [tests|bench|kernels|step|profile|all] [extra args]
+# (see ../shared/gpu/prepare.sh):   bash tools/run_gpu_suite.sh [tests|bench|kernels|step|profile|qad|all] [args]
 # tests: the GPU tests (extra args go to pytest); bench: the kernel and TE GroupedLinear benchmarks (kernels: the
 # kernel benchmark alone, extra args go to tools/bench_expert_fake_quant.py); step: the whole
 # Megatron step benchmark (extra args go to tools/bench_megatron_step.py); profile: its GPU time by kernel category
-# (extra args go to tools/profile_megatron_step.py); all: tests and bench.
+# (extra args go to tools/profile_megatron_step.py); qad: the QAD study (extra args go to
+# tools/bench_qat_recovery.py --gpu --study, e.g. --budget 360 --json "$OUT/qad.json"); all: tests and bench.
 # Installs this package (not editable: plugins/ maps to modelopt_moe.plugins) into a scratch dir and runs from
 # outside the checkout so that the installed copy is the one imported. Logs go to $OUT when set.
 set -o pipefail
@@ -33,6 +34,10 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == step ]]; then
   python3 "$root/tools/bench_megatron_step.py" "$@" 2>&1 | tee "$out/bench_megatron_step.log" | tail -40
+  status=${PIPESTATUS[0]}
+fi
+if [[ $what == qad ]]; then
+  python3 "$root/tools/bench_qat_recovery.py" --gpu --study "$@" 2>&1 | tee "$out/qad_study.log" | grep -v -i warn
   status=${PIPESTATUS[0]}
 fi
 if [[ $what == profile ]]; then

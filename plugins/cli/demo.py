@@ -59,8 +59,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=300, help="bf16 steps that train the teacher "
                                                                "(default: %(default)s)")
     p.add_argument("--train-all", action="store_true",
-                   help="QAD trains every parameter (default: the quantized experts' weights only; the rest stays "
-                        "the teacher's)")
+                   help="QAD trains every parameter (default: the QAD recipe's, the quantized experts' weights "
+                        "only; the rest stays the teacher's)")
     p.add_argument("--out", default="report", help="report directory (default: %(default)s); its artifacts/ "
                                                    "holds the checkpoints")
     p.add_argument("--no-export", action="store_true", help="skip the Hugging Face export stage")
@@ -68,7 +68,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64, help="tokens (bytes) per sequence (default: %(default)s)")
     p.add_argument("--num-calib-batches", type=int, default=4, help="calibration batches (default: %(default)s)")
     p.add_argument("--num-eval-batches", type=int, default=4, help="held-out batches (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=1e-4, help="QAD learning rate (default: %(default)s)")
+    p.add_argument("--lr", type=float, help="QAD peak learning rate (default: the QAD recipe's)")
     p.add_argument("--seed", type=int, default=1234, help="seed (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run (default: %(default)s)")
     add_layout_args(p)
@@ -170,9 +170,15 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.checkpoint import iter_expert_quantizers
+    from modelopt_moe.distill import QADRecipe
     from modelopt_moe.export import build_megatron_model, export_hf, import_hf, save_hf_config
     from modelopt_moe.export.families import read_hf_config
-    from modelopt_moe.plugins.megatron import distillation_model, load_sharded_checkpoint, save_sharded_checkpoint
+    from modelopt_moe.plugins.megatron import (
+        distillation_model,
+        load_sharded_checkpoint,
+        save_sharded_checkpoint,
+        select_trainable,
+    )
     from modelopt_moe.plugins.testing import megatron_models as mm
     from modelopt_moe.plugins.testing import megatron_training as mt
     from modelopt_moe.quantization.config import preset_path
@@ -253,13 +259,13 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
           f"the teacher {ptq['kl']:.3g}")
 
     # 3. QAD ----------------------------------------------------------------------------------------------------
-    if not opts["train_all"]:
-        # Measured on this model: training every parameter raises the held-out KL (Adam moves each one by about
-        # the learning rate per step, more than the small quantization gap); the experts alone close part of it.
-        for name, p in student.named_parameters():
-            p.requires_grad_(".experts." in name)
-    trained_what = "every parameter" if opts["train_all"] else "the expert weights"
-    trainer = mt.setup_training(distillation_model(student, teacher), lr=opts["lr"], reuse_quantized_weights=True)
+    # The default QAD recipe (docs/qad.md): the expert weights alone train, warmup then cosine decay.
+    recipe = QADRecipe(**{k: v for k, v in (("lr", opts["lr"]), ("train", "all" if opts["train_all"] else None))
+                          if v is not None})
+    select_trainable(student, recipe)
+    trained_what = "every parameter" if recipe.train == "all" else f"the {recipe.train} weights"
+    trainer = mt.setup_training(distillation_model(student, teacher, recipe=recipe), recipe=recipe,
+                                lr_decay_steps=max(1, opts["steps"]), reuse_quantized_weights=True)
     start = len(run["curves"]["bf16 teacher training"])
     run["curves"]["QAD (KL to the teacher)"] = _train(rank, trainer, qad, opts["steps"], "QAD", start)
     del trainer
@@ -275,7 +281,8 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     # gap closed only where that gap is larger than its noise, and a loss that got worse called worse.
     outcome = qad_outcome(bf16["losses"], ptq["losses"], qad_eval["losses"], ptq["kls"], qad_eval["kls"])
     run["outcome"] = outcome
-    stage(f"QAD: {opts['steps']} steps training {trained_what} on the KL to the bf16 teacher (Megatron's schedule, "
+    stage(f"QAD: {opts['steps']} steps training {trained_what} at lr {recipe.lr:g} (warmup, {recipe.lr_decay_style} "
+          f"decay) on the KL to the bf16 teacher (Megatron's schedule, "
           f"fake-quantized weights reused within each step): KL on its data {ptq_seen_kl:.3g} -> {qad_seen_kl:.3g}; "
           f"{outcome['text']}")
 

@@ -75,18 +75,19 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     src.add_argument("--load", help="resume from a checkpoint saved by this command (at any layout)")
     p.add_argument("--config", required=True, help="quantization YAML (a path, or a shipped preset's name)")
     p.add_argument("--distill", action="store_true", help="QAD: distil from the frozen bf16 starting model")
-    p.add_argument("--lm-weight", type=float, default=0.0, help="with --distill: weight of the LM loss added to the "
-                                                                 "KL (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=1.0, help="with --distill: KL temperature (default: "
-                                                                  "%(default)s)")
+    p.add_argument("--lm-weight", type=float, help="with --distill: weight of the LM loss added to the KL (default: "
+                                                   "the QAD recipe's, 0)")
+    p.add_argument("--temperature", type=float, help="with --distill: KL temperature (default: the recipe's, 1)")
+    p.add_argument("--train", help="with --distill: the parameter groups that train, e.g. 'experts', "
+                                   "'experts+dense', 'all' (default: the recipe's, 'experts')")
     p.add_argument("--data", help="'module:function' giving the batches (see below; default: shipped text)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: %(default)s)")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: %(default)s)")
     p.add_argument("--calib-batches", type=int, default=16, help="calibration batches (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=1e-5, help="peak learning rate, cosine-decayed to a tenth "
-                                                          "(default: %(default)s)")
+    p.add_argument("--lr", type=float, help="peak learning rate, cosine-decayed to a tenth (default: the QAD "
+                                            "recipe's with --distill, 1e-5 without)")
     p.add_argument("--save", help="checkpoint directory written at the end (and every --save-interval steps)")
     p.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (default: 0, at the end "
                                                                 "only)")
@@ -113,6 +114,14 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     experts = model.get("num_experts", model.get("num_local_experts"))
     args.layout = check_layout(p, args, num_experts=experts if isinstance(experts, int) else None,
                                tp_divides=tp_divides)
+    if not args.distill:
+        for flag in ("lm_weight", "temperature", "train"):
+            if getattr(args, flag) is not None:
+                p.error(f"--{flag.replace('_', '-')} needs --distill")
+    try:
+        args.recipe = _recipe(args) if args.distill else None
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -129,6 +138,15 @@ def _hf_model_config(hf: str | None) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return config if isinstance(config, dict) else {}
+
+
+def _recipe(args: argparse.Namespace):
+    """The default QAD recipe with the flags given."""
+    from modelopt_moe.distill import QADRecipe
+
+    changes = {"lr": args.lr, "lm_loss_weight": args.lm_weight, "temperature": args.temperature,
+               "train": args.train}
+    return QADRecipe(**{k: v for k, v in changes.items() if v is not None})
 
 
 def _build(opts: dict[str, Any]):
@@ -161,12 +179,18 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     import modelopt_moe.quantization as mtq
     from modelopt_moe.checkpoint import restore_sharded_modelopt_state
     from modelopt_moe.export import export_hf, import_hf, save_hf_config
-    from modelopt_moe.plugins.megatron import distillation_model, load_sharded_checkpoint, save_sharded_checkpoint
+    from modelopt_moe.plugins.megatron import (
+        distillation_model,
+        load_sharded_checkpoint,
+        save_sharded_checkpoint,
+        select_trainable,
+    )
     from modelopt_moe.plugins.testing import megatron_models as mm  # parallel init (+ CPU shims without CUDA)
     from modelopt_moe.plugins.testing import megatron_training as mt
     from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
 
     mm.init_model_parallel(opts["tp"], opts["ep"], seed=1234)
+    recipe = opts["recipe"]
     student = _build(opts)
     vocab = student.vocab_size
     if opts["hf"] and not opts["load"]:  # resuming: the checkpoint holds the student's weights
@@ -185,12 +209,16 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     else:
         calib = _batches(opts, "calib", opts["calib_batches"], 0, vocab)
         student.eval()
-        mtq.quantize(student, mtq.load_config(opts["config"]), calibration_loop(calib))
-    model = distillation_model(student, teacher, temperature=opts["temperature"],
-                               lm_loss_weight=opts["lm_weight"]) if teacher is not None else student
+        config = mtq.load_config(opts["config"])
+        if recipe is not None and "weight_amax_update" not in config.model_fields_set:  # the YAML's own wins
+            config = recipe.quant_config(config)
+        mtq.quantize(student, config, calibration_loop(calib))
+    if recipe is not None:
+        select_trainable(student, recipe)  # the rest keeps the teacher's values
+    model = distillation_model(student, teacher, recipe=recipe) if teacher is not None else student
     # The distributed optimizer on GPUs; on CPU ranks the per-rank one (Megatron 0.19 cannot reload its distributed
     # optimizer's state without CUDA).
-    trainer = mt.setup_training(model, lr=opts["lr"], lr_decay_steps=max(1, opts["steps"]),
+    trainer = mt.setup_training(model, lr=opts["lr"] or 1e-5, lr_decay_steps=max(1, opts["steps"]), recipe=recipe,
                                 use_distributed_optimizer=opts["gpus"], reuse_quantized_weights=True)
     if opts["load"]:
         with megatron_training_shims():  # the optimizer's checkpoint code moves tensors with .cuda()
@@ -244,10 +272,9 @@ def main(argv: list[str]) -> int:
     except (mtq.ConfigError, ValueError) as e:
         print(f"modelopt-moe qat: {e}", file=sys.stderr)
         return 2
-    opts = {k: getattr(args, k) for k in ("model_provider", "hf", "load", "config", "distill", "lm_weight",
-                                          "temperature", "data", "steps", "micro_batches", "batch_size", "seq_len",
-                                          "calib_batches", "lr", "save", "save_interval", "export",
-                                          "export_format", "tp", "ep")}
+    opts = {k: getattr(args, k) for k in ("model_provider", "hf", "load", "config", "distill", "recipe", "data",
+                                          "steps", "micro_batches", "batch_size", "seq_len", "calib_batches", "lr",
+                                          "save", "save_interval", "export", "export_format", "tp", "ep")}
     opts["gpus"] = args.layout.gpus
     if prints_here():
         print(f"modelopt-moe qat: {args.layout.describe()}", flush=True)

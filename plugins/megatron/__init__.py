@@ -11,6 +11,8 @@ Public API::
                                                             # one autoswitch step per call
         lm_forward_step,                                    # a forward_step_func with a plain LM loss
         distillation_model, distillation_loss_func,         # QAD: the student beside its frozen teacher
+        select_trainable, qad_optimizer_config,             # ... trained the QADRecipe's way
+        get_qad_optimizer, qad_lr_scheduler,
         load_modelopt_checkpoint,                           # a checkpoint NVIDIA Model Optimizer 0.47 saved
     )
 
@@ -36,7 +38,14 @@ from .checkpoint import (
     restore_check,
     save_sharded_checkpoint,
 )
-from .distill import distillation_loss_func, distillation_model
+from .distill import (
+    distillation_loss_func,
+    distillation_model,
+    get_qad_optimizer,
+    qad_lr_scheduler,
+    qad_optimizer_config,
+    select_trainable,
+)
 from .forward_step import lm_forward_step, lm_loss_func
 from .hf_io import MegatronExportAdapter
 from .modelopt_checkpoint import is_modelopt_checkpoint, load_modelopt_checkpoint
@@ -59,6 +68,10 @@ __all__ = [
     "is_modelopt_checkpoint",
     "distillation_model",
     "distillation_loss_func",
+    "select_trainable",
+    "qad_optimizer_config",
+    "get_qad_optimizer",
+    "qad_lr_scheduler",
 ]
 
 

@@ -20,7 +20,7 @@ Every class used is Megatron's; on a machine without CUDA the calls that need it
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -34,6 +34,7 @@ from megatron.core.utils import get_model_config
 
 from modelopt_moe.distill import DistillationModel
 from modelopt_moe.plugins.megatron import get_forward_backward_func as reusing_forward_backward_func
+from modelopt_moe.plugins.megatron import get_qad_optimizer, qad_lr_scheduler, qad_optimizer_config
 from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
 
 __all__ = ["Trainer", "setup_training", "train", "train_step", "forward_step", "unwrap"]
@@ -82,6 +83,7 @@ def setup_training(
     lr_decay_steps: int | None = None,
     reuse_quantized_weights: bool = False,
     autoswitch: bool = False,
+    recipe=None,
 ) -> Trainer:
     """Wrap ``model`` for training the Megatron way and build Megatron's optimizer.
 
@@ -105,6 +107,9 @@ def setup_training(
         reuse_quantized_weights: Train with ``modelopt_moe.plugins.megatron.get_forward_backward_func``, which reuses
             each module's fake-quantized weights across the micro-batches of a step.
         autoswitch: Train with that function (reusing weights only if asked), whose calls are autoswitch steps.
+        recipe: A :class:`~modelopt_moe.distill.QADRecipe`: its optimizer settings and learning-rate schedule over
+            ``lr_decay_steps`` steps (required with it) replace ``lr``, ``weight_decay`` and ``clip_grad``. Which
+            parameters train is the model's ``requires_grad`` (``select_trainable``).
 
     Returns:
         The :class:`Trainer`.
@@ -121,19 +126,28 @@ def setup_training(
             use_distributed_optimizer=use_distributed_optimizer,
         )
         ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-        opt_config = OptimizerConfig(
-            optimizer="adam",
-            lr=lr,
-            min_lr=lr / 10,  # the scheduler's floor (it reads max_lr / min_lr from each param group)
-            weight_decay=weight_decay,
-            clip_grad=clip_grad,
-            bf16=bf16,
-            params_dtype=torch.bfloat16 if bf16 else torch.float32,
-            use_distributed_optimizer=use_distributed_optimizer,
-        )
-        optimizer = get_megatron_optimizer(opt_config, [ddp_model])
+        precision = dict(bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                         use_distributed_optimizer=use_distributed_optimizer)
+        if recipe is not None:
+            opt_config = qad_optimizer_config(recipe, **precision)
+        else:
+            opt_config = OptimizerConfig(
+                optimizer="adam",
+                lr=lr,
+                min_lr=lr / 10,  # the scheduler's floor (it reads max_lr / min_lr from each param group)
+                weight_decay=weight_decay,
+                clip_grad=clip_grad,
+                **precision,
+            )
+        # With a recipe some parameters may be frozen: no empty optimizer in the chain (see get_qad_optimizer).
+        build_optimizer = get_qad_optimizer if recipe is not None else get_megatron_optimizer
+        optimizer = build_optimizer(opt_config, [ddp_model])
     scheduler = None
-    if lr_decay_steps is not None:
+    if recipe is not None:
+        if lr_decay_steps is None:
+            raise ValueError("setup_training: a recipe needs lr_decay_steps (the steps its schedule spans)")
+        scheduler = qad_lr_scheduler(optimizer, recipe, lr_decay_steps)
+    elif lr_decay_steps is not None:
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=lr, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=0, lr_decay_steps=lr_decay_steps,
             lr_decay_style="cosine", start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=lr_decay_steps,
@@ -158,9 +172,12 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     return output, _loss_func
 
 
-def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]], step: int = 0) -> float:
+def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]], step: int = 0,
+               after_backward: Callable[[], None] | None = None) -> float:
     """One optimizer step over ``micro_batches`` (gradient accumulation through ``get_forward_backward_func``);
-    ``step`` is its index (the first one starts the autoswitch step count).
+    ``step`` is its index (the first one starts the autoswitch step count). ``after_backward`` is called once the
+    gradients are reduced into ``param.main_grad`` (all of them with the per-rank optimizer; this rank's shard with
+    the distributed one), before the optimizer step.
 
     Returns:
         The mean loss over the micro-batches (the same on every rank).
@@ -184,6 +201,8 @@ def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]
             decoder_seq_length=seq_len,
             forward_only=False,
         )
+        if after_backward is not None:  # the schedule's finalize_model_grads has reduced the gradients
+            after_backward()
         update_successful, _grad_norm, _num_zeros = optimizer.step()
     if not update_successful:
         raise RuntimeError("train_step: the optimizer skipped the update (non-finite gradients)")

@@ -7,9 +7,12 @@
 * Wrapped in ``Float16Module`` + Megatron DDP + ``get_megatron_optimizer``: DDP and the optimizer hold the student's
   parameters only; a step through ``get_forward_backward_func`` changes the student and leaves the teacher (no
   gradient) untouched.
-* A short QAD run (TP2 x EP2, NVFP4 experts, after bf16 teacher training): QAD stays much closer to the teacher than
-  plain QAT in the same steps (KL) and ends with the smaller held-out-loss gap to bf16-continued training. The
-  numbers are in docs/qad.md.
+* The default ``QADRecipe`` in Megatron's machinery: only the expert weights reach DDP and the optimizer, the
+  learning rate warms up from 0 and decays to ``min_lr``.
+* The QAD study's small model (TP2 x EP2, NVFP4 experts' weights and inputs, a bf16 teacher, held-out text no run
+  trained on): the default recipe lowers the held-out KL to the teacher below PTQ's without raising the held-out loss;
+  the former all-parameter recipe (lr 1e-4, constant) ends far above it; plain QAT in the same steps moves away from
+  the teacher. The numbers are in docs/qad.md.
 """
 
 import math
@@ -20,7 +23,8 @@ import torch
 from modelopt_moe.launch import spawn
 
 WORLD, SEED = 4, 1234
-RECOVERY = {"pretrain_steps": 150, "steps": 20, "lr": 3e-4, "ffn_hidden": 256, "eval_batches": 8}
+FORMER = "nvfp4/qad:train=all,lr=1e-4,lr_decay_style=constant,warmup_fraction=0"
+STUDY = {"tp": 2, "ep": 2, "steps": 60, "eval_batches": 16, "variants": ("nvfp4/qad", FORMER, "nvfp4/qat")}
 
 
 def _vocab_parallel_checks(tp_group):
@@ -96,12 +100,38 @@ def _wrapped_training(mm, mt, batches):
     return out
 
 
+def _recipe_training(mm, mt, batches):
+    """The default QADRecipe through select_trainable and setup_training(recipe=...): what trains, and the learning
+    rate of every step."""
+    from modelopt_moe.distill import QADRecipe
+    from modelopt_moe.plugins.megatron import distillation_model, select_trainable
+
+    recipe = QADRecipe()
+    teacher = mm.build_moe_gpt(seed=SEED, params_dtype=torch.bfloat16).eval()
+    student = mm.build_moe_gpt(seed=SEED, params_dtype=torch.bfloat16)
+    counts = select_trainable(student, recipe)
+    trainer = mt.setup_training(distillation_model(student, teacher, recipe=recipe), recipe=recipe, lr_decay_steps=20)
+    lrs = []
+    for step in range(20):
+        lrs.append(trainer.optimizer.param_groups[0]["lr"])
+        mt.train_step(trainer, [batches[step % len(batches)]], step=step)
+    lrs.append(trainer.optimizer.param_groups[0]["lr"])
+    return {"counts": counts, "lrs": lrs, "recipe": recipe,
+            "opt_numel": sum(p.numel() for g in trainer.optimizer.param_groups for p in g["params"]),
+            "expert_numel": sum(p.numel() for n, p in student.named_parameters() if ".experts." in n),
+            "student_numel": sum(p.numel() for p in student.parameters()),
+            "stub_optimizers": sum(getattr(o, "is_stub_optimizer", False)
+                                   for o in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])),
+            "requires_grad": {n: p.requires_grad for n, p in student.named_parameters()},
+            "betas": trainer.optimizer.param_groups[0].get("betas")}
+
+
 def _worker(rank, world_size):
     from megatron.core import parallel_state
 
     from modelopt_moe.plugins.testing import megatron_models as mm
     from modelopt_moe.plugins.testing import megatron_training as mt
-    from modelopt_moe.plugins.testing.qat_recovery import RecoveryConfig, run_recovery
+    from modelopt_moe.plugins.testing.qad_study import StudyConfig, run_study
 
     batch = mm.text_batches(2, 32, 1, offset=300)[0]
     out = {}
@@ -109,9 +139,10 @@ def _worker(rank, world_size):
     out["vocab_parallel"] = _vocab_parallel_checks(parallel_state.get_tensor_model_parallel_group())
     out["loss_tp2"] = _distillation_losses(mm, batch)
     out["training"] = _wrapped_training(mm, mt, mm.text_batches(2, 32, 4))
+    out["recipe"] = _recipe_training(mm, mt, mm.text_batches(2, 32, 4))
     mm.init_model_parallel(1, 2, seed=SEED)
     out["loss_tp1"] = _distillation_losses(mm, batch)
-    out["recovery"] = run_recovery(RecoveryConfig(**RECOVERY))
+    out["study"] = run_study(StudyConfig(**STUDY))
     return out
 
 
@@ -151,10 +182,37 @@ def test_ddp_and_optimizer_hold_the_student_only_and_gradients_reach_it_only(res
 
 
 @pytest.mark.timeout(900)
-def test_qad_stays_closer_to_the_teacher_than_plain_qat(results):
-    rec = results[0]["recovery"]
-    for r in results[1:]:
-        assert r["recovery"]["nvfp4/static/qad"]["loss"] == rec["nvfp4/static/qad"]["loss"]
-    qat, qad, bf16 = rec["nvfp4/static/qat"], rec["nvfp4/static/qad"], rec["bf16"]
-    assert qad["kl"] < 0.2 * qat["kl"] and qad["kl"] < bf16["kl"], (qad, qat, bf16)
-    assert qad["gap"] < qat["gap"], (qad, qat)  # held-out loss minus bf16-continued's, same steps and data
+def test_default_recipe_trains_the_expert_weights_with_warmup_and_decay(results):
+    for r in results:
+        t = r["recipe"]
+        recipe = t["recipe"]
+        # the optimizer holds (its shard of) the experts' weights alone
+        assert 0 < t["opt_numel"] <= t["expert_numel"] < t["student_numel"], t
+        assert t["stub_optimizers"] == 0  # no empty dense optimizer: its checkpoint save fails in Megatron 0.19
+        assert all(grad == (".experts." in n) for n, grad in t["requires_grad"].items())
+        assert t["counts"]["experts"] > 0 and all(v == 0 for g, v in t["counts"].items() if g != "experts")
+        lrs, warmup = t["lrs"], recipe.warmup_steps(20)
+        assert warmup == 1 and lrs[0] == 0.0 and lrs[warmup] == pytest.approx(recipe.lr)
+        assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1:], strict=False))  # decays
+        assert lrs[-1] == pytest.approx(recipe.min_lr)
+        assert t["betas"] == (recipe.adam_beta1, recipe.adam_beta2)
+
+
+@pytest.mark.timeout(900)
+def test_default_qad_recipe_lowers_the_held_out_kl_below_ptq(results):
+    study = results[0]["study"]
+    for r in results[1:]:  # every rank measured the same
+        assert r["study"]["variants"]["nvfp4/qad"]["kl"] == study["variants"]["nvfp4/qad"]["kl"]
+    ptq, qad, former, qat = (study["ptq"]["nvfp4"], study["variants"]["nvfp4/qad"], study["variants"][FORMER],
+                             study["variants"]["nvfp4/qat"])
+    assert not study["data"]["recovery_repeats_pretraining"]
+    # on held-out text: the default recipe lowers the KL to the teacher (measured 0.83 x PTQ) ...
+    assert qad["kl_vs_ptq"] < 0.95, (qad["kl_stats"], ptq["kl_stats"])
+    assert qad["kl_vs_ptq_by_batch"]["median"] < 1.0
+    # ... without raising the held-out loss beyond its batch-to-batch noise
+    assert qad["loss_minus_ptq"]["mean"] < qad["loss_minus_ptq"]["std"], qad["loss_minus_ptq"]
+    # the former default, every parameter at lr 1e-4 without warmup or decay, moves away from it (measured 1.5 x)
+    assert former["kl_vs_ptq"] > qad["kl_vs_ptq"] + 0.2, (former["kl_vs_ptq"], qad["kl_vs_ptq"])
+    assert former["drift"]["router"] > 0 and qad["drift"]["router"] == 0.0  # the default keeps the router
+    # plain QAT (the LM loss, the same recipe) in the same steps moves away from the teacher (measured 1.3 x PTQ)
+    assert qat["kl_vs_ptq"] > qad["kl_vs_ptq"] + 0.2, (qat["kl_vs_ptq"], qad["kl_vs_ptq"])

@@ -36,6 +36,8 @@ _PARSE_ONLY = [
     ["demo", "--world-size", "2", "--tp", "2", "--seq-len", "33"], ["demo", "--format", "int3"],
     ["qat", "--help"], ["qat", "--config", "nvfp4_experts.yaml"],
     ["qat", "--config", "c.yaml", "--hf", "m", "--ep", "0"],
+    ["qat", "--config", "c.yaml", "--hf", "m", "--distill", "--train", "nothing"],
+    ["qat", "--config", "c.yaml", "--hf", "m", "--temperature", "2"],
     ["export", "--help"], ["export", "--checkpoint", "c"], ["report", "--help"], ["report"],
 ]
 
