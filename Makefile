@@ -27,8 +27,17 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/modelopt-moe demo
 
+# The whole CPU suite (GPU tests deselected); tests/conftest.py sets the tiers and time limits.
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The edit loop: the single-process unit tests (no spawned ranks, no subprocesses).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit -m "not slow and not gpu"
+
+# On a machine with a CUDA GPU, Transformer Engine and megatron-core installed (see README, "Tests").
+gpu-test:
+	python3 -m pytest -q -m gpu tests/gpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check modelopt_moe plugins tools tests

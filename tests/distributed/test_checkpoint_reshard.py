@@ -17,6 +17,7 @@ import shutil
 
 import pytest
 import torch
+from limits import seconds  # noqa: E402
 
 from modelopt_moe.launch import spawn
 
@@ -318,10 +319,9 @@ def _matrix_worker(rank, world_size, root):
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
-    return spawn(_matrix_worker, WORLD, args=(str(root),), timeout=400)
+    return spawn(_matrix_worker, WORLD, args=(str(root),), timeout=seconds(900))
 
 
-@pytest.mark.timeout(450)
 def test_reshard_matrix_covers_every_layout_pair_format_and_amax_layout_pair(matrix):
     cases = matrix[0]["cases"]
     pairs = {(c["src"], c["dst"]) for c in cases}
@@ -331,13 +331,11 @@ def test_reshard_matrix_covers_every_layout_pair_format_and_amax_layout_pair(mat
     assert {c["preset"] for c in cases} == set(PRESETS)
 
 
-@pytest.mark.timeout(450)
 def test_reshard_every_load_is_bit_exact_in_amax_weights_and_resaved_checkpoint(matrix):
     failures = [(c["src"], c["dst"], c["w"], c["i"], e) for r in matrix for c in r["cases"] for e in c["errors"]]
     assert not failures, failures[:10]
 
 
-@pytest.mark.timeout(450)
 def test_reshard_logits_match_the_saved_model(matrix):
     # Bit-exact against the same layout is checked with the other errors; across layouts the reductions run in
     # another order (~1e-7 relative), which can flip a rare fake-quant rounding: a loose bound catches gross errors.
@@ -345,7 +343,6 @@ def test_reshard_logits_match_the_saved_model(matrix):
         assert c["logit_diff"] <= 1e-2 * max(1.0, c["logit_scale"]), c
 
 
-@pytest.mark.timeout(450)
 def test_checkpoint_key_scheme_has_layer_and_global_expert_axes(matrix):
     keys = matrix[0]["timings"]["keys"]
     for gemm in ("linear_fc1", "linear_fc2"):

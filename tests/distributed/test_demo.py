@@ -41,7 +41,6 @@ def test_demo_fails_fast_on_a_bad_config_or_a_foreign_out_dir(tmp_path, capsys):
     assert (foreign / "notes.txt").read_text() == "keep me"
 
 
-@pytest.mark.timeout(900)
 def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capfd):
     out = tmp_path / "report"
     rc = main(["demo", "--out", str(out), "--train-steps", "40", "--steps", "8", "--seq-len", "32",

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from limits import seconds  # noqa: E402
 from torch import nn
 
 from modelopt_moe.launch import spawn
@@ -308,7 +309,7 @@ def run(tmp_path_factory):
         _make_hf(base / family, family)
     paths[WIDE] = str(base / WIDE)
     _make_hf(base / WIDE, "qwen3_moe", num_experts=64, top_k=8)
-    results = spawn(_rank, WORLD, args=(paths,), timeout=900)
+    results = spawn(_rank, WORLD, args=(paths,), timeout=seconds(900))
     return {"base": base, "paths": paths, "r0": results[0]}
 
 

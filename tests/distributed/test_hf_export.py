@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from limits import seconds  # noqa: E402
 
 from modelopt_moe.export import codecs
 from modelopt_moe.launch import spawn
@@ -238,7 +239,7 @@ def run(tmp_path_factory):
     for family in ("qwen3_moe", "mixtral"):
         paths[family] = str(base / family)
         _make_hf(base / family, family)
-    results = spawn(_rank, WORLD, args=(paths,), timeout=600)
+    results = spawn(_rank, WORLD, args=(paths,), timeout=seconds(900))
     return {"paths": paths, "out": base / "out", "results": results, "r0": results[0]}
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from limits import seconds  # noqa: E402
 
 from modelopt_moe.launch import spawn
 
@@ -144,7 +145,7 @@ def run(tmp_path_factory):
     assert len({*json.loads((good / INDEX).read_text())["weight_map"].values()}) >= 3  # really sharded
     broken = _broken_copies(good, base)
     (base / "out").mkdir()
-    results = spawn(_user_script, WORLD, args=(str(good), broken, str(base / "out")), timeout=600)
+    results = spawn(_user_script, WORLD, args=(str(good), broken, str(base / "out")), timeout=seconds(900))
     shard = json.loads((good / INDEX).read_text())["weight_map"][VICTIM]
     return {"results": results, "out": base / "out", "broken": broken, "shard": shard}
 

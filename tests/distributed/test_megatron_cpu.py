@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from limits import seconds  # noqa: E402
 
 from modelopt_moe.launch import spawn
 
@@ -76,15 +77,13 @@ def _layouts_worker(rank, world_size):
 
 @pytest.fixture(scope="module")
 def results():
-    return spawn(_layouts_worker, WORLD, timeout=240)
+    return spawn(_layouts_worker, WORLD, timeout=seconds(900))
 
 
-@pytest.mark.timeout(300)
 def test_cpu_shims_are_idempotent_and_route_cuda_device_to_cpu(results):
     assert all(r["shims"] == (True, True, "cpu") for r in results)
 
 
-@pytest.mark.timeout(300)
 def test_tp2ep2_layout_shards_the_model(results):
     # Megatron's orders: TP varies fastest over dense ranks; the expert grid (ETP=1) has EP fastest.
     assert [r["tp_rank"] for r in results] == [0, 1, 0, 1]
@@ -98,7 +97,6 @@ def test_tp2ep2_layout_shards_the_model(results):
         assert r["experts_equal_ref"]
 
 
-@pytest.mark.timeout(300)
 def test_tp2ep2_forward_gives_finite_logits_of_full_vocab(results):
     for r in results:
         assert r["logits"].shape == (BATCH, SEQ, VOCAB)
@@ -106,7 +104,6 @@ def test_tp2ep2_forward_gives_finite_logits_of_full_vocab(results):
         assert math.isfinite(r["loss"])
 
 
-@pytest.mark.timeout(300)
 def test_tp2ep2_matches_tp1ep1_with_the_same_seed(results):
     for r in results:
         torch.testing.assert_close(r["logits"], r["ref_logits"], rtol=1e-5, atol=1e-5)
@@ -116,7 +113,6 @@ def test_tp2ep2_matches_tp1ep1_with_the_same_seed(results):
     assert abs(results[0]["ref_loss"] - math.log(VOCAB)) < 0.5
 
 
-@pytest.mark.timeout(300)
 def test_same_seed_gives_identical_replicas_and_other_seed_differs(results):
     for r in results[1:]:
         torch.testing.assert_close(r["logits"], results[0]["logits"], rtol=0, atol=0)
@@ -128,7 +124,6 @@ def test_same_seed_gives_identical_replicas_and_other_seed_differs(results):
     assert not torch.allclose(results[0]["other_logits"], results[0]["logits"])
 
 
-@pytest.mark.timeout(300)
 def test_training_step_at_tp2_has_finite_grads_synced_over_tp(results):
     assert all(r["grads_finite"] for r in results)
     for r in results[1:]:

@@ -37,6 +37,7 @@ import zlib
 
 import pytest
 import torch
+from limits import seconds  # noqa: E402
 from test_checkpoint_reshard import assign_amax, global_amax, global_params  # noqa: E402 - sibling test module
 
 from modelopt_moe.launch import spawn
@@ -403,13 +404,13 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(root):
-    return spawn(_train_worker, WORLD, args=(root,), timeout=300)
+    return spawn(_train_worker, WORLD, args=(root,), timeout=seconds(900))
 
 
 @pytest.fixture(scope="module")
 def restored(results, root):
     saved = {k: v for k, v in _case(results, SAVED_CASE)[0]["saved"].items() if k in ("amax", "params")}
-    return spawn(_restore_worker, WORLD, args=(root, saved), timeout=300)  # fresh processes
+    return spawn(_restore_worker, WORLD, args=(root, saved), timeout=seconds(900))  # fresh processes
 
 
 def _case(results, case):
@@ -419,13 +420,11 @@ def _case(results, case):
     return [r[case] for r in results]
 
 
-@pytest.mark.timeout(300)
 def test_layout(results):
     assert [r["layout"]["tp"] for r in results] == [TP] * WORLD
     assert [r["layout"]["ep"] for r in results] == [EP] * WORLD
 
 
-@pytest.mark.timeout(300)
 def test_training_shims_map_cuda_to_cpu_and_restore(results):
     for r in results:
         s = r["shims"]
@@ -434,7 +433,6 @@ def test_training_shims_map_cuda_to_cpu_and_restore(results):
         assert s["type"] == ("torch.cuda.BFloat16Tensor", "torch.cuda.FloatTensor", torch.float32)
 
 
-@pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_grouped_and_sequential_experts_build_the_same_model(results, variant):
     for r in results:
@@ -445,7 +443,6 @@ def test_grouped_and_sequential_experts_build_the_same_model(results, variant):
         assert s["grouped_quantized_class"] == "QuantMegatronColumnParallelGroupedLinear"
 
 
-@pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(CASES))
 def test_training_runs_and_updates_every_weight(results, case):
     cases = _case(results, case)
@@ -461,7 +458,6 @@ def test_training_runs_and_updates_every_weight(results, case):
     assert any(c["changed"][EMBEDDING] for c in cases)
 
 
-@pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(CASES))
 def test_trained_forward_equals_a_fresh_model_with_the_trained_weights(results, case):
     cases = _case(results, case)
@@ -469,7 +465,6 @@ def test_trained_forward_equals_a_fresh_model_with_the_trained_weights(results, 
     assert all(c["equal"] for c in cases), f"{case}: max |d logits| per rank {diffs}"
 
 
-@pytest.mark.timeout(300)
 @pytest.mark.parametrize("reuse_case", list(REUSE_TWINS))
 def test_grouped_weights_are_quantized_every_micro_batch_or_once_per_step_with_reuse(results, reuse_case):
     gemms = 2 * 2  # layers x (fc1, fc2)
@@ -493,7 +488,6 @@ def _assert_same(got: dict, want: dict, what: str):
     assert not bad, f"{what}: {bad[:5]}"
 
 
-@pytest.mark.timeout(600)
 @pytest.mark.parametrize("flow", ["api", "readme"])
 def test_restored_at_tp1_ep4_in_fresh_processes_is_bit_exact_and_trains_on(results, restored, flow):
     saved = _case(results, SAVED_CASE)[0]["saved"]
@@ -513,7 +507,6 @@ def test_restored_at_tp1_ep4_in_fresh_processes_is_bit_exact_and_trains_on(resul
             assert got["info"] == {"iteration": STEPS, "extra_state": {"data_offset": 100 + STEPS * MICROBATCHES}}
 
 
-@pytest.mark.timeout(600)
 def test_resume_continues_bit_identically_to_the_uninterrupted_run(results, restored):
     for r, s in zip(results, restored, strict=True):
         full, resumed = r["resume"], s["resume"]

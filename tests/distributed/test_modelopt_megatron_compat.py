@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from limits import seconds  # noqa: E402
 
 from modelopt_moe.launch import spawn
 
@@ -132,7 +133,7 @@ def _rank(rank, world, fixture_dir, tmp_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return spawn(_rank, 2, args=(str(FIXTURE), str(tmp_path_factory.mktemp("ckpt"))), timeout=900)
+    return spawn(_rank, 2, args=(str(FIXTURE), str(tmp_path_factory.mktemp("ckpt"))), timeout=seconds(900))
 
 
 def _union(results, key, field):

@@ -4,6 +4,8 @@ ranks, one spawn, the same weights at both layouts)."""
 
 import re
 
+from limits import seconds  # noqa: E402
+
 from modelopt_moe.launch import spawn
 
 
@@ -34,7 +36,7 @@ def _expert_rows(summary: str) -> dict[str, dict[int, float]]:
 
 
 def test_the_expert_table_lists_global_experts_and_is_the_same_at_any_layout():
-    results = spawn(_summaries, 4, timeout=600)
+    results = spawn(_summaries, 4, timeout=seconds(900))
     a, b = (_expert_rows(results[0][layout]) for layout in ((2, 2), (1, 4)))
     assert set(a) == set(b) and len(a) == 8, sorted(a)  # 2 layers x fc1/fc2 x weight/input
     for name in a:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from limits import seconds  # noqa: E402
 
 from modelopt_moe.launch import spawn
 
@@ -119,7 +120,7 @@ def _rank(rank, world, root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return spawn(_rank, WORLD, args=(str(tmp_path_factory.mktemp("router_probs")),), timeout=600)
+    return spawn(_rank, WORLD, args=(str(tmp_path_factory.mktemp("router_probs")),), timeout=seconds(900))
 
 
 def test_new_checkpoints_load_without_a_warning(results):

@@ -42,6 +42,7 @@ _PARSE_ONLY = [
 ]
 
 
+@pytest.mark.slow  # a fresh interpreter (or spawned ranks)
 def test_help_and_usage_errors_never_import_torch():
     code = f"""
 import json, sys

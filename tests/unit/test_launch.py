@@ -1,4 +1,5 @@
-"""modelopt_moe.launch.spawn: real processes, per-rank results, errors with tracebacks, timeouts, cleanup."""
+"""modelopt_moe.launch.spawn: real processes, per-rank results, errors with tracebacks, timeouts, cleanup, under both
+start methods (the suite itself runs on ``forkserver``, see tests/conftest.py)."""
 
 import multiprocessing
 import os
@@ -14,8 +15,10 @@ import torch.distributed as dist
 
 from modelopt_moe.launch import spawn
 
+pytestmark = pytest.mark.slow
 # Generous: start-up (a fresh interpreter importing torch per rank) is slow on a loaded 2-core machine.
 _TIMEOUT = 120
+METHODS = ["spawn", "forkserver"]
 
 
 def _allreduce_rank(rank, world_size, scale):
@@ -70,8 +73,9 @@ def _no_children_left():
 
 
 @pytest.mark.timeout(_TIMEOUT + 30)
-def test_spawn_returns_each_ranks_result_in_rank_order():
-    out = spawn(_allreduce_rank, 3, args=(10,), timeout=_TIMEOUT)
+@pytest.mark.parametrize("start_method", METHODS)
+def test_spawn_returns_each_ranks_result_in_rank_order(start_method):
+    out = spawn(_allreduce_rank, 3, args=(10,), timeout=_TIMEOUT, start_method=start_method)
     assert [r["rank"] for r in out] == [0, 1, 2]
     assert [r["value"] for r in out] == [0, 10, 20]
     assert all(r["sum"] == 3.0 and r["world"] == 3 for r in out)  # a real process group joined all three
@@ -106,6 +110,8 @@ def test_spawn_times_out_and_kills_all_processes():
 
 
 def test_spawn_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="start_method 'fork'"):
+        spawn(_sleep_forever, 1, start_method="fork")
     with pytest.raises(ValueError, match="world_size"):
         spawn(_sleep_forever, 0)
     with pytest.raises(ValueError, match="timeout"):
@@ -114,14 +120,15 @@ def test_spawn_rejects_bad_arguments():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
 @pytest.mark.timeout(_TIMEOUT + 30)
-def test_ranks_die_when_the_launcher_is_killed(tmp_path):
+@pytest.mark.parametrize("start_method", METHODS)
+def test_ranks_die_when_the_launcher_is_killed(tmp_path, start_method):
     # The launcher process is SIGKILLed (no finally runs): its ranks must not be left blocked forever.
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_launch import _write_pid_then_sleep
         from modelopt_moe.launch import spawn
-        spawn(_write_pid_then_sleep, 2, args=({str(tmp_path)!r},), timeout=600)
+        spawn(_write_pid_then_sleep, 2, args=({str(tmp_path)!r},), timeout=600, start_method={start_method!r})
     """)
     launcher = subprocess.Popen([sys.executable, "-c", script])
     try:

@@ -9,6 +9,8 @@ import pytest
 
 from modelopt_moe.launch import LaunchEnvironment, free_port, launched_environment
 
+pytestmark = pytest.mark.slow  # launcher processes
+
 _CHILD = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     from modelopt_moe.launch import init_from_environment

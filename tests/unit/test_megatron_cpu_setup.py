@@ -9,6 +9,7 @@ import pytest
 import torch
 
 
+@pytest.mark.slow  # a fresh interpreter (or spawned ranks)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a no-op where CUDA is available")
 def test_cuda_calls_land_on_the_cpu_and_gpu_only_packages_look_uninstalled():
     done = subprocess.run([sys.executable, "-c", """

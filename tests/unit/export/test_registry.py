@@ -21,6 +21,7 @@ def _run(code: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # a fresh interpreter (or spawned ranks)
 def test_the_export_core_imports_no_framework():
     out = _run("import sys, modelopt_moe.export\n"
                "print(sorted({m.split('.')[0] if not m.startswith('modelopt_moe.plugins') else m for m in sys.modules"
@@ -29,6 +30,7 @@ def test_the_export_core_imports_no_framework():
     assert out.strip() == "[]"
 
 
+@pytest.mark.slow  # a fresh interpreter (or spawned ranks)
 def test_require_registers_the_megatron_plugin_before_megatron_is_imported():
     out = _run("import sys\n"
                "from modelopt_moe.quantization.conversion import register_framework_plugins\n"

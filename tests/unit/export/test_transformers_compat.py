@@ -32,6 +32,7 @@ def test_affected_releases():
     assert "5.13" in transformers_compat.AFFECTED_VERSIONS and "5.23" in transformers_compat.AFFECTED_VERSIONS
 
 
+@pytest.mark.slow  # a fresh interpreter (or spawned ranks)
 def test_importing_the_module_imports_torch_alone():
     code = ("import sys; import modelopt_moe.export.transformers_compat; "
             "print(sorted(m for m in ('transformers', 'compressed_tensors', 'megatron') if m in sys.modules))")

@@ -528,6 +528,7 @@ def test_kernels_available():
     assert K.kernels_available("cpu") == (K.TRITON_AVAILABLE and gfq._interpret_mode())
 
 
+@pytest.mark.slow  # a fresh interpreter (or spawned ranks)
 def test_imports_and_falls_back_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None; sys.modules['megatron'] = None  # torch alone\n"

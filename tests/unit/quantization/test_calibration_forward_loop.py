@@ -3,6 +3,7 @@ runs and on every rank (public API only, as a user's script calls it)."""
 
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -32,6 +33,7 @@ def _quantize_with_a_loss_computing_loop(rank, world_size):
     return seen
 
 
+@pytest.mark.slow  # a fresh interpreter (or spawned ranks)
 def test_forward_loop_outputs_are_the_models_own_on_every_rank_however_long_calibration_runs():
     for rank, seen in enumerate(spawn(_quantize_with_a_loss_computing_loop, 2, timeout=120)):
         assert len(seen) >= 8, (rank, seen)

@@ -1,6 +1,7 @@
 """``mtq.print_quant_summary`` called from one rank, as everyone prints (``if rank == 0:``), enters no collective:
 the other ranks' next collective is unaffected (public API only, as a user's script calls it)."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -24,6 +25,7 @@ def _summary_on_rank0_then_a_collective(rank, world_size):
     return text, total.item(), gathered
 
 
+@pytest.mark.slow  # a fresh interpreter (or spawned ranks)
 def test_summary_from_rank0_alone_leaves_the_next_collective_of_every_rank_intact():
     results = spawn(_summary_on_rank0_then_a_collective, 2, timeout=60)
     assert [total for _, total, _ in results] == [3.0, 3.0]
