@@ -101,10 +101,15 @@ def _worker(
     args: Sequence[Any],
     conn: multiprocessing.connection.Connection,
     launcher_alive: multiprocessing.connection.Connection,
+    stdio: tuple[multiprocessing.connection.Connection, ...] | None,
 ) -> None:
     """Child process body: join the group, run ``fn``, send ``(status, payload)`` back through ``conn``."""
     _die_with_parent()
     _exit_when_closed(launcher_alive)
+    if stdio is not None:  # write where the launcher's stdout / stderr point now (see _launcher_stdio)
+        for fd, target in zip((1, 2), stdio, strict=True):
+            os.dup2(target.fileno(), fd)
+            target.close()
     # The machine has few cores and N ranks share them: more than one thread per rank only oversubscribes.
     torch.set_num_threads(1)
     try:
@@ -147,8 +152,9 @@ def _worker(
 
 def _send(conn: multiprocessing.connection.Connection, message: tuple) -> None:
     # Plain pickle, by value: torch's multiprocessing pickler would pass tensors as shared-memory handles that
-    # die with this process, which exits right after sending.
-    conn.send_bytes(pickle.dumps(message))
+    # die with this process, which exits right after sending. The time it was sent orders the failures: the launcher
+    # may find several in one wake-up, and the first sent is most likely the root cause.
+    conn.send_bytes(pickle.dumps((*message, time.time())))
 
 
 def _name(fn: Callable[..., Any]) -> str:
@@ -206,6 +212,19 @@ def _context(start_method: str | None):
     return ctx
 
 
+def _launcher_stdio(ctx) -> tuple[multiprocessing.connection.Connection, ...] | None:
+    """This process's stdout and stderr as they are now, for ranks forked from a fork server: those inherit the
+    server's, which point wherever this process's pointed when the server started (a test's captured output, a
+    command's redirected log would miss them). Passed as connections (the one object whose file descriptor the start
+    methods hand to a child); None with ``spawn``, whose children are started from this process as it is."""
+    if ctx.get_start_method() != "forkserver":
+        return None
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            stream.flush()
+    return tuple(multiprocessing.connection.Connection(os.dup(fd), readable=False) for fd in (1, 2))
+
+
 def _run_once(
     fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeout: float, backend: str,
     start_method: str | None,
@@ -216,12 +235,13 @@ def _run_once(
     procs: list[mp.process.BaseProcess] = []
     conns: list[multiprocessing.connection.Connection] = []
     alive_r, alive_w = ctx.Pipe(duplex=False)  # only this process holds alive_w: its end ends every rank
+    stdio = _launcher_stdio(ctx)
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, backend, timeout, fn, tuple(args), child_end, alive_r),
+                args=(rank, world_size, port, backend, timeout, fn, tuple(args), child_end, alive_r, stdio),
                 name=f"spawn-rank{rank}",
                 # Not daemonic: ranks may start processes of their own (Megatron's checkpoint writer starts a
                 # multiprocessing.Manager). They still never outlive us: killed in `finally`, and by the kernel
@@ -235,7 +255,7 @@ def _run_once(
 
         deadline = time.monotonic() + timeout
         results: dict[int, Any] = {}
-        errors: dict[int, str] = {}  # in arrival order: the first one is most likely the root cause
+        errors: dict[int, tuple[float, str]] = {}  # rank -> (when it was sent, traceback)
         first_error_at: float | None = None
         pending = set(range(world_size))
         while pending:
@@ -260,9 +280,10 @@ def _run_once(
                 why = "nothing in its pipe"
                 try:
                     # A dead child may still have left its message in the pipe: read it before judging.
-                    status, payload = pickle.loads(conns[r].recv_bytes()) if conns[r].poll() else ("dead", None)
+                    status, payload, sent_at = (pickle.loads(conns[r].recv_bytes()) if conns[r].poll()
+                                                else ("dead", None, time.time()))
                 except (EOFError, OSError) as e:
-                    status, payload, why = "dead", None, f"{type(e).__name__}: {e}"
+                    status, payload, sent_at, why = "dead", None, time.time(), f"{type(e).__name__}: {e}"
                 if status == "dead":
                     procs[r].join(timeout=5)
                     status, payload = "error", (f"rank {r} exited with code {procs[r].exitcode} without a result "
@@ -273,7 +294,7 @@ def _run_once(
                     continue
                 if status == "init_error" and "address already in use" in str(payload).lower():
                     return "port", payload
-                errors[r] = payload
+                errors[r] = (sent_at, payload)
                 if first_error_at is None:
                     first_error_at = time.monotonic()
         if errors:
@@ -282,11 +303,10 @@ def _run_once(
             for r in range(world_size):
                 if r not in pending:
                     procs[r].join(timeout=_ERROR_EXIT_GRACE_S)
-            first = next(iter(errors))
-            others = [r for r in errors if r != first]
-            msg = f"spawn: rank {first} of {world_size} failed in {_name(fn)}:\n{errors[first]}"
+            first, *others = sorted(errors, key=lambda r: errors[r][0])
+            msg = f"spawn: rank {first} of {world_size} failed in {_name(fn)}:\n{errors[first][1]}"
             if others:
-                msg += f"\n(ranks {others} failed too; first of them:)\n{errors[others[0]]}"
+                msg += f"\n(ranks {others} failed too; first of them:)\n{errors[others[0]][1]}"
             raise RuntimeError(msg)
         # Let the ranks finish their own shutdown (process group teardown, atexit hooks, flushing output) before
         # the finally below kills whatever is left: a killed child leaks the resources it registered.
@@ -295,7 +315,7 @@ def _run_once(
         return "ok", [results[r] for r in range(world_size)]
     finally:
         _kill_all(procs)
-        for c in (*conns, alive_r, alive_w):
+        for c in (*conns, alive_r, alive_w, *(stdio or ())):
             c.close()
 
 

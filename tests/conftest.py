@@ -30,6 +30,29 @@ os.environ.setdefault("MODELOPT_MOE_FORKSERVER_PRELOAD", "megatron.core,megatron
 
 from limits import seconds  # noqa: E402  (this directory is on sys.path: pytest inserts a conftest's directory)
 
+
+def pytest_sessionstart(session):
+    """Starts the fork server now, its output discarded: what its imports print (Megatron's notices about packages
+    a CPU machine lacks) would otherwise land in the output of whichever test happened to start it. Ranks write to
+    their launcher's output, not the server's (modelopt_moe.launch)."""
+    import multiprocessing.forkserver
+
+    from modelopt_moe.launch import _context
+
+    if os.environ["MODELOPT_MOE_START_METHOD"] != "forkserver":
+        return
+    _context("forkserver")
+    saved = [os.dup(fd) for fd in (1, 2)]
+    with open(os.devnull, "w") as devnull:
+        for fd in (1, 2):
+            os.dup2(devnull.fileno(), fd)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            for fd, copy in zip((1, 2), saved, strict=True):
+                os.dup2(copy, fd)
+                os.close(copy)
+
 TIER_LIMITS = {"unit": 300, "distributed": 1500, "gpu": 1500, "tools": 900}  # seconds per test, before scaling
 ROOT = Path(__file__).parent
 

@@ -145,7 +145,8 @@ def test_megatron_snippets_train_save_and_restore(tmp_path):
     module = tmp_path / "readme_megatron.py"
     module.write_text("\n\n".join(_python(m) for m in MEGATRON_SNIPPETS))
     sys.path.insert(0, str(Path(__file__).parent))
-    results = spawn(_megatron_worker, 2, args=(str(tmp_path),), timeout=seconds(900))
+    # A fresh interpreter per rank, as a user's script starts: the README's first lines run before Megatron is imported.
+    results = spawn(_megatron_worker, 2, args=(str(tmp_path),), timeout=seconds(900), start_method="spawn")
     for r in results:
         assert r["iteration"] == 2
         for k, v in r["want"]["amax"].items():
