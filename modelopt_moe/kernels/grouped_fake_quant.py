@@ -1,8 +1,8 @@
 """Grouped fake quantization of MoE experts: all N experts in one launch, bit-exact with ``formats.fake_quant``.
 
-Parts, in this order (the ``@triton.jit`` kernels themselves live in
-:mod:`modelopt_moe.kernels.triton_kernels`, imported lazily so that this module imports with torch alone and so
-that ``TRITON_INTERPRET=1`` may be set any time before the first launch):
+Parts, in this order (the ``@triton.jit`` kernels themselves live in :mod:`.weight_fake_quant_kernels` and
+:mod:`.input_fake_quant_kernels`, imported lazily so that this module imports with torch alone and so that
+``TRITON_INTERPRET=1`` may be set any time before the first launch):
 
 1. launchers (``_launch_*``) and pure-torch fallbacks (``_torch_*``, :func:`formats.fake_quant` per expert), chosen
    by :func:`kernels_available`;
@@ -94,10 +94,17 @@ _CACHE_SIZE = 64
 # Backend selection
 # ----------------------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
-def _kernels():
-    from . import triton_kernels
+def _weight_kernels():
+    from . import weight_fake_quant_kernels
 
-    return triton_kernels
+    return weight_fake_quant_kernels
+
+
+@functools.lru_cache(maxsize=1)
+def _input_kernels():
+    from . import input_fake_quant_kernels
+
+    return input_fake_quant_kernels
 
 
 # Whether our kernels were built for the Triton interpreter: a plain bool, recorded when they are imported, so that
@@ -111,10 +118,10 @@ def _interpret_mode() -> bool:
     if _INTERPRETED is None:
         import sys
 
-        mod = sys.modules.get(__package__ + ".triton_kernels")
+        mod = sys.modules.get(__package__ + ".tile_kernels")  # imported by every kernel module
         if mod is None:
             return os.environ.get("TRITON_INTERPRET", "0") == "1"
-        _INTERPRETED = type(mod._grouped_weight_fake_quant_kernel).__name__ == "InterpretedFunction"
+        _INTERPRETED = type(mod.to_fp32).__name__ == "InterpretedFunction"
     return _INTERPRETED
 
 
@@ -345,7 +352,7 @@ def _padded(weights, block_size) -> bool:
 
 
 def _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=True, sig=None) -> torch.Tensor:
-    k = _kernels()
+    k = _weight_kernels()
     amax_mode, amax_stride = _amax_mode(amax, len(weights))
     bs, _ = _inner_block(fmt, block_size)
     cfg = _weight_config(fmt)
@@ -360,7 +367,7 @@ def _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=True,
     uniform = bool(cfg["uniform"]) and plan.uniform
     kwargs = _launch_kwargs(out.device)
     kwargs["num_warps"] = cfg["warps"]
-    k._grouped_weight_fake_quant_kernel[(plan.n_tiles,)](
+    k.grouped_weight_fake_quant_kernel[(plan.n_tiles,)](
         weights[plan.base], out, plan.table, amax_arg, len(weights), amax_stride, plan.u_tiles,
         plan.u_rows, plan.u_cols, plan.u_ctiles,
         **format_constexprs(fmt, block_size), AMAX_MODE=amax_mode,
@@ -402,13 +409,13 @@ def _torch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=True) 
 
 
 def _launch_weight_clip_grad(grads, weights, amax, grads_sig=None, weights_sig=None) -> torch.Tensor:
-    k = _kernels()
+    k = _weight_kernels()
     amax_mode, amax_stride = _amax_mode(amax, len(weights))
     plan = _weight_plan(grads, weights, 16, two_d=amax_mode == 2, sig=grads_sig, aux_sig=weights_sig)
     out = torch.empty(plan.total, dtype=grads[0].dtype, device=grads[0].device)
     if plan.n_tiles == 0:
         return out
-    k._grouped_weight_clip_grad_kernel[(plan.n_tiles,)](
+    k.grouped_weight_clip_grad_kernel[(plan.n_tiles,)](
         grads[plan.base], weights[plan.aux_base], out, plan.table, amax, len(weights), amax_stride,
         AMAX_MODE=amax_mode, TWO_D=plan.two_d, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs,
         VEC=plan.vec, SEARCH_STEPS=plan.steps, **_launch_kwargs(out.device),
@@ -433,7 +440,7 @@ def _input_tiling(n_cols: int, bs: int) -> tuple[int, int, int]:
 
 def _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range=True, row_scale=None) -> torch.Tensor:
     """The input kernel; with ``row_scale`` [T] each output row is also multiplied by its scale (same launch)."""
-    k = _kernels()
+    k = _input_kernels()
     y = torch.empty_like(x)
     t, kdim = x.shape
     if x.numel() == 0:
@@ -443,7 +450,7 @@ def _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range=Tr
     n = m_splits.numel()
     per_expert = amax is not None and amax.dim() == 1
     amax_arg = amax if amax is not None else m_splits  # never read for block int formats
-    k._grouped_input_fake_quant_kernel[(_cdiv(t, tile_r), _cdiv(kdim, tile_w))](
+    k.grouped_input_fake_quant_kernel[(_cdiv(t, tile_r), _cdiv(kdim, tile_w))](
         x, y, m_splits, amax_arg, row_scale if row_scale is not None else m_splits, t, kdim, n,
         **format_constexprs(fmt, block_size), PER_EXPERT=per_expert,
         N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb, BS=bs, NARROW=bool(narrow_range),
@@ -472,14 +479,14 @@ def _torch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range=Tru
 
 def _launch_input_clip_grad(grad, x, m_splits, amax, row_scale=None) -> torch.Tensor:
     """The clipped-STE kernel; with ``row_scale`` [T] the gradient is first multiplied by its row's scale."""
-    k = _kernels()
+    k = _input_kernels()
     out = torch.empty_like(grad)
     t, kdim = x.shape
     if x.numel() == 0:
         return out
     tile_r, tile_nb, tile_w = _input_tiling(kdim, 16)
     n = m_splits.numel()
-    k._grouped_input_clip_grad_kernel[(_cdiv(t, tile_r), _cdiv(kdim, tile_w))](
+    k.grouped_input_clip_grad_kernel[(_cdiv(t, tile_r), _cdiv(kdim, tile_w))](
         grad, x, out, m_splits, amax, row_scale if row_scale is not None else amax, t, kdim, n,
         PER_EXPERT=amax.dim() == 1, N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb, BS=16,
         HAS_SCALE=row_scale is not None, **_launch_kwargs(x.device),

@@ -6,7 +6,7 @@ training forward feeds the GEMM ``numerics.scale_rows(Q(act), prob)``, which is 
 input kernel of :mod:`.grouped_fake_quant` with its row-scale option), bit for bit equal to
 ``scale_rows(grouped_input_fake_quant(x, ...), row_scale)``.
 
-Parts, in this order (the ``@triton.jit`` code is :mod:`.triton_kernels`' input kernels):
+Parts, in this order (the ``@triton.jit`` code is :mod:`.input_fake_quant_kernels`):
 
 1. pure-torch references (``_torch_*``; the launchers are :mod:`.grouped_fake_quant`'s);
 2. public functions that validate their inputs with ``ValueError``: :func:`grouped_input_fake_quant_scaled`,

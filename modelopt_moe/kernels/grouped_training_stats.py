@@ -1,8 +1,8 @@
 """Training-time statistics of N experts in one launch: the per-expert weight amax (``weight_amax_update:
 dynamic``) and fake quant with quantization-error sums (precision autoswitch).
 
-Parts, in this order (the ``@triton.jit`` code is in :mod:`.triton_training_kernels`, imported
-lazily like :mod:`.triton_kernels`):
+Parts, in this order (the ``@triton.jit`` code is in :mod:`.weight_amax_kernels` and :mod:`.quant_stats_kernels`,
+imported lazily):
 
 1. launchers (``_launch_*``) and pure-torch references (``_torch_*``), chosen by :func:`kernels_available`;
 2. public functions that validate their inputs with ``ValueError``: :func:`grouped_weight_amax`,
@@ -53,10 +53,17 @@ __all__ = ["grouped_weight_amax", "grouped_weight_fake_quant_stats", "grouped_in
 
 
 @functools.lru_cache(maxsize=1)
-def _kernels():
-    from . import triton_training_kernels
+def _amax_kernels():
+    from . import weight_amax_kernels
 
-    return triton_training_kernels
+    return weight_amax_kernels
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    from . import quant_stats_kernels
+
+    return quant_stats_kernels
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -69,7 +76,7 @@ def _launch_weight_amax(weights, per_channel: bool, sig=None) -> torch.Tensor:
     plan = _weight_plan(weights, None, 16, two_d=per_channel, sig=sig)
     if plan.n_tiles == 0:
         return out
-    _kernels()._grouped_weight_amax_kernel[(plan.n_tiles,)](
+    _amax_kernels().grouped_weight_amax_kernel[(plan.n_tiles,)](
         weights[plan.base], out, plan.table, n, plan.u_tiles, plan.u_rows, plan.u_cols, plan.u_ctiles,
         PER_ROW=per_channel, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs, VEC=plan.vec,
         SEARCH_STEPS=plan.steps, UNIFORM=plan.uniform, num_warps=_launch_kwargs(out.device)["num_warps"],
@@ -106,7 +113,7 @@ def _launch_weight_stats(weights, amax, fmt, block_size, narrow_range=True,
     out = torch.empty(plan.total, dtype=weights[0].dtype, device=device)
     partial = torch.zeros(plan.n_tiles, 4, dtype=torch.float32, device=device)
     if plan.n_tiles:
-        _kernels()._grouped_weight_fake_quant_stats_kernel[(plan.n_tiles,)](
+        _kernels().grouped_weight_fake_quant_stats_kernel[(plan.n_tiles,)](
             weights[plan.base], out, partial, plan.table, amax if amax is not None else plan.table, n, amax_stride,
             plan.u_tiles, plan.u_rows, plan.u_cols, plan.u_ctiles,
             **format_constexprs(fmt, block_size),
@@ -150,7 +157,7 @@ def _launch_input_stats(x, m_splits, amax, fmt, block_size, narrow_range=True) -
     partial = torch.zeros(t, n_ctiles, 4, dtype=torch.float32, device=x.device)
     n = m_splits.numel()
     if x.numel():
-        _kernels()._grouped_input_fake_quant_stats_kernel[(_cdiv(t, tile_r), n_ctiles)](
+        _kernels().grouped_input_fake_quant_stats_kernel[(_cdiv(t, tile_r), n_ctiles)](
             x, y, partial, m_splits, amax if amax is not None else m_splits, t, kdim, n, n_ctiles,
             **format_constexprs(fmt, block_size),
             PER_EXPERT=amax is not None and amax.dim() == 1, N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb,

@@ -133,13 +133,13 @@ def test_e2m1_and_output_conversion_edges():
     import triton
     import triton.language as tl
 
-    from modelopt_moe.kernels.triton_kernels import _to_out_dtype
+    from modelopt_moe.kernels.tile_kernels import to_out_dtype
 
     @triton.jit
     def convert(x_ptr, y_ptr, n, BLOCK: tl.constexpr, BITWISE: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n)
-        tl.store(y_ptr + offs, _to_out_dtype(x, y_ptr.dtype.element_ty, BITWISE), mask=offs < n)
+        tl.store(y_ptr + offs, to_out_dtype(x, y_ptr.dtype.element_ty, BITWISE), mask=offs < n)
 
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)

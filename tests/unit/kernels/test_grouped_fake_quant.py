@@ -308,13 +308,13 @@ if K.TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from modelopt_moe.kernels.triton_kernels import _to_out_dtype
+    from modelopt_moe.kernels.tile_kernels import to_out_dtype
 
     @triton.jit
     def _convert_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n)
-        tl.store(y_ptr + offs, _to_out_dtype(x, y_ptr.dtype.element_ty, True), mask=offs < n)
+        tl.store(y_ptr + offs, to_out_dtype(x, y_ptr.dtype.element_ty, True), mask=offs < n)
 
 
 @needs_triton
