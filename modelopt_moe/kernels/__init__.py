@@ -5,19 +5,15 @@ kernels can run on a device (CUDA, or CPU under ``TRITON_INTERPRET=1``). Imports
 """
 
 from .grouped_fake_quant import (
-    MAX_EXPERTS,
-    TRITON_AVAILABLE,
     GroupedInputFakeQuant,
     GroupedWeightFakeQuant,
     GroupedWeightSTE,
-    clear_table_cache,
     grouped_input_clip_grad,
     grouped_input_fake_quant,
     grouped_input_fake_quant_ste,
     grouped_weight_clip_grad,
     grouped_weight_fake_quant,
     grouped_weight_fake_quant_ste,
-    kernels_available,
 )
 from .grouped_scaled_input import (
     GroupedScaledInputFakeQuant,
@@ -32,6 +28,7 @@ from .grouped_training_stats import (
     grouped_weight_amax,
     grouped_weight_fake_quant_stats,
 )
+from .launch import MAX_EXPERTS, TRITON_AVAILABLE, clear_table_cache, kernels_available
 
 __all__ = [
     "MAX_EXPERTS",

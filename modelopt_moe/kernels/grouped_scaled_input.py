@@ -24,19 +24,15 @@ from typing import Optional
 import torch
 
 from ..numerics import scale_rows, scale_rows_backward
+from .checks import FLOAT_DTYPES, check_input, check_input_fake_quant, check_ste
 from .grouped_fake_quant import (
-    _FLOAT_DTYPES,
-    _check_input,
-    _check_input_fake_quant,
-    _check_ste,
-    _eager,
     _launch_input_clip_grad,
     _launch_input_fake_quant,
     _torch_input_clip_grad,
     _torch_input_fake_quant,
     grouped_input_fake_quant,
-    kernels_available,
 )
+from .launch import eager, kernels_available
 
 __all__ = [
     "grouped_input_fake_quant_scaled",
@@ -65,8 +61,8 @@ def _check_row_scale(row_scale, x: torch.Tensor, what: str) -> torch.Tensor:
     if not isinstance(row_scale, torch.Tensor) or row_scale.shape != x.shape[:1]:
         found = tuple(row_scale.shape) if isinstance(row_scale, torch.Tensor) else type(row_scale).__name__
         raise ValueError(f"{what}: row_scale must be a [{x.shape[0]}] tensor (one value per row of x), got {found}")
-    if row_scale.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{what}: row_scale has dtype {row_scale.dtype}; expected one of {_FLOAT_DTYPES}")
+    if row_scale.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{what}: row_scale has dtype {row_scale.dtype}; expected one of {FLOAT_DTYPES}")
     if row_scale.device != x.device:
         raise ValueError(f"{what}: row_scale is on {row_scale.device} but x is on {x.device}")
     return row_scale.contiguous()
@@ -92,9 +88,9 @@ def grouped_input_fake_quant_scaled(
             dtype or device.
     """
     what = "grouped_input_fake_quant_scaled"
-    m_splits, amax = _check_input_fake_quant(x, m_splits, amax, fmt, block_size, what)
+    m_splits, amax = check_input_fake_quant(x, m_splits, amax, fmt, block_size, what)
     row_scale = _check_row_scale(row_scale, x, what)
-    op = _input_fake_quant_scaled_impl if _eager() else torch.ops.modelopt_moe.grouped_input_fake_quant_scaled
+    op = _input_fake_quant_scaled_impl if eager() else torch.ops.modelopt_moe.grouped_input_fake_quant_scaled
     return op(x, m_splits, amax, fmt, row_scale, block_size, bool(narrow_range))
 
 
@@ -109,13 +105,13 @@ def grouped_input_scaled_clip_grad(grad: torch.Tensor, x: torch.Tensor, m_splits
     what = "grouped_input_scaled_clip_grad"
     if amax is None:
         raise ValueError(f"{what}: amax is required (without clipping the gradient is scale_rows_backward's)")
-    m_splits, amax = _check_input(x, m_splits, amax, what)
+    m_splits, amax = check_input(x, m_splits, amax, what)
     if not isinstance(grad, torch.Tensor) or grad.shape != x.shape or grad.device != x.device:
         raise ValueError(f"{what}: grad must be a tensor shaped like x {tuple(x.shape)} on {x.device}")
     if grad.dtype != x.dtype or not grad.is_contiguous():
         raise ValueError(f"{what}: grad must be a contiguous {x.dtype} tensor (x's dtype), got {grad.dtype}")
     row_scale = _check_row_scale(row_scale, x, what)
-    op = _input_scaled_clip_grad_impl if _eager() else torch.ops.modelopt_moe.grouped_input_scaled_clip_grad
+    op = _input_scaled_clip_grad_impl if eager() else torch.ops.modelopt_moe.grouped_input_scaled_clip_grad
     return op(grad, x, m_splits, amax, row_scale)
 
 
@@ -172,7 +168,7 @@ class GroupedScaledInputFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, m_splits, amax, fmt, row_scale, block_size, ste, narrow_range=True):
-        _check_ste(ste)
+        check_ste(ste)
         y = grouped_input_fake_quant_scaled(x, m_splits, amax, fmt, row_scale, block_size, narrow_range)
         ctx.clipped = ste == "clipped" and amax is not None
         ctx.fmt, ctx.block_size, ctx.narrow_range = fmt, block_size, narrow_range

@@ -25,28 +25,24 @@ from typing import Optional
 import torch
 
 from ..numerics import fake_quant, quant_error_sums
-from . import table_layout as tbl
-from .grouped_fake_quant import (
-    _amax_mode,
-    _cdiv,
-    _check_input_fake_quant,
-    _check_weight_fake_quant,
-    _check_weights,
-    _eager,
-    _expert_amax,
-    _inner_block,
-    _input_tiling,
-    _int_kwargs,
-    _launch_kwargs,
-    _next_pow2,
-    _padded,
-    _row_amax,
-    _split_views,
-    _weight_config,
-    _weight_plan,
+from .checks import check_input_fake_quant, check_weight_fake_quant, check_weights
+from .fallback import expert_amax, int_kwargs, per_row_amax
+from .launch import (
+    COL_TILE0,
+    amax_mode,
+    cdiv,
+    eager,
     format_constexprs,
+    inner_block,
+    input_tiling,
     kernels_available,
+    launch_kwargs,
+    next_pow2,
+    padded,
+    split_views,
+    weight_plan,
 )
+from .tuning import weight_kernel_config
 
 __all__ = ["grouped_weight_amax", "grouped_weight_fake_quant_stats", "grouped_input_fake_quant_stats",
            "expert_row_sums", "GroupedInputSTE"]
@@ -73,13 +69,13 @@ def _launch_weight_amax(weights, per_channel: bool, sig=None) -> torch.Tensor:
     n = len(weights)
     out = torch.zeros((n, weights[0].shape[0]) if per_channel else (n,), dtype=torch.float32,
                       device=weights[0].device)
-    plan = _weight_plan(weights, None, 16, two_d=per_channel, sig=sig)
+    plan = weight_plan(weights, None, 16, two_d=per_channel, sig=sig)
     if plan.n_tiles == 0:
         return out
     _amax_kernels().grouped_weight_amax_kernel[(plan.n_tiles,)](
         weights[plan.base], out, plan.table, n, plan.u_tiles, plan.u_rows, plan.u_cols, plan.u_ctiles,
         PER_ROW=per_channel, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs, VEC=plan.vec,
-        SEARCH_STEPS=plan.steps, UNIFORM=plan.uniform, num_warps=_launch_kwargs(out.device)["num_warps"],
+        SEARCH_STEPS=plan.steps, UNIFORM=plan.uniform, num_warps=launch_kwargs(out.device)["num_warps"],
     )
     return out
 
@@ -98,17 +94,17 @@ def _torch_weight_amax(weights, per_channel: bool) -> torch.Tensor:
 
 def _tile_counts(plan, n: int) -> list[int]:
     """Tiles of each expert, from the host copy of the plan's table (no device sync)."""
-    tile0 = plan.host[:, tbl.COL_TILE0].tolist()
+    tile0 = plan.host[:, COL_TILE0].tolist()
     return [b - a for a, b in zip(tile0, [*tile0[1:], plan.n_tiles], strict=True)][:n]
 
 
 def _launch_weight_stats(weights, amax, fmt, block_size, narrow_range=True,
-                        sig=None) -> tuple[torch.Tensor, torch.Tensor]:
+                         sig=None) -> tuple[torch.Tensor, torch.Tensor]:
     n = len(weights)
-    amax_mode, amax_stride = _amax_mode(amax, n)
-    bs, _ = _inner_block(fmt, block_size)
-    plan = _weight_plan(weights, None, bs, two_d=amax_mode == 2 or _padded(weights, block_size),
-                        tile_elems=_weight_config(fmt)["tile"], sig=sig)
+    mode, amax_stride = amax_mode(amax, n)
+    bs, _ = inner_block(fmt, block_size)
+    plan = weight_plan(weights, None, bs, two_d=mode == 2 or padded(weights, block_size),
+                       tile_elems=weight_kernel_config(fmt)["tile"], sig=sig)
     device = weights[0].device
     out = torch.empty(plan.total, dtype=weights[0].dtype, device=device)
     partial = torch.zeros(plan.n_tiles, 4, dtype=torch.float32, device=device)
@@ -117,9 +113,9 @@ def _launch_weight_stats(weights, amax, fmt, block_size, narrow_range=True,
             weights[plan.base], out, partial, plan.table, amax if amax is not None else plan.table, n, amax_stride,
             plan.u_tiles, plan.u_rows, plan.u_cols, plan.u_ctiles,
             **format_constexprs(fmt, block_size),
-            AMAX_MODE=amax_mode, TWO_D=plan.two_d, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs,
+            AMAX_MODE=mode, TWO_D=plan.two_d, TILE_R=plan.tile_r, TILE_NB=plan.tile_nb, BS=plan.bs,
             VEC=plan.vec, SEARCH_STEPS=plan.steps, UNIFORM=plan.uniform, NARROW=bool(narrow_range),
-            **_launch_kwargs(device),
+            **launch_kwargs(device),
         )
     partial = partial.double()
     if plan.uniform:
@@ -133,7 +129,7 @@ def _torch_weight_stats(weights, amax, fmt, block_size, narrow_range=True) -> tu
     out = torch.empty(sum(w.numel() for w in weights), dtype=weights[0].dtype, device=weights[0].device)
     stats, o = [], 0
     for i, w in enumerate(weights):
-        y = fake_quant(w, fmt, _expert_amax(amax, i), block_size, **_int_kwargs(fmt, narrow_range))
+        y = fake_quant(w, fmt, expert_amax(amax, i), block_size, **int_kwargs(fmt, narrow_range))
         out[o : o + w.numel()] = y.reshape(-1)
         stats.append(quant_error_sums(w, y))
         o += w.numel()
@@ -151,23 +147,23 @@ def _rows_to_experts(row_stats: torch.Tensor, m_splits: torch.Tensor) -> torch.T
 def _launch_input_stats(x, m_splits, amax, fmt, block_size, narrow_range=True) -> tuple[torch.Tensor, torch.Tensor]:
     y = torch.empty_like(x)
     t, kdim = x.shape
-    bs, _ = _inner_block(fmt, block_size)
-    tile_r, tile_nb, tile_w = _input_tiling(kdim, bs)
-    n_ctiles = max(1, _cdiv(kdim, tile_w))
+    bs, _ = inner_block(fmt, block_size)
+    tile_r, tile_nb, tile_w = input_tiling(kdim, bs)
+    n_ctiles = max(1, cdiv(kdim, tile_w))
     partial = torch.zeros(t, n_ctiles, 4, dtype=torch.float32, device=x.device)
     n = m_splits.numel()
     if x.numel():
-        _kernels().grouped_input_fake_quant_stats_kernel[(_cdiv(t, tile_r), n_ctiles)](
+        _kernels().grouped_input_fake_quant_stats_kernel[(cdiv(t, tile_r), n_ctiles)](
             x, y, partial, m_splits, amax if amax is not None else m_splits, t, kdim, n, n_ctiles,
             **format_constexprs(fmt, block_size),
-            PER_EXPERT=amax is not None and amax.dim() == 1, N_PAD=_next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb,
-            BS=bs, NARROW=bool(narrow_range), **_launch_kwargs(x.device),
+            PER_EXPERT=amax is not None and amax.dim() == 1, N_PAD=next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb,
+            BS=bs, NARROW=bool(narrow_range), **launch_kwargs(x.device),
         )
     return y, _rows_to_experts(partial.sum(1, dtype=torch.float64), m_splits)
 
 
 def _torch_input_stats(x, m_splits, amax, fmt, block_size, narrow_range=True) -> tuple[torch.Tensor, torch.Tensor]:
-    y = fake_quant(x, fmt, _row_amax(x, m_splits, amax), block_size, **_int_kwargs(fmt, narrow_range))
+    y = fake_quant(x, fmt, per_row_amax(x, m_splits, amax), block_size, **int_kwargs(fmt, narrow_range))
     return y, _rows_to_experts(quant_error_sums(x, y, keep_rows=True), m_splits)
 
 
@@ -188,13 +184,13 @@ def grouped_weight_amax(weights: Sequence[torch.Tensor], per_channel: bool = Fal
         ValueError: on an empty or too long list, mixed dtypes or devices, non-contiguous experts, or (per channel)
             experts that are not 2-D with the same number of rows.
     """
-    weights, _, sig = _check_weights(weights, "grouped_weight_amax", None, None, None)
+    weights, _, sig = check_weights(weights, "grouped_weight_amax", None, None, None)
     if per_channel:
         rows = {w.shape[0] if w.dim() == 2 else None for w in weights}
         if len(rows) != 1 or None in rows:
             raise ValueError(f"grouped_weight_amax: per_channel needs 2-D experts with one row count, got shapes "
                              f"{[tuple(w.shape) for w in weights]}")
-    if _eager():  # the op's body without the dispatcher round trip
+    if eager():  # the op's body without the dispatcher round trip
         return _weight_amax_impl(weights, bool(per_channel), sig)
     return torch.ops.modelopt_moe.grouped_weight_amax(weights, bool(per_channel))
 
@@ -212,13 +208,13 @@ def grouped_weight_fake_quant_stats(
     Raises:
         ValueError: as :func:`~.grouped_fake_quant.grouped_weight_fake_quant`.
     """
-    weights, amax, sig = _check_weight_fake_quant(weights, amax, fmt, block_size, "grouped_weight_fake_quant_stats")
-    if _eager():
+    weights, amax, sig = check_weight_fake_quant(weights, amax, fmt, block_size, "grouped_weight_fake_quant_stats")
+    if eager():
         flat, stats = _weight_stats_impl(weights, amax, fmt, block_size, bool(narrow_range), sig)
     else:
         flat, stats = torch.ops.modelopt_moe.grouped_weight_fake_quant_stats(weights, amax, fmt, block_size,
                                                                              bool(narrow_range))
-    return _split_views(flat, weights, sig), stats
+    return split_views(flat, weights, sig), stats
 
 
 def grouped_input_fake_quant_stats(
@@ -234,8 +230,8 @@ def grouped_input_fake_quant_stats(
     Raises:
         ValueError: as :func:`~.grouped_fake_quant.grouped_input_fake_quant`.
     """
-    m_splits, amax = _check_input_fake_quant(x, m_splits, amax, fmt, block_size, "grouped_input_fake_quant_stats")
-    op = _input_stats_impl if _eager() else torch.ops.modelopt_moe.grouped_input_fake_quant_stats
+    m_splits, amax = check_input_fake_quant(x, m_splits, amax, fmt, block_size, "grouped_input_fake_quant_stats")
+    op = _input_stats_impl if eager() else torch.ops.modelopt_moe.grouped_input_fake_quant_stats
     return op(x, m_splits, amax, fmt, block_size, bool(narrow_range))
 
 

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..numerics import FORMATS
 from ..numerics import TINY_AMAX as _TINY_AMAX
-from . import table_layout as _cols
+from . import launch
 
 # Format codes (the FMT constexpr), from the numeric contract.
 E4M3: tl.constexpr = tl.constexpr(FORMATS["e4m3"].code)
@@ -38,15 +38,15 @@ INT7: tl.constexpr = tl.constexpr(FORMATS["int7"].code)
 TINY_AMAX: tl.constexpr = tl.constexpr(_TINY_AMAX)
 FP32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
-# Table columns of the weight kernels (int64 [N, NCOL]); see table_layout.py.
-COL_IN: tl.constexpr = tl.constexpr(_cols.COL_IN)
-COL_AUX: tl.constexpr = tl.constexpr(_cols.COL_AUX)
-COL_OUT: tl.constexpr = tl.constexpr(_cols.COL_OUT)
-COL_ROWS: tl.constexpr = tl.constexpr(_cols.COL_ROWS)
-COL_COLS: tl.constexpr = tl.constexpr(_cols.COL_COLS)
-COL_TILE0: tl.constexpr = tl.constexpr(_cols.COL_TILE0)
-COL_CTILES: tl.constexpr = tl.constexpr(_cols.COL_CTILES)
-NCOL: tl.constexpr = tl.constexpr(_cols.NCOL)
+# Table columns of the weight kernels (int64 [N, NCOL]); see launch.py.
+COL_IN: tl.constexpr = tl.constexpr(launch.COL_IN)
+COL_AUX: tl.constexpr = tl.constexpr(launch.COL_AUX)
+COL_OUT: tl.constexpr = tl.constexpr(launch.COL_OUT)
+COL_ROWS: tl.constexpr = tl.constexpr(launch.COL_ROWS)
+COL_COLS: tl.constexpr = tl.constexpr(launch.COL_COLS)
+COL_TILE0: tl.constexpr = tl.constexpr(launch.COL_TILE0)
+COL_CTILES: tl.constexpr = tl.constexpr(launch.COL_CTILES)
+NCOL: tl.constexpr = tl.constexpr(launch.NCOL)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ pytestmark = [
 ]
 
 from modelopt_moe import kernels as K  # noqa: E402
-from modelopt_moe.kernels import grouped_fake_quant as gfq  # noqa: E402
+from modelopt_moe.kernels import launch  # noqa: E402
 from modelopt_moe.numerics import fake_quant, round_to_e2m1, scale_rows  # noqa: E402
 
 FORMATS = [("e4m3", None), ("e5m2", None), ("nvfp4", None), ("int8", None), ("int4", None), ("int8", 16),
@@ -266,7 +266,7 @@ def _graph_inputs():
 @pytest.mark.parametrize("warmup", [True, False])
 def test_cuda_graph_capture_and_replay(warmup):
     weights, amax, m, x = _graph_inputs()
-    gfq.clear_table_cache()
+    launch.clear_table_cache()
 
     def step():
         outs = K.grouped_weight_fake_quant(weights, amax, "nvfp4")
@@ -332,7 +332,7 @@ def test_torch_compile_fullgraph_autograd():
 @pytest.mark.parametrize("cached", [True, False])
 def test_no_host_sync(cached):
     weights, amax, m, x = _graph_inputs()
-    gfq.clear_table_cache()
+    launch.clear_table_cache()
     if cached:
         K.grouped_weight_fake_quant(weights, amax, "e4m3")
     torch.cuda.synchronize()

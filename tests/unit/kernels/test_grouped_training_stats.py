@@ -16,8 +16,8 @@ from test_grouped_fake_quant import (  # noqa: E402 - sibling test module
 )
 
 from modelopt_moe import kernels as K
-from modelopt_moe.kernels import grouped_fake_quant as gfq
 from modelopt_moe.kernels import grouped_training_stats as gts
+from modelopt_moe.kernels import launch
 from modelopt_moe.numerics import fake_quant, quant_error_sums, relative_mse, underflow_pct
 
 
@@ -163,4 +163,4 @@ def test_torch_compile_fullgraph_traces_the_stats_ops():
     got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*weights, amax, x, m)
     assert torch.equal(got[0], torch.stack([torch_amax(w, False) for w in weights]))
     assert got[3].shape == (2, 4) and got[5].shape == (2, 4)
-    gfq.clear_table_cache()
+    launch.clear_table_cache()
