@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from modelopt_moe import kernels as K
-from modelopt_moe.kernels import grouped_fake_quant as gfq
-from modelopt_moe.kernels import launch
+from modelopt_moe.kernels import input_fake_quant, launch, weight_fake_quant
 from modelopt_moe.numerics import fake_quant
 
 needs_triton = pytest.mark.skipif(
@@ -508,7 +507,8 @@ def test_value_errors(call, match):
 
 def test_torch_fallback_is_bit_exact(monkeypatch):
     """The pure-torch path (no triton, or CPU without the interpreter) gives the same bits as the reference."""
-    monkeypatch.setattr(gfq, "kernels_available", lambda device: False)
+    monkeypatch.setattr(weight_fake_quant, "kernels_available", lambda device: False)
+    monkeypatch.setattr(input_fake_quant, "kernels_available", lambda device: False)
     weights = make_experts(RAGGED[:3], torch.bfloat16)
     for fmt, bs in FORMATS:
         amax = distinct_amax(weights)
