@@ -20,6 +20,8 @@ STE_MODES = ("pass_through", "clipped")
 
 
 def check_format(fmt: str, block_size: int | None) -> None:
+    """Checks that ``fmt`` is a known format and ``block_size`` one it takes (int formats: a power of two in
+    [2, 4096]; NVFP4: its own 16; fp8: none)."""
     spec = get_format(fmt)  # ValueError on an unknown format
     if block_size is None:
         return
@@ -38,6 +40,7 @@ def needs_amax(fmt: str, block_size: int | None) -> bool:
 
 
 def check_ste(ste: str) -> None:
+    """Checks a straight-through estimator name against :data:`STE_MODES`."""
     if ste not in STE_MODES:
         raise ValueError(f"ste must be one of {STE_MODES}, got {ste!r}")
 

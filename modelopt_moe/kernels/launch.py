@@ -278,10 +278,12 @@ def clear_table_cache() -> None:
 # Tiling and launch arguments
 # ----------------------------------------------------------------------------------------------------------------
 def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
     return 1 << max(0, int(n) - 1).bit_length()
 
 
 def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` in integers."""
     return -(-a // b)
 
 
@@ -298,6 +300,7 @@ def format_constexprs(fmt: str, block_size: int | None) -> dict:
 
 
 def launch_kwargs(device: torch.device) -> dict:
+    """Launch keywords every kernel takes on ``device``: warps, no fp fusion, and how to round to the output dtype."""
     # No fused multiply-add: the rounding relies on x * scale being rounded before the magic add.
     # BITWISE_CVT: the interpreter's fp32 -> bf16 .to() is wrong, so it rounds by arithmetic; GPUs use cvt.rn.
     return {"num_warps": NUM_WARPS, "enable_fp_fusion": False, "BITWISE_CVT": device.type != "cuda"}
