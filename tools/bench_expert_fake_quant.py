@@ -146,8 +146,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
 
-    from modelopt_moe.kernels import grouped_fake_quant as gfq
-    from modelopt_moe.kernels import grouped_weight_fake_quant, kernels_available
+    from modelopt_moe.kernels import clear_table_cache, grouped_weight_fake_quant, kernels_available, tuning
     from modelopt_moe.numerics import fake_quant
 
     if not kernels_available("cuda"):
@@ -174,14 +173,14 @@ def main() -> None:
             best = None
             for tile in (1024, 2048, 4096, 8192):
                 for warps in (2, 4, 8):
-                    gfq._TUNE["*"] = {"tile": tile, "warps": warps}
-                    gfq.clear_table_cache()
+                    tuning.set_weight_kernel_config("*", tile=tile, warps=warps)
+                    clear_table_cache()
                     t = bench(rotating(grouped, sets), rep_ms=100)
                     print(f"    sweep {name}: tile {tile:6d} warps {warps}: {t:.3f} ms  "
                           f"{nbytes / (t * 1e-3) / bw:.3f} of copy")
                     best = min(best or (t, tile, warps), (t, tile, warps))
-            gfq._TUNE.clear()
-            gfq.clear_table_cache()
+            tuning.reset_weight_kernel_config()
+            clear_table_cache()
             print(f"    best: tile {best[1]} warps {best[2]}: {best[0]:.3f} ms")
         if not args.quick:
             def loop(ws, fmt=fmt, amax=amax):

@@ -3,7 +3,8 @@
 L2 flushed, two rotating weight sets). Prints a table of the fraction of device copy bandwidth per variant.
 
 Usage: ``python tools/tune_weight_kernel.py [--budget SECONDS] [--json PATH]``. Variants are option dicts for
-``grouped_fake_quant._TUNE`` (see ``_WEIGHT_DEFAULTS`` there); ``{}`` is the shipped configuration.
+``modelopt_moe.kernels.tuning.set_weight_kernel_config`` (see ``WEIGHT_KERNEL_DEFAULTS`` there); ``None`` is the
+shipped configuration.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ _BASE = {"tile": 4096, "warps": 4, "uniform": False, "even": False, "hw_cvt": Fa
          "fast_max": False}  # the kernel before tuning
 _U = {"uniform": True, "even": True}
 _FAST = {**_U, "hw_cvt": True, "lean": True, "fast_max": True}
-VARIANTS = {  # name -> overrides of _BASE (None: the shipped _WEIGHT_DEFAULTS), most informative first
+VARIANTS = {  # name -> overrides of _BASE (None: the shipped WEIGHT_KERNEL_DEFAULTS), most informative first
     "base": {},
     "fast": _FAST,
     "uni+even": _U,
@@ -65,12 +66,12 @@ def adversarial_experts(dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.T
     return [e0.contiguous(), e1, e2, e3], amax
 
 
-def check(fmt: str, gfq, fake_quant) -> bool:
+def check(fmt: str, grouped_weight_fake_quant, fake_quant) -> bool:
     ok = True
     for dtype in (torch.bfloat16,):
         ws, amax = adversarial_experts(dtype)
         for am in (amax, amax[:1].expand(4).contiguous() * 0 + 6.0):
-            out = gfq.grouped_weight_fake_quant(ws, am, fmt)
+            out = grouped_weight_fake_quant(ws, am, fmt)
             for i, w in enumerate(ws):
                 ok &= bits_equal(out[i], fake_quant(w, fmt, am[i]))
     return ok
@@ -93,7 +94,7 @@ def main() -> None:
     args = p.parse_args()
     import triton.testing
 
-    from modelopt_moe.kernels import grouped_fake_quant as gfq
+    from modelopt_moe.kernels import clear_table_cache, grouped_weight_fake_quant, tuning
     from modelopt_moe.numerics import fake_quant
 
     t_start = time.time()
@@ -101,10 +102,10 @@ def main() -> None:
 
     def set_variant(name):
         ov = VARIANTS[name]
-        gfq._TUNE.clear()
+        tuning.reset_weight_kernel_config()
         if ov is not None:
-            gfq._TUNE["*"] = {**_BASE, **ov}
-        gfq.clear_table_cache()
+            tuning.set_weight_kernel_config("*", **{**_BASE, **ov})
+        clear_table_cache()
 
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {bw / 1e9:.0f} GB/s", flush=True)
@@ -113,7 +114,7 @@ def main() -> None:
     for name in names:
         set_variant(name)
         t0 = time.time()
-        exact[name] = all(check(fmt, gfq, fake_quant) for fmt in ("e4m3", "e5m2", "nvfp4"))
+        exact[name] = all(check(fmt, grouped_weight_fake_quant, fake_quant) for fmt in ("e4m3", "e5m2", "nvfp4"))
         print(f"  check {name:<18} {'bit-exact' if exact[name] else 'MISMATCH'}  ({time.time() - t0:.1f} s)",
               flush=True)
 
@@ -138,7 +139,7 @@ def main() -> None:
             key = f"{fmt} {n}x[{r}x{k}]"
             sets, amax = data[(n, r, k)]
             nbytes = 4 * n * r * k
-            out = gfq.grouped_weight_fake_quant(sets[0], amax, fmt)
+            out = grouped_weight_fake_quant(sets[0], amax, fmt)
             if not (bits_equal(out[0], fake_quant(sets[0][0], fmt, amax[0]))
                     and bits_equal(out[-1], fake_quant(sets[0][-1], fmt, amax[-1]))):
                 print(f"  {key} {name}: MISMATCH on benchmark data", flush=True)
@@ -147,10 +148,10 @@ def main() -> None:
             del out
             graphs = []
             for ws in sets:
-                gfq.grouped_weight_fake_quant(ws, amax, fmt)
+                grouped_weight_fake_quant(ws, amax, fmt)
                 gr = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(gr):
-                    gfq.grouped_weight_fake_quant(ws, amax, fmt)
+                    grouped_weight_fake_quant(ws, amax, fmt)
                 graphs.append(gr)
             state = {"i": 0}
 

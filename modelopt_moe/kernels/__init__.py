@@ -2,35 +2,42 @@
 
 Imports with torch alone; ``TRITON_AVAILABLE`` says whether triton imports, :func:`kernels_available` whether the
 kernels can run on a device (CUDA, or CPU under ``TRITON_INTERPRET=1``). Imports only ``modelopt_moe.numerics``.
+
+One module per op family, each with the same parts in the same order (launcher with its ``ValueError`` checks, torch
+fallback, ``torch.library.custom_op`` with ``register_fake``, autograd), its ``@triton.jit`` code apart in
+``<family>_kernels.py``, imported on the first launch:
+
+- :mod:`.weight_fake_quant`: N expert weights in one launch, and the clipped straight-through gradient;
+- :mod:`.input_fake_quant`: tokens split among N experts by ``m_splits``, optionally times a per-row scale;
+- :mod:`.weight_amax`: ``max |w|`` of N experts (``weight_amax_update: dynamic``);
+- :mod:`.quant_stats`: fake quant with quantization-error sums (precision autoswitch).
+
+Beneath them: :mod:`.launch` (backend, expert-list signatures, the cached pointer tables, tiling), :mod:`.checks`
+(the shared ``ValueError`` checks), :mod:`.fallback` (what the torch fallbacks share), :mod:`.tuning` (launch options
+of the weight kernel, with a public hook to override them) and :mod:`.tile_kernels` (the ``@triton.jit`` helpers
+every kernel is built from).
 """
 
-from .grouped_fake_quant import (
-    MAX_EXPERTS,
-    TRITON_AVAILABLE,
+from .input_fake_quant import (
     GroupedInputFakeQuant,
-    GroupedWeightFakeQuant,
-    GroupedWeightSTE,
-    clear_table_cache,
+    GroupedInputSTE,
+    GroupedScaledInputFakeQuant,
     grouped_input_clip_grad,
     grouped_input_fake_quant,
+    grouped_input_fake_quant_scaled,
+    grouped_input_fake_quant_scaled_ste,
     grouped_input_fake_quant_ste,
+    grouped_input_scaled_clip_grad,
+)
+from .launch import MAX_EXPERTS, TRITON_AVAILABLE, clear_table_cache, kernels_available
+from .quant_stats import expert_row_sums, grouped_input_fake_quant_stats, grouped_weight_fake_quant_stats
+from .weight_amax import grouped_weight_amax
+from .weight_fake_quant import (
+    GroupedWeightFakeQuant,
+    GroupedWeightSTE,
     grouped_weight_clip_grad,
     grouped_weight_fake_quant,
     grouped_weight_fake_quant_ste,
-    kernels_available,
-)
-from .grouped_scaled_input import (
-    GroupedScaledInputFakeQuant,
-    grouped_input_fake_quant_scaled,
-    grouped_input_fake_quant_scaled_ste,
-    grouped_input_scaled_clip_grad,
-)
-from .grouped_training_stats import (
-    GroupedInputSTE,
-    expert_row_sums,
-    grouped_input_fake_quant_stats,
-    grouped_weight_amax,
-    grouped_weight_fake_quant_stats,
 )
 
 __all__ = [

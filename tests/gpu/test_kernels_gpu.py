@@ -13,7 +13,7 @@ pytestmark = [
 ]
 
 from modelopt_moe import kernels as K  # noqa: E402
-from modelopt_moe.kernels import grouped_fake_quant as gfq  # noqa: E402
+from modelopt_moe.kernels import launch  # noqa: E402
 from modelopt_moe.numerics import fake_quant, round_to_e2m1, scale_rows  # noqa: E402
 
 FORMATS = [("e4m3", None), ("e5m2", None), ("nvfp4", None), ("int8", None), ("int4", None), ("int8", 16),
@@ -133,13 +133,13 @@ def test_e2m1_and_output_conversion_edges():
     import triton
     import triton.language as tl
 
-    from modelopt_moe.kernels.triton_kernels import _to_out_dtype
+    from modelopt_moe.kernels.tile_kernels import to_out_dtype
 
     @triton.jit
     def convert(x_ptr, y_ptr, n, BLOCK: tl.constexpr, BITWISE: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n)
-        tl.store(y_ptr + offs, _to_out_dtype(x, y_ptr.dtype.element_ty, BITWISE), mask=offs < n)
+        tl.store(y_ptr + offs, to_out_dtype(x, y_ptr.dtype.element_ty, BITWISE), mask=offs < n)
 
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
@@ -266,7 +266,7 @@ def _graph_inputs():
 @pytest.mark.parametrize("warmup", [True, False])
 def test_cuda_graph_capture_and_replay(warmup):
     weights, amax, m, x = _graph_inputs()
-    gfq.clear_table_cache()
+    launch.clear_table_cache()
 
     def step():
         outs = K.grouped_weight_fake_quant(weights, amax, "nvfp4")
@@ -332,7 +332,7 @@ def test_torch_compile_fullgraph_autograd():
 @pytest.mark.parametrize("cached", [True, False])
 def test_no_host_sync(cached):
     weights, amax, m, x = _graph_inputs()
-    gfq.clear_table_cache()
+    launch.clear_table_cache()
     if cached:
         K.grouped_weight_fake_quant(weights, amax, "e4m3")
     torch.cuda.synchronize()

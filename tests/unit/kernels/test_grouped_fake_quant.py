@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from modelopt_moe import kernels as K
-from modelopt_moe.kernels import grouped_fake_quant as gfq
+from modelopt_moe.kernels import input_fake_quant, launch, weight_fake_quant
 from modelopt_moe.numerics import fake_quant
 
 needs_triton = pytest.mark.skipif(
@@ -308,13 +308,13 @@ if K.TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from modelopt_moe.kernels.triton_kernels import _to_out_dtype
+    from modelopt_moe.kernels.tile_kernels import to_out_dtype
 
     @triton.jit
     def _convert_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n)
-        tl.store(y_ptr + offs, _to_out_dtype(x, y_ptr.dtype.element_ty, True), mask=offs < n)
+        tl.store(y_ptr + offs, to_out_dtype(x, y_ptr.dtype.element_ty, True), mask=offs < n)
 
 
 @needs_triton
@@ -507,7 +507,8 @@ def test_value_errors(call, match):
 
 def test_torch_fallback_is_bit_exact(monkeypatch):
     """The pure-torch path (no triton, or CPU without the interpreter) gives the same bits as the reference."""
-    monkeypatch.setattr(gfq, "kernels_available", lambda device: False)
+    monkeypatch.setattr(weight_fake_quant, "kernels_available", lambda device: False)
+    monkeypatch.setattr(input_fake_quant, "kernels_available", lambda device: False)
     weights = make_experts(RAGGED[:3], torch.bfloat16)
     for fmt, bs in FORMATS:
         amax = distinct_amax(weights)
@@ -525,7 +526,7 @@ def test_torch_fallback_is_bit_exact(monkeypatch):
 
 def test_kernels_available():
     assert not K.kernels_available("meta")
-    assert K.kernels_available("cpu") == (K.TRITON_AVAILABLE and gfq._interpret_mode())
+    assert K.kernels_available("cpu") == (K.TRITON_AVAILABLE and launch._interpret_mode())
 
 
 @pytest.mark.slow  # a fresh interpreter (or spawned ranks)
@@ -563,30 +564,30 @@ def test_torch_compile_fullgraph_traces_the_ops():
 
 @needs_triton
 def test_pointer_table_cache_is_keyed_on_pointers():
-    gfq.clear_table_cache()
+    launch.clear_table_cache()
     weights = make_experts([(4, 32), (2, 32)], torch.bfloat16)
     amax = distinct_amax(weights)
     K.grouped_weight_fake_quant(weights, amax, "e4m3")
     K.grouped_weight_fake_quant(weights, amax, "e4m3")
-    assert len(gfq._plan_cache) == 1
+    assert len(launch._plan_cache) == 1
     with torch.no_grad():
         weights[0].mul_(0.5)  # in place: same pointers, new values
     assert_bits_equal(K.grouped_weight_fake_quant(weights, amax, "e4m3")[0], fake_quant(weights[0], "e4m3", amax[0]))
     moved = [weights[0], weights[1].clone()]
     assert_bits_equal(K.grouped_weight_fake_quant(moved, amax, "e4m3")[1], fake_quant(moved[1], "e4m3", amax[1]))
-    assert len(gfq._plan_cache) == 2
+    assert len(launch._plan_cache) == 2
 
 
 def test_checked_lists_are_rechecked_when_a_tensor_changes_behind_the_same_objects():
     """The per-expert checks run once per signature (addresses, shapes, strides, dtypes, devices); a parameter whose
     ``.data`` is swapped (as Megatron's DDP and ``Float16Module`` do) is checked again, and the result follows it."""
-    gfq.clear_table_cache()
+    launch.clear_table_cache()
     weights = [torch.nn.Parameter(w) for w in make_experts([(4, 32), (4, 32)], torch.float32)]
     amax = distinct_amax(weights).detach()
     with torch.no_grad():
         for _ in range(2):
             out = K.grouped_weight_fake_quant(weights, amax, "e4m3")
-        assert len(gfq._checked) == 1
+        assert len(launch._checked) == 1
         # Same address, transposed: not contiguous any more.
         original = weights[0].data
         weights[0].data = original.t()

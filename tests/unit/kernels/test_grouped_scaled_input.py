@@ -11,7 +11,7 @@ import torch
 from test_grouped_fake_quant import FORMATS, assert_bits_equal, input_reference, make_tokens  # noqa: E402
 
 from modelopt_moe import kernels as K
-from modelopt_moe.kernels import grouped_scaled_input as gsi
+from modelopt_moe.kernels import input_fake_quant
 from modelopt_moe.numerics import fake_quant, scale_rows
 
 needs_triton = pytest.mark.skipif(
@@ -155,7 +155,7 @@ def test_scaled_clip_grad_kernel(dtype):
 
 def test_torch_fallback_is_bit_exact(monkeypatch):
     """The pure-torch path (no triton, or CPU without the interpreter) gives the same bits and gradients."""
-    monkeypatch.setattr(gsi, "kernels_available", lambda device: False)
+    monkeypatch.setattr(input_fake_quant, "kernels_available", lambda device: False)
     x0 = make_tokens(M_SPLITS, 32, torch.bfloat16)
     p0, amax = probs(x0.shape[0]), torch.tensor(AMAX)
     for fmt, bs in FORMATS:

@@ -16,8 +16,7 @@ from test_grouped_fake_quant import (  # noqa: E402 - sibling test module
 )
 
 from modelopt_moe import kernels as K
-from modelopt_moe.kernels import grouped_fake_quant as gfq
-from modelopt_moe.kernels import grouped_training_stats as gts
+from modelopt_moe.kernels import launch, quant_stats, weight_amax
 from modelopt_moe.numerics import fake_quant, quant_error_sums, relative_mse, underflow_pct
 
 
@@ -140,7 +139,8 @@ def test_torch_fallbacks_match(monkeypatch):
     weights = make_experts(RAGGED[:3], torch.bfloat16)
     amax = distinct_amax(weights)
     fast = (K.grouped_weight_amax(weights), K.grouped_weight_fake_quant_stats(weights, amax, "e4m3"))
-    monkeypatch.setattr(gts, "kernels_available", lambda device: False)
+    monkeypatch.setattr(weight_amax, "kernels_available", lambda device: False)
+    monkeypatch.setattr(quant_stats, "kernels_available", lambda device: False)
     slow = (K.grouped_weight_amax(weights), K.grouped_weight_fake_quant_stats(weights, amax, "e4m3"))
     assert torch.equal(fast[0], slow[0])
     for a, b in zip(fast[1][0], slow[1][0], strict=True):
@@ -163,4 +163,4 @@ def test_torch_compile_fullgraph_traces_the_stats_ops():
     got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*weights, amax, x, m)
     assert torch.equal(got[0], torch.stack([torch_amax(w, False) for w in weights]))
     assert got[3].shape == (2, 4) and got[5].shape == (2, 4)
-    gfq.clear_table_cache()
+    launch.clear_table_cache()

@@ -167,13 +167,13 @@ def test_unsampled_steps_dispatch_exactly_the_ops_of_a_model_without_autoswitch(
 def test_sampled_grouped_step_measures_all_experts_in_one_launch_per_operand(tmp_path, monkeypatch):
     if not K.kernels_available("cpu"):
         pytest.skip("Triton interpreter not active")
-    from modelopt_moe.kernels import grouped_training_stats as gts
+    from modelopt_moe.kernels import quant_stats
 
     layer, x = _outlier_layer(_yaml(tmp_path), "triton")
     launches = Counter()
     for name in ("_launch_weight_stats", "_launch_input_stats"):
-        real = getattr(gts, name)
-        monkeypatch.setattr(gts, name, lambda *a, _r=real, _n=name: launches.update([_n]) or _r(*a))
+        real = getattr(quant_stats, name)
+        monkeypatch.setattr(quant_stats, name, lambda *a, _r=real, _n=name: launches.update([_n]) or _r(*a))
     with mtq.autoswitch_step(layer, 0):
         layer(x, SPLITS).sum().backward()
     assert launches == {"_launch_weight_stats": 1, "_launch_input_stats": 1}

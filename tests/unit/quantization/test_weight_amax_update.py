@@ -98,12 +98,12 @@ def test_dynamic_recomputes_from_the_current_weights_and_stores_what_it_used(lay
 def test_dynamic_amax_of_n_experts_is_one_launch(monkeypatch):
     if not K.kernels_available("cpu"):
         pytest.skip("Triton interpreter not active")
-    from modelopt_moe.kernels import grouped_training_stats as gts
+    from modelopt_moe.kernels import weight_amax as kernel_amax
 
     layer, x = _grouped("dynamic", kernel="triton")
     calls = []
-    real = gts._launch_weight_amax
-    monkeypatch.setattr(gts, "_launch_weight_amax", lambda *a: calls.append(len(a[0])) or real(*a))
+    real = kernel_amax._launch_weight_amax
+    monkeypatch.setattr(kernel_amax, "_launch_weight_amax", lambda *a: calls.append(len(a[0])) or real(*a))
     with torch.no_grad():
         layer(x, SPLITS)
     assert calls == [N]

@@ -1,8 +1,6 @@
-"""Triton kernels for grouped (all experts, one launch) fake quantization; private, imported lazily.
-
-This file holds only ``@triton.jit`` code. The launchers, ``torch.library`` custom ops and autograd functions live
-in :mod:`modelopt_moe.kernels.grouped_fake_quant`, which imports this module only when Triton can run (Triton is
-optional, and ``TRITON_INTERPRET=1`` must be set before the decorators below run).
+"""The ``@triton.jit`` helpers every grouped kernel is built from: exact arithmetic, the fake quant of a tile in each
+format, and where a program's tile lies (weights: through the per-expert table; tokens: rows split by ``m_splits``).
+Public within the package; imported lazily, with the kernel modules (``*_kernels.py``) that use them.
 
 Bit-exactness with :func:`modelopt_moe.numerics.fake_quant` (interpreter and GPU alike) rests on:
 
@@ -22,7 +20,7 @@ import triton.language as tl
 
 from ..numerics import FORMATS
 from ..numerics import TINY_AMAX as _TINY_AMAX
-from . import table_layout as _cols
+from . import launch
 
 # Format codes (the FMT constexpr), from the numeric contract.
 E4M3: tl.constexpr = tl.constexpr(FORMATS["e4m3"].code)
@@ -40,15 +38,15 @@ INT7: tl.constexpr = tl.constexpr(FORMATS["int7"].code)
 TINY_AMAX: tl.constexpr = tl.constexpr(_TINY_AMAX)
 FP32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
-# Table columns of the weight kernels (int64 [N, NCOL]); see table_layout.py.
-COL_IN: tl.constexpr = tl.constexpr(_cols.COL_IN)
-COL_AUX: tl.constexpr = tl.constexpr(_cols.COL_AUX)
-COL_OUT: tl.constexpr = tl.constexpr(_cols.COL_OUT)
-COL_ROWS: tl.constexpr = tl.constexpr(_cols.COL_ROWS)
-COL_COLS: tl.constexpr = tl.constexpr(_cols.COL_COLS)
-COL_TILE0: tl.constexpr = tl.constexpr(_cols.COL_TILE0)
-COL_CTILES: tl.constexpr = tl.constexpr(_cols.COL_CTILES)
-NCOL: tl.constexpr = tl.constexpr(_cols.NCOL)
+# Table columns of the weight kernels (int64 [N, NCOL]); see launch.py.
+COL_IN: tl.constexpr = tl.constexpr(launch.COL_IN)
+COL_AUX: tl.constexpr = tl.constexpr(launch.COL_AUX)
+COL_OUT: tl.constexpr = tl.constexpr(launch.COL_OUT)
+COL_ROWS: tl.constexpr = tl.constexpr(launch.COL_ROWS)
+COL_COLS: tl.constexpr = tl.constexpr(launch.COL_COLS)
+COL_TILE0: tl.constexpr = tl.constexpr(launch.COL_TILE0)
+COL_CTILES: tl.constexpr = tl.constexpr(launch.COL_CTILES)
+NCOL: tl.constexpr = tl.constexpr(launch.NCOL)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -92,7 +90,7 @@ def _round_to_float(v, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexp
 
 
 @triton.jit
-def _to_out_dtype(v, OUT_DTYPE: tl.constexpr, BITWISE: tl.constexpr):
+def to_out_dtype(v, OUT_DTYPE: tl.constexpr, BITWISE: tl.constexpr):
     """fp32 -> OUT_DTYPE rounded to nearest even.
 
     On the GPU (``BITWISE`` False) that is the hardware ``cvt.rn``; in the interpreter, whose ``.to()`` truncates
@@ -122,7 +120,7 @@ def _to_out_dtype(v, OUT_DTYPE: tl.constexpr, BITWISE: tl.constexpr):
 
 
 @triton.jit
-def _to_fp32(x):
+def to_fp32(x):
     """Exact widening to fp32; bf16 by bits (the interpreter's bf16 -> fp32 .to() flushes subnormals wrongly)."""
     if x.dtype == tl.bfloat16:
         return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
@@ -194,6 +192,9 @@ def _hw_round_fp8(v, E5M2_: tl.constexpr):
     return r.to(tl.float32, bitcast=True)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Fake quant of a fp32 tile, per format
+# ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _fp8_tile(x, amax, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
               NATIVE_DIV: tl.constexpr, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False):
@@ -266,8 +267,8 @@ def _nvfp4_tile(x, amax, NATIVE_DIV: tl.constexpr, HW_CVT: tl.constexpr = False,
 
 
 @triton.jit
-def _fake_quant_tile(x, amax, FMT: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV: tl.constexpr = False,
-                     HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False, FAST_MAX: tl.constexpr = False,
+def fake_quant_tile(x, amax, FMT: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV: tl.constexpr = False,
+                    HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False, FAST_MAX: tl.constexpr = False,
                      NARROW: tl.constexpr = True):
     """Fake-quantizes a fp32 tile ``x`` [R, NB, BS] exactly as formats.fake_quant.
 
@@ -300,6 +301,9 @@ def _fake_quant_tile(x, amax, FMT: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE
     return out
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Weights: where a program's tile lies (the per-expert table), its amax; the clipped gradient
+# ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _find_expert(table_ptr, pid, n_experts, SEARCH_STEPS: tl.constexpr):
     """Largest e with tile0[e] <= pid (binary search over the cumulative tile counts; experts of 0 tiles skipped)."""
@@ -314,8 +318,8 @@ def _find_expert(table_ptr, pid, n_experts, SEARCH_STEPS: tl.constexpr):
 
 
 @triton.jit
-def _tile_offsets(rows_n, cols_n, ctiles, t, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr,
-                  TWO_D: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr = False):
+def tile_offsets(rows_n, cols_n, ctiles, t, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr,
+                 TWO_D: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr = False):
     """Where local tile ``t`` of an expert of ``rows_n x cols_n`` (``ctiles`` column tiles) lies: (int64 start
     offset, int32 [TILE_R, TILE_NB, BS] offsets from it, mask, rows [TILE_R, 1, 1], row mask).
 
@@ -354,8 +358,8 @@ def _tile_offsets(rows_n, cols_n, ctiles, t, TILE_R: tl.constexpr, TILE_NB: tl.c
 
 
 @triton.jit
-def _locate_tile(table_ptr, pid, n_experts, u_tiles, u_rows, u_cols, u_ctiles, SEARCH_STEPS: tl.constexpr,
-                 UNIFORM: tl.constexpr):
+def locate_tile(table_ptr, pid, n_experts, u_tiles, u_rows, u_cols, u_ctiles, SEARCH_STEPS: tl.constexpr,
+                UNIFORM: tl.constexpr):
     """(expert e (int64), its local tile, rows, cols, column tiles, output offset) of program/tile ``pid``.
 
     ``UNIFORM`` (all experts of one shape, ``u_tiles`` tiles each): e = pid // u_tiles and the geometry comes from
@@ -384,7 +388,7 @@ def _locate_tile(table_ptr, pid, n_experts, u_tiles, u_rows, u_cols, u_ctiles, S
 
 
 @triton.jit
-def _load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE: tl.constexpr, amax_stride_e, TILE_R: tl.constexpr):
+def load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE: tl.constexpr, amax_stride_e, TILE_R: tl.constexpr):
     """amax as fp32 [TILE_R, 1, 1]: 1 = one value per expert (stride amax_stride_e; 0 = shared), 2 = per row."""
     zero = tl.zeros([TILE_R, 1, 1], dtype=tl.float32)
     if AMAX_MODE == 2:
@@ -396,89 +400,20 @@ def _load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE: tl.constexpr, amax_s
     return a
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Weights: all N experts in one launch
-# ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _weight_fake_quant_tile(
-    pid, in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows, u_cols, u_ctiles,
-    FMT: tl.constexpr, INT_BLOCK: tl.constexpr, AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
-    TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr, UNIFORM: tl.constexpr, EVEN: tl.constexpr,
-    HW_CVT: tl.constexpr, LEAN: tl.constexpr, FAST_MAX: tl.constexpr, NARROW: tl.constexpr = True,
-):
-    # Offsets are int64: the concatenated output (and a weight's distance from the base pointer) can exceed 2**31
-    # elements; only the in-tile offsets are int32.
-    e, t, rows_n, cols_n, ctiles, out0 = _locate_tile(table_ptr, pid, n_experts, u_tiles, u_rows, u_cols, u_ctiles,
-                                                      SEARCH_STEPS, UNIFORM)
-    start, local, mask, rows, row_mask = _tile_offsets(rows_n, cols_n, ctiles, t, TILE_R, TILE_NB, BS, TWO_D, VEC,
-                                                       EVEN)
-    in_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
-    out_off = tl.multiple_of(out0 + start, VEC)
-    if EVEN:
-        x = _to_fp32(tl.load(in_base + in_off + local))
-    else:
-        x = _to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0))
-    a = _load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
-    y = _fake_quant_tile(x, a, FMT, INT_BLOCK, False, HW_CVT, LEAN, FAST_MAX, NARROW)
-    if EVEN:
-        tl.store(out_ptr + out_off + local, _to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT))
-    else:
-        tl.store(out_ptr + out_off + local, _to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
-
-
-@triton.jit
-def _grouped_weight_fake_quant_kernel(
-    in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows, u_cols, u_ctiles,
-    FMT: tl.constexpr, INT_BLOCK: tl.constexpr, AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
-    TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr, UNIFORM: tl.constexpr = False,
-    EVEN: tl.constexpr = False, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False,
-    FAST_MAX: tl.constexpr = False, NARROW: tl.constexpr = True,
-):
-    # One program per tile; the tiles of all experts form one flat grid, so ragged experts waste nothing. (A
-    # persistent grid-stride loop over the tiles was measured slower on an H200: docs/benchmarks.md.)
-    _weight_fake_quant_tile(
-        tl.program_id(0), in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows,
-        u_cols, u_ctiles, FMT, INT_BLOCK, AMAX_MODE, TWO_D, TILE_R, TILE_NB, BS, VEC, SEARCH_STEPS,
-        BITWISE_CVT, UNIFORM, EVEN, HW_CVT, LEAN, FAST_MAX, NARROW)
-
-
-@triton.jit
-def _clipped_grad(g, x, a):
-    # Clipped STE: g where |x| <= amax, else 0 (g * 0 keeps g's NaN); an invalid amax (<= 2**-24, NaN, Inf: the
-    # comparisons are false for NaN) clips nothing.
+def clipped_grad(g, x, a):
+    """Clipped STE: ``g`` where ``|x| <= a``, else 0 (``g * 0`` keeps g's NaN); an invalid amax (<= 2**-24, NaN, Inf:
+    the comparisons are false for NaN) clips nothing."""
     limit = tl.where((a > TINY_AMAX) & (a <= FP32_MAX), a, float("inf"))
     return tl.where(tl.abs(x) <= limit, g, g * 0.0)
 
 
-@triton.jit
-def _grouped_weight_clip_grad_kernel(
-    g_base, w_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e,
-    AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
-    TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr,
-):
-    # Clipped STE: grad * (|w| <= amax); an invalid amax clips nothing. int64 offsets as above.
-    e, t, rows_n, cols_n, ctiles, out0 = _locate_tile(table_ptr, tl.program_id(0), n_experts, 0, 0, 0, 0,
-                                                      SEARCH_STEPS, False)
-    start, local, mask, rows, row_mask = _tile_offsets(rows_n, cols_n, ctiles, t, TILE_R, TILE_NB, BS, TWO_D, VEC)
-    g_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
-    w_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_AUX) + start, VEC)
-    out_off = tl.multiple_of(out0 + start, VEC)
-    g = _to_fp32(tl.load(g_base + g_off + local, mask=mask, other=0.0))
-    w = _to_fp32(tl.load(w_base + w_off + local, mask=mask, other=0.0))
-    a = _load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
-    y = _clipped_grad(g, w, a)
-    tl.store(out_ptr + out_off + local, _to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Inputs: x [T, K] split into N row groups by a device m_splits
+# Tokens: x [T, K] split into N row groups by a device m_splits
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr,
-              TILE_R: tl.constexpr):
+def row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr,
+             TILE_R: tl.constexpr):
     """amax [TILE_R, 1, 1] for token rows ``rows`` [TILE_R]: their expert's, found from m_splits on the device."""
     if PER_EXPERT:
         idx = tl.arange(0, N_PAD)
@@ -494,7 +429,7 @@ def _row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT: tl.constexpr,
 
 
 @triton.jit
-def _input_tile(n_rows, n_cols, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr):
+def input_tile(n_rows, n_cols, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr):
     """(int64 start offset, int32 offsets from it, mask, int64 rows [TILE_R]) of this program's [TILE_R, TILE_K]."""
     row0 = tl.program_id(0).to(tl.int64) * TILE_R
     col0 = tl.program_id(1) * (TILE_NB * BS)
@@ -505,48 +440,3 @@ def _input_tile(n_rows, n_cols, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS:
     local = r[:, None, None] * n_cols + c
     # int64 start: T * K can exceed 2**31 elements.
     return row0 * n_cols + col0, local, mask, rows
-
-
-@triton.jit
-def _scale_rows(v, scale_ptr, rows, n_rows, OUT_DTYPE: tl.constexpr, BITWISE_CVT: tl.constexpr):
-    """``numerics.scale_rows`` of a fp32 tile ``v`` [TILE_R, NB, BS]: ``v`` rounded to OUT_DTYPE (the operand's
-    value), times its row's scale in fp32 (the caller rounds the product to OUT_DTYPE)."""
-    s = _to_fp32(tl.load(scale_ptr + rows, mask=rows < n_rows, other=0.0))
-    return _to_fp32(_to_out_dtype(v, OUT_DTYPE, BITWISE_CVT)) * s[:, None, None]
-
-
-@triton.jit
-def _grouped_input_fake_quant_kernel(
-    x_ptr, y_ptr, m_splits_ptr, amax_ptr, scale_ptr, n_rows, n_cols, n_experts,
-    FMT: tl.constexpr, INT_BLOCK: tl.constexpr, PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr,
-    TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, BITWISE_CVT: tl.constexpr,
-    NARROW: tl.constexpr = True, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False,
-    FAST_MAX: tl.constexpr = False, HAS_SCALE: tl.constexpr = False,
-):
-    # HAS_SCALE: each output row times its row scale (the router probability of the down projection's input), in
-    # the same pass; scale_ptr is not read otherwise.
-    start, local, mask, rows = _input_tile(n_rows, n_cols, TILE_R, TILE_NB, BS)
-    x = _to_fp32(tl.load(x_ptr + start + local, mask=mask, other=0.0))
-    a = _row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT, N_PAD, TILE_R)
-    y = _fake_quant_tile(x, a, FMT, INT_BLOCK, False, HW_CVT, LEAN, FAST_MAX, NARROW)
-    if HAS_SCALE:
-        y = _scale_rows(y, scale_ptr, rows, n_rows, y_ptr.dtype.element_ty, BITWISE_CVT)
-    tl.store(y_ptr + start + local, _to_out_dtype(y, y_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
-
-
-@triton.jit
-def _grouped_input_clip_grad_kernel(
-    g_ptr, x_ptr, out_ptr, m_splits_ptr, amax_ptr, scale_ptr, n_rows, n_cols, n_experts,
-    PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr,
-    BITWISE_CVT: tl.constexpr, HAS_SCALE: tl.constexpr = False,
-):
-    # HAS_SCALE: the incoming gradient is first multiplied by its row scale (the backward of numerics.scale_rows).
-    start, local, mask, rows = _input_tile(n_rows, n_cols, TILE_R, TILE_NB, BS)
-    g = _to_fp32(tl.load(g_ptr + start + local, mask=mask, other=0.0))
-    if HAS_SCALE:
-        g = _to_fp32(_to_out_dtype(_scale_rows(g, scale_ptr, rows, n_rows, out_ptr.dtype.element_ty, BITWISE_CVT),
-                                   out_ptr.dtype.element_ty, BITWISE_CVT))
-    x = _to_fp32(tl.load(x_ptr + start + local, mask=mask, other=0.0))
-    a = _row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT, N_PAD, TILE_R)
-    y = _clipped_grad(g, x, a)
-    tl.store(out_ptr + start + local, _to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)

@@ -1,0 +1,90 @@
+"""``@triton.jit`` kernels of :mod:`.weight_fake_quant`: the fake quant of N expert weights, and its clipped
+straight-through gradient, in one launch each. Imported lazily, on the first launch.
+
+One program per tile; the tiles of all experts form one flat grid (ragged experts waste nothing), and a program finds
+its expert through the per-expert table (:mod:`.launch`), or by division when all experts share a shape.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .tile_kernels import (
+    COL_AUX,
+    COL_IN,
+    NCOL,
+    clipped_grad,
+    fake_quant_tile,
+    load_amax_rows,
+    locate_tile,
+    tile_offsets,
+    to_fp32,
+    to_out_dtype,
+)
+
+
+@triton.jit
+def _weight_fake_quant_tile(
+    pid, in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows, u_cols, u_ctiles,
+    FMT: tl.constexpr, INT_BLOCK: tl.constexpr, AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr, UNIFORM: tl.constexpr, EVEN: tl.constexpr,
+    HW_CVT: tl.constexpr, LEAN: tl.constexpr, FAST_MAX: tl.constexpr, NARROW: tl.constexpr = True,
+):
+    # Offsets are int64: the concatenated output (and a weight's distance from the base pointer) can exceed 2**31
+    # elements; only the in-tile offsets are int32.
+    e, t, rows_n, cols_n, ctiles, out0 = locate_tile(table_ptr, pid, n_experts, u_tiles, u_rows, u_cols, u_ctiles,
+                                                     SEARCH_STEPS, UNIFORM)
+    start, local, mask, rows, row_mask = tile_offsets(rows_n, cols_n, ctiles, t, TILE_R, TILE_NB, BS, TWO_D, VEC,
+                                                      EVEN)
+    in_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
+    out_off = tl.multiple_of(out0 + start, VEC)
+    if EVEN:
+        x = to_fp32(tl.load(in_base + in_off + local))
+    else:
+        x = to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0))
+    a = load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
+    y = fake_quant_tile(x, a, FMT, INT_BLOCK, False, HW_CVT, LEAN, FAST_MAX, NARROW)
+    if EVEN:
+        tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT))
+    else:
+        tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
+
+
+@triton.jit
+def grouped_weight_fake_quant_kernel(
+    in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows, u_cols, u_ctiles,
+    FMT: tl.constexpr, INT_BLOCK: tl.constexpr, AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr, UNIFORM: tl.constexpr = False,
+    EVEN: tl.constexpr = False, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False,
+    FAST_MAX: tl.constexpr = False, NARROW: tl.constexpr = True,
+):
+    # One program per tile; the tiles of all experts form one flat grid, so ragged experts waste nothing. (A
+    # persistent grid-stride loop over the tiles was measured slower on an H200: docs/benchmarks.md.)
+    _weight_fake_quant_tile(
+        tl.program_id(0), in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows,
+        u_cols, u_ctiles, FMT, INT_BLOCK, AMAX_MODE, TWO_D, TILE_R, TILE_NB, BS, VEC, SEARCH_STEPS,
+        BITWISE_CVT, UNIFORM, EVEN, HW_CVT, LEAN, FAST_MAX, NARROW)
+
+
+@triton.jit
+def grouped_weight_clip_grad_kernel(
+    g_base, w_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e,
+    AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr,
+):
+    # Clipped STE: grad * (|w| <= amax); an invalid amax clips nothing. int64 offsets as above.
+    e, t, rows_n, cols_n, ctiles, out0 = locate_tile(table_ptr, tl.program_id(0), n_experts, 0, 0, 0, 0,
+                                                     SEARCH_STEPS, False)
+    start, local, mask, rows, row_mask = tile_offsets(rows_n, cols_n, ctiles, t, TILE_R, TILE_NB, BS, TWO_D, VEC)
+    g_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
+    w_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_AUX) + start, VEC)
+    out_off = tl.multiple_of(out0 + start, VEC)
+    g = to_fp32(tl.load(g_base + g_off + local, mask=mask, other=0.0))
+    w = to_fp32(tl.load(w_base + w_off + local, mask=mask, other=0.0))
+    a = load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
+    y = clipped_grad(g, w, a)
+    tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
