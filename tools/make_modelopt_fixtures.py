@@ -9,8 +9,11 @@ installed. Run in a separate, test-only environment (Model Optimizer is no depen
     /work/venv-modelopt/bin/pip install -c /work/venv-modelopt/constraints.txt nvidia-modelopt==0.47.0 requests \\
         huggingface_hub "packaging>=24.2" psutil numpy pyyaml triton==3.9.0
     /work/venv-modelopt/bin/pip install --no-deps --ignore-requires-python megatron-core==0.19.2
-    /work/venv-modelopt/bin/pip install --no-deps --no-build-isolation -e .     # the Megatron test-model builder
+    /work/venv-modelopt/bin/pip install --no-deps --no-build-isolation -e .
     /work/venv-modelopt/bin/python tools/make_modelopt_fixtures.py
+
+The Megatron model is the tests' own (``tests/megatron_harness``), so that the tests rebuild exactly the model the
+fixture was saved from.
 
 Files (all CPU, fp32 unless named):
 
@@ -40,6 +43,7 @@ import lzma
 import os
 import re
 import shutil
+import sys
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -47,7 +51,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "modelopt_0_47"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the Megatron test model (tests/megatron_harness) is not in the package
+
+OUT = ROOT / "tests" / "fixtures" / "modelopt_0_47"
 
 # ---------------------------------------------------------------------------------------------------------------
 # nn.Linear cases
@@ -186,7 +193,7 @@ _LOCAL = re.compile(r"\.local_experts\.(\d+)\.")
 
 def _megatron_rank(rank: int, world: int, ckpt_dir: str) -> dict:
     warnings.filterwarnings("ignore")
-    from modelopt_moe.plugins.testing import megatron_models as mm
+    import megatron_harness.models as mm
 
     mm.init_model_parallel(tp=1, ep=world, seed=MEGATRON["seed"])
     model = mm.build_moe_gpt(**{k: v for k, v in MEGATRON.items() if k != "seed"}, seed=MEGATRON["seed"])
