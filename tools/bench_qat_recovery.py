@@ -10,7 +10,7 @@ Usage:
   python tools/bench_qat_recovery.py --cpu [--quick]     # 4 gloo ranks, TP2 x EP2, Megatron SequentialMLP experts
   python tools/bench_qat_recovery.py --gpu               # every visible GPU (NCCL), TP1 x EP<gpus>, TE grouped
                                                          # experts: 4 layers, 16 experts top-2, hidden 512,
-                                                         # 600 bf16 steps then 200 steps at lr 1e-4 (the issue's)
+                                                         # 600 bf16 steps then 200 steps at lr 1e-4
 Any knob of ``RecoveryConfig`` can be overridden, e.g. ``--set steps=40 lr=3e-4 amax_updates=static,dynamic``.
 ``--json FILE`` also writes the raw results.
 
