@@ -31,9 +31,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# The edit loop: the single-process unit tests (no spawned ranks, no subprocesses).
+# The edit loop: the single-process tests of the library and the tools (no spawned ranks, no subprocesses).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests/unit -m "not slow and not gpu"
+	$(PY) -m pytest -q tests/unit tests/tools -m "not slow and not gpu"
 
 # On a machine with a CUDA GPU, Transformer Engine and megatron-core installed (see README, "Tests").
 gpu-test:

@@ -3,7 +3,7 @@
 The model is a Qwen3-MoE-like Megatron ``GPTModel`` with Transformer Engine's layer spec
 (``get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm=True)``: TE attention, RMSNorm, QK norm,
 ``TEGroupedMLP`` experts), every layer MoE, SwiGLU experts, no load-balancing loss, bf16 parameters trained the
-usual Megatron way (``modelopt_moe.plugins.testing.megatron_training.setup_training``: ``Float16Module``, Megatron
+usual Megatron way (``modelopt_moe.plugins.megatron.training.setup_training``: ``Float16Module``, Megatron
 DDP with fp32 gradients, ``get_megatron_optimizer`` Adam with fp32 main parameters and the distributed optimizer).
 Defaults: 2 layers, hidden 2048, 128 experts of FFN 768, top-8, 16 attention heads (4 KV groups), seq 4096,
 micro-batch 1, vocab 32000, the alltoall token dispatcher; one GPU (world size 1, NCCL).
@@ -66,8 +66,10 @@ import datetime
 import json
 import math
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -110,10 +112,10 @@ def init_distributed(seed: int) -> torch.device:
         parallel_state.initialize_model_parallel()
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         return torch.device("cuda", 0)
-    # Without CUDA: the project's test helper, which applies its CPU shims and seeds a CPU-only RNG tracker.
-    from modelopt_moe.plugins.testing import megatron_models as mm
+    # Without CUDA: the project's parallel setup, which applies its CPU shims and seeds a CPU-only RNG tracker.
+    from modelopt_moe.plugins.megatron import init_model_parallel
 
-    mm.init_model_parallel(seed=seed)
+    init_model_parallel(seed=seed)
     return torch.device("cpu")
 
 
@@ -158,8 +160,12 @@ def build_te_gpt(args, seed: int):
 
 def build_cpu_gpt(args, seed: int):
     """The same block without TE (the CPU test): the project's grouped experts in Megatron's local spec (no QK norm).
-    ``build_moe_gpt`` takes the expert sizes as its own arguments, the other config fields as overrides."""
-    from modelopt_moe.plugins.testing import megatron_models as mm
+    ``build_moe_gpt`` (the tests' model builder, ``tests/megatron_harness``, not part of the package) takes the expert
+    sizes as its own arguments, the other config fields as overrides."""
+    tests = str(Path(__file__).resolve().parents[1] / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import megatron_harness.models as mm
 
     return mm.build_moe_gpt(num_layers=args.layers, hidden=args.hidden, ffn_hidden=args.moe_ffn_hidden,
                             num_experts=args.experts, vocab_size=args.vocab, seq_len=args.seq,
@@ -243,7 +249,7 @@ def count_weight_quantizers(model) -> int:
 
 
 def build_variant(name: str, args, calib, seed: int) -> Variant:
-    from modelopt_moe.plugins.testing import megatron_training as mt
+    from modelopt_moe.plugins.megatron import training as mt
 
     model = build_te_gpt(args, seed) if have_transformer_engine() else build_cpu_gpt(args, seed)
     if name != "bf16":
@@ -266,7 +272,7 @@ def schedules() -> dict[str, object]:
 
 def train_step(variant: Variant, schedule, batches: list[dict[str, torch.Tensor]]) -> None:
     """One optimizer step over ``batches`` (one micro-batch each)."""
-    from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
+    from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
 
     model, optimizer = variant.trainer.model, variant.trainer.optimizer
     seq = batches[0]["tokens"].shape[1]

@@ -4,17 +4,17 @@ Trains a small Megatron MoE GPT in bf16 on the shipped English text (the teacher
 the same steps, data and optimizer: bf16-continued, PTQ, plain QAT (LM loss) and QAD (KL to the frozen teacher), per
 number format (NVFP4, FP8; experts quantized) and ``weight_amax_update``; prints held-out losses, each run's gap to
 bf16-continued, the share of the PTQ gap it closed and its KL to the teacher
-(``modelopt_moe.plugins.testing.qat_recovery``).
+(``tools/qat_recovery.py``).
 
 Usage:
   python tools/bench_qat_recovery.py --cpu [--quick]     # 4 gloo ranks, TP2 x EP2, Megatron SequentialMLP experts
   python tools/bench_qat_recovery.py --gpu               # every visible GPU (NCCL), TP1 x EP<gpus>, TE grouped
                                                          # experts: 4 layers, 16 experts top-2, hidden 512,
-                                                         # 600 bf16 steps then 200 steps at lr 1e-4 (the issue's)
+                                                         # 600 bf16 steps then 200 steps at lr 1e-4
 Any knob of ``RecoveryConfig`` can be overridden, e.g. ``--set steps=40 lr=3e-4 amax_updates=static,dynamic``.
 ``--json FILE`` also writes the raw results.
 
-``--study``: the QAD study (``modelopt_moe.plugins.testing.qad_study``, measurements in docs/qad.md): one teacher,
+``--study``: the QAD study (``tools/qad_study.py``, measurements in docs/qad.md): one teacher,
 then PTQ and every variant of ``STUDY_VARIANTS`` (the default ``QADRecipe``, the former default, plain QAT, then
 one change each: learning rate, schedule, which parameters train, Adam's eps and beta2, weight decay, temperature,
 LM-loss mix, weight_amax_update; NVFP4 and FP8) for the same steps on the same batches, measured on held-out text
@@ -59,13 +59,13 @@ GPU_STUDY = {"tp": 1, "experts": "te", "num_layers": 4, "num_experts": 16, "topk
 
 
 def _worker(rank, world_size, overrides):
-    from modelopt_moe.plugins.testing.qat_recovery import RecoveryConfig, run_recovery
+    from qat_recovery import RecoveryConfig, run_recovery
 
     return run_recovery(RecoveryConfig(**overrides))
 
 
 def _study_worker(rank, world_size, overrides):
-    from modelopt_moe.plugins.testing.qad_study import StudyConfig, run_study
+    from qad_study import StudyConfig, run_study
 
     return run_study(StudyConfig(**overrides), verbose=rank == 0)
 
@@ -86,7 +86,7 @@ def _parse_value(field, text: str):
 
 
 def main(argv=None) -> int:
-    from modelopt_moe.plugins.testing.qat_recovery import RecoveryConfig, format_report
+    from qat_recovery import RecoveryConfig, format_report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = parser.add_mutually_exclusive_group(required=True)
@@ -108,9 +108,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
+    from qad_study import StudyConfig, format_study, parse_variant
 
     from modelopt_moe.launch import spawn
-    from modelopt_moe.plugins.testing.qad_study import StudyConfig, format_study, parse_variant
 
     if args.study:
         config_cls = StudyConfig

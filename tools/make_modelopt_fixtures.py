@@ -1,16 +1,20 @@
 """Make the Model Optimizer 0.47 fixtures in ``tests/fixtures/modelopt_0_47/`` (run once; the outputs are committed).
 
 The tests compare this package against what NVIDIA Model Optimizer itself produced, without Model Optimizer
-installed. Run in a separate, test-only environment (Model Optimizer is no dependency of the library)::
+installed. Run from the repository root in a separate, test-only environment (Model Optimizer is no dependency of
+the library)::
 
-    python3 -m venv /work/venv-modelopt
-    /work/venv-modelopt/bin/pip install torch==2.13.0
-    echo torch==2.13.0 > /work/venv-modelopt/constraints.txt
-    /work/venv-modelopt/bin/pip install -c /work/venv-modelopt/constraints.txt nvidia-modelopt==0.47.0 requests \\
+    python3 -m venv .venv-modelopt
+    .venv-modelopt/bin/pip install torch==2.13.0
+    echo torch==2.13.0 > .venv-modelopt/constraints.txt
+    .venv-modelopt/bin/pip install -c .venv-modelopt/constraints.txt nvidia-modelopt==0.47.0 requests \\
         huggingface_hub "packaging>=24.2" psutil numpy pyyaml triton==3.9.0
-    /work/venv-modelopt/bin/pip install --no-deps --ignore-requires-python megatron-core==0.19.2
-    /work/venv-modelopt/bin/pip install --no-deps --no-build-isolation -e .     # the Megatron test-model builder
-    /work/venv-modelopt/bin/python tools/make_modelopt_fixtures.py
+    .venv-modelopt/bin/pip install --no-deps --ignore-requires-python megatron-core==0.19.2
+    .venv-modelopt/bin/pip install --no-deps --no-build-isolation -e .
+    .venv-modelopt/bin/python tools/make_modelopt_fixtures.py [--out DIR]
+
+The Megatron model is the tests' own (``tests/megatron_harness``), so that the tests rebuild exactly the model the
+fixture was saved from.
 
 Files (all CPU, fp32 unless named):
 
@@ -40,6 +44,7 @@ import lzma
 import os
 import re
 import shutil
+import sys
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -47,7 +52,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "modelopt_0_47"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the Megatron test model (tests/megatron_harness) is not in the package
+
+OUT = ROOT / "tests" / "fixtures" / "modelopt_0_47"
 
 # ---------------------------------------------------------------------------------------------------------------
 # nn.Linear cases
@@ -186,7 +194,7 @@ _LOCAL = re.compile(r"\.local_experts\.(\d+)\.")
 
 def _megatron_rank(rank: int, world: int, ckpt_dir: str) -> dict:
     warnings.filterwarnings("ignore")
-    from modelopt_moe.plugins.testing import megatron_models as mm
+    import megatron_harness.models as mm
 
     mm.init_model_parallel(tp=1, ep=world, seed=MEGATRON["seed"])
     model = mm.build_moe_gpt(**{k: v for k, v in MEGATRON.items() if k != "seed"}, seed=MEGATRON["seed"])
@@ -228,7 +236,8 @@ def make_megatron(out: Path) -> None:
     ckpt = out / name
     if ckpt.exists():
         shutil.rmtree(ckpt)
-    results = spawn(_megatron_rank, 2, args=(str(ckpt),), timeout=600)
+    # A relative path: torch's checkpoint metadata records the directory it was written to.
+    results = spawn(_megatron_rank, 2, args=(os.path.relpath(ckpt),), timeout=600)
     amax = {}
     for r in results:
         for k, v in r["amax"].items():

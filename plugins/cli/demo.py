@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
 
 def _train(rank, trainer, batches, steps: int, desc: str, start: int = 0) -> list[list[float]]:
     """``steps`` optimizer steps, one micro-batch each; ``[[global step, loss], ...]``."""
-    from modelopt_moe.plugins.testing import megatron_training as mt
+    from modelopt_moe.plugins.megatron import training as mt
 
     curve = []
     bar = progress(rank, steps, desc)
@@ -174,16 +174,20 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     from modelopt_moe.export import build_megatron_model, export_hf, import_hf, save_hf_config
     from modelopt_moe.export.families import read_hf_config
     from modelopt_moe.plugins.megatron import (
+        destroy_model_parallel,
         distillation_model,
+        init_model_parallel,
         load_sharded_checkpoint,
         save_sharded_checkpoint,
         select_trainable,
     )
-    from modelopt_moe.plugins.testing import megatron_models as mm
-    from modelopt_moe.plugins.testing import megatron_training as mt
+    from modelopt_moe.plugins.megatron import training as mt
     from modelopt_moe.quantization.config import preset_path
     from modelopt_moe.report import gather_expert_stats
     from modelopt_moe.report.outcome import mean_and_noise, qad_outcome
+
+    from .evaluate import gather_logits, global_state, loss_and_kl
+    from .text_data import text_batches
 
     t_start = time.perf_counter()
     out, art = Path(opts["out"]), Path(opts["out"]) / "artifacts"
@@ -206,12 +210,12 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
         torch.manual_seed(seed)
         return build_megatron_model(source, spec=spec, params_dtype=torch.bfloat16)
 
-    mm.init_model_parallel(tp, ep, seed=opts["seed"])
+    init_model_parallel(tp, ep, seed=opts["seed"])
     hf_config = read_hf_config(preset_path(MODEL_CONFIG))
-    train = mm.text_batches(bs, seq, max(1, opts["train_steps"]), offset=_TRAIN)
-    calib = mm.text_batches(bs, seq, opts["num_calib_batches"], offset=_CALIB)
-    qad = mm.text_batches(bs, seq, max(1, opts["steps"]), offset=_QAD)
-    held_out = mm.text_batches(bs, seq, opts["num_eval_batches"], offset=_EVAL)
+    train = text_batches(bs, seq, max(1, opts["train_steps"]), offset=_TRAIN)
+    calib = text_batches(bs, seq, opts["num_calib_batches"], offset=_CALIB)
+    qad = text_batches(bs, seq, max(1, opts["steps"]), offset=_QAD)
+    held_out = text_batches(bs, seq, opts["num_eval_batches"], offset=_EVAL)
     run["setup"] = [f"model: {MODEL_CONFIG} (Qwen3-MoE: {hf_config['num_hidden_layers']} layers, hidden "
                     f"{hf_config['hidden_size']}, {hf_config['num_experts']} experts top-"
                     f"{hf_config['num_experts_per_tok']}), Megatron-Core {spec} spec",
@@ -232,7 +236,7 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     del trainer, trained
     teacher.eval()
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    bf16 = mm.loss_and_kl(teacher, held_out, None, tp_group)
+    bf16 = loss_and_kl(teacher, held_out, None, tp_group)
     run["losses"]["bf16 teacher (held out)"] = bf16["loss"]
     run["eval"]["bf16 teacher"] = {"loss": bf16["losses"]}
     curve = run["curves"]["bf16 teacher training"]
@@ -247,9 +251,9 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     student.eval()
 
     mtq.quantize(student, mtq.load_config(opts["config"]), calibration_loop(calib))
-    ptq = mm.loss_and_kl(student, held_out, teacher, tp_group)
+    ptq = loss_and_kl(student, held_out, teacher, tp_group)
     qad_seen = qad[:opts["num_eval_batches"]]  # the KL that QAD minimises, on batches it trains on
-    ptq_seen_kl = mm.loss_and_kl(student, qad_seen, teacher, tp_group)["kl"]
+    ptq_seen_kl = loss_and_kl(student, qad_seen, teacher, tp_group)["kl"]
     run["losses"]["PTQ (held out)"] = ptq["loss"]
     run["eval"]["PTQ"] = {"loss": ptq["losses"], "kl": ptq["kls"]}
     enabled = sum(q.is_enabled for e in iter_expert_quantizers(student) for q in [e.quantizer])
@@ -270,8 +274,8 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     run["curves"]["QAD (KL to the teacher)"] = _train(rank, trainer, qad, opts["steps"], "QAD", start)
     del trainer
     mtq.update_weight_amax(student)
-    qad_eval = mm.loss_and_kl(student, held_out, teacher, tp_group)
-    qad_seen_kl = mm.loss_and_kl(student, qad_seen, teacher, tp_group)["kl"]
+    qad_eval = loss_and_kl(student, held_out, teacher, tp_group)
+    qad_seen_kl = loss_and_kl(student, qad_seen, teacher, tp_group)["kl"]
     run["losses"]["KL to teacher on QAD data, after PTQ"] = ptq_seen_kl
     run["losses"]["KL to teacher on QAD data, after QAD"] = qad_seen_kl
     run["losses"]["QAD (held out)"] = qad_eval["loss"]
@@ -295,28 +299,28 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     student.eval()
     probe = held_out[0]
     with torch.no_grad():
-        saved_logits = mm.gather_logits(student, probe)
-    saved_state = mm.global_state(student)
+        saved_logits = gather_logits(student, probe)
+    saved_state = global_state(student)
     summary = mtq.print_quant_summary(student, file=False, gather=True)  # every rank: it gathers every expert
     stats = gather_expert_stats(student)
     del student, teacher
-    mm.init_model_parallel(tp, ep, seed=opts["seed"])  # fresh process groups, the same layout
+    init_model_parallel(tp, ep, seed=opts["seed"])  # fresh process groups, the same layout
     same_layout = build(teacher_hf, opts["seed"] + 3)
     load_sharded_checkpoint([same_layout], ckpt)
     same_layout.eval()
     with torch.no_grad():
-        logits_same = agree(torch.equal(mm.gather_logits(same_layout, probe), saved_logits))
+        logits_same = agree(torch.equal(gather_logits(same_layout, probe), saved_logits))
     del same_layout
     other_tp, other_ep = 1, world_size if hf_config["num_experts"] % world_size == 0 else 1
-    mm.init_model_parallel(other_tp, other_ep, seed=opts["seed"])
+    init_model_parallel(other_tp, other_ep, seed=opts["seed"])
     restored = build(teacher_hf, opts["seed"] + 4)
     load_sharded_checkpoint([restored], ckpt)
     restored.eval()
-    state = mm.global_state(restored)
+    state = global_state(restored)
     state_same = agree(state.keys() == saved_state.keys() and all(torch.equal(v, saved_state[k])
                                                                    for k, v in state.items()))
     with torch.no_grad():
-        other_logits = mm.gather_logits(restored, probe)
+        other_logits = gather_logits(restored, probe)
     diff = (other_logits.float() - saved_logits.float()).abs().max().item()
     stage(f"checkpoint: saved at TP={tp} EP={ep}; restored in fresh process groups into freshly built models: at "
           f"TP={tp} EP={ep} logits {'bit-identical' if logits_same else 'DIFFERENT'}; at TP={other_tp} "
@@ -333,7 +337,7 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
         export_hf(restored, mo, format="modelopt", hf_config=hf_config, progress=False)
         mtq.disable_quantizer(restored, "*input_quantizer")  # transformers runs the experts weight-only
         with torch.no_grad():
-            weight_only = mm.gather_logits(restored, probe).float()
+            weight_only = gather_logits(restored, probe).float()
         agreement, fix = None, None
         if rank == 0:
             theirs, fix = _transformers_logits(ct, probe["tokens"])
@@ -369,7 +373,7 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
               "in all)")
         write_report(run, out)  # after the stage line, which the report lists too
         (out / "run.json").write_text(json.dumps(run, indent=1))
-    mm.destroy_model_parallel()
+    destroy_model_parallel()
     return {"ok": ok, "report": report, "run": run if rank == 0 else None}
 
 

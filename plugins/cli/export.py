@@ -45,10 +45,9 @@ def _export_rank(rank: int, world_size: int, opts: dict[str, Any]) -> str:
     import torch
 
     from modelopt_moe.export import build_megatron_model, export_hf
-    from modelopt_moe.plugins.megatron import load_sharded_checkpoint
-    from modelopt_moe.plugins.testing import megatron_models as mm  # parallel init (+ CPU shims without CUDA)
+    from modelopt_moe.plugins.megatron import destroy_model_parallel, init_model_parallel, load_sharded_checkpoint
 
-    mm.init_model_parallel(opts["tp"], opts["ep"])
+    init_model_parallel(opts["tp"], opts["ep"])
     cfg = opts["hf_config"]
     dtype = getattr(torch, opts["dtype"] or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
     model = build_megatron_model(cfg, perform_initialization=False, params_dtype=dtype)
@@ -57,7 +56,7 @@ def _export_rank(rank: int, world_size: int, opts: dict[str, Any]) -> str:
     out = export_hf(model, opts["out"], format=opts["format"], family=opts["family"], hf_config=cfg,
                     dtype=getattr(torch, cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
                     progress=rank == 0)
-    mm.destroy_model_parallel()
+    destroy_model_parallel()
     return str(out)
 
 

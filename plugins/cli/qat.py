@@ -170,7 +170,7 @@ def _batches(opts: dict[str, Any], split: str, num_batches: int, offset: int, vo
     if vocab_size < 256:
         raise ValueError(f"the shipped byte-level text needs a vocabulary of at least 256 tokens; the model has "
                          f"{vocab_size}: give --data")
-    from modelopt_moe.plugins.testing.megatron_models import text_batches
+    from .text_data import text_batches
 
     return text_batches(opts["batch_size"], opts["seq_len"], num_batches, offset=offset)
 
@@ -180,16 +180,17 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     from modelopt_moe.checkpoint import restore_sharded_modelopt_state
     from modelopt_moe.export import export_hf, import_hf, save_hf_config
     from modelopt_moe.plugins.megatron import (
+        destroy_model_parallel,
         distillation_model,
+        init_model_parallel,  # Megatron's parallel groups (+ the CPU setup without CUDA)
         load_sharded_checkpoint,
         save_sharded_checkpoint,
         select_trainable,
     )
-    from modelopt_moe.plugins.testing import megatron_models as mm  # parallel init (+ CPU shims without CUDA)
-    from modelopt_moe.plugins.testing import megatron_training as mt
-    from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
+    from modelopt_moe.plugins.megatron import training as mt
+    from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
 
-    mm.init_model_parallel(opts["tp"], opts["ep"], seed=1234)
+    init_model_parallel(opts["tp"], opts["ep"], seed=1234)
     recipe = opts["recipe"]
     student = _build(opts)
     vocab = student.vocab_size
@@ -255,7 +256,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         out = export_hf(trainer.model, opts["export"], format=opts["export_format"],
                         hf_config=opts["hf"], progress=rank == 0)
         say(rank, f"exported {out} ({opts['export_format']})")
-    mm.destroy_model_parallel()
+    destroy_model_parallel()
     return {"losses": losses, "start": start}
 
 

@@ -154,7 +154,7 @@ def calibration_loop(batches: list) -> Callable:
     """``mtq.quantize``'s forward loop: the model's LM loss on each batch (``mtq.calibrate`` shows the progress)."""
 
     def forward_loop(model) -> None:
-        from modelopt_moe.plugins.testing.megatron_models import lm_loss
+        from .evaluate import lm_loss
 
         for b in batches:
             lm_loss(model, b)

@@ -4,6 +4,7 @@ checkpoints, process groups, the training schedule) lives in this package.
 Public API::
 
     from modelopt_moe.plugins.megatron import (
+        init_model_parallel, destroy_model_parallel,        # Megatron's parallel groups (+ CPU setup without CUDA)
         save_sharded_checkpoint, load_sharded_checkpoint,   # weights + amax + quantization + optimizer state
         check_sharded_checkpoint,                           # files and tensor shapes, before a load
         checkpoint_load_metadata,                           # metadata for your own dist_checkpointing.load calls
@@ -15,6 +16,9 @@ Public API::
         get_qad_optimizer, qad_lr_scheduler,
         load_modelopt_checkpoint,                           # a checkpoint NVIDIA Model Optimizer 0.47 saved
     )
+
+:mod:`.training` wraps a model the Megatron way (``Float16Module``, DDP, ``get_megatron_optimizer``, LR scheduler)
+and runs optimizer steps through the schedule: what ``modelopt-moe qat`` and the demo train with.
 
 Hugging Face export / import (``modelopt_moe.export.export_hf`` / ``import_hf`` / ``build_megatron_model``) reach
 this package's adapter (:mod:`.hf_io`, :mod:`.hf_model`) through :func:`register`.
@@ -50,11 +54,14 @@ from .forward_step import lm_forward_step, lm_loss_func
 from .hf_io import MegatronExportAdapter
 from .modelopt_checkpoint import is_modelopt_checkpoint, load_modelopt_checkpoint
 from .modules import CLASSES, megatron_amax_groups
+from .parallel import destroy_model_parallel, init_model_parallel
 from .schedule import get_forward_backward_func
 from .sharded_state_dict import checkpoint_load_metadata
 
 __all__ = [
     "register",
+    "init_model_parallel",
+    "destroy_model_parallel",
     "save_sharded_checkpoint",
     "load_sharded_checkpoint",
     "check_sharded_checkpoint",

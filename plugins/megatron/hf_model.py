@@ -85,8 +85,9 @@ def _te_layer_spec(arch: MoEArch):
 def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: Any) -> GPTModel:
     """The Megatron-Core ``GPTModel`` of a Hugging Face Qwen3-MoE / Mixtral config, at the current parallel state.
 
-    Megatron's model-parallel state must be initialised (``parallel_state.initialize_model_parallel``); on a machine
-    without CUDA, Megatron also needs the CPU shims (``modelopt_moe.plugins.testing.megatron_cpu``). Weights are
+    Megatron's model-parallel state must be initialised (:func:`modelopt_moe.plugins.megatron.init_model_parallel`,
+    which also sets Megatron up for a machine without CUDA, or ``parallel_state.initialize_model_parallel`` after
+    ``modelopt_moe.plugins.megatron_cpu.enable_cpu_megatron()``). Weights are
     Megatron's initialisation: load real ones with :func:`modelopt_moe.export.import_hf`.
 
     Args:

@@ -25,7 +25,7 @@ OUTLIER = 1  # global expert index (local expert 1 on EP rank 0)
 
 
 def _config(update, autoswitch=None, experts_only=False):
-    from modelopt_moe.plugins.testing.qat_recovery import expert_quant_config
+    from megatron_harness.configs import expert_quant_config
 
     if experts_only:
         cfg = expert_quant_config("fp8", update)
@@ -117,8 +117,9 @@ def _autoswitch(mm, mt, kind, calib, train, log_dir):
 
 
 def _worker(rank, world_size, root):
-    from modelopt_moe.plugins.testing import megatron_models as mm
-    from modelopt_moe.plugins.testing import megatron_training as mt
+    import megatron_harness.models as mm
+
+    from modelopt_moe.plugins.megatron import training as mt
 
     mm.init_model_parallel(TP, EP, seed=SEED)
     calib = mm.text_batches(2, 32, 2)

@@ -40,6 +40,7 @@ def _error(fn) -> str:
 
 
 def _errors_worker(rank, world_size, root):
+    import megatron_harness.models as mm
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -48,7 +49,6 @@ def _errors_worker(rank, world_size, root):
     from modelopt_moe.checkpoint import sharded as ck_sharded
     from modelopt_moe.plugins import megatron as mc
     from modelopt_moe.plugins.megatron import checkpoint as mc_checkpoint
-    from modelopt_moe.plugins.testing import megatron_models as mm
 
     out = {}
     mm.init_model_parallel(1, 2, seed=SEED)

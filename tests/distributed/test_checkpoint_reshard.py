@@ -230,11 +230,11 @@ def build(mm, seed):
 def _matrix_worker(rank, world_size, root):
     import time
 
+    import megatron_harness.models as mm
     import torch.distributed as dist
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.plugins import megatron as mc
-    from modelopt_moe.plugins.testing import megatron_models as mm
 
     calib, batch = mm.text_batches(2, 32, 2)[0], mm.text_batches(2, 32, 1, offset=7)[0]
     refs, cases, timings = {}, [], {}

@@ -3,7 +3,7 @@
 Public API only, on 2 gloo ranks (TP=1 x EP=2): Megatron's parallel state and model built with megatron.core and
 ``modelopt_moe.export.build_megatron_model``, ``mtq.quantize``, ``save_sharded_checkpoint`` /
 ``load_sharded_checkpoint``, the README's own-calls flow (``restore_sharded_modelopt_state`` +
-``dist_checkpointing.load``); ``modelopt_moe.plugins.testing.megatron_cpu`` only makes Megatron run without CUDA.
+``dist_checkpointing.load``); ``modelopt_moe.plugins.megatron_cpu`` only makes Megatron run without CUDA.
 Every refused call must leave the directories it touched and the model (module classes, parameters, buffers) exactly
 as they were. One spawn holds every case; each error is raised on every rank and recorded for the tests below.
 """
@@ -69,9 +69,9 @@ def _worker(rank, world_size, root):
     from modelopt_moe.checkpoint import restore_sharded_modelopt_state, save_sharded_modelopt_state
     from modelopt_moe.export import build_megatron_model
     from modelopt_moe.plugins.megatron import load_sharded_checkpoint, save_sharded_checkpoint
-    from modelopt_moe.plugins.testing.megatron_cpu import apply_cpu_shims, megatron_training_shims
+    from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims, megatron_training_shims
 
-    apply_cpu_shims()  # Megatron on a machine without CUDA; nothing else of the test helpers is used
+    apply_cpu_shims()  # Megatron on a machine without CUDA (a no-op with CUDA)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
 

@@ -50,8 +50,9 @@ def _quantize(model, preset, layout, batches, mtq, mm, input_amax="per_expert"):
 
 
 def _worker(rank, world_size):
+    import megatron_harness.models as mm
+
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.plugins.testing import megatron_models as mm
 
     mm.init_model_parallel(TP, EP, seed=SEED)
     batches = mm.text_batches(2, 32, 3)

@@ -144,10 +144,11 @@ def _rank(rank, world, paths: dict) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
+    import megatron_harness.models as mm
+
     import modelopt_moe.quantization as mtq
     from modelopt_moe.export import build_megatron_model, export_hf, import_hf, save_hf_config
     from modelopt_moe.plugins.megatron import save_sharded_checkpoint
-    from modelopt_moe.plugins.testing import megatron_models as mm
 
     mm.init_model_parallel(tp=TP, ep=EP)
     out = Path(paths["out"])

@@ -90,7 +90,7 @@ def _user_script(rank, world_size, hf_dir, broken, out_dir):
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.export import ExportError, build_megatron_model, export_hf, import_hf
-    from modelopt_moe.plugins.testing.megatron_cpu import apply_cpu_shims  # CPU only: Megatron needs CUDA otherwise
+    from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims  # CPU only: Megatron needs CUDA otherwise
 
     apply_cpu_shims()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, expert_model_parallel_size=EP)

@@ -22,8 +22,9 @@ def _param_digest(model, mm):
 
 
 def _layouts_worker(rank, world_size):
-    from modelopt_moe.plugins.testing import megatron_cpu as shims
-    from modelopt_moe.plugins.testing import megatron_models as mm
+    import megatron_harness.models as mm
+
+    from modelopt_moe.plugins import megatron_cpu as shims
 
     out = {"shims": (shims.apply_cpu_shims(), shims.apply_cpu_shims(), str(torch.cuda.current_device()))}
     batches = mm.text_batches(BATCH, SEQ, 2, VOCAB)

@@ -41,7 +41,7 @@ from limits import seconds  # noqa: E402
 from test_checkpoint_reshard import assign_amax, global_amax, global_params  # noqa: E402 - sibling test module
 
 from modelopt_moe.launch import spawn
-from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
+from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
 
 WORLD, TP, EP, EXPERTS, SEED = 4, 2, 2, 8, 1234
 KINDS = ("sequential", "grouped")
@@ -109,11 +109,11 @@ class _CountWeightQuantization:
 
 
 def _train_and_compare(case, calib, train_batches, eval_batch, root):
+    import megatron_harness.models as mm
     from megatron.core.transformer.module import Float16Module
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.plugins.testing import megatron_models as mm
-    from modelopt_moe.plugins.testing import megatron_training as mt
+    from modelopt_moe.plugins.megatron import training as mt
 
     kind, bf16, distributed, reuse = CASES[case]
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -177,11 +177,11 @@ def _train_and_compare(case, calib, train_batches, eval_batch, root):
 def _built_from(saved):
     """A model built and quantized at the current layout, given ``saved``'s global weights and amaxes directly (no
     checkpoint involved) and wrapped in ``Float16Module`` as training wraps it."""
+    import megatron_harness.models as mm
     from megatron.core import parallel_state
     from megatron.core.transformer.module import Float16Module
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.plugins.testing import megatron_models as mm
 
     model = mm.build_moe_gpt(num_experts=EXPERTS, seed=SEED + 11, experts="grouped", params_dtype=torch.bfloat16)
     mtq.quantize(model, _config(mtq))
@@ -199,13 +199,13 @@ def _built_from(saved):
 
 def _save_both_ways(trainer, eval_batch, root):
     """Saves the trained model with each documented checkpoint call; returns what a restore must reproduce."""
+    import megatron_harness.models as mm
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     from modelopt_moe.checkpoint import save_sharded_modelopt_state
     from modelopt_moe.plugins.megatron import save_sharded_checkpoint
-    from modelopt_moe.plugins.testing import megatron_models as mm
-    from modelopt_moe.plugins.testing import megatron_training as mt
+    from modelopt_moe.plugins.megatron import training as mt
 
     with megatron_training_shims():  # the optimizer's checkpoint code moves tensors with .cuda()
         save_sharded_checkpoint([trainer.model], os.path.join(root, "api"), optimizer=trainer.optimizer,
@@ -230,11 +230,12 @@ def _save_both_ways(trainer, eval_batch, root):
 def _resume_run(calib, train_batches, root, restore_from=None):
     """fp32 grouped experts, distributed optimizer, cosine LR: 2 * RESUME_STEPS steps, saving after RESUME_STEPS;
     or, with ``restore_from``, a fresh model that loads that checkpoint and runs the remaining steps."""
+    import megatron_harness.models as mm
+
     import modelopt_moe.quantization as mtq
     from modelopt_moe.checkpoint import restore_sharded_modelopt_state
     from modelopt_moe.plugins.megatron import load_sharded_checkpoint, save_sharded_checkpoint
-    from modelopt_moe.plugins.testing import megatron_models as mm
-    from modelopt_moe.plugins.testing import megatron_training as mt
+    from modelopt_moe.plugins.megatron import training as mt
 
     seed = SEED if restore_from is None else SEED + 99  # the resumed model must get everything from the checkpoint
     model = mm.build_moe_gpt(num_experts=EXPERTS, seed=seed, experts="grouped")
@@ -265,8 +266,9 @@ def _resume_run(calib, train_batches, root, restore_from=None):
 def _same_model_both_kinds(eval_batch, calib, **overrides):
     """Sequential and grouped experts built from one seed (fp32): same weights, logits, gradients and checkpoint keys,
     before and after quantization."""
+    import megatron_harness.models as mm
+
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.plugins.testing import megatron_models as mm
 
     models = {k: mm.build_moe_gpt(num_experts=EXPERTS, seed=SEED, experts=k, **overrides).eval() for k in KINDS}
     with torch.no_grad():  # biases are built as zeros: give them values (by global name) so their path counts
@@ -310,7 +312,7 @@ def _same_model_both_kinds(eval_batch, calib, **overrides):
 
 def _shim_checks():
     """What megatron_training_shims does inside, and that it restores torch.cuda on exit."""
-    from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
+    from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
 
     before = torch.cuda.current_stream
     x = torch.ones(2, dtype=torch.bfloat16)
@@ -328,7 +330,7 @@ def _shim_checks():
 
 
 def _train_worker(rank, world_size, root):
-    from modelopt_moe.plugins.testing import megatron_models as mm
+    import megatron_harness.models as mm
 
     out_shims = _shim_checks()
     mm.init_model_parallel(TP, EP, seed=SEED)
@@ -350,12 +352,12 @@ def _train_worker(rank, world_size, root):
 def _restore_and_train_on(flow, root, eval_batch, train_batches, saved):
     """At TP=1 x EP=4, a freshly built model restored through one documented call, then two training steps; and the
     logits of ``saved`` (the trained weights and amaxes) given directly to a model built at this layout."""
+    import megatron_harness.models as mm
     from megatron.core import dist_checkpointing
 
     from modelopt_moe.checkpoint import restore_sharded_modelopt_state
     from modelopt_moe.plugins.megatron import load_sharded_checkpoint
-    from modelopt_moe.plugins.testing import megatron_models as mm
-    from modelopt_moe.plugins.testing import megatron_training as mt
+    from modelopt_moe.plugins.megatron import training as mt
 
     model = mm.build_moe_gpt(num_experts=EXPERTS, seed=SEED + 7, experts="grouped", params_dtype=torch.bfloat16)
     ckpt = os.path.join(root, flow)
@@ -378,7 +380,7 @@ def _restore_and_train_on(flow, root, eval_batch, train_batches, saved):
 
 
 def _restore_worker(rank, world_size, root, saved):
-    from modelopt_moe.plugins.testing import megatron_models as mm
+    import megatron_harness.models as mm
 
     calib = mm.text_batches(BATCH, SEQ, 2)
     train_batches = mm.text_batches(BATCH, SEQ, STEPS * MICROBATCHES, offset=100)

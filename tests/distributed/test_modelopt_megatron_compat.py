@@ -28,13 +28,13 @@ LAYOUTS = [(1, 2), (2, 1), (1, 1)]
 
 def _rank(rank, world, fixture_dir, tmp_dir):
     warnings.filterwarnings("ignore")
+    import megatron_harness.models as mm
     import torch.distributed as dist
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.plugins.megatron import load_modelopt_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
-    from modelopt_moe.plugins.testing import megatron_models as mm
 
     out = {"registry": [cls in mtq.QuantModuleRegistry for cls in (ColumnParallelLinear, RowParallelLinear,
                                                                    SequentialMLP)]}

@@ -10,8 +10,9 @@ from modelopt_moe.launch import spawn
 
 
 def _summaries(rank, world_size):
+    import megatron_harness.models as mm
+
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.plugins.testing import megatron_models as mm
 
     calib = mm.text_batches(2, 32, 2)
     tables = {}

@@ -93,13 +93,13 @@ def test_export_snippet(tmp_path):
 def _megatron_worker(rank, world_size, root):
     sys.path.insert(0, root)
     assert "megatron.core" not in sys.modules  # the README's first lines run before Megatron is imported
+    import megatron_harness.models as mm
     import readme_megatron as rm
     import torch.distributed as dist
     from test_checkpoint_reshard import global_amax, global_params
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.plugins.testing import megatron_models as mm
-    from modelopt_moe.plugins.testing import megatron_training as mt
+    from modelopt_moe.plugins.megatron import training as mt
 
     mm.init_model_parallel(1, 2, seed=3)
     batches = mm.text_batches(2, 32, 4, offset=50)

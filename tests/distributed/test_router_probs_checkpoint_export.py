@@ -27,7 +27,7 @@ CONVENTION_WARNING = "expert down-projection (linear_fc2) input amaxes were cali
 def _setup(tp: int, ep: int):
     from megatron.core import parallel_state, tensor_parallel
 
-    from modelopt_moe.plugins.testing.megatron_cpu import apply_cpu_shims
+    from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
 
     apply_cpu_shims()  # Megatron on a CPU-only machine (a no-op with CUDA)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)

@@ -10,9 +10,8 @@ import torch
 @pytest.fixture(scope="module")
 def megatron_one_gpu():
     """torch.distributed (NCCL, world 1) and Megatron's model-parallel groups at TP=1, EP=1, for one test module."""
+    import megatron_harness.models as mm
     import torch.distributed as dist
-
-    from modelopt_moe.plugins.testing import megatron_models as mm
 
     if not dist.is_initialized():
         with socket.socket() as s:

@@ -1,7 +1,7 @@
 """Distributed checkpoints of a quantized ``TEGroupedMLP`` MoE layer on 2 GPUs (NCCL): saved at EP=2 and restored at
 EP=1, and the reverse, every amax and weight bit-exact; restoring into another amax layout keeps the contract.
 
-Needs the 2-GPU machine (nvidia-h200-x2); skips with fewer GPUs.
+Needs 2 GPUs; skips with fewer.
 """
 
 import pytest
@@ -56,9 +56,10 @@ def _hidden(seed):
 def _worker(rank, world_size, root):
     import warnings
 
+    import megatron_harness.models as mm
+
     import modelopt_moe.quantization as mtq
     from modelopt_moe.plugins.megatron import load_sharded_checkpoint, save_sharded_checkpoint
-    from modelopt_moe.plugins.testing import megatron_models as mm
 
     results = []
     for c, (preset, src_ep, src_layout, dst_ep, dst_layout) in enumerate(CASES):

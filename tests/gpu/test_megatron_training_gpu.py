@@ -19,11 +19,12 @@ if not torch.cuda.is_available():
 pytest.importorskip("transformer_engine.pytorch")
 
 
+import megatron_harness.models as mm  # noqa: E402
+
 import modelopt_moe.quantization as mtq  # noqa: E402
 from modelopt_moe.checkpoint import restore_sharded_modelopt_state  # noqa: E402
 from modelopt_moe.plugins.megatron import load_sharded_checkpoint, save_sharded_checkpoint  # noqa: E402
-from modelopt_moe.plugins.testing import megatron_models as mm  # noqa: E402
-from modelopt_moe.plugins.testing import megatron_training as mt  # noqa: E402
+from modelopt_moe.plugins.megatron import training as mt  # noqa: E402
 
 EXPERTS, STEPS, MICRO = 8, 4, 2
 

@@ -2,14 +2,12 @@
 GPU, in Megatron's training machinery (``Float16Module`` + DDP + ``get_megatron_optimizer`` +
 ``get_forward_backward_func``).
 
-* QAD: ``distillation_model(student, teacher)``: DDP holds the student's parameters only, the teacher gets no
-  gradient, and a short recovery run (NVFP4 experts) keeps the student far closer to the teacher than plain QAT.
+* QAD: ``distillation_model(student, teacher)``: DDP holds the student's parameters only and the teacher gets no
+  gradient (a short recovery run, QAD against plain QAT, is in tests/tools/test_qat_recovery_gpu.py).
 * ``weight_amax_update: dynamic`` on TE grouped experts: the trained forward equals a fresh model's given the trained
   weights alone.
 * autoswitch: a planted outlier expert switches its fc1 fprop to high precision while the others stay quantized,
   measured by the one-launch Triton kernels with statistics.
-
-Prints the recovery table (the summary line of the issue's closing note).
 """
 
 import warnings
@@ -22,11 +20,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("transformer_engine.pytorch")
 
+import megatron_harness.models as mm  # noqa: E402
+from megatron_harness.configs import expert_quant_config  # noqa: E402
+
 import modelopt_moe.quantization as mtq  # noqa: E402
 from modelopt_moe.plugins.megatron import distillation_model  # noqa: E402
-from modelopt_moe.plugins.testing import megatron_models as mm  # noqa: E402
-from modelopt_moe.plugins.testing import megatron_training as mt  # noqa: E402
-from modelopt_moe.plugins.testing.qat_recovery import expert_quant_config  # noqa: E402
+from modelopt_moe.plugins.megatron import training as mt  # noqa: E402
 
 EXPERTS, OUTLIER = 8, 3
 
@@ -99,15 +98,3 @@ def test_autoswitch_outlier_expert_on_te_grouped_experts(tmp_path):
         assert r["switched"] == (r["samples"] if r["expert"] == OUTLIER else 0), r
     print("autoswitch (TEGroupedMLP fc1, fprop):",
           {r["expert"]: f"{r['switched']}/{r['samples']}" for r in rows if "layers.0." in r["layer"]})
-
-
-def test_short_qad_recovery_on_te_grouped_experts():
-    from modelopt_moe.plugins.testing.qat_recovery import RecoveryConfig, format_report, run_recovery
-
-    result = run_recovery(RecoveryConfig(tp=1, ep=1, experts="te", num_layers=2, hidden=128, ffn_hidden=256,
-                                         num_experts=EXPERTS, pretrain_steps=100, steps=20, lr=3e-4,
-                                         eval_batches=8))
-    print(format_report(result))
-    qat, qad = result["nvfp4/static/qat"], result["nvfp4/static/qad"]
-    assert qad["kl"] < qat["kl"]
-    mm.init_model_parallel(1, 1, seed=1234)  # run_recovery tears its layout down; the fixture expects one

@@ -15,9 +15,10 @@ if not torch.cuda.is_available():
 te = pytest.importorskip("transformer_engine.pytorch")
 
 
+import megatron_harness.models as mm  # noqa: E402
+
 import modelopt_moe.quantization as mtq  # noqa: E402
 from modelopt_moe.numerics import fake_quant, scale_rows  # noqa: E402
-from modelopt_moe.plugins.testing import megatron_models as mm  # noqa: E402
 
 EXPERTS, HIDDEN, FFN, TOKENS = 8, 256, 512, 512
 LAYOUTS = ("shared", "vectorized", "per_expert")

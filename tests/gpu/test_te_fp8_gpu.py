@@ -305,8 +305,9 @@ def test_a_config_the_fp8_gemm_cannot_run_fails_in_quantize():
 
 # --------------------------------------------------------------------------------------------------------- (iv)
 def test_megatron_te_grouped_mlp_trains_with_te_fp8(megatron_one_gpu, monkeypatch):
-    from modelopt_moe.plugins.testing import megatron_models as mm
-    from modelopt_moe.plugins.testing import megatron_training as mt
+    import megatron_harness.models as mm
+
+    from modelopt_moe.plugins.megatron import training as mt
 
     steps, micro = 6, 2
     model = mm.build_moe_gpt(num_experts=8, hidden=128, ffn_hidden=256, seed=1, experts="te",

@@ -256,7 +256,7 @@ def test_quantized_grouped_linear_pickles_and_deepcopies_without_its_caches():
 def test_kernel_triton_where_triton_cannot_run_fails_clearly(monkeypatch):
     layer = _quantized(_config())
     layer.quant_kernel = "triton"
-    # As on a CPU machine without TRITON_INTERPRET (this test session may have the interpreter on).
+    # As on a CPU machine without TRITON_INTERPRET (this test run may have the interpreter on).
     monkeypatch.setattr(experts_nn, "kernels_available", lambda device: False)
     with pytest.raises(RuntimeError, match="kernel='triton'"):
         layer(_data()[0], SPLITS)

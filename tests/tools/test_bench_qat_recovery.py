@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from limits import seconds  # noqa: E402
+
+pytestmark = pytest.mark.slow  # runs the tool: processes and training
 
 ROOT = Path(__file__).resolve().parents[2]
 

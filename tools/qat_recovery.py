@@ -1,5 +1,5 @@
 """The QAT-recovery experiment: how much of the loss that post-training quantization costs do plain QAT and QAD win
-back in the same number of steps? Shared by ``tools/bench_qat_recovery.py`` and the distributed QAD test.
+back in the same number of steps? Run by ``tools/bench_qat_recovery.py`` (tested in ``tests/tools/``).
 
 Inside every rank of a :func:`modelopt_moe.launch.spawn` (or torchrun) job, :func:`run_recovery`:
 
@@ -23,10 +23,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
+
+_TESTS = str(Path(__file__).resolve().parents[1] / "tests")
+if _TESTS not in sys.path:  # the small Megatron models (tests/megatron_harness) are not part of the package
+    sys.path.insert(0, _TESTS)
+
+from megatron_harness.configs import expert_quant_config  # noqa: E402
 
 __all__ = ["RecoveryConfig", "run_recovery", "expert_quant_config", "format_report"]
 
@@ -63,36 +71,19 @@ class RecoveryConfig:
     recovery_data: str = "same"
 
 
-def expert_quant_config(fmt: str, amax_update: str) -> dict:
-    """Experts' weights and inputs in ``fmt`` (``nvfp4`` or ``fp8``), every other quantizer off."""
-    if fmt == "nvfp4":
-        attrs = {"num_bits": "e2m1", "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": "e4m3"}}
-    elif fmt == "fp8":
-        attrs = {"num_bits": "e4m3", "axis": None}
-    else:
-        raise ValueError(f"format {fmt!r}: expected 'nvfp4' or 'fp8'")
-    return {
-        "quant_cfg": [{"quantizer_name": "*experts*weight_quantizer", "cfg": attrs},
-                      {"quantizer_name": "*experts*input_quantizer", "cfg": attrs}],
-        "algorithm": "max",
-        "experts": {"weight_amax": "vectorized", "input_amax": "shared"},
-        "weight_amax_update": amax_update,
-    }
-
-
 def code_batches(batch_size: int, seq_len: int, num_batches: int, *, offset: int = 0,
                  vocab_size: int = 256) -> list[dict[str, torch.Tensor]]:
     """Byte-level batches of Python source code (a few modules of the standard library), laid out like
-    ``megatron_models.text_batches``: another distribution than the English text, with the same bytes."""
+    ``text_batches``: another distribution than the English text, with the same bytes."""
     import dataclasses as dc
     import inspect
     import json as js
     import typing
 
-    from modelopt_moe.plugins.testing import megatron_models as mm
+    from modelopt_moe.plugins.cli.text_data import text_batches
 
     corpus = "\n\n".join(inspect.getsource(m) for m in (dc, inspect, js, typing)).encode("utf-8")
-    return mm.text_batches(batch_size, seq_len, num_batches, vocab_size, offset=offset, corpus=corpus)
+    return text_batches(batch_size, seq_len, num_batches, vocab_size, offset=offset, corpus=corpus)
 
 
 def run_recovery(cfg: RecoveryConfig) -> dict:
@@ -102,10 +93,11 @@ def run_recovery(cfg: RecoveryConfig) -> dict:
         ``{"teacher": {...}, "bf16": {...}, "<fmt>/<amax_update>/<method>": {"loss", "kl", "gap", "closed",
         "train_losses", "seconds"}, "config": {...}}``, the same on every rank.
     """
+    import megatron_harness.models as mm
+
     import modelopt_moe.quantization as mtq
     from modelopt_moe.plugins.megatron import distillation_model
-    from modelopt_moe.plugins.testing import megatron_models as mm
-    from modelopt_moe.plugins.testing import megatron_training as mt
+    from modelopt_moe.plugins.megatron import training as mt
 
     mm.init_model_parallel(cfg.tp, cfg.ep, seed=cfg.seed)
     from megatron.core import parallel_state

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from limits import seconds  # noqa: E402
 
+pytestmark = pytest.mark.slow  # runs the tool: processes and training
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--layers", "1", "--hidden", "64", "--experts", "4", "--moe-ffn-hidden", "32", "--topk", "2", "--heads", "4",
         "--kv-heads", "2", "--seq", "32", "--vocab", "256", "--dispatcher", "allgather", "--micro-batches", "2",

@@ -1,26 +1,29 @@
 """Megatron's real training machinery around a (quantized) model: ``Float16Module``, ``DistributedDataParallel``,
-``get_megatron_optimizer`` and ``get_forward_backward_func``, on CPU (gloo) or GPU.
+``get_megatron_optimizer`` and ``get_forward_backward_func``, on GPUs or on CPU (gloo). ``modelopt-moe qat`` and
+``modelopt-moe demo`` train through it.
 
-The flow users run (the shape of Megatron-LM's ``examples/run_simple_mcore_train_loop.py``, with Megatron's own
-optimizer instead of ``torch.optim``), inside a rank started by :func:`modelopt_moe.launch.spawn`::
+The flow (the shape of Megatron-LM's ``examples/run_simple_mcore_train_loop.py``, with Megatron's own optimizer
+instead of ``torch.optim``), inside every rank::
 
-    from modelopt_moe.plugins.testing import megatron_models as mm, megatron_training as mt
+    from modelopt_moe.plugins.megatron import init_model_parallel, training
 
-    mm.init_model_parallel(tp=2, ep=2)
-    model = mm.build_moe_gpt(params_dtype=torch.bfloat16)
-    mtq.quantize(model, cfg, forward_loop)          # before wrapping
-    trainer = mt.setup_training(model)              # Float16Module + DDP + distributed optimizer
-    losses = mt.train(trainer, mm.text_batches(2, 32, 10), steps=5, num_microbatches=2)
-    mt.unwrap(trainer.model)                        # the GPTModel again (its parameters live in DDP's buffers)
+    init_model_parallel(tp=2, ep=2)
+    model = build_megatron_model(hf_dir)                    # or your own model provider
+    mtq.quantize(model, cfg, forward_loop)                  # before wrapping
+    trainer = training.setup_training(model)                # Float16Module + DDP + distributed optimizer
+    loss = training.train_step(trainer, micro_batches)      # one optimizer step over the micro-batches
+    training.unwrap(trainer.model)                          # the GPTModel again (its parameters live in DDP's buffers)
 
-Every class used is Megatron's; on a machine without CUDA the calls that need it run inside
-:func:`modelopt_moe.plugins.testing.megatron_cpu.megatron_training_shims` (a no-op with CUDA).
+Batches are dicts of ``tokens``, ``labels``, ``position_ids`` and ``attention_mask``
+(:func:`~modelopt_moe.plugins.megatron.lm_forward_step`). Every class used is Megatron's; on a machine without CUDA
+the calls that need it run inside :func:`modelopt_moe.plugins.megatron_cpu.megatron_training_shims` (a no-op with
+CUDA).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -33,11 +36,13 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from modelopt_moe.distill import DistillationModel
-from modelopt_moe.plugins.megatron import get_forward_backward_func as reusing_forward_backward_func
-from modelopt_moe.plugins.megatron import get_qad_optimizer, qad_lr_scheduler, qad_optimizer_config
-from modelopt_moe.plugins.testing.megatron_cpu import megatron_training_shims
+from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
 
-__all__ = ["Trainer", "setup_training", "train", "train_step", "forward_step", "unwrap"]
+from .distill import get_qad_optimizer, qad_lr_scheduler, qad_optimizer_config
+from .forward_step import lm_forward_step
+from .schedule import get_forward_backward_func as reusing_forward_backward_func
+
+__all__ = ["Trainer", "setup_training", "train", "train_step", "unwrap"]
 
 
 @dataclasses.dataclass
@@ -158,20 +163,6 @@ def setup_training(
                    reuse_quantized_weights=reuse_quantized_weights, autoswitch=autoswitch)
 
 
-def _loss_func(output_tensor: torch.Tensor):
-    """Mean per-token loss of one micro-batch; Megatron's schedule divides it by the number of micro-batches."""
-    loss = output_tensor.float().mean()
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
-    batch = next(data_iterator)
-    device = next(model.parameters()).device
-    b = {k: v.to(device) for k, v in batch.items()}
-    output = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
-    return output, _loss_func
-
-
 def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]], step: int = 0,
                after_backward: Callable[[], None] | None = None) -> float:
     """One optimizer step over ``micro_batches`` (gradient accumulation through ``get_forward_backward_func``);
@@ -192,7 +183,7 @@ def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]
         model.zero_grad_buffer()
         optimizer.zero_grad()
         reported = trainer.forward_backward_func(step)(
-            forward_step_func=forward_step,
+            forward_step_func=lm_forward_step,
             data_iterator=iter(micro_batches),
             model=[model],
             num_microbatches=len(micro_batches),
@@ -220,7 +211,7 @@ def train(
 
     Args:
         trainer: From :func:`setup_training`.
-        batches: :func:`~modelopt_moe.plugins.testing.megatron_models.text_batches` items (one per micro-batch).
+        batches: Micro-batches (dicts of ``tokens``, ``labels``, ``position_ids``, ``attention_mask``).
         steps: Optimizer steps.
         num_microbatches: Micro-batches per step (gradient accumulation).
         start_step: The index of the first step (a resumed run continues with the data of its iteration).

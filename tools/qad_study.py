@@ -16,7 +16,7 @@ Inside every rank of a :func:`modelopt_moe.launch.spawn` job, :func:`run_study`:
 
 Data: ``data="split"`` cuts the corpus in two: the held-out text (its last ``eval_fraction``) is never trained on,
 neither by the teacher nor by any variant; pretraining and recovery read the rest in order. ``data="legacy"`` is
-the layout of :mod:`.qat_recovery` (the English text, held out at a fixed offset; a long pretraining wraps around
+the layout of ``qat_recovery.py`` (the English text, held out at a fixed offset; a long pretraining wraps around
 the corpus and then trains on the "held-out" text too).
 
 Variants run in the order given (the most important first); with ``time_budget_s`` those that would end past the
@@ -29,12 +29,18 @@ import dataclasses
 import math
 import os
 import statistics
+import sys
 import sysconfig
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+_TESTS = str(Path(__file__).resolve().parents[1] / "tests")
+if _TESTS not in sys.path:  # the small Megatron models (tests/megatron_harness) are not part of the package
+    sys.path.insert(0, _TESTS)
 
 __all__ = ["StudyConfig", "run_study", "format_study", "parse_variant", "STUDY_VARIANTS", "FORMER", "code_corpus"]
 
@@ -154,14 +160,14 @@ def _stats(values: list[float]) -> dict:
 def _data(cfg: StudyConfig) -> dict:
     """Pretraining, recovery (calibration = its first batches), train-eval and held-out batches, and what they
     cover."""
-    from modelopt_moe.plugins.testing import megatron_models as mm
+    from modelopt_moe.plugins.cli.text_data import corpus_bytes, text_batches
 
     per_batch = cfg.batch * cfg.seq
     if cfg.data == "legacy":
-        pretrain = mm.text_batches(cfg.batch, cfg.seq, cfg.pretrain_steps)
-        recover = mm.text_batches(cfg.batch, cfg.seq, cfg.steps, offset=cfg.pretrain_steps * cfg.batch)
-        held_out = mm.text_batches(cfg.batch, cfg.seq, cfg.eval_batches, offset=5000)
-        n = len(mm._corpus_bytes())
+        pretrain = text_batches(cfg.batch, cfg.seq, cfg.pretrain_steps)
+        recover = text_batches(cfg.batch, cfg.seq, cfg.steps, offset=cfg.pretrain_steps * cfg.batch)
+        held_out = text_batches(cfg.batch, cfg.seq, cfg.eval_batches, offset=5000)
+        n = len(corpus_bytes())
         info = {"corpus_bytes": n, "train_bytes": n, "held_out_bytes": n,
                 "pretrain_epochs": cfg.pretrain_steps * per_batch / n,
                 "note": "held-out text at a fixed offset of the corpus the teacher trains on (wraps around)"}
@@ -171,7 +177,7 @@ def _data(cfg: StudyConfig) -> dict:
     if cfg.corpus == "code":
         corpus = code_corpus()
     elif cfg.corpus == "text":
-        corpus = mm._corpus_bytes()
+        corpus = corpus_bytes()
     else:
         raise ValueError(f"StudyConfig.corpus={cfg.corpus!r}: expected 'code' or 'text'")
     cut = int(len(corpus) * (1 - cfg.eval_fraction))
@@ -181,9 +187,9 @@ def _data(cfg: StudyConfig) -> dict:
         raise ValueError(f"StudyConfig: {cfg.eval_batches} held-out batches of {cfg.batch} x {cfg.seq} need "
                          f"{need} bytes; the held-out {cfg.eval_fraction:.0%} of the {cfg.corpus} corpus has "
                          f"{len(held_part)}: lower eval_batches or raise eval_fraction")
-    pretrain = mm.text_batches(cfg.batch, cfg.seq, cfg.pretrain_steps, corpus=train_part)
-    recover = mm.text_batches(cfg.batch, cfg.seq, cfg.steps, offset=cfg.pretrain_steps * cfg.batch, corpus=train_part)
-    held_out = mm.text_batches(cfg.batch, cfg.seq, cfg.eval_batches, corpus=held_part)
+    pretrain = text_batches(cfg.batch, cfg.seq, cfg.pretrain_steps, corpus=train_part)
+    recover = text_batches(cfg.batch, cfg.seq, cfg.steps, offset=cfg.pretrain_steps * cfg.batch, corpus=train_part)
+    held_out = text_batches(cfg.batch, cfg.seq, cfg.eval_batches, corpus=held_part)
     info = {"corpus": cfg.corpus, "corpus_bytes": len(corpus), "train_bytes": len(train_part),
             "held_out_bytes": len(held_part), "pretrain_epochs": cfg.pretrain_steps * per_batch / len(train_part),
             "recovery_repeats_pretraining": (cfg.pretrain_steps + cfg.steps) * per_batch > len(train_part)}
@@ -227,12 +233,13 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
         ``{"config", "data", "teacher", "ptq": {fmt: ...}, "variants": {spec: ...}, "skipped": [...], "seconds"}``,
         the same on every rank (see :func:`format_study` for what each entry holds).
     """
+    import megatron_harness.models as mm
+    from megatron_harness.configs import expert_quant_config
+
     import modelopt_moe.quantization as mtq
     from modelopt_moe.distill import logits_kl_loss, param_group, vocab_parallel_cross_entropy
     from modelopt_moe.plugins.megatron import distillation_model, select_trainable
-    from modelopt_moe.plugins.testing import megatron_models as mm
-    from modelopt_moe.plugins.testing import megatron_training as mt
-    from modelopt_moe.plugins.testing.qat_recovery import expert_quant_config
+    from modelopt_moe.plugins.megatron import training as mt
 
     t_start = time.perf_counter()
     specs = [(s, *parse_variant(s, cfg.recipe)) for s in cfg.variants]  # bad specs fail before any training

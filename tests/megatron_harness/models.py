@@ -1,14 +1,18 @@
-"""Small real Megatron-Core MoE GPT models for tests and the demo, on CPU (gloo) or GPU.
+"""Small real Megatron-Core MoE GPT models for the tests and the tools' CPU runs, on CPU (gloo) or GPU.
 
 Typical use inside a rank started by :func:`modelopt_moe.launch.spawn`::
 
-    from modelopt_moe.plugins.testing import megatron_models as mm
+    import megatron_harness.models as mm
 
     mm.init_model_parallel(tp=2, ep=2, seed=1234)
     model = mm.build_moe_gpt(seed=1234)
     for batch in mm.text_batches(batch_size=2, seq_len=32, num_batches=4):
         loss = mm.lm_loss(model, batch)
     mm.destroy_model_parallel()
+
+The parallel setup, the text batches and the measurements are the product's (re-exported here so a test rank needs
+one import): :mod:`modelopt_moe.plugins.megatron.parallel`, :mod:`modelopt_moe.plugins.cli.text_data`,
+:mod:`modelopt_moe.plugins.cli.evaluate`. What is defined here serves the tests alone.
 
 Weights are initialised from the seed and each parameter's *global* name and index, independently of the
 parallel layout: the same seed gives the same logical model at TP=1/EP=1, TP=2/EP=2 or any other layout, so
@@ -32,14 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import zlib
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -49,25 +51,37 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from modelopt_moe.plugins.cli.evaluate import (
+    gather_logits,
+    global_param_name,
+    global_state,
+    iter_params_with_global_names,
+    lm_loss,
+    loss_and_kl,
+)
+from modelopt_moe.plugins.cli.text_data import text_batches
 from modelopt_moe.plugins.megatron.hf_model import split_gpt_overrides
 from modelopt_moe.plugins.megatron.norms import sequence_parallel_norm
-from modelopt_moe.plugins.testing.megatron_cpu import apply_cpu_shims
+from modelopt_moe.plugins.megatron.parallel import destroy_model_parallel, init_model_parallel
+from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
 from modelopt_moe.quantization.conversion import QuantModuleRegistry
 from modelopt_moe.quantization.nn import GroupedLinear
 
 __all__ = [
+    # the product's, re-exported
     "init_model_parallel",
     "destroy_model_parallel",
-    "parallel_layout",
-    "build_moe_gpt",
     "sequence_parallel_norm",
-    "allreduce_sequence_parallel_grads",
     "text_batches",
     "lm_loss",
     "gather_logits",
     "loss_and_kl",
     "iter_params_with_global_names",
     "global_state",
+    # the tests'
+    "parallel_layout",
+    "build_moe_gpt",
+    "allreduce_sequence_parallel_grads",
     "build_moe_layer",
     "MegatronGroupedLinear",
     "MegatronColumnParallelGroupedLinear",
@@ -76,45 +90,6 @@ __all__ = [
 ]
 
 _INIT_STD = 0.02
-_LOCAL_EXPERT_RE = re.compile(r"\.local_experts\.(\d+)\.")
-# A grouped expert weight (TEGroupedMLP): ".experts.linear_fc1.weight3" is local expert 3's fc1 weight.
-_GROUPED_EXPERT_RE = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
-
-
-def init_model_parallel(tp: int = 1, ep: int = 1, *, seed: int = 1234) -> None:
-    """Initialise Megatron's model-parallel groups and RNG trackers on the current process group.
-
-    ``torch.distributed`` must already be initialised (``modelopt_moe.launch.spawn`` does it). Applies the CPU
-    shims first when CUDA is absent. Expert tensor parallelism is fixed to 1 (gloo cannot all-gather unequal
-    sizes); pipeline and context parallelism are 1; the rest of the world is data parallel.
-
-    Args:
-        tp: Tensor-model-parallel size; must divide the world size.
-        ep: Expert-model-parallel size; must divide the world size.
-        seed: Seed of Megatron's RNG trackers (dropout) and of torch's default generator.
-
-    Raises:
-        RuntimeError: ``torch.distributed`` is not initialised.
-        ValueError: ``tp`` or ``ep`` does not divide the world size.
-    """
-    if not dist.is_initialized():
-        raise RuntimeError("init_model_parallel needs torch.distributed initialised (use modelopt_moe.launch.spawn)")
-    world = dist.get_world_size()
-    for name, size in (("tp", tp), ("ep", ep)):
-        if size < 1 or world % size:
-            raise ValueError(f"{name}={size} must be >= 1 and divide the world size {world}")
-    apply_cpu_shims()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=1,
-    )
-    torch.manual_seed(seed)
-    # The inference tracker keeps plain torch generators, so no CUDA RNG state is needed (the plain call needs
-    # torch.cuda.get_rng_state; skipping the call breaks attention dropout's tracker lookups).
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
 
 
 def parallel_layout() -> dict[str, int]:
@@ -126,11 +101,6 @@ def parallel_layout() -> dict[str, int]:
         "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
         "ep_rank": parallel_state.get_expert_model_parallel_rank(),
     }
-
-
-def destroy_model_parallel() -> None:
-    """Tear down Megatron's model-parallel groups (the default process group stays)."""
-    parallel_state.destroy_model_parallel()
 
 
 # ---------------------------------------------------------------------------------------------------- grouped experts
@@ -315,22 +285,6 @@ def grouped_mlp_spec(transformer_engine: bool = False):
     return functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
 
 
-def _canonical_name(name: str, num_local_experts: int, ep_rank: int) -> str:
-    """Parameter name with the local expert index replaced by the global one (layout-independent).
-
-    Grouped experts' ``...experts.linear_fc1.weight{i}`` maps to the ``SequentialMLP`` name
-    ``...experts.local_experts.{g}.linear_fc1.weight`` of the same global expert ``g``, so both expert kinds
-    get the same weights from the same seed.
-    """
-    grouped = _GROUPED_EXPERT_RE.search(name)
-    if grouped:
-        g = ep_rank * num_local_experts + int(grouped.group(3))
-        return f"{name[:grouped.start()]}.experts.local_experts.{g}.{grouped.group(1)}.{grouped.group(2)}"
-    return _LOCAL_EXPERT_RE.sub(
-        lambda m: f".local_experts.{ep_rank * num_local_experts + int(m.group(1))}.", name
-    )
-
-
 @torch.no_grad()
 def _init_layout_independent(model: torch.nn.Module, seed: int, num_layers: int, num_local_experts: int) -> None:
     """Initialise every non-norm parameter from (seed, global name), then keep this rank's shard of it.
@@ -362,7 +316,7 @@ def _init_layout_independent(model: torch.nn.Module, seed: int, num_layers: int,
         sharded = getattr(param, "tensor_model_parallel", False) and size > 1
         if sharded:
             shape[dim] *= size
-        canonical = _canonical_name(name, num_local_experts, ep_rank)
+        canonical = global_param_name(name, num_local_experts, ep_rank)
         std = _INIT_STD
         if canonical.endswith(("linear_proj.weight", "linear_fc2.weight")):
             std = _INIT_STD / (2.0 * num_layers) ** 0.5
@@ -507,154 +461,6 @@ def allreduce_sequence_parallel_grads(model: torch.nn.Module) -> None:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             dist.all_reduce(grad, group=group)
             p.grad = grad
-
-
-# ---------------------------------------------------------------------------------------------------- data
-
-
-def _corpus_bytes() -> bytes:
-    """Real English text that ships with CPython: the language reference topics behind ``help()``."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
-
-
-def text_batches(
-    batch_size: int, seq_len: int, num_batches: int, vocab_size: int = 256, *, offset: int = 0,
-    corpus: bytes | None = None,
-) -> list[dict[str, torch.Tensor]]:
-    """Byte-level language-modelling batches from real English text (``pydoc_data.topics``), deterministic.
-
-    Sample ``i`` of batch ``b`` is the ``seq_len + 1`` bytes starting at ``(offset + b * batch_size + i) *
-    seq_len`` of the corpus (wrapping around); tokens are bytes modulo ``vocab_size``. Every rank gets the same
-    batches: Megatron's tensor- and expert-parallel ranks must see the same data.
-
-    Args:
-        batch_size: Sequences per batch.
-        seq_len: Tokens per sequence.
-        num_batches: Number of batches.
-        vocab_size: Token ids are ``byte % vocab_size`` (256 keeps bytes exact).
-        offset: Index of the first sample (use different offsets for calibration and evaluation data).
-        corpus: Other bytes to cut the samples from (default: the shipped English text).
-
-    Returns:
-        A list of dicts with ``tokens``, ``labels`` (next token), ``position_ids`` (all ``[batch_size, seq_len]``
-        int64) and ``attention_mask`` (``[1, 1, seq_len, seq_len]`` bool, True where attention is masked: causal).
-    """
-    corpus = _corpus_bytes() if corpus is None else corpus
-    data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).to(torch.int64) % vocab_size
-    n = data.numel()
-    mask = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
-    positions = torch.arange(seq_len, dtype=torch.int64).expand(batch_size, seq_len)
-    batches = []
-    for b in range(num_batches):
-        starts = [((offset + b * batch_size + i) * seq_len) % n for i in range(batch_size)]
-        idx = torch.tensor(starts)[:, None] + torch.arange(seq_len + 1)[None, :]
-        seqs = data[idx % n]
-        batches.append(
-            {"tokens": seqs[:, :-1].contiguous(), "labels": seqs[:, 1:].contiguous(),
-             "position_ids": positions.clone(), "attention_mask": mask.clone()}
-        )
-    return batches
-
-
-def _to_model_device(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    device = next(model.parameters()).device
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-def lm_loss(model: GPTModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``model`` on ``batch`` (a :func:`text_batches` item); differentiable.
-
-    Megatron computes the vocab-parallel cross-entropy, so the value is the same on every rank of any layout.
-    """
-    b = _to_model_device(batch, model)
-    per_token = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
-    return per_token.float().mean()
-
-
-def gather_logits(model: GPTModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Full-vocabulary logits ``[batch, seq, vocab]`` (gathered over TP), the same on every rank of any layout."""
-    b = _to_model_device(batch, model)
-    return model(b["tokens"], b["position_ids"], b["attention_mask"], runtime_gather_output=True)
-
-
-def loss_and_kl(model: GPTModel, batches: Sequence[dict[str, torch.Tensor]], teacher: GPTModel | None = None,
-                tp_group=None) -> dict[str, Any]:
-    """The mean LM loss of ``model`` on ``batches`` and its mean KL to ``teacher`` (None without one), without
-    gradient, in eval mode (the training mode is restored), and both per batch (``losses``, ``kls``: their spread
-    is the noise of the means). ``tp_group``: the vocabulary-parallel group of the logits. Every rank must call it
-    (the losses reduce over tensor-parallel ranks)."""
-    from modelopt_moe.distill import logits_kl_loss
-
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        losses = torch.stack([lm_loss(model, b) for b in batches])
-        kls = None
-        if teacher is not None:
-            per_batch = []
-            for batch in batches:
-                b = _to_model_device(batch, model)
-                args = (b["tokens"], b["position_ids"], b["attention_mask"])
-                per_batch.append(logits_kl_loss(model(*args), teacher(*args), tp_group=tp_group).float().mean())
-            kls = torch.stack(per_batch)
-    model.train(was_training)
-    return {"loss": float(losses.mean()), "kl": None if kls is None else float(kls.mean()),
-            "losses": losses.tolist(), "kls": None if kls is None else kls.tolist()}
-
-
-def iter_params_with_global_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """Yield ``(name, param)`` with local expert indices replaced by global ones (for cross-layout checks)."""
-    n_local = max(1, _num_local_experts(model))
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
-    for name, p in model.named_parameters():
-        yield _canonical_name(name, n_local, ep_rank), p
-
-
-def global_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter (tensor-parallel shards concatenated; experts under their global index) and every quantizer
-    amax (expert amaxes per global expert), the same dict on every rank of any layout: compare checkpoints across
-    layouts with it. Every rank must call it (all-gathers over the TP group and the world)."""
-    from modelopt_moe.checkpoint import iter_expert_quantizers
-    from modelopt_moe.quantization.conversion import named_quantizers
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    group = parallel_state.get_tensor_model_parallel_group()
-    local: dict[str, torch.Tensor] = {}
-    for name, p in iter_params_with_global_names(model):
-        t = p.detach()
-        if tp > 1 and getattr(p, "tensor_model_parallel", False) and getattr(p, "allreduce", True):
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(parts, t.contiguous(), group=group)
-            t = torch.cat(parts, dim=p.partition_dim)
-        local[name] = t.cpu().clone()
-    for e in iter_expert_quantizers(model):
-        grid, q = e.owner.expert_grid(), e.quantizer
-        for i in range(e.gemm.num_local):
-            if q.amax is not None:
-                local[f"{e.name}.{grid.global_index(e.gemm.num_local, i)}._amax"] = q.expert_amax(i).detach().cpu()
-    experts = {e.name for e in iter_expert_quantizers(model)}
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    for name, q, _ in named_quantizers(model):
-        if name not in experts and q.amax is not None:  # a per-channel dense amax may hold this TP rank's channels
-            key = f"{name}._amax" if q.axis is None else f"{name}._amax@tp{tp_rank}of{tp}"
-            local[key] = q.amax.detach().cpu().clone()
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        merged.update(part)
-    return merged
-
-
-def _num_local_experts(model: torch.nn.Module) -> int:
-    for m in model.modules():
-        if hasattr(m, "local_experts"):
-            return len(m.local_experts)
-        if isinstance(m, TEGroupedMLP):
-            return m.num_local_experts
-    return 0
 
 
 def build_moe_layer(
