@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import QuantizerAttributeConfig
-from .modelopt_compat import unsupported
+from .config_schema import QuantizerAttributeConfig
+from .modelopt_compat import modelopt_quantizer_state, unsupported
 from .tensor_quantizer import FakeQuantSTE, TensorQuantizer, nan_ignoring_abs_max
 from .utils import warn_once
 
@@ -414,8 +414,6 @@ class ExpertView(nn.Module):
     def get_modelopt_state(self, properties_only: bool = False) -> dict:
         """Model Optimizer's per-expert quantizer state (``weight_quantizer.{i}``): the owner's settings, this
         expert's amax shape."""
-        from .tensor_quantizer import modelopt_quantizer_state
-
         return modelopt_quantizer_state(self, properties_only)
 
     def collect(self, x: torch.Tensor) -> None:

@@ -37,9 +37,9 @@ from modelopt_moe.checkpoint.modelopt_format import model_optimizer_config, mode
 from modelopt_moe.quantization.config import ExpertsConfig
 from modelopt_moe.quantization.conversion import convert, is_quantized, unwrap_model
 from modelopt_moe.quantization.expert_quantizer import ExpertQuantizer
-from modelopt_moe.quantization.modelopt_compat import COMPAT_DOC
+from modelopt_moe.quantization.modelopt_compat import COMPAT_DOC, parse_modelopt_quantizer_state
 from modelopt_moe.quantization.nn.experts import QUANTIZER_KINDS
-from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer, parse_modelopt_quantizer_state
+from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
 from modelopt_moe.quantization.utils import warn_once
 
 __all__ = ["MODELOPT_STATE_DIR", "is_modelopt_checkpoint", "load_modelopt_checkpoint"]
