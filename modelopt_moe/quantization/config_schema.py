@@ -9,6 +9,7 @@ validation errors into messages: :mod:`.config_errors`; both are gathered with t
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -29,6 +30,8 @@ __all__ = [
     "DEFAULT_WEIGHT_AMAX_UPDATE",
     "QuantizeConfig",
     "normalize_algorithm",
+    "legacy_kernel",
+    "LEGACY_TE_FP8_KERNEL",
 ]
 
 
@@ -419,6 +422,42 @@ WEIGHT_AMAX_UPDATES = ("static", "dynamic", "learned")
 DEFAULT_WEIGHT_AMAX_UPDATE = "dynamic"  # chosen by measurement: docs/qad.md
 
 
+# Before ``gemm`` existed, ``kernel: te_fp8`` chose the real FP8 GEMMs (and the "auto" fake quant everywhere else).
+LEGACY_TE_FP8_KERNEL = "te_fp8"
+_legacy_kernel_warned = False
+
+
+def _warn_legacy_kernel() -> None:
+    global _legacy_kernel_warned
+    if not _legacy_kernel_warned:
+        _legacy_kernel_warned = True
+        warnings.warn("config: 'kernel: te_fp8' is deprecated; write 'gemm: te_fp8' (kernel: auto | triton | torch "
+                      "now says only how fake quant is computed)", FutureWarning,
+                      stacklevel=2)
+
+
+def _gemm_from_legacy_kernel(values: dict) -> dict:
+    """``values`` with a legacy ``kernel: te_fp8`` written as ``gemm: te_fp8`` and ``kernel: auto`` (warned once).
+
+    Raises:
+        ValueError: ``kernel: te_fp8`` together with another ``gemm``.
+    """
+    values = dict(values)
+    if values.get("kernel") != LEGACY_TE_FP8_KERNEL:
+        return values
+    if values.get("gemm", "te_fp8") != "te_fp8":
+        raise ValueError(f"kernel: te_fp8 (the former spelling of gemm: te_fp8) contradicts gemm: {values['gemm']!r}; "
+                         "write gemm: te_fp8 and a fake-quant kernel (auto, triton or torch)")
+    _warn_legacy_kernel()
+    return {**values, "kernel": "auto", "gemm": "te_fp8"}
+
+
+def legacy_kernel(kernel: str, gemm: str) -> str:
+    """The one ``kernel`` value that versions before ``gemm`` existed read: ``te_fp8`` for real FP8 GEMMs, else the
+    fake-quant kernel (saved quantization states carry it, so those versions still load them)."""
+    return LEGACY_TE_FP8_KERNEL if gemm == "te_fp8" else kernel
+
+
 class QuantizeConfig(_Strict):
     """The whole config given to :func:`mtq.quantize`.
 
@@ -433,11 +472,14 @@ class QuantizeConfig(_Strict):
     max_calib: MaxCalibConfig = Field(default_factory=MaxCalibConfig)
     effective_bits: float | None = None
     strict: bool = False
-    # Expert fake quant: "auto" = the one-launch Triton kernels on CUDA, the torch reference elsewhere;
-    # "triton" = the kernels wherever Triton runs (CPU only under TRITON_INTERPRET=1); "torch" = the reference.
-    # "te_fp8" = calibrated FP8 Transformer Engine grouped linears run real FP8 forward GEMMs with the calibrated
-    # scales (modelopt_moe.plugins.te_fp8); every other module as "auto".
-    kernel: Literal["auto", "triton", "torch", "te_fp8"] = "auto"
+    # How expert fake quant is computed: "auto" = the one-launch Triton kernels on CUDA, the torch reference
+    # elsewhere; "triton" = the kernels wherever Triton runs (CPU only under TRITON_INTERPRET=1); "torch" = the
+    # reference.
+    kernel: Literal["auto", "triton", "torch"] = "auto"
+    # Whether forward GEMMs run on fake-quantized operands ("fake_quant") or, in calibrated FP8 Transformer Engine
+    # grouped linears, as real FP8 GEMMs with the calibrated scales ("te_fp8": modelopt_moe.plugins.te_fp8; every
+    # other module fake-quantizes).
+    gemm: Literal["fake_quant", "te_fp8"] = "fake_quant"
     experts: ExpertsConfig = Field(default_factory=ExpertsConfig)
     backward: BackwardConfig = Field(default_factory=BackwardConfig)
     # A property of the training run, not of one quantizer: it applies to every enabled weight quantizer (activation
@@ -466,7 +508,7 @@ class QuantizeConfig(_Strict):
     def _modelopt_shapes(cls, values):
         if not isinstance(values, dict):
             return values
-        values = dict(values)
+        values = _gemm_from_legacy_kernel(values)
         if "quant_cfg" in values:
             values["quant_cfg"] = normalize_quant_cfg(values["quant_cfg"])
         algo = values.get("algorithm", "max")
@@ -494,6 +536,13 @@ class QuantizeConfig(_Strict):
     @classmethod
     def _effective_bits(cls, v):
         return _check_effective_bits(v)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "kernel" and value == LEGACY_TE_FP8_KERNEL:  # ``cfg.kernel = "te_fp8"`` as before the split
+            _warn_legacy_kernel()
+            super().__setattr__("gemm", "te_fp8")
+            value = "auto"
+        super().__setattr__(name, value)
 
     def resolve(self, quantizer_name: str, parent_class_name: str | tuple[str, ...]) -> QuantizerAttributeConfig | None:
         """Applies the rules in order (later wins); returns the final attribute config, or None if no rule

@@ -60,6 +60,7 @@ class QuantModuleMixin:
     def _setup(self, config: QuantizeConfig) -> None:
         self.quant_backward = config.backward.model_copy()
         self.quant_kernel = config.kernel
+        self.quant_gemm = config.gemm
         self.quant_autoswitch = config.autoswitch.model_copy() if config.autoswitch else None
         self._setup_quantizers(config)
 
@@ -307,6 +308,7 @@ def apply_quant_cfg(model: nn.Module, config: QuantizeConfig) -> None:
         if is_quantized(module):
             module.quant_backward = config.backward.model_copy()
             module.quant_kernel = config.kernel
+            module.quant_gemm = config.gemm
             module.quant_autoswitch = config.autoswitch.model_copy() if config.autoswitch else None
     check_quantizer_shapes(model)
 

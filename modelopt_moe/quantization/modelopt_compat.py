@@ -55,7 +55,7 @@ def _modelopt_num_bits(cfg: QuantizerAttributeConfig):
 def modelopt_quantizer_state(q, properties_only: bool = False) -> dict[str, Any]:
     """The state :meth:`TensorQuantizer.get_modelopt_state` returns, for ``q`` (a ``TensorQuantizer``, an
     ``ExpertQuantizer`` or one expert's ``ExpertView``)."""
-    cfg = q.cfg
+    cfg, switches = q.cfg, q.switches()
     block_sizes = None
     if cfg.block_sizes is not None:
         block_sizes = dict(cfg.block_sizes)
@@ -66,7 +66,7 @@ def modelopt_quantizer_state(q, properties_only: bool = False) -> dict[str, Any]
         "_unsigned": cfg.unsigned, "_narrow_range": cfg.narrow_range, "_dynamic": cfg.type == "dynamic",
         "_effective_bits": cfg.effective_bits, "_trt_high_precision_dtype": cfg.trt_high_precision_dtype,
         "_pass_through_bwd": q.ste != "clipped", "_disabled": not q.is_enabled,
-        "_if_quant": bool(getattr(q, "_if_quant", True)), "_if_calib": bool(getattr(q, "_if_calib", False)),
+        "_if_quant": switches["if_quant"], "_if_calib": switches["if_calib"],
         **{k: v[0] for k, v in _MODELOPT_FIXED.items() if k != "_is_nvfp4_static_quantizer"},
     }
     if cfg.static_block_size is not None:

@@ -26,6 +26,7 @@ from torch import nn
 from ..numerics import clip_limit, fake_quant, get_format
 from .config_schema import WEIGHT_AMAX_UPDATES, QuantizerAttributeConfig
 from .modelopt_compat import modelopt_quantizer_state, parse_modelopt_quantizer_state, unsupported
+from .quant_mode import QuantMode, derive_mode
 from .utils import warn_once
 
 __all__ = ["TensorQuantizer", "FakeQuantSTE", "nan_ignoring_abs_max", "clip_mask"]
@@ -86,7 +87,15 @@ class TensorQuantizer(nn.Module):
     :attr:`amax_update` says how a weight quantizer's amax follows the weights while training (``static``,
     ``dynamic``, ``learned``: :meth:`set_amax_update`); a learned amax is the parameter ``_amax`` instead of the
     buffer (same state-dict key).
+
+    What a forward does is the quantizer's :attr:`mode`, recomputed whenever one of its inputs changes (the switches
+    ``_enabled`` / ``_if_calib`` / ``_if_quant`` (Model Optimizer's names), the config, the amax being set or
+    dropped, the amax update), never re-decided at a call.
     """
+
+    # Attributes the mode derives from: assigning one recomputes it (writes that bypass __setattr__, into the
+    # buffer and parameter dicts, call _update_mode themselves).
+    _MODE_INPUTS = frozenset({"_enabled", "_if_calib", "_if_quant", "_cfg", "_amax", "amax_update"})
 
     def __init__(self, quant_attribute_cfg: QuantizerAttributeConfig | dict | None = None, if_quant: bool = True,
                  if_calib: bool = False, amax: Any = None):
@@ -99,8 +108,73 @@ class TensorQuantizer(nn.Module):
         self.amax_update = "static"
         cfg = quant_attribute_cfg if quant_attribute_cfg is not None else QuantizerAttributeConfig()
         self.set_from_attribute_config(QuantizerAttributeConfig(**cfg) if isinstance(cfg, dict) else cfg)
+        self._update_mode()
         if amax is not None:
             self.amax = amax
+
+    # --- the mode ------------------------------------------------------------------------------------------------
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name in self._MODE_INPUTS and "_mode" in self.__dict__:
+            self._update_mode()
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._update_mode()  # a quantizer pickled by an older version has no mode yet
+
+    def _update_mode(self) -> None:
+        self.__dict__["_mode"] = derive_mode(
+            enabled=self._enabled, if_calib=self._if_calib, if_quant=self._if_quant, dynamic=self._cfg.is_dynamic,
+            needs_amax=self.needs_amax, has_amax=self._amax is not None, amax_update=self.amax_update,
+            learns_amax=self.learns_amax)
+
+    @property
+    def mode(self) -> QuantMode:
+        """What a forward call does (see :class:`~.quant_mode.QuantMode`)."""
+        return self.__dict__["_mode"]
+
+    @property
+    def is_calibrating(self) -> bool:
+        """Whether a forward call collects the amax (enabled, with calibration on)."""
+        return self.__dict__["_mode"] is QuantMode.CALIBRATING
+
+    @property
+    def clips(self) -> bool:
+        """Whether the straight-through gradient is clipped (zero where ``|x| > amax``): a quantizing quantizer with
+        ``ste: clipped`` and an amax to clip at."""
+        return self.is_quantizing and self.ste == "clipped" and self.needs_amax and self._amax is not None
+
+    @property
+    def refreshes_amax(self) -> bool:
+        """Whether the amax follows the current weights (``weight_amax_update: dynamic`` on an enabled quantizer
+        with an amax of its own), whatever the switches say now: what :func:`~.weight_amax.update_weight_amax`
+        recomputes."""
+        return self._enabled and self.amax_update == "dynamic" and self.needs_amax and not self._cfg.is_dynamic
+
+    def switches(self) -> dict[str, bool]:
+        """Model Optimizer's three switches: ``{"enabled", "if_quant", "if_calib"}``."""
+        return {"enabled": self._enabled, "if_quant": self._if_quant, "if_calib": self._if_calib}
+
+    def set_switches(self, *, enabled: bool | None = None, if_quant: bool | None = None,
+                     if_calib: bool | None = None) -> None:
+        """Sets the given switches (the others kept), e.g. from a saved state."""
+        if enabled is not None:
+            self._enabled = bool(enabled)
+        if if_quant is not None:
+            self._if_quant = bool(if_quant)
+        if if_calib is not None:
+            self._if_calib = bool(if_calib)
+
+    def calibration_snapshot(self) -> tuple:
+        """What a calibration pass changes (the amax tensor, the switches, its progress), for
+        :meth:`restore_calibration_snapshot` after a pass that failed."""
+        return self._amax, self.switches(), self._calib_seen
+
+    def restore_calibration_snapshot(self, snapshot: tuple) -> None:
+        amax, switches, seen = snapshot
+        self._amax = amax
+        self.set_switches(**switches)
+        self._calib_seen = seen
 
     # --- configuration -------------------------------------------------------------------------------------------
     def set_from_attribute_config(self, cfg: QuantizerAttributeConfig | dict) -> None:
@@ -267,16 +341,17 @@ class TensorQuantizer(nn.Module):
         the shape fits, so an optimizer holding it keeps training the same tensor)."""
         if "_amax" not in self._parameters:
             self._buffers["_amax"] = value
-            return
-        old = self._parameters["_amax"]
-        if old is not None and old.shape == value.shape:
-            with torch.no_grad():
-                old.copy_(value.to(old.device))
-            return
-        new = nn.Parameter(value.float(), requires_grad=True)
-        if old is not None:
-            new.__dict__.update(old.__dict__)  # Megatron's parameter attributes (e.g. ``allreduce``)
-        self._parameters["_amax"] = new
+        else:
+            old = self._parameters["_amax"]
+            if old is not None and old.shape == value.shape:
+                with torch.no_grad():
+                    old.copy_(value.to(old.device))
+                return
+            new = nn.Parameter(value.float(), requires_grad=True)
+            if old is not None:
+                new.__dict__.update(old.__dict__)  # Megatron's parameter attributes (e.g. ``allreduce``)
+            self._parameters["_amax"] = new
+        self._update_mode()
 
     @property
     def learns_amax(self) -> bool:
@@ -403,13 +478,14 @@ class TensorQuantizer(nn.Module):
                                   self.int_kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Calibrates on (while calibrating) and fake-quantizes (while quantizing) ``x``; identity when disabled."""
-        if not self._enabled:
+        """Calibrates on (while calibrating) and fake-quantizes (while quantizing) ``x``; identity when off."""
+        mode = self.__dict__["_mode"]
+        if mode is QuantMode.OFF:
             return x
-        if self._if_calib:
+        if mode is QuantMode.CALIBRATING:
             self.collect(x)
-        if not self._if_quant:
-            return x
+            if not self._if_quant:
+                return x
         return self.fake_quant(x)
 
     # --- Model Optimizer's quantizer state --------------------------------------------------------------------------
@@ -430,8 +506,7 @@ class TensorQuantizer(nn.Module):
         """
         cfg, flags, amax_shape = parse_modelopt_quantizer_state(modelopt_state)
         self.set_from_attribute_config(cfg)
-        self._enabled = flags["enabled"]
-        self._if_quant, self._if_calib = flags["if_quant"], flags["if_calib"]
+        self.set_switches(**flags)
         self.ste = "pass_through" if cfg.pass_through_bwd else "clipped"
         if not properties_only:
             if amax_shape is None:

@@ -185,7 +185,7 @@ def _apply_extra_states(extras: dict[str, tuple], loaded: dict, source: str) -> 
                 continue
             seen[id(q)] = (settings, expert)
             q.set_from_modelopt_state(qstate, properties_only=True)
-            q._if_calib, q._if_quant = False, True
+            q.set_switches(if_calib=False, if_quant=True)
 
 
 def load_modelopt_checkpoint(model, ckpt_dir: str | os.PathLike, *, experts: ExpertsConfig | dict | None = None,
