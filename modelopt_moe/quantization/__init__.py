@@ -8,7 +8,7 @@ copy and edit them.
 """
 
 from ..numerics import FORMATS, fake_quant
-from . import nn  # noqa: F401  registers the framework-free wrappers
+from . import nn  # noqa: F401  the framework-free wrappers (registered by the conversion's one registration call)
 from .autoswitch import autoswitch_step, autoswitch_summary
 from .calibration import sync_amax
 from .config import (

@@ -31,10 +31,10 @@ from torch import nn
 
 from ..kernels import grouped_weight_amax
 from ..numerics import TINY_AMAX, clip_limit, fake_quant, get_format
-from .conversion import is_quantized
 from .expert_quantizer import ExpertQuantizer, ExpertView
 from .process_groups import collective_device, default_groups
 from .quant_mode import QuantMode
+from .quant_module import is_quantized
 from .tensor_quantizer import TensorQuantizer
 from .weight_operands import learned_amax_attributes, set_weight_amax_update, weight_operands
 

@@ -16,8 +16,8 @@ from torch import nn
 from ...numerics import scale_rows
 from ..autoswitch import SampledGemm, gemm_sampler
 from ..config import QuantizeConfig
-from ..conversion import QuantModuleMixin, QuantModuleRegistry
 from ..expert_quantizer import ExpertGemm
+from ..quant_module import QuantModuleMixin
 from .expert_weights import expert_weight_clip_mask, quantize_expert_weights
 from .experts import (
     DeviceSplits,
@@ -174,5 +174,3 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
                     w.copy_(q.fake_quant_expert(i, w))
             q.disable()
 
-
-QuantModuleRegistry.register(GroupedLinear, QuantGroupedLinearMixin)
