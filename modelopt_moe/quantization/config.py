@@ -10,7 +10,8 @@ A config says *what* precision goes *where*; :mod:`tensor_quantizer` says *how*.
     algorithm: max
     experts: {weight_amax: vectorized, input_amax: shared}
     backward: {mode: dequantized, ste: pass_through, grad_num_bits: e5m2}
-    kernel: auto                     # auto | triton | torch (expert fake quant backend) | te_fp8 (real FP8 TE GEMMs)
+    kernel: auto                     # auto | triton | torch: how expert fake quant is computed
+    gemm: fake_quant                 # fake_quant | te_fp8: real FP8 forward GEMMs in TE grouped linears
     weight_amax_update: dynamic      # static | dynamic | learned (docs/qad.md)
     autoswitch: {every: 100, underflow_pct: 5.0, mse: 0.05, gemms: [fprop, dgrad, wgrad]}   # optional
 

@@ -131,12 +131,12 @@ class TensorQuantizer(nn.Module):
     @property
     def mode(self) -> QuantMode:
         """What a forward call does (see :class:`~.quant_mode.QuantMode`)."""
-        return self.__dict__["_mode"]
+        return self._mode
 
     @property
     def is_calibrating(self) -> bool:
         """Whether a forward call collects the amax (enabled, with calibration on)."""
-        return self.__dict__["_mode"] is QuantMode.CALIBRATING
+        return self._mode is QuantMode.CALIBRATING
 
     @property
     def clips(self) -> bool:
@@ -479,7 +479,7 @@ class TensorQuantizer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Calibrates on (while calibrating) and fake-quantizes (while quantizing) ``x``; identity when off."""
-        mode = self.__dict__["_mode"]
+        mode = self._mode
         if mode is QuantMode.OFF:
             return x
         if mode is QuantMode.CALIBRATING:
