@@ -437,17 +437,12 @@ def _warn_legacy_kernel() -> None:
 
 
 def _gemm_from_legacy_kernel(values: dict) -> dict:
-    """``values`` with a legacy ``kernel: te_fp8`` written as ``gemm: te_fp8`` and ``kernel: auto`` (warned once).
-
-    Raises:
-        ValueError: ``kernel: te_fp8`` together with another ``gemm``.
-    """
+    """``values`` with a legacy ``kernel: te_fp8`` written as ``gemm: te_fp8`` and ``kernel: auto`` (warned once). It
+    wins over a ``gemm`` beside it: a dumped preset carries ``gemm: fake_quant``, and ``{**preset, "kernel":
+    "te_fp8"}`` asked for te_fp8."""
     values = dict(values)
     if values.get("kernel") != LEGACY_TE_FP8_KERNEL:
         return values
-    if values.get("gemm", "te_fp8") != "te_fp8":
-        raise ValueError(f"kernel: te_fp8 (the former spelling of gemm: te_fp8) contradicts gemm: {values['gemm']!r}; "
-                         "write gemm: te_fp8 and a fake-quant kernel (auto, triton or torch)")
     _warn_legacy_kernel()
     return {**values, "kernel": "auto", "gemm": "te_fp8"}
 
