@@ -1,11 +1,12 @@
 """Framework plugins, installed as ``modelopt_moe.plugins``: the only place that imports megatron.core or
 transformer_engine.
 
-Importing this package imports no framework. :func:`register_imported` is the one entry point the core calls
+Importing this package imports no framework. :func:`register_imported` is what the core calls
 (``modelopt_moe.quantization.conversion.register_framework_plugins``, made by ``mtq.quantize``, every restore and the
-Hugging Face export): for every plugin whose frameworks the program has imported, and every plugin the caller
-requires by name, it imports the plugin and calls its ``register()``, which adds the plugin's quantized classes,
-parallel groups and export adapter to the core's registries.
+Hugging Face export), found through the package's entry point (group ``modelopt_moe.plugins`` in pyproject.toml), so
+the core never imports this package: for every plugin whose frameworks the program has imported, and every plugin
+the caller requires by name, it imports the plugin and calls its ``register()``, which adds the plugin's quantized
+classes, parallel groups and export adapter to the core's registries.
 """
 
 import importlib

@@ -1,4 +1,4 @@
-"""``kernel: te_fp8``: the forward GEMMs of quantized Transformer Engine grouped linears as real FP8 GEMMs.
+"""``gemm: te_fp8``: the forward GEMMs of quantized Transformer Engine grouped linears as real FP8 GEMMs.
 
 A ``te.GroupedLinear`` (and Megatron's ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``, which
 subclass it) quantized to FP8 E4M3 with calibrated per-tensor amaxes (one per expert, or one shared) computes its
@@ -21,7 +21,7 @@ forward as a deployed FP8 model does:
   engines' order (one pass over the output); the backward operand is ``scale_rows(Q(act), prob)``, so the
   probabilities get their gradient as on the fake-quant path.
 
-Amaxes, checkpoints and export are unchanged: only the forward GEMM differs from ``kernel: auto``. While
+Amaxes, checkpoints and export are unchanged: only the forward GEMM differs from ``gemm: fake_quant``. While
 ``mtq.quantize`` calibrates, the fake-quant path runs (it collects the amaxes).
 
 A config the FP8 GEMM cannot run is a ``ConfigError`` at ``mtq.quantize`` (end of calibration) and at every forward
@@ -31,7 +31,8 @@ FP8 GEMM cannot align (``in_features % 16``, ``out_features % 8``), non-bf16/fp1
 features this path does not implement (``delay_wgrad_compute``, Megatron's own TE quantization recipe, one grouped
 bias tensor, FP8 primary weights, the ``out`` / ``dgrad_out`` buffers). A layer whose input and weight quantizers are
 both disabled runs TE's bf16 forward. Every other quantized module (dense linears, ``SequentialMLP``, the
-framework-free ``GroupedLinear``) runs fake quant as with ``kernel: auto``: no warning, this is the documented meaning.
+framework-free ``GroupedLinear``) runs fake quant as with ``gemm: fake_quant``: no warning, this is the documented
+meaning.
 
 Inside ``mtq.reuse_quantized_weights`` the FP8 weights, like the fake-quantized ones, are cast once per scope.
 
@@ -52,20 +53,15 @@ from torch.autograd.function import once_differentiable
 
 from modelopt_moe.numerics import E4M3_MAX, safe_amax, scale_rows
 from modelopt_moe.quantization.config import ConfigError
-from modelopt_moe.quantization.nn.experts import (
-    expert_input_clip_mask,
-    expert_weight_clip_mask,
-    quantize_expert_inputs,
-    quantize_expert_weights,
-    split_sizes,
-)
+from modelopt_moe.quantization.nn.expert_weights import expert_weight_clip_mask, quantize_expert_weights
+from modelopt_moe.quantization.nn.experts import expert_input_clip_mask, quantize_expert_inputs, split_sizes
 from modelopt_moe.quantization.nn.functional import mask_grad, quantize_grad
 from modelopt_moe.quantization.nn.row_scale import row_scale_of, rows_of
 from modelopt_moe.quantization.weight_reuse import reused_or_computed, weight_key
 
-__all__ = ["KERNEL", "engaged", "problems", "check", "forward", "fp8_scales", "quantize_inputs", "quantize_weights"]
+__all__ = ["GEMM", "engaged", "problems", "check", "forward", "fp8_scales", "quantize_inputs", "quantize_weights"]
 
-KERNEL = "te_fp8"
+GEMM = "te_fp8"  # the config's ``gemm`` value that selects this path
 # Split (promoted fp32) accumulation in the FP8 forward GEMM: what an FP8 inference GEMM computes. TE's own fprop
 # default is fast accumulation, which keeps fewer bits.
 _SPLIT_ACCUMULATOR = True
@@ -85,12 +81,12 @@ def _te() -> SimpleNamespace:
 
 # --- when it runs, what it refuses ----------------------------------------------------------------------------------
 def engaged(module) -> bool:
-    """Whether ``module``'s forward takes the te_fp8 path: kernel ``te_fp8``, a quantizer enabled, and no quantizer
+    """Whether ``module``'s forward takes the te_fp8 path: gemm ``te_fp8``, a quantizer enabled, and no quantizer
     calibrating (calibration runs the fake-quant path, which collects the amaxes)."""
     iq, wq = module.input_quantizer, module.weight_quantizer
-    if getattr(module, "quant_kernel", None) != KERNEL or not (iq.is_enabled or wq.is_enabled):
+    if getattr(module, "quant_gemm", None) != GEMM or not (iq.is_enabled or wq.is_enabled):
         return False
-    return not (iq._if_calib or wq._if_calib)
+    return not (iq.is_calibrating or wq.is_calibrating)
 
 
 def problems(module) -> list[str]:
@@ -134,7 +130,7 @@ def check(module) -> None:
     """Raises ConfigError naming every :func:`problems` of ``module``."""
     found = problems(module)
     if found:
-        raise ConfigError(f"{type(module).__name__}: kernel te_fp8 cannot run this layer (use kernel: auto for "
+        raise ConfigError(f"{type(module).__name__}: gemm te_fp8 cannot run this layer (use gemm: fake_quant for "
                           "fake quant):\n  " + "\n  ".join(found))
 
 
@@ -200,7 +196,7 @@ def quantize_weights(module, weights: list[torch.Tensor]) -> list:
     device = weights[0].device
     if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return compute()
-    return reused_or_computed(wq, lambda: weight_key(weights, wq.amax, KERNEL), compute)
+    return reused_or_computed(wq, lambda: weight_key(weights, wq.amax, GEMM), compute)
 
 
 def _fp8_grouped_gemm(x_fp8, w_fp8, splits, out_features, dtype, device, biases):
@@ -269,9 +265,9 @@ def _return_convention(cls: type) -> str:
     mcore = sys.modules.get("megatron.core.extensions.transformer_engine")
     if mcore is not None and owner is getattr(mcore, "TEGroupedLinear", None):
         return "megatron"
-    raise NotImplementedError(f"kernel te_fp8: {cls.__name__}.forward is {owner.__qualname__}'s; te_fp8 returns what "
+    raise NotImplementedError(f"gemm te_fp8: {cls.__name__}.forward is {owner.__qualname__}'s; te_fp8 returns what "
                               "te.GroupedLinear.forward or Megatron's TEGroupedLinear.forward returns and knows no "
-                              "other forward (use kernel: auto)")
+                              "other forward (use gemm: fake_quant)")
 
 
 def _activation_dtype(x: torch.Tensor) -> torch.dtype:
@@ -286,14 +282,14 @@ def forward(module, x: torch.Tensor, m_splits, **host_args):
     convention = _return_convention(module._original_cls)
     unsupported = sorted(k for k, v in host_args.items() if v is not None and k != "is_first_microbatch")
     if unsupported:
-        raise NotImplementedError(f"{type(module).__name__}: kernel te_fp8 does not take forward arguments "
-                                  f"{unsupported} (use kernel: auto)")
+        raise NotImplementedError(f"{type(module).__name__}: gemm te_fp8 does not take forward arguments "
+                                  f"{unsupported} (use gemm: fake_quant)")
     check(module)
     dtype = _activation_dtype(x)
     if dtype not in (torch.bfloat16, torch.float16):
-        raise ConfigError(f"{type(module).__name__}: kernel te_fp8 needs bf16 or fp16 activations, got {dtype}")
+        raise ConfigError(f"{type(module).__name__}: gemm te_fp8 needs bf16 or fp16 activations, got {dtype}")
     if x.device.type != "cuda" or not _fp8_gemm_capable(x.device.index or 0):
-        raise RuntimeError(f"{type(module).__name__}: kernel te_fp8 needs a GPU with FP8 tensor cores (compute "
+        raise RuntimeError(f"{type(module).__name__}: gemm te_fp8 needs a GPU with FP8 tensor cores (compute "
                            f"capability 8.9 or newer), got {x.device}")
     iq, wq = module.input_quantizer, module.weight_quantizer
     splits = split_sizes(m_splits)
@@ -308,7 +304,7 @@ def forward(module, x: torch.Tensor, m_splits, **host_args):
     if scale is not None:
         scale = rows_of(scale, x2d, type(module).__name__)
         if module.apply_bias:
-            raise NotImplementedError(f"{type(module).__name__}: kernel te_fp8 adds the bias in the GEMM, where the "
+            raise NotImplementedError(f"{type(module).__name__}: gemm te_fp8 adds the bias in the GEMM, where the "
                                       "router probabilities would not scale it (return the bias instead)")
     with_grad = torch.is_grad_enabled()
     # The fake-quantized weights are the backward operands; computing them also refreshes a dynamic amax, which the

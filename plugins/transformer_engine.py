@@ -8,7 +8,7 @@ wrapper and TE's grouped GEMM, with TE's communication and bias handling), which
 ``_get_weight_tensors()``: that hook returns the fake-quantized weights while the GEMM runs. TE's own FP8 must be
 off while fake quant runs (both would quantize).
 
-With ``kernel: te_fp8`` a calibrated layer runs its forward GEMM as a real FP8 GEMM in TE instead, with our static
+With ``gemm: te_fp8`` a calibrated layer runs its forward GEMM as a real FP8 GEMM in TE instead, with our static
 scales and the configured backward (:mod:`.te_fp8`); calibration still runs the fake-quant path.
 """
 
@@ -67,14 +67,14 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
                 "supported yet; build the layer with single_grouped_weight=False (Megatron: "
                 "moe_single_grouped_weight=False)"
             )
-        if getattr(self, "fuse_wgrad_accumulation", False) and config.kernel != "te_fp8":
+        if getattr(self, "fuse_wgrad_accumulation", False) and config.gemm != te_fp8.GEMM:
             # TE's backward would add the weight gradient into weight.main_grad of the weights its forward saw: the
             # fake-quantized copies, which have none (and a clipped STE could not mask it). te_fp8 returns .grad.
             raise ValueError(
                 f"{type(self).__name__}: fuse_wgrad_accumulation=True (Megatron: gradient_accumulation_fusion) "
                 "accumulates the weight gradient into weight.main_grad inside TE's GEMM, which a fake-quantized "
                 "weight does not have; set gradient_accumulation_fusion=False (Megatron-LM: "
-                "--no-gradient-accumulation-fusion) for QAT with modelopt_moe, or use kernel: te_fp8"
+                "--no-gradient-accumulation-fusion) for QAT with modelopt_moe, or use gemm: te_fp8"
             )
         super()._setup_quantizers(config)
 

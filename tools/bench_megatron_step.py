@@ -13,7 +13,7 @@ Variants, each its own model instance built from the same seed:
   fp8, nvfp4        ``mtq.quantize(model, mtq.load_config("fp8_default.yaml" / "nvfp4_default.yaml"), loop)``,
                     calibrated on random-token batches. With the TE spec the presets quantize the experts (TE's
                     dense attention linears are not converted; the router and output layer stay bf16)
-  fp8-te_fp8        fp8 with ``kernel: te_fp8``: the experts' forward GEMMs as real FP8 GEMMs in Transformer Engine
+  fp8-te_fp8        fp8 with ``gemm: te_fp8``: the experts' forward GEMMs as real FP8 GEMMs in Transformer Engine
                     (without TE, on CPU, the same as fp8)
   modelopt-fp8,     NVIDIA Model Optimizer's ``mto.quantize(model, mto.FP8_DEFAULT_CFG / NVFP4_DEFAULT_CFG, loop)``,
   modelopt-nvfp4    only when ``modelopt`` imports (otherwise one line says why they were skipped); its presets
@@ -76,7 +76,7 @@ import torch
 VARIANTS = ("bf16", "fp8", "nvfp4", "fp8-te_fp8", "modelopt-fp8", "modelopt-nvfp4")
 MODES = ("re-quantize", "reuse")
 PRESETS = {"fp8": "fp8_default.yaml", "nvfp4": "nvfp4_default.yaml", "fp8-te_fp8": "fp8_default.yaml"}
-KERNELS = {"fp8-te_fp8": "te_fp8"}  # variants that override the preset's kernel
+GEMMS = {"fp8-te_fp8": "te_fp8"}  # variants that override the preset's gemm
 MODELOPT_PRESETS = {"modelopt-fp8": "FP8_DEFAULT_CFG", "modelopt-nvfp4": "NVFP4_DEFAULT_CFG"}
 MIB = 2**20
 
@@ -221,7 +221,7 @@ def quantize(name: str, model, calib: list[dict[str, torch.Tensor]]):
             import modelopt_moe.quantization as mtq
 
             cfg = mtq.load_config(PRESETS[name])
-            cfg.kernel = KERNELS.get(name, cfg.kernel)
+            cfg.gemm = GEMMS.get(name, cfg.gemm)
             mtq.quantize(model, cfg, forward_loop)
         else:
             import modelopt.torch.quantization as mto

@@ -10,7 +10,7 @@ Variants:
                         in the backward (``backward.weight_operands: recompute``, the default)
   fp8 re-q, keep        the same with ``weight_operands: keep``: the forward's fake-quantized weights are kept for
                         the backward (one launch fewer, one more copy of the weights alive)
-  te_fp8 reuse /        ``kernel: te_fp8``: the forward GEMM as a real FP8 GEMM in Transformer Engine with our static
+  te_fp8 reuse /        ``gemm: te_fp8``: the forward GEMM as a real FP8 GEMM in Transformer Engine with our static
   te_fp8 re-quantize    per-expert scales, backward on the fake-quant operands
   fp8 torch loop        per-expert amax and the torch reference, one expert at a time (what a per-expert Python
                         loop costs; NVIDIA Model Optimizer 0.47's layout)
@@ -55,7 +55,8 @@ def _variants(base, x, splits):
     def quantized(layout, kernel, weight_operands="recompute"):
         layer = copy.deepcopy(base)
         cfg = mtq.load_config("fp8_default.yaml")
-        cfg.experts.weight_amax, cfg.kernel, cfg.backward.weight_operands = layout, kernel, weight_operands
+        cfg.experts.weight_amax, cfg.backward.weight_operands = layout, weight_operands
+        cfg.kernel, cfg.gemm = ("auto", "te_fp8") if kernel == "te_fp8" else (kernel, "fake_quant")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mtq.quantize(layer, cfg, lambda m: m(x, splits))

@@ -23,9 +23,8 @@ from torch import nn
 
 from ..quantization.config import ConfigError, ExpertsConfig, QuantizeConfig, to_config
 from ..quantization.conversion import convert, is_quantized, named_quantizers, unwrap_model
-from ..quantization.modelopt_compat import COMPAT_DOC
+from ..quantization.modelopt_compat import COMPAT_DOC, parse_modelopt_quantizer_state
 from ..quantization.rollback import unchanged_on_error
-from ..quantization.tensor_quantizer import parse_modelopt_quantizer_state
 from ..quantization.utils import warn_once
 from .errors import CheckpointMismatchError
 from .expert_quantizers import warn_if_down_proj_input_calibrated_otherwise

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..quantization.config import BackwardConfig, ExpertsConfig, QuantizeConfig, QuantizerAttributeConfig
+from ..quantization.config_schema import LEGACY_TE_FP8_KERNEL, legacy_kernel
 from ..quantization.conversion import convert, is_quantized, named_quantizers, rule_name, unwrap_model
 from ..quantization.nn.row_scale import DOWN_PROJ_INPUT
 from ..quantization.rollback import unchanged_on_error
@@ -56,7 +57,8 @@ def modelopt_state(model: nn.Module) -> dict:
     """Everything needed to re-create ``model``'s quantization in a freshly built model (plain data, no tensors).
 
     Returns:
-        ``{"format", "version", "backward", "kernel", "experts" (the amax layouts), "quantized_modules",
+        ``{"format", "version", "backward", "kernel" (as versions before ``gemm`` read it), "fake_quant_kernel",
+        "gemm", "experts" (the amax layouts), "quantized_modules",
         "quantizers" (name -> cfg / enabled / ste), "expert_quantizers" (name -> layout, global expert count),
         "expert_down_proj_input" (what the expert down projections' input quantizers see: the activation before the
         router probability multiplies it; states without this key were calibrated on ``prob * act``)}``.
@@ -83,7 +85,11 @@ def modelopt_state(model: nn.Module) -> dict:
         "format": STATE_FORMAT,
         "version": STATE_VERSION,
         "backward": first.quant_backward.model_dump(),
-        "kernel": first.quant_kernel,
+        # "kernel" is what versions before the fake-quant kernel / GEMM split read (te_fp8 stood for both);
+        # "fake_quant_kernel" and "gemm" are the two settings.
+        "kernel": legacy_kernel(first.quant_kernel, first.quant_gemm),
+        "fake_quant_kernel": first.quant_kernel,
+        "gemm": first.quant_gemm,
         "weight_amax_update": _weight_amax_update(model),
         "autoswitch": first.quant_autoswitch.model_dump() if getattr(first, "quant_autoswitch", None) else None,
         "experts": ExpertsConfig(**layouts).model_dump(),
@@ -147,9 +153,18 @@ def _restore_config(state: dict, experts) -> QuantizeConfig:
     if experts is not None:
         layouts = experts if isinstance(experts, ExpertsConfig) else ExpertsConfig(**experts)
     # States saved before weight_amax_update existed were static; autoswitch is optional.
-    return QuantizeConfig(backward=BackwardConfig(**state["backward"]), kernel=state.get("kernel", "auto"),
+    return QuantizeConfig(backward=BackwardConfig(**state["backward"]), **_compute_settings(state),
                           experts=layouts, weight_amax_update=state.get("weight_amax_update", "static"),
                           autoswitch=state.get("autoswitch"))
+
+
+def _compute_settings(state: dict) -> dict:
+    """``kernel`` and ``gemm`` of a saved state; a state saved before they were two settings has one ``kernel``
+    (``te_fp8`` meant real FP8 GEMMs with the ``auto`` fake quant)."""
+    if "fake_quant_kernel" in state:
+        return {"kernel": state["fake_quant_kernel"], "gemm": state.get("gemm", "fake_quant")}
+    kernel = state.get("kernel", "auto")
+    return {"kernel": "auto", "gemm": "te_fp8"} if kernel == LEGACY_TE_FP8_KERNEL else {"kernel": kernel}
 
 
 def restore_modelopt_state(model: nn.Module, state: dict, experts: ExpertsConfig | dict | None = None, *,
@@ -200,7 +215,7 @@ def _restore_quantizers(model: nn.Module, state: dict, experts, source: str) -> 
                     f"{q.fmt} axis={q.axis}, the checkpoint has format {ckpt_cfg.format} axis={ckpt_cfg.axis}")
             continue
         q.set_from_attribute_config(ckpt_cfg)
-        q._enabled = entry["enabled"]
+        q.set_switches(enabled=entry["enabled"])
         q.ste = entry["ste"]
         set_weight_amax_update(name, q, owners[name], entry.get("amax_update", "static"))
     for e in iter_expert_quantizers(model):

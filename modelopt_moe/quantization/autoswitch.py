@@ -42,7 +42,8 @@ from torch import nn
 
 from ..numerics import relative_mse, underflow_pct
 from .config import AUTOSWITCH_GEMMS, AutoswitchConfig
-from .conversion import is_quantized, unwrap_model
+from .quant_module import is_quantized, unwrap_model
+from .step_scope import StepScopes
 from .utils import rank
 
 __all__ = [
@@ -99,13 +100,19 @@ class _Record:
 
 @dataclass
 class _Scope:
-    """One sampled step: the GEMM modules it covers, their names, and what they recorded."""
+    """One sampled step: the GEMM modules it covers, their names, and what they recorded (``lock``: the GEMMs of
+    the backward record from the autograd engine's threads)."""
 
     step: int
     cfg: AutoswitchConfig
     names: dict[int, tuple[str, int | None]]
     records: list[_Record] = field(default_factory=list)
     calls: dict[int, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def module_ids(self) -> dict[int, tuple[str, int | None]]:
+        return self.names
 
     def flush(self) -> None:
         if not self.records:
@@ -119,15 +126,12 @@ class _Scope:
         self.records.clear()
 
 
-# Module-level (not a contextvar) for the same reason as the weight-reuse scopes: recomputed forwards and the backward
-# run in the autograd engine's threads.
-_lock = threading.Lock()
-_scopes: list[_Scope] = []
+_SCOPES: StepScopes[_Scope] = StepScopes()
 
 
 def active_autoswitch_scopes() -> int:
     """How many sampled steps are open (for tests and diagnostics)."""
-    return len(_scopes)
+    return len(_SCOPES)
 
 
 def _config_of(models: list[nn.Module]) -> AutoswitchConfig | None:
@@ -194,17 +198,9 @@ def autoswitch_step(model: nn.Module | list[nn.Module] | tuple, step: int) -> It
     for m in models:
         names.update(_gemm_names(m))
     scope = _Scope(step, cfg, names)
-    with _lock:
-        _scopes.append(scope)
-    ok = False
-    try:
+    with _SCOPES.opened(scope):
         yield True
-        ok = True
-    finally:
-        with _lock:
-            _scopes.remove(scope)
-        if ok:
-            scope.flush()
+    scope.flush()  # only after a step that completed
 
 
 class GemmSampler:
@@ -215,7 +211,7 @@ class GemmSampler:
         self.scope = scope
         self.layer, self.first_expert = scope.names[id(module)]
         key = id(module)
-        with _lock:
+        with scope.lock:
             self.call = scope.calls.get(key, 0)
             scope.calls[key] = self.call + 1
 
@@ -236,7 +232,7 @@ class GemmSampler:
     def record(self, input_sums, weight_sums, decisions: dict[str, torch.Tensor | None]) -> _Record:
         rec = _Record(self.layer, self.first_expert, self.call, {"input": input_sums, "weight": weight_sums,
                                                                   "grad": None}, dict(decisions))
-        with _lock:
+        with self.scope.lock:
             self.scope.records.append(rec)
         return rec
 
@@ -256,10 +252,7 @@ class GemmSampler:
 
 def gemm_sampler(module: nn.Module) -> GemmSampler | None:
     """The sampler of ``module`` when a sampled step covers it, else None (the whole cost of an unsampled step)."""
-    if not _scopes:
-        return None
-    with _lock:
-        scope = next((s for s in reversed(_scopes) if id(module) in s.names), None)
+    scope = _SCOPES.covering(module)
     return None if scope is None else GemmSampler(scope, module)
 
 

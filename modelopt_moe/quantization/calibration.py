@@ -162,16 +162,14 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
     if options is None:
         return model
     quantizers = [(name, q) for name, q, _ in named_quantizers(model) if q.is_enabled]
-    saved = [(q, q._amax, q._if_calib, q._if_quant, q.__dict__.get("_calib_seen")) for _, q in quantizers]
+    saved = [(q, q.calibration_snapshot()) for _, q in quantizers]
     training = model.training
     model.eval()  # as Model Optimizer calibrates: no dropout, inference-mode routing; the mode is restored after
     try:
         _collect(model, quantizers, loop, options)
     except BaseException as e:
-        for q, amax, if_calib, if_quant, seen in saved:
-            q._amax, q._if_calib, q._if_quant = amax, if_calib, if_quant
-            if seen is not None:
-                q._calib_seen = seen
+        for q, snapshot in saved:
+            q.restore_calibration_snapshot(snapshot)
         if hasattr(e, "add_note"):
             e.add_note(f"mtq.calibrate: calibration failed; every quantizer is back in its state before this call "
                        f"(amaxes, calibration and quantization switches; see {COMPAT_DOC}#after-a-failure)")

@@ -1,27 +1,39 @@
-"""Module conversion: a registry maps a module class to its quantized mixin; ``convert`` swaps classes in place.
+"""Module conversion: ``convert`` swaps every registered module to its quantized class and applies a config's rules.
 
-The quantized class of ``Foo`` is ``QuantFoo(FooMixin, Foo)``, created once and cached. Swapping ``__class__``
-keeps every parameter, buffer and attribute of the original module (and the state-dict keys), so a model converts
-without copying weights. Such classes are created at run time, so quantized modules pickle through
-:func:`_rebuild_quantized`, which re-creates the class from the original class and the mixin.
-
-Framework plugins (``modelopt_moe.plugins``: Megatron-Core, Transformer Engine) add their classes through ONE explicit
-call, :func:`register_framework_plugins`, which :func:`convert` (so ``mtq.quantize`` and every restore) and registry
-lookups make: it registers the plugin of every framework the program has imported. Importing this package imports
-no framework.
+The class registry and the quantized-module mixin live in :mod:`.quant_module` (re-exported here). Classes enter the
+registry through ONE explicit call, :func:`register_framework_plugins`, which :func:`convert` (so ``mtq.quantize`` and
+every restore) makes: it registers the framework-free wrappers (``quantization/nn``) and the plugin of every framework
+the program has imported, the same way (each has a ``register()``). Registry lookups change nothing. The core finds
+the framework plugins through the package's entry points (group :data:`PLUGIN_ENTRY_POINTS`), never by importing
+``modelopt_moe.plugins``; importing this package imports no framework.
 """
 
 from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
+from importlib import metadata
 
 import torch
 from torch import nn
 
+from . import nn as framework_free
 from .config import ConfigError, QuantCfgEntry, QuantizeConfig, QuantizerAttributeConfig
-from .expert_quantizer import ExpertGemm, ExpertGrid
+from .quant_module import (  # noqa: F401  _rebuild_quantized: the name pickles of quantized modules reference
+    QuantModuleMixin,
+    QuantModuleRegistry,
+    _rebuild_quantized,
+    is_quantized,
+    named_quantizers,
+    own_quantizers,
+    parent_class_names,
+    quantized_class,
+    register_wrapper,
+    rule_name,
+    unwrap_model,
+)
 from .tensor_quantizer import TensorQuantizer
 from .utils import warn_once
 from .weight_operands import set_weight_amax_update
@@ -29,6 +41,7 @@ from .weight_operands import set_weight_amax_update
 __all__ = [
     "QuantModuleRegistry",
     "QuantModuleMixin",
+    "PLUGIN_ENTRY_POINTS",
     "register_framework_plugins",
     "register_wrapper",
     "unwrap_model",
@@ -44,157 +57,46 @@ __all__ = [
     "parent_class_names",
 ]
 
-
-class QuantModuleMixin:
-    """Base of every quantized wrapper. It declares every hook the core calls; subclasses override what applies."""
-
-    _original_cls: type
-    _mixin_cls: type
-
-    def _setup_quantizers(self, config: QuantizeConfig) -> None:
-        """Creates this module's quantizers (plain modules: input, weight and output)."""
-        self.input_quantizer = TensorQuantizer()
-        self.weight_quantizer = TensorQuantizer()
-        self.output_quantizer = TensorQuantizer()
-
-    def _setup(self, config: QuantizeConfig) -> None:
-        self.quant_backward = config.backward.model_copy()
-        self.quant_kernel = config.kernel
-        self.quant_autoswitch = config.autoswitch.model_copy() if config.autoswitch else None
-        self._setup_quantizers(config)
-
-    def _after_convert(self) -> None:
-        """Called once every module of the model is converted (e.g. experts wire their linears to the layer's
-        quantizers)."""
-
-    def calibrate_weights(self) -> None:
-        """Max-calibrates the weight quantizer(s) straight from the weights (no data needed)."""
-        if self.weight_quantizer.is_enabled:
-            self.weight_quantizer.collect(self.weight)
-
-    def amax_reduction(self, quantizer_name: str) -> tuple[str, ...]:
-        """Names of the parallel groups (``"tp"``, ``"dp"``, ``"ep"``, ...) over which this module's quantizer
-        ``quantizer_name`` (relative name) must max-reduce its amax. Plain modules: none."""
-        return ()
-
-    def finalize_calibration(self, groups: dict) -> list[str]:
-        """After the amax reduction: fix what calibration left incomplete; returns notes for one rank-0 warning."""
-        return []
-
-    def fold_weight(self) -> None:
-        """Replaces the weight by its fake-quantized value and disables the weight quantizer."""
-        if self.weight_quantizer.is_enabled:
-            with torch.no_grad():
-                self.weight.copy_(self.weight_quantizer.fake_quant(self.weight))
-            self.weight_quantizer.disable()
-
-    def expert_gemms(self) -> list[ExpertGemm]:
-        """The expert GEMMs whose quantizers this module holds (none for a dense module)."""
-        return []
-
-    def expert_grid(self) -> ExpertGrid:
-        """This rank's place among the expert-parallel ranks (framework adapters answer from their groups)."""
-        return ExpertGrid()
-
-    # Attributes that are caches: never pickled or deep-copied (they hold ids and derived tensors).
-    _transient_attributes: tuple[str, ...] = ()
-
-    def __reduce_ex__(self, protocol):
-        state = dict(self.__getstate__())
-        for name in self._transient_attributes:
-            state.pop(name, None)
-        return _rebuild_quantized, (self._original_cls, self._mixin_cls), state
+# The entry-point group through which the core finds framework plugins (pyproject.toml declares modelopt_moe's own):
+# each entry is a function ``register(require=None) -> list[str]`` that registers the plugins of the frameworks the
+# program has imported (and those named in ``require``) and returns the names registered so far.
+PLUGIN_ENTRY_POINTS = "modelopt_moe.plugins"
 
 
-_QUANT_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def _quantized_class(original: type, mixin: type) -> type:
-    key = (original, mixin)
-    if key not in _QUANT_CLASSES:
-        name = f"Quant{original.__name__}"
-        _QUANT_CLASSES[key] = type(name, (mixin, original), {"_original_cls": original, "_mixin_cls": mixin,
-                                                              "__module__": original.__module__})
-    return _QUANT_CLASSES[key]
-
-
-def _rebuild_quantized(original: type, mixin: type):
-    cls = _quantized_class(original, mixin)
-    return cls.__new__(cls)
-
-
-class _Registry:
-    """Original module class -> quantized mixin. Lookups are by exact class, then by base class."""
-
-    def __init__(self):
-        self._map: dict[type, type] = {}
-
-    def register(self, original: type, mixin: type) -> None:
-        if not issubclass(mixin, QuantModuleMixin):
-            raise TypeError(f"{mixin.__name__} must subclass QuantModuleMixin")
-        self._map[original] = mixin
-
-    def unregister(self, original: type) -> None:
-        self._map.pop(original, None)
-
-    def mixin_for(self, cls: type) -> type | None:
-        if issubclass(cls, QuantModuleMixin):
-            return None  # already converted
-        for base in cls.__mro__:
-            if base in self._map:
-                return self._map[base]
-        return None
-
-    def __contains__(self, cls: type) -> bool:
-        register_framework_plugins()
-        return self.mixin_for(cls) is not None
-
-
-QuantModuleRegistry = _Registry()
+@functools.cache
+def _plugin_registrars() -> tuple[Callable, ...]:
+    entries = sorted(metadata.entry_points(group=PLUGIN_ENTRY_POINTS), key=lambda e: e.name)
+    if not entries:
+        raise RuntimeError(f"modelopt_moe: no framework plugins found in the installed package metadata (entry-point "
+                           f"group {PLUGIN_ENTRY_POINTS!r}); the installation is incomplete or out of date: reinstall "
+                           "modelopt_moe (pip install -e . in a source checkout)")
+    return tuple(entry.load() for entry in entries)
 
 
 def register_framework_plugins(require: str | tuple[str, ...] | list[str] | None = None) -> list[str]:
-    """Registers the quantized classes (and parallel groups, export adapters) of every framework the program has
-    imported; ``require`` names plugins to import and register even if their framework is not imported yet.
+    """Registers the framework-free wrappers (``nn.Linear``, ``GroupedLinear``) and the quantized classes (and
+    parallel groups, export adapters) of every framework the program has imported; ``require`` names plugins to
+    import and register even if their framework is not imported yet.
 
-    The core's one call into ``modelopt_moe.plugins``: made by :func:`convert` (``mtq.quantize``, every restore), by
-    registry lookups, and by :mod:`modelopt_moe.export` (``require="megatron"`` for ``build_megatron_model``, which
-    has no model yet to tell the framework). Idempotent and cheap. The plugin imports its framework; the core never
-    does.
+    The core's one registration call: made by :func:`convert` (``mtq.quantize``, every restore) and by
+    :mod:`modelopt_moe.export` (``require="megatron"`` for ``build_megatron_model``, which has no model yet to tell
+    the framework). Idempotent and cheap. A plugin imports its framework; the core never does.
 
     Args:
         require: plugin name(s) (``"megatron"``, ``"transformer_engine"``, ``"megatron.te_experts"``).
 
     Returns:
-        The names of the registered plugins.
+        The names of the registered framework plugins.
 
     Raises:
         ValueError: an unknown plugin name. ImportError: a required plugin's framework is not installed.
+        RuntimeError: the installed package metadata lists no plugins (an incomplete installation).
     """
-    from .. import plugins
-
-    return plugins.register_imported(require=require)
-
-
-# Classes that wrap a model as ``.module`` without changing its state-dict keys (plugins add their frameworks').
-_WRAPPERS: set[type] = {torch.nn.parallel.DistributedDataParallel}
-
-
-def register_wrapper(cls: type) -> None:
-    """Declares ``cls`` a model wrapper (``wrapper.module`` is the model): quantization state names the model's
-    modules as the unwrapped model does, so a checkpoint saved through a wrapper loads into a bare model and back."""
-    _WRAPPERS.add(cls)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The model inside any registered wrappers (torch DDP; Megatron's DDP and ``Float16Module``)."""
-    while isinstance(model, tuple(_WRAPPERS)):
-        model = model.module
-    return model
-
-
-def is_quantized(module: nn.Module) -> bool:
-    return isinstance(module, QuantModuleMixin)
+    framework_free.register()
+    names: set[str] = set()
+    for register in _plugin_registrars():
+        names.update(register(require=require))
+    return sorted(names)
 
 
 def convert(model: nn.Module, config: QuantizeConfig, apply_rules: bool = True) -> list[str]:
@@ -219,7 +121,7 @@ def convert(model: nn.Module, config: QuantizeConfig, apply_rules: bool = True) 
         mixin = QuantModuleRegistry.mixin_for(type(module))
         if mixin is None:
             continue
-        module.__class__ = _quantized_class(type(module), mixin)
+        module.__class__ = quantized_class(type(module), mixin)
         module._setup(config)
         converted.append(name)
     for module in model.modules():
@@ -229,46 +131,13 @@ def convert(model: nn.Module, config: QuantizeConfig, apply_rules: bool = True) 
         kinds = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(
             f"quantize: nothing quantizable in {type(model).__name__}; registered classes are "
-            f"{sorted(c.__name__ for c in QuantModuleRegistry._map)} (is the plugin for your framework imported?), "
+            f"{sorted(c.__name__ for c in QuantModuleRegistry.registered())} (is the plugin for your framework "
+            "imported?), "
             f"the model has {kinds}"
         )
     if apply_rules:
         apply_quant_cfg(model, config)
     return converted
-
-
-def own_quantizers(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, TensorQuantizer]]:
-    """``(relative name, quantizer)`` of the quantizers a quantized module owns: those among its submodules, but not
-    inside a nested quantized module (e.g. an expert layer around its quantized linears), which owns its own."""
-    for name, child in module._modules.items():
-        if child is None or is_quantized(child):
-            continue
-        if isinstance(child, TensorQuantizer):
-            yield prefix + name, child
-        yield from own_quantizers(child, f"{prefix}{name}.")
-
-
-def named_quantizers(model: nn.Module) -> Iterator[tuple[str, TensorQuantizer, nn.Module]]:
-    """Yields ``(full name, quantizer, owning quantized module)`` in a deterministic (module) order; each quantizer
-    once, with its nearest quantized module as owner."""
-    for mod_name, module in model.named_modules():
-        if not is_quantized(module):
-            continue
-        for q_name, q in own_quantizers(module):
-            yield (f"{mod_name}.{q_name}" if mod_name else q_name), q, module
-
-
-def rule_name(full_name: str) -> str:
-    """The name quant_cfg rules match: a per-expert view (``weight_quantizer.3``) follows its quantizer's."""
-    head, _, tail = full_name.rpartition(".")
-    return head if tail.isdigit() and head.endswith("_quantizer") else full_name
-
-
-def parent_class_names(module: nn.Module) -> tuple[str, ...]:
-    """The names a ``parent_class`` rule matches for a quantizer of ``module``: its original class and every base
-    (Model Optimizer matches with ``isinstance``, so a subclass of ``nn.Linear`` is an ``"nn.Linear"``)."""
-    cls = getattr(module, "_original_cls", type(module))
-    return tuple(c.__name__ for c in cls.__mro__ if c not in (object, nn.Module))
 
 
 def _set_attributes(full_name: str, q: TensorQuantizer, attrs, ste: str | None = None) -> None:
@@ -307,6 +176,7 @@ def apply_quant_cfg(model: nn.Module, config: QuantizeConfig) -> None:
         if is_quantized(module):
             module.quant_backward = config.backward.model_copy()
             module.quant_kernel = config.kernel
+            module.quant_gemm = config.gemm
             module.quant_autoswitch = config.autoswitch.model_copy() if config.autoswitch else None
     check_quantizer_shapes(model)
 

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import QuantizerAttributeConfig
-from .modelopt_compat import unsupported
+from .config_schema import QuantizerAttributeConfig
+from .modelopt_compat import modelopt_quantizer_state, unsupported
+from .quant_mode import QuantMode
 from .tensor_quantizer import FakeQuantSTE, TensorQuantizer, nan_ignoring_abs_max
 from .utils import warn_once
 
@@ -272,13 +273,29 @@ class ExpertQuantizer(TensorQuantizer):
 
     def forward_expert(self, index: int, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
         """Calibrates on and/or fake-quantizes expert ``index``'s tensor ``x``; ``amax`` overrides its own."""
-        if not self._enabled:
+        mode = self.mode
+        if mode is QuantMode.OFF:
             return x
-        if self._if_calib:
+        if mode is QuantMode.CALIBRATING:
             self.collect_expert(index, x)
-        if not self._if_quant:
-            return x
+            if not self._if_quant:
+                return x
         return self.fake_quant_expert(index, x, amax)
+
+    def forward_experts(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Expert ``i``'s tensor ``tensors[i]`` through :meth:`forward_expert`, one by one (calibrating, dynamic or
+        uncalibrated). Quantizing with no amax yet, every expert takes its row of the current tensors' amax under
+        this layout's rule (:meth:`dynamic_amax`)."""
+        current = None
+        if self.is_quantizing and self._amax is None and self.needs_amax and not self.is_dynamic:
+            current = self.dynamic_amax(tensors)
+        return [self.forward_expert(i, t, None if current is None else self.row_of(current, i))
+                for i, t in enumerate(tensors)]
+
+    def row_of(self, amax: torch.Tensor, index: int) -> torch.Tensor:
+        """Expert ``index``'s row of an ``[N, ...]`` amax in the shape ``fake_quant`` broadcasts (``[]``, or
+        ``[C, 1]`` per channel)."""
+        return amax[index] if self.axis is None else amax[index].unsqueeze(-1)
 
     def fake_quant_expert(self, index: int, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
         """Fake-quantizes expert ``index``'s tensor ``x`` with its amax (or ``amax``), STE per :attr:`ste`."""
@@ -408,14 +425,19 @@ class ExpertView(nn.Module):
     block_sizes = property(lambda self: self.owner.block_sizes)
     static_block_size = property(lambda self: self.owner.static_block_size)
     maxbound = property(lambda self: self.owner.maxbound)
-    _if_quant = property(lambda self: self.owner._if_quant)
+    mode = property(lambda self: self.owner.mode)
+    is_calibrating = property(lambda self: self.owner.is_calibrating)
+    clips = property(lambda self: self.owner.clips)
+    refreshes_amax = property(lambda self: self.owner.refreshes_amax)
+    _if_quant = property(lambda self: self.owner._if_quant)  # Model Optimizer's names, read-only here
     _if_calib = property(lambda self: self.owner._if_calib)
+
+    def switches(self) -> dict[str, bool]:
+        return self.owner.switches()
 
     def get_modelopt_state(self, properties_only: bool = False) -> dict:
         """Model Optimizer's per-expert quantizer state (``weight_quantizer.{i}``): the owner's settings, this
         expert's amax shape."""
-        from .tensor_quantizer import modelopt_quantizer_state
-
         return modelopt_quantizer_state(self, properties_only)
 
     def collect(self, x: torch.Tensor) -> None:

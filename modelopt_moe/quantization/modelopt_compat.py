@@ -1,17 +1,23 @@
-"""Model Optimizer's config shapes and names, normalized to this package's configs (no Model Optimizer import).
+"""Model Optimizer 0.47 compatibility in one place: its config shapes and names (:mod:`.modelopt_shapes`) and its
+quantizer state, translated both ways.
 
-NVIDIA Model Optimizer 0.47 accepts ``quant_cfg`` in several shapes (its ordered list of
-``{"quantizer_name", "parent_class", "cfg", "enable"}`` entries, the legacy flat dict ``{"*weight_quantizer": {...},
-"default": {...}}``, legacy single-key list items and ``{"nn.Linear": {"*input_quantizer": {...}}}`` scopes) and names
-parent classes by its registry keys (``"nn.Linear"``, ``"megatron_ColumnParallelLinear"``). This module turns them
-into the list form :class:`~.config.QuantizeConfig` validates, and builds the one kind of error every deliberate
-difference raises: it names the key and value and points to :data:`COMPAT_DOC`.
+A Model Optimizer ``TensorQuantizer`` state is plain data under its private attribute names (``_num_bits``,
+``_axis``, ``_block_sizes``, ``_disabled``, ``_if_quant``, ``_pytorch_state_metadata``, ...).
+:func:`modelopt_quantizer_state` writes ours in that form (``get_modelopt_state``);
+:func:`parse_modelopt_quantizer_state` reads it back, and reads what Model Optimizer writes, refusing the features
+this package does not have by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
+
+from ..numerics import format_from_num_bits, get_format
+from .config_schema import QuantizerAttributeConfig
+from .modelopt_shapes import COMPAT_DOC, UNSUPPORTED_ALGORITHMS, normalize_quant_cfg, parent_class_name, unsupported
+from .utils import warn_once
 
 __all__ = [
     "COMPAT_DOC",
@@ -19,84 +25,106 @@ __all__ = [
     "normalize_quant_cfg",
     "parent_class_name",
     "UNSUPPORTED_ALGORITHMS",
+    "modelopt_quantizer_state",
+    "parse_modelopt_quantizer_state",
 ]
 
-# Where the table of deliberate differences lives (shipped with the sources; the error names the section).
-COMPAT_DOC = "docs/modelopt_compat.md"
 
-# Model Optimizer's calibration methods that this package does not implement (max calibration only).
-UNSUPPORTED_ALGORITHMS = ("mse", "local_hessian", "smoothquant", "awq_lite", "awq_clip", "awq_full", "svdquant",
-                          "gptq", "nvfp4_act_headroom", "lsq")
-
-# Model Optimizer's registry-key prefixes -> the framework class names they stand for.
-_PARENT_PREFIXES = (("megatron_moe_", ""), ("megatron_", ""), ("te_mcore_", "TE"), ("nn.", ""))
-
-
-def unsupported(what: str, value: Any, hint: str, section: str = "differences-from-model-optimizer") -> str:
-    """The message of a deliberate difference: ``what`` (a key path), its ``value``, what to do instead and where
-    the table of differences explains why."""
-    return (f"{what}={value!r} is not supported by modelopt_moe ({hint}); see {COMPAT_DOC}#{section} "
-            "(Differences from Model Optimizer)")
-
-
-def parent_class_name(pattern: str) -> str:
-    """A ``parent_class`` as written for Model Optimizer (``"nn.Linear"``, ``"megatron_RowParallelLinear"``,
-    ``"te_mcore_ColumnParallelLinear"``) as the class-name wildcard this package matches; other patterns pass
-    through unchanged."""
-    for prefix, replacement in _PARENT_PREFIXES:
-        if pattern.startswith(prefix) and len(pattern) > len(prefix):
-            return replacement + pattern[len(prefix):]
-    return pattern
+# Written by Model Optimizer 0.47 at these values for features this package has not: anything else is refused.
+_MODELOPT_FIXED = {
+    "_fake_quant": (True,), "_learn_amax": (False,), "_bias": (None,), "_rotate": (False, None),
+    "backend": (None,), "backend_extra_args": ({}, None), "_use_constant_amax": (False,), "_constant_amax": (None,),
+    "_dequantize": (False,), "_enable_pre_quant_scale": (True,), "_is_nvfp4_static_quantizer": (False,),
+}
+# Runtime details Model Optimizer keeps on the module (shapes derived at the first forward, dtypes, flags).
+_MODELOPT_IGNORED = {
+    "_input_dtype", "_quant_max_bound", "_amax_shape_for_export", "_is_static_block_scale_quantizer",
+    "_original_shape", "_block_reshape_size", "_padding", "_slices", "_calibrator", "_bias_calibrator",
+    "_quantizer_cache", "_shared_quant_tied_attrs", "_onnx_quantizer_type", "_calib_seen",
+}
+_MODELOPT_FIELDS = {"_num_bits", "_axis", "_block_sizes", "_unsigned", "_narrow_range", "_dynamic", "_effective_bits",
+                    "_trt_high_precision_dtype", "_pass_through_bwd", "_disabled", "_if_quant", "_if_calib",
+                    "_pytorch_state_metadata"}
 
 
-def _legacy_entries(key: str, value: Any) -> list[dict]:
-    """One legacy ``{key: value}`` pair as list entries (Model Optimizer's conversion rules)."""
-    if key == "default":  # the legacy catch-all
-        key = "*"
-    if isinstance(key, str) and key.startswith("nn."):
-        if not isinstance(value, Mapping):
-            raise ValueError(f"quant_cfg[{key!r}]: a parent-class scope needs a mapping of quantizer patterns, got "
-                             f"{value!r}")
-        out = []
-        for name, sub in value.items():
-            sub = dict(sub) if isinstance(sub, Mapping) else {"cfg": sub}
-            enable = sub.pop("enable", None)
-            entry = {"quantizer_name": name, "parent_class": key, "cfg": sub or None}
-            if enable is not None:
-                entry["enable"] = enable
-            out.append(entry)
-        return out
-    if isinstance(value, Mapping):
-        cfg = {k: v for k, v in value.items() if k != "enable"} or None
-        entry = {"quantizer_name": key, "cfg": cfg}
-        if "enable" in value:
-            entry["enable"] = value["enable"]
-        return [entry]
-    return [{"quantizer_name": key, "cfg": value}]
+def _modelopt_num_bits(cfg: QuantizerAttributeConfig):
+    """``num_bits`` as Model Optimizer writes it: an int, or an (E, M) tuple."""
+    return get_format(cfg.format).num_bits
 
 
-def normalize_quant_cfg(value: Any) -> Any:
-    """``quant_cfg`` in any shape Model Optimizer 0.47 accepts, as a list of entry dicts (other values pass through
-    for the validator to reject with its own message).
+def modelopt_quantizer_state(q, properties_only: bool = False) -> dict[str, Any]:
+    """The state :meth:`TensorQuantizer.get_modelopt_state` returns, for ``q`` (a ``TensorQuantizer``, an
+    ``ExpertQuantizer`` or one expert's ``ExpertView``)."""
+    cfg, switches = q.cfg, q.switches()
+    block_sizes = None
+    if cfg.block_sizes is not None:
+        block_sizes = dict(cfg.block_sizes)
+        if "scale_bits" in block_sizes:
+            block_sizes["scale_bits"] = get_format(format_from_num_bits(block_sizes["scale_bits"])).num_bits
+    state = {
+        "_num_bits": _modelopt_num_bits(cfg), "_axis": cfg.axis, "_block_sizes": block_sizes,
+        "_unsigned": cfg.unsigned, "_narrow_range": cfg.narrow_range, "_dynamic": cfg.type == "dynamic",
+        "_effective_bits": cfg.effective_bits, "_trt_high_precision_dtype": cfg.trt_high_precision_dtype,
+        "_pass_through_bwd": q.ste != "clipped", "_disabled": not q.is_enabled,
+        "_if_quant": switches["if_quant"], "_if_calib": switches["if_calib"],
+        **{k: v[0] for k, v in _MODELOPT_FIXED.items() if k != "_is_nvfp4_static_quantizer"},
+    }
+    if cfg.static_block_size is not None:
+        state["_is_static_block_scale_quantizer"] = True
+    if not properties_only:
+        amax = q.amax
+        buffers = {} if amax is None else {"_amax": {"shape": torch.Size(amax.shape), "dtype": torch.float32}}
+        state["_pytorch_state_metadata"] = {"params": {}, "buffers": buffers}
+    return state
+
+
+def parse_modelopt_quantizer_state(state: dict[str, Any]) -> tuple[QuantizerAttributeConfig, dict, tuple | None]:
+    """A Model Optimizer (or :func:`modelopt_quantizer_state`) quantizer state as ``(attribute config, {"enabled",
+    "if_quant", "if_calib"}, amax shape or None)``.
 
     Raises:
-        ValueError: an item that is neither an entry nor a legacy ``{pattern: attributes}`` pair.
+        ValueError: a feature this package does not have, naming the attribute and its value.
     """
-    if isinstance(value, Mapping):
-        if "quantizer_name" in value:
-            raise ValueError("expected a list of entries; a mapping with 'quantizer_name' is one entry: put it in a "
-                             "list")
-        return [e for k, v in value.items() for e in _legacy_entries(k, v)]
-    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
-        return value
-    out: list = []
-    for i, item in enumerate(value):
-        if not isinstance(item, Mapping) or "quantizer_name" in item:
-            out.append(item)  # an entry (or a QuantCfgEntry, or something the validator rejects by name)
-        elif len(item) == 1 or any(str(k).startswith("nn.") for k in item):
-            for k, v in item.items():
-                out.extend(_legacy_entries(k, v))
-        else:
-            raise ValueError(f"quant_cfg.{i}: expected an entry with 'quantizer_name' or a legacy "
-                             f"{{pattern: attributes}} pair, got keys {sorted(map(str, item))}")
-    return out
+    if not isinstance(state, dict):
+        raise ValueError(f"quantizer state: expected a dict, got {type(state).__name__}")
+    for key, allowed in _MODELOPT_FIXED.items():
+        if key in state and not any(state[key] == a or state[key] is a for a in allowed):
+            if key == "_rotate" and isinstance(state[key], dict) and not state[key].get("enable"):
+                continue
+            raise ValueError(unsupported(f"quantizer state {key}", state[key], "a Model Optimizer feature "
+                                         "modelopt_moe does not implement"))
+    unknown = sorted(k for k in state if k not in _MODELOPT_FIELDS | _MODELOPT_IGNORED | set(_MODELOPT_FIXED))
+    if unknown:
+        warn_once(f"quantizer state: ignoring attributes this version does not know: {unknown}")
+    block_sizes = state.get("_block_sizes")
+    axis = state.get("_axis")
+    int_block = block_sizes is not None and isinstance(block_sizes.get(-1), int)
+    if int_block:
+        axis = None  # Model Optimizer sets _axis=(0,) on the [-1, block] view of static blocks
+    if isinstance(axis, list):
+        axis = tuple(axis)
+    fields = {
+        "num_bits": state.get("_num_bits", 8), "axis": axis, "block_sizes": block_sizes,
+        "unsigned": bool(state.get("_unsigned", False)), "narrow_range": bool(state.get("_narrow_range", False)),
+        "type": "dynamic" if state.get("_dynamic") else "static",
+        "pass_through_bwd": bool(state.get("_pass_through_bwd", True)),
+        "effective_bits": state.get("_effective_bits"),
+        "trt_high_precision_dtype": state.get("_trt_high_precision_dtype", "Float"),
+        "enable": not state.get("_disabled", False),
+    }
+    # A dynamic quantizer with kept axes and no block_sizes is Model Optimizer's per-token {-1: None} after its first
+    # forward (it rewrites the blocks into axes): the same quantizer here.
+    cfg = QuantizerAttributeConfig(**fields)
+    flags = {"enabled": fields["enable"], "if_quant": bool(state.get("_if_quant", True)),
+             "if_calib": bool(state.get("_if_calib", False))}
+    meta = state.get("_pytorch_state_metadata") or {}
+    if meta.get("params"):
+        raise ValueError(unsupported("quantizer state parameters", sorted(meta["params"]), "learned amaxes or "
+                                     "scales (LSQ) are not implemented"))
+    buffers = dict(meta.get("buffers") or {})
+    amax_meta = buffers.pop("_amax", None)
+    if buffers:
+        raise ValueError(unsupported("quantizer state buffers", sorted(buffers), "only an _amax buffer (no "
+                                     "pre-quant scale, bias or global amax)"))
+    shape = None if amax_meta is None else tuple(amax_meta["shape"])
+    return cfg, flags, shape

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..numerics import clip_limit, fake_quant, format_from_num_bits, get_format
-from .config import QuantizerAttributeConfig
-from .modelopt_compat import unsupported
+from ..numerics import clip_limit, fake_quant, get_format
+from .config_schema import WEIGHT_AMAX_UPDATES, QuantizerAttributeConfig
+from .modelopt_compat import modelopt_quantizer_state, parse_modelopt_quantizer_state, unsupported
+from .quant_mode import QuantMode, derive_mode
 from .utils import warn_once
 
-__all__ = ["TensorQuantizer", "FakeQuantSTE", "nan_ignoring_abs_max", "clip_mask", "modelopt_quantizer_state",
-           "parse_modelopt_quantizer_state"]
+__all__ = ["TensorQuantizer", "FakeQuantSTE", "nan_ignoring_abs_max", "clip_mask"]
 
 
 def nan_ignoring_abs_max(x: torch.Tensor, keep_dims: tuple[int, ...] = ()) -> torch.Tensor:
@@ -87,7 +87,15 @@ class TensorQuantizer(nn.Module):
     :attr:`amax_update` says how a weight quantizer's amax follows the weights while training (``static``,
     ``dynamic``, ``learned``: :meth:`set_amax_update`); a learned amax is the parameter ``_amax`` instead of the
     buffer (same state-dict key).
+
+    What a forward does is the quantizer's :attr:`mode`, recomputed whenever one of its inputs changes (the switches
+    ``_enabled`` / ``_if_calib`` / ``_if_quant`` (Model Optimizer's names), the config, the amax being set or
+    dropped, the amax update), never re-decided at a call.
     """
+
+    # Attributes the mode derives from: assigning one recomputes it (writes that bypass __setattr__, into the
+    # buffer and parameter dicts, call _update_mode themselves).
+    _MODE_INPUTS = frozenset({"_enabled", "_if_calib", "_if_quant", "_cfg", "_amax", "amax_update"})
 
     def __init__(self, quant_attribute_cfg: QuantizerAttributeConfig | dict | None = None, if_quant: bool = True,
                  if_calib: bool = False, amax: Any = None):
@@ -100,8 +108,73 @@ class TensorQuantizer(nn.Module):
         self.amax_update = "static"
         cfg = quant_attribute_cfg if quant_attribute_cfg is not None else QuantizerAttributeConfig()
         self.set_from_attribute_config(QuantizerAttributeConfig(**cfg) if isinstance(cfg, dict) else cfg)
+        self._update_mode()
         if amax is not None:
             self.amax = amax
+
+    # --- the mode ------------------------------------------------------------------------------------------------
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name in self._MODE_INPUTS and "_mode" in self.__dict__:
+            self._update_mode()
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._update_mode()  # a quantizer pickled by an older version has no mode yet
+
+    def _update_mode(self) -> None:
+        self.__dict__["_mode"] = derive_mode(
+            enabled=self._enabled, if_calib=self._if_calib, if_quant=self._if_quant, dynamic=self._cfg.is_dynamic,
+            needs_amax=self.needs_amax, has_amax=self._amax is not None, amax_update=self.amax_update,
+            learns_amax=self.learns_amax)
+
+    @property
+    def mode(self) -> QuantMode:
+        """What a forward call does (see :class:`~.quant_mode.QuantMode`)."""
+        return self._mode
+
+    @property
+    def is_calibrating(self) -> bool:
+        """Whether a forward call collects the amax (enabled, with calibration on)."""
+        return self._mode is QuantMode.CALIBRATING
+
+    @property
+    def clips(self) -> bool:
+        """Whether the straight-through gradient is clipped (zero where ``|x| > amax``): a quantizing quantizer with
+        ``ste: clipped`` and an amax to clip at."""
+        return self.is_quantizing and self.ste == "clipped" and self.needs_amax and self._amax is not None
+
+    @property
+    def refreshes_amax(self) -> bool:
+        """Whether the amax follows the current weights (``weight_amax_update: dynamic`` on an enabled quantizer
+        with an amax of its own), whatever the switches say now: what :func:`~.weight_amax.update_weight_amax`
+        recomputes."""
+        return self._enabled and self.amax_update == "dynamic" and self.needs_amax and not self._cfg.is_dynamic
+
+    def switches(self) -> dict[str, bool]:
+        """Model Optimizer's three switches: ``{"enabled", "if_quant", "if_calib"}``."""
+        return {"enabled": self._enabled, "if_quant": self._if_quant, "if_calib": self._if_calib}
+
+    def set_switches(self, *, enabled: bool | None = None, if_quant: bool | None = None,
+                     if_calib: bool | None = None) -> None:
+        """Sets the given switches (the others kept), e.g. from a saved state."""
+        if enabled is not None:
+            self._enabled = bool(enabled)
+        if if_quant is not None:
+            self._if_quant = bool(if_quant)
+        if if_calib is not None:
+            self._if_calib = bool(if_calib)
+
+    def calibration_snapshot(self) -> tuple:
+        """What a calibration pass changes (the amax tensor, the switches, its progress), for
+        :meth:`restore_calibration_snapshot` after a pass that failed."""
+        return self._amax, self.switches(), self._calib_seen
+
+    def restore_calibration_snapshot(self, snapshot: tuple) -> None:
+        amax, switches, seen = snapshot
+        self._amax = amax
+        self.set_switches(**switches)
+        self._calib_seen = seen
 
     # --- configuration -------------------------------------------------------------------------------------------
     def set_from_attribute_config(self, cfg: QuantizerAttributeConfig | dict) -> None:
@@ -268,16 +341,17 @@ class TensorQuantizer(nn.Module):
         the shape fits, so an optimizer holding it keeps training the same tensor)."""
         if "_amax" not in self._parameters:
             self._buffers["_amax"] = value
-            return
-        old = self._parameters["_amax"]
-        if old is not None and old.shape == value.shape:
-            with torch.no_grad():
-                old.copy_(value.to(old.device))
-            return
-        new = nn.Parameter(value.float(), requires_grad=True)
-        if old is not None:
-            new.__dict__.update(old.__dict__)  # Megatron's parameter attributes (e.g. ``allreduce``)
-        self._parameters["_amax"] = new
+        else:
+            old = self._parameters["_amax"]
+            if old is not None and old.shape == value.shape:
+                with torch.no_grad():
+                    old.copy_(value.to(old.device))
+                return
+            new = nn.Parameter(value.float(), requires_grad=True)
+            if old is not None:
+                new.__dict__.update(old.__dict__)  # Megatron's parameter attributes (e.g. ``allreduce``)
+            self._parameters["_amax"] = new
+        self._update_mode()
 
     @property
     def learns_amax(self) -> bool:
@@ -292,8 +366,6 @@ class TensorQuantizer(nn.Module):
         Raises:
             ValueError: an unknown mode, or ``learned`` for a per-channel amax.
         """
-        from .config import WEIGHT_AMAX_UPDATES
-
         if mode not in WEIGHT_AMAX_UPDATES:
             raise ValueError(f"{type(self).__name__}: amax update {mode!r}; expected one of {WEIGHT_AMAX_UPDATES}")
         learn = mode == "learned" and self._enabled and self.needs_amax
@@ -406,13 +478,14 @@ class TensorQuantizer(nn.Module):
                                   self.int_kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Calibrates on (while calibrating) and fake-quantizes (while quantizing) ``x``; identity when disabled."""
-        if not self._enabled:
+        """Calibrates on (while calibrating) and fake-quantizes (while quantizing) ``x``; identity when off."""
+        mode = self._mode
+        if mode is QuantMode.OFF:
             return x
-        if self._if_calib:
+        if mode is QuantMode.CALIBRATING:
             self.collect(x)
-        if not self._if_quant:
-            return x
+            if not self._if_quant:
+                return x
         return self.fake_quant(x)
 
     # --- Model Optimizer's quantizer state --------------------------------------------------------------------------
@@ -433,8 +506,7 @@ class TensorQuantizer(nn.Module):
         """
         cfg, flags, amax_shape = parse_modelopt_quantizer_state(modelopt_state)
         self.set_from_attribute_config(cfg)
-        self._enabled = flags["enabled"]
-        self._if_quant, self._if_calib = flags["if_quant"], flags["if_calib"]
+        self.set_switches(**flags)
         self.ste = "pass_through" if cfg.pass_through_bwd else "clipped"
         if not properties_only:
             if amax_shape is None:
@@ -498,105 +570,3 @@ class TensorQuantizer(nn.Module):
         if not self._if_quant:
             parts.append("quant off")
         return ", ".join(parts)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Model Optimizer's quantizer state (plain data with its private attribute names)
-
-# Written by Model Optimizer 0.47 at these values for features this package has not: anything else is refused.
-_MODELOPT_FIXED = {
-    "_fake_quant": (True,), "_learn_amax": (False,), "_bias": (None,), "_rotate": (False, None),
-    "backend": (None,), "backend_extra_args": ({}, None), "_use_constant_amax": (False,), "_constant_amax": (None,),
-    "_dequantize": (False,), "_enable_pre_quant_scale": (True,), "_is_nvfp4_static_quantizer": (False,),
-}
-# Runtime details Model Optimizer keeps on the module (shapes derived at the first forward, dtypes, flags).
-_MODELOPT_IGNORED = {
-    "_input_dtype", "_quant_max_bound", "_amax_shape_for_export", "_is_static_block_scale_quantizer",
-    "_original_shape", "_block_reshape_size", "_padding", "_slices", "_calibrator", "_bias_calibrator",
-    "_quantizer_cache", "_shared_quant_tied_attrs", "_onnx_quantizer_type", "_calib_seen",
-}
-_MODELOPT_FIELDS = {"_num_bits", "_axis", "_block_sizes", "_unsigned", "_narrow_range", "_dynamic", "_effective_bits",
-                    "_trt_high_precision_dtype", "_pass_through_bwd", "_disabled", "_if_quant", "_if_calib",
-                    "_pytorch_state_metadata"}
-
-
-def _modelopt_num_bits(cfg: QuantizerAttributeConfig):
-    """``num_bits`` as Model Optimizer writes it: an int, or an (E, M) tuple."""
-    return get_format(cfg.format).num_bits
-
-
-def modelopt_quantizer_state(q: TensorQuantizer, properties_only: bool = False) -> dict[str, Any]:
-    """:meth:`TensorQuantizer.get_modelopt_state` (also used for expert quantizers and their views)."""
-    cfg = q.cfg
-    block_sizes = None
-    if cfg.block_sizes is not None:
-        block_sizes = dict(cfg.block_sizes)
-        if "scale_bits" in block_sizes:
-            block_sizes["scale_bits"] = get_format(format_from_num_bits(block_sizes["scale_bits"])).num_bits
-    state = {
-        "_num_bits": _modelopt_num_bits(cfg), "_axis": cfg.axis, "_block_sizes": block_sizes,
-        "_unsigned": cfg.unsigned, "_narrow_range": cfg.narrow_range, "_dynamic": cfg.type == "dynamic",
-        "_effective_bits": cfg.effective_bits, "_trt_high_precision_dtype": cfg.trt_high_precision_dtype,
-        "_pass_through_bwd": q.ste != "clipped", "_disabled": not q.is_enabled,
-        "_if_quant": bool(getattr(q, "_if_quant", True)), "_if_calib": bool(getattr(q, "_if_calib", False)),
-        **{k: v[0] for k, v in _MODELOPT_FIXED.items() if k != "_is_nvfp4_static_quantizer"},
-    }
-    if cfg.static_block_size is not None:
-        state["_is_static_block_scale_quantizer"] = True
-    if not properties_only:
-        amax = q.amax
-        buffers = {} if amax is None else {"_amax": {"shape": torch.Size(amax.shape), "dtype": torch.float32}}
-        state["_pytorch_state_metadata"] = {"params": {}, "buffers": buffers}
-    return state
-
-
-def parse_modelopt_quantizer_state(state: dict[str, Any]) -> tuple[QuantizerAttributeConfig, dict, tuple | None]:
-    """A Model Optimizer (or :func:`modelopt_quantizer_state`) quantizer state as ``(attribute config, {"enabled",
-    "if_quant", "if_calib"}, amax shape or None)``.
-
-    Raises:
-        ValueError: a feature this package does not have, naming the attribute and its value.
-    """
-    if not isinstance(state, dict):
-        raise ValueError(f"quantizer state: expected a dict, got {type(state).__name__}")
-    for key, allowed in _MODELOPT_FIXED.items():
-        if key in state and not any(state[key] == a or state[key] is a for a in allowed):
-            if key == "_rotate" and isinstance(state[key], dict) and not state[key].get("enable"):
-                continue
-            raise ValueError(unsupported(f"quantizer state {key}", state[key], "a Model Optimizer feature "
-                                         "modelopt_moe does not implement"))
-    unknown = sorted(k for k in state if k not in _MODELOPT_FIELDS | _MODELOPT_IGNORED | set(_MODELOPT_FIXED))
-    if unknown:
-        warn_once(f"quantizer state: ignoring attributes this version does not know: {unknown}")
-    block_sizes = state.get("_block_sizes")
-    axis = state.get("_axis")
-    int_block = block_sizes is not None and isinstance(block_sizes.get(-1), int)
-    if int_block:
-        axis = None  # Model Optimizer sets _axis=(0,) on the [-1, block] view of static blocks
-    if isinstance(axis, list):
-        axis = tuple(axis)
-    fields = {
-        "num_bits": state.get("_num_bits", 8), "axis": axis, "block_sizes": block_sizes,
-        "unsigned": bool(state.get("_unsigned", False)), "narrow_range": bool(state.get("_narrow_range", False)),
-        "type": "dynamic" if state.get("_dynamic") else "static",
-        "pass_through_bwd": bool(state.get("_pass_through_bwd", True)),
-        "effective_bits": state.get("_effective_bits"),
-        "trt_high_precision_dtype": state.get("_trt_high_precision_dtype", "Float"),
-        "enable": not state.get("_disabled", False),
-    }
-    # A dynamic quantizer with kept axes and no block_sizes is Model Optimizer's per-token {-1: None} after its first
-    # forward (it rewrites the blocks into axes): the same quantizer here.
-    cfg = QuantizerAttributeConfig(**fields)
-    flags = {"enabled": fields["enable"], "if_quant": bool(state.get("_if_quant", True)),
-             "if_calib": bool(state.get("_if_calib", False))}
-    meta = state.get("_pytorch_state_metadata") or {}
-    if meta.get("params"):
-        raise ValueError(unsupported("quantizer state parameters", sorted(meta["params"]), "learned amaxes or "
-                                     "scales (LSQ) are not implemented"))
-    buffers = dict(meta.get("buffers") or {})
-    amax_meta = buffers.pop("_amax", None)
-    if buffers:
-        raise ValueError(unsupported("quantizer state buffers", sorted(buffers), "only an _amax buffer (no "
-                                     "pre-quant scale, bias or global amax)"))
-    shape = None if amax_meta is None else tuple(amax_meta["shape"])
-    return cfg, flags, shape

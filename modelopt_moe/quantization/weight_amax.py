@@ -31,9 +31,10 @@ from torch import nn
 
 from ..kernels import grouped_weight_amax
 from ..numerics import TINY_AMAX, clip_limit, fake_quant, get_format
-from .conversion import is_quantized
 from .expert_quantizer import ExpertQuantizer, ExpertView
 from .process_groups import collective_device, default_groups
+from .quant_mode import QuantMode
+from .quant_module import is_quantized
 from .tensor_quantizer import TensorQuantizer
 from .weight_operands import learned_amax_attributes, set_weight_amax_update, weight_operands
 
@@ -143,17 +144,13 @@ def learned_amax_ste(module: nn.Module, rel_name: str, q, amax: torch.Tensor, we
                                      q.ste == "clipped", list(values), *weights))
 
 
-def _calibrating(q) -> bool:
-    return (q.owner if isinstance(q, ExpertView) else q)._if_calib
-
-
 def quantize_weight_operand(module: nn.Module, q, w: torch.Tensor, rel_name: str = "weight_quantizer"):
-    """One weight (a dense layer's, or one expert's through an :class:`ExpertView`) through quantizer ``q``, with its
-    amax update mode. An expert view's ``dynamic`` amax was refreshed by its expert layer (all experts at once)."""
-    mode = q.amax_update if q.is_quantizing and q.needs_amax and not _calibrating(q) else "static"
-    if mode == "dynamic" and not isinstance(q, ExpertView):
+    """One weight (a dense layer's, or one expert's through an :class:`ExpertView`) through quantizer ``q``, as its
+    mode says. An expert view's refreshed amax was refreshed by its expert layer (all experts at once)."""
+    mode = q.mode
+    if mode is QuantMode.REFRESHED and not isinstance(q, ExpertView):
         return q.fake_quant(w, refresh_weight_amax(module, rel_name, q, [w]))
-    if mode == "learned" and q.learns_amax:
+    if mode is QuantMode.LEARNED:
         amax = q.amax
         with torch.no_grad():
             value = fake_quant(w.detach(), q.fmt, amax.detach(), q.block_size)
@@ -174,7 +171,7 @@ def update_weight_amax(model: nn.Module, groups: dict | None = None) -> int:
         if not is_quantized(module):
             continue
         for rel, q, weights in weight_operands(module):
-            if q.is_enabled and q.needs_amax and q.amax_update == "dynamic" and weights:
+            if q.refreshes_amax and weights:
                 refresh_weight_amax(module, rel, q, weights, groups=groups)
                 n += 1
     return n

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import threading
 from collections.abc import Callable, Hashable, Iterator
 
 import torch
 from torch import nn
+
+from .step_scope import StepScopes
 
 __all__ = ["reuse_quantized_weights", "reused_or_computed", "weight_key", "active_reuse_scopes", "in_reuse_scope"]
 
@@ -39,15 +40,12 @@ class _Scope:
         self.entries: dict[int, tuple[Hashable, object]] = {}
 
 
-# Module-level rather than a contextvar: activation recomputation runs forwards inside the autograd engine's own
-# threads, where a contextvar set by the caller is not visible (they would re-quantize: correct, only slower).
-_lock = threading.Lock()
-_scopes: list[_Scope] = []
+_SCOPES: StepScopes[_Scope] = StepScopes()
 
 
 def active_reuse_scopes() -> int:
     """How many reuse scopes are open (for tests and diagnostics)."""
-    return len(_scopes)
+    return len(_SCOPES)
 
 
 @contextlib.contextmanager
@@ -66,29 +64,16 @@ def reuse_quantized_weights(model: nn.Module | list[nn.Module] | tuple) -> Itera
     """
     models = list(model) if isinstance(model, list | tuple) else [model]
     scope = _Scope(models)
-    with _lock:
-        _scopes.append(scope)
     try:
-        yield
+        with _SCOPES.opened(scope):
+            yield
     finally:
-        with _lock:
-            _scopes.remove(scope)
-        scope.entries.clear()
-
-
-def _scope_of(module: nn.Module) -> _Scope | None:
-    if not _scopes:
-        return None
-    with _lock:
-        for scope in reversed(_scopes):
-            if id(module) in scope.module_ids:
-                return scope
-    return None
+        scope.entries.clear()  # after the scope closed: no forward finds it any more
 
 
 def in_reuse_scope(module: nn.Module) -> bool:
     """Whether an open :func:`reuse_quantized_weights` block covers ``module``."""
-    return _scope_of(module) is not None
+    return _SCOPES.covering(module) is not None
 
 
 def weight_key(weights: list[torch.Tensor], amax: torch.Tensor | None, *settings: Hashable) -> tuple:
@@ -103,7 +88,7 @@ def reused_or_computed(module: nn.Module, key: Callable[[], Hashable], compute: 
     """``compute()``, or inside a reuse scope covering ``module`` the value stored under an equal ``key()``."""
     if torch.compiler.is_compiling():
         return compute()
-    scope = _scope_of(module)
+    scope = _SCOPES.covering(module)
     if scope is None:
         return compute()
     k = key()

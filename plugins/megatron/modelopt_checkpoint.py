@@ -37,9 +37,9 @@ from modelopt_moe.checkpoint.modelopt_format import model_optimizer_config, mode
 from modelopt_moe.quantization.config import ExpertsConfig
 from modelopt_moe.quantization.conversion import convert, is_quantized, unwrap_model
 from modelopt_moe.quantization.expert_quantizer import ExpertQuantizer
-from modelopt_moe.quantization.modelopt_compat import COMPAT_DOC
+from modelopt_moe.quantization.modelopt_compat import COMPAT_DOC, parse_modelopt_quantizer_state
 from modelopt_moe.quantization.nn.experts import QUANTIZER_KINDS
-from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer, parse_modelopt_quantizer_state
+from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
 from modelopt_moe.quantization.utils import warn_once
 
 __all__ = ["MODELOPT_STATE_DIR", "is_modelopt_checkpoint", "load_modelopt_checkpoint"]
@@ -185,7 +185,7 @@ def _apply_extra_states(extras: dict[str, tuple], loaded: dict, source: str) -> 
                 continue
             seen[id(q)] = (settings, expert)
             q.set_from_modelopt_state(qstate, properties_only=True)
-            q._if_calib, q._if_quant = False, True
+            q.set_switches(if_calib=False, if_quant=True)
 
 
 def load_modelopt_checkpoint(model, ckpt_dir: str | os.PathLike, *, experts: ExpertsConfig | dict | None = None,

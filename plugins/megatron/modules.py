@@ -21,6 +21,7 @@ from modelopt_moe.quantization.nn.experts import ExpertQuantizers, expert_amax_r
 from modelopt_moe.quantization.nn.functional import apply_quantized_gemm
 from modelopt_moe.quantization.nn.grouped_linear import QuantGroupedLinearMixin
 from modelopt_moe.quantization.nn.row_scale import add_row_scaled_bias, row_scale_of
+from modelopt_moe.quantization.quant_mode import QuantMode
 from modelopt_moe.quantization.weight_amax import refresh_weight_amax
 
 from .router_probs import CLASSES as ROUTER_PROBS_CLASSES
@@ -170,7 +171,7 @@ class QuantSequentialMLP(QuantModuleMixin):
         router probabilities after its input quantization (:mod:`.router_probs`)."""
         for gemm in self.expert_gemms():
             q = gemm.quantizers.weight_quantizer
-            if q.is_quantizing and not q._if_calib and q.needs_amax and q.amax_update == "dynamic" and gemm.weights:
+            if q.mode is QuantMode.REFRESHED and gemm.weights:
                 refresh_weight_amax(self, f"{gemm.name}.weight_quantizer", q, gemm.weights,
                                     fast=use_kernels(self.quant_kernel, gemm.weights[0].device))
         if probs_after_down_proj(self, self.linear_fc2):

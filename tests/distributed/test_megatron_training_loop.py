@@ -91,9 +91,9 @@ class _CountWeightQuantization:
     """Counts how often the grouped experts fake-quantize their weights (a reuse within a step does not count)."""
 
     def __enter__(self):
-        from modelopt_moe.quantization.nn import experts
+        from modelopt_moe.quantization.nn import expert_weights
 
-        self.module, self.real, self.calls = experts, experts.reused_or_computed, 0
+        self.module, self.real, self.calls = expert_weights, expert_weights.reused_or_computed, 0
 
         def counting(module, key, compute):
             def counted():
@@ -101,7 +101,7 @@ class _CountWeightQuantization:
                 return compute()
             return self.real(module, key, counted)
 
-        experts.reused_or_computed = counting
+        expert_weights.reused_or_computed = counting
         return self
 
     def __exit__(self, *exc):

@@ -6,7 +6,8 @@
   every amax Model Optimizer saved equals ours bit for bit (per global expert), the weights load, the logits are
   Model Optimizer's up to its reciprocal-multiply FP8 rounding, and the normalization-layer amaxes Model Optimizer
   adds are named in a warning.
-* ``QuantModuleRegistry`` holds Megatron's parallel linears as soon as ``megatron.core`` is imported.
+* ``QuantModuleRegistry`` holds Megatron's parallel linears once a model was restored (or quantized); a lookup
+  registers nothing.
 * ``layer_sync_moe_local_experts_amax`` on quantized ``SequentialMLP`` experts.
 * The shipped INT4 preset on the demo model (64-wide expert inputs, blocks of 128): quantize, forward, no error.
 * Model Optimizer's static INT4 blocks on the dense linears (16-wide, padded to 128): our own checkpoint round trip
@@ -36,8 +37,9 @@ def _rank(rank, world, fixture_dir, tmp_dir):
     import modelopt_moe.quantization as mtq
     from modelopt_moe.plugins.megatron import load_modelopt_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 
-    out = {"registry": [cls in mtq.QuantModuleRegistry for cls in (ColumnParallelLinear, RowParallelLinear,
-                                                                   SequentialMLP)]}
+    megatron_classes = (ColumnParallelLinear, RowParallelLinear, SequentialMLP)
+    # Lookups register nothing; restoring (or quantizing) a model makes the one registration call.
+    out = {"registry_before": [cls in mtq.QuantModuleRegistry for cls in megatron_classes]}
     saved = torch.load(f"{fixture_dir}.amax.pt", weights_only=True)
     spec = saved["model"]
     evaluation = mm.text_batches(batch_size=2, seq_len=spec["seq_len"], num_batches=1, vocab_size=spec["vocab_size"],
@@ -54,6 +56,7 @@ def _rank(rank, world, fixture_dir, tmp_dir):
                     info = load_modelopt_checkpoint(model, fixture_dir)
                 else:
                     info = load_sharded_checkpoint([model], fixture_dir)["modelopt"]
+            out.setdefault("registry", [cls in mtq.QuantModuleRegistry for cls in megatron_classes])
             ep_rank, n_local = mm.parallel_layout()["ep_rank"], spec["num_experts"] // ep
             amax = {}
             for name, t in model.state_dict().items():
@@ -176,7 +179,8 @@ def test_model_optimizer_checkpoint_weights_and_logits(results, layout):
     assert any(w is not None for w in weights)
 
 
-def test_quant_module_registry_holds_megatron_linears_once_megatron_is_imported(results):
+def test_quant_module_registry_holds_megatron_linears_once_a_model_was_restored(results):
+    assert results[0]["registry_before"] == [False, False, False]  # a lookup registers nothing
     assert results[0]["registry"] == [True, True, True]
 
 

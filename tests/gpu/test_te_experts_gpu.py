@@ -233,14 +233,14 @@ def test_plain_te_grouped_linear_uses_the_kernel_path_and_matches_the_reference(
 
 def test_fused_wgrad_accumulation_is_refused_at_quantize_time_except_with_te_fp8():
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    for kernel in ("auto", "te_fp8"):
+    for gemm in ("fake_quant", "te_fp8"):
         m = te.GroupedLinear(2, 256, 128, bias=False, params_dtype=torch.bfloat16, device="cuda",
                              fuse_wgrad_accumulation=True)
         cfg = mtq.load_config("fp8_default.yaml")
-        cfg.kernel = kernel
+        cfg.gemm = gemm
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if kernel == "auto":
+            if gemm == "fake_quant":
                 with pytest.raises(ValueError, match="no-gradient-accumulation-fusion"):
                     mtq.quantize(m, cfg, lambda mod: mod(x, [32, 32]))
             else:

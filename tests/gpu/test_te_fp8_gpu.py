@@ -1,4 +1,4 @@
-"""``kernel: te_fp8`` on one GPU: quantized Transformer Engine grouped linears run their forward GEMMs as real FP8 GEMMs
+"""``gemm: te_fp8`` on one GPU: quantized Transformer Engine grouped linears run their forward GEMMs as real FP8 GEMMs
 with the calibrated scales (``modelopt_moe.plugins.te_fp8``).
 
 * (i) the FP8 codes TE computes for the expert weights and tokens are :func:`modelopt_moe.numerics.quantize`'s, bit for
@@ -71,9 +71,9 @@ def _layer(bias="none", seed=0, n=N, k=IN, out=OUT):
 
 
 def _config(mode="dequantized", ste="pass_through", weight_amax="vectorized", input_amax="per_expert",
-            kernel="te_fp8", preset="fp8_default.yaml"):
+            gemm="te_fp8", preset="fp8_default.yaml"):
     cfg = mtq.load_config(preset)
-    cfg.kernel = kernel
+    cfg.gemm = gemm
     cfg.experts.weight_amax, cfg.experts.input_amax = weight_amax, input_amax
     cfg.backward.mode, cfg.backward.ste = mode, ste
     cfg.weight_amax_update = "static"  # amaxes that training leaves alone (the tests scale weights past them)
@@ -95,17 +95,17 @@ def _quantized(cfg, bias="none"):
 
 
 @contextlib.contextmanager
-def _kernel(model, kernel):
-    """Every quantized module of ``model`` with ``kernel`` for the block (the same weights and amaxes)."""
-    modules = [m for m in model.modules() if hasattr(m, "quant_kernel")]
-    saved = [m.quant_kernel for m in modules]
+def _gemm(model, gemm):
+    """Every quantized module of ``model`` with ``gemm`` for the block (the same weights and amaxes)."""
+    modules = [m for m in model.modules() if hasattr(m, "quant_gemm")]
+    saved = [m.quant_gemm for m in modules]
     for m in modules:
-        m.quant_kernel = kernel
+        m.quant_gemm = gemm
     try:
         yield
     finally:
         for m, k in zip(modules, saved, strict=True):
-            m.quant_kernel = k
+            m.quant_gemm = k
 
 
 def _run(layer, x, g):
@@ -180,7 +180,7 @@ def test_forward_is_the_fp8_product_and_close_to_fake_quant(bias, input_amax):
     x = _tokens(7)
     with torch.no_grad():
         got = layer(x, SPLITS)
-        with _kernel(layer, "auto"):
+        with _gemm(layer, "fake_quant"):
             fake = layer(x, SPLITS)
     if bias == "return":
         assert isinstance(got, tuple) and len(got[1]) == N
@@ -225,7 +225,7 @@ def test_gradients_are_the_fake_quant_gradients_bit_for_bit(mode, ste, bias):
     x = _tokens(9) * 1.5
     g = _tokens(10, k=OUT)
     fp8 = _run(layer, x, g)
-    with _kernel(layer, "auto"):
+    with _gemm(layer, "fake_quant"):
         fake = _run(layer, x, g)
     assert sorted(fp8[2]) == sorted(fake[2])
     diffs = {"input": (fp8[1].double() - fake[1].double()).abs().max().item()}
@@ -263,7 +263,7 @@ def test_router_probabilities_scale_the_fp8_output_and_get_the_fake_quant_gradie
                                              if q.grad is not None}
 
     fp8 = run()
-    with _kernel(layer, "auto"):
+    with _gemm(layer, "fake_quant"):
         fake = run()
     with torch.no_grad():
         plain = layer(x, SPLITS)  # the FP8 GEMM without the probabilities
@@ -320,7 +320,7 @@ def test_megatron_te_grouped_mlp_trains_with_te_fp8(megatron_one_gpu, monkeypatc
         mtq.quantize(model, cfg, lambda m: [mm.lm_loss(m, b) for b in calib])
     model.train()
     fc1 = model.decoder.layers[0].mlp.experts.linear_fc1
-    assert type(fc1).__name__ == "QuantTEColumnParallelGroupedLinear" and fc1.quant_kernel == "te_fp8"
+    assert type(fc1).__name__ == "QuantTEColumnParallelGroupedLinear" and fc1.quant_gemm == "te_fp8"
     amax = {n: b.clone() for n, b in model.named_buffers() if n.endswith("_amax")}
     assert any(".experts.linear_fc2." in n for n in amax)
     calls = []
@@ -340,7 +340,7 @@ def test_megatron_te_grouped_mlp_trains_with_te_fp8(megatron_one_gpu, monkeypatc
     eval_batch = mm.text_batches(2, 32, 1, offset=1000)[0]
     with torch.no_grad():
         fp8_logits = mm.gather_logits(trainer.model.eval(), eval_batch).float()
-        with _kernel(trained, "auto"):
+        with _gemm(trained, "fake_quant"):
             fake_logits = mm.gather_logits(trainer.model, eval_batch).float()
     rel = _rel(fp8_logits, fake_logits)
     _report(f"megatron logits rel_fro(te_fp8, fake quant) = {rel:.3e} (2 MoE layers; a near-tie routing decision "

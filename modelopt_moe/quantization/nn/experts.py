@@ -1,8 +1,8 @@
 """Fake quantization of the operands of N expert GEMMs with one :class:`ExpertQuantizer` per operand.
 
 Framework-free helpers used by the grouped expert linear (:mod:`.grouped_linear`) and by the Megatron
-``SequentialMLP`` adapter: building the quantizers from the config, which groups reduce their amax, and the
-forward of N expert weights (one kernel launch) and of a token matrix split by ``m_splits``.
+``SequentialMLP`` adapter: building the quantizers from the config, which groups reduce their amax, which kernels
+run, and the forward of a token matrix split by ``m_splits``. The N expert weights: :mod:`.expert_weights`.
 """
 
 from __future__ import annotations
@@ -12,24 +12,17 @@ from torch import nn
 
 from ...kernels import (
     GroupedInputSTE,
-    GroupedWeightSTE,
     expert_row_sums,
     grouped_input_fake_quant_scaled_ste,
     grouped_input_fake_quant_stats,
     grouped_input_fake_quant_ste,
-    grouped_weight_fake_quant,
-    grouped_weight_fake_quant_stats,
-    grouped_weight_fake_quant_ste,
     kernels_available,
 )
-from ...numerics import clip_limit, fake_quant, get_format, quant_error_sums, scale_rows
-from ..config import ExpertsConfig
+from ...numerics import clip_limit, scale_rows
+from ..config_schema import ExpertsConfig
 from ..expert_quantizer import ExpertQuantizer
 from ..tensor_quantizer import clip_mask
-from ..weight_amax import LearnedAmaxSTE, learned_amax_ste, refresh_weight_amax
-from ..weight_reuse import in_reuse_scope, reused_or_computed, weight_key
 from .row_scale import rows_of
-from .weight_recompute import RecomputedWeights
 
 __all__ = [
     "QUANTIZER_KINDS",
@@ -38,10 +31,8 @@ __all__ = [
     "expert_amax_reduction",
     "split_sizes",
     "use_kernels",
-    "quantize_expert_weights",
     "quantize_expert_inputs",
     "expert_input_clip_mask",
-    "expert_weight_clip_mask",
     "DeviceSplits",
 ]
 
@@ -100,108 +91,6 @@ def use_kernels(preference: str, device: torch.device) -> bool:
     return available and (preference == "triton" or device.type == "cuda")
 
 
-def _calibrated(q: ExpertQuantizer) -> bool:
-    """Quantizing with a stored amax (or none needed, or one recomputed from the weights), not calibrating, and not
-    a dynamic (per call) quantizer: the path that handles all experts at once."""
-    return q.is_quantizing and not q._if_calib and not q.is_dynamic and (
-        q.amax is not None or not q.needs_amax or q.amax_update == "dynamic")
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether a CUDA graph is being captured on the current stream (the CPU build has no such query)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], kernel: str = "auto",
-                            owner: nn.Module | None = None, *, rel_name: str = "weight_quantizer",
-                            with_stats: bool = False, recompute_into: list | None = None):
-    """Fake-quantizes (and calibrates) N expert weights, differentiably.
-
-    Calibrated: one kernel launch with the ``[N, ...]`` amax (or the reference per expert with ``kernel='torch'``);
-    ``weight_amax_update: dynamic`` first recomputes the amax from the weights (one more launch), ``learned`` trains
-    it (see :mod:`..weight_amax`). Inside a :func:`~..weight_reuse.reuse_quantized_weights` scope that covers
-    ``owner``, the values are computed on the first forward and reused after (the weights' gradient still flows through
-    the straight-through estimator). Calibrating, quantization off, or no amax: expert by expert.
-
-    Args:
-        q: the weight quantizer; ``owner``: the module holding it (named ``rel_name`` there), which also names the
-            groups a dynamic or learned amax is reduced over.
-        with_stats: also return each expert's quantization-error sums (precision autoswitch), from the same launch.
-        recompute_into: when given, and the values are one fresh launch outside a reuse scope, a
-            :class:`.weight_recompute.RecomputedWeights` is appended: the recipe the backward runs again instead of
-            keeping the values (``backward.weight_operands: recompute``).
-
-    Returns:
-        The N weight operands; with ``with_stats``, ``(operands, float64 [N, 4] sums or None)``.
-    """
-    if not q.is_enabled:
-        return (weights, None) if with_stats else weights
-    if not _calibrated(q):
-        dynamic = q.is_quantizing and q.amax is None and q.needs_amax and not q.is_dynamic
-        chunks_amax = q.dynamic_amax(weights) if dynamic else None
-        out = [q.forward_expert(i, w, None if chunks_amax is None else _row(q, chunks_amax, i))
-               for i, w in enumerate(weights)]
-        return (out, _weight_sums(weights, out) if q.is_quantizing else None) if with_stats else out
-    device = weights[0].device
-    fast = use_kernels(kernel, device)
-    mode = q.amax_update if q.needs_amax else "static"
-    learned = mode == "learned" and q.learns_amax
-    traced = torch.compiler.is_compiling() or _capturing(device)  # a replay runs no host code: no reuse
-    if owner is None or traced:
-        if mode == "static" and not with_stats:  # one autograd op around the kernel or the per-expert reference
-            amax = q.amax if q.needs_amax else None
-            if fast:
-                return grouped_weight_fake_quant_ste(list(weights), amax, q.fmt, q.block_size, q.ste, q.narrow_range)
-            return [q.fake_quant_expert(i, w) for i, w in enumerate(weights)]
-
-    def compute():
-        with torch.no_grad():
-            if mode == "dynamic":
-                amax = refresh_weight_amax(owner, rel_name, q, weights, fast) if owner is not None else \
-                    q.dynamic_amax(weights)
-            else:
-                amax = q.amax.detach() if q.needs_amax else None
-            if fast and with_stats:
-                values, sums = grouped_weight_fake_quant_stats(weights, amax, q.fmt, q.block_size, q.narrow_range)
-            elif fast:
-                values, sums = grouped_weight_fake_quant(weights, amax, q.fmt, q.block_size, q.narrow_range), None
-            else:
-                values = [fake_quant(w, q.fmt, None if amax is None else _row(q, amax, i), q.block_size,
-                                     **q.int_kwargs) for i, w in enumerate(weights)]
-                sums = _weight_sums(weights, values) if with_stats else None
-        return values, sums, amax
-
-    if owner is None or traced:
-        values, sums, amax = compute()
-    elif recompute_into is not None and fast and not with_stats and not learned and not in_reuse_scope(owner):
-        values, sums, amax = compute()
-        recompute_into.append(RecomputedWeights(
-            values, lambda: grouped_weight_fake_quant(weights, amax, q.fmt, q.block_size, q.narrow_range), weights,
-            amax, f"{type(owner).__name__}.{rel_name}"))
-    else:
-        # A dynamic amax is a function of the weights (and of the same weights on the other ranks of its reduction
-        # group), so the weights' key covers it; the collective inside compute() runs on the first forward of the
-        # scope on every rank alike.
-        values, sums, amax = reused_or_computed(
-            owner, lambda: weight_key(weights, None if mode == "dynamic" else (q.amax if q.needs_amax else None),
-                                      q.cfg, q.ste, fast, mode, with_stats), compute)
-    if learned:
-        out = learned_amax_ste(owner, rel_name, q, q.amax, weights, values) if owner is not None else \
-            list(LearnedAmaxSTE.apply(q.amax, get_format(q.fmt).bound, [], q.ste == "clipped", list(values),
-                                      *weights))
-    else:
-        out = list(GroupedWeightSTE.apply(amax, q.ste, values, *weights))
-    return (out, sums) if with_stats else out
-
-
-def _weight_sums(weights, values) -> torch.Tensor:
-    return torch.stack([quant_error_sums(w, v) for w, v in zip(weights, values, strict=True)])
-
-
-def _row(q: ExpertQuantizer, amax: torch.Tensor, i: int) -> torch.Tensor:
-    return amax[i] if q.axis is None else amax[i].unsqueeze(-1)
-
-
 class DeviceSplits:
     """Host split sizes (TE passes a list) as device tensors, made once per distinct split and kept alive.
 
@@ -252,7 +141,7 @@ def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel
     if with_stats:
         y, sums = _quantize_expert_inputs_stats(q, x, m_splits, kernel, device_splits)
         return (y if row_scale is None else scale_rows(y, row_scale)), sums
-    if q.is_enabled and _calibrated(q) and x.dim() == 2 and use_kernels(kernel, x.device):
+    if q.mode.settled and x.dim() == 2 and use_kernels(kernel, x.device):
         # One launch, shared amax too (its [N] entries are all equal): the reference on the whole token matrix would
         # run a chain of elementwise kernels with fp32 temporaries on every micro-batch.
         splits = (device_splits or DeviceSplits())(m_splits, x.device)
@@ -271,7 +160,7 @@ def _quantize_expert_inputs_stats(q: ExpertQuantizer, x: torch.Tensor, m_splits,
     if not q.is_enabled:
         return x, None
     splits = (device_splits or DeviceSplits())(m_splits, x.device)
-    if _calibrated(q) and x.dim() == 2 and q.amax is not None and use_kernels(kernel, x.device):
+    if q.mode.settled and x.dim() == 2 and q.amax is not None and use_kernels(kernel, x.device):
         amax = q.amax.detach() if q.needs_amax else None
         with torch.no_grad():
             y, sums = grouped_input_fake_quant_stats(x.detach(), splits, amax, q.fmt, q.block_size, q.narrow_range)
@@ -286,15 +175,12 @@ def _quantize_expert_inputs_reference(q: ExpertQuantizer, x: torch.Tensor, m_spl
         return x
     if q.layout == "shared":
         return q(x)
-    chunks = torch.split(x, split_sizes(m_splits))
-    dynamic = q.is_quantizing and q.amax is None and q.needs_amax and not q.is_dynamic
-    dyn = q.dynamic_amax(list(chunks)) if dynamic else None
-    return torch.cat([q.forward_expert(i, c, None if dyn is None else _row(q, dyn, i)) for i, c in enumerate(chunks)])
+    return torch.cat(q.forward_experts(list(torch.split(x, split_sizes(m_splits)))))
 
 
 def expert_input_clip_mask(q: ExpertQuantizer, x: torch.Tensor, m_splits) -> torch.Tensor | None:
     """The clipped-STE mask of the token matrix (``|x| <= amax`` of each row's expert), or None (no clipping)."""
-    if not q.is_quantizing or q.ste != "clipped" or not q.needs_amax or q.amax is None:
+    if not q.clips:
         return None
     if q.axis is not None:
         chunks = torch.split(x, split_sizes(m_splits))
@@ -303,16 +189,3 @@ def expert_input_clip_mask(q: ExpertQuantizer, x: torch.Tensor, m_splits) -> tor
                                    output_size=x.shape[0])
     return x.abs() <= clip_limit(rows).unsqueeze(-1)
 
-
-def expert_weight_clip_mask(q: ExpertQuantizer, weights: list[torch.Tensor]):
-    """``mask(w)`` -> the clipped-STE mask of expert weight ``w`` (one of ``weights``) or None."""
-    index: dict[int, int] = {}  # built on first use (high-precision backward only): no per-expert work otherwise
-
-    def mask(w: torch.Tensor) -> torch.Tensor | None:
-        if not q.is_quantizing or q.ste != "clipped" or not q.needs_amax or q.amax is None:
-            return None
-        if not index:
-            index.update((id(e), i) for i, e in enumerate(weights))
-        return clip_mask(w, q.expert_amax(index[id(w)]))
-
-    return mask

@@ -104,9 +104,9 @@ def mask_grad(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 def clip_mask_of(q, x: torch.Tensor) -> torch.Tensor | None:
     """The clipped-STE mask of quantizer ``q`` (a TensorQuantizer or an expert's view) for ``x``, or None."""
-    if not q.is_quantizing or q.ste != "clipped" or not q.needs_amax:
+    if not q.clips:
         return None
-    return clip_mask(x, q.amax.to(x.device) if q.amax is not None else None)
+    return clip_mask(x, q.amax.to(x.device))
 
 
 def _map(fn, value):

@@ -16,16 +16,15 @@ from torch import nn
 from ...numerics import scale_rows
 from ..autoswitch import SampledGemm, gemm_sampler
 from ..config import QuantizeConfig
-from ..conversion import QuantModuleMixin, QuantModuleRegistry
 from ..expert_quantizer import ExpertGemm
+from ..quant_module import QuantModuleMixin
+from .expert_weights import expert_weight_clip_mask, quantize_expert_weights
 from .experts import (
     DeviceSplits,
     build_expert_quantizers,
     expert_amax_reduction,
     expert_input_clip_mask,
-    expert_weight_clip_mask,
     quantize_expert_inputs,
-    quantize_expert_weights,
     split_sizes,
 )
 from .functional import run_quantized_gemm
@@ -175,5 +174,3 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
                     w.copy_(q.fake_quant_expert(i, w))
             q.disable()
 
-
-QuantModuleRegistry.register(GroupedLinear, QuantGroupedLinearMixin)

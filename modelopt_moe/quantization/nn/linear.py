@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from ..conversion import QuantModuleMixin, QuantModuleRegistry
+from ..quant_module import QuantModuleMixin
 from .functional import apply_quantized_gemm
 
 __all__ = ["QuantLinearMixin"]
@@ -22,5 +21,3 @@ class QuantLinearMixin(QuantModuleMixin):
         # Activations differ across data-parallel ranks; weights are replicated there.
         return ("dp",) if quantizer_name in ("input_quantizer", "output_quantizer") else ()
 
-
-QuantModuleRegistry.register(nn.Linear, QuantLinearMixin)

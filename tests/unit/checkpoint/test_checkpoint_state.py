@@ -147,6 +147,24 @@ def test_states_saved_before_narrow_range_existed_keep_their_int_meaning():
     assert not model.proj.input_quantizer.narrow_range  # today's default: Model Optimizer's
 
 
+def test_the_fake_quant_kernel_and_the_gemm_travel_in_the_state_and_older_readers_see_one_kernel():
+    from modelopt_moe.checkpoint import modelopt_state, restore_modelopt_state
+
+    cfg = mtq.load_config("fp8_default")
+    cfg.gemm, cfg.kernel = "te_fp8", "torch"
+    model = mtq.quantize(Tiny(), cfg, lambda m: m(torch.randn(8, 16)))
+    state = modelopt_state(model)
+    assert state["kernel"] == "te_fp8"  # the one value versions before the split read
+    fresh = restore_modelopt_state(Tiny(), state)
+    assert (fresh.experts.quant_kernel, fresh.experts.quant_gemm) == ("torch", "te_fp8")
+    # A state saved before the split: kernel te_fp8 meant real FP8 GEMMs with the "auto" fake quant.
+    before = restore_modelopt_state(Tiny(), {k: v for k, v in state.items() if k not in ("fake_quant_kernel", "gemm")})
+    assert (before.experts.quant_kernel, before.experts.quant_gemm) == ("auto", "te_fp8")
+    plain = modelopt_state(mtq.quantize(Tiny(), {**mtq.FP8_DEFAULT_CFG, "kernel": "triton"},
+                                        lambda m: m(torch.randn(8, 16))))
+    assert (plain["kernel"], plain["fake_quant_kernel"], plain["gemm"]) == ("triton", "triton", "fake_quant")
+
+
 def test_a_megatron_lm_save_directory_stands_for_its_latest_iteration(tmp_path):
     from modelopt_moe.checkpoint import megatron_lm_iteration_dir
 

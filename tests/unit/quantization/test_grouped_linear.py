@@ -12,7 +12,7 @@ import modelopt_moe.quantization as mtq
 from modelopt_moe.numerics import fake_quant
 from modelopt_moe.quantization import tensor_quantizer
 from modelopt_moe.quantization import utils as qutils
-from modelopt_moe.quantization.nn import GroupedLinear
+from modelopt_moe.quantization.nn import GroupedLinear, expert_weights
 from modelopt_moe.quantization.nn import experts as experts_nn
 from modelopt_moe.quantization.weight_reuse import active_reuse_scopes
 
@@ -150,7 +150,7 @@ class _CountFakeQuant:
             self.calls += x.shape == (OUT, IN)
             return fake_quant(x, *args, **kwargs)
 
-        for module in (experts_nn, tensor_quantizer):  # the two call sites of the reference
+        for module in (expert_weights, tensor_quantizer):  # the two call sites of the reference
             monkeypatch.setattr(module, "fake_quant", counting)
 
 

@@ -1,8 +1,11 @@
-"""``kernel: te_fp8`` on the CPU: the config takes it; modules that are not Transformer Engine grouped linears run fake
-quant exactly as with ``kernel: auto`` (the documented fallback); the checks that refuse what the FP8 GEMM cannot run
+"""``gemm: te_fp8`` on the CPU: the config takes it (and the former ``kernel: te_fp8``); modules that are not
+Transformer Engine grouped linears run fake quant exactly as with ``gemm: fake_quant`` (the documented fallback); the
+checks that refuse what the FP8 GEMM cannot run
 (``modelopt_moe.plugins.te_fp8.problems``, importable without Transformer Engine). The FP8 path itself:
 ``tests/gpu/test_te_fp8_gpu.py``."""
 
+import subprocess
+import sys
 import textwrap
 import warnings
 
@@ -19,26 +22,56 @@ N, IN, OUT = 4, 32, 16
 SPLITS = [5, 0, 7, 8]
 
 
-def test_te_fp8_is_a_kernel_in_dicts_yaml_files_and_assignments(tmp_path):
-    assert to_config({"kernel": "te_fp8"}).kernel == "te_fp8"
+def test_te_fp8_is_a_gemm_in_dicts_yaml_files_and_assignments(tmp_path):
+    assert to_config({"gemm": "te_fp8"}).gemm == "te_fp8"
     path = tmp_path / "fp8_te.yaml"
     path.write_text(textwrap.dedent("""\
         $import: fp8_experts.yaml
-        kernel: te_fp8
+        gemm: te_fp8
+        kernel: triton
     """))
-    assert load_config(path).kernel == "te_fp8"
+    loaded = load_config(path)
+    assert (loaded.gemm, loaded.kernel) == ("te_fp8", "triton")
     cfg = load_config("fp8_default.yaml")
-    cfg.kernel = "te_fp8"
-    assert QuantizeConfig(**cfg.model_dump()).kernel == "te_fp8"  # a saved quantization state restores it
+    cfg.gemm = "te_fp8"
+    assert QuantizeConfig(**cfg.model_dump()).gemm == "te_fp8"  # a saved quantization state restores it
     with pytest.raises(ConfigError, match="te_fp8"):  # the allowed values are listed
-        to_config({"kernel": "fp8"}, source="cfg.yaml")
+        to_config({"gemm": "fp8"}, source="cfg.yaml")
+    with pytest.raises(ValidationError):
+        cfg.gemm = "te_fp16"
     with pytest.raises(ValidationError):
         cfg.kernel = "te_fp16"
 
 
-def _config(kernel, preset="fp8_default.yaml", **experts):
+def test_the_former_kernel_te_fp8_still_reads_as_gemm_te_fp8(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("$import: fp8_default.yaml\nkernel: te_fp8\n")
+    cfg = load_config(path)
+    assert (cfg.gemm, cfg.kernel) == ("te_fp8", "auto")
+    assert (to_config({"kernel": "te_fp8"}).gemm, to_config({"kernel": "te_fp8"}).kernel) == ("te_fp8", "auto")
+    assigned = load_config("fp8_default.yaml")
+    assigned.kernel = "te_fp8"
+    assert (assigned.gemm, assigned.kernel) == ("te_fp8", "auto")
+    edited_preset = to_config({**mtq.FP8_DEFAULT_CFG, "kernel": "te_fp8"})  # the dumped preset says gemm: fake_quant
+    assert (edited_preset.gemm, edited_preset.kernel) == ("te_fp8", "auto")
+
+
+def test_the_former_kernel_te_fp8_warns_once_per_process(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("$import: fp8_default.yaml\nkernel: te_fp8\n")
+    code = ("import warnings\nimport modelopt_moe.quantization as mtq\nwarnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            f"    warnings.simplefilter('always')\n    mtq.load_config({str(path)!r}); mtq.load_config({str(path)!r})\n"
+            "print([str(w.message) for w in caught if issubclass(w.category, FutureWarning)])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    messages = eval(done.stdout.strip())
+    assert len(messages) == 1 and "gemm: te_fp8" in messages[0]
+
+
+def _config(gemm, preset="fp8_default.yaml", **experts):
     cfg = mtq.load_config(preset)
-    cfg.kernel = kernel
+    cfg.gemm = gemm
     cfg.experts.input_amax = "per_expert"
     for key, value in experts.items():
         setattr(cfg.experts, key, value)
@@ -64,15 +97,15 @@ def _run(layer):
 
 
 @pytest.mark.parametrize("mode", ["dequantized", "high_precision"])
-def test_a_model_without_te_grouped_linears_runs_fake_quant_as_with_auto(mode):
+def test_a_model_without_te_grouped_linears_runs_fake_quant_as_with_gemm_fake_quant(mode):
     runs = {}
-    for kernel in ("auto", "te_fp8"):
-        cfg = _config(kernel)
+    for gemm in ("fake_quant", "te_fp8"):
+        cfg = _config(gemm)
         cfg.backward.mode = mode
         layer = _quantized(cfg)
-        assert layer.quant_kernel == kernel and te_fp8.problems(layer) == []
-        runs[kernel] = _run(layer)
-    (y_a, dx_a, dw_a), (y_t, dx_t, dw_t) = runs["auto"], runs["te_fp8"]
+        assert layer.quant_gemm == gemm and te_fp8.problems(layer) == []
+        runs[gemm] = _run(layer)
+    (y_a, dx_a, dw_a), (y_t, dx_t, dw_t) = runs["fake_quant"], runs["te_fp8"]
     assert torch.equal(y_a, y_t) and torch.equal(dx_a, dx_t)
     assert all(torch.equal(a, b) for a, b in zip(dw_a, dw_t, strict=True))
 
@@ -86,7 +119,7 @@ def test_te_fp8_engages_after_calibration_only():
     layer.input_quantizer.disable()
     layer.weight_quantizer.disable()
     assert not te_fp8.engaged(layer)  # nothing quantized: the float layer
-    assert not te_fp8.engaged(_quantized(_config("auto")))
+    assert not te_fp8.engaged(_quantized(_config("fake_quant")))
 
 
 @pytest.mark.parametrize("preset,change,message", [
@@ -104,7 +137,7 @@ def test_problems_name_what_the_fp8_gemm_cannot_run(preset, change, message):
         change(layer)
     found = te_fp8.problems(layer)
     assert any(message in p for p in found), found
-    with pytest.raises(ConfigError, match="kernel te_fp8 cannot run"):
+    with pytest.raises(ConfigError, match="gemm te_fp8 cannot run"):
         te_fp8.check(layer)
 
 

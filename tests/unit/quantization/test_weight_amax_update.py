@@ -14,8 +14,7 @@ from modelopt_moe.checkpoint import restore, save
 from modelopt_moe.numerics import fake_quant
 from modelopt_moe.quantization import ConfigError, QuantizeConfig
 from modelopt_moe.quantization.config import to_config
-from modelopt_moe.quantization.nn import GroupedLinear
-from modelopt_moe.quantization.nn import experts as experts_nn
+from modelopt_moe.quantization.nn import GroupedLinear, expert_weights
 
 N, IN, OUT = 4, 32, 16
 SPLITS = [5, 0, 7, 8]
@@ -122,7 +121,7 @@ def _count_calls(monkeypatch, module, name) -> dict:
 
 def test_dynamic_inside_a_reuse_scope_computes_once_and_sees_the_next_step(monkeypatch):
     layer, x = _grouped("dynamic")
-    count = _count_calls(monkeypatch, experts_nn, "refresh_weight_amax")
+    count = _count_calls(monkeypatch, expert_weights, "refresh_weight_amax")
     for step in range(2):
         with mtq.reuse_quantized_weights(layer):
             for _ in range(3):  # micro-batches of one step
@@ -244,7 +243,7 @@ def test_learned_per_channel_amax_is_refused_by_name():
 
 def test_learned_amax_inside_a_reuse_scope_sees_in_place_updates(monkeypatch):
     layer, x = _grouped("learned")
-    calls = _count_calls(monkeypatch, experts_nn, "fake_quant")
+    calls = _count_calls(monkeypatch, expert_weights, "fake_quant")
     with mtq.reuse_quantized_weights(layer):
         layer(x, SPLITS).sum().backward()
         layer(x, SPLITS).sum().backward()

@@ -11,7 +11,7 @@ import torch
 import modelopt_moe.quantization as mtq
 from modelopt_moe.kernels import kernels_available
 from modelopt_moe.quantization.nn import GroupedLinear, weight_recompute
-from modelopt_moe.quantization.nn import experts as experts_mod
+from modelopt_moe.quantization.nn import expert_weights as experts_mod
 
 pytestmark = pytest.mark.skipif(not kernels_available("cpu"), reason="needs the Triton interpreter on CPU")
 

@@ -1,0 +1,554 @@
+"""The config schema: strict pydantic models of what precision goes where (no YAML, no files).
+
+:class:`QuantizeConfig` is what :func:`mtq.quantize` takes; :class:`QuantizerAttributeConfig` is one quantizer's
+attributes (Model Optimizer 0.47's names and defaults). Every model forbids unknown keys and validates where it is
+built, naming the field, the value and the allowed set. Reading YAML files: :mod:`.config_loader`; shaping
+validation errors into messages: :mod:`.config_errors`; both are gathered with these models in :mod:`.config`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..numerics import NVFP4_BLOCK_SIZE, format_from_num_bits, get_format
+from .modelopt_shapes import UNSUPPORTED_ALGORITHMS, normalize_quant_cfg, unsupported
+from .modelopt_shapes import parent_class_name as _modelopt_parent_class
+
+__all__ = [
+    "QuantizerAttributeConfig",
+    "QuantCfgEntry",
+    "ExpertsConfig",
+    "BackwardConfig",
+    "MaxCalibConfig",
+    "AutoswitchConfig",
+    "AUTOSWITCH_GEMMS",
+    "WEIGHT_AMAX_UPDATES",
+    "DEFAULT_WEIGHT_AMAX_UPDATE",
+    "QuantizeConfig",
+    "normalize_algorithm",
+    "legacy_kernel",
+    "LEGACY_TE_FP8_KERNEL",
+]
+
+
+def _check_effective_bits(v: float | None) -> float | None:
+    """Model Optimizer's range for ``effective_bits`` (its auto-quantize cost model; no effect here)."""
+    if v is not None and not 0 < v <= 16:
+        raise ValueError(f"effective_bits must be in (0, 16], got {v}")
+    return v
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True)
+
+
+class QuantizerAttributeConfig(_Strict):
+    """How one quantizer quantizes (names and defaults follow NVIDIA Model Optimizer 0.47 so users switch by import).
+
+    Attributes:
+        num_bits: ``(4, 3)``/``"e4m3"``, ``(5, 2)``/``"e5m2"``, ``(2, 1)``/``"e2m1"`` (NVFP4), an int 2..8.
+        axis: ``None`` for one amax per tensor; an int (or tuple of ints) for one amax per slice along those axes
+            (per channel: the kept axes, as in Model Optimizer).
+        block_sizes: ``{-1: 16, "type": "dynamic", "scale_bits": (4, 3)}`` for NVFP4; ``{-1: 128, "type":
+            "static"}`` for INT4 blocks with calibrated (static) per-block amaxes, ``"type": "dynamic"`` for block
+            amaxes taken from the data at every call; ``{-1: None}`` with ``type: dynamic``: one amax per token.
+            Without ``"type"`` int blocks are static (Model Optimizer's default) and NVFP4 blocks dynamic (the only
+            NVFP4 this package has). A last dim that is not a multiple of an int block is zero-padded.
+        enable: whether the quantizer is on.
+        narrow_range: int formats: levels ``[-B, B]`` (True) or ``[-B-1, B]`` (False, Model Optimizer's default).
+        unsigned: int formats: levels ``[0, 2**b - 1]``.
+        type: ``"static"`` (calibrated amax) or ``"dynamic"`` (amax of each tensor, never calibrated).
+        pass_through_bwd: straight-through gradient (True) or zero gradient where ``|x| > amax`` (False; also set
+            for every quantizer by ``backward.ste: clipped``).
+        effective_bits, trt_high_precision_dtype: accepted for Model Optimizer configs; no effect here (auto-quantize
+            cost model, ONNX export).
+        fake_quant, learn_amax, calibrator, bias, rotate, backend, backend_extra_args, use_constant_amax,
+            constant_amax: accepted at Model Optimizer's defaults only; other values are features this package does
+            not have and raise (see ``docs/modelopt_compat.md``).
+    """
+
+    num_bits: int | tuple[int, int] | str = 8
+    axis: int | tuple[int, ...] | None = None
+    block_sizes: dict[int | str, Any] | None = None
+    enable: bool = True
+    narrow_range: bool = False
+    unsigned: bool = False
+    type: Literal["static", "dynamic"] = "static"
+    pass_through_bwd: bool = True
+    effective_bits: float | None = None
+    trt_high_precision_dtype: Literal["Float", "Half", "BFloat16"] = "Float"
+    fake_quant: bool = True
+    learn_amax: bool = False
+    calibrator: Any = "max"
+    bias: Any = None
+    rotate: Any = False
+    backend: str | None = None
+    backend_extra_args: dict | None = None
+    use_constant_amax: bool = False
+    constant_amax: float | None = None
+
+    @field_validator("num_bits", mode="before")
+    @classmethod
+    def _num_bits(cls, v):
+        if isinstance(v, list):
+            v = tuple(v)
+        format_from_num_bits(v)  # raises ValueError naming the allowed values
+        return v
+
+    @field_validator("axis", mode="before")
+    @classmethod
+    def _axis(cls, v):
+        return tuple(v) if isinstance(v, list) else v
+
+    @field_validator("block_sizes", mode="before")
+    @classmethod
+    def _block_sizes(cls, v):
+        if isinstance(v, dict) and isinstance(v.get("scale_bits"), list):
+            v = {**v, "scale_bits": tuple(v["scale_bits"])}
+        return v
+
+    @field_validator("effective_bits")
+    @classmethod
+    def _effective_bits(cls, v):
+        return _check_effective_bits(v)
+
+    @model_validator(mode="after")
+    def _modelopt_defaults_only(self):
+        """Model Optimizer features this package does not have: accepted only at their defaults."""
+        checks = [
+            ("fake_quant", self.fake_quant is True, "real quantization: modelopt_moe only fake-quantizes"),
+            ("learn_amax", self.learn_amax is False, "deprecated in Model Optimizer as well"),
+            ("calibrator", self.calibrator == "max", "only max calibration"),
+            ("bias", self.bias is None, "no affine (biased) quantization"),
+            ("rotate", not (self.rotate is True or (isinstance(self.rotate, dict) and self.rotate.get("enable"))),
+             "no Hadamard rotation"),
+            ("backend", self.backend is None, "no custom quantization backends"),
+            ("backend_extra_args", not self.backend_extra_args, "no custom quantization backends"),
+            ("use_constant_amax", self.use_constant_amax is False, "no constant amax; calibrate instead"),
+            ("constant_amax", self.constant_amax is None, "no constant amax; calibrate instead"),
+        ]
+        for name, ok, hint in checks:
+            if not ok:
+                raise ValueError(unsupported(name, getattr(self, name), hint))
+        return self
+
+    @model_validator(mode="after")
+    def _blocks(self):
+        fmt = self.format
+        bs = self.block_sizes
+        if self.unsigned and get_format(fmt).kind != "int":
+            raise ValueError(f"unsigned=True applies to int formats only, got num_bits={self.num_bits!r} ({fmt})")
+        if self.axis is not None and not isinstance(self.axis, int):
+            if not all(isinstance(a, int) and not isinstance(a, bool) for a in self.axis) or not self.axis:
+                raise ValueError(f"axis must be None, an int or a tuple of ints, got {self.axis!r}")
+        if bs is not None:
+            unknown = {k for k in bs if isinstance(k, str)} - {"type", "scale_bits"}
+            if unknown & {"scale_block_sizes", "four_over_six"}:
+                key = sorted(unknown & {"scale_block_sizes", "four_over_six"})[0]
+                raise ValueError(unsupported(f"block_sizes.{key}", bs[key], "no double-quantized or 4-over-6 block "
+                                             "scales"))
+            if unknown:
+                raise ValueError(f"block_sizes: unsupported keys {sorted(unknown)}; expected -1 (last-dim block "
+                                 "size), 'type', 'scale_bits'")
+            axes = [k for k in bs if not isinstance(k, str)]
+            if axes != [-1]:
+                raise ValueError(unsupported("block_sizes", bs, "blocks along the last dim only: a single key -1")
+                                 if axes and all(isinstance(k, int) for k in axes) else
+                                 f"block_sizes: unsupported keys {sorted(map(str, axes))}; expected -1 (last-dim "
+                                 "block size), 'type', 'scale_bits'")
+            if bs.get("type", "static") not in ("static", "dynamic"):
+                raise ValueError(f"block_sizes.type={bs.get('type')!r}: expected 'static' or 'dynamic'")
+            if bs[-1] is not None and (isinstance(bs[-1], bool) or not isinstance(bs[-1], int) or bs[-1] <= 0):
+                raise ValueError(f"block_sizes[-1] must be a positive int (or None: one amax per token), got "
+                                 f"{bs[-1]!r}")
+            if self.axis is not None:
+                raise ValueError(f"axis={self.axis} cannot be combined with block_sizes")
+            if bs[-1] is None:
+                if self.type != "dynamic" and bs.get("type") != "dynamic":
+                    raise ValueError(unsupported("block_sizes", bs, "a static amax per token depends on the number "
+                                                 "of tokens; use type: dynamic"))
+            elif "scale_bits" in bs and fmt != "nvfp4":
+                raise ValueError(unsupported("block_sizes.scale_bits", bs["scale_bits"], "no quantized block scales "
+                                             "besides NVFP4's E4M3"))
+        if fmt == "nvfp4":
+            if bs is None or bs.get(-1) != NVFP4_BLOCK_SIZE:
+                raise ValueError(f"num_bits e2m1 (NVFP4) needs block_sizes {{-1: {NVFP4_BLOCK_SIZE}}}, got {bs!r}")
+            scale_bits = bs.get("scale_bits", (4, 3))
+            if format_from_num_bits(scale_bits) != "e4m3":
+                raise ValueError(f"NVFP4 block scales are E4M3: scale_bits must be (4, 3), got {scale_bits!r}")
+            if bs.get("type", "dynamic") != "dynamic":
+                raise ValueError(unsupported("block_sizes.type", bs["type"], "NVFP4 block scales always come from "
+                                             "the data (dynamic); static NVFP4 block amaxes are not implemented"))
+            if self.axis is not None:
+                raise ValueError(f"NVFP4 uses a per-tensor global amax: axis must be null, got {self.axis}")
+        elif fmt in ("e4m3", "e5m2") and bs is not None and bs[-1] is not None:
+            raise ValueError(f"format {fmt} has no block mode; remove block_sizes {bs!r}")
+        return self
+
+    @property
+    def format(self) -> str:
+        """The format name in :data:`formats.FORMATS`."""
+        return format_from_num_bits(self.num_bits)
+
+    @property
+    def _int_block(self) -> int | None:
+        if self.block_sizes is None or self.format == "nvfp4":
+            return None
+        return self.block_sizes[-1]
+
+    @property
+    def block_size(self) -> int | None:
+        """Last-dim block size of int blocks whose amax comes from the data (dynamic); None otherwise (NVFP4's 16 is
+        implied). What the kernels and ``formats.fake_quant`` take as ``block_size``."""
+        b = self._int_block
+        return b if b and self.block_sizes.get("type") == "dynamic" else None
+
+    @property
+    def static_block_size(self) -> int | None:
+        """Last-dim block size of int blocks with calibrated (static) per-block amaxes; None otherwise."""
+        return self._int_block if self._int_block and self.block_sizes.get("type", "static") == "static" else None
+
+    @property
+    def per_token(self) -> bool:
+        """``block_sizes: {-1: None}``: one amax per slice of the last dim (per token), always dynamic."""
+        return self.block_sizes is not None and -1 in self.block_sizes and self.block_sizes[-1] is None
+
+    @property
+    def is_dynamic(self) -> bool:
+        """The amax is taken from each tensor (``type: dynamic``, or per token); never calibrated."""
+        return self.type == "dynamic" or self.per_token
+
+    @property
+    def int_kwargs(self) -> dict:
+        """``narrow_range`` / ``unsigned`` for ``formats.fake_quant`` (int formats only; floats take neither)."""
+        if get_format(self.format).kind != "int":
+            return {}
+        return {"narrow_range": self.narrow_range, "unsigned": self.unsigned}
+
+
+class QuantCfgEntry(_Strict):
+    """One rule of ``quant_cfg``: quantizers whose full name matches ``quantizer_name`` (fnmatch wildcard) and,
+    if given, whose parent module is a ``parent_class``, get ``cfg`` and/or ``enable``.
+
+    ``parent_class`` is a class-name wildcard matched against the parent's class and its bases (so a subclass
+    matches, as Model Optimizer's ``isinstance`` does); Model Optimizer's registry names (``"nn.Linear"``,
+    ``"megatron_RowParallelLinear"``) are accepted. An empty ``cfg`` with ``enable: false`` only disables; an empty
+    ``cfg`` otherwise is an error (Model Optimizer's rule: it would silently quantize with defaults).
+    """
+
+    quantizer_name: str
+    parent_class: str | None = None
+    cfg: QuantizerAttributeConfig | None = None
+    enable: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cfg_shape(cls, values):
+        if not isinstance(values, dict):
+            return values
+        cfg = values.get("cfg")
+        if isinstance(cfg, list):
+            if not cfg or all(isinstance(c, dict) and not c for c in cfg):
+                cfg = {}
+            else:
+                raise ValueError(unsupported("cfg", cfg, "a list of attribute dicts is Model Optimizer's "
+                                             "SequentialQuantizer (e.g. W4A8); one format per quantizer here"))
+        if isinstance(cfg, dict) and not cfg:
+            if values.get("enable") is False:
+                return {**values, "cfg": None}
+            raise ValueError(f"entry for {values.get('quantizer_name')!r}: 'cfg' is empty; give at least one "
+                             "attribute, or drop 'cfg' and set 'enable'")
+        return values
+
+    @model_validator(mode="after")
+    def _something(self):
+        if self.cfg is None and self.enable is None:
+            raise ValueError(f"entry for {self.quantizer_name!r} sets neither 'cfg' nor 'enable'")
+        return self
+
+    @property
+    def configures(self) -> bool:
+        """Whether the entry turns quantizers on or sets their format (an enable-only ``false`` entry only
+        excludes): such an entry that matches nothing is a likely typo."""
+        return self.cfg is not None or self.enable is True
+
+    def matches(self, quantizer_name: str, parent_class_name: str | tuple[str, ...]) -> bool:
+        """``parent_class_name``: the parent's class name, or the names of its class and bases (MRO)."""
+        if not fnmatch.fnmatchcase(quantizer_name, self.quantizer_name):
+            return False
+        if self.parent_class is None:
+            return True
+        names = (parent_class_name,) if isinstance(parent_class_name, str) else parent_class_name
+        pattern = _modelopt_parent_class(self.parent_class)
+        return any(fnmatch.fnmatchcase(n, pattern) for n in names)
+
+
+class ExpertsConfig(_Strict):
+    """Amax layouts of expert quantizers (see quantization/expert_quantizer.py and docs/architecture.md)."""
+
+    weight_amax: Literal["shared", "vectorized", "per_expert"] = "vectorized"
+    input_amax: Literal["shared", "per_expert"] = "shared"
+
+
+class BackwardConfig(_Strict):
+    """Which operands the backward GEMMs see, and the straight-through estimator.
+
+    ``dequantized``: the fake-quantized forward operands; ``high_precision``: the original operands;
+    ``quantized``: the fake-quantized operands and a fake-quantized incoming gradient (``grad_num_bits``,
+    per-tensor scale from the gradient's own amax).
+
+    ``weight_operands`` (grouped expert GEMMs, outside a ``reuse_quantized_weights`` block): ``recompute``
+    fake-quantizes the unchanged expert weights again in the backward (one more launch per GEMM, same bits) instead of
+    keeping the forward's copy alive until then; ``keep`` keeps it (one extra copy of the expert weights at the step's
+    peak, one launch fewer). Inside a reuse block the step's cached values serve both passes.
+    """
+
+    mode: Literal["dequantized", "high_precision", "quantized"] = "dequantized"
+    ste: Literal["pass_through", "clipped"] = "pass_through"
+    grad_num_bits: int | tuple[int, int] | str = "e5m2"
+    weight_operands: Literal["recompute", "keep"] = "recompute"
+
+    @field_validator("grad_num_bits", mode="before")
+    @classmethod
+    def _grad_bits(cls, v):
+        if isinstance(v, list):
+            v = tuple(v)
+        fmt = format_from_num_bits(v)
+        if fmt not in ("e4m3", "e5m2"):
+            raise ValueError(f"grad_num_bits={v!r} ({fmt}): gradients can be fake-quantized to e4m3 or e5m2 only")
+        return v
+
+    @property
+    def grad_format(self) -> str:
+        return format_from_num_bits(self.grad_num_bits)
+
+
+class MaxCalibConfig(_Strict):
+    """Options of max calibration: Model Optimizer's ``{"method": "max", ...}`` algorithm dict.
+
+    Attributes:
+        method: ``"max"``.
+        distributed_sync: max-reduce amaxes over the parallel groups after calibration (False: keep each rank's).
+        sync_expert_weight_amax: one weight amax for all experts of a layer (every local expert and EP rank): the
+            ``shared`` expert weight layout.
+        skip_forward_without_activation_calib: skip ``forward_loop`` when no enabled activation quantizer needs
+            calibration data (weights are calibrated from themselves).
+        moe_calib_experts_ratio, layerwise, shared_states: accepted at Model Optimizer's defaults only.
+    """
+
+    method: Literal["max"] = "max"
+    distributed_sync: bool | None = True
+    sync_expert_weight_amax: bool = False
+    skip_forward_without_activation_calib: bool = False
+    moe_calib_experts_ratio: float | None = None
+    layerwise: dict | None = None
+    shared_states: dict | None = None
+
+    @model_validator(mode="after")
+    def _defaults_only(self):
+        if self.moe_calib_experts_ratio is not None:
+            raise ValueError(unsupported("algorithm.moe_calib_experts_ratio", self.moe_calib_experts_ratio,
+                                         "calibration routes tokens as the model does"))
+        if self.layerwise and (self.layerwise.get("enable") or self.layerwise.get("checkpoint_dir")):
+            raise ValueError(unsupported("algorithm.layerwise", self.layerwise, "no layer-by-layer calibration"))
+        if self.shared_states:
+            raise ValueError(unsupported("algorithm.shared_states", self.shared_states, "no shared global amaxes"))
+        return self
+
+
+def normalize_algorithm(algorithm: Any) -> MaxCalibConfig | None:
+    """``algorithm`` as Model Optimizer takes it (``"max"``, ``None``, ``{"method": "max", ...}``, a
+    :class:`MaxCalibConfig`) as a :class:`MaxCalibConfig`, or None for no calibration.
+
+    Raises:
+        ValueError: another calibration method (naming it and the supported one) or an unknown option.
+    """
+    if algorithm is None or isinstance(algorithm, MaxCalibConfig):
+        return algorithm
+    if isinstance(algorithm, str):
+        algorithm = {"method": algorithm}
+    if not isinstance(algorithm, dict):
+        raise ValueError(f"algorithm: expected 'max', None or a dict with 'method', got {algorithm!r}")
+    method = algorithm.get("method", "max")
+    if method is None:
+        return None
+    if method != "max":
+        if method in UNSUPPORTED_ALGORITHMS:
+            raise ValueError(unsupported("algorithm", method, "max calibration only (QAT trains the rest)"))
+        raise ValueError(f"algorithm: unknown calibration method {method!r}; expected 'max' (or None)")
+    return MaxCalibConfig(**algorithm)
+
+
+AUTOSWITCH_GEMMS = ("fprop", "dgrad", "wgrad")
+
+
+class AutoswitchConfig(_Strict):
+    """Precision autoswitch (docs/autoswitch.md): every ``every`` steps, each quantized GEMM (per expert) measures
+    the quantization error of the operands it uses and runs in high precision for that step where any monitored
+    operand crosses a threshold.
+
+    Attributes:
+        every: sample steps ``0, every, 2 * every, ...`` (the step of :func:`mtq.autoswitch_step`).
+        underflow_pct: switch when more than this percentage of an operand's non-zero values quantize to zero.
+        mse: switch when an operand's quantization MSE relative to its mean square exceeds this.
+        gemms: which GEMMs may switch: ``fprop`` (input x weight), ``dgrad`` (gradient x weight), ``wgrad``
+            (gradient x input).
+        log_dir: directory of the per-rank JSON-lines logs (``autoswitch_rank<r>.jsonl``).
+    """
+
+    every: int = Field(ge=1)
+    underflow_pct: float | None = Field(default=None, ge=0.0, le=100.0)
+    mse: float | None = Field(default=None, ge=0.0)
+    gemms: list[Literal["fprop", "dgrad", "wgrad"]] = Field(default_factory=lambda: list(AUTOSWITCH_GEMMS))
+    log_dir: str = "autoswitch_logs"
+
+    @model_validator(mode="after")
+    def _thresholds(self):
+        if self.underflow_pct is None and self.mse is None:
+            raise ValueError("autoswitch: set underflow_pct, mse or both (with neither nothing could switch)")
+        if not self.gemms or len(set(self.gemms)) != len(self.gemms):
+            raise ValueError(f"autoswitch.gemms={self.gemms!r}: expected a non-empty list of distinct GEMMs from "
+                             f"{list(AUTOSWITCH_GEMMS)}")
+        return self
+
+
+# How weight amaxes follow the weights while training (docs/qad.md): "static" keeps the calibrated amax, "dynamic"
+# recomputes it from the current weights at every re-quantization, "learned" trains it (LSQ-style gradient).
+WEIGHT_AMAX_UPDATES = ("static", "dynamic", "learned")
+DEFAULT_WEIGHT_AMAX_UPDATE = "dynamic"  # chosen by measurement: docs/qad.md
+
+
+# Before ``gemm`` existed, ``kernel: te_fp8`` chose the real FP8 GEMMs (and the "auto" fake quant everywhere else).
+LEGACY_TE_FP8_KERNEL = "te_fp8"
+_legacy_kernel_warned = False
+
+
+def _warn_legacy_kernel() -> None:
+    global _legacy_kernel_warned
+    if not _legacy_kernel_warned:
+        _legacy_kernel_warned = True
+        warnings.warn("config: 'kernel: te_fp8' is deprecated; write 'gemm: te_fp8' (kernel: auto | triton | torch "
+                      "now says only how fake quant is computed)", FutureWarning,
+                      stacklevel=2)
+
+
+def _gemm_from_legacy_kernel(values: dict) -> dict:
+    """``values`` with a legacy ``kernel: te_fp8`` written as ``gemm: te_fp8`` and ``kernel: auto`` (warned once). It
+    wins over a ``gemm`` beside it: a dumped preset carries ``gemm: fake_quant``, and ``{**preset, "kernel":
+    "te_fp8"}`` asked for te_fp8."""
+    values = dict(values)
+    if values.get("kernel") != LEGACY_TE_FP8_KERNEL:
+        return values
+    _warn_legacy_kernel()
+    return {**values, "kernel": "auto", "gemm": "te_fp8"}
+
+
+def legacy_kernel(kernel: str, gemm: str) -> str:
+    """The one ``kernel`` value that versions before ``gemm`` existed read: ``te_fp8`` for real FP8 GEMMs, else the
+    fake-quant kernel (saved quantization states carry it, so those versions still load them)."""
+    return LEGACY_TE_FP8_KERNEL if gemm == "te_fp8" else kernel
+
+
+class QuantizeConfig(_Strict):
+    """The whole config given to :func:`mtq.quantize`.
+
+    ``quant_cfg`` and ``algorithm`` take every shape Model Optimizer 0.47 takes (its entry list, the legacy
+    ``{pattern: attributes}`` dict, ``"max"`` or ``{"method": "max", ...}``); the algorithm is kept as
+    ``algorithm`` (the method) plus its options in ``max_calib``. ``strict``: a ``quant_cfg`` entry that configures
+    quantizers but matches none is an error (otherwise a rank-0 warning naming the closest quantizer names).
+    """
+
+    quant_cfg: list[QuantCfgEntry] = Field(default_factory=list)
+    algorithm: Literal["max"] | None = "max"
+    max_calib: MaxCalibConfig = Field(default_factory=MaxCalibConfig)
+    effective_bits: float | None = None
+    strict: bool = False
+    # How expert fake quant is computed: "auto" = the one-launch Triton kernels on CUDA, the torch reference
+    # elsewhere; "triton" = the kernels wherever Triton runs (CPU only under TRITON_INTERPRET=1); "torch" = the
+    # reference.
+    kernel: Literal["auto", "triton", "torch"] = "auto"
+    # Whether forward GEMMs run on fake-quantized operands ("fake_quant") or, in calibrated FP8 Transformer Engine
+    # grouped linears, as real FP8 GEMMs with the calibrated scales ("te_fp8": modelopt_moe.plugins.te_fp8; every
+    # other module fake-quantizes).
+    gemm: Literal["fake_quant", "te_fp8"] = "fake_quant"
+    experts: ExpertsConfig = Field(default_factory=ExpertsConfig)
+    backward: BackwardConfig = Field(default_factory=BackwardConfig)
+    # A property of the training run, not of one quantizer: it applies to every enabled weight quantizer (activation
+    # amaxes stay calibrated), and it stays out of the per-quantizer attributes, which mirror Model Optimizer's.
+    weight_amax_update: Literal["static", "dynamic", "learned"] = DEFAULT_WEIGHT_AMAX_UPDATE
+    autoswitch: AutoswitchConfig | None = None
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        if self.weight_amax_update == "learned" and self.experts.weight_amax == "shared":
+            raise ValueError("weight_amax_update=learned with experts.weight_amax=shared: a shared amax is the max "
+                             "over experts, a learned one is each expert's own; use weight_amax vectorized or "
+                             "per_expert")
+        if self.weight_amax_update == "learned" and self.backward.mode == "high_precision":
+            raise ValueError("weight_amax_update=learned with backward.mode=high_precision: that backward runs through "
+                             "the unquantized weights, so a learned amax would get no gradient; use backward.mode "
+                             "dequantized or quantized")
+        hp = sorted({"dgrad", "wgrad"} & set(self.autoswitch.gemms)) if self.autoswitch else []
+        if hp and self.backward.mode == "high_precision":
+            raise ValueError(f"autoswitch.gemms includes {hp} but backward.mode=high_precision already runs dgrad "
+                             "and wgrad in high precision; monitor [fprop] only")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _modelopt_shapes(cls, values):
+        if not isinstance(values, dict):
+            return values
+        values = _gemm_from_legacy_kernel(values)
+        if "quant_cfg" in values:
+            values["quant_cfg"] = normalize_quant_cfg(values["quant_cfg"])
+        algo = values.get("algorithm", "max")
+        if isinstance(algo, dict | MaxCalibConfig) or (isinstance(algo, str) and algo != "max"):
+            calib = normalize_algorithm(algo)
+            values["algorithm"] = None if calib is None else "max"
+            if calib is not None:
+                given = values.get("max_calib")
+                given = given.model_dump(exclude_unset=True) if isinstance(given, MaxCalibConfig) else (given or {})
+                # Options written in the algorithm dict win over a max_calib (a dumped preset carries defaults).
+                values["max_calib"] = {**given, **calib.model_dump(exclude_unset=True)}
+        return values
+
+    @model_validator(mode="after")
+    def _expert_weight_sync(self):
+        # Model Optimizer's sync_expert_weight_amax is this package's `shared` expert weight layout.
+        if self.max_calib.sync_expert_weight_amax:
+            if "weight_amax" in self.experts.model_fields_set and self.experts.weight_amax != "shared":
+                raise ValueError(f"algorithm.sync_expert_weight_amax=True shares one weight amax over the experts, "
+                                 f"but experts.weight_amax={self.experts.weight_amax!r}; use 'shared' (or drop one)")
+            self.experts.weight_amax = "shared"
+        return self
+
+    @field_validator("effective_bits")
+    @classmethod
+    def _effective_bits(cls, v):
+        return _check_effective_bits(v)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "kernel" and value == LEGACY_TE_FP8_KERNEL:  # ``cfg.kernel = "te_fp8"`` as before the split
+            _warn_legacy_kernel()
+            super().__setattr__("gemm", "te_fp8")
+            value = "auto"
+        super().__setattr__(name, value)
+
+    def resolve(self, quantizer_name: str, parent_class_name: str | tuple[str, ...]) -> QuantizerAttributeConfig | None:
+        """Applies the rules in order (later wins); returns the final attribute config, or None if no rule
+        configured this quantizer."""
+        result: QuantizerAttributeConfig | None = None
+        for entry in self.quant_cfg:
+            if not entry.matches(quantizer_name, parent_class_name):
+                continue
+            if entry.cfg is not None:
+                result = entry.cfg.model_copy()
+            if entry.enable is not None:
+                result = (result or QuantizerAttributeConfig(enable=entry.enable)).model_copy(
+                    update={"enable": entry.enable})
+        return result
