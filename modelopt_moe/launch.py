@@ -196,8 +196,9 @@ def _context(start_method: str | None):
 
     ``forkserver`` starts a server process that imports torch (and the comma-separated modules in
     ``$MODELOPT_MOE_FORKSERVER_PRELOAD``) once; every rank is then forked from it instead of importing them again,
-    which is most of a rank's start-up on a small machine. The server only imports: no thread pool, CUDA context or
-    process group exists in it to be inherited.
+    which is most of a rank's start-up on a small machine. The server only imports: no thread pool or process group
+    exists in it to be inherited. Ranks that use CUDA need ``spawn`` when a preloaded module creates a CUDA context
+    on import (megatron-core with Transformer Engine does): a forked process cannot use its parent's context.
 
     Raises:
         ValueError: an unknown start method.

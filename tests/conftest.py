@@ -5,7 +5,7 @@ Without CUDA, the Triton kernels can only run in Triton's interpreter, and ``TRI
 Triton): so it is set here, before any test module is collected. The wrappers still pick the torch reference on CPU
 unless a config asks for ``kernel: triton``; only the kernel tests launch the interpreter. Spawned ranks inherit it.
 
-Ranks start from a fork server that imported torch and megatron-core once (``modelopt_moe.launch``'s
+On CPU, ranks start from a fork server that imported torch and megatron-core once (``modelopt_moe.launch``'s
 ``forkserver`` start method): a multi-process test then starts its ranks in a fraction of a second instead of
 importing megatron-core again in every rank (several seconds each on two cores). ``test_launch.py`` checks both start
 methods.
@@ -25,8 +25,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("MODELOPT_MOE_START_METHOD", "forkserver")
-os.environ.setdefault("MODELOPT_MOE_FORKSERVER_PRELOAD", "megatron.core,megatron.core.models.gpt")
+    os.environ.setdefault("MODELOPT_MOE_START_METHOD", "forkserver")
+    os.environ.setdefault("MODELOPT_MOE_FORKSERVER_PRELOAD", "megatron.core,megatron.core.models.gpt")
+else:
+    # With CUDA, importing megatron-core (Transformer Engine) creates a CUDA context, which a forked rank cannot use:
+    # GPU ranks start as fresh interpreters.
+    os.environ.setdefault("MODELOPT_MOE_START_METHOD", "spawn")
 
 from limits import seconds  # noqa: E402  (this directory is on sys.path: pytest inserts a conftest's directory)
 

@@ -171,7 +171,9 @@ def test_expert_biases_keep_megatrons_formula_under_the_router_probability_seam(
     """With linear biases (``add_bias_linear``), the quantized layer with every quantizer disabled computes exactly
     Megatron's own layer: the seam that moves the router probability behind the down projection's quantizer adds a
     returned fc2 bias as ``out + prob * bias``, Megatron's formula, on each expert kind. (Megatron's TEGroupedMLP and
-    SequentialMLP themselves differ when biases are on, so each kind is compared with its own unquantized self.)"""
+    SequentialMLP themselves differ when biases are on, so each kind is compared with its own unquantized self.)
+    Megatron 0.19's SequentialMLP cannot backpropagate with biases at all (its ``output += bias * prob`` writes into
+    the view a tensor-parallel reduce returned), so that kind is compared in the forward alone."""
     layer = mm.build_moe_layer(transformer_engine=transformer_engine, num_experts=EXPERTS, hidden=HIDDEN,
                                ffn_hidden=FFN, add_bias_linear=True)
     with torch.no_grad():
@@ -182,6 +184,9 @@ def test_expert_biases_keep_megatrons_formula_under_the_router_probability_seam(
 
     def run():
         layer.zero_grad(set_to_none=True)
+        if not transformer_engine:
+            with torch.no_grad():
+                return layer(x)[0], None, {}
         xx = x.clone().requires_grad_(True)
         out = layer(xx)[0]
         out.float().square().mean().backward()
@@ -193,8 +198,10 @@ def test_expert_biases_keep_megatrons_formula_under_the_router_probability_seam(
     quantized = run()
     mtq.disable_quantizer(layer, "*")
     disabled = run()
-    assert torch.equal(disabled[0], reference[0]) and torch.equal(disabled[1], reference[1])
-    assert disabled[2].keys() == reference[2].keys() and len(reference[2]) >= 2
+    assert torch.equal(disabled[0], reference[0])
+    if transformer_engine:
+        assert torch.equal(disabled[1], reference[1])
+        assert disabled[2].keys() == reference[2].keys() and len(reference[2]) >= 2
     for name, g in reference[2].items():
         assert torch.equal(disabled[2][name], g), name
     rel = ((quantized[0].float() - reference[0].float()).norm() / reference[0].float().norm()).item()
