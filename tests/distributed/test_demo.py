@@ -12,7 +12,7 @@ from modelopt_moe.plugins.cli import main
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    ("argv", "message"),
     [
         (["--cpu", "--tp", "3"], "--tp 3 must divide the world size 4"),
         (["--cpu", "--ep", "3"], "--ep 3 must divide the world size 4"),

@@ -267,7 +267,7 @@ def _decode_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale:
 
 
 def _engine_model(path: Path, source: Path, scheme: str, family: str):
-    """transformers' model of the exported checkpoint with static-scale input quantization of every quantized
+    """The ``transformers`` model of the exported checkpoint with static-scale input quantization of every quantized
     linear (per-expert linears for the experts)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig

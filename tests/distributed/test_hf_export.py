@@ -375,7 +375,7 @@ def test_transformers_reads_fp8_compressed_tensors(run):
 
 @pytest.fixture
 def nvfp4_experts_patch():
-    """transformers 5.23's experts dequantize drops ``weight_global_scale``: the public fix decodes each expert with
+    """``transformers`` 5.23's experts dequantize drops ``weight_global_scale``: the public fix decodes each expert with
     compressed-tensors' own decoder instead (modelopt_moe.export.transformers_compat)."""
     from modelopt_moe.export import transformers_compat
 

@@ -68,7 +68,7 @@ SHAPES = {1: [(1536, 2048)], 3: [(768, 1024), (256, 1024), (512, 1024)], 32: [(3
 
 @pytest.mark.parametrize("n", sorted(SHAPES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 def test_weights_bit_exact_per_expert(fmt, block_size, dtype, n):
     weights = make_experts(SHAPES[n], dtype, seed=n)
     amax = distinct_amax(weights)
@@ -77,7 +77,7 @@ def test_weights_bit_exact_per_expert(fmt, block_size, dtype, n):
         assert_bits_equal(o, r, f"expert {i}")
 
 
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 def test_gpu_kernel_matches_cpu_reference(fmt, block_size):
     """One contract across devices: the CUDA kernel gives the bits formats.fake_quant gives on the CPU."""
     weights = make_experts([(96, 256), (32, 256), (64, 512)], torch.bfloat16)
@@ -88,7 +88,7 @@ def test_gpu_kernel_matches_cpu_reference(fmt, block_size):
         assert_bits_equal(o, r, f"expert {i}")
 
 
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 def test_edge_amax_nan_inf_and_per_channel(fmt, block_size):
     weights = make_experts([(64, 256)] * 7, torch.bfloat16)
     weights[1][3, 5] = float("nan")
@@ -113,7 +113,7 @@ def _all_finite_bf16():
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x)).reshape(256, 256).contiguous().to(DEV)
 
 
-@pytest.mark.parametrize("fmt,amax", [("e4m3", 448.0), ("e4m3", 3.7), ("e5m2", 57344.0), ("e5m2", 5.1e3),
+@pytest.mark.parametrize(("fmt", "amax"), [("e4m3", 448.0), ("e4m3", 3.7), ("e5m2", 57344.0), ("e5m2", 5.1e3),
                                       ("nvfp4", 3.7), ("nvfp4", 2688.0), ("int8", 0.3), ("int4", 7.0)])
 def test_sweep_all_finite_bf16(fmt, amax):
     x = _all_finite_bf16()
@@ -175,7 +175,7 @@ def test_clipped_backward(per_channel):
         assert_bits_equal(w.grad, g * (w.detach().float().abs() <= limit), f"expert {i}")
 
 
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 @pytest.mark.parametrize("n", [1, 32, 128])
 def test_input_per_expert(fmt, block_size, n):
     g = torch.Generator(device=DEV).manual_seed(n)
@@ -195,7 +195,7 @@ def test_input_per_expert(fmt, block_size, n):
 
 @pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 def test_scaled_input_per_expert(fmt, block_size, dtype, p_dtype):
     """``prob * Q(act)`` in one launch (an expert down projection's operand): the reference on the GPU and on the CPU,
     bit for bit; the clipped gradient with the same scale too."""
@@ -349,7 +349,7 @@ def test_no_host_sync(cached):
 
 
 @pytest.mark.parametrize("narrow_range", [True, False])
-@pytest.mark.parametrize("fmt,block_size", [("int8", None), ("int4", None), ("int8", 16), ("int4", 128)])
+@pytest.mark.parametrize(("fmt", "block_size"), [("int8", None), ("int4", None), ("int8", 16), ("int4", 128)])
 def test_int_weights_and_inputs_bit_exact_in_both_ranges_and_padded_blocks(fmt, block_size, narrow_range):
     # amax below each expert's max (clipping on both sides, so -B-1 is reached); 96-wide experts: a block of 128
     # overhangs and is zero-padded, as formats.fake_quant (and Model Optimizer) pad.

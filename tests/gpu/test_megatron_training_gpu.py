@@ -31,7 +31,7 @@ EXPERTS, STEPS, MICRO = 8, 4, 2
 
 @pytest.fixture(scope="module", autouse=True)
 def _megatron(megatron_one_gpu):
-    yield
+    return
 
 
 def _build(seed):

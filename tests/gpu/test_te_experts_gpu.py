@@ -26,7 +26,7 @@ LAYOUTS = ("shared", "vectorized", "per_expert")
 
 @pytest.fixture(scope="module", autouse=True)
 def _megatron(megatron_one_gpu):
-    yield
+    return
 
 
 def _moe_layers():
@@ -170,8 +170,8 @@ def test_te_grouped_and_sequential_experts_give_the_router_the_same_gradient(lay
 def test_expert_biases_keep_megatrons_formula_under_the_router_probability_seam(transformer_engine):
     """With linear biases (``add_bias_linear``), the quantized layer with every quantizer disabled computes exactly
     Megatron's own layer: the seam that moves the router probability behind the down projection's quantizer adds a
-    returned fc2 bias as ``out + prob * bias``, Megatron's formula, on each expert kind. (Megatron's TEGroupedMLP and
-    SequentialMLP themselves differ when biases are on, so each kind is compared with its own unquantized self.)"""
+    returned fc2 bias as ``out + prob * bias``, Megatron's formula, on each expert kind. Megatron's TEGroupedMLP and
+    SequentialMLP themselves differ when biases are on, so each kind is compared with its own unquantized self."""
     layer = mm.build_moe_layer(transformer_engine=transformer_engine, num_experts=EXPERTS, hidden=HIDDEN,
                                ffn_hidden=FFN, add_bias_linear=True)
     with torch.no_grad():

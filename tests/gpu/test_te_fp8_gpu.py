@@ -137,7 +137,7 @@ def _codes(values: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------- (i)
-@pytest.mark.parametrize("weight_amax,input_amax", [("vectorized", "per_expert"), ("shared", "shared"),
+@pytest.mark.parametrize(("weight_amax", "input_amax"), [("vectorized", "per_expert"), ("shared", "shared"),
                                                      ("per_expert", "per_expert")])
 def test_fp8_codes_are_the_fake_quant_codes_bit_for_bit(weight_amax, input_amax):
     layer = _quantized(_config(weight_amax=weight_amax, input_amax=input_amax))
@@ -174,7 +174,8 @@ def test_fp8_codes_are_the_fake_quant_codes_bit_for_bit(weight_amax, input_amax)
 
 
 # --------------------------------------------------------------------------------------------------------- (ii)
-@pytest.mark.parametrize("bias,input_amax", [("none", "per_expert"), ("apply", "shared"), ("return", "per_expert")])
+@pytest.mark.parametrize(("bias", "input_amax"),
+                         [("none", "per_expert"), ("apply", "shared"), ("return", "per_expert")])
 def test_forward_is_the_fp8_product_and_close_to_fake_quant(bias, input_amax):
     layer = _quantized(_config(input_amax=input_amax), bias)
     x = _tokens(7)
@@ -212,7 +213,7 @@ def test_te_fp8_forward_runs_the_fp8_gemm_and_leaves_the_amax(monkeypatch):
 
 
 # -------------------------------------------------------------------------------------------------------- (iii)
-@pytest.mark.parametrize("mode,ste,bias", [
+@pytest.mark.parametrize(("mode", "ste", "bias"), [
     ("dequantized", "pass_through", "none"),
     ("dequantized", "clipped", "apply"),
     ("high_precision", "pass_through", "none"),
@@ -239,7 +240,7 @@ def test_gradients_are_the_fake_quant_gradients_bit_for_bit(mode, ste, bias):
     assert fp8[1].abs().sum() > 0 and fp8[2]["weight0"].abs().sum() > 0  # expert 1 has no token: zeros there
 
 
-@pytest.mark.parametrize("mode,ste", [("dequantized", "pass_through"), ("dequantized", "clipped"),
+@pytest.mark.parametrize(("mode", "ste"), [("dequantized", "pass_through"), ("dequantized", "clipped"),
                                      ("high_precision", "pass_through"), ("quantized", "pass_through")])
 def test_router_probabilities_scale_the_fp8_output_and_get_the_fake_quant_gradients(mode, ste):
     """As an expert down projection given its tokens' router probabilities: the FP8 GEMM's output rows times the

@@ -51,7 +51,7 @@ def _expert_amax(model):
             for e in iter_expert_quantizers(model) if e.kind != "output_quantizer"}
 
 
-@pytest.mark.parametrize("src,dst", list(itertools.product(LAYOUTS, LAYOUTS)))
+@pytest.mark.parametrize(("src", "dst"), list(itertools.product(LAYOUTS, LAYOUTS)))
 def test_plain_save_restore_across_weight_layouts(tmp_path, src, dst):
     model, x = _quantized(src)
     save(model, tmp_path / "m.pt")

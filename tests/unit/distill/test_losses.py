@@ -58,7 +58,7 @@ def test_cross_entropy_matches_torch():
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("call,match", [
+@pytest.mark.parametrize(("call", "match"), [
     (lambda: logits_kl_loss(torch.zeros(2, 4), torch.zeros(2, 5)), "shape"),
     (lambda: logits_kl_loss(torch.zeros(2, 4), torch.zeros(2, 4), temperature=0.0), "temperature"),
     (lambda: vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(3, dtype=torch.long)), "labels"),

@@ -76,7 +76,7 @@ def test_qwen3_router_normalisation_survives_the_round_trip():
         get_family("mixtral").hf_config(_arch("mixtral", norm_topk_prob=False))
 
 
-@pytest.mark.parametrize("family, key, value, match", [
+@pytest.mark.parametrize(("family", "key", "value", "match"), [
     ("qwen3_moe", "mlp_only_layers", [1], "dense MLP layers"),
     ("qwen3_moe", "decoder_sparse_step", 2, "decoder_sparse_step=2"),
     ("qwen3_moe", "attention_bias", True, "attention_bias=True"),

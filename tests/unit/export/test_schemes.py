@@ -25,7 +25,7 @@ FP8_CH = QuantSpec("e4m3", axis=0)
 NVFP4 = QuantSpec("nvfp4")
 
 
-@pytest.mark.parametrize("quant, name", [
+@pytest.mark.parametrize(("quant", "name"), [
     (LinearQuant(FP8, FP8), "FP8"),
     (LinearQuant(FP8, None), "FP8_A16"),
     (LinearQuant(FP8_CH, FP8), "FP8_CHANNEL"),
@@ -39,7 +39,7 @@ def test_scheme_of(quant, name):
     assert (s.name if s else None) == name
 
 
-@pytest.mark.parametrize("quant, match", [
+@pytest.mark.parametrize(("quant", "match"), [
     (LinearQuant(QuantSpec("int4", block_size=128)), "weight format int4 block=128 is not FP8"),
     (LinearQuant(QuantSpec("int8", axis=0), QuantSpec("int8")), "is not FP8 E4M3"),
     (LinearQuant(QuantSpec("e5m2"), QuantSpec("e5m2")), "weight format e5m2"),
@@ -140,7 +140,7 @@ def test_compressed_tensors_config_is_valid_for_compressed_tensors(name):
 
 @pytest.mark.parametrize("name", ["FP8", "NVFP4", "NVFP4_A16"])
 def test_modelopt_configs_have_what_vllm_requires(name):
-    """vLLM's ModelOptQuantConfigBase.from_config: ``quant_algo`` in its QUANT_ALGOS; for NVFP4 under
+    """What vLLM's ModelOptQuantConfigBase.from_config requires: ``quant_algo`` in its QUANT_ALGOS; for NVFP4 under
     ``quantization``: ``group_size``, ``kv_cache_quant_algo`` and ``exclude_modules`` must be present."""
     vllm_algos = {"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION"}
     scheme = SCHEMES[name]

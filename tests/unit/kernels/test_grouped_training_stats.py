@@ -83,7 +83,7 @@ STAT_FORMATS = [("e4m3", None), ("nvfp4", None), ("int4", None), ("int8", 16)]
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt,block_size", STAT_FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), STAT_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_weight_stats_values_bit_exact_and_sums_per_expert(fmt, block_size, dtype):
     weights = make_experts(RAGGED, dtype, seed=3)

@@ -40,7 +40,7 @@ def _run(preset, weight_amax, input_amax, ste, kernel, narrow_range=None):
 
 
 @pytest.mark.parametrize("preset", ["fp8_default.yaml", "nvfp4_default.yaml"])
-@pytest.mark.parametrize("weight_amax,input_amax,ste", [
+@pytest.mark.parametrize(("weight_amax", "input_amax", "ste"), [
     ("vectorized", "per_expert", "clipped"),
     ("per_expert", "shared", "pass_through"),
     ("vectorized", "shared", "clipped"),
@@ -64,7 +64,7 @@ def test_int_kernel_path_matches_the_reference_in_both_ranges(preset, narrow_ran
     assert all(torch.equal(a, b) for a, b in zip(fast[2], ref[2], strict=True))
 
 
-@pytest.mark.parametrize("weight_amax,input_amax,ste", [
+@pytest.mark.parametrize(("weight_amax", "input_amax", "ste"), [
     ("vectorized", "per_expert", "clipped"),
     ("per_expert", "shared", "pass_through"),
 ])

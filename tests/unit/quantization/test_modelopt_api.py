@@ -49,7 +49,6 @@ def config(*entries, **top):
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
     qutils._warned.clear()  # warn_once remembers messages per process
-    yield
 
 
 # ------------------------------------------------------------------------------------------------------ mtq verbs

@@ -122,7 +122,7 @@ def test_te_fp8_engages_after_calibration_only():
     assert not te_fp8.engaged(_quantized(_config("fake_quant")))
 
 
-@pytest.mark.parametrize("preset,change,message", [
+@pytest.mark.parametrize(("preset", "change", "message"), [
     ("nvfp4_default.yaml", None, "format nvfp4"),
     ("int8_default.yaml", None, "format int8"),
     ("fp8_default.yaml", lambda m: m.input_quantizer.disable(), "input_quantizer is not quantizing"),

@@ -53,7 +53,7 @@ def _step(layer, seed: int = 2):
     return y.detach(), x.grad, grads
 
 
-@pytest.mark.parametrize("preset,ste", [("fp8_default.yaml", "clipped"), ("nvfp4_default.yaml", "pass_through")])
+@pytest.mark.parametrize(("preset", "ste"), [("fp8_default.yaml", "clipped"), ("nvfp4_default.yaml", "pass_through")])
 def test_recompute_gives_the_bits_of_keeping_the_operands(monkeypatch, preset, ste):
     keep = _step(_layer("keep", preset, ste))
     packed = []
