@@ -231,8 +231,8 @@ def quantize(name: str, model, calib: list[dict[str, torch.Tensor]]):
 
 
 def modelopt_unavailable(name: str) -> str | None:
-    """Why Model Optimizer's variant ``name`` cannot run here, or None. (Skipped up front rather than caught: a
-    Model Optimizer forward that raises leaves Megatron's linear function patched for every model in the process.)"""
+    """Why Model Optimizer's variant ``name`` cannot run here, or None. It is skipped up front rather than caught: a
+    Model Optimizer forward that raises leaves Megatron's linear function patched for every model in the process."""
     try:
         import modelopt.torch.quantization  # noqa: F401
     except Exception as exc:  # an ImportError, or its Megatron / TE plugin failing to import

@@ -1,4 +1,4 @@
-"""Make the Model Optimizer 0.47 fixtures in ``tests/fixtures/modelopt_0_47/`` (run once; the outputs are committed).
+r"""Make the Model Optimizer 0.47 fixtures in ``tests/fixtures/modelopt_0_47/`` (run once; the outputs are committed).
 
 The tests compare this package against what NVIDIA Model Optimizer itself produced, without Model Optimizer
 installed. Run from the repository root in a separate, test-only environment (Model Optimizer is no dependency of
@@ -7,7 +7,7 @@ the library)::
     python3 -m venv .venv-modelopt
     .venv-modelopt/bin/pip install torch==2.13.0
     echo torch==2.13.0 > .venv-modelopt/constraints.txt
-    .venv-modelopt/bin/pip install -c .venv-modelopt/constraints.txt nvidia-modelopt==0.47.0 requests \\
+    .venv-modelopt/bin/pip install -c .venv-modelopt/constraints.txt nvidia-modelopt==0.47.0 requests \
         huggingface_hub "packaging>=24.2" psutil numpy pyyaml triton==3.9.0
     .venv-modelopt/bin/pip install --no-deps --ignore-requires-python megatron-core==0.19.2
     .venv-modelopt/bin/pip install --no-deps --no-build-isolation -e .
@@ -99,7 +99,7 @@ def pack(t: torch.Tensor | None) -> dict | None:
 
 
 def linear_cases(mtq) -> dict[str, dict]:
-    """name -> Model Optimizer config dict (deep copies of presets or hand-written)."""
+    """The linear cases: name -> Model Optimizer config dict (deep copies of presets or hand-written)."""
     w_int8 = {"num_bits": 8, "axis": None}
     return {
         "int8_default": copy.deepcopy(mtq.INT8_DEFAULT_CFG),  # weights per channel (axis 0), inputs per tensor

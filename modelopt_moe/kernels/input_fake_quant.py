@@ -124,7 +124,12 @@ def grouped_input_fake_quant_scaled(
     product, as :func:`~modelopt_moe.numerics.scale_rows` of it does).
 
     Args:
-        x, m_splits, amax, fmt, block_size, narrow_range: as :func:`grouped_input_fake_quant`.
+        x: ``[T, K]`` tokens of N experts, as :func:`grouped_input_fake_quant`.
+        m_splits: rows per expert, as :func:`grouped_input_fake_quant`.
+        amax: ``[N]`` per expert or a scalar, as :func:`grouped_input_fake_quant`.
+        fmt: the format, as :func:`grouped_input_fake_quant`.
+        block_size: int formats' block length, as :func:`grouped_input_fake_quant`.
+        narrow_range: int formats' level range, as :func:`grouped_input_fake_quant`.
         row_scale: ``[T]`` (fp32, bf16 or fp16) on ``x``'s device: row ``t`` of the output is multiplied by it.
 
     Returns:
