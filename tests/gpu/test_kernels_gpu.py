@@ -30,7 +30,8 @@ def _compiled_triton():
 
 
 def assert_bits_equal(actual, expected, what=""):
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    assert actual.dtype == expected.dtype, what
+    assert actual.shape == expected.shape, what
     expected = expected.to(actual.device)
     an, en = torch.isnan(actual), torch.isnan(expected)
     assert torch.equal(an, en), f"{what}: NaN positions differ"
@@ -99,7 +100,8 @@ def test_edge_amax_nan_inf_and_per_channel(fmt, block_size):
     outs = K.grouped_weight_fake_quant(weights, amax, fmt, block_size)
     for i, (o, r) in enumerate(zip(outs, reference(weights, amax, fmt, block_size), strict=True)):
         assert_bits_equal(o, r, f"expert {i}")
-    assert torch.isnan(outs[1]).sum() == 1 and all(not torch.isnan(o).any() for j, o in enumerate(outs) if j != 1)
+    assert torch.isnan(outs[1]).sum() == 1
+    assert all(not torch.isnan(o).any() for j, o in enumerate(outs) if j != 1)
     if block_size is None:
         ch = torch.stack([w.float().nan_to_num(0, 0, 0).abs().amax(dim=1) * 0.7 for w in weights])
         ch[2, 3] = float("nan")
@@ -345,7 +347,8 @@ def test_no_host_sync(cached):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert_bits_equal(outs[5], fake_quant(weights[5], "e4m3", amax[5]))
-    assert grads[0].shape == weights[0].shape and y.shape == gx.shape == x.shape
+    assert grads[0].shape == weights[0].shape
+    assert y.shape == gx.shape == x.shape
 
 
 @pytest.mark.parametrize("narrow_range", [True, False])

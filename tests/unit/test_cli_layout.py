@@ -21,9 +21,12 @@ def test_defaults_fit_the_machine(gpus, want):
     layout = choose_layout(gpus, **DEMO)
     assert (layout.world_size, layout.tp, layout.ep, layout.gpus) == want
     assert layout.chosen == ("--world-size", "--tp", "--ep")
-    assert layout.world_size % layout.tp == 0 and layout.world_size % layout.ep == 0 and 8 % layout.ep == 0
+    assert layout.world_size % layout.tp == 0
+    assert layout.world_size % layout.ep == 0
+    assert 8 % layout.ep == 0
     line = layout.describe()
-    assert f"{want[0]} {'GPU' if want[3] else 'CPU'} process" in line and f"TP={want[1]} x EP={want[2]}" in line
+    assert f"{want[0]} {'GPU' if want[3] else 'CPU'} process" in line
+    assert f"TP={want[1]} x EP={want[2]}" in line
     assert ("no GPU visible" if gpus == 0 else f"{gpus} GPU") in line
 
 

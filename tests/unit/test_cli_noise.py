@@ -29,7 +29,8 @@ def test_rank0_hides_known_warnings_and_collects_the_rest_once(capsys):
     assert capsys.readouterr().err == ""  # nothing shown while it runs
     print_warnings(collected)
     err = capsys.readouterr().err
-    assert err.startswith("\nwarnings (2):\n") and "calibrate: these experts" in err
+    assert err.startswith("\nwarnings (2):\n")
+    assert "calibrate: these experts" in err
     assert err.index("an unknown library notice") < err.index("calibrate: these experts")  # the project's last
 
 

@@ -70,13 +70,16 @@ def test_bad_values_are_refused_naming_the_field(changes, message):
 
 def test_warmup_steps_and_helpers():
     recipe = QADRecipe(warmup_fraction=0.05, lr=2e-5, min_lr_ratio=0.1)
-    assert recipe.warmup_steps(200) == 10 and recipe.warmup_steps(10) == 1 and recipe.warmup_steps(1) == 0
+    assert recipe.warmup_steps(200) == 10
+    assert recipe.warmup_steps(10) == 1
+    assert recipe.warmup_steps(1) == 0
     assert QADRecipe(warmup_fraction=0.0).warmup_steps(200) == 0
     assert recipe.min_lr == pytest.approx(2e-6)
     assert recipe.quant_config({"algorithm": "max"}) == {"algorithm": "max",
                                                          "weight_amax_update": recipe.weight_amax_update}
     loaded = recipe.replace(weight_amax_update="learned").quant_config(mtq.load_config("nvfp4_experts.yaml"))
-    assert loaded.weight_amax_update == "learned" and loaded.algorithm == "max"
+    assert loaded.weight_amax_update == "learned"
+    assert loaded.algorithm == "max"
     assert recipe.to_dict() == dataclasses.asdict(recipe)
     with pytest.raises(dataclasses.FrozenInstanceError):
         recipe.lr = 1.0

@@ -136,7 +136,8 @@ def test_invalid_amax_entries_follow_the_reference(fmt, block_size, dtype):
     outs = K.grouped_weight_fake_quant(weights, amax, fmt, block_size)
     for i, (o, r) in enumerate(zip(outs, reference(weights, amax, fmt, block_size), strict=True)):
         assert_bits_equal(o, r, f"expert {i} amax {amax[i].item()}")
-        assert not torch.isnan(o).any() and torch.isfinite(o).all()
+        assert not torch.isnan(o).any()
+        assert torch.isfinite(o).all()
 
 
 @needs_triton
@@ -155,7 +156,8 @@ def test_nan_and_inf_stay_in_their_expert_element_and_block(fmt, block_size):
     assert_bits_equal(out_dirty[0], out_clean[0])
     assert_bits_equal(out_dirty[2], out_clean[2])
     nan = torch.isnan(out_dirty[1])
-    assert nan.sum() == 1 and nan[1, 5]
+    assert nan.sum() == 1
+    assert nan[1, 5]
     # Elsewhere only the Inf elements change, or (block formats) the blocks that hold them.
     block = 16 if fmt == "nvfp4" else block_size
     changed = (out_dirty[1] != out_clean[1]) & ~nan
@@ -166,7 +168,9 @@ def test_nan_and_inf_stay_in_their_expert_element_and_block(fmt, block_size):
         else:
             allowed[r, (c // block) * block : (c // block + 1) * block] = True
     assert not (changed & ~allowed).any()
-    assert torch.isfinite(out_dirty[1][2, 40]) and out_dirty[1][2, 40] > 0 and out_dirty[1][3, 17] < 0
+    assert torch.isfinite(out_dirty[1][2, 40])
+    assert out_dirty[1][2, 40] > 0
+    assert out_dirty[1][3, 17] < 0
 
 
 @needs_triton
@@ -382,7 +386,8 @@ def test_weight_autograd(ste):
         expected = grads[i] if ste == "pass_through" else hand_clip(grads[i], w.detach(), amax[i])
         assert_bits_equal(w.grad, expected)
     if ste == "clipped":
-        assert weights[2].grad is not None and not weights[2].grad.any()
+        assert weights[2].grad is not None
+        assert not weights[2].grad.any()
 
 
 # ----------------------------------------------------------------------------------------------------------------
