@@ -65,6 +65,7 @@ class LineProgress:
         self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
 
     def set_postfix_str(self, text: str) -> None:
+        """Shown as given at the end of the next line (tqdm's ``set_postfix_str``)."""
         self.postfix = text
 
     def close(self) -> None:

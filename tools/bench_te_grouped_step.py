@@ -75,6 +75,7 @@ def _variants(base, x, splits):
 
 
 def main():
+    """Times forward and backward of each variant over alternating rounds and prints medians and ratios to bf16."""
     import transformer_engine.pytorch as te
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -67,6 +67,7 @@ def _bf16_exact(t: torch.Tensor) -> torch.Tensor:
 
 
 def linear_model() -> nn.Sequential:
+    """The fixed three-linear model of the linear cases (bf16-exact weights, a few large ones)."""
     g = torch.Generator().manual_seed(20261124)
     model = nn.Sequential(OrderedDict(fc1=nn.Linear(128, 32), act1=nn.ReLU(), fc2=nn.Linear(32, 16), act2=nn.ReLU(),
                                       fc3=nn.Linear(16, 8)))
@@ -80,6 +81,7 @@ def linear_model() -> nn.Sequential:
 
 
 def linear_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """The calibration batch and the test batch (1.6 times the calibration spread) of the linear cases."""
     g = torch.Generator().manual_seed(7)
     calib = _bf16_exact(torch.randn(64, 128, generator=g))
     # Test activations 1.6x the calibration spread: values beyond the calibrated amax on both sides.
@@ -140,6 +142,8 @@ MTO_SAVE_CASES = ("int8_default", "int4_blockwise", "fp8_default")  # the file m
 
 
 def make_linear(out: Path) -> None:
+    """Runs every linear case through Model Optimizer and writes ``linear_cases.pt.xz`` and ``presets.pt`` to
+    ``out``."""
     warnings.filterwarnings("ignore")
     import modelopt.torch.opt as mto
     import modelopt.torch.quantization as mtq
@@ -230,6 +234,8 @@ def _megatron_rank(rank: int, world: int, ckpt_dir: str) -> dict:
 
 
 def make_megatron(out: Path) -> None:
+    """Writes Model Optimizer's FP8 Megatron MoE checkpoint (TP1 EP2, two ranks) and its amaxes and logits to
+    ``out``."""
     from modelopt_moe.launch import spawn
 
     name = "megatron_moe_fp8_tp1ep2"
@@ -250,6 +256,7 @@ def make_megatron(out: Path) -> None:
 
 
 def main() -> None:
+    """Makes the fixtures of ``--part`` in ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--part", choices=("all", "linear", "megatron"), default="all")

@@ -178,6 +178,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def is_quantized(module: nn.Module) -> bool:
+    """Whether ``module`` is a quantized module (converted by ``mtq.quantize``)."""
     return isinstance(module, QuantModuleMixin)
 
 

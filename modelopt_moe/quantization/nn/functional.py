@@ -91,14 +91,17 @@ class _MaskGrad(torch.autograd.Function):
 
 
 def forward_value_of(grad_path: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` in the forward, with the whole gradient sent to ``grad_path`` (which must have ``value``'s shape)."""
     return _ForwardValueOf.apply(grad_path, value)
 
 
 def quantize_grad(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x`` in the forward; its incoming gradient fake-quantized to ``fmt`` with its own per-tensor amax."""
     return _QuantizeGrad.apply(x, fmt)
 
 
 def mask_grad(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``x`` in the forward; its gradient multiplied by the 0/1 ``mask`` (no mask: ``x`` itself)."""
     return x if mask is None else _MaskGrad.apply(x, mask)
 
 
