@@ -1,0 +1,2 @@
+"""Package data: the quantization presets (YAML) and the tiny model config of the demo (installed as
+``modelopt_moe.configs``)."""

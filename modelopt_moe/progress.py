@@ -1,7 +1,7 @@
-"""Progress that reads well on a terminal and in a log file.
+r"""Progress that reads well on a terminal and in a log file.
 
 On a terminal (the stream is a TTY) :func:`progress` returns a tqdm bar. Anywhere else (a SLURM log, a pipe, CI) a
-bar redraws with ``\\r`` on every update, and a log file keeps every redraw; there it returns a :class:`LineProgress`
+bar redraws with ``\r`` on every update, and a log file keeps every redraw; there it returns a :class:`LineProgress`
 instead, which writes one plain line at every tenth of the total and at least every ``interval`` seconds, and a
 last line when it closes.
 """
@@ -65,6 +65,7 @@ class LineProgress:
         self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
 
     def set_postfix_str(self, text: str) -> None:
+        """Shown as given at the end of the next line (tqdm's ``set_postfix_str``)."""
         self.postfix = text
 
     def close(self) -> None:

@@ -79,6 +79,7 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
         super()._setup_quantizers(config)
 
     def expert_weights(self):
+        """The N expert weights as TE holds them (never the fake-quantized copies of a running forward)."""
         return self._original_cls._get_weight_tensors(self)
 
     def _get_weight_tensors(self):
@@ -87,6 +88,12 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
         return self._original_cls._get_weight_tensors(self)
 
     def forward(self, *args, **kwargs):
+        """TE's ``GroupedLinear.forward`` (same arguments, same return) with the quantizers applied to its operands.
+
+        Raises:
+            RuntimeError: Transformer Engine's FP8 autocast is on.
+            NotImplementedError: the router probabilities scale the input while TE adds the bias inside the GEMM.
+        """
         if FP8GlobalStateManager.is_fp8_enabled():
             raise RuntimeError(
                 f"{type(self).__name__}: Transformer Engine FP8 autocast is on while modelopt_moe fake quantization "
@@ -114,6 +121,12 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
         return self.quantized_forward(x, m_splits, gemm=gemm)
 
     def finalize_calibration(self, groups: dict) -> list[str]:
+        """Completes the experts' input amaxes; with ``gemm: te_fp8``, checks that the FP8 GEMM can run this layer.
+
+        Raises:
+            ConfigError: ``gemm: te_fp8`` with settings its GEMM cannot run (raised in ``mtq.quantize``, not at the
+                first step).
+        """
         notes = super().finalize_calibration(groups)
         if te_fp8.engaged(self):
             te_fp8.check(self)  # a config the FP8 GEMM cannot run fails in mtq.quantize, not at the first step

@@ -120,6 +120,7 @@ def init_distributed(seed: int) -> torch.device:
 
 
 def have_transformer_engine() -> bool:
+    """Whether Transformer Engine imports and a CUDA GPU is there (the TE spec runs only then)."""
     try:
         import transformer_engine.pytorch  # noqa: F401
     except ImportError:
@@ -231,8 +232,8 @@ def quantize(name: str, model, calib: list[dict[str, torch.Tensor]]):
 
 
 def modelopt_unavailable(name: str) -> str | None:
-    """Why Model Optimizer's variant ``name`` cannot run here, or None. (Skipped up front rather than caught: a
-    Model Optimizer forward that raises leaves Megatron's linear function patched for every model in the process.)"""
+    """Why Model Optimizer's variant ``name`` cannot run here, or None. It is skipped up front rather than caught: a
+    Model Optimizer forward that raises leaves Megatron's linear function patched for every model in the process."""
     try:
         import modelopt.torch.quantization  # noqa: F401
     except Exception as exc:  # an ImportError, or its Megatron / TE plugin failing to import
@@ -249,6 +250,7 @@ def count_weight_quantizers(model) -> int:
 
 
 def build_variant(name: str, args, calib, seed: int) -> Variant:
+    """The model of variant ``name`` (quantized after calibrating on ``calib``, except ``bf16``) with its trainer."""
     from modelopt_moe.plugins.megatron import training as mt
 
     model = build_te_gpt(args, seed) if have_transformer_engine() else build_cpu_gpt(args, seed)
@@ -465,6 +467,8 @@ def _fmt(value, spec: str, width: int) -> str:
 
 
 def format_table(rows: list[dict], timed: bool) -> str:
+    """The results as a text table: time (when ``timed``) and memory of each variant and mode, and their ratios to
+    bf16."""
     head = f"{'variant':<15} {'mode':<18}"
     if timed:
         head += f" {'ms/step':>9} {'ms/micro-batch':>15} {'x bf16 (median)':>16} {'x bf16 range':>13}"
@@ -483,6 +487,7 @@ def format_table(rows: list[dict], timed: bool) -> str:
 
 
 def environment_line(device: torch.device) -> str:
+    """The device, and the torch, Transformer Engine and megatron-core versions, on one line."""
     import megatron.core
 
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU"
@@ -503,6 +508,7 @@ class Steps:
     schedules: dict[str, object]
 
     def __call__(self, variant: Variant, mode: str):
+        """A no-argument call running one optimizer step of ``variant`` in ``mode``."""
         return lambda: train_step(variant, self.schedules[mode], self.batches[:self.modes[mode]])
 
 
@@ -544,6 +550,7 @@ def time_rounds(variants: list[Variant], steps: Steps, args, residency: Residenc
 
 
 def header(args, device: torch.device, residency: Residency, variants: int) -> str:
+    """The table's header: the model, the environment, what was measured and where the variants lived."""
     spec = "TE spec" if have_transformer_engine() else "local spec and the project's grouped experts, no TE"
     what = "memory only" if args.memory_only else (
         f"{args.rounds} alternating rounds of {args.steps} timed steps ({args.warmup} warmup) per variant and mode")
@@ -589,6 +596,7 @@ def run(args) -> list[dict]:
 
 
 def parse_args(argv=None):
+    """The command line's options (``argv``: None for ``sys.argv``); exits with a message on a bad value."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=2048)
@@ -622,6 +630,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    """Runs the benchmark, prints the table, writes ``--json``; returns 1 when a step time is not a positive number."""
     import torch.distributed as dist
 
     args = parse_args(argv)

@@ -86,6 +86,7 @@ def _parse_value(field, text: str):
 
 
 def main(argv=None) -> int:
+    """Runs the recovery table (or ``--study``) on the chosen ranks, prints the report and writes ``--json``."""
     from qat_recovery import RecoveryConfig, format_report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -49,7 +49,7 @@ def _time_ms(fn, warmup=5, iters=20) -> float:
 
 
 def _variants(base, x, splits):
-    """name -> (layer, reuse scope or None)."""
+    """The variants to time: name -> (layer, reuse scope or None)."""
     import modelopt_moe.quantization as mtq
 
     def quantized(layout, kernel, weight_operands="recompute"):
@@ -75,6 +75,7 @@ def _variants(base, x, splits):
 
 
 def main():
+    """Times forward and backward of each variant over alternating rounds and prints medians and ratios to bf16."""
     import transformer_engine.pytorch as te
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

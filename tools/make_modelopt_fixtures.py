@@ -1,4 +1,4 @@
-"""Make the Model Optimizer 0.47 fixtures in ``tests/fixtures/modelopt_0_47/`` (run once; the outputs are committed).
+r"""Make the Model Optimizer 0.47 fixtures in ``tests/fixtures/modelopt_0_47/`` (run once; the outputs are committed).
 
 The tests compare this package against what NVIDIA Model Optimizer itself produced, without Model Optimizer
 installed. Run from the repository root in a separate, test-only environment (Model Optimizer is no dependency of
@@ -7,7 +7,7 @@ the library)::
     python3 -m venv .venv-modelopt
     .venv-modelopt/bin/pip install torch==2.13.0
     echo torch==2.13.0 > .venv-modelopt/constraints.txt
-    .venv-modelopt/bin/pip install -c .venv-modelopt/constraints.txt nvidia-modelopt==0.47.0 requests \\
+    .venv-modelopt/bin/pip install -c .venv-modelopt/constraints.txt nvidia-modelopt==0.47.0 requests \
         huggingface_hub "packaging>=24.2" psutil numpy pyyaml triton==3.9.0
     .venv-modelopt/bin/pip install --no-deps --ignore-requires-python megatron-core==0.19.2
     .venv-modelopt/bin/pip install --no-deps --no-build-isolation -e .
@@ -67,6 +67,7 @@ def _bf16_exact(t: torch.Tensor) -> torch.Tensor:
 
 
 def linear_model() -> nn.Sequential:
+    """The fixed three-linear model of the linear cases (bf16-exact weights, a few large ones)."""
     g = torch.Generator().manual_seed(20261124)
     model = nn.Sequential(OrderedDict(fc1=nn.Linear(128, 32), act1=nn.ReLU(), fc2=nn.Linear(32, 16), act2=nn.ReLU(),
                                       fc3=nn.Linear(16, 8)))
@@ -80,6 +81,7 @@ def linear_model() -> nn.Sequential:
 
 
 def linear_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """The calibration batch and the test batch (1.6 times the calibration spread) of the linear cases."""
     g = torch.Generator().manual_seed(7)
     calib = _bf16_exact(torch.randn(64, 128, generator=g))
     # Test activations 1.6x the calibration spread: values beyond the calibrated amax on both sides.
@@ -99,7 +101,7 @@ def pack(t: torch.Tensor | None) -> dict | None:
 
 
 def linear_cases(mtq) -> dict[str, dict]:
-    """name -> Model Optimizer config dict (deep copies of presets or hand-written)."""
+    """The linear cases: name -> Model Optimizer config dict (deep copies of presets or hand-written)."""
     w_int8 = {"num_bits": 8, "axis": None}
     return {
         "int8_default": copy.deepcopy(mtq.INT8_DEFAULT_CFG),  # weights per channel (axis 0), inputs per tensor
@@ -140,6 +142,8 @@ MTO_SAVE_CASES = ("int8_default", "int4_blockwise", "fp8_default")  # the file m
 
 
 def make_linear(out: Path) -> None:
+    """Runs every linear case through Model Optimizer and writes ``linear_cases.pt.xz`` and ``presets.pt`` to
+    ``out``."""
     warnings.filterwarnings("ignore")
     import modelopt.torch.opt as mto
     import modelopt.torch.quantization as mtq
@@ -230,6 +234,8 @@ def _megatron_rank(rank: int, world: int, ckpt_dir: str) -> dict:
 
 
 def make_megatron(out: Path) -> None:
+    """Writes Model Optimizer's FP8 Megatron MoE checkpoint (TP1 EP2, two ranks) and its amaxes and logits to
+    ``out``."""
     from modelopt_moe.launch import spawn
 
     name = "megatron_moe_fp8_tp1ep2"
@@ -250,6 +256,7 @@ def make_megatron(out: Path) -> None:
 
 
 def main() -> None:
+    """Makes the fixtures of ``--part`` in ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--part", choices=("all", "linear", "megatron"), default="all")

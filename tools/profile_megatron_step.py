@@ -46,6 +46,7 @@ CATEGORIES = (
 
 
 def category(kernel: str) -> str:
+    """The category of the kernel named ``kernel`` (the first pattern of :data:`CATEGORIES` that matches)."""
     low = kernel.lower()
     return next((name for name, pattern in CATEGORIES if re.search(pattern, low)), "other")
 
@@ -95,6 +96,7 @@ def host_profile(step, steps: int) -> dict[str, tuple[float, float, float]]:
 
 
 def host_report(hosts: dict[str, dict], top: int) -> str:
+    """Each quantized variant's host time over bf16: the Python functions that add the most, and this project's own."""
     base = hosts.get("bf16", {})
     lines = []
     for n, funcs in hosts.items():
@@ -116,6 +118,7 @@ def host_report(hosts: dict[str, dict], top: int) -> str:
 
 
 def by_category(kernels: dict[str, float]) -> dict[str, float]:
+    """Kernel microseconds summed per category."""
     out = collections.Counter()
     for name, us in kernels.items():
         out[category(name)] += us
@@ -153,6 +156,7 @@ def report(results: dict[str, tuple[float, dict[str, float], float]], top: int) 
 
 
 def main(argv=None) -> int:
+    """Profiles each variant's step in ``--profile-mode`` and prints the kernel table (and the host report)."""
     import torch.distributed as dist
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -44,6 +44,7 @@ VARIANTS = {  # name -> overrides of _BASE (None: the shipped WEIGHT_KERNEL_DEFA
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bits, NaN at the same places matching whatever its payload."""
     an, bn = torch.isnan(a), torch.isnan(b)
     if not torch.equal(an, bn):
         return False
@@ -67,6 +68,7 @@ def adversarial_experts(dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.T
 
 
 def check(fmt: str, grouped_weight_fake_quant, fake_quant) -> bool:
+    """Whether the kernel's ``fmt`` output equals ``fake_quant``'s bit for bit on the adversarial experts."""
     ok = True
     for dtype in (torch.bfloat16,):
         ws, amax = adversarial_experts(dtype)
@@ -87,6 +89,7 @@ def copy_bandwidth() -> float:
 
 
 def main() -> None:
+    """Checks every variant bit-exact, times the exact ones on each shape within ``--budget``, prints the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=float, default=150.0, help="seconds of timing before stopping")
     p.add_argument("--json", default=None)

@@ -82,6 +82,7 @@ class ExpertAmaxPlacement:
     single_writer_id: tuple[int, int, int]
 
     def global_shape(self, outer: tuple[int, ...]) -> tuple[int, ...]:
+        """The global tensor's shape: the ``outer`` axes, then ``E``, then one expert's global shape."""
         return (*outer, self.num_global, *self.pe_global)
 
     def local_data(self, q: ExpertQuantizer, device: torch.device | str) -> torch.Tensor:

@@ -28,6 +28,7 @@ class ExpertQuantizerEntry:
 
     @property
     def num_global_experts(self) -> int:
+        """``E``: the experts over all expert-parallel ranks (this rank's local count times the EP size)."""
         return self.owner.expert_grid().ep_size * self.gemm.num_local
 
 

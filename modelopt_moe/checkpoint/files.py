@@ -99,7 +99,7 @@ def read_torch_file(path, allowed_globals: tuple = ()):
 
 
 def read_dcp_metadata(ckpt_dir: str | os.PathLike):
-    """torch DCP's global ``.metadata`` of a checkpoint directory (tensor keys, global shapes, where each chunk lies).
+    """The global torch DCP ``.metadata`` of a checkpoint directory (tensor keys, global shapes, where each chunk lies).
 
     Raises:
         IncompleteCheckpointError: there is no ``.metadata`` (names the directory).

@@ -65,10 +65,12 @@ class DistillationModel(nn.Module):
 
     @property
     def student(self) -> nn.Module:
+        """The model being trained (the child ``module``)."""
         return self.module
 
     @property
     def teacher(self) -> nn.Module:
+        """The frozen reference (not a submodule: it is in neither ``parameters()`` nor the state dict)."""
         return self.__dict__["_teacher"]
 
     @property
@@ -77,6 +79,17 @@ class DistillationModel(nn.Module):
         return self.module.config
 
     def forward(self, *args, labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """The distillation loss of one batch: the student's forward with gradients, the teacher's without.
+
+        Args:
+            *args: the model's positional inputs, passed to both models.
+            labels: token ids for the language-modelling term (used when ``lm_loss_weight`` > 0).
+            **kwargs: the model's keyword inputs, passed to both models.
+
+        Returns:
+            fp32 ``[...]``, per token: ``kl_weight`` times :func:`.losses.logits_kl_loss`, plus ``lm_loss_weight`` times
+            the student's cross entropy on ``labels`` when both are given.
+        """
         student_logits = self.module(*args, **kwargs)
         with torch.no_grad():
             teacher_logits = self.teacher(*args, **kwargs)
@@ -89,6 +102,7 @@ class DistillationModel(nn.Module):
         return loss
 
     def train(self, mode: bool = True):
+        """Sets the student's training mode; the teacher stays in eval mode whatever ``mode`` is."""
         super().train(mode)
         self.teacher.eval()  # the teacher never trains (no dropout), whatever the schedule sets
         return self

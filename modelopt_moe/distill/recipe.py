@@ -133,6 +133,7 @@ class QADRecipe:
 
     @property
     def min_lr(self) -> float:
+        """The learning rate the schedule decays to: ``lr * min_lr_ratio``."""
         return self.lr * self.min_lr_ratio
 
     def quant_config(self, config):
@@ -147,4 +148,5 @@ class QADRecipe:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
+        """The recipe's fields as a plain dict (what a run records)."""
         return dataclasses.asdict(self)

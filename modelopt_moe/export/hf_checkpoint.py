@@ -277,6 +277,7 @@ class HfCheckpointReader:
             raise ExportError(f"{path}: reading tensor {name} failed: {type(e).__name__}: {e}") from e
 
     def tensor_name(self, canonical: str) -> str:
+        """The Hugging Face tensor name of the canonical module ``canonical`` (its ``.weight``)."""
         return f"{self.family.hf_module(canonical)}.weight"
 
     def get(self, canonical: str) -> torch.Tensor:
@@ -284,6 +285,7 @@ class HfCheckpointReader:
         return self._read(canonical, None)
 
     def shape(self, canonical: str) -> tuple[int, ...]:
+        """The tensor's shape, from the safetensors header (nothing is read)."""
         return self._headers[self.tensor_name(canonical)].shape
 
     def get_rows(self, canonical: str, start: int, stop: int) -> torch.Tensor:
@@ -295,4 +297,5 @@ class HfCheckpointReader:
         return self._read(canonical, (slice(None), slice(start, stop)))
 
     def names(self) -> Iterator[str]:
+        """The canonical names of the checkpoint's tensors."""
         return iter(self._files)

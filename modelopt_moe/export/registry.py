@@ -59,6 +59,7 @@ def register_export_adapter(adapter: ExportAdapter) -> None:
 
 
 def registered_adapters() -> list[str]:
+    """The framework names with a registered export adapter, sorted."""
     return sorted(_ADAPTERS)
 
 

@@ -87,6 +87,7 @@ class LinearQuant:
 
     @property
     def is_quantized(self) -> bool:
+        """Whether any of the linear's quantizers is enabled."""
         return any(q is not None for q in (self.weight, self.input, self.output))
 
     def __str__(self) -> str:
@@ -104,10 +105,12 @@ class Scheme:
 
     @property
     def modelopt_algo(self) -> str | None:
+        """Model Optimizer's ``quant_algo`` for this scheme (``hf_quant_config.json``), or None where it has none."""
         return {"FP8": "FP8", "NVFP4": "NVFP4", "NVFP4_A16": "W4A16_NVFP4"}.get(self.name)
 
     @property
     def ct_format(self) -> str:
+        """The compressed-tensors ``format`` of this scheme's weights."""
         return "float-quantized" if self.weight_fmt == "e4m3" else "nvfp4-pack-quantized"
 
 

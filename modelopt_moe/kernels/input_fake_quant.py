@@ -124,7 +124,12 @@ def grouped_input_fake_quant_scaled(
     product, as :func:`~modelopt_moe.numerics.scale_rows` of it does).
 
     Args:
-        x, m_splits, amax, fmt, block_size, narrow_range: as :func:`grouped_input_fake_quant`.
+        x: ``[T, K]`` tokens of N experts, as :func:`grouped_input_fake_quant`.
+        m_splits: rows per expert, as :func:`grouped_input_fake_quant`.
+        amax: ``[N]`` per expert or a scalar, as :func:`grouped_input_fake_quant`.
+        fmt: the format, as :func:`grouped_input_fake_quant`.
+        block_size: int formats' block length, as :func:`grouped_input_fake_quant`.
+        narrow_range: int formats' level range, as :func:`grouped_input_fake_quant`.
         row_scale: ``[T]`` (fp32, bf16 or fp16) on ``x``'s device: row ``t`` of the output is multiplied by it.
 
     Returns:
@@ -318,6 +323,7 @@ class GroupedInputFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, m_splits, amax, fmt, block_size, ste, narrow_range=True):
+        """Fake-quantizes ``x`` (:func:`grouped_input_fake_quant`), keeping what the clipped STE's backward needs."""
         check_ste(ste)
         y = grouped_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range)
         ctx.clipped = ste == "clipped" and amax is not None
@@ -328,6 +334,7 @@ class GroupedInputFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        """The gradient of ``x``: unchanged (``pass_through``) or zeroed where ``|x| > amax`` (``clipped``)."""
         if not ctx.clipped:
             return grad, None, None, None, None, None, None
         x, m_splits, amax = ctx.saved_tensors
@@ -341,6 +348,7 @@ class GroupedInputSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, m_splits, amax, ste, values):
+        """Returns ``values`` as a view, keeping what the clipped STE's backward needs."""
         ctx.clipped = ste == "clipped" and amax is not None
         if ctx.clipped:
             ctx.save_for_backward(x, m_splits, amax)
@@ -348,6 +356,8 @@ class GroupedInputSTE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        """The gradient of ``x``: unchanged (``pass_through``) or zeroed where ``|x| > amax`` (``clipped``); ``values``
+        gets none."""
         if not ctx.clipped:
             return grad, None, None, None, None
         x, m_splits, amax = ctx.saved_tensors
@@ -364,6 +374,7 @@ class GroupedScaledInputFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, m_splits, amax, fmt, row_scale, block_size, ste, narrow_range=True):
+        """``scale_rows(Q(x), row_scale)`` in one launch; keeps the tokens only where the backward needs them."""
         check_ste(ste)
         y = grouped_input_fake_quant_scaled(x, m_splits, amax, fmt, row_scale, block_size, narrow_range)
         ctx.clipped = ste == "clipped" and amax is not None
@@ -375,6 +386,7 @@ class GroupedScaledInputFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        """The gradients of ``x`` and ``row_scale`` (class docstring), each computed only when it is needed."""
         x, m_splits, amax, row_scale = ctx.saved_tensors
         need_x, need_scale = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
         grad = grad.contiguous()

@@ -27,6 +27,7 @@ def grouped_input_fake_quant_kernel(
     NARROW: tl.constexpr = True, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False,
     FAST_MAX: tl.constexpr = False, HAS_SCALE: tl.constexpr = False,
 ):
+    """Fake-quantizes one tile of token rows with each row's expert amax (found from ``m_splits`` on the device)."""
     # HAS_SCALE: each output row times its row scale (the router probability of the down projection's input), in
     # the same pass; scale_ptr is not read otherwise.
     start, local, mask, rows = input_tile(n_rows, n_cols, TILE_R, TILE_NB, BS)
@@ -44,6 +45,7 @@ def grouped_input_clip_grad_kernel(
     PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr,
     BITWISE_CVT: tl.constexpr, HAS_SCALE: tl.constexpr = False,
 ):
+    """The clipped straight-through gradient of one tile of token rows: ``grad * (|x| <= amax of the row's expert)``."""
     # HAS_SCALE: the incoming gradient is first multiplied by its row scale (the backward of numerics.scale_rows).
     start, local, mask, rows = input_tile(n_rows, n_cols, TILE_R, TILE_NB, BS)
     g = to_fp32(tl.load(g_ptr + start + local, mask=mask, other=0.0))

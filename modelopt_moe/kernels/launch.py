@@ -111,10 +111,12 @@ class Signature:
 
     @property
     def shapes(self) -> tuple[torch.Size, ...]:
+        """The tensors' shapes."""
         return self.value[1]
 
     @property
     def devices(self) -> tuple[int, ...]:
+        """The tensors' device indices (``Tensor.get_device``: -1 for the CPU)."""
         return self.value[4]
 
     def __hash__(self) -> int:

@@ -44,6 +44,8 @@ def grouped_weight_fake_quant_stats_kernel(
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr, UNIFORM: tl.constexpr, NARROW: tl.constexpr = True,
 ):
+    """Fake-quantizes one tile of one expert's weight, as the weight fake-quant kernel does, and writes the tile's four
+    sums to ``stats_ptr[pid]``."""
     pid = tl.program_id(0)
     e, t, rows_n, cols_n, ctiles, out0 = locate_tile(table_ptr, pid, n_experts, u_tiles, u_rows, u_cols, u_ctiles,
                                                      SEARCH_STEPS, UNIFORM)
@@ -68,6 +70,8 @@ def grouped_input_fake_quant_stats_kernel(
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, BITWISE_CVT: tl.constexpr,
     NARROW: tl.constexpr = True,
 ):
+    """Fake-quantizes one tile of token rows, as the input fake-quant kernel does, and writes the four sums of each of
+    its rows."""
     start, local, mask, rows = input_tile(n_rows, n_cols, TILE_R, TILE_NB, BS)
     x = to_fp32(tl.load(x_ptr + start + local, mask=mask, other=0.0))
     a = row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT, N_PAD, TILE_R)

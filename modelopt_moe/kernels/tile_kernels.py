@@ -389,7 +389,7 @@ def locate_tile(table_ptr, pid, n_experts, u_tiles, u_rows, u_cols, u_ctiles, SE
 
 @triton.jit
 def load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE: tl.constexpr, amax_stride_e, TILE_R: tl.constexpr):
-    """amax as fp32 [TILE_R, 1, 1]: 1 = one value per expert (stride amax_stride_e; 0 = shared), 2 = per row."""
+    """The amax as fp32 [TILE_R, 1, 1]: 1 = one value per expert (stride amax_stride_e; 0 = shared), 2 = per row."""
     zero = tl.zeros([TILE_R, 1, 1], dtype=tl.float32)
     if AMAX_MODE == 2:
         a = tl.load(amax_ptr + e * amax_stride_e + rows, mask=row_mask, other=1.0).to(tl.float32)
@@ -414,7 +414,7 @@ def clipped_grad(g, x, a):
 @triton.jit
 def row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr,
              TILE_R: tl.constexpr):
-    """amax [TILE_R, 1, 1] for token rows ``rows`` [TILE_R]: their expert's, found from m_splits on the device."""
+    """The amax [TILE_R, 1, 1] for token rows ``rows`` [TILE_R]: their expert's, found from m_splits on the device."""
     if PER_EXPERT:
         idx = tl.arange(0, N_PAD)
         ms = tl.load(m_splits_ptr + idx, mask=idx < n_experts, other=0).to(tl.int64)

@@ -18,6 +18,8 @@ def grouped_weight_amax_kernel(
     PER_ROW: tl.constexpr, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, UNIFORM: tl.constexpr,
 ):
+    """Reduces one tile of one expert's weight to its NaN-ignoring ``max |w|`` (per row with ``PER_ROW``) and merges it
+    into ``out_ptr`` with ``atomic_max``."""
     # int64 offsets as in the fake-quant kernel; out is [N] (per expert) or [N, rows] (PER_ROW, 2-D tiles).
     e, t, rows_n, cols_n, ctiles, out0 = locate_tile(table_ptr, tl.program_id(0), n_experts, u_tiles, u_rows,
                                                      u_cols, u_ctiles, SEARCH_STEPS, UNIFORM)

@@ -253,11 +253,13 @@ class GroupedWeightFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, amax, fmt, block_size, ste, narrow_range, *weights):
+        """Fake-quantizes the N weights in one launch, keeping what the clipped STE's backward needs."""
         _save_weight_ste(ctx, ste, amax, weights)
         return tuple(grouped_weight_fake_quant(list(weights), amax, fmt, block_size, narrow_range))
 
     @staticmethod
     def backward(ctx, *grads):
+        """The weights' gradients through the STE (class docstring); the other arguments get none."""
         return (None, None, None, None, None, *_weight_ste_grads(ctx, grads))
 
 
@@ -268,6 +270,7 @@ class GroupedWeightSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, amax, ste, values, *weights):
+        """Returns ``values`` as new tensor objects, keeping what the clipped STE's backward needs."""
         _save_weight_ste(ctx, ste, amax, weights)
         # New tensor objects for the same values (a reused list goes into several graphs), made in C, not per expert
         # in Python.
@@ -275,6 +278,7 @@ class GroupedWeightSTE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        """The weights' gradients through the STE, as :class:`GroupedWeightFakeQuant`'s; ``values`` gets none."""
         return (None, None, None, *_weight_ste_grads(ctx, grads))
 
 

@@ -61,6 +61,7 @@ def grouped_weight_fake_quant_kernel(
     EVEN: tl.constexpr = False, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False,
     FAST_MAX: tl.constexpr = False, NARROW: tl.constexpr = True,
 ):
+    """Fake-quantizes one tile of one expert's weight (the program's tile of the flat grid) with the expert's amax."""
     # One program per tile; the tiles of all experts form one flat grid, so ragged experts waste nothing. (A
     # persistent grid-stride loop over the tiles was measured slower on an H200: docs/benchmarks.md.)
     _weight_fake_quant_tile(
@@ -76,6 +77,7 @@ def grouped_weight_clip_grad_kernel(
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr,
 ):
+    """The clipped straight-through gradient of one tile of one expert's weight: ``grad * (|w| <= amax)``."""
     # Clipped STE: grad * (|w| <= amax); an invalid amax clips nothing. int64 offsets as above.
     e, t, rows_n, cols_n, ctiles, out0 = locate_tile(table_ptr, tl.program_id(0), n_experts, 0, 0, 0, 0,
                                                      SEARCH_STEPS, False)

@@ -216,6 +216,7 @@ class GemmSampler:
             scope.calls[key] = self.call + 1
 
     def monitors(self, gemm: str) -> bool:
+        """Whether GEMM ``gemm`` (``fprop``, ``dgrad`` or ``wgrad``) may switch precision (``autoswitch.gemms``)."""
         return gemm in self.cfg.gemms
 
     def crossed(self, sums: torch.Tensor | None) -> torch.Tensor | None:
@@ -230,6 +231,17 @@ class GemmSampler:
         return out
 
     def record(self, input_sums, weight_sums, decisions: dict[str, torch.Tensor | None]) -> _Record:
+        """Records this call's operand sums and decisions in the step's scope (written when the step completes).
+
+        Args:
+            input_sums: the input operand's ``[N, 4]`` quantization-error sums, or None where it is not quantized.
+            weight_sums: the weight operand's ``[N, 4]`` sums, or None.
+            decisions: per GEMM (``fprop``, ``dgrad``, ``wgrad``), the ``[N]`` bool of the experts that switch to high
+                precision, or None for a GEMM that is not monitored.
+
+        Returns:
+            The record, which :meth:`grad_crossed` completes with the backward's gradient.
+        """
         rec = _Record(self.layer, self.first_expert, self.call, {"input": input_sums, "weight": weight_sums,
                                                                   "grad": None}, dict(decisions))
         with self.scope.lock:

@@ -324,6 +324,7 @@ class BackwardConfig(_Strict):
 
     @property
     def grad_format(self) -> str:
+        """The format name (``e4m3`` or ``e5m2``) of ``grad_num_bits``."""
         return format_from_num_bits(self.grad_num_bits)
 
 

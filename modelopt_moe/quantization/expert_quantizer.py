@@ -49,6 +49,7 @@ class ExpertGrid:
     edp_size: int = 1
 
     def global_index(self, num_local: int, local: int) -> int:
+        """The global index of local expert ``local`` when each rank holds ``num_local`` experts."""
         return self.ep_rank * num_local + local
 
 
@@ -104,6 +105,12 @@ class ExpertQuantizer(TensorQuantizer):
                 self.add_module(str(i), ExpertView(self, i))
 
     def set_from_attribute_config(self, cfg: QuantizerAttributeConfig | dict) -> None:
+        """Applies a config as :meth:`TensorQuantizer.set_from_attribute_config` does, for the settings experts support.
+
+        Raises:
+            ValueError: an axis other than None or 0, a static int block size, ``unsigned`` or a per-token amax; the
+                quantizer keeps its earlier settings.
+        """
         previous = self.__dict__.get("_cfg")
         super().set_from_attribute_config(cfg)
         c = self._cfg
@@ -211,6 +218,7 @@ class ExpertQuantizer(TensorQuantizer):
         return self._amax
 
     def reset_amax(self) -> None:
+        """Resets the amax (:meth:`TensorQuantizer.reset_amax`) and forgets the rows each expert calibrated on."""
         super().reset_amax()
         self.calibrated_rows = None
 
@@ -326,6 +334,7 @@ class ExpertQuantizer(TensorQuantizer):
         return self.forward_expert(0, x)
 
     def fake_quant(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """Fake-quantizes ``x`` with expert 0's amax (or ``amax``): the one amax of the ``shared`` layout."""
         return self.fake_quant_expert(0, x, amax)
 
     # --- views -----------------------------------------------------------------------------------------------------
@@ -396,10 +405,12 @@ class ExpertView(nn.Module):
 
     @property
     def owner(self) -> ExpertQuantizer:
+        """The :class:`ExpertQuantizer` this view reads from."""
         return self.__dict__["_owner"]
 
     @property
     def amax(self) -> torch.Tensor | None:
+        """This expert's amax: the owner's row ``index`` (``[]`` or ``[C, 1]``), or None before calibration."""
         return self.owner.expert_amax(self.index)
 
     @amax.setter
@@ -433,6 +444,7 @@ class ExpertView(nn.Module):
     _if_calib = property(lambda self: self.owner._if_calib)
 
     def switches(self) -> dict[str, bool]:
+        """The owner's switches (they apply to every expert)."""
         return self.owner.switches()
 
     def get_modelopt_state(self, properties_only: bool = False) -> dict:
@@ -441,12 +453,15 @@ class ExpertView(nn.Module):
         return modelopt_quantizer_state(self, properties_only)
 
     def collect(self, x: torch.Tensor) -> None:
+        """Max calibration of this expert on ``x`` (the owner's :meth:`~ExpertQuantizer.collect_expert`)."""
         self.owner.collect_expert(self.index, x)
 
     def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        """Fake-quantizes ``x`` with this expert's amax."""
         return self.owner.fake_quant_expert(self.index, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Calibrates on and/or fake-quantizes ``x`` as this expert (:meth:`ExpertQuantizer.forward_expert`)."""
         return self.owner.forward_expert(self.index, x)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -468,6 +483,7 @@ class ExpertView(nn.Module):
             missing_keys.append(key)
 
     def extra_repr(self) -> str:
+        """The expert index and its amax (the maximum of a per-channel one)."""
         amax = self.amax
         if amax is None:
             return f"expert {self.index}, amax=None"

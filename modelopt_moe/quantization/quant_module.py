@@ -126,6 +126,8 @@ class _Registry:
         """Quantizes ``original`` (and its subclasses without a registration of their own) with ``mixin``.
 
         Args:
+            original: the module class to quantize.
+            mixin: the :class:`QuantModuleMixin` subclass that quantizes it.
             replace: replace an earlier registration of ``original`` (False: keep it; the framework-free wrappers
                 are registered so, as defaults a user's own registration wins over).
 
@@ -176,6 +178,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def is_quantized(module: nn.Module) -> bool:
+    """Whether ``module`` is a quantized module (converted by ``mtq.quantize``)."""
     return isinstance(module, QuantModuleMixin)
 
 

@@ -60,6 +60,7 @@ class FakeQuantSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, amax, fmt, block_size, clipped, int_kwargs=None):
+        """Fake-quantizes ``x`` (:func:`~modelopt_moe.numerics.fake_quant`), saving the clip mask when ``clipped``."""
         mask = clip_mask(x, amax) if clipped else None
         ctx.save_for_backward(mask if mask is not None else torch.empty(0))
         ctx.has_mask = mask is not None
@@ -67,6 +68,7 @@ class FakeQuantSTE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        """The gradient of ``x``: unchanged, or zeroed where ``|x| > amax`` when ``clipped``; the amax gets none."""
         if ctx.has_mask:
             (mask,) = ctx.saved_tensors
             grad = grad * mask
@@ -171,6 +173,7 @@ class TensorQuantizer(nn.Module):
         return self._amax, self.switches(), self._calib_seen
 
     def restore_calibration_snapshot(self, snapshot: tuple) -> None:
+        """Puts back what :meth:`calibration_snapshot` took (the amax tensor, the switches, the pass's progress)."""
         amax, switches, seen = snapshot
         self._amax = amax
         self.set_switches(**switches)
@@ -197,6 +200,7 @@ class TensorQuantizer(nn.Module):
 
     @property
     def cfg(self) -> QuantizerAttributeConfig:
+        """The quantizer's attributes (a validated :class:`QuantizerAttributeConfig`)."""
         return self._cfg
 
     @property
@@ -206,6 +210,7 @@ class TensorQuantizer(nn.Module):
 
     @property
     def num_bits(self):
+        """Model Optimizer's ``num_bits``: an int, an ``(exponent, mantissa)`` pair or a format name; settable."""
         return self._cfg.num_bits
 
     @num_bits.setter
@@ -214,6 +219,7 @@ class TensorQuantizer(nn.Module):
 
     @property
     def unsigned(self) -> bool:
+        """Int formats: levels ``[0, 2**b - 1]`` instead of signed ones; settable."""
         return self._cfg.unsigned
 
     @unsigned.setter
@@ -231,6 +237,7 @@ class TensorQuantizer(nn.Module):
 
     @property
     def axis(self) -> int | tuple[int, ...] | None:
+        """The axis kept by the amax (None: per tensor; 0: per output channel of a weight); settable."""
         return self._cfg.axis
 
     @axis.setter
@@ -239,6 +246,7 @@ class TensorQuantizer(nn.Module):
 
     @property
     def block_sizes(self) -> dict | None:
+        """Model Optimizer's ``block_sizes`` dict, or None; setting it clears ``axis``, as Model Optimizer does."""
         return self._cfg.block_sizes
 
     @block_sizes.setter
@@ -285,6 +293,7 @@ class TensorQuantizer(nn.Module):
 
     @property
     def is_enabled(self) -> bool:
+        """Whether the quantizer is on (a disabled one neither calibrates nor quantizes)."""
         return self._enabled
 
     @property
@@ -303,27 +312,34 @@ class TensorQuantizer(nn.Module):
         return self._cfg.int_kwargs
 
     def enable(self):
+        """Turns the quantizer on."""
         self._enabled = True
 
     def disable(self):
+        """Turns the quantizer off: forward returns its input."""
         self._enabled = False
 
     def enable_calib(self):
+        """Starts a calibration pass: forward collects the amax, the first tensor replacing any earlier one."""
         self._if_calib = True
         self._calib_seen = False  # a new calibration pass: its first tensor replaces the amax
 
     def disable_calib(self):
+        """Ends calibration: forward collects no more amax."""
         self._if_calib = False
 
     def enable_quant(self):
+        """Turns fake quantization on in forward."""
         self._if_quant = True
 
     def disable_quant(self):
+        """Turns fake quantization off in forward (calibration, when on, still collects)."""
         self._if_quant = False
 
     # --- amax ----------------------------------------------------------------------------------------------------
     @property
     def amax(self) -> torch.Tensor | None:
+        """The calibrated (or learned) amax tensor, or None; setting it copies in place where the shape fits."""
         return self._amax
 
     @amax.setter
@@ -390,6 +406,7 @@ class TensorQuantizer(nn.Module):
         return () if self.axis is None else None
 
     def reset_amax(self) -> None:
+        """Forgets the amax before a new calibration; a learned amax is zeroed in place (an optimizer may hold it)."""
         if self.learns_amax:  # keep the parameter object (an optimizer may hold it); max calibration starts at 0
             with torch.no_grad():
                 self._amax.zero_()
@@ -551,6 +568,7 @@ class TensorQuantizer(nn.Module):
         return []
 
     def extra_repr(self) -> str:
+        """The format and its settings, the amax (or ``dynamic``) and the switches that are not the default."""
         if not self._enabled:
             return ", ".join([*self._repr_head(), "disabled"])
         parts = [*self._repr_head(), self.fmt]

@@ -17,6 +17,7 @@ def rank() -> int:
 
 
 def is_rank0() -> bool:
+    """Whether this process is global rank 0 (True without torch.distributed)."""
     return rank() == 0
 
 

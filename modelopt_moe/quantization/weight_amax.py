@@ -109,12 +109,14 @@ class LearnedAmaxSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, amax, bound, groups, clipped, values, *weights):
+        """Returns ``values`` as views, keeping the amax, weights and values for the backward."""
         ctx.save_for_backward(amax, *weights, *values)
         ctx.n, ctx.bound, ctx.groups, ctx.clipped = len(weights), float(bound), list(groups), bool(clipped)
         return tuple(v.view_as(v) for v in values)
 
     @staticmethod
     def backward(ctx, *grads):
+        """The amax's LSQ-style gradient (summed over ``groups``) and the weights' straight-through gradients."""
         amax, *rest = ctx.saved_tensors
         weights, values = rest[:ctx.n], rest[ctx.n:]
         a = amax.detach().float().reshape(-1)

@@ -47,8 +47,11 @@ def qad_outcome(bf16_loss: Sequence[float], ptq_loss: Sequence[float], qad_loss:
     """Held-out loss and KL before and after QAD, per batch in, numbers and one plain sentence out.
 
     Args:
-        bf16_loss, ptq_loss, qad_loss: LM loss per held-out batch of the teacher, the PTQ and the QAD model.
-        ptq_kl, qad_kl: KL to the teacher per held-out batch, after PTQ and after QAD.
+        bf16_loss: LM loss per held-out batch of the teacher (the bf16 model).
+        ptq_loss: LM loss per held-out batch of the PTQ model.
+        qad_loss: LM loss per held-out batch of the QAD model.
+        ptq_kl: KL to the teacher per held-out batch, after PTQ.
+        qad_kl: KL to the teacher per held-out batch, after QAD.
 
     Returns:
         ``batches``; ``loss`` (``bf16``, ``ptq``, ``qad`` means), ``gap`` / ``gap_noise`` (PTQ minus bf16),

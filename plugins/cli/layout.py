@@ -103,7 +103,9 @@ def choose_layout(gpus: int, *, world_size: int | None = None, tp: int | None = 
 
     Args:
         gpus: GPUs visible here (:func:`visible_gpus`).
-        world_size, tp, ep: ``--world-size`` / ``--tp`` / ``--ep`` as given, or None.
+        world_size: ``--world-size`` as given, or None.
+        tp: ``--tp`` as given, or None.
+        ep: ``--ep`` as given, or None.
         cpu: ``--cpu``: CPU processes even where GPUs are visible.
         launched_world_size: the launcher's world size under ``torchrun`` / ``srun`` (:func:`launcher_world_size`).
         num_experts: the model's expert count where known (EP must divide it).

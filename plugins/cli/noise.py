@@ -31,6 +31,7 @@ class Known:
     why: str
 
     def matches(self, message: str) -> bool:
+        """Whether ``message`` starts with a match of :attr:`pattern`."""
         return re.match(self.pattern, message) is not None
 
 

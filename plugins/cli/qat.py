@@ -1,7 +1,7 @@
-"""``modelopt-moe qat``: quantization-aware training or distillation (QAD) of your own Megatron MoE model.
+r"""``modelopt-moe qat``: quantization-aware training or distillation (QAD) of your own Megatron MoE model.
 
     # a published Hugging Face model (Qwen3-MoE, Mixtral): built and loaded by modelopt_moe, distilled from itself
-    torchrun --nproc-per-node 8 -m modelopt_moe.plugins.cli qat --hf /models/Qwen3-30B-A3B \\
+    torchrun --nproc-per-node 8 -m modelopt_moe.plugins.cli qat --hf /models/Qwen3-30B-A3B \
         --config nvfp4_experts.yaml --distill --tp 2 --ep 4 --steps 1000 --save ckpt/qad
     # your own model: a function that builds it at the current parallel layout (Megatron-LM's model_provider)
     modelopt-moe qat --model-provider my_project.models:model_provider --config my_quant.yaml --save ckpt/qat

@@ -379,13 +379,18 @@ class MegatronExportAdapter:
     name = "megatron"
 
     def owns(self, model) -> bool:
+        """Whether ``model`` (inside any wrappers) is a Megatron ``GPTModel``."""
         return isinstance(unwrap_model(model), GPTModel)
 
     def export_hf(self, model, out_dir, *, format: str, family: str | None, **options) -> Path:
+        """Writes ``model`` as a Hugging Face checkpoint in ``out_dir`` (:func:`export_megatron`); returns the
+        directory."""
         return export_megatron(model, out_dir, format=format, family=family, **options)
 
     def import_hf(self, model, hf_dir) -> None:
+        """Loads the Hugging Face checkpoint ``hf_dir`` into the built ``model`` (:func:`import_megatron`)."""
         import_megatron(model, hf_dir)
 
     def build_model(self, hf_dir_or_config, *, spec: str = "local", **overrides):
+        """Builds the Megatron ``GPTModel`` of a Hugging Face config (:func:`build_megatron_model`)."""
         return build_megatron_model(hf_dir_or_config, spec=spec, **overrides)

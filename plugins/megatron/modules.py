@@ -125,10 +125,12 @@ class _QuantParallelLinearMixin(QuantModuleMixin):
 
 
 class QuantColumnParallelLinear(_QuantParallelLinearMixin):
+    """Quantized Megatron ``ColumnParallelLinear``: the weight's output channels (axis 0) are split over TP ranks."""
     sharded_axis = 0
 
 
 class QuantRowParallelLinear(_QuantParallelLinearMixin):
+    """Quantized Megatron ``RowParallelLinear``: the weight's input channels (axis 1) are split over TP ranks."""
     sharded_axis = 1
 
 
@@ -155,6 +157,7 @@ class QuantSequentialMLP(QuantModuleMixin):
                     linear.__dict__[kind] = view
 
     def expert_gemms(self) -> list[ExpertGemm]:
+        """The layer's two expert GEMMs, ``linear_fc1`` (column-parallel) and ``linear_fc2`` (row-parallel)."""
         gemms = []
         for name, axis in self._SHARDED_AXIS.items():
             weights = [getattr(expert, name).weight for expert in self.local_experts]
@@ -163,6 +166,7 @@ class QuantSequentialMLP(QuantModuleMixin):
         return gemms
 
     def expert_grid(self) -> ExpertGrid:
+        """This rank's place in the expert-parallel grid, from the layer's process groups."""
         return expert_grid_of(self.ep_group, self.tp_group, self.dp_group)
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
@@ -180,6 +184,7 @@ class QuantSequentialMLP(QuantModuleMixin):
         return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
 
     def calibrate_weights(self) -> None:
+        """Max-calibrates each local expert's row of both weight quantizers from its weights (no data needed)."""
         for name in self._SHARDED_AXIS:
             q = getattr(self, name).weight_quantizer
             if q.is_enabled:
@@ -187,6 +192,7 @@ class QuantSequentialMLP(QuantModuleMixin):
                     q.collect_expert(i, getattr(expert, name).weight)
 
     def fold_weight(self) -> None:
+        """Replaces every local expert's weights by their fake-quantized values and disables the weight quantizers."""
         for name in self._SHARDED_AXIS:
             q = getattr(self, name).weight_quantizer
             if q.is_enabled:
@@ -208,6 +214,8 @@ class QuantSequentialMLP(QuantModuleMixin):
         return sd
 
     def amax_reduction(self, quantizer_name: str) -> tuple[str, ...]:
+        """The groups the amax of quantizer ``linear_fc1.*`` / ``linear_fc2.*`` is max-reduced over
+        (:func:`~modelopt_moe.quantization.nn.experts.expert_amax_reduction`)."""
         gemm, kind = quantizer_name.split(".")[:2]
         return expert_amax_reduction(getattr(getattr(self, gemm), kind), kind, self._SHARDED_AXIS[gemm])
 
@@ -224,6 +232,7 @@ class QuantSequentialMLP(QuantModuleMixin):
                     q.amax = q.amax.amax(dim=0, keepdim=True).expand_as(q.amax)
 
     def finalize_calibration(self, groups: dict) -> list[str]:
+        """Gives the experts no rank calibrated an input amax, for both GEMMs; returns notes naming them."""
         notes = []
         for name in self._SHARDED_AXIS:
             unseen = getattr(self, name).input_quantizer.fill_unseen_experts(groups)
@@ -239,6 +248,8 @@ class MegatronGroupedExpertsMixin:
     as ``SequentialMLP``'s, so checkpoints move between the two). Put it before the grouped-linear mixin."""
 
     def expert_grid(self) -> ExpertGrid:
+        """This rank's place in the expert-parallel grid, from the layer's process-group collection or Megatron's global
+        groups."""
         pgc = getattr(self, "_pg_collection", None)
         if pgc is not None and getattr(pgc, "ep", None) is not None:
             return expert_grid_of(pgc.ep, getattr(pgc, "expt_tp", None), getattr(pgc, "expt_dp", None))
@@ -247,6 +258,7 @@ class MegatronGroupedExpertsMixin:
                               parallel_state.get_expert_data_parallel_group(check_initialized=False))
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron's entries, plus the expert quantizers' amaxes on the global expert axis."""
         sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         grid = self.expert_grid()
         for gemm in self.expert_gemms():

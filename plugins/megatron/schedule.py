@@ -29,7 +29,8 @@ def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first
     one autoswitch step.
 
     Args:
-        *args, **kwargs: Megatron's.
+        *args: Megatron's positional arguments.
+        **kwargs: Megatron's keyword arguments.
         reuse_quantized_weights: open the weight-reuse scope around each call.
         first_step: the autoswitch step of the first call (each later call is the next step).
     """

@@ -17,10 +17,12 @@ __all__ = ["QuantTEColumnParallelGroupedLinear", "QuantTERowParallelGroupedLinea
 
 
 class QuantTEColumnParallelGroupedLinear(MegatronGroupedExpertsMixin, QuantTEGroupedLinear):
+    """Quantized Megatron ``TEColumnParallelGroupedLinear`` (``linear_fc1``): expert weights split on axis 0."""
     sharded_axis = 0
 
 
 class QuantTERowParallelGroupedLinear(MegatronGroupedExpertsMixin, QuantTEGroupedLinear):
+    """Quantized Megatron ``TERowParallelGroupedLinear`` (``linear_fc2``): expert weights split on axis 1."""
     sharded_axis = 1
 
 
@@ -31,5 +33,6 @@ CLASSES = {
 
 
 def register() -> None:
+    """Registers the quantized classes of Megatron's TE grouped expert linears."""
     for original, quantized in CLASSES.items():
         QuantModuleRegistry.register(original, quantized)

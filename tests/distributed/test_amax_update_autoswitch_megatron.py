@@ -155,8 +155,10 @@ def test_dynamic_amax_follows_the_trained_weights_exactly(results, kind):
 def test_learned_amax_trains_and_tp_replicas_stay_equal(results):
     for r in results:
         ln = r["learned"]
-        assert ln["names"] and all(n.endswith("weight_quantizer._amax") for n in ln["names"])
-        assert ln["in_optimizer"] and ln["changed"] == len(ln["names"])
+        assert ln["names"]
+        assert all(n.endswith("weight_quantizer._amax") for n in ln["names"])
+        assert ln["in_optimizer"]
+        assert ln["changed"] == len(ln["names"])
         assert ln["dtype"] == {"torch.float32"}  # kept fp32 inside Float16Module
         assert ln["qkv_replicas"][0] == ln["qkv_replicas"][1]
 
@@ -169,7 +171,8 @@ def test_outlier_expert_switches_its_fprop_and_the_others_stay_quantized(results
     assert all(log_file(f"{root}/{kind}", r).is_file() for r in range(WORLD))
     rows = mtq.autoswitch_summary(f"{root}/{kind}")
     fc1 = [r for r in rows if r["layer"].endswith("mlp.experts.linear_fc1")]
-    assert {r["expert"] for r in fc1} == set(range(EXPERTS)) and all(r["steps"] == [0, 2] for r in fc1)
+    assert {r["expert"] for r in fc1} == set(range(EXPERTS))
+    assert all(r["steps"] == [0, 2] for r in fc1)
     for r in fc1:
         if r["expert"] == OUTLIER:
             assert r["switched"] == r["samples"] > 0, r

@@ -156,22 +156,30 @@ def test_wrong_expert_count_names_key_expected_and_found(results):
         msg = r["count_restore"]  # found by the shape check, before the restore changes the fresh model
         assert msg.startswith("CheckpointMismatchError"), msg
         assert "decoder.layers.mlp.experts.experts.linear_fc1.weight: the model expects global shape (2, 4, 64, 64)" \
-            in msg and "the checkpoint has (2, 8, 64, 64)" in msg, msg
+            in msg, msg
+        assert "the checkpoint has (2, 8, 64, 64)" in msg, msg
         msg = r["count_sharded"]
         assert "decoder.layers.mlp.experts.experts.linear_fc1" in msg, msg
-        assert "expected 4 experts in checkpoint" in msg and "found 8" in msg, msg
+        assert "expected 4 experts in checkpoint" in msg, msg
+        assert "found 8" in msg, msg
 
 
 def test_wrong_format_names_quantizer_expected_and_found(results):
     msg = results[0]["format"]
-    assert msg.startswith("CheckpointMismatchError") and "format mismatch" in msg, msg
-    assert "_quantizer" in msg and "expects format nvfp4" in msg and "checkpoint has format e4m3" in msg, msg
+    assert msg.startswith("CheckpointMismatchError"), msg
+    assert "format mismatch" in msg, msg
+    assert "_quantizer" in msg, msg
+    assert "expects format nvfp4" in msg, msg
+    assert "checkpoint has format e4m3" in msg, msg
 
 
 def test_wrong_amax_shape_names_key_expected_and_found(results):
     msg = results[0]["shape"]
-    assert msg.startswith("CheckpointMismatchError") and "amax shape mismatch" in msg, msg
-    assert "_amax" in msg and "expected global shape" in msg and "found" in msg, msg
+    assert msg.startswith("CheckpointMismatchError"), msg
+    assert "amax shape mismatch" in msg, msg
+    assert "_amax" in msg, msg
+    assert "expected global shape" in msg, msg
+    assert "found" in msg, msg
 
 
 def test_legacy_checkpoint_without_expert_axis_loads_with_rank0_warning(results):
@@ -187,9 +195,12 @@ def test_partial_save_keeps_previous_checkpoint_and_partial_load_fails_clearly(r
         assert "injected failure" in r["partial_save"]
         assert r["previous_loads"]
         msg = r["partial_load"]
-        assert msg.startswith("IncompleteCheckpointError") and r["partial_dir"] in msg, msg
-        assert "modelopt_moe_state.pt" in msg and "modelopt_moe_complete.json" in msg, msg
-        assert results[0]["victim"] in r["damaged_load"] and "incomplete" in r["damaged_load"]
+        assert msg.startswith("IncompleteCheckpointError"), msg
+        assert r["partial_dir"] in msg, msg
+        assert "modelopt_moe_state.pt" in msg, msg
+        assert "modelopt_moe_complete.json" in msg, msg
+        assert results[0]["victim"] in r["damaged_load"]
+        assert "incomplete" in r["damaged_load"]
 
 
 def test_meta_device_model_restores_shapes_and_loads_bit_exact(results):

@@ -211,14 +211,21 @@ def results(tmp_path_factory):
 def test_save_refuses_a_directory_that_is_not_our_checkpoint_and_writes_nothing(results):
     for r in results:
         message, unchanged = r["hf"]
-        assert "FileExistsError" in message and "hf_model" in message, message
-        assert "config.json" in message and "model-00001-of-00001.safetensors" in message, message
-        assert unchanged and not r["hf_tmp"]
+        assert "FileExistsError" in message, message
+        assert "hf_model" in message, message
+        assert "config.json" in message, message
+        assert "model-00001-of-00001.safetensors" in message, message
+        assert unchanged
+        assert not r["hf_tmp"]
         message, unchanged = r["plain"]
-        assert "FileExistsError" in message and "megatron_plain" in message and ".metadata" in message, message
+        assert "FileExistsError" in message, message
+        assert "megatron_plain" in message, message
+        assert ".metadata" in message, message
         assert unchanged
         message, unchanged = r["foreign_tmp"]
-        assert "FileExistsError" in message and "new.tmp" in message and "notes.txt" in message, message
+        assert "FileExistsError" in message, message
+        assert "new.tmp" in message, message
+        assert "notes.txt" in message, message
         assert unchanged
         assert r["replace_ours"] == "no error", r["replace_ours"]
 
@@ -228,8 +235,10 @@ def test_load_of_another_hidden_size_names_key_and_shapes_and_changes_nothing(re
         for case in ("wide_load", "wide_own"):
             message, unchanged = r[case]
             assert "CheckpointMismatchError" in message, (case, message)
-            assert "embedding.word_embeddings.weight" in message and "(256, 96)" in message, (case, message)
-            assert "(256, 64)" in message and unchanged, (case, message)
+            assert "embedding.word_embeddings.weight" in message, (case, message)
+            assert "(256, 96)" in message, (case, message)
+            assert "(256, 64)" in message, (case, message)
+            assert unchanged, (case, message)
 
 
 def test_truncated_data_file_without_our_marker_is_refused_before_loading(results):
@@ -237,8 +246,10 @@ def test_truncated_data_file_without_our_marker_is_refused_before_loading(result
     for r in results:
         for case in ("cut_own", "cut_load"):
             message, unchanged = r[case]
-            assert "IncompleteCheckpointError" in message and name in message, (case, message)
-            assert f"truncated: {size} bytes" in message and "needs" in message, (case, message)
+            assert "IncompleteCheckpointError" in message, (case, message)
+            assert name in message, (case, message)
+            assert f"truncated: {size} bytes" in message, (case, message)
+            assert "needs" in message, (case, message)
             assert unchanged, case
 
 
@@ -246,15 +257,18 @@ def test_damaged_state_file_is_named_and_never_advises_unsafe_loading(results):
     for r in results:
         for case in ("bad_state", "bad_state_own"):
             message, unchanged = r[case]
-            assert "CorruptCheckpointError" in message and "modelopt_moe_state.pt" in message, (case, message)
-            assert "corrupt" in message and "weights_only" not in message, (case, message)
+            assert "CorruptCheckpointError" in message, (case, message)
+            assert "modelopt_moe_state.pt" in message, (case, message)
+            assert "corrupt" in message, (case, message)
+            assert "weights_only" not in message, (case, message)
             assert unchanged, case
 
 
 def test_damaged_data_bytes_raise_an_exception_of_ours(results):
     for r in results:
         message = r["garbled"]
-        assert "CorruptCheckpointError" in message and "garbled" in message, message
+        assert "CorruptCheckpointError" in message, message
+        assert "garbled" in message, message
         assert not message.startswith("BaseException")
 
 
@@ -262,7 +276,8 @@ def test_load_into_a_wrapped_unrestored_model_names_the_fix(results):
     for r in results:
         for case in ("wrapped", "with_optimizer"):
             message, unchanged = r[case]
-            assert "CheckpointMismatchError" in message and "restore_sharded_modelopt_state" in message, (case, message)
+            assert "CheckpointMismatchError" in message, (case, message)
+            assert "restore_sharded_modelopt_state" in message, (case, message)
             assert unchanged, case
         assert r["documented"] == "no error", r["documented"]
         assert r["documented_amax"]

@@ -47,7 +47,8 @@ def test_qat_under_torchrun_saves_resumes_at_another_layout_and_exports(tmp_path
     out = _torchrun(["qat", *common, "--tp", "2", "--ep", "2", "--steps", "2", "--save", str(tmp_path / "ck")])
     assert out.count("modelopt-moe qat: steps 1..2, loss") == 1, out
     assert out.count(f"saved {tmp_path / 'ck'} (iteration 2)") == 1, out
-    assert (tmp_path / "ck" / "modelopt_moe_state.pt").is_file() and (tmp_path / "ck" / "hf_config.json").is_file()
+    assert (tmp_path / "ck" / "modelopt_moe_state.pt").is_file()
+    assert (tmp_path / "ck" / "hf_config.json").is_file()
 
     out = _torchrun(["qat", *common, "--tp", "1", "--ep", "4", "--steps", "3", "--load", str(tmp_path / "ck"),
                      "--export", str(tmp_path / "export")])
@@ -56,7 +57,8 @@ def test_qat_under_torchrun_saves_resumes_at_another_layout_and_exports(tmp_path
     # the layout line, once; the quantizer summary after the checkpoint loaded (every expert amax restored)
     assert out.count("modelopt-moe qat: 4 CPU processes (gloo), TP=1 x EP=4") == 1, out
     summary = out[out.index("expert amax by global expert index"):]
-    assert "amax=None" not in out and "None" not in summary.split("quantizers enabled")[0], out
+    assert "amax=None" not in out, out
+    assert "None" not in summary.split("quantizers enabled")[0], out
     assert re.search(" ".join(rf"{e}:[0-9.]+" for e in range(8)), summary), summary
     exported = json.loads((tmp_path / "export" / "config.json").read_text())
     assert exported["quantization_config"]["format"] == "nvfp4-pack-quantized", exported["quantization_config"]

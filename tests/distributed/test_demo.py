@@ -12,7 +12,7 @@ from modelopt_moe.plugins.cli import main
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    ("argv", "message"),
     [
         (["--cpu", "--tp", "3"], "--tp 3 must divide the world size 4"),
         (["--cpu", "--ep", "3"], "--ep 3 must divide the world size 4"),
@@ -53,7 +53,9 @@ def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capf
     for i in range(1, 7):  # every stage says what it proved, once (rank 0 only)
         assert printed.count(f"[{i}/6] ") == 1, printed
     # a log, not a terminal: progress as plain lines; no third-party noise; the project's own warning last, once
-    assert "\r" not in err and "bf16 teacher: 10% (4/40 steps)" in err and "QAD: 100% (8/8 steps)" in err, err
+    assert "\r" not in err, err
+    assert "bf16 teacher: 10% (4/40 steps)" in err, err
+    assert "QAD: 100% (8/8 steps)" in err, err
     for noise in ("Apex", "GPTModel IS DEPRECATED", "ShardedTensor", "there is no optimizer", "async save",
                   "quantization_config", "Transformer Engine"):
         assert noise not in err, (noise, err)
@@ -67,7 +69,8 @@ def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capf
     assert "imported back bit-exact" in printed
     # transformers reads the NVFP4 experts through the public fix, and the demo says so
     assert "with modelopt_moe.export.transformers_compat.fix_nvfp4_experts() applied" in printed
-    assert "logits bit-identical" in printed and "every weight and amax bit-identical" in printed
+    assert "logits bit-identical" in printed
+    assert "every weight and amax bit-identical" in printed
 
     run = json.loads((out / "run.json").read_text())
     losses = run["losses"]
@@ -76,7 +79,8 @@ def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capf
         assert math.isfinite(losses[key]), (key, losses)
     # per-batch held-out numbers, the noise behind every comparison
     assert [len(run["eval"][m]["loss"]) for m in ("bf16 teacher", "PTQ", "QAD")] == [4, 4, 4]
-    assert run["outcome"]["verdict"] in ("better", "worse", "within noise") and run["outcome"]["gap_noise"] > 0
+    assert run["outcome"]["verdict"] in ("better", "worse", "within noise")
+    assert run["outcome"]["gap_noise"] > 0
     # QAD lowers the KL it minimises (on its own batches; the held-out KL of this short run is only reported)
     assert losses["KL to teacher on QAD data, after QAD"] < losses["KL to teacher on QAD data, after PTQ"], losses
     # transformers reads the compressed-tensors export; its logits agree with the Megatron model's up to bf16
@@ -86,14 +90,16 @@ def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capf
     for name in ("hf_compressed_tensors", "hf_modelopt"):
         assert (out / "artifacts" / name / "config.json").is_file()
     curves = run["curves"]
-    assert len(curves["bf16 teacher training"]) == 40 and len(curves["QAD (KL to the teacher)"]) == 8
+    assert len(curves["bf16 teacher training"]) == 40
+    assert len(curves["QAD (KL to the teacher)"]) == 8
     assert all(math.isfinite(loss) for c in curves.values() for _, loss in c)
 
     report = (out / "report.md").read_text()
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert pngs == ["expert_input_amax.png", "expert_weight_amax.png", "expert_weight_error.png", "loss_curve.png"]
     for png in pngs:
-        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / png).stat().st_size > 10_000
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (out / png).stat().st_size > 10_000
         assert f"({png})" in report
     # the quantizer summary lists every expert under its global index, from rank 0, and says so
     assert re.search(" ".join(rf"{e}:[0-9.]+" for e in range(8)), report), report

@@ -123,8 +123,10 @@ def test_every_expert_weight_has_a_finite_positive_amax(results, fmt):
         assert len(merged) == 2 * 2 * EXPERTS  # layers x gemms x global experts
         for key, state in merged.items():
             a = state["weight_amax"]
-            assert torch.isfinite(a).all() and (a > 0).all(), (layout, key, a)
-            assert torch.isfinite(state["input_amax"]).all() and (state["input_amax"] > 0).all(), (layout, key)
+            assert torch.isfinite(a).all(), (layout, key, a)
+            assert (a > 0).all(), (layout, key, a)
+            assert torch.isfinite(state["input_amax"]).all(), (layout, key)
+            assert (state["input_amax"] > 0).all(), (layout, key)
 
 
 @pytest.mark.parametrize("fmt", list(PRESETS))
@@ -147,7 +149,8 @@ def test_vectorized_and_per_expert_give_identical_outputs_and_gradients(results,
         for key in vec["experts"]:
             a, b = vec["experts"][key], per["experts"][key]
             assert torch.equal(a["weight_amax"], b["weight_amax"]), key
-            assert a["grad"] is not None and torch.equal(a["grad"], b["grad"]), key
+            assert a["grad"] is not None, key
+            assert torch.equal(a["grad"], b["grad"]), key
 
 
 @pytest.mark.parametrize("fmt", list(PRESETS))

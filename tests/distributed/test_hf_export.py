@@ -324,7 +324,8 @@ def test_every_exported_weight_decodes_to_training_fake_quant(run, scheme, fmt):
             packed = t[f"{name}.weight" if fmt == "modelopt" else f"{name}.weight_packed"]
             got = codecs.decode_nvfp4(packed, t[f"{name}.weight_scale"], sg, torch.float32)
             if fmt == "modelopt":
-                assert t[f"{name}.weight_scale_2"] == sg and t[f"{name}.input_scale"] == sg_in
+                assert t[f"{name}.weight_scale_2"] == sg
+                assert t[f"{name}.input_scale"] == sg_in
                 got_file = codecs.decode_nvfp4_modelopt(packed, t[f"{name}.weight_scale"], t[f"{name}.weight_scale_2"],
                                                         torch.float32)
                 assert torch.equal(got_file.view(torch.int32), expected.view(torch.int32)), name
@@ -375,7 +376,7 @@ def test_transformers_reads_fp8_compressed_tensors(run):
 
 @pytest.fixture
 def nvfp4_experts_patch():
-    """transformers 5.23's experts dequantize drops ``weight_global_scale``: the public fix decodes each expert with
+    """``transformers`` 5.23's experts dequantize drops ``weight_global_scale``: the public fix decodes each expert with
     compressed-tensors' own decoder instead (modelopt_moe.export.transformers_compat)."""
     from modelopt_moe.export import transformers_compat
 
@@ -461,7 +462,8 @@ def test_modelopt_nvfp4_through_compressed_tensors_converter(run, tmp_path, nvfp
     assert sorted(converted) == sorted(ours)
     for name, t in ours.items():  # the same bytes (their per-tensor scales keep modelopt's 0-dim shape)
         c = converted[name].reshape(t.shape)
-        assert c.dtype == t.dtype and torch.equal(c.view(torch.uint8), t.view(torch.uint8)), name
+        assert c.dtype == t.dtype, name
+        assert torch.equal(c.view(torch.uint8), t.view(torch.uint8)), name
     model = _hf_model(tmp_path / "ct", quantization_config=CompressedTensorsConfig(dequantize=True))
     diff = _check_nvfp4_model(run, model, tmp_path / "ct")
     print(f"NVFP4 modelopt -> ModelOptNvfp4Converter -> transformers: logits max diff {diff:.3g}")
@@ -509,20 +511,25 @@ def test_modelopt_layout_is_what_vllm_reads(run, scheme):
     cfg = json.loads((path / "config.json").read_text())["quantization_config"]
     legacy = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
     algo = "FP8" if scheme == "fp8" else "NVFP4"
-    assert cfg["quant_method"] == "modelopt" and cfg["quant_algo"] == legacy["quant_algo"] == algo
+    assert cfg["quant_method"] == "modelopt"
+    assert cfg["quant_algo"] == legacy["quant_algo"] == algo
     routers = [f"model.layers.{i}.mlp.gate" for i in range(LAYERS)]
     assert sorted(cfg["ignore"]) == sorted(legacy["exclude_modules"]) == sorted([*routers, "lm_head"])
     if scheme == "nvfp4":
-        assert cfg["group_size"] == legacy["group_size"] == 16 and "kv_cache_quant_algo" in legacy
+        assert cfg["group_size"] == legacy["group_size"] == 16
+        assert "kv_cache_quant_algo" in legacy
     for name, _, _, _ in _linears(run, run["r0"][f"amax_{scheme}"]):
         w = t[name + ".weight"]
         out_f, in_f = _source(run)[name].shape
         for scale in ("weight_scale_2", "input_scale") if scheme == "nvfp4" else ("weight_scale", "input_scale"):
-            assert t[f"{name}.{scale}"].dtype == torch.float32 and t[f"{name}.{scale}"].shape == (), (name, scale)
+            assert t[f"{name}.{scale}"].dtype == torch.float32, (name, scale)
+            assert t[f"{name}.{scale}"].shape == (), (name, scale)
         if scheme == "fp8":
-            assert w.dtype == torch.float8_e4m3fn and w.shape == (out_f, in_f)
+            assert w.dtype == torch.float8_e4m3fn
+            assert w.shape == (out_f, in_f)
         else:
-            assert w.dtype == torch.uint8 and w.shape == (out_f, in_f // 2)
+            assert w.dtype == torch.uint8
+            assert w.shape == (out_f, in_f // 2)
             assert t[name + ".weight_scale"].dtype == torch.float8_e4m3fn
             assert t[name + ".weight_scale"].shape == (out_f, in_f // 16)
     second = "weight_scale_2" if scheme == "nvfp4" else "weight_scale"
@@ -530,7 +537,8 @@ def test_modelopt_layout_is_what_vllm_reads(run, scheme):
         p = f"model.layers.{layer}."
         for e in range(EXPERTS):  # vLLM's fused w13: gate and up share the weight's second-level scale and the input
             gate, up = f"{p}mlp.experts.{e}.gate_proj.", f"{p}mlp.experts.{e}.up_proj."
-            assert t[gate + second] == t[up + second] and t[gate + "input_scale"] == t[up + "input_scale"]
+            assert t[gate + second] == t[up + second]
+            assert t[gate + "input_scale"] == t[up + "input_scale"]
         for kind in (second, "input_scale"):  # vLLM's fused qkv_proj: one scale for q, k, v
             assert t[f"{p}self_attn.q_proj.{kind}"] == t[f"{p}self_attn.k_proj.{kind}"] == \
                 t[f"{p}self_attn.v_proj.{kind}"]
@@ -554,7 +562,8 @@ def test_bad_inputs_fail_on_every_rank_before_writing(run):
         messages = {r["errors"][key] for r in run["results"]}
         assert len(messages) == 1, (key, messages)  # every rank raised the same error
         message = messages.pop()
-        assert message is not None and re.search(pattern, message), (key, message)
+        assert message is not None, (key, message)
+        assert re.search(pattern, message), (key, message)
         assert run["r0"]["errors"].get(key + "/leftovers", []) == [], key
     assert sorted(p.name for p in (run["out"] / "taken").iterdir()) == ["keep.txt"]
 
@@ -573,7 +582,8 @@ def test_cli_exports_a_distributed_checkpoint_saved_at_another_layout(run, tmp_p
     ours, direct = _tensors(out), _tensors(run["out"] / "fp8_modelopt")
     assert sorted(ours) == sorted(direct)
     for name, t in direct.items():
-        assert ours[name].dtype == t.dtype and ours[name].shape == t.shape, name
+        assert ours[name].dtype == t.dtype, name
+        assert ours[name].shape == t.shape, name
         assert torch.equal(ours[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"] == json.loads((run["out"] / "fp8_modelopt" / "config.json").read_text())[
@@ -585,9 +595,12 @@ def test_grouped_and_sequential_experts_export_the_same_checkpoint(run):
     """Megatron's TEGroupedMLP (grouped linears, ``weight0..N``; here the project's CPU grouped linear) and
     SequentialMLP with the same weights give the same Mixtral checkpoint, byte for byte."""
     seq, grouped = _tensors(run["out"] / "experts_sequential"), _tensors(run["out"] / "experts_grouped")
-    assert sorted(seq) == sorted(grouped) and "model.layers.1.block_sparse_moe.experts.3.w3.weight_scale_2" in seq
+    assert sorted(seq) == sorted(grouped)
+    assert "model.layers.1.block_sparse_moe.experts.3.w3.weight_scale_2" in seq
     for name, t in seq.items():
         g = grouped[name]
-        assert g.dtype == t.dtype and torch.equal(g.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+        assert g.dtype == t.dtype
+        assert torch.equal(g.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
     configs = [json.loads((run["out"] / f"experts_{k}" / "config.json").read_text()) for k in ("sequential", "grouped")]
-    assert configs[0] == configs[1] and configs[0]["architectures"] == ["MixtralForCausalLM"]
+    assert configs[0] == configs[1]
+    assert configs[0]["architectures"] == ["MixtralForCausalLM"]

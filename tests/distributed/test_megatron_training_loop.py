@@ -150,7 +150,8 @@ def _train_and_compare(case, calib, train_batches, eval_batch, root):
     src_params, dst_params = dict(trained.named_parameters()), dict(fresh.named_parameters())
     src_amax, dst_amax = _amax_buffers(trained), _amax_buffers(fresh)
     assert src_params.keys() == dst_params.keys()
-    assert src_amax.keys() == dst_amax.keys() and src_amax
+    assert src_amax.keys() == dst_amax.keys()
+    assert src_amax
     with torch.no_grad():
         for name, p in dst_params.items():
             p.copy_(src_params[name])
@@ -430,8 +431,12 @@ def test_layout(results):
 def test_training_shims_map_cuda_to_cpu_and_restore(results):
     for r in results:
         s = r["shims"]
-        assert s["active"] and s["factory_device"] == "cpu" and s["tensor_device"] == "cpu"
-        assert s["cuda_is_identity"] and s["stream_waits"] and s["restored"]
+        assert s["active"]
+        assert s["factory_device"] == "cpu"
+        assert s["tensor_device"] == "cpu"
+        assert s["cuda_is_identity"]
+        assert s["stream_waits"]
+        assert s["restored"]
         assert s["type"] == ("torch.cuda.BFloat16Tensor", "torch.cuda.FloatTensor", torch.float32)
 
 
@@ -439,9 +444,13 @@ def test_training_shims_map_cuda_to_cpu_and_restore(results):
 def test_grouped_and_sequential_experts_build_the_same_model(results, variant):
     for r in results:
         s = r["same_model"][variant]
-        assert s["param_names_equal"] and s["params_equal"]
-        assert s["logits_equal"] and s["quant_logits_equal"] and s["quant_grads_equal"]
-        assert s["sharded_keys_equal"] and s["quant_sharded_keys_equal"]
+        assert s["param_names_equal"]
+        assert s["params_equal"]
+        assert s["logits_equal"]
+        assert s["quant_logits_equal"]
+        assert s["quant_grads_equal"]
+        assert s["sharded_keys_equal"]
+        assert s["quant_sharded_keys_equal"]
         assert s["grouped_quantized_class"] == "QuantMegatronColumnParallelGroupedLinear"
 
 
@@ -449,7 +458,8 @@ def test_grouped_and_sequential_experts_build_the_same_model(results, variant):
 def test_training_runs_and_updates_every_weight(results, case):
     cases = _case(results, case)
     for c in cases:
-        assert len(c["losses"]) == STEPS and all(math.isfinite(x) for x in c["losses"]), c["losses"]
+        assert len(c["losses"]) == STEPS, c["losses"]
+        assert all(math.isfinite(x) for x in c["losses"]), c["losses"]
         assert c["losses"][-1] < c["losses"][0], c["losses"]
         assert c["losses"] == cases[0]["losses"]  # the vocab-parallel loss is the same on every rank
         experts = [n for n in c["changed"] if ".local_experts." in n]
@@ -471,7 +481,9 @@ def test_trained_forward_equals_a_fresh_model_with_the_trained_weights(results, 
 def test_grouped_weights_are_quantized_every_micro_batch_or_once_per_step_with_reuse(results, reuse_case):
     gemms = 2 * 2  # layers x (fc1, fc2)
     twin = REUSE_TWINS[reuse_case]
-    assert CASES[reuse_case][:3] == CASES[twin][:3] and CASES[reuse_case][3] and not CASES[twin][3]
+    assert CASES[reuse_case][:3] == CASES[twin][:3]
+    assert CASES[reuse_case][3]
+    assert not CASES[twin][3]
     for r in _case(results, twin):
         assert r["weight_quantizations"] == STEPS * MICROBATCHES * gemms
     for r in _case(results, reuse_case):
@@ -494,7 +506,8 @@ def _assert_same(got: dict, want: dict, what: str):
 def test_restored_at_tp1_ep4_in_fresh_processes_is_bit_exact_and_trains_on(results, restored, flow):
     saved = _case(results, SAVED_CASE)[0]["saved"]
     for r in restored:
-        assert r["layout"]["tp"] == 1 and r["layout"]["ep"] == 4
+        assert r["layout"]["tp"] == 1
+        assert r["layout"]["ep"] == 4
         got = r[flow]
         assert "error" not in got, got.get("error")
         _assert_same(got["amax"], saved["amax"], f"{flow} amax")
@@ -504,7 +517,8 @@ def test_restored_at_tp1_ep4_in_fresh_processes_is_bit_exact_and_trains_on(resul
         assert saved["built_here_equal"]
         assert torch.equal(got["logits"], got["built_here_logits"]), \
             (got["logits"].float() - got["built_here_logits"].float()).abs().max().item()
-        assert len(got["losses"]) == 2 and all(math.isfinite(x) for x in got["losses"])
+        assert len(got["losses"]) == 2
+        assert all(math.isfinite(x) for x in got["losses"])
         if flow == "api":
             assert got["info"] == {"iteration": STEPS, "extra_state": {"data_offset": 100 + STEPS * MICROBATCHES}}
 

@@ -160,9 +160,11 @@ def test_model_optimizer_checkpoint_loads_every_amax_bit_exact(results, layout, 
         a, b = ours[k].float().reshape(-1), v.float().reshape(-1)
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), k
     info = results[0][(*layout, via)]["info"]
-    assert info["modelopt_version"] == "0.47.0" and info["loaded_amaxes"] > 0
+    assert info["modelopt_version"] == "0.47.0"
+    assert info["loaded_amaxes"] > 0
     # Model Optimizer also quantized the (non-TE) LayerNorm inputs: named, not loaded.
-    assert info["ignored_amaxes"] and all("layer_norm" in k or "layernorm" in k for k in info["ignored_amaxes"])
+    assert info["ignored_amaxes"]
+    assert all("layer_norm" in k or "layernorm" in k for k in info["ignored_amaxes"])
     if (layout, via) == (LAYOUTS[0], "load_modelopt_checkpoint"):  # warned once per process (rank 0)
         assert results[0][(*layout, via)]["warned"]
     assert results[0][(*layout, via)]["layouts"] == ("per_expert", "shared")
@@ -198,5 +200,8 @@ def test_shipped_int4_preset_runs_on_the_demo_model(results):
 
 def test_static_int_blocks_on_dense_linears_round_trip_and_tp_sharding_is_refused(results):
     shape, equal, block = results[0]["static_tp1"]
-    assert shape == (48, 1) and equal and block == 128  # [48, 16] weight: one padded block per row
+    # [48, 16] weight: one padded block per row
+    assert shape == (48, 1)
+    assert equal
+    assert block == 128
     assert "static int blocks on a tensor-parallel linear" in results[0]["static_tp2"]

@@ -150,8 +150,10 @@ def results():
 def test_vocab_parallel_losses_equal_the_gathered_ones(results):
     for r in results:
         v = r["vocab_parallel"]
-        assert v["kl_diff"] < 1e-5 and v["kl_grad_diff"] < 1e-6, v
-        assert v["ce_diff"] < 1e-5 and v["ce_megatron_diff"] < 1e-5, v
+        assert v["kl_diff"] < 1e-5, v
+        assert v["kl_grad_diff"] < 1e-6, v
+        assert v["ce_diff"] < 1e-5, v
+        assert v["ce_megatron_diff"] < 1e-5, v
 
 
 def test_distillation_loss_at_tp2_equals_tp1(results):
@@ -160,17 +162,20 @@ def test_distillation_loss_at_tp2_equals_tp1(results):
     assert tp2.mean() > 0.01  # two different models: a real KL
     torch.testing.assert_close(tp2, tp1, rtol=1e-4, atol=1e-5)
     for r in results:  # the same per-token loss on every rank
-        assert torch.equal(r["loss_tp2"], tp2) and torch.equal(r["loss_tp1"], tp1)
+        assert torch.equal(r["loss_tp2"], tp2)
+        assert torch.equal(r["loss_tp1"], tp1)
 
 
 def test_ddp_and_optimizer_hold_the_student_only_and_gradients_reach_it_only(results):
     for r in results:
         t = r["training"]
-        assert not t["teacher_in_ddp"] and t["unwrapped_is_student"]
+        assert not t["teacher_in_ddp"]
+        assert t["unwrapped_is_student"]
         assert t["ddp_numel"] == t["student_numel"]
         assert t["opt_numel"] <= t["student_numel"]  # the distributed optimizer holds this rank's shard
         assert all(math.isfinite(x) for x in t["losses"])
-        assert t["teacher_unchanged"] and not t["teacher_grads"]
+        assert t["teacher_unchanged"]
+        assert not t["teacher_grads"]
         assert t["student_changed"] >= t["student_params"] - 1  # (a vocabulary shard may see no token)
 
 
@@ -182,9 +187,12 @@ def test_default_recipe_trains_the_expert_weights_with_warmup_and_decay(results)
         assert 0 < t["opt_numel"] <= t["expert_numel"] < t["student_numel"], t
         assert t["stub_optimizers"] == 0  # no empty dense optimizer: its checkpoint save fails in Megatron 0.19
         assert all(grad == (".experts." in n) for n, grad in t["requires_grad"].items())
-        assert t["counts"]["experts"] > 0 and all(v == 0 for g, v in t["counts"].items() if g != "experts")
+        assert t["counts"]["experts"] > 0
+        assert all(v == 0 for g, v in t["counts"].items() if g != "experts")
         lrs, warmup = t["lrs"], recipe.warmup_steps(20)
-        assert warmup == 1 and lrs[0] == 0.0 and lrs[warmup] == pytest.approx(recipe.lr)
+        assert warmup == 1
+        assert lrs[0] == 0.0
+        assert lrs[warmup] == pytest.approx(recipe.lr)
         assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1:], strict=False))  # decays
         assert lrs[-1] == pytest.approx(recipe.min_lr)
         assert t["betas"] == (recipe.adam_beta1, recipe.adam_beta2)

@@ -39,7 +39,9 @@ def _expert_rows(summary: str) -> dict[str, dict[int, float]]:
 def test_the_expert_table_lists_global_experts_and_is_the_same_at_any_layout():
     results = spawn(_summaries, 4, timeout=seconds(900))
     a, b = (_expert_rows(results[0][layout]) for layout in ((2, 2), (1, 4)))
-    assert set(a) == set(b) and len(a) == 8, sorted(a)  # 2 layers x fc1/fc2 x weight/input
+    # 2 layers x fc1/fc2 x weight/input
+    assert set(a) == set(b), sorted(a)
+    assert len(a) == 8, sorted(a)
     for name in a:
         assert sorted(a[name]) == list(range(8)), (name, a[name])  # every global expert, from every rank
         if "weight_quantizer" in name:

@@ -44,7 +44,8 @@ def test_usage_snippet():
     namespace = {}
     exec(compile(_python("mtq.FP8_DEFAULT_CFG, forward_loop"), "README.md", "exec"), namespace)
     y, experts = namespace["y"], namespace["experts"]
-    assert y.shape == (40, 32) and torch.isfinite(y).all()
+    assert y.shape == (40, 32)
+    assert torch.isfinite(y).all()
     assert experts.weight_quantizer.amax.shape == (4,)
 
 
@@ -58,7 +59,8 @@ def test_yaml_snippet(tmp_path):
     path = tmp_path / "my_config.yaml"
     path.write_text(_blocks("yaml")[0])
     cfg = mtq.load_config(path)
-    assert cfg.experts.weight_amax == "per_expert" and cfg.backward.mode == "dequantized"
+    assert cfg.experts.weight_amax == "per_expert"
+    assert cfg.backward.mode == "dequantized"
     assert cfg.quant_cfg[0].cfg.format == "nvfp4"  # the imported preset's rules come first
     assert cfg.resolve("decoder.layers.0.self_attention.linear_qkv.weight_quantizer", "ColumnParallelLinear") \
         .enable is False
@@ -77,7 +79,8 @@ def test_distillation_snippet(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=seconds(600),
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "switched" in done.stdout and any((tmp_path / "autoswitch_logs").iterdir())
+    assert "switched" in done.stdout
+    assert any((tmp_path / "autoswitch_logs").iterdir())
 
 
 def test_export_snippet(tmp_path):
@@ -87,7 +90,8 @@ def test_export_snippet(tmp_path):
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     written = sorted(p.name for p in (tmp_path / "tiny-qwen3-moe-nvfp4").iterdir())
-    assert "config.json" in written and any(n.endswith(".safetensors") for n in written), written
+    assert "config.json" in written, written
+    assert any(n.endswith(".safetensors") for n in written), written
 
 
 def _megatron_worker(rank, world_size, root):

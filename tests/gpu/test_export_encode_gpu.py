@@ -22,5 +22,6 @@ def test_gpu_weight_with_cpu_amax_encodes_as_on_cpu(scheme, fmt):
     assert on_cpu.keys() == on_gpu.keys()
     for name, t in on_cpu.items():
         got = on_gpu[name].cpu()
-        assert got.dtype == t.dtype and torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got, (
-            t.view(torch.uint8) if t.element_size() == 1 else t)), name
+        assert got.dtype == t.dtype, name
+        assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
+                           t.view(torch.uint8) if t.element_size() == 1 else t), name

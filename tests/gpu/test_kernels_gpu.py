@@ -30,7 +30,8 @@ def _compiled_triton():
 
 
 def assert_bits_equal(actual, expected, what=""):
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    assert actual.dtype == expected.dtype, what
+    assert actual.shape == expected.shape, what
     expected = expected.to(actual.device)
     an, en = torch.isnan(actual), torch.isnan(expected)
     assert torch.equal(an, en), f"{what}: NaN positions differ"
@@ -68,7 +69,7 @@ SHAPES = {1: [(1536, 2048)], 3: [(768, 1024), (256, 1024), (512, 1024)], 32: [(3
 
 @pytest.mark.parametrize("n", sorted(SHAPES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 def test_weights_bit_exact_per_expert(fmt, block_size, dtype, n):
     weights = make_experts(SHAPES[n], dtype, seed=n)
     amax = distinct_amax(weights)
@@ -77,7 +78,7 @@ def test_weights_bit_exact_per_expert(fmt, block_size, dtype, n):
         assert_bits_equal(o, r, f"expert {i}")
 
 
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 def test_gpu_kernel_matches_cpu_reference(fmt, block_size):
     """One contract across devices: the CUDA kernel gives the bits formats.fake_quant gives on the CPU."""
     weights = make_experts([(96, 256), (32, 256), (64, 512)], torch.bfloat16)
@@ -88,7 +89,7 @@ def test_gpu_kernel_matches_cpu_reference(fmt, block_size):
         assert_bits_equal(o, r, f"expert {i}")
 
 
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 def test_edge_amax_nan_inf_and_per_channel(fmt, block_size):
     weights = make_experts([(64, 256)] * 7, torch.bfloat16)
     weights[1][3, 5] = float("nan")
@@ -99,7 +100,8 @@ def test_edge_amax_nan_inf_and_per_channel(fmt, block_size):
     outs = K.grouped_weight_fake_quant(weights, amax, fmt, block_size)
     for i, (o, r) in enumerate(zip(outs, reference(weights, amax, fmt, block_size), strict=True)):
         assert_bits_equal(o, r, f"expert {i}")
-    assert torch.isnan(outs[1]).sum() == 1 and all(not torch.isnan(o).any() for j, o in enumerate(outs) if j != 1)
+    assert torch.isnan(outs[1]).sum() == 1
+    assert all(not torch.isnan(o).any() for j, o in enumerate(outs) if j != 1)
     if block_size is None:
         ch = torch.stack([w.float().nan_to_num(0, 0, 0).abs().amax(dim=1) * 0.7 for w in weights])
         ch[2, 3] = float("nan")
@@ -113,7 +115,7 @@ def _all_finite_bf16():
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x)).reshape(256, 256).contiguous().to(DEV)
 
 
-@pytest.mark.parametrize("fmt,amax", [("e4m3", 448.0), ("e4m3", 3.7), ("e5m2", 57344.0), ("e5m2", 5.1e3),
+@pytest.mark.parametrize(("fmt", "amax"), [("e4m3", 448.0), ("e4m3", 3.7), ("e5m2", 57344.0), ("e5m2", 5.1e3),
                                       ("nvfp4", 3.7), ("nvfp4", 2688.0), ("int8", 0.3), ("int4", 7.0)])
 def test_sweep_all_finite_bf16(fmt, amax):
     x = _all_finite_bf16()
@@ -175,7 +177,7 @@ def test_clipped_backward(per_channel):
         assert_bits_equal(w.grad, g * (w.detach().float().abs() <= limit), f"expert {i}")
 
 
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 @pytest.mark.parametrize("n", [1, 32, 128])
 def test_input_per_expert(fmt, block_size, n):
     g = torch.Generator(device=DEV).manual_seed(n)
@@ -195,7 +197,7 @@ def test_input_per_expert(fmt, block_size, n):
 
 @pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 def test_scaled_input_per_expert(fmt, block_size, dtype, p_dtype):
     """``prob * Q(act)`` in one launch (an expert down projection's operand): the reference on the GPU and on the CPU,
     bit for bit; the clipped gradient with the same scale too."""
@@ -345,11 +347,12 @@ def test_no_host_sync(cached):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert_bits_equal(outs[5], fake_quant(weights[5], "e4m3", amax[5]))
-    assert grads[0].shape == weights[0].shape and y.shape == gx.shape == x.shape
+    assert grads[0].shape == weights[0].shape
+    assert y.shape == gx.shape == x.shape
 
 
 @pytest.mark.parametrize("narrow_range", [True, False])
-@pytest.mark.parametrize("fmt,block_size", [("int8", None), ("int4", None), ("int8", 16), ("int4", 128)])
+@pytest.mark.parametrize(("fmt", "block_size"), [("int8", None), ("int4", None), ("int8", 16), ("int4", 128)])
 def test_int_weights_and_inputs_bit_exact_in_both_ranges_and_padded_blocks(fmt, block_size, narrow_range):
     # amax below each expert's max (clipping on both sides, so -B-1 is reached); 96-wide experts: a block of 128
     # overhangs and is zero-padded, as formats.fake_quant (and Model Optimizer) pad.

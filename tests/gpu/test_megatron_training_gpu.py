@@ -31,7 +31,7 @@ EXPERTS, STEPS, MICRO = 8, 4, 2
 
 @pytest.fixture(scope="module", autouse=True)
 def _megatron(megatron_one_gpu):
-    yield
+    return
 
 
 def _build(seed):
@@ -63,7 +63,8 @@ def test_te_grouped_qat_in_megatron_loop_is_exact_and_resumes_bit_identically(tm
     save_sharded_checkpoint([trainer.model], ckpt, optimizer=trainer.optimizer, opt_param_scheduler=trainer.scheduler,
                             iteration=STEPS // 2)
     losses += mt.train(trainer, batches, steps=STEPS // 2, num_microbatches=MICRO, start_step=STEPS // 2)
-    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < losses[0], losses
     trained = mt.unwrap(trainer.model)
     with torch.no_grad():
         logits = mm.gather_logits(trainer.model.eval(), eval_batch)
@@ -88,4 +89,5 @@ def test_te_grouped_qat_in_megatron_loop_is_exact_and_resumes_bit_identically(tm
     again = mt.train(trainer2, batches, steps=STEPS // 2, num_microbatches=MICRO, start_step=STEPS // 2)
     assert again == losses[STEPS // 2:]
     for (n, p), (m, q) in zip(mt.unwrap(trainer2.model).named_parameters(), trained.named_parameters(), strict=True):
-        assert n == m and torch.equal(p, q), n
+        assert n == m, n
+        assert torch.equal(p, q), n

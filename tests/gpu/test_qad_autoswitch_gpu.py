@@ -32,7 +32,7 @@ EXPERTS, OUTLIER = 8, 3
 
 @pytest.fixture(scope="module", autouse=True)
 def _megatron(megatron_one_gpu):
-    yield
+    return
 
 
 def _build(seed=1):

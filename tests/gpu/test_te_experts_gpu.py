@@ -26,7 +26,7 @@ LAYOUTS = ("shared", "vectorized", "per_expert")
 
 @pytest.fixture(scope="module", autouse=True)
 def _megatron(megatron_one_gpu):
-    yield
+    return
 
 
 def _moe_layers():
@@ -85,11 +85,14 @@ def test_te_grouped_backward_reaches_every_expert_weight(layers, layout):
     grouped = _quantize(layers[0], "fp8_default.yaml", layout)
     x = _hidden(6).requires_grad_(True)
     grouped(x)[0].float().square().mean().backward()
-    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert x.grad is not None
+    assert torch.isfinite(x.grad).all()
     for gemm in ("linear_fc1", "linear_fc2"):
         for i in range(EXPERTS):
             grad = getattr(getattr(grouped.experts, gemm), f"weight{i}").grad
-            assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, (gemm, i)
+            assert grad is not None, (gemm, i)
+            assert torch.isfinite(grad).all(), (gemm, i)
+            assert grad.abs().sum() > 0, (gemm, i)
 
 
 def _experts_inputs(layer, x):
@@ -130,11 +133,14 @@ def test_te_grouped_down_proj_input_is_the_prob_times_the_quantized_activation(l
     with torch.no_grad():
         out, bias = experts(hidden, tokens, probs)
     hook.remove()
-    assert bias is None and len(operands) == 1 and len(acts) == 1
+    assert bias is None
+    assert len(operands) == 1
+    assert len(acts) == 1
     splits = tokens.tolist()
     q_act = _fake_quant_rows(fc2.input_quantizer, acts[0], splits)
     want = scale_rows(q_act, probs.reshape(-1))
-    assert operands[0].dtype == want.dtype and torch.equal(operands[0], want)
+    assert operands[0].dtype == want.dtype
+    assert torch.equal(operands[0], want)
     wq = fc2.weight_quantizer
     engine = torch.cat([
         (a.float() @ fake_quant(getattr(fc2, f"weight{i}").detach(), wq.fmt, wq.expert_amax(i), wq.block_size,
@@ -158,7 +164,8 @@ def test_te_grouped_and_sequential_experts_give_the_router_the_same_gradient(lay
         out, _ = layer.experts(hidden, tokens, probs)
         out.backward(g.to(out.dtype))
         res[name] = (out.detach(), hidden.grad, probs.grad)
-    assert res["grouped"][2] is not None and res["grouped"][2].abs().sum() > 0
+    assert res["grouped"][2] is not None
+    assert res["grouped"][2].abs().sum() > 0
     for what, a, b in zip(("output", "token gradient", "probability gradient"), res["grouped"], res["sequential"],
                           strict=True):
         assert torch.isfinite(a).all(), what
@@ -170,8 +177,8 @@ def test_te_grouped_and_sequential_experts_give_the_router_the_same_gradient(lay
 def test_expert_biases_keep_megatrons_formula_under_the_router_probability_seam(transformer_engine):
     """With linear biases (``add_bias_linear``), the quantized layer with every quantizer disabled computes exactly
     Megatron's own layer: the seam that moves the router probability behind the down projection's quantizer adds a
-    returned fc2 bias as ``out + prob * bias``, Megatron's formula, on each expert kind. (Megatron's TEGroupedMLP and
-    SequentialMLP themselves differ when biases are on, so each kind is compared with its own unquantized self.)
+    returned fc2 bias as ``out + prob * bias``, Megatron's formula, on each expert kind. Megatron's TEGroupedMLP and
+    SequentialMLP themselves differ when biases are on, so each kind is compared with its own unquantized self.
     Megatron 0.19's SequentialMLP cannot backpropagate with biases at all (its ``output += bias * prob`` writes into
     the view a tensor-parallel reduce returned), so that kind is compared in the forward alone."""
     layer = mm.build_moe_layer(transformer_engine=transformer_engine, num_experts=EXPERTS, hidden=HIDDEN,
@@ -201,7 +208,8 @@ def test_expert_biases_keep_megatrons_formula_under_the_router_probability_seam(
     assert torch.equal(disabled[0], reference[0])
     if transformer_engine:
         assert torch.equal(disabled[1], reference[1])
-        assert disabled[2].keys() == reference[2].keys() and len(reference[2]) >= 2
+        assert disabled[2].keys() == reference[2].keys()
+        assert len(reference[2]) >= 2
     for name, g in reference[2].items():
         assert torch.equal(disabled[2][name], g), name
     rel = ((quantized[0].float() - reference[0].float()).norm() / reference[0].float().norm()).item()
@@ -287,7 +295,8 @@ def test_reuse_scope_on_te_grouped_linear_is_exact_and_data_writes_are_seen_outs
     with mtq.reuse_quantized_weights(layer):
         first, second = run(), run()
     for got in (first, second):
-        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+        assert torch.equal(got[0], plain[0])
+        assert torch.equal(got[1], plain[1])
         assert all(torch.equal(a, b) for a, b in zip(got[2], plain[2], strict=True))
     with torch.no_grad():
         for w in weights:

@@ -137,7 +137,7 @@ def _codes(values: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------- (i)
-@pytest.mark.parametrize("weight_amax,input_amax", [("vectorized", "per_expert"), ("shared", "shared"),
+@pytest.mark.parametrize(("weight_amax", "input_amax"), [("vectorized", "per_expert"), ("shared", "shared"),
                                                      ("per_expert", "per_expert")])
 def test_fp8_codes_are_the_fake_quant_codes_bit_for_bit(weight_amax, input_amax):
     layer = _quantized(_config(weight_amax=weight_amax, input_amax=input_amax))
@@ -168,13 +168,16 @@ def test_fp8_codes_are_the_fake_quant_codes_bit_for_bit(weight_amax, input_amax)
         assert tuple(t._data.shape) == tuple(chunk.shape)
         ref = quantize(chunk.float(), "e4m3", iq.amax[i])
         assert torch.equal(t._data, _codes(ref.values)), f"expert {i}: input FP8 codes differ"
-    assert torch.equal(iq.amax, amax_before[0]) and torch.equal(wq.amax, amax_before[1])  # TE's cast left them
+    # TE's cast left them
+    assert torch.equal(iq.amax, amax_before[0])
+    assert torch.equal(wq.amax, amax_before[1])
     _report(f"codes {weight_amax}/{input_amax}: weight and input FP8 codes bit-identical to numerics.quantize "
             f"({saturated} saturated weight elements)")
 
 
 # --------------------------------------------------------------------------------------------------------- (ii)
-@pytest.mark.parametrize("bias,input_amax", [("none", "per_expert"), ("apply", "shared"), ("return", "per_expert")])
+@pytest.mark.parametrize(("bias", "input_amax"),
+                         [("none", "per_expert"), ("apply", "shared"), ("return", "per_expert")])
 def test_forward_is_the_fp8_product_and_close_to_fake_quant(bias, input_amax):
     layer = _quantized(_config(input_amax=input_amax), bias)
     x = _tokens(7)
@@ -183,10 +186,13 @@ def test_forward_is_the_fp8_product_and_close_to_fake_quant(bias, input_amax):
         with _gemm(layer, "fake_quant"):
             fake = layer(x, SPLITS)
     if bias == "return":
-        assert isinstance(got, tuple) and len(got[1]) == N
+        assert isinstance(got, tuple)
+        assert len(got[1]) == N
         assert all(torch.equal(a, b) for a, b in zip(got[1], fake[1], strict=True))
         got, fake = got[0], fake[0]
-    assert got.dtype == torch.bfloat16 and got.shape == (TOKENS, OUT) and torch.isfinite(got).all()
+    assert got.dtype == torch.bfloat16
+    assert got.shape == (TOKENS, OUT)
+    assert torch.isfinite(got).all()
     exact = _exact(layer, x)
     rel_exact, rel_fake = _rel(got, exact), _rel(got, fake)
     max_abs = (got.double() - fake.double()).abs().max().item()
@@ -208,11 +214,12 @@ def test_te_fp8_forward_runs_the_fp8_gemm_and_leaves_the_amax(monkeypatch):
     x = _tokens(8).requires_grad_(True)
     layer(x, SPLITS).float().square().mean().backward()
     assert calls == [1]
-    assert torch.equal(layer.input_quantizer.amax, before[0]) and torch.equal(layer.weight_quantizer.amax, before[1])
+    assert torch.equal(layer.input_quantizer.amax, before[0])
+    assert torch.equal(layer.weight_quantizer.amax, before[1])
 
 
 # -------------------------------------------------------------------------------------------------------- (iii)
-@pytest.mark.parametrize("mode,ste,bias", [
+@pytest.mark.parametrize(("mode", "ste", "bias"), [
     ("dequantized", "pass_through", "none"),
     ("dequantized", "clipped", "apply"),
     ("high_precision", "pass_through", "none"),
@@ -236,10 +243,12 @@ def test_gradients_are_the_fake_quant_gradients_bit_for_bit(mode, ste, bias):
     assert torch.equal(fp8[1], fake[1]), "input gradient"
     for name in fake[2]:
         assert torch.equal(fp8[2][name], fake[2][name]), name
-    assert fp8[1].abs().sum() > 0 and fp8[2]["weight0"].abs().sum() > 0  # expert 1 has no token: zeros there
+    # expert 1 has no token: zeros there
+    assert fp8[1].abs().sum() > 0
+    assert fp8[2]["weight0"].abs().sum() > 0
 
 
-@pytest.mark.parametrize("mode,ste", [("dequantized", "pass_through"), ("dequantized", "clipped"),
+@pytest.mark.parametrize(("mode", "ste"), [("dequantized", "pass_through"), ("dequantized", "clipped"),
                                      ("high_precision", "pass_through"), ("quantized", "pass_through")])
 def test_router_probabilities_scale_the_fp8_output_and_get_the_fake_quant_gradients(mode, ste):
     """As an expert down projection given its tokens' router probabilities: the FP8 GEMM's output rows times the
@@ -274,7 +283,8 @@ def test_router_probabilities_scale_the_fp8_output_and_get_the_fake_quant_gradie
     assert torch.equal(fp8[1], fake[1]), "input gradient"
     assert torch.equal(fp8[2], fake[2]), "probability gradient"
     assert fp8[2].abs().sum() > 0
-    assert sorted(fp8[3]) == sorted(fake[3]) and all(torch.equal(fp8[3][n], fake[3][n]) for n in fake[3])
+    assert sorted(fp8[3]) == sorted(fake[3])
+    assert all(torch.equal(fp8[3][n], fake[3][n]) for n in fake[3])
 
 
 def test_reuse_scope_reuses_the_fp8_weights_exactly_and_weight_writes_are_seen_outside_it():
@@ -284,7 +294,8 @@ def test_reuse_scope_reuses_the_fp8_weights_exactly_and_weight_writes_are_seen_o
     with mtq.reuse_quantized_weights(layer):
         first, second = _run(layer, x, g), _run(layer, x, g)
     for got in (first, second):
-        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+        assert torch.equal(got[0], plain[0])
+        assert torch.equal(got[1], plain[1])
         assert all(torch.equal(got[2][n], plain[2][n]) for n in plain[2])
     with torch.no_grad():
         for w in layer.expert_weights():
@@ -320,7 +331,8 @@ def test_megatron_te_grouped_mlp_trains_with_te_fp8(megatron_one_gpu, monkeypatc
         mtq.quantize(model, cfg, lambda m: [mm.lm_loss(m, b) for b in calib])
     model.train()
     fc1 = model.decoder.layers[0].mlp.experts.linear_fc1
-    assert type(fc1).__name__ == "QuantTEColumnParallelGroupedLinear" and fc1.quant_gemm == "te_fp8"
+    assert type(fc1).__name__ == "QuantTEColumnParallelGroupedLinear"
+    assert fc1.quant_gemm == "te_fp8"
     amax = {n: b.clone() for n, b in model.named_buffers() if n.endswith("_amax")}
     assert any(".experts.linear_fc2." in n for n in amax)
     calls = []
@@ -331,7 +343,9 @@ def test_megatron_te_grouped_mlp_trains_with_te_fp8(megatron_one_gpu, monkeypatc
     batches = mm.text_batches(2, 32, steps * micro, offset=100)
     losses = mt.train(trainer, batches, steps=steps, num_microbatches=micro)
     _report(f"megatron TEGroupedMLP te_fp8 losses {[round(v, 4) for v in losses]}")
-    assert calls and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    assert calls, losses
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < losses[0], losses
     trained = mt.unwrap(trainer.model)
     for name, b in trained.named_buffers():
         if name in amax:

@@ -484,7 +484,8 @@ def build_moe_layer(
     Args:
         transformer_engine: TE grouped experts or Megatron's sequential experts.
         num_experts: Global number of experts (a multiple of EP).
-        hidden, ffn_hidden: Hidden size and each expert's FFN size.
+        hidden: Hidden size.
+        ffn_hidden: Each expert's FFN size.
         moe_router_topk: Experts per token.
         params_dtype: Parameter dtype (bf16 sets ``bf16=True``).
         seed: Weight seed.

@@ -55,12 +55,16 @@ def test_report_has_every_variant_and_the_kernels_that_differ_from_bf16(tool):
     text = tool.report({"bf16": (140.0, base, 50_000.0), "fp8": (150.0, quant, 54_000.0)}, top=2)
     lines = text.splitlines()
     assert lines[0].split() == ["ms", "per", "step", "bf16", "fp8"]
-    assert "GPU busy" in text and "50.00" in text and "54.00" in text
+    assert "GPU busy" in text
+    assert "50.00" in text
+    assert "54.00" in text
     assert [line.split()[-1] for line in lines if line.startswith("GPU idle")] == ["96.00"]
     assert "fp8 - bf16, ms per step: step +10.00, GPU busy +4.00" in text
     ranked = [line for line in lines if line.startswith("  ")]
-    assert ranked[0].split()[0] == "+3.200" and ranked[0].endswith("_grouped_weight_fake_quant_kernel")
-    assert ranked[1].split()[0] == "+0.100" and len(ranked) == 2
+    assert ranked[0].split()[0] == "+3.200"
+    assert ranked[0].endswith("_grouped_weight_fake_quant_kernel")
+    assert ranked[1].split()[0] == "+0.100"
+    assert len(ranked) == 2
 
 
 def test_host_report_ranks_the_functions_that_add_host_time(tool):

@@ -53,6 +53,8 @@ def test_default_qad_recipe_lowers_the_held_out_kl_below_ptq(results):
     assert qad["loss_minus_ptq"]["mean"] < qad["loss_minus_ptq"]["std"], qad["loss_minus_ptq"]
     # the former default, every parameter at lr 1e-4 without warmup or decay, moves away from it (measured 1.5 x)
     assert former["kl_vs_ptq"] > qad["kl_vs_ptq"] + 0.2, (former["kl_vs_ptq"], qad["kl_vs_ptq"])
-    assert former["drift"]["router"] > 0 and qad["drift"]["router"] == 0.0  # the default keeps the router
+    # the default keeps the router
+    assert former["drift"]["router"] > 0
+    assert qad["drift"]["router"] == 0.0
     # plain QAT (the LM loss, the same recipe) in the same steps moves away from the teacher (measured 1.3 x PTQ)
     assert qat["kl_vs_ptq"] > qad["kl_vs_ptq"] + 0.2, (qat["kl_vs_ptq"], qad["kl_vs_ptq"])

@@ -25,7 +25,8 @@ def test_demo_flags_work_bare_and_as_a_subcommand(prefix, capsys):
 def test_an_unknown_command_names_the_commands(capsys):
     assert main(["frobnicate"]) == 2
     err = capsys.readouterr().err
-    assert "unknown command 'frobnicate'" in err and "demo, export, report, qat" in err
+    assert "unknown command 'frobnicate'" in err
+    assert "demo, export, report, qat" in err
     assert "modelopt-moe demo" not in err  # not taken for a demo argument
 
 
@@ -83,7 +84,8 @@ def test_export_help_and_required_flags(capsys):
         assert flag in out
     with pytest.raises(SystemExit) as info:
         main(["export", "--checkpoint", "c", "--format", "gguf", "--out", "o"])
-    assert info.value.code == 2 and "invalid choice: 'gguf'" in capsys.readouterr().err
+    assert info.value.code == 2
+    assert "invalid choice: 'gguf'" in capsys.readouterr().err
 
 
 def _fake_checkpoint(path):
@@ -134,14 +136,17 @@ def test_report_renders_a_run_record_without_processes(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps(run))
     assert main(["report", "--run", str(tmp_path / "run.json")]) == 0
     md = (tmp_path / "report.md").read_text()
-    assert "1. one" in md and "2. two" in md and "| bf16 teacher (held out) | 2.5 |" in md
+    assert "1. one" in md
+    assert "2. two" in md
+    assert "| bf16 teacher (held out) | 2.5 |" in md
     assert (tmp_path / "loss_curve.png").is_file()
 
 
 def test_qat_needs_a_model_and_checks_its_imports_before_starting(capsys):
     with pytest.raises(SystemExit) as info:
         main(["qat", "--config", "nvfp4_experts.yaml"])
-    assert info.value.code == 2 and "give --model-provider or --hf" in capsys.readouterr().err
+    assert info.value.code == 2
+    assert "give --model-provider or --hf" in capsys.readouterr().err
     assert main(["qat", "--config", "nvfp4_experts.yaml", "--model-provider", "no_such_pkg.models:build"]) == 2
     assert "--model-provider 'no_such_pkg.models:build': cannot import 'no_such_pkg.models'" in capsys.readouterr().err
     assert main(["qat", "--config", "nvfp4_experts.yaml", "--model-provider", "json:no_such_fn"]) == 2
@@ -150,4 +155,5 @@ def test_qat_needs_a_model_and_checks_its_imports_before_starting(capsys):
     assert "expected 'package.module:function'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         main(["qat", "--config", "nvfp4_experts.yaml", "--model-provider", "json:loads", "--distill", "--load", "y"])
-    assert info.value.code == 2 and "--distill with --load needs --hf" in capsys.readouterr().err
+    assert info.value.code == 2
+    assert "--distill with --load needs --hf" in capsys.readouterr().err

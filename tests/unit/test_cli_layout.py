@@ -10,7 +10,7 @@ DEMO = {"num_experts": 8, "tp_divides": {"--seq-len": 64, "num_key_value_heads":
                                          "vocab_size": 256}}
 
 
-@pytest.mark.parametrize("gpus, want", [
+@pytest.mark.parametrize(("gpus", "want"), [
     (0, (4, 2, 2, False)),  # no GPU: 4 CPU processes
     (1, (1, 1, 1, True)),   # one GPU: one process, nothing to split
     (2, (2, 1, 2, True)),
@@ -21,9 +21,12 @@ def test_defaults_fit_the_machine(gpus, want):
     layout = choose_layout(gpus, **DEMO)
     assert (layout.world_size, layout.tp, layout.ep, layout.gpus) == want
     assert layout.chosen == ("--world-size", "--tp", "--ep")
-    assert layout.world_size % layout.tp == 0 and layout.world_size % layout.ep == 0 and 8 % layout.ep == 0
+    assert layout.world_size % layout.tp == 0
+    assert layout.world_size % layout.ep == 0
+    assert 8 % layout.ep == 0
     line = layout.describe()
-    assert f"{want[0]} {'GPU' if want[3] else 'CPU'} process" in line and f"TP={want[1]} x EP={want[2]}" in line
+    assert f"{want[0]} {'GPU' if want[3] else 'CPU'} process" in line
+    assert f"TP={want[1]} x EP={want[2]}" in line
     assert ("no GPU visible" if gpus == 0 else f"{gpus} GPU") in line
 
 
@@ -37,7 +40,7 @@ def test_cpu_flag_and_odd_world_sizes():
     assert odd_seq.tp == 1  # sequence parallelism needs the sequence to split over TP
 
 
-@pytest.mark.parametrize("gpus, flags, message, would_run", [
+@pytest.mark.parametrize(("gpus", "flags", "message", "would_run"), [
     (1, {"world_size": 4}, "--world-size 4 needs 4 GPUs (one process each) and this machine shows 1",
      "or add --cpu for 4 CPU processes"),
     (0, {"tp": 3}, "--tp 3 must divide the world size 4", "This would run: --world-size 4 --tp 2 --ep 2"),

@@ -29,7 +29,8 @@ def test_rank0_hides_known_warnings_and_collects_the_rest_once(capsys):
     assert capsys.readouterr().err == ""  # nothing shown while it runs
     print_warnings(collected)
     err = capsys.readouterr().err
-    assert err.startswith("\nwarnings (2):\n") and "calibrate: these experts" in err
+    assert err.startswith("\nwarnings (2):\n")
+    assert "calibrate: these experts" in err
     assert err.index("an unknown library notice") < err.index("calibrate: these experts")  # the project's last
 
 
@@ -51,7 +52,10 @@ def test_rank0_drops_known_megatron_logs_and_repeats(caplog):
 
 
 def test_a_failing_rank_still_shows_what_it_collected(capsys):
-    with pytest.raises(RuntimeError), rank_output(0):
+    def warn_then_fail():
         warnings.warn("calibrate: no forward_loop given", UserWarning, stacklevel=1)
         raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"), rank_output(0):
+        warn_then_fail()
     assert "warnings before the failure (1):" in capsys.readouterr().err

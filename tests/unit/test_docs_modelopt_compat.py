@@ -27,4 +27,5 @@ def test_error_messages_point_to_sections_that_exist():
     used = set(re.findall(r"modelopt_compat\.md#([a-z0-9-]+)", sources)) | set(re.findall(r"COMPAT_DOC\}#([a-z0-9-]+)",
                                                                                            sources))
     used |= set(re.findall(r'section: str = "([a-z0-9-]+)"', sources))
-    assert used and used <= anchors, used - anchors
+    assert used, used - anchors
+    assert used <= anchors, used - anchors

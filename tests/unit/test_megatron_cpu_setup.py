@@ -42,4 +42,5 @@ torch.cuda.synchronize()
 torch.cuda.current_stream().wait_stream(torch.cuda.Stream())
 print("ok")
 """], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok", done.stderr[-3000:]

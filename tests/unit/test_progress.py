@@ -19,7 +19,8 @@ def test_a_log_gets_a_line_per_tenth_and_no_redraws():
     lines = log.getvalue().splitlines()
     assert "\r" not in log.getvalue()
     assert len(lines) == 10, lines  # one per tenth; close() adds nothing when the last line showed the end
-    assert lines[0].startswith("QAD: 10% (4/40 steps), ") and lines[0].endswith("loss=4e-05")
+    assert lines[0].startswith("QAD: 10% (4/40 steps), ")
+    assert lines[0].endswith("loss=4e-05")
     assert lines[-1].startswith("QAD: 100% (40/40 steps)")
 
 

@@ -49,9 +49,12 @@ def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], ker
     """Fake-quantizes (and calibrates) N expert weights, differentiably, as ``q``'s mode says (module docstring).
 
     Args:
-        q: the weight quantizer; ``owner``: the module holding it (named ``rel_name`` there), which also names the
-            groups a refreshed or learned amax is reduced over, and under which the values are reused.
+        q: the weight quantizer.
+        weights: the N expert weights.
         kernel: ``config.kernel``: how fake quant is computed (``auto``, ``triton``, ``torch``).
+        owner: the module holding ``q``, which also names the groups a refreshed or learned amax is reduced over,
+            and under which the values are reused.
+        rel_name: ``q``'s name in ``owner``.
         with_stats: also return each expert's quantization-error sums (precision autoswitch), from the same launch.
         recompute_into: when given, and the values are one fresh launch outside a reuse scope, a
             :class:`.weight_recompute.RecomputedWeights` is appended: the recipe the backward runs again instead of

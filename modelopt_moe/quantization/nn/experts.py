@@ -58,6 +58,8 @@ class ExpertQuantizers(nn.Module):
         build_expert_quantizers(self, num_experts, experts)
 
     def views(self, index: int) -> dict[str, nn.Module]:
+        """Expert ``index``'s view of each quantizer, by kind (``input_quantizer``, ``weight_quantizer``,
+        ``output_quantizer``)."""
         return {kind: getattr(self, kind).view(index) for kind in QUANTIZER_KINDS}
 
 
@@ -105,6 +107,8 @@ class DeviceSplits:
         self._entries: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, m_splits, device: torch.device):
+        """``m_splits`` as an int64 tensor on ``device``: as given when it is one already, else the kept copy of that
+        split."""
         if isinstance(m_splits, torch.Tensor) and m_splits.device == device:
             return m_splits
         if torch.compiler.is_compiling():  # a constant of the traced graph

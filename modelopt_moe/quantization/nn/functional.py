@@ -91,14 +91,17 @@ class _MaskGrad(torch.autograd.Function):
 
 
 def forward_value_of(grad_path: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` in the forward, with the whole gradient sent to ``grad_path`` (which must have ``value``'s shape)."""
     return _ForwardValueOf.apply(grad_path, value)
 
 
 def quantize_grad(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x`` in the forward; its incoming gradient fake-quantized to ``fmt`` with its own per-tensor amax."""
     return _QuantizeGrad.apply(x, fmt)
 
 
 def mask_grad(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``x`` in the forward; its gradient multiplied by the 0/1 ``mask`` (no mask: ``x`` itself)."""
     return x if mask is None else _MaskGrad.apply(x, mask)
 
 
@@ -124,10 +127,13 @@ def run_quantized_gemm(cfg, x, weight, gemm: Callable, quantize_input: Callable,
 
     Args:
         cfg: a :class:`BackwardConfig`.
-        x: the input; ``weight``: a weight tensor or a list of expert weights.
+        x: the input.
+        weight: a weight tensor or a list of expert weights.
         gemm: ``gemm(x_operand, weight_operand)``; returns a tensor or a tuple whose first element is the output.
-        quantize_input / quantize_weight: fake-quantize (and calibrate) the operands; identity when disabled.
-        input_mask / weight_mask: ``mask(x)`` -> the clipped-STE mask or None (``weight_mask`` maps over lists).
+        quantize_input: fake-quantizes (and calibrates) the input operand; identity when disabled.
+        quantize_weight: fake-quantizes (and calibrates) the weight operand; identity when disabled.
+        input_mask: ``mask(x)`` -> the input's clipped-STE mask or None.
+        weight_mask: ``mask(weight)`` -> the weight's clipped-STE mask or None (maps over lists).
         output_quantizer: applied to the GEMM output.
         sample: in a step precision autoswitch samples, how the operands are measured and selected.
         input_operand: the GEMM's unquantized input operand as a function of ``x`` (default ``x`` itself); an
@@ -206,7 +212,8 @@ def apply_quantized_gemm(module, x: torch.Tensor, weight: torch.Tensor, gemm: Ca
     Args:
         module: has ``input_quantizer``, ``weight_quantizer``, ``output_quantizer`` and ``quant_backward``
             (a :class:`BackwardConfig`); the quantizers may be experts' views (``SequentialMLP``).
-        x, weight: the original operands.
+        x: the original input operand.
+        weight: the original weight operand.
         gemm: the layer's own GEMM; returns a tensor or a tuple whose first element is the output.
         row_scale: an expert down projection's router probabilities, one per row of ``x``: the input operand is
             ``scale_rows(Q(x), row_scale)`` (:mod:`.row_scale`).

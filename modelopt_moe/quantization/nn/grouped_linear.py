@@ -52,9 +52,11 @@ class GroupedLinear(nn.Module):
                 self.register_parameter(f"bias{i}", nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)))
 
     def expert_weights(self) -> list[torch.Tensor]:
+        """The N expert weights ``weight0`` .. ``weight{N-1}``, ``[out_features, in_features]`` each."""
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 
     def expert_biases(self) -> list[torch.Tensor] | None:
+        """The N expert biases, or None without biases."""
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
 
     def grouped_gemm(self, x: torch.Tensor, m_splits, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -67,6 +69,7 @@ class GroupedLinear(nn.Module):
         return torch.cat(outs) if outs else x.new_empty(0, self.out_features)
 
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
+        """Rows ``[sum(m_splits[:i]), sum(m_splits[:i+1]))`` of ``x`` through expert ``i``: ``[T, out_features]``."""
         return self.grouped_gemm(x, m_splits, self.expert_weights())
 
 
@@ -90,10 +93,12 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
         return self.__dict__["_device_splits"]
 
     def expert_gemms(self) -> list[ExpertGemm]:
+        """The one expert GEMM of this module, whose quantizers it holds itself."""
         weights = self.expert_weights()
         return [ExpertGemm("", self, int(self.num_gemms), self.sharded_axis, tuple(weights[0].shape), list(weights))]
 
     def calibrate_weights(self) -> None:
+        """Max-calibrates each expert's row of the weight quantizer from its weight (no data needed)."""
         if self.weight_quantizer.is_enabled:
             for i, w in enumerate(self.expert_weights()):
                 self.weight_quantizer.collect_expert(i, w)
@@ -159,14 +164,18 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
         )
 
     def amax_reduction(self, quantizer_name: str) -> tuple[str, ...]:
+        """The groups an expert quantizer's amax is max-reduced over (:func:`~.experts.expert_amax_reduction`)."""
         kind = quantizer_name.split(".")[0]
         return expert_amax_reduction(getattr(self, kind), kind, self.sharded_axis)
 
     def finalize_calibration(self, groups: dict) -> list[str]:
+        """Gives the experts no rank calibrated an input amax (:meth:`~.ExpertQuantizer.fill_unseen_experts`); returns a
+        note naming them."""
         unseen = self.input_quantizer.fill_unseen_experts(groups)
         return [f"input_quantizer: experts {unseen}"] if unseen else []
 
     def fold_weight(self) -> None:
+        """Replaces each expert weight by its fake-quantized value and disables the weight quantizer."""
         q = self.weight_quantizer
         if q.is_enabled:
             with torch.no_grad():

@@ -51,7 +51,7 @@ def _expert_amax(model):
             for e in iter_expert_quantizers(model) if e.kind != "output_quantizer"}
 
 
-@pytest.mark.parametrize("src,dst", list(itertools.product(LAYOUTS, LAYOUTS)))
+@pytest.mark.parametrize(("src", "dst"), list(itertools.product(LAYOUTS, LAYOUTS)))
 def test_plain_save_restore_across_weight_layouts(tmp_path, src, dst):
     model, x = _quantized(src)
     save(model, tmp_path / "m.pt")
@@ -79,7 +79,8 @@ def test_restore_into_meta_model_assigns(tmp_path):
 def test_every_layout_holds_one_n_expert_amax_and_shared_holds_the_max():
     vec, _ = _quantized("vectorized")
     amax = vec.experts.weight_quantizer.amax
-    assert amax.shape == (N,) and len(set(amax.tolist())) == N
+    assert amax.shape == (N,)
+    assert len(set(amax.tolist())) == N
     shared, _ = _quantized("shared")
     assert torch.equal(shared.experts.weight_quantizer.amax, amax.max().expand(N))
     per, _ = _quantized("per_expert")
@@ -91,8 +92,10 @@ def test_every_layout_holds_one_n_expert_amax_and_shared_holds_the_max():
         f"experts.weight_quantizer.{i}._amax" for i in range(N)]
     assert [sd[f"experts.weight_quantizer.{i}._amax"].item() for i in range(N)] == amax.tolist()
     q[2].amax = 0.5  # a view writes its row of the one tensor
-    assert q.amax[2].item() == 0.5 and q.amax.data_ptr() == q._amax.data_ptr()
-    assert not list(q[2].buffers()) and not list(q[2].parameters())
+    assert q.amax[2].item() == 0.5
+    assert q.amax.data_ptr() == q._amax.data_ptr()
+    assert not list(q[2].buffers())
+    assert not list(q[2].parameters())
     assert "experts.weight_quantizer._amax" in vec.state_dict()
 
 
@@ -142,7 +145,8 @@ def test_states_saved_before_narrow_range_existed_keep_their_int_meaning():
             {"block_sizes": {-1: 16}} if e["cfg"]["block_sizes"] else {})}
         for name, e in state["quantizers"].items()}}
     fresh = restore_modelopt_state(Tiny(), old)
-    assert fresh.proj.input_quantizer.narrow_range and fresh.proj.weight_quantizer.narrow_range
+    assert fresh.proj.input_quantizer.narrow_range
+    assert fresh.proj.weight_quantizer.narrow_range
     assert fresh.proj.weight_quantizer.block_size == 16  # dynamic, as it meant then
     assert not model.proj.input_quantizer.narrow_range  # today's default: Model Optimizer's
 
@@ -185,4 +189,5 @@ def test_a_megatron_lm_save_directory_stands_for_its_latest_iteration(tmp_path):
     assert not has_sharded_modelopt_state(tmp_path)
     (tmp_path / "iter_0000007").mkdir()
     (tmp_path / "iter_0000007" / "modelopt_moe_state.pt").write_bytes(b"")
-    assert has_sharded_modelopt_state(tmp_path) and has_sharded_modelopt_state(tmp_path / "iter_0000007")
+    assert has_sharded_modelopt_state(tmp_path)
+    assert has_sharded_modelopt_state(tmp_path / "iter_0000007")

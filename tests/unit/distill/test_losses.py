@@ -27,7 +27,8 @@ def test_kl_matches_torch_and_its_gradient(temperature, dtype):
     s2 = s.float().clone().requires_grad_(True)
     want = F.kl_div(F.log_softmax(s2 / temperature, -1), F.log_softmax(t.float() / temperature, -1),
                     log_target=True, reduction="none").sum(-1) * temperature**2
-    assert got.dtype == torch.float32 and got.shape == s.shape[:-1]
+    assert got.dtype == torch.float32
+    assert got.shape == s.shape[:-1]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     g = torch.randn(got.shape)
     got.backward(g)
@@ -58,7 +59,7 @@ def test_cross_entropy_matches_torch():
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("call,match", [
+@pytest.mark.parametrize(("call", "match"), [
     (lambda: logits_kl_loss(torch.zeros(2, 4), torch.zeros(2, 5)), "shape"),
     (lambda: logits_kl_loss(torch.zeros(2, 4), torch.zeros(2, 4), temperature=0.0), "temperature"),
     (lambda: vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(3, dtype=torch.long)), "labels"),
@@ -87,9 +88,11 @@ def test_distillation_model_trains_the_student_only():
     labels = torch.randint(0, 32, (2, 6))
     assert {id(p) for p in model.parameters()} == {id(p) for p in student.parameters()}
     assert all(k.startswith("module.") for k in model.state_dict())
-    assert model.config == student.config and unwrap_model(model) is student
+    assert model.config == student.config
+    assert unwrap_model(model) is student
     model.train()
-    assert not teacher.training and all(not p.requires_grad for p in teacher.parameters())
+    assert not teacher.training
+    assert all(not p.requires_grad for p in teacher.parameters())
     loss = model(tokens, labels=labels)
     with torch.no_grad():
         s, t = student(tokens), teacher(tokens)
@@ -100,9 +103,11 @@ def test_distillation_model_trains_the_student_only():
     assert all(p.grad is None for p in teacher.parameters())
     assert torch.equal(model(tokens), logits_kl_loss(student(tokens), teacher(tokens), temperature=2.0))
     model.bfloat16()  # a Float16Module-style cast reaches the student only
-    assert student.proj.weight.dtype == torch.bfloat16 and teacher.proj.weight.dtype == torch.float32
+    assert student.proj.weight.dtype == torch.bfloat16
+    assert teacher.proj.weight.dtype == torch.float32
     clone = copy.deepcopy(model)
-    assert clone.teacher is not teacher and isinstance(pickle.loads(pickle.dumps(model)), DistillationModel)
+    assert clone.teacher is not teacher
+    assert isinstance(pickle.loads(pickle.dumps(model)), DistillationModel)
 
 
 def test_quantized_student_distils_from_its_own_bf16_copy():

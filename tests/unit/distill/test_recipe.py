@@ -1,6 +1,7 @@
 """QADRecipe: the default QAD settings, validated where they are built; which Megatron parameters each group holds."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -27,7 +28,7 @@ NAMES = {
 }
 
 
-@pytest.mark.parametrize("name, group", NAMES.items())
+@pytest.mark.parametrize(("name", "group"), NAMES.items())
 def test_param_group_of_megatron_names(name, group):
     assert param_group(name) == group
 
@@ -38,7 +39,7 @@ def test_default_trains_the_expert_weights_only():
     assert [n for n in NAMES if recipe.trains(n)] == [n for n, g in NAMES.items() if g == "experts"]
 
 
-@pytest.mark.parametrize("spec, groups", [
+@pytest.mark.parametrize(("spec", "groups"), [
     ("all", set(PARAM_GROUPS)),
     ("all-router-norms", set(PARAM_GROUPS) - {"router", "norms"}),
     ("experts+dense", {"experts", "dense"}),
@@ -48,7 +49,7 @@ def test_train_spec(spec, groups):
     assert QADRecipe(train=spec).trained_groups == groups
 
 
-@pytest.mark.parametrize("changes, message", [
+@pytest.mark.parametrize(("changes", "message"), [
     ({"lr": 0.0}, "QADRecipe.lr=0.0: expected a positive number"),
     ({"lr": float("nan")}, "QADRecipe.lr=nan"),
     ({"warmup_fraction": 1.0}, "QADRecipe.warmup_fraction=1.0: expected a fraction in [0, 1)"),
@@ -61,22 +62,24 @@ def test_train_spec(spec, groups):
     ({"train": "all-experts-dense-router-norms-embedding-output"}, "no parameter group left to train"),
 ])
 def test_bad_values_are_refused_naming_the_field(changes, message):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match=re.escape(message)):
         QADRecipe(**changes)
-    assert message in str(info.value)
-    with pytest.raises(ValueError):  # replace() validates too
+    with pytest.raises(ValueError, match=re.escape(message)):  # replace() validates too
         QADRecipe().replace(**changes)
 
 
 def test_warmup_steps_and_helpers():
     recipe = QADRecipe(warmup_fraction=0.05, lr=2e-5, min_lr_ratio=0.1)
-    assert recipe.warmup_steps(200) == 10 and recipe.warmup_steps(10) == 1 and recipe.warmup_steps(1) == 0
+    assert recipe.warmup_steps(200) == 10
+    assert recipe.warmup_steps(10) == 1
+    assert recipe.warmup_steps(1) == 0
     assert QADRecipe(warmup_fraction=0.0).warmup_steps(200) == 0
     assert recipe.min_lr == pytest.approx(2e-6)
     assert recipe.quant_config({"algorithm": "max"}) == {"algorithm": "max",
                                                          "weight_amax_update": recipe.weight_amax_update}
     loaded = recipe.replace(weight_amax_update="learned").quant_config(mtq.load_config("nvfp4_experts.yaml"))
-    assert loaded.weight_amax_update == "learned" and loaded.algorithm == "max"
+    assert loaded.weight_amax_update == "learned"
+    assert loaded.algorithm == "max"
     assert recipe.to_dict() == dataclasses.asdict(recipe)
     with pytest.raises(dataclasses.FrozenInstanceError):
         recipe.lr = 1.0

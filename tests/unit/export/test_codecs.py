@@ -21,7 +21,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.dtype == b.dtype
+    assert a.shape == b.shape
     assert torch.equal(_bits(a), _bits(b)), f"{(a != b).sum().item()} elements differ"
 
 
@@ -39,7 +40,8 @@ def test_e2m1_codes_cover_all_sixteen_and_keep_negative_zero():
     codes = codecs.e2m1_codes(values)
     assert codes.tolist() == list(range(16))
     back = codecs.e2m1_values(codes)
-    assert torch.equal(back, values) and torch.equal(torch.signbit(back), torch.signbit(values))
+    assert torch.equal(back, values)
+    assert torch.equal(torch.signbit(back), torch.signbit(values))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), 0.75, 7.0])
@@ -99,8 +101,11 @@ def test_nvfp4_decode_is_fake_quant_bit_for_bit(dtype, amax):
     w[4, 7] = -0.0
     a = w.float().nan_to_num(posinf=0).abs().amax() if amax is None else torch.tensor(amax)
     packed, block, sg = codecs.encode_nvfp4(w, a)
-    assert packed.shape == (8, 32) and packed.dtype == torch.uint8
-    assert block.shape == (8, 4) and block.dtype == torch.float8_e4m3fn and sg.shape == ()
+    assert packed.shape == (8, 32)
+    assert packed.dtype == torch.uint8
+    assert block.shape == (8, 4)
+    assert block.dtype == torch.float8_e4m3fn
+    assert sg.shape == ()
     expected = fake_quant(w, "nvfp4", a)
     _assert_bits_equal(codecs.decode_nvfp4(packed, block, sg, dtype), expected)
     _assert_bits_equal(codecs.decode_nvfp4_modelopt(packed, block, sg, dtype), expected)
@@ -119,8 +124,10 @@ def test_scale_conventions():
     amax = torch.tensor([1e-3, 0.37, 5.0, 448.0 * 6, 0.0])
     s = torch.stack([codecs.fp8_scale(a) for a in amax])
     sg = torch.stack([codecs.nvfp4_global_scale(a) for a in amax])
-    assert torch.equal(s[:4], torch.div(torch.full((4,), 448.0), amax[:4])) and s[4] == 1.0
-    assert torch.equal(sg[:4], torch.div(amax[:4], torch.full((4,), 2688.0))) and sg[4] == 1.0
+    assert torch.equal(s[:4], torch.div(torch.full((4,), 448.0), amax[:4]))
+    assert s[4] == 1.0
+    assert torch.equal(sg[:4], torch.div(amax[:4], torch.full((4,), 2688.0)))
+    assert sg[4] == 1.0
     # compressed-tensors' global scale is the reciprocal of ours: 448 * 6 / amax, up to one rounding
     ct = codecs.reciprocal(sg[:4])
     ulps = (ct.view(torch.int32) - torch.div(torch.full((4,), 2688.0), amax[:4]).view(torch.int32)).abs()
@@ -143,7 +150,8 @@ def test_reciprocal_formulas_stay_within_an_fp32_ulp_or_two_of_training():
         got = codecs.decode_nvfp4_ct(packed, block, codecs.reciprocal(sg), torch.float32)
         worst_nvfp4 = max(worst_nvfp4,
                           (got.view(torch.int32) - fake_quant(w, "nvfp4", a).view(torch.int32)).abs().max())
-    assert worst_fp8 <= 1 and worst_nvfp4 <= 2
+    assert worst_fp8 <= 1
+    assert worst_nvfp4 <= 2
 
 
 def test_compressed_tensors_nvfp4_decoder_computes_the_documented_formula():

@@ -58,11 +58,13 @@ def test_config_round_trip_through_transformers(family):
 
     arch = _arch(family, num_kv_heads=4, head_dim=32 if family == "qwen3_moe" else 16, norm_topk_prob=True)
     cfg = get_family(family).hf_config(arch, template={"bos_token_id": 7, "eos_token_id": 9, "rope_scaling": None})
-    assert cfg["bos_token_id"] == 7 and "rope_scaling" not in cfg
+    assert cfg["bos_token_id"] == 7
+    assert "rope_scaling" not in cfg
     hf = AutoConfig.for_model(**cfg)
     assert type(hf).__name__ == {"qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}[family]
     assert (hf.hidden_size, hf.num_hidden_layers, hf.num_key_value_heads, hf.num_experts_per_tok) == (64, 2, 4, 2)
-    assert hf.num_local_experts == 4 and hf.rms_norm_eps == 1e-6
+    assert hf.num_local_experts == 4
+    assert hf.rms_norm_eps == 1e-6
     assert get_family(family).arch_from_hf(hf.to_dict()) == arch
     assert get_family(family).arch_from_hf(cfg) == arch
     assert family_for_architecture(cfg) is get_family(family)
@@ -76,7 +78,7 @@ def test_qwen3_router_normalisation_survives_the_round_trip():
         get_family("mixtral").hf_config(_arch("mixtral", norm_topk_prob=False))
 
 
-@pytest.mark.parametrize("family, key, value, match", [
+@pytest.mark.parametrize(("family", "key", "value", "match"), [
     ("qwen3_moe", "mlp_only_layers", [1], "dense MLP layers"),
     ("qwen3_moe", "decoder_sparse_step", 2, "decoder_sparse_step=2"),
     ("qwen3_moe", "attention_bias", True, "attention_bias=True"),

@@ -33,7 +33,7 @@ def test_a_sound_header_matches_the_library(shard):
     assert max(t.end for t in header.values()) == shard.stat().st_size
 
 
-@pytest.mark.parametrize("damage, message", [
+@pytest.mark.parametrize(("damage", "message"), [
     (lambda b: b[:-1], r"truncated: 243 bytes, but its header places tensor a.weight up to byte 244"),
     (lambda b: b[:5], "5 bytes, too short for a safetensors file"),
     (lambda b: struct.pack("<Q", 10**6) + b[8:], "a header of 1000000 bytes does not fit the file's"),

@@ -25,7 +25,7 @@ FP8_CH = QuantSpec("e4m3", axis=0)
 NVFP4 = QuantSpec("nvfp4")
 
 
-@pytest.mark.parametrize("quant, name", [
+@pytest.mark.parametrize(("quant", "name"), [
     (LinearQuant(FP8, FP8), "FP8"),
     (LinearQuant(FP8, None), "FP8_A16"),
     (LinearQuant(FP8_CH, FP8), "FP8_CHANNEL"),
@@ -39,7 +39,7 @@ def test_scheme_of(quant, name):
     assert (s.name if s else None) == name
 
 
-@pytest.mark.parametrize("quant, match", [
+@pytest.mark.parametrize(("quant", "match"), [
     (LinearQuant(QuantSpec("int4", block_size=128)), "weight format int4 block=128 is not FP8"),
     (LinearQuant(QuantSpec("int8", axis=0), QuantSpec("int8")), "is not FP8 E4M3"),
     (LinearQuant(QuantSpec("e5m2"), QuantSpec("e5m2")), "weight format e5m2"),
@@ -82,8 +82,10 @@ def test_encode_fp8_tensors(fmt):
     t = encode_linear("m", w, a, x, SCHEMES["FP8"], fmt)
     shape = (1,) if fmt == "compressed-tensors" else ()
     assert set(t) == {"m.weight", "m.weight_scale", "m.input_scale"}
-    assert t["m.weight"].dtype == torch.float8_e4m3fn and t["m.weight"].shape == w.shape
-    assert t["m.weight_scale"].shape == shape and t["m.weight_scale"].dtype == torch.float32
+    assert t["m.weight"].dtype == torch.float8_e4m3fn
+    assert t["m.weight"].shape == w.shape
+    assert t["m.weight_scale"].shape == shape
+    assert t["m.weight_scale"].dtype == torch.float32
     assert t["m.weight_scale"].item() == codecs.reciprocal(codecs.fp8_scale(a)).item()
     assert t["m.input_scale"].item() == codecs.reciprocal(codecs.fp8_scale(x)).item()
 
@@ -92,7 +94,8 @@ def test_encode_fp8_per_channel_tensors():
     w = _w()
     a = w.abs().amax(1)
     t = encode_linear("m", w, a, None, SCHEMES["FP8_CHANNEL_A16"], "compressed-tensors")
-    assert set(t) == {"m.weight", "m.weight_scale"} and t["m.weight_scale"].shape == (32, 1)
+    assert set(t) == {"m.weight", "m.weight_scale"}
+    assert t["m.weight_scale"].shape == (32, 1)
 
 
 def test_encode_nvfp4_tensors_per_format():
@@ -101,9 +104,11 @@ def test_encode_nvfp4_tensors_per_format():
     ct = encode_linear("m", w, a, x, SCHEMES["NVFP4"], "compressed-tensors")
     assert set(mo) == {"m.weight", "m.weight_scale", "m.weight_scale_2", "m.input_scale"}
     assert set(ct) == {"m.weight_packed", "m.weight_scale", "m.weight_global_scale", "m.input_global_scale"}
-    assert torch.equal(mo["m.weight"], ct["m.weight_packed"]) and mo["m.weight"].shape == (32, 32)
+    assert torch.equal(mo["m.weight"], ct["m.weight_packed"])
+    assert mo["m.weight"].shape == (32, 32)
     assert torch.equal(mo["m.weight_scale"].view(torch.uint8), ct["m.weight_scale"].view(torch.uint8))
-    assert mo["m.weight_scale_2"].shape == () and ct["m.weight_global_scale"].shape == (1,)
+    assert mo["m.weight_scale_2"].shape == ()
+    assert ct["m.weight_global_scale"].shape == (1,)
     assert mo["m.weight_scale_2"] == codecs.nvfp4_global_scale(a)
     assert ct["m.weight_global_scale"] == codecs.reciprocal(mo["m.weight_scale_2"])
     assert mo["m.input_scale"] == codecs.nvfp4_global_scale(x)
@@ -140,15 +145,17 @@ def test_compressed_tensors_config_is_valid_for_compressed_tensors(name):
 
 @pytest.mark.parametrize("name", ["FP8", "NVFP4", "NVFP4_A16"])
 def test_modelopt_configs_have_what_vllm_requires(name):
-    """vLLM's ModelOptQuantConfigBase.from_config: ``quant_algo`` in its QUANT_ALGOS; for NVFP4 under
+    """What vLLM's ModelOptQuantConfigBase.from_config requires: ``quant_algo`` in its QUANT_ALGOS; for NVFP4 under
     ``quantization``: ``group_size``, ``kv_cache_quant_algo`` and ``exclude_modules`` must be present."""
     vllm_algos = {"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION"}
     scheme = SCHEMES[name]
     cfg = quantization_config(scheme, "modelopt", ["lm_head"])
-    assert cfg["quant_method"] == "modelopt" and cfg["quant_algo"] in vllm_algos
+    assert cfg["quant_method"] == "modelopt"
+    assert cfg["quant_algo"] in vllm_algos
     assert cfg["ignore"] == cfg["exclude_modules"] == ["lm_head"]
     legacy = hf_quant_config(scheme, ["lm_head"])["quantization"]
     required = {"kv_cache_quant_algo", "exclude_modules"} | ({"group_size"} if "NVFP4" in name else set())
-    assert required <= set(legacy) and legacy["quant_algo"] == cfg["quant_algo"]
+    assert required <= set(legacy)
+    assert legacy["quant_algo"] == cfg["quant_algo"]
     if "NVFP4" in name:
         assert cfg["group_size"] == legacy["group_size"] == 16

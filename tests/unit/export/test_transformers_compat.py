@@ -26,10 +26,14 @@ NVFP4 = LinearQuant(QuantSpec("nvfp4"))
 
 def test_affected_releases():
     affected = transformers_compat.nvfp4_experts_affected
-    assert not affected("4.57.6") and not affected("5.12.1")
-    assert affected("5.13.0") and affected("5.22.2") and affected("5.23.0")
+    assert not affected("4.57.6")
+    assert not affected("5.12.1")
+    assert affected("5.13.0")
+    assert affected("5.22.2")
+    assert affected("5.23.0")
     assert affected()  # the installed release (the export extra pins 5.23.0)
-    assert "5.13" in transformers_compat.AFFECTED_VERSIONS and "5.23" in transformers_compat.AFFECTED_VERSIONS
+    assert "5.13" in transformers_compat.AFFECTED_VERSIONS
+    assert "5.23" in transformers_compat.AFFECTED_VERSIONS
 
 
 @pytest.mark.slow  # a fresh interpreter (or spawned ranks)
@@ -37,7 +41,8 @@ def test_importing_the_module_imports_torch_alone():
     code = ("import sys; import modelopt_moe.export.transformers_compat; "
             "print(sorted(m for m in ('transformers', 'compressed_tensors', 'megatron') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr[-2000:]
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +97,8 @@ def test_the_fix_loads_every_expert_right_and_removing_it_restores_transformers(
 
     original = CompressedTensorsDequantize.convert
     with transformers_compat.fix_nvfp4_experts() as fix:
-        assert fix.applied and "5.23" in fix.note
+        assert fix.applied
+        assert "5.23" in fix.note
         assert CompressedTensorsDequantize.convert is not original
         again = transformers_compat.fix_nvfp4_experts()  # a second call (another user of it) nests
         fixed = _load(nvfp4_checkpoint)

@@ -74,7 +74,8 @@ def test_non_empty_output_is_refused_before_writing(tmp_path):
     (out / "keep.txt").write_text("mine")
     with pytest.raises(ExportError, match=r"output directory .*out exists and is not empty \(keep.txt\)"):
         _write(out)
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and _leftovers(out) == []
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert _leftovers(out) == []
     (tmp_path / "file").write_text("x")
     with pytest.raises(ExportError, match="exists and is not a directory"):
         CheckpointWriter(tmp_path / "file")
@@ -84,7 +85,8 @@ def test_empty_existing_directory_is_used(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     _write(out)
-    assert {"config.json", INDEX_FILE} <= {p.name for p in out.iterdir()} and _leftovers(out) == []
+    assert {"config.json", INDEX_FILE} <= {p.name for p in out.iterdir()}
+    assert _leftovers(out) == []
 
 
 @pytest.mark.parametrize("fail_at", [0, 2])
@@ -92,7 +94,8 @@ def test_interrupted_export_leaves_nothing_that_looks_complete(tmp_path, fail_at
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="failed while gathering"):
         _write(out, fail_at=fail_at)
-    assert not out.exists() and _leftovers(out) == []
+    assert not out.exists()
+    assert _leftovers(out) == []
 
 
 def test_a_weight_that_cannot_be_encoded_aborts_the_export(tmp_path):
@@ -100,7 +103,8 @@ def test_a_weight_that_cannot_be_encoded_aborts_the_export(tmp_path):
     with pytest.raises(ExportError, match=r"layer 1: model.layers.1.mlp.experts.0.up_proj.weight: the weight holds "
                                           "NaN"):
         _write(out, nan_at="layers.1.experts.0.up")
-    assert not out.exists() and _leftovers(out) == []
+    assert not out.exists()
+    assert _leftovers(out) == []
 
 
 def test_a_failing_disk_aborts_the_export(tmp_path, monkeypatch):
@@ -117,7 +121,8 @@ def test_a_failing_disk_aborts_the_export(tmp_path, monkeypatch):
     monkeypatch.setattr(CheckpointWriter, "add", add)
     with pytest.raises(ExportError, match="OSError: .*No space left on device"):
         _write(out)
-    assert not out.exists() and _leftovers(out) == []
+    assert not out.exists()
+    assert _leftovers(out) == []
 
 
 def test_missing_tensors_are_an_adapter_error(tmp_path):
@@ -127,7 +132,8 @@ def test_missing_tensors_are_an_adapter_error(tmp_path):
     with pytest.raises(ExportError, match=r"gave no tensor for 1 names .*\['norm'\]"):
         write_hf_checkpoint(out, arch=ARCH, family=get_family("qwen3_moe"), fmt="hf", linear_quants={},
                             groups=truncated, num_groups=n, progress=False)
-    assert not out.exists() and _leftovers(out) == []
+    assert not out.exists()
+    assert _leftovers(out) == []
 
 
 def test_shards_index_and_reader(tmp_path):
@@ -141,7 +147,8 @@ def test_shards_index_and_reader(tmp_path):
         w.commit(get_family("qwen3_moe").hf_config(ARCH))
     index = json.loads((out / INDEX_FILE).read_text())
     shards = sorted({v for v in index["weight_map"].values()})
-    assert len(shards) > 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert len(shards) > 3
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert {p.name for p in out.iterdir()} == {*shards, INDEX_FILE, "config.json"}
     reader = HfCheckpointReader(out)
     assert reader.shape("layers.1.experts.1.down") == (32, 16)

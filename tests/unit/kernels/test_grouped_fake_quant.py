@@ -71,7 +71,7 @@ RAGGED = [(7, 64), (1, 64), (13, 32), (4, 64), (9, 96)]
 @needs_triton
 @pytest.mark.parametrize("n", [1, 3, 5])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 def test_weights_bit_exact_per_expert(fmt, block_size, dtype, n):
     weights = make_experts(RAGGED[:n], dtype, seed=n)
     amax = distinct_amax(weights)
@@ -87,7 +87,7 @@ INT_CASES = [("int8", None), ("int4", None), ("int8", 16), ("int4", 32)]
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("narrow_range", [True, False])
-@pytest.mark.parametrize("fmt,block_size", INT_CASES)
+@pytest.mark.parametrize(("fmt", "block_size"), INT_CASES)
 def test_int_weights_bit_exact_in_both_ranges(fmt, block_size, narrow_range, dtype):
     # amax at 0.6 of each expert's max: many elements clip, on both sides, so -B-1 and -B are both reached.
     weights = make_experts(RAGGED[:4], dtype, seed=7)
@@ -127,7 +127,7 @@ def test_outputs_are_views_of_one_buffer():
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_invalid_amax_entries_follow_the_reference(fmt, block_size, dtype):
     # 0, exactly 2**-24 (invalid), just above it (valid), NaN, Inf, negative, small valid, near fp32 max.
@@ -136,11 +136,12 @@ def test_invalid_amax_entries_follow_the_reference(fmt, block_size, dtype):
     outs = K.grouped_weight_fake_quant(weights, amax, fmt, block_size)
     for i, (o, r) in enumerate(zip(outs, reference(weights, amax, fmt, block_size), strict=True)):
         assert_bits_equal(o, r, f"expert {i} amax {amax[i].item()}")
-        assert not torch.isnan(o).any() and torch.isfinite(o).all()
+        assert not torch.isnan(o).any()
+        assert torch.isfinite(o).all()
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 def test_nan_and_inf_stay_in_their_expert_element_and_block(fmt, block_size):
     clean = make_experts([(4, 64)] * 3, torch.bfloat16)
     amax = distinct_amax(clean)
@@ -155,7 +156,8 @@ def test_nan_and_inf_stay_in_their_expert_element_and_block(fmt, block_size):
     assert_bits_equal(out_dirty[0], out_clean[0])
     assert_bits_equal(out_dirty[2], out_clean[2])
     nan = torch.isnan(out_dirty[1])
-    assert nan.sum() == 1 and nan[1, 5]
+    assert nan.sum() == 1
+    assert nan[1, 5]
     # Elsewhere only the Inf elements change, or (block formats) the blocks that hold them.
     block = 16 if fmt == "nvfp4" else block_size
     changed = (out_dirty[1] != out_clean[1]) & ~nan
@@ -166,7 +168,9 @@ def test_nan_and_inf_stay_in_their_expert_element_and_block(fmt, block_size):
         else:
             allowed[r, (c // block) * block : (c // block + 1) * block] = True
     assert not (changed & ~allowed).any()
-    assert torch.isfinite(out_dirty[1][2, 40]) and out_dirty[1][2, 40] > 0 and out_dirty[1][3, 17] < 0
+    assert torch.isfinite(out_dirty[1][2, 40])
+    assert out_dirty[1][2, 40] > 0
+    assert out_dirty[1][3, 17] < 0
 
 
 @needs_triton
@@ -227,7 +231,7 @@ def _edge_values(grid: torch.Tensor, bound: float) -> torch.Tensor:
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt,fp8", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
+@pytest.mark.parametrize(("fmt", "fp8"), [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
 @pytest.mark.parametrize("scale_kind", ["one", "binade_carry"])
 def test_fp8_rounding_edges(fmt, fp8, scale_kind):
     bound = 448.0 if fmt == "e4m3" else 57344.0
@@ -244,7 +248,7 @@ def test_fp8_rounding_edges(fmt, fp8, scale_kind):
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt,bound", [("int8", 127.0), ("int4", 7.0)])
+@pytest.mark.parametrize(("fmt", "bound"), [("int8", 127.0), ("int4", 7.0)])
 def test_int_round_half_even_edges(fmt, bound):
     k = torch.arange(-bound - 4, bound + 5)
     x = torch.cat([k, k + 0.5, torch.nextafter(k + 0.5, k), torch.nextafter(k + 0.5, k + 1), k + 0.25,
@@ -280,7 +284,7 @@ def _all_finite_bf16() -> torch.Tensor:
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt,amax", [("e4m3", 448.0), ("e4m3", 3.7), ("e4m3", 1e-30), ("e5m2", 5.1e3),
+@pytest.mark.parametrize(("fmt", "amax"), [("e4m3", 448.0), ("e4m3", 3.7), ("e4m3", 1e-30), ("e5m2", 5.1e3),
                                       ("nvfp4", 3.7), ("int8", 0.3)])
 def test_sweep_all_finite_bf16(fmt, amax):
     x = _all_finite_bf16()
@@ -382,7 +386,8 @@ def test_weight_autograd(ste):
         expected = grads[i] if ste == "pass_through" else hand_clip(grads[i], w.detach(), amax[i])
         assert_bits_equal(w.grad, expected)
     if ste == "clipped":
-        assert weights[2].grad is not None and not weights[2].grad.any()
+        assert weights[2].grad is not None
+        assert not weights[2].grad.any()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -404,7 +409,7 @@ def input_reference(x, m_splits, amax, fmt, block_size):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 def test_input_per_expert_bit_exact(fmt, block_size, dtype):
     x = make_tokens(M_SPLITS, 32, dtype)
     amax = torch.tensor([0.7, 5.0, 9.0, 0.0, 30.0, 200.0])  # expert 3 has no rows, expert 2's amax is large
@@ -466,7 +471,7 @@ def _w(*shape, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize(
-    "call,match",
+    ("call", "match"),
     [
         (lambda: K.grouped_weight_fake_quant([], torch.ones(0), "e4m3"), "empty"),
         (lambda: K.grouped_weight_fake_quant([_w(2, 16)] * 513, torch.ones(513), "e4m3"), "at most 512"),

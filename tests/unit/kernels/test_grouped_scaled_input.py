@@ -37,7 +37,7 @@ def scaled_reference(x, m_splits, amax, fmt, block_size, p):
 @needs_triton
 @pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("fmt,block_size", FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), FORMATS)
 def test_scaled_input_per_expert_bit_exact(fmt, block_size, dtype, p_dtype):
     x = make_tokens(M_SPLITS, 32, dtype)
     amax = torch.tensor(AMAX)
@@ -168,7 +168,7 @@ def test_torch_fallback_is_bit_exact(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "call,match",
+    ("call", "match"),
     [
         (lambda: K.grouped_input_fake_quant_scaled(torch.ones(4, 16), [4], torch.ones(1), "e4m3", torch.ones(3)),
          r"row_scale must be a \[4\] tensor"),

@@ -28,7 +28,8 @@ def torch_amax(w: torch.Tensor, per_channel: bool) -> torch.Tensor:
 
 
 def assert_sums_match(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
-    assert got.dtype == torch.float64 and got.shape == want.shape, what
+    assert got.dtype == torch.float64, what
+    assert got.shape == want.shape, what
     assert torch.equal(got[..., :2], want[..., :2]), f"{what}: counts {got[..., :2]} vs {want[..., :2]}"
     torch.testing.assert_close(got[..., 2:], want[..., 2:], rtol=1e-5, atol=0, msg=what)
 
@@ -42,7 +43,8 @@ def assert_sums_match(got: torch.Tensor, want: torch.Tensor, what: str = "") -> 
 def test_weight_amax_is_exact_per_expert(dtype, n):
     weights = make_experts(RAGGED[:n], dtype, seed=n)  # expert i is scaled by 4**i: a wrong index shows
     got = K.grouped_weight_amax(weights)
-    assert got.dtype == torch.float32 and got.shape == (n,)
+    assert got.dtype == torch.float32
+    assert got.shape == (n,)
     assert torch.equal(got, torch.stack([torch_amax(w, False) for w in weights]))
 
 
@@ -56,7 +58,9 @@ def test_weight_amax_per_channel_ignores_nan_and_keeps_inf(dtype):
     got = K.grouped_weight_amax(weights, per_channel=True)
     assert got.shape == (4, 6)
     assert torch.equal(got, torch.stack([torch_amax(w, True) for w in weights]))
-    assert got[2, 4] == float("inf") and got[0, 5] == 0.0 and torch.isfinite(got[1]).all()
+    assert got[2, 4] == float("inf")
+    assert got[0, 5] == 0.0
+    assert torch.isfinite(got[1]).all()
 
 
 @needs_triton
@@ -83,7 +87,7 @@ STAT_FORMATS = [("e4m3", None), ("nvfp4", None), ("int4", None), ("int8", 16)]
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt,block_size", STAT_FORMATS)
+@pytest.mark.parametrize(("fmt", "block_size"), STAT_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_weight_stats_values_bit_exact_and_sums_per_expert(fmt, block_size, dtype):
     weights = make_experts(RAGGED, dtype, seed=3)
@@ -132,7 +136,8 @@ def test_metrics_from_sums():
     assert underflow_pct(s).item() == pytest.approx(100 / 3)
     assert relative_mse(s).item() == pytest.approx((1e-12 + 0.25) / (1e-12 + 1 + 4))
     zero = quant_error_sums(torch.zeros(3), torch.zeros(3))
-    assert underflow_pct(zero).item() == 0.0 and relative_mse(zero).item() == 0.0
+    assert underflow_pct(zero).item() == 0.0
+    assert relative_mse(zero).item() == 0.0
 
 
 def test_torch_fallbacks_match(monkeypatch):
@@ -162,5 +167,6 @@ def test_torch_compile_fullgraph_traces_the_stats_ops():
     m = torch.tensor([3, 1])
     got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*weights, amax, x, m)
     assert torch.equal(got[0], torch.stack([torch_amax(w, False) for w in weights]))
-    assert got[3].shape == (2, 4) and got[5].shape == (2, 4)
+    assert got[3].shape == (2, 4)
+    assert got[5].shape == (2, 4)
     launch.clear_table_cache()

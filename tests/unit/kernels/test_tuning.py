@@ -71,7 +71,7 @@ def test_the_tile_option_reaches_the_launch():
 
 
 @pytest.mark.parametrize(
-    "fmt,options,match",
+    ("fmt", "options", "match"),
     [
         ("*", {"tiles": 1024}, "unknown option 'tiles'"),
         ("*", {"tile": 1000}, "tile must be a power of two"),

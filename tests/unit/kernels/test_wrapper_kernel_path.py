@@ -40,7 +40,7 @@ def _run(preset, weight_amax, input_amax, ste, kernel, narrow_range=None):
 
 
 @pytest.mark.parametrize("preset", ["fp8_default.yaml", "nvfp4_default.yaml"])
-@pytest.mark.parametrize("weight_amax,input_amax,ste", [
+@pytest.mark.parametrize(("weight_amax", "input_amax", "ste"), [
     ("vectorized", "per_expert", "clipped"),
     ("per_expert", "shared", "pass_through"),
     ("vectorized", "shared", "clipped"),
@@ -60,11 +60,12 @@ def test_int_kernel_path_matches_the_reference_in_both_ranges(preset, narrow_ran
     # int8: per channel, inputs per tensor; int4: blocks of 128 on 32-wide experts (padded), both int ranges.
     ref = _run(preset, "vectorized", "per_expert", "clipped", "torch", narrow_range)
     fast = _run(preset, "vectorized", "per_expert", "clipped", "triton", narrow_range)
-    assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
+    assert torch.equal(fast[0], ref[0])
+    assert torch.equal(fast[1], ref[1])
     assert all(torch.equal(a, b) for a, b in zip(fast[2], ref[2], strict=True))
 
 
-@pytest.mark.parametrize("weight_amax,input_amax,ste", [
+@pytest.mark.parametrize(("weight_amax", "input_amax", "ste"), [
     ("vectorized", "per_expert", "clipped"),
     ("per_expert", "shared", "pass_through"),
 ])
@@ -90,5 +91,6 @@ def test_quantized_grouped_linear_traces_with_fullgraph_and_matches_eager(weight
     eager = run(lambda t: layer(t, SPLITS))
     torch._dynamo.reset()
     compiled = run(torch.compile(lambda t: layer(t, SPLITS), fullgraph=True, backend="aot_eager"))
-    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+    assert torch.equal(compiled[0], eager[0])
+    assert torch.equal(compiled[1], eager[1])
     assert all(torch.equal(a, b) for a, b in zip(compiled[2], eager[2], strict=True))

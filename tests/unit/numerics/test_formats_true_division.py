@@ -18,7 +18,7 @@ def _true(num: float, den: torch.Tensor) -> torch.Tensor:
     return torch.div(torch.full_like(den, num), den)
 
 
-@pytest.mark.parametrize("fmt,bound", [("int8", 127.0), ("int4", 7.0)])
+@pytest.mark.parametrize(("fmt", "bound"), [("int8", 127.0), ("int4", 7.0)])
 def test_int_scale_is_true_division(fmt, bound):
     amax = torch.tensor(3.0)
     scale = _true(bound, amax)
@@ -30,7 +30,7 @@ def test_int_scale_is_true_division(fmt, bound):
 
 
 @pytest.mark.parametrize(
-    "fmt,dtype,bound", [("e4m3", torch.float8_e4m3fn, 448.0), ("e5m2", torch.float8_e5m2, 57344.0)]
+    ("fmt", "dtype", "bound"), [("e4m3", torch.float8_e4m3fn, 448.0), ("e5m2", torch.float8_e5m2, 57344.0)]
 )
 def test_fp8_scale_is_true_division(fmt, dtype, bound):
     amax = torch.tensor(3.0)

@@ -82,7 +82,8 @@ def test_planted_outlier_expert_switches_its_fprop_alone(tmp_path, kernel):
         y = layer(x, SPLITS)
         g = torch.randn_like(y)
         y.backward(g)
-    assert sampled and active_autoswitch_scopes() == 0
+    assert sampled
+    assert active_autoswitch_scopes() == 0
     iq, wq = layer.input_quantizer, layer.weight_quantizer
     xs, gs = x.detach().split(SPLITS), g.split(SPLITS)
     for i, w in enumerate(layer.expert_weights()):
@@ -97,14 +98,17 @@ def test_planted_outlier_expert_switches_its_fprop_alone(tmp_path, kernel):
             torch.testing.assert_close(x.grad[rows], gs[i] @ w_q)
         torch.testing.assert_close(layer.expert_weights()[i].grad, gs[i].t() @ xq)
     recs = _records(tmp_path)
-    assert len(recs) == N * 3 and {r["step"] for r in recs} == {8}
+    assert len(recs) == N * 3
+    assert {r["step"] for r in recs} == {8}
     switched = {(r["expert"], r["gemm"]) for r in recs if r["switched"]}
     assert switched == {(OUTLIER, "fprop"), (OUTLIER, "dgrad")}
     outlier = next(r for r in recs if r["expert"] == OUTLIER and r["gemm"] == "fprop")
-    assert outlier["operands"]["weight"]["underflow_pct"] > 90 and outlier["operands"]["input"]["underflow_pct"] < 20
+    assert outlier["operands"]["weight"]["underflow_pct"] > 90
+    assert outlier["operands"]["input"]["underflow_pct"] < 20
     summary = {(r["expert"], r["gemm"]): (r["samples"], r["switched"]) for r in mtq.autoswitch_summary(
         tmp_path / "logs")}
-    assert summary[(OUTLIER, "fprop")] == (1, 1) and summary[(0, "fprop")] == (1, 0)
+    assert summary[(OUTLIER, "fprop")] == (1, 1)
+    assert summary[(0, "fprop")] == (1, 0)
 
 
 def test_quantized_backward_measures_and_switches_the_gradient(tmp_path):
@@ -123,7 +127,8 @@ def test_quantized_backward_measures_and_switches_the_gradient(tmp_path):
     w_q = fake_quant(layer.weight0.detach(), "e4m3", wq.amax[0])
     torch.testing.assert_close(x.grad[rows], g[rows] @ w_q)
     recs = [r for r in _records(tmp_path) if r["gemm"] in ("dgrad", "wgrad")]
-    assert recs and all(r["switched"] and r["operands"]["grad"]["underflow_pct"] > 20 for r in recs)
+    assert recs
+    assert all(r["switched"] and r["operands"]["grad"]["underflow_pct"] > 20 for r in recs)
 
 
 class _CountOps(TorchDispatchMode):

@@ -84,7 +84,10 @@ def _expected(layer, x, grad_out, mode, ste, grad_fmt="e5m2"):
         dx, dw = gq @ wq_, gq.t() @ xq
     if ste == "clipped":
         mask_x, mask_w = x.abs() <= iq.amax, w.abs() <= wq.amax
-        assert (~mask_x).any() and (~mask_w).any() and mask_x.any() and mask_w.any()
+        assert (~mask_x).any()
+        assert (~mask_w).any()
+        assert mask_x.any()
+        assert mask_w.any()
         dx, dw = dx * mask_x, dw * mask_w
     return y, dx, dw
 
@@ -97,7 +100,8 @@ def test_gradients_match_hand_composed_fake_quant_matmuls(preset, mode, ste, how
     seed = 100 + MODES.index(mode) * 10 + STES.index(ste)
     x, grad_out = _data(seed)
     layer = _quantized_linear(_config(preset, mode, ste, how), x, seed)
-    assert layer.quant_backward.mode == mode and layer.weight_quantizer.ste == ste
+    assert layer.quant_backward.mode == mode
+    assert layer.weight_quantizer.ste == ste
     assert (x.abs() > layer.input_quantizer.amax).any()
     y, dx, dw, db = _run(layer, x, grad_out)
     y_exp, dx_exp, dw_exp = _expected(layer, x, grad_out, mode, ste)

@@ -41,12 +41,16 @@ def test_preset_validates_and_resolves_weight_and_input_formats(name):
     assert isinstance(cfg, QuantizeConfig)
     w_fmt, in_fmt, w_axis = PRESETS[name]
     w = cfg.resolve("decoder.layers.0.mlp.linear_fc1.weight_quantizer", "Linear")
-    assert w.enable and w.format == w_fmt and w.axis == w_axis
+    assert w.enable
+    assert w.format == w_fmt
+    assert w.axis == w_axis
     i = cfg.resolve("decoder.layers.0.mlp.linear_fc1.input_quantizer", "Linear")
     if in_fmt is None:
-        assert i is not None and not i.enable
+        assert i is not None
+        assert not i.enable
     else:
-        assert i.enable and i.format == in_fmt
+        assert i.enable
+        assert i.format == in_fmt
     # Output quantizers are off in every preset.
     assert not cfg.resolve("decoder.layers.0.mlp.linear_fc1.output_quantizer", "Linear").enable
 
@@ -62,12 +66,16 @@ def test_default_tail_disables_router_and_output_layer_in_every_preset(name):
 
 def test_preset_details():
     nvfp4 = to_config(mtq.NVFP4_DEFAULT_CFG).resolve("fc.weight_quantizer", "Linear")
-    assert nvfp4.block_sizes[-1] == 16 and nvfp4.block_size is None  # NVFP4's 16 is implied, not an int block
+    # NVFP4's 16 is implied, not an int block
+    assert nvfp4.block_sizes[-1] == 16
+    assert nvfp4.block_size is None
     int4 = to_config(mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG).resolve("fc.weight_quantizer", "Linear")
-    assert int4.block_size == 128 and int4.axis is None
+    assert int4.block_size == 128
+    assert int4.axis is None
     fp8 = to_config(mtq.FP8_DEFAULT_CFG)
     assert fp8.algorithm == "max"
-    assert fp8.experts.weight_amax == "vectorized" and fp8.experts.input_amax == "shared"
+    assert fp8.experts.weight_amax == "vectorized"
+    assert fp8.experts.input_amax == "shared"
     assert fp8.backward == BackwardConfig()
 
 
@@ -75,7 +83,8 @@ def test_preset_files_load_by_bare_name_and_equal_the_exported_dicts():
     assert load_config("fp8_default.yaml").model_dump() == mtq.FP8_DEFAULT_CFG
     assert load_config("int8_default.yaml").model_dump() == mtq.INT8_DEFAULT_CFG
     per_expert = load_config("fp8_per_expert.yaml")
-    assert per_expert.experts.weight_amax == "per_expert" and per_expert.experts.input_amax == "per_expert"
+    assert per_expert.experts.weight_amax == "per_expert"
+    assert per_expert.experts.input_amax == "per_expert"
     assert per_expert.quant_cfg == load_config("fp8_default.yaml").quant_cfg
 
 
@@ -108,7 +117,8 @@ def test_later_quant_cfg_entries_win():
         {"quantizer_name": "*input_quantizer", "cfg": {"num_bits": "e5m2"}},
     ]})
     i = cfg2.resolve("a.input_quantizer", "Linear")
-    assert i.enable and i.format == "e5m2"
+    assert i.enable
+    assert i.format == "e5m2"
 
 
 def test_enable_false_entry_keeps_the_format_and_disables():
@@ -117,7 +127,9 @@ def test_enable_false_entry_keeps_the_format_and_disables():
         {"quantizer_name": "*expert*", "enable": False},
     ]})
     r = cfg.resolve("mlp.experts.linear_fc1.weight_quantizer", "GroupedLinear")
-    assert not r.enable and r.format == "int4" and r.block_size == 128
+    assert not r.enable
+    assert r.format == "int4"
+    assert r.block_size == 128
     assert cfg.resolve("mlp.linear_fc1.weight_quantizer", "Linear").enable
 
 
@@ -136,7 +148,8 @@ def test_parent_class_filters_by_the_owning_module_class():
     assert cfg.resolve("experts.weight_quantizer", "TEGroupedLinear").format == "nvfp4"
     assert cfg.resolve("fc1.weight_quantizer", "ColumnParallelLinear").format == "e4m3"
     row = cfg.resolve("fc2.weight_quantizer", "RowParallelLinear")
-    assert not row.enable and row.format == "e4m3"
+    assert not row.enable
+    assert row.format == "e4m3"
     assert cfg.resolve("fc2.weight_quantizer", "RowParallelLinearX").enable  # exact class name, not a prefix
 
 
@@ -209,7 +222,9 @@ def test_top_level_import_merges_the_other_file_first(tmp_path):
     assert [e.quantizer_name for e in cfg.quant_cfg] == ["*weight_quantizer", "*input_quantizer", "*input_quantizer"]
     assert cfg.resolve("a.input_quantizer", "Linear").format == "int8"  # this file's entry comes later: it wins
     assert cfg.resolve("a.weight_quantizer", "Linear").format == "e4m3"
-    assert cfg.experts.weight_amax == "per_expert" and cfg.experts.input_amax == "per_expert"  # deep merge
+    # deep merge
+    assert cfg.experts.weight_amax == "per_expert"
+    assert cfg.experts.input_amax == "per_expert"
     assert cfg.backward.mode == "high_precision"
 
 
@@ -289,7 +304,9 @@ def test_unknown_top_level_key_suggests_the_right_one(tmp_path):
             cfg: {num_bits: 8}
         """)
     msg = _config_error(p)
-    assert str(p) in msg and "'quant_cfgg'" in msg and "did you mean 'quant_cfg'?" in msg
+    assert str(p) in msg
+    assert "'quant_cfgg'" in msg
+    assert "did you mean 'quant_cfg'?" in msg
 
 
 def test_unknown_key_inside_cfg_names_its_path_and_suggests(tmp_path):
@@ -299,13 +316,19 @@ def test_unknown_key_inside_cfg_names_its_path_and_suggests(tmp_path):
             cfg: {num_bit: 8}
         """)
     msg = _config_error(p)
-    assert str(p) in msg and "quant_cfg.0.cfg" in msg and "'num_bit'" in msg and "'num_bits'" in msg
+    assert str(p) in msg
+    assert "quant_cfg.0.cfg" in msg
+    assert "'num_bit'" in msg
+    assert "'num_bits'" in msg
 
 
 def test_unknown_key_in_backward_names_its_path(tmp_path):
     p = _write(tmp_path.resolve() / "typo.yaml", "backward: {mode: quantized, stee: clipped}\n")
     msg = _config_error(p)
-    assert str(p) in msg and "backward" in msg and "'stee'" in msg and "'ste'" in msg
+    assert str(p) in msg
+    assert "backward" in msg
+    assert "'stee'" in msg
+    assert "'ste'" in msg
 
 
 def test_bad_num_bits_names_file_key_and_value(tmp_path):
@@ -315,7 +338,10 @@ def test_bad_num_bits_names_file_key_and_value(tmp_path):
             cfg: {num_bits: [3, 3]}
         """)
     msg = _config_error(p)
-    assert str(p) in msg and "quant_cfg.0.cfg.num_bits" in msg and "(3, 3)" in msg and "(4, 3)" in msg
+    assert str(p) in msg
+    assert "quant_cfg.0.cfg.num_bits" in msg
+    assert "(3, 3)" in msg
+    assert "(4, 3)" in msg
 
 
 def test_unhashable_num_bits_is_a_config_error(tmp_path):
@@ -325,7 +351,8 @@ def test_unhashable_num_bits_is_a_config_error(tmp_path):
             cfg: {num_bits: {a: 1}}
         """)
     msg = _config_error(p)
-    assert str(p) in msg and "num_bits" in msg
+    assert str(p) in msg
+    assert "num_bits" in msg
 
 
 def test_missing_file_is_named(tmp_path):
@@ -337,14 +364,16 @@ def test_import_of_a_missing_file_names_both_files(tmp_path):
     tmp_path = tmp_path.resolve()
     top = _write(tmp_path / "top.yaml", "$import: missing_base.yaml\n")
     msg = _config_error(top)
-    assert str(tmp_path / "missing_base.yaml") in msg and str(top) in msg
+    assert str(tmp_path / "missing_base.yaml") in msg
+    assert str(top) in msg
 
 
 def test_quant_cfg_item_import_of_a_missing_file_names_both_files(tmp_path):
     tmp_path = tmp_path.resolve()
     top = _write(tmp_path / "top.yaml", "quant_cfg:\n  - $import: gone.yaml\n")
     msg = _config_error(top)
-    assert str(tmp_path / "gone.yaml") in msg and str(top) in msg
+    assert str(tmp_path / "gone.yaml") in msg
+    assert str(top) in msg
 
 
 def test_import_cycle_is_reported_with_the_chain(tmp_path):
@@ -352,57 +381,76 @@ def test_import_cycle_is_reported_with_the_chain(tmp_path):
     a = _write(tmp_path / "a.yaml", "$import: b.yaml\n")
     b = _write(tmp_path / "b.yaml", "quant_cfg:\n  - $import: a.yaml\n")
     msg = _config_error(a)
-    assert "import cycle" in msg and "'$import'" in msg
+    assert "import cycle" in msg
+    assert "'$import'" in msg
     assert f"{a} -> {b} -> {a}" in msg
 
 
 def test_self_import_is_a_cycle(tmp_path):
     a = _write(tmp_path.resolve() / "self.yaml", "$import: self.yaml\n")
     msg = _config_error(a)
-    assert "import cycle" in msg and str(a) in msg
+    assert "import cycle" in msg
+    assert str(a) in msg
 
 
 def test_non_string_import_in_a_list_names_file_key_and_value(tmp_path):
     p = _write(tmp_path.resolve() / "bad.yaml", "$import: [5]\n")
     msg = _config_error(p)
-    assert str(p) in msg and "'$import'" in msg and "5" in msg
+    assert str(p) in msg
+    assert "'$import'" in msg
+    assert "5" in msg
 
 
 def test_non_string_import_as_a_quant_cfg_item_names_file_key_and_value(tmp_path):
     p = _write(tmp_path.resolve() / "bad.yaml", "quant_cfg:\n  - $import: 5\n")
     msg = _config_error(p)
-    assert str(p) in msg and "quant_cfg.0.$import" in msg and "5" in msg
+    assert str(p) in msg
+    assert "quant_cfg.0.$import" in msg
+    assert "5" in msg
 
 
 @pytest.mark.parametrize("value", ["5", "null"])
 def test_non_string_scalar_import_names_file_key_and_value(tmp_path, value):
     p = _write(tmp_path.resolve() / "bad.yaml", f"$import: {value}\n")
     msg = _config_error(p)
-    assert str(p) in msg and "'$import'" in msg and value in msg
+    assert str(p) in msg
+    assert "'$import'" in msg
+    assert value in msg
 
 
 def test_bad_experts_weight_amax_names_file_key_and_value(tmp_path):
     p = _write(tmp_path.resolve() / "experts.yaml", "experts: {weight_amax: per_expertt}\n")
     msg = _config_error(p)
-    assert str(p) in msg and "experts.weight_amax" in msg and "per_expertt" in msg and "'per_expert'" in msg
+    assert str(p) in msg
+    assert "experts.weight_amax" in msg
+    assert "per_expertt" in msg
+    assert "'per_expert'" in msg
 
 
 def test_bad_backward_mode_names_file_key_and_value(tmp_path):
     p = _write(tmp_path.resolve() / "bw.yaml", "backward: {mode: fp8_training}\n")
     msg = _config_error(p)
-    assert str(p) in msg and "backward.mode" in msg and "fp8_training" in msg and "'high_precision'" in msg
+    assert str(p) in msg
+    assert "backward.mode" in msg
+    assert "fp8_training" in msg
+    assert "'high_precision'" in msg
 
 
 def test_bad_ste_names_file_key_and_value(tmp_path):
     p = _write(tmp_path.resolve() / "bw.yaml", "backward: {ste: clip}\n")
     msg = _config_error(p)
-    assert str(p) in msg and "backward.ste" in msg and "'clip'" in msg
+    assert str(p) in msg
+    assert "backward.ste" in msg
+    assert "'clip'" in msg
 
 
 def test_grad_num_bits_e2m1_is_rejected(tmp_path):
     p = _write(tmp_path.resolve() / "bw.yaml", "backward: {mode: quantized, grad_num_bits: e2m1}\n")
     msg = _config_error(p)
-    assert str(p) in msg and "backward.grad_num_bits" in msg and "e2m1" in msg and "e4m3 or e5m2" in msg
+    assert str(p) in msg
+    assert "backward.grad_num_bits" in msg
+    assert "e2m1" in msg
+    assert "e4m3 or e5m2" in msg
 
 
 def test_nvfp4_without_block_sizes_is_rejected(tmp_path):
@@ -412,7 +460,10 @@ def test_nvfp4_without_block_sizes_is_rejected(tmp_path):
             cfg: {num_bits: e2m1}
         """)
     msg = _config_error(p)
-    assert str(p) in msg and "quant_cfg.0.cfg" in msg and "e2m1" in msg and "block_sizes" in msg
+    assert str(p) in msg
+    assert "quant_cfg.0.cfg" in msg
+    assert "e2m1" in msg
+    assert "block_sizes" in msg
 
 
 def test_non_mapping_top_level_and_non_list_quant_cfg(tmp_path):
@@ -421,19 +472,23 @@ def test_non_mapping_top_level_and_non_list_quant_cfg(tmp_path):
     assert str(p) in _config_error(p)
     q = _write(tmp_path / "q.yaml", "quant_cfg: {quantizer_name: '*'}\n")
     msg = _config_error(q)
-    assert str(q) in msg and "'quant_cfg'" in msg
+    assert str(q) in msg
+    assert "'quant_cfg'" in msg
 
 
 def test_invalid_yaml_names_the_file(tmp_path):
     p = _write(tmp_path.resolve() / "broken.yaml", "quant_cfg: [\n")
     msg = _config_error(p)
-    assert str(p) in msg and "YAML" in msg
+    assert str(p) in msg
+    assert "YAML" in msg
 
 
 def test_dict_config_errors_name_the_source_key_and_value():
     with pytest.raises(ConfigError) as info:
         to_config({"algorithm": "entropy"})
     msg = str(info.value)
-    assert "<dict config>" in msg and "algorithm" in msg and "entropy" in msg
+    assert "<dict config>" in msg
+    assert "algorithm" in msg
+    assert "entropy" in msg
     with pytest.raises(ConfigError, match="expected a mapping"):
         to_config(["not", "a", "dict"])

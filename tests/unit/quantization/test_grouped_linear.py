@@ -66,7 +66,8 @@ def test_vectorized_and_per_expert_give_bit_identical_outputs_and_gradients(pres
     x, g = _data()
     vec = _run(_quantized(_config(preset, "vectorized")), x, g)
     per = _run(_quantized(_config(preset, "per_expert")), x, g)
-    assert torch.equal(vec[0], per[0]) and torch.equal(vec[1], per[1])
+    assert torch.equal(vec[0], per[0])
+    assert torch.equal(vec[1], per[1])
     assert all(torch.equal(a, b) for a, b in zip(vec[2], per[2], strict=True))
 
 
@@ -102,7 +103,8 @@ def test_an_expert_without_tokens_gets_the_shared_input_amax_and_a_warning(monke
     with pytest.warns(UserWarning, match=r"input_quantizer: experts \[1\]"):
         mtq.quantize(layer, _config(), lambda m: m(x, SPLITS))
     amax = layer.input_quantizer.amax
-    assert amax[1] == amax.max() and (amax > 0).all()
+    assert amax[1] == amax.max()
+    assert (amax > 0).all()
     assert torch.isfinite(layer(x, SPLITS)).all()
 
 
@@ -137,7 +139,8 @@ def test_backward_modes_match_a_hand_computed_reference(mode, ste):
     for got, want in zip(dws, want_dw, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     if ste == "clipped":
-        assert (dx == 0).any() and any((d == 0).any() for d in dws)
+        assert (dx == 0).any()
+        assert any((d == 0).any() for d in dws)
 
 
 class _CountFakeQuant:
@@ -189,7 +192,8 @@ def test_micro_batches_reuse_the_fake_quantized_weights_inside_a_scope(monkeypat
         y2 = _run(layer, x, g)
         assert active_reuse_scopes() == 1
     assert count.calls == N  # once per scope
-    assert torch.equal(y1[0], y2[0]) and all(torch.equal(a, b) for a, b in zip(y1[2], y2[2], strict=True))
+    assert torch.equal(y1[0], y2[0])
+    assert all(torch.equal(a, b) for a, b in zip(y1[2], y2[2], strict=True))
     assert active_reuse_scopes() == 0
     _run(layer, x, g)
     assert count.calls == 2 * N  # leaving the scope dropped the values

@@ -56,7 +56,8 @@ def test_quantize_each_preset_changes_outputs_plausibly_and_calibrates_every_ena
     model = copy.deepcopy(float_model)
     out = mtq.quantize(model, getattr(mtq, preset), _forward_loop(_batches()))
     assert out is model
-    assert all(is_quantized(model[i]) for i in (0, 2)) and not is_quantized(model[1])
+    assert all(is_quantized(model[i]) for i in (0, 2))
+    assert not is_quantized(model[1])
     x = torch.randn(8, 128, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         rel = _rel(model(x), float_model(x))
@@ -66,8 +67,10 @@ def test_quantize_each_preset_changes_outputs_plausibly_and_calibrates_every_ena
     assert len(enabled) == expected_enabled, [n for n, _ in enabled]
     for name, q in enabled:
         assert q.amax is not None, name
-        assert torch.isfinite(q.amax).all() and (q.amax > 0).all(), name
-        assert not q._if_calib and q._if_quant, name
+        assert torch.isfinite(q.amax).all(), name
+        assert (q.amax > 0).all(), name
+        assert not q._if_calib, name
+        assert q._if_quant, name
 
 
 def test_calibrated_amaxes_are_the_max_of_weights_and_of_the_forward_loop_inputs():
@@ -133,7 +136,8 @@ def test_print_quant_summary_lists_every_quantizer():
     assert len(lines) == len(names) + 1
     for name, line in zip(names, lines, strict=False):
         assert line.split()[0] == name
-    assert "axis=0" in lines[1] and "int8" in lines[1]
+    assert "axis=0" in lines[1]
+    assert "int8" in lines[1]
     assert lines[2].endswith("disabled")
     assert lines[-1] == "4 of 6 quantizers enabled"
 
@@ -207,6 +211,7 @@ def test_quantize_with_a_loaded_config_object():
     cfg = mtq.load_config("int8_default.yaml")
     float_model = _model()
     model = mtq.quantize(copy.deepcopy(float_model), cfg, _forward_loop(_batches()))
-    assert model[0].weight_quantizer.fmt == "int8" and model[0].weight_quantizer.axis == 0
+    assert model[0].weight_quantizer.fmt == "int8"
+    assert model[0].weight_quantizer.axis == 0
     assert model[0].weight_quantizer.amax.shape == (128, 1)
     assert model[0].quant_backward == cfg.backward

@@ -49,7 +49,6 @@ def config(*entries, **top):
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
     qutils._warned.clear()  # warn_once remembers messages per process
-    yield
 
 
 # ------------------------------------------------------------------------------------------------------ mtq verbs
@@ -69,9 +68,14 @@ def test_set_quantizer_by_cfg_changes_only_matched_quantizers_in_order():
     mtq.set_quantizer_by_cfg(m, [{"quantizer_name": "fc1.weight_quantizer", "cfg": INT8_W},
                                  {"quantizer_name": "fc3.*", "enable": False},
                                  {"quantizer_name": "fc2.input_quantizer", "enable": True}])
-    assert m.fc1.weight_quantizer.fmt == "int8" and m.fc1.weight_quantizer.axis == 0
-    assert m.fc2.weight_quantizer.fmt == "e4m3" and torch.equal(m.fc2.weight_quantizer.amax, amax)  # untouched
-    assert not m.fc3.weight_quantizer.is_enabled and m.fc3.weight_quantizer.fmt == "e4m3"  # enable-only keeps format
+    assert m.fc1.weight_quantizer.fmt == "int8"
+    assert m.fc1.weight_quantizer.axis == 0
+    # untouched
+    assert m.fc2.weight_quantizer.fmt == "e4m3"
+    assert torch.equal(m.fc2.weight_quantizer.amax, amax)
+    # enable-only keeps format
+    assert not m.fc3.weight_quantizer.is_enabled
+    assert m.fc3.weight_quantizer.fmt == "e4m3"
     assert m.fc2.input_quantizer.is_enabled
     # The legacy dict form too.
     mtq.set_quantizer_by_cfg(m, {"*input_quantizer": {"enable": False}})
@@ -81,9 +85,14 @@ def test_set_quantizer_by_cfg_changes_only_matched_quantizers_in_order():
 def test_set_quantizer_attributes_full_partial_and_deprecated_single():
     m = mtq.quantize(model(), config({"quantizer_name": "*weight_quantizer", "cfg": INT8_W}), loop(batches()))
     n = mtq.set_quantizer_attributes_partial(m, "*fc1.weight_quantizer", {"narrow_range": True})
-    assert n == 1 and m.fc1.weight_quantizer.narrow_range and m.fc1.weight_quantizer.axis == 0  # the rest kept
+    # the rest kept
+    assert n == 1
+    assert m.fc1.weight_quantizer.narrow_range
+    assert m.fc1.weight_quantizer.axis == 0
     mtq.set_quantizer_attributes_full(m, lambda name: name.startswith("fc2."), QuantizerAttributeConfig(num_bits=4))
-    assert m.fc2.weight_quantizer.fmt == "int4" and m.fc2.weight_quantizer.axis is None  # defaults, not kept
+    # defaults, not kept
+    assert m.fc2.weight_quantizer.fmt == "int4"
+    assert m.fc2.weight_quantizer.axis is None
     assert m.fc2.input_quantizer.is_enabled  # full replacement: enabled by default
     with pytest.warns(DeprecationWarning, match="set_quantizer_attributes_partial"):
         mtq.set_quantizer_attribute(m, "*fc3.weight_quantizer", {"enable": False})
@@ -96,7 +105,8 @@ def test_set_quantizer_attributes_full_partial_and_deprecated_single():
 def test_enable_and_disable_quantizer_by_wildcard_or_filter_function():
     m = mtq.quantize(model(), mtq.FP8_DEFAULT_CFG, loop(batches()))
     assert mtq.disable_quantizer(m, lambda name: "fc2" in name) == 3
-    assert not m.fc2.weight_quantizer.is_enabled and m.fc1.weight_quantizer.is_enabled
+    assert not m.fc2.weight_quantizer.is_enabled
+    assert m.fc1.weight_quantizer.is_enabled
     assert mtq.enable_quantizer(m, "*fc2.weight_quantizer") == 1
     assert m.fc2.weight_quantizer.is_enabled
     with pytest.raises(TypeError, match="wildcard string or a filter function"):
@@ -129,7 +139,8 @@ def test_replace_quant_module_then_set_quantizer_by_cfg_then_calibrate(capsys):
     reference = mtq.quantize(model(), mtq.FP8_DEFAULT_CFG, loop(batches()))
     for (name, q), (_, r) in zip(((n, q) for n, q, _ in mtq.named_quantizers(m)),
                                  ((n, q) for n, q, _ in mtq.named_quantizers(reference)), strict=True):
-        assert q.is_enabled == r.is_enabled and (q.amax is None or torch.equal(q.amax, r.amax)), name
+        assert q.is_enabled == r.is_enabled, name
+        assert q.amax is None or torch.equal(q.amax, r.amax), name
     with pytest.raises(ValueError, match="already quantized"):
         mtq.replace_quant_module(m)
 
@@ -141,7 +152,8 @@ def test_print_quant_summary_to_a_directory_and_fold_weight_keep_attrs(tmp_path,
     assert "Quant summary saved" in capsys.readouterr().out
     expected = fake_quant(m.fc1.weight.detach(), "int8", m.fc1.weight_quantizer.amax, narrow_range=False)
     mtq.fold_weight(m, keep_attrs=True)
-    assert torch.equal(m.fc1.weight.detach(), expected) and not m.fc1.weight_quantizer.is_enabled
+    assert torch.equal(m.fc1.weight.detach(), expected)
+    assert not m.fc1.weight_quantizer.is_enabled
     assert m.fc1.weight_quantizer.amax is not None
 
 
@@ -187,7 +199,8 @@ def to_cfg(c):
 def test_model_optimizer_features_we_do_not_have_name_the_key_and_the_doc(attrs, key):
     with pytest.raises(ConfigError) as e:
         mtq.quantize(model(), config({"quantizer_name": "*weight_quantizer", "cfg": attrs}))
-    assert key in str(e.value) and "docs/modelopt_compat.md" in str(e.value)
+    assert key in str(e.value)
+    assert "docs/modelopt_compat.md" in str(e.value)
 
 
 def test_sequential_quantizer_cfg_list_is_a_documented_difference():
@@ -215,7 +228,8 @@ def test_tensor_quantizer_constructor_like_model_optimizer():
     q.enable_quant()
     assert torch.equal(q(x), fake_quant(x, "int8", q.amax, narrow_range=False))
     q2 = TensorQuantizer(QuantizerAttributeConfig(num_bits=(4, 3)), amax=2.5)
-    assert q2.amax.item() == 2.5 and q2.amax.dtype == torch.float32
+    assert q2.amax.item() == 2.5
+    assert q2.amax.dtype == torch.float32
 
 
 def test_load_calib_amax_without_data_is_strict_unless_told():
@@ -232,7 +246,8 @@ def test_load_calib_amax_of_static_int4_blocks_padded_to_128_on_a_16_wide_input(
     x = torch.randn(8, 16)
     q(x)
     q.load_calib_amax()
-    assert q.amax.shape == (8, 1) and torch.equal(q.amax, x.abs().amax(1, keepdim=True))
+    assert q.amax.shape == (8, 1)
+    assert torch.equal(q.amax, x.abs().amax(1, keepdim=True))
     q.disable_calib()
     q.enable_quant()
     out = q(x)
@@ -247,9 +262,11 @@ def test_step_size_and_the_num_bits_unsigned_narrow_range_setters():
     q = TensorQuantizer({"num_bits": 8}, amax=2.54)
     assert torch.allclose(q.step_size, torch.tensor(2.54 / 127))
     q.num_bits = 4
-    assert q.fmt == "int4" and torch.allclose(q.step_size, torch.tensor(2.54 / 7))
+    assert q.fmt == "int4"
+    assert torch.allclose(q.step_size, torch.tensor(2.54 / 7))
     q.unsigned = True
-    assert q.maxbound == 15 and torch.allclose(q.step_size, torch.tensor(2.54 / 15))
+    assert q.maxbound == 15
+    assert torch.allclose(q.step_size, torch.tensor(2.54 / 15))
     x = torch.tensor([-1.0, 0.5, 3.0])
     assert torch.equal(q(x), fake_quant(x, "int4", q.amax, unsigned=True))
     q.narrow_range = True
@@ -264,11 +281,14 @@ def test_get_and_set_from_modelopt_state_round_trip():
     q = TensorQuantizer({"num_bits": 4, "block_sizes": {-1: 128, "type": "static"}}, if_calib=True)
     q(torch.randn(3, 256))
     state = q.get_modelopt_state()
-    assert state["_num_bits"] == 4 and state["_block_sizes"] == {-1: 128, "type": "static"}
+    assert state["_num_bits"] == 4
+    assert state["_block_sizes"] == {-1: 128, "type": "static"}
     assert state["_pytorch_state_metadata"]["buffers"]["_amax"]["shape"] == torch.Size([6, 1])
     fresh = TensorQuantizer()
     fresh.set_from_modelopt_state(state)
-    assert fresh.static_block_size == 128 and fresh.amax.shape == (6, 1) and fresh._if_calib
+    assert fresh.static_block_size == 128
+    assert fresh.amax.shape == (6, 1)
+    assert fresh._if_calib
     with pytest.raises(ValueError, match=r"_rotate.*docs/modelopt_compat\.md"):
         fresh.set_from_modelopt_state({**state, "_rotate": True})
 
@@ -344,7 +364,9 @@ def test_second_quantize_on_a_quantized_model_is_an_error_naming_the_alternative
     amax = m.fc1.input_quantizer.amax.clone()
     with pytest.raises(ValueError, match=r"already quantized.*set_quantizer_by_cfg.*calibrate.*modelopt_compat"):
         mtq.quantize(m, mtq.INT8_DEFAULT_CFG, loop(batches()))
-    assert m.fc1.input_quantizer.fmt == "e4m3" and torch.equal(m.fc1.input_quantizer.amax, amax)  # unchanged
+    # unchanged
+    assert m.fc1.input_quantizer.fmt == "e4m3"
+    assert torch.equal(m.fc1.input_quantizer.amax, amax)
 
 
 def test_after_forward_loop_raises_the_model_is_as_before_calibration():
@@ -358,7 +380,8 @@ def test_after_forward_loop_raises_the_model_is_as_before_calibration():
         mtq.quantize(m, mtq.FP8_DEFAULT_CFG, failing)
     assert any("back as it was before this call" in note for note in getattr(e.value, "__notes__", []))
     # Not converted at all (mtq.quantize is all or nothing), training mode kept.
-    assert not list(mtq.named_quantizers(m)) and type(m.fc1) is torch.nn.Linear
+    assert not list(mtq.named_quantizers(m))
+    assert type(m.fc1) is torch.nn.Linear
     assert m.training
     # Then quantize again.
     mtq.quantize(m, mtq.FP8_DEFAULT_CFG, loop(batches()))
@@ -367,7 +390,8 @@ def test_after_forward_loop_raises_the_model_is_as_before_calibration():
     amax = m.fc1.input_quantizer.amax.clone()
     with pytest.raises(RuntimeError):
         mtq.calibrate(m, "max", failing)
-    assert torch.equal(m.fc1.input_quantizer.amax, amax) and not m.fc1.input_quantizer._if_calib
+    assert torch.equal(m.fc1.input_quantizer.amax, amax)
+    assert not m.fc1.input_quantizer._if_calib
 
 
 # -------------------------------------------------------------------------------------------------------- experts
@@ -380,7 +404,8 @@ def test_expert_quantizers_take_narrow_range_and_dynamic_amaxes():
            "kernel": "torch"}
     x = torch.randn(6, 16)
     mtq.quantize(g, cfg, lambda mod: mod(x, [2, 2, 2]))
-    assert g.input_quantizer.amax is None and g.input_quantizer.is_dynamic
+    assert g.input_quantizer.amax is None
+    assert g.input_quantizer.is_dynamic
     w = g.weight0.detach()
     assert torch.equal(g.weight_quantizer.fake_quant_expert(0, w),
                        fake_quant(w, "int8", g.weight_quantizer.expert_amax(0), narrow_range=False))
@@ -404,7 +429,8 @@ def test_dynamic_per_token_input_quantizer_with_a_tuple_axis():
     m = mtq.quantize(model(), cfg, loop(batches()))
     q = m.fc1.input_quantizer
     x = torch.randn(2, 5, 128)
-    assert q.is_dynamic and q.amax is None
+    assert q.is_dynamic
+    assert q.amax is None
     assert torch.equal(q(x), fake_quant(x, "e4m3", x.abs().amax(-1, keepdim=True)))
     with pytest.raises(ValueError, match="dynamic quantizer"):
         q.load_calib_amax()

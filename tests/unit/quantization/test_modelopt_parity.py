@@ -66,7 +66,8 @@ def quantize_like_the_fixture(fixture, name):
 
 
 def differing(a: torch.Tensor, b: torch.Tensor) -> int:
-    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.dtype == b.dtype
+    assert a.shape == b.shape
     return int((a.contiguous().view(_BITS[a.dtype]) != b.contiguous().view(_BITS[b.dtype])).sum())
 
 
@@ -80,7 +81,9 @@ def modelopt_fake_quant(x: torch.Tensor, amax: torch.Tensor, state: dict) -> tor
     the symmetric range with ``narrow_range``), divide by the scale; FP8: :func:`reciprocal_fp8`."""
     if state["_num_bits"] == (4, 3):
         return reciprocal_fp8(x, amax)
-    assert isinstance(state["_num_bits"], int) and state["_axis"] is None and state["_block_sizes"] is None
+    assert isinstance(state["_num_bits"], int)
+    assert state["_axis"] is None
+    assert state["_block_sizes"] is None
     bound = torch.tensor(2.0 ** (state["_num_bits"] - 1) - 1)
     scale = bound / amax.float()  # a tensor over a tensor: a true division, as Model Optimizer computes it
     q = torch.round(x.float() * scale).clamp(min=-bound if state["_narrow_range"] else -bound - 1, max=bound)
@@ -170,7 +173,8 @@ def test_wide_int_range_is_what_puts_clipped_values_on_model_optimizers_levels(f
 
 def test_narrow_range_case_matches_with_narrow_range_true(fixture):
     model, case, x = quantize_like_the_fixture(fixture, "int8_narrow")
-    assert model.fc1.input_quantizer.narrow_range and model.fc1.weight_quantizer.narrow_range
+    assert model.fc1.input_quantizer.narrow_range
+    assert model.fc1.weight_quantizer.narrow_range
     with torch.no_grad():
         assert differing(model.fc1.input_quantizer(x), unpack(case["fc1_input_q"])) == 0
 
@@ -178,7 +182,9 @@ def test_narrow_range_case_matches_with_narrow_range_true(fixture):
 def test_int4_static_blocks_pad_a_16_wide_linear(fixture):
     model, case, _ = quantize_like_the_fixture(fixture, "int4_blockwise")
     q = model.fc3.weight_quantizer
-    assert q.static_block_size == 128 and q.amax.shape == (8, 1)  # one padded block per row of the [8, 16] weight
+    # one padded block per row of the [8, 16] weight
+    assert q.static_block_size == 128
+    assert q.amax.shape == (8, 1)
     assert model.fc1.weight_quantizer.amax.shape == (32, 1)
     with torch.no_grad():
         assert differing(q(model.fc3.weight), unpack(case["weight_q"]["fc3"])) == 0
@@ -221,7 +227,8 @@ def test_fp8_in_bf16_is_bit_equal(fixture):
 def test_per_token_dynamic_input_keeps_no_amax_and_quantizes_each_row(fixture):
     model, _, x = quantize_like_the_fixture(fixture, "fp8_per_channel_per_token")
     q = model.fc1.input_quantizer
-    assert q.is_dynamic and q.amax is None
+    assert q.is_dynamic
+    assert q.amax is None
     row_amax = x.abs().amax(dim=-1, keepdim=True)
     with torch.no_grad():
         torch.testing.assert_close(q(x), mtq.fake_quant(x, "e4m3", row_amax), atol=0, rtol=0)
@@ -229,7 +236,8 @@ def test_per_token_dynamic_input_keeps_no_amax_and_quantizes_each_row(fixture):
 
 def test_parent_class_as_written_for_model_optimizer(fixture):
     model, _, _ = quantize_like_the_fixture(fixture, "fp8_parent_class")
-    assert model.fc1.weight_quantizer.is_enabled and model.fc3.input_quantizer.is_enabled
+    assert model.fc1.weight_quantizer.is_enabled
+    assert model.fc3.input_quantizer.is_enabled
     assert not model.fc2.weight_quantizer.is_enabled  # "fc2.*" disabled after the nn.Linear entries
 
 
@@ -254,14 +262,15 @@ def test_model_optimizer_quantizer_states_set_our_quantizers(fixture, name):
                 assert torch.equal(fresh.amax_of(x), ours.amax_of(x)), qname
             else:
                 assert fresh.axis == ours.axis, qname
-            assert (fresh.amax is None) == (ours.amax is None) and (
-                fresh.amax is None or fresh.amax.shape == ours.amax.shape), qname
+            assert (fresh.amax is None) == (ours.amax is None), qname
+            assert fresh.amax is None or fresh.amax.shape == ours.amax.shape, qname
         # Our own state round-trips and names Model Optimizer's attributes.
         mine = ours.get_modelopt_state()
         assert {"_num_bits", "_axis", "_block_sizes", "_narrow_range", "_disabled"} <= set(mine)
         again = TensorQuantizer()
         again.set_from_modelopt_state(mine)
-        assert again.cfg.model_dump() == ours.cfg.model_dump() and again.is_enabled == ours.is_enabled
+        assert again.cfg.model_dump() == ours.cfg.model_dump()
+        assert again.is_enabled == ours.is_enabled
 
 
 @pytest.mark.parametrize("name", ["int8_default", "int4_blockwise", "fp8_default"])
@@ -285,7 +294,8 @@ def test_restore_from_modelopt_state_then_load_state_dict(fixture):
     fresh = model_like_the_fixture(fixture, torch.float32)
     fresh = mto.restore_from_modelopt_state(fresh, saved["modelopt_state"])
     fresh.load_state_dict(saved["model_state_dict"])
-    assert fresh.fc1.weight_quantizer.axis == 0 and not fresh.fc1.output_quantizer.is_enabled
+    assert fresh.fc1.weight_quantizer.axis == 0
+    assert not fresh.fc1.output_quantizer.is_enabled
     for key, expected in case["amax"].items():
         assert differing(fresh.state_dict()[key], expected) == 0, key
 
@@ -298,11 +308,14 @@ def test_every_supported_preset_of_model_optimizer_validates():
     for name in ("FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG", "INT8_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
                  "INT8_WEIGHT_ONLY_CFG", "FP8_PER_CHANNEL_PER_TOKEN_CFG", "NVFP4_EXPERTS_ONLY_CFG", "W4A16_NVFP4_CFG"):
         cfg = to_config(copy.deepcopy(presets[name]))
-        assert cfg.quant_cfg[0].quantizer_name == "*" and cfg.quant_cfg[0].enable is False
+        assert cfg.quant_cfg[0].quantizer_name == "*"
+        assert cfg.quant_cfg[0].enable is False
     nvfp4 = to_config(presets["NVFP4_DEFAULT_CFG"]).resolve("fc.weight_quantizer", ("Linear",))
-    assert nvfp4.format == "nvfp4" and nvfp4.effective_bits == 4.5
+    assert nvfp4.format == "nvfp4"
+    assert nvfp4.effective_bits == 4.5
     int4 = to_config(presets["INT4_BLOCKWISE_WEIGHT_ONLY_CFG"]).resolve("fc.weight_quantizer", ("Linear",))
-    assert int4.static_block_size == 128 and int4.block_size is None
+    assert int4.static_block_size == 128
+    assert int4.block_size is None
 
 
 @pytest.mark.parametrize("name", ["INT4_AWQ_CFG", "W4A8_AWQ_BETA_CFG"])

@@ -18,7 +18,8 @@ def test_the_mode_follows_switches_amax_config_and_amax_update():
     q = TensorQuantizer(QuantizerAttributeConfig(num_bits="e4m3"))
     assert q.mode is QuantMode.UNCALIBRATED
     q.enable_calib()
-    assert q.mode is QuantMode.CALIBRATING and q.is_calibrating
+    assert q.mode is QuantMode.CALIBRATING
+    assert q.is_calibrating
     q.disable_quant()
     assert q.mode is QuantMode.CALIBRATING  # calibrating, quantization off
     q.disable_calib()
@@ -27,14 +28,18 @@ def test_the_mode_follows_switches_amax_config_and_amax_update():
     q.amax = 2.0
     assert q.mode is QuantMode.STATIC
     q.disable()
-    assert q.mode is QuantMode.OFF and not q.is_calibrating
+    assert q.mode is QuantMode.OFF
+    assert not q.is_calibrating
     q.enable()
     q.reset_amax()
     assert q.mode is QuantMode.UNCALIBRATED
     q.set_amax_update("dynamic")
-    assert q.mode is QuantMode.REFRESHED and q.refreshes_amax
+    assert q.mode is QuantMode.REFRESHED
+    assert q.refreshes_amax
     q.set_from_attribute_config({"type": "dynamic"})
-    assert q.mode is QuantMode.DYNAMIC and not q.refreshes_amax  # nothing to store, so nothing to refresh
+    # nothing to store, so nothing to refresh
+    assert q.mode is QuantMode.DYNAMIC
+    assert not q.refreshes_amax
     q.set_from_attribute_config({"type": "static"})
     q.amax = 1.0
     q.set_amax_update("learned")
@@ -43,7 +48,8 @@ def test_the_mode_follows_switches_amax_config_and_amax_update():
     assert q.mode is QuantMode.STATIC
     q.num_bits = 4  # a property setter changes the config too
     q.block_sizes = {-1: 16, "type": "dynamic"}
-    assert q.mode is QuantMode.STATIC and not q.needs_amax
+    assert q.mode is QuantMode.STATIC
+    assert not q.needs_amax
 
 
 def test_model_optimizer_style_writes_of_the_switches_and_the_amax_are_seen():
@@ -56,7 +62,8 @@ def test_model_optimizer_style_writes_of_the_switches_and_the_amax_are_seen():
     q._amax = None
     assert q.mode is QuantMode.UNCALIBRATED
     q.load_state_dict({"_amax": torch.tensor(3.0)})
-    assert q.mode is QuantMode.STATIC and q.amax == 3.0
+    assert q.mode is QuantMode.STATIC
+    assert q.amax == 3.0
 
 
 @pytest.mark.parametrize("copy_fn", [copy.deepcopy, lambda q: pickle.loads(pickle.dumps(q))])
@@ -66,8 +73,10 @@ def test_copies_keep_the_mode_and_keep_following_their_inputs(copy_fn):
     clone = copy_fn(q)
     assert clone.mode is QuantMode.STATIC
     clone.enable_calib()
-    assert clone.mode is QuantMode.CALIBRATING and q.mode is QuantMode.STATIC
-    assert clone.view(1).mode is QuantMode.CALIBRATING and clone.view(1).is_calibrating
+    assert clone.mode is QuantMode.CALIBRATING
+    assert q.mode is QuantMode.STATIC
+    assert clone.view(1).mode is QuantMode.CALIBRATING
+    assert clone.view(1).is_calibrating
 
 
 def test_clips_only_where_a_clipped_straight_through_gradient_has_an_amax():

@@ -35,7 +35,9 @@ def check_untouched_and_retry(model, before, error, hook_calls, hook):
     x = torch.randn(4, 40)
     expected = copy.deepcopy(model)(x)
     calls = len(hook_calls)
-    assert torch.equal(model(x), expected) and len(hook_calls) == calls + 1  # the user's hook still runs
+    # the user's hook still runs
+    assert torch.equal(model(x), expected)
+    assert len(hook_calls) == calls + 1
     mtq.quantize(model, mtq.INT8_DEFAULT_CFG, lambda m: m(x))
     assert not torch.equal(model(x), expected)  # quantized now
     hook.remove()  # the user's handle still removes its hook

@@ -110,7 +110,9 @@ def test_kernel_and_torch_paths_give_the_same_bits(mode):
     for preset in ("fp8_default.yaml", "nvfp4_default.yaml", "int8_default.yaml"):
         a = _run(_layer("torch", mode, "clipped", preset), x, p, g)
         b = _run(_layer("triton", mode, "clipped", preset), x, p, g)
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]), preset
+        assert torch.equal(a[0], b[0]), preset
+        assert torch.equal(a[1], b[1]), preset
+        assert torch.equal(a[2], b[2]), preset
         assert all(torch.equal(u, v) for u, v in zip(a[3], b[3], strict=True)), preset
 
 

@@ -66,7 +66,8 @@ def test_the_former_kernel_te_fp8_warns_once_per_process(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     messages = eval(done.stdout.strip())
-    assert len(messages) == 1 and "gemm: te_fp8" in messages[0]
+    assert len(messages) == 1
+    assert "gemm: te_fp8" in messages[0]
 
 
 def _config(gemm, preset="fp8_default.yaml", **experts):
@@ -103,10 +104,12 @@ def test_a_model_without_te_grouped_linears_runs_fake_quant_as_with_gemm_fake_qu
         cfg = _config(gemm)
         cfg.backward.mode = mode
         layer = _quantized(cfg)
-        assert layer.quant_gemm == gemm and te_fp8.problems(layer) == []
+        assert layer.quant_gemm == gemm
+        assert te_fp8.problems(layer) == []
         runs[gemm] = _run(layer)
     (y_a, dx_a, dw_a), (y_t, dx_t, dw_t) = runs["fake_quant"], runs["te_fp8"]
-    assert torch.equal(y_a, y_t) and torch.equal(dx_a, dx_t)
+    assert torch.equal(y_a, y_t)
+    assert torch.equal(dx_a, dx_t)
     assert all(torch.equal(a, b) for a, b in zip(dw_a, dw_t, strict=True))
 
 
@@ -122,7 +125,7 @@ def test_te_fp8_engages_after_calibration_only():
     assert not te_fp8.engaged(_quantized(_config("fake_quant")))
 
 
-@pytest.mark.parametrize("preset,change,message", [
+@pytest.mark.parametrize(("preset", "change", "message"), [
     ("nvfp4_default.yaml", None, "format nvfp4"),
     ("int8_default.yaml", None, "format int8"),
     ("fp8_default.yaml", lambda m: m.input_quantizer.disable(), "input_quantizer is not quantizing"),

@@ -111,7 +111,9 @@ def test_calib_off_quant_on_uses_the_stored_amax_and_leaves_it_alone():
     # Model Optimizer's default range: [-128, 127] levels, so negatives clamp at -128/127 * amax.
     _exact(out, fake_quant(x, "int8", torch.full((4, 1), 0.75), narrow_range=False))
     _exact(q.amax, torch.full((4, 1), 0.75))
-    assert out.max() <= amax and out.min() >= -amax * 128 / 127  # values beyond the amax were clamped
+    # values beyond the amax were clamped
+    assert out.max() <= amax
+    assert out.min() >= -amax * 128 / 127
     assert out.min() < -amax  # the extra negative level is reached
     assert x.abs().max() > amax
 
@@ -136,7 +138,9 @@ def test_amax_setter_with_same_shape_updates_in_place():
     q2 = TensorQuantizer(E4M3, amax=torch.tensor(2.0))
     buf2, v2 = q2.amax, q2.amax._version
     q2.amax = 3.5
-    assert q2.amax is buf2 and buf2._version > v2 and buf2.item() == 3.5
+    assert q2.amax is buf2
+    assert buf2._version > v2
+    assert buf2.item() == 3.5
 
 
 def test_amax_setter_does_not_alias_the_given_tensor_and_reshapes_on_shape_change():
@@ -155,7 +159,9 @@ def test_collect_updates_the_amax_buffer_in_place():
     q.collect(torch.tensor([1.0, -2.0]))
     buf, version = q.amax, q.amax._version
     q.collect(torch.tensor([3.0]))
-    assert q.amax is buf and buf._version > version and buf.item() == 3.0
+    assert q.amax is buf
+    assert buf._version > version
+    assert buf.item() == 3.0
 
 
 @pytest.mark.parametrize("cfg", [E4M3, INT8_PER_CHANNEL])
@@ -202,9 +208,13 @@ def _calibrated_quantizer():
 def test_quantizer_copies_give_identical_outputs_and_state(clone):
     q = _calibrated_quantizer()
     c = clone(q)
-    assert c is not q and c.amax is not q.amax
+    assert c is not q
+    assert c.amax is not q.amax
     _exact(c.amax, q.amax)
-    assert c.fmt == q.fmt and c.axis == q.axis and c.ste == "clipped" and c.is_enabled
+    assert c.fmt == q.fmt
+    assert c.axis == q.axis
+    assert c.ste == "clipped"
+    assert c.is_enabled
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(11)) * 4
     _exact(c(x), q(x))
     # The copy is independent.
@@ -278,9 +288,11 @@ def test_clipped_ste_gradient_is_zero_exactly_where_abs_x_exceeds_amax(cfg, amax
     upstream = torch.randn(4, 32, generator=g)
     q(x).backward(upstream)
     inside = x.detach().abs() <= amax
-    assert (~inside).any() and inside.any()
+    assert (~inside).any()
+    assert inside.any()
     _exact(x.grad, torch.where(inside, upstream, torch.zeros_like(upstream)))
-    assert x.grad[0, 0] == upstream[0, 0] and x.grad[1, 1] == upstream[1, 1]
+    assert x.grad[0, 0] == upstream[0, 0]
+    assert x.grad[1, 1] == upstream[1, 1]
 
 
 def test_clipped_ste_with_invalid_amax_clips_nothing():

@@ -183,7 +183,8 @@ def _lsq_reference_grad(w, amax, g, fmt="e4m3"):
 def test_learned_amax_is_a_parameter_with_the_lsq_gradient():
     layer, x = _grouped("learned")
     q = layer.weight_quantizer
-    assert isinstance(q._amax, torch.nn.Parameter) and any(p is q._amax for p in layer.parameters())
+    assert isinstance(q._amax, torch.nn.Parameter)
+    assert any(p is q._amax for p in layer.parameters())
     assert "weight_quantizer._amax" in layer.state_dict()
     with torch.no_grad():
         q._amax.mul_(0.5)  # some weights saturate
@@ -219,7 +220,8 @@ def test_learned_amax_state_cast_copy_and_restore(tmp_path):
     keys = [k for k in layer.state_dict() if k.startswith("weight_quantizer")]
     assert keys == [f"weight_quantizer.{i}._amax" for i in range(N)]
     layer.bfloat16()
-    assert layer.weight_quantizer._amax.dtype == torch.float32 and layer.weight0.dtype == torch.bfloat16
+    assert layer.weight_quantizer._amax.dtype == torch.float32
+    assert layer.weight0.dtype == torch.bfloat16
     layer.float()
     for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
         assert clone.weight_quantizer.learns_amax
@@ -229,7 +231,8 @@ def test_learned_amax_state_cast_copy_and_restore(tmp_path):
     save(layer, tmp_path / "q.pt")
     fresh = GroupedLinear(N, IN, OUT)
     restore(fresh, tmp_path / "q.pt")
-    assert fresh.weight_quantizer.learns_amax and fresh.weight_quantizer.amax_update == "learned"
+    assert fresh.weight_quantizer.learns_amax
+    assert fresh.weight_quantizer.amax_update == "learned"
     assert torch.equal(fresh.weight_quantizer.amax, layer.weight_quantizer.amax)
 
 
@@ -266,5 +269,7 @@ def test_learned_expert_view_trains_its_own_row():
     out = quantize_weight_operand(None, q.view(1), w)
     assert torch.equal(out.detach(), fake_quant(w.detach(), "e4m3", torch.tensor(0.5)))
     out.pow(2).sum().backward()
-    assert q._amax.grad[1] != 0 and q._amax.grad[0] == 0 and q._amax.grad[2] == 0
+    assert q._amax.grad[1] != 0
+    assert q._amax.grad[0] == 0
+    assert q._amax.grad[2] == 0
     assert w.grad is not None

@@ -53,7 +53,7 @@ def _step(layer, seed: int = 2):
     return y.detach(), x.grad, grads
 
 
-@pytest.mark.parametrize("preset,ste", [("fp8_default.yaml", "clipped"), ("nvfp4_default.yaml", "pass_through")])
+@pytest.mark.parametrize(("preset", "ste"), [("fp8_default.yaml", "clipped"), ("nvfp4_default.yaml", "pass_through")])
 def test_recompute_gives_the_bits_of_keeping_the_operands(monkeypatch, preset, ste):
     keep = _step(_layer("keep", preset, ste))
     packed = []
@@ -70,7 +70,8 @@ def test_recompute_gives_the_bits_of_keeping_the_operands(monkeypatch, preset, s
     got = _step(layer)
     assert calls[0] == 2  # the forward's launch and the backward's
     assert sum(packed) == len(SPLITS)  # each expert GEMM (the empty one too) saved its weight by place only
-    assert torch.equal(got[0], keep[0]) and torch.equal(got[1], keep[1])
+    assert torch.equal(got[0], keep[0])
+    assert torch.equal(got[1], keep[1])
     assert all(torch.equal(a, b) for a, b in zip(got[2], keep[2], strict=True))
 
 

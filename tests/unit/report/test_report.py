@@ -79,7 +79,8 @@ def test_plots_are_written(tmp_path):
                                 tmp_path / "inputs.png"),
     ]
     for p in paths:
-        assert p.is_file() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert p.is_file()
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # Held-out losses of 4 batches: batch-to-batch spread (0.1) far above the differences between models, as on real data.
@@ -94,7 +95,8 @@ def _outcome(ptq_gap, qad_change, kl=(2e-4, 1e-4)):
 
 def test_qad_that_made_the_held_out_loss_worse_is_said_plainly():
     out = _outcome([0.0010, 0.0012, 0.0011, 0.0013], [0.005, 0.006, 0.007, 0.0065])
-    assert out["verdict"] == "worse" and out["share_closed"] is None
+    assert out["verdict"] == "worse"
+    assert out["share_closed"] is None
     assert "QAD made the held-out loss WORSE: up by 0.0061" in out["text"]
     assert "held-out KL to the teacher 0.000203 -> 0.000107 (down 47%" in out["text"]
     assert "% of the PTQ loss gap" not in out["text"]  # no negative share of a gap
@@ -102,16 +104,22 @@ def test_qad_that_made_the_held_out_loss_worse_is_said_plainly():
 
 def test_a_share_of_the_gap_only_where_the_gap_exceeds_its_noise():
     clear = _outcome([0.10, 0.12, 0.11, 0.13], [-0.05, -0.06, -0.055, -0.065])
-    assert clear["verdict"] == "better" and clear["share_closed"] == pytest.approx(0.5, abs=1e-9)
-    assert "50% ± " in clear["text"] and "of the PTQ loss gap (+0.11 ± 0.0065) closed" in clear["text"]
+    assert clear["verdict"] == "better"
+    assert clear["share_closed"] == pytest.approx(0.5, abs=1e-9)
+    assert "50% ± " in clear["text"]
+    assert "of the PTQ loss gap (+0.11 ± 0.0065) closed" in clear["text"]
     noisy = _outcome([0.004, -0.003, 0.002, -0.001], [-0.001, 0.002, -0.002, 0.0005])
-    assert noisy["verdict"] == "within noise" and noisy["share_closed"] is None
+    assert noisy["verdict"] == "within noise"
+    assert noisy["share_closed"] is None
     assert "is not larger than twice its noise, so no share of it closed is reported" in noisy["text"]
     below = _outcome([-0.0011, -0.0014, -0.0009, -0.0012], [0.0023, 0.0029, 0.0019, 0.0025])
-    assert below["verdict"] == "worse" and below["share_closed"] is None
+    assert below["verdict"] == "worse"
+    assert below["share_closed"] is None
     assert "PTQ's held-out loss was below the teacher's (-0.0011 ± 0.0001): no loss gap to close" in below["text"]
     one = qad_outcome([3.5], [3.6], [3.55], [2e-2], [1e-2])
-    assert one["verdict"] == "unknown" and one["gap_noise"] is None and "no noise estimate" in one["text"]
+    assert one["verdict"] == "unknown"
+    assert one["gap_noise"] is None
+    assert "no noise estimate" in one["text"]
 
 
 def test_the_report_shows_the_noise_and_significant_digits(tmp_path):
@@ -131,5 +139,7 @@ def test_the_report_shows_the_noise_and_significant_digits(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| KL to teacher after QAD | 1.2e-05 |" in md  # not 0.0000
     assert "| QAD | 3.5071 ± 0.041 | +0.0071 ± " in md  # minus the teacher's loss, paired by batch
-    assert "**What QAD did:** held-out KL to the teacher" in md and "WORSE" in md
-    assert (tmp_path / "loss_curve.png").is_file() and (tmp_path / "expert_weight_error.png").is_file()
+    assert "**What QAD did:** held-out KL to the teacher" in md
+    assert "WORSE" in md
+    assert (tmp_path / "loss_curve.png").is_file()
+    assert (tmp_path / "expert_weight_error.png").is_file()
