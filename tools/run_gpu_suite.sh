@@ -2,10 +2,11 @@
 # The GPU tests and benchmarks, on a machine with a CUDA GPU and the package's dependencies installed as the README
 # says ("Tests": torch with CUDA, Megatron-Core, Triton, Transformer Engine, the export and dev extras). From the
 # repository root:
-#   bash tools/run_gpu_suite.sh [tests|bench|kernels|step|profile|qad|all] [args]
+#   bash tools/run_gpu_suite.sh [tests|bench|kernels|grouped|step|profile|qad|all] [args]
 # tests: the GPU tests (marker `gpu`, in tests/gpu and tests/tools; extra args go to pytest); bench: the kernel and
 # TE GroupedLinear benchmarks (kernels: the kernel benchmark alone, extra args go to
-# tools/bench_expert_fake_quant.py); step: the whole Megatron step benchmark (extra args go to
+# tools/bench_expert_fake_quant.py); grouped: the TE GroupedLinear benchmark alone (extra args go to
+# tools/bench_te_grouped_step.py); step: the whole Megatron step benchmark (extra args go to
 # tools/bench_megatron_step.py); profile: its GPU time by kernel category (extra args go to
 # tools/profile_megatron_step.py); qad: the QAD study (extra args go to tools/bench_qat_recovery.py --gpu --study,
 # e.g. --budget 360 --json "$OUT/qad.json"); all: tests and bench.
@@ -38,8 +39,10 @@ if [[ $what == bench || $what == all || $what == kernels ]]; then
   "$PYTHON" "$root/tools/bench_expert_fake_quant.py" "$@" 2>&1 | tee "$out/bench_expert_fake_quant.log" | tail -35
   status=${PIPESTATUS[0]}
 fi
-if [[ $what == bench || $what == all ]]; then
-  "$PYTHON" "$root/tools/bench_te_grouped_step.py" 2>&1 | tee "$out/bench_te_grouped_step.log" | tail -15
+if [[ $what == bench || $what == all || $what == grouped ]]; then
+  [[ $what == grouped ]] || set --
+  "$PYTHON" "$root/tools/bench_te_grouped_step.py" "$@" 2>&1 | tee -a "$out/bench_te_grouped_step.log" | tail -15
+  status=${PIPESTATUS[0]}
 fi
 if [[ $what == step ]]; then
   "$PYTHON" "$root/tools/bench_megatron_step.py" "$@" 2>&1 | tee "$out/bench_megatron_step.log" | tail -40
