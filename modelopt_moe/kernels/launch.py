@@ -98,15 +98,17 @@ _dtype_of = operator.attrgetter("dtype")
 
 
 class Signature:
-    """Addresses, shapes, strides, dtypes and devices of a list of tensors: everything the checks and the tables of
-    a grouped call depend on. Read with ``map`` over C accessors (no Python work per expert); hashed once (hashing the
-    long tuple would otherwise dominate a cache hit)."""
+    """Addresses, shapes, contiguity, dtypes and devices of a list of tensors: everything the checks and the tables
+    of a grouped call depend on (a contiguous tensor's strides follow from its shape; lists with a non-contiguous
+    entry fail the checks and get no table). Read with ``map`` over C accessors (no Python work per expert); hashed
+    once (hashing the long tuple would otherwise dominate a cache hit)."""
 
     __slots__ = ("value", "hash")
 
     def __init__(self, tensors: Sequence[torch.Tensor]):
-        self.value = (tuple(map(_T.data_ptr, tensors)), tuple(map(_T.size, tensors)), tuple(map(_T.stride, tensors)),
-                      tuple(map(_dtype_of, tensors)), tuple(map(_T.get_device, tensors)))
+        self.value = (tuple(map(_T.data_ptr, tensors)), tuple(map(_T.size, tensors)),
+                      tuple(map(_T.is_contiguous, tensors)), tuple(map(_dtype_of, tensors)),
+                      tuple(map(_T.get_device, tensors)))
         self.hash = hash(self.value)
 
     @property
@@ -126,13 +128,27 @@ class Signature:
         return isinstance(other, Signature) and self.hash == other.hash and self.value == other.value
 
 
+# One object per distinct signature seen recently: a call's signature is compared in full once, here, and the cache
+# keys built from it then match the stored keys by identity (a full comparison costs as much as reading the list).
+_interned: OrderedDict[Signature, Signature] = OrderedDict()
+
+
 def signature(tensors: Sequence[torch.Tensor]) -> Signature | None:
-    """The :class:`Signature` of ``tensors``, or None if an entry is not a tensor or has no storage to point at
-    (fake tensors outside ``torch.compile``): such lists are checked every call."""
+    """The :class:`Signature` of ``tensors`` (the one object of an equal signature seen recently), or None if an
+    entry is not a tensor or has no storage to point at (fake tensors outside ``torch.compile``): such lists are
+    checked every call."""
     try:
-        return Signature(tensors)
+        sig = Signature(tensors)
     except (TypeError, RuntimeError, NotImplementedError):
         return None
+    seen = _interned.get(sig)
+    if seen is not None:
+        _interned.move_to_end(seen)
+        return seen
+    _interned[sig] = sig
+    if len(_interned) > 4 * _CACHE_SIZE:
+        _interned.popitem(last=False)
+    return sig
 
 
 # Keys (a signature with the format, block size and amax shape) of expert lists that passed their checks: a later
@@ -193,8 +209,8 @@ def weight_plan(inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor] | No
                 aux_sig: Signature | None = None) -> WeightPlan:
     """The tiling and table of ``inputs`` (and ``aux``, read at the same offsets); ``sig`` / ``aux_sig``: their
     signatures when the caller has them."""
-    aux_sig = None if aux is None else aux_sig or Signature(aux)
-    key = (sig or Signature(inputs), aux_sig, bs, two_d, tile_elems)
+    aux_sig = None if aux is None else aux_sig or signature(aux)
+    key = (sig or signature(inputs), aux_sig, bs, two_d, tile_elems)
     plan = _plan_cache.get(key) or _captured_plans.get(key)
     if plan is not None:
         if key in _plan_cache:
@@ -274,6 +290,7 @@ def clear_table_cache() -> None:
     the memo of checked weight lists."""
     _plan_cache.clear()
     _checked.clear()
+    _interned.clear()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -584,7 +584,7 @@ def test_pointer_table_cache_is_keyed_on_pointers():
 
 
 def test_checked_lists_are_rechecked_when_a_tensor_changes_behind_the_same_objects():
-    """The per-expert checks run once per signature (addresses, shapes, strides, dtypes, devices); a parameter whose
+    """The per-expert checks run once per signature (addresses, shapes, contiguity, dtypes, devices); a parameter whose
     ``.data`` is swapped (as Megatron's DDP and ``Float16Module`` do) is checked again, and the result follows it."""
     launch.clear_table_cache()
     weights = [torch.nn.Parameter(w) for w in make_experts([(4, 32), (4, 32)], torch.float32)]
@@ -611,6 +611,29 @@ def test_checked_lists_are_rechecked_when_a_tensor_changes_behind_the_same_objec
         K.grouped_weight_fake_quant(odd, distinct_amax(odd), "e4m3")
         with pytest.raises(ValueError, match="multiple of the block size 16"):
             K.grouped_weight_fake_quant(odd, distinct_amax(odd), "nvfp4")
+
+
+def test_a_square_expert_transposed_in_place_is_not_taken_for_the_checked_one():
+    """Same address, same shape, same dtype, other strides: the signature tells them apart, so the list is checked
+    again (and refused) instead of reusing the checks and table of the contiguous one."""
+    launch.clear_table_cache()
+    weights = [torch.nn.Parameter(w) for w in make_experts([(16, 16), (16, 16)], torch.float32)]
+    amax = distinct_amax(weights).detach()
+    with torch.no_grad():
+        K.grouped_weight_fake_quant(weights, amax, "e4m3")
+        original = weights[1].data
+        weights[1].data = original.t()
+        assert weights[1].data_ptr() == original.data_ptr() and weights[1].shape == original.shape
+        with pytest.raises(ValueError, match="expert 1 .* is not contiguous"):
+            K.grouped_weight_fake_quant(weights, amax, "e4m3")
+
+
+def test_equal_signatures_are_one_object_and_changed_ones_are_not():
+    weights = make_experts([(4, 32), (4, 32)], torch.float32)
+    first = launch.signature(weights)
+    assert launch.signature(list(weights)) is first
+    assert launch.signature([weights[0], weights[1].clone()]) is not first
+    assert launch.signature([weights[0], weights[1].view(8, 16)]) != first
 
 
 @pytest.mark.parametrize("shapes", [[(4, 32)] * 3, [(4, 32), (2, 32), (4, 16)]], ids=["uniform", "ragged"])
