@@ -623,7 +623,8 @@ def test_a_square_expert_transposed_in_place_is_not_taken_for_the_checked_one():
         K.grouped_weight_fake_quant(weights, amax, "e4m3")
         original = weights[1].data
         weights[1].data = original.t()
-        assert weights[1].data_ptr() == original.data_ptr() and weights[1].shape == original.shape
+        assert weights[1].data_ptr() == original.data_ptr()
+        assert weights[1].shape == original.shape
         with pytest.raises(ValueError, match="expert 1 .* is not contiguous"):
             K.grouped_weight_fake_quant(weights, amax, "e4m3")
 
