@@ -322,10 +322,14 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     with torch.no_grad():
         other_logits = gather_logits(restored, probe)
     diff = (other_logits.float() - saved_logits.float()).abs().max().item()
+    other = (f"at TP={other_tp} EP={other_ep} every weight and amax {'bit-identical' if state_same else 'DIFFERENT'}, "
+             f"logits within {diff:.2g}")
+    if other_tp != tp:
+        other += " (another TP size sums the row-parallel GEMMs in another order)"
+    if (other_tp, other_ep) == (tp, ep):  # one process: there is no other layout to restore at
+        other = f"every weight and amax {'bit-identical' if state_same else 'DIFFERENT'} in a second restore"
     stage(f"checkpoint: saved at TP={tp} EP={ep}; restored in fresh process groups into freshly built models: at "
-          f"TP={tp} EP={ep} logits {'bit-identical' if logits_same else 'DIFFERENT'}; at TP={other_tp} "
-          f"EP={other_ep} every weight and amax {'bit-identical' if state_same else 'DIFFERENT'}, logits within "
-          f"{diff:.2g} (another TP size sums the row-parallel GEMMs in another order)")
+          f"TP={tp} EP={ep} logits {'bit-identical' if logits_same else 'DIFFERENT'}; {other}")
     ok &= logits_same and state_same
 
     # 5. export -------------------------------------------------------------------------------------------------
