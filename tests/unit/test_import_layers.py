@@ -1,8 +1,9 @@
-"""The package's import graph, counting imports inside functions: imports point down the layers of
-docs/architecture.md (``plugins -> report -> export, checkpoint, distill -> quantization -> kernels -> numerics``,
-with ``launch`` and ``progress`` beside ``numerics``; inside ``plugins``, ``cli`` above ``megatron`` above
-``megatron_cpu``), the core never imports ``modelopt_moe.plugins``, and no module imports itself back through
-others."""
+"""The package's import graph, counting imports inside functions (the kernels' lazy imports of their ``@triton.jit``
+modules among them): imports point down the layers of docs/architecture.md (``plugins -> report -> export,
+checkpoint, distill -> quantization -> kernels -> numerics``, with ``launch`` and ``progress`` beside ``numerics``;
+inside ``plugins``, ``cli`` above ``megatron`` above ``megatron_cpu``), the kernels import ``numerics`` alone of the
+project, the core never imports ``modelopt_moe.plugins``, every imported project module exists, and no module
+imports itself back through others."""
 
 import ast
 from pathlib import Path
@@ -51,12 +52,13 @@ def _resolve(name: str) -> str | None:
     return name or None
 
 
-def _imports(module: str, path: Path) -> set[str]:
+def _imports(module: str, path: Path) -> tuple[set[str], set[str]]:
+    """(the project modules ``module`` imports, the names it imports as modules that are none of the project's)."""
     package = module if path.stem == "__init__" else module.rpartition(".")[0]
-    found = set()
+    found, unknown = set(), set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            names, as_modules = [a.name for a in node.names], [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = package
             for _ in range(node.level - 1):
@@ -64,17 +66,20 @@ def _imports(module: str, path: Path) -> set[str]:
             target = f"{base}.{node.module}" if node.level and node.module else (node.module or base)
             # `from a import b`: module a, and b if it is a module; `from . import b`: module b.
             names = ([target] if node.module is not None else []) + [f"{target}.{a.name}" for a in node.names]
+            as_modules = [target] if node.module is not None else names
         else:
             continue
+        unknown.update(n for n in as_modules if n.startswith("modelopt_moe") and n not in MODULES)
         for name in names:
             if name.startswith("modelopt_moe"):
                 resolved = _resolve(name)
                 if resolved is not None and resolved != module:
                     found.add(resolved)
-    return found
+    return found, unknown
 
 
-GRAPH = {module: _imports(module, path) for module, path in MODULES.items()}
+_PARSED = {module: _imports(module, path) for module, path in MODULES.items()}
+GRAPH = {module: found for module, (found, _) in _PARSED.items()}
 
 
 def _layer(module: str) -> int | None:
@@ -99,6 +104,16 @@ def test_imports_point_down_the_layers():
                     if mod != "modelopt_moe" and dep != "modelopt_moe" and not _is_package_of(dep, mod)
                     and _layer(dep) > _layer(mod))
     assert upward == []
+
+
+def test_every_imported_project_module_exists():
+    assert sorted((mod, name) for mod, (_, unknown) in _PARSED.items() for name in unknown) == []
+
+
+def test_kernels_import_only_numerics_of_the_project():
+    kernels = {mod: deps for mod, deps in GRAPH.items() if mod.startswith("modelopt_moe.kernels")}
+    assert sorted((mod, dep) for mod, deps in kernels.items() for dep in deps
+                  if not dep.startswith(("modelopt_moe.kernels", "modelopt_moe.numerics"))) == []
 
 
 def test_the_core_never_imports_the_plugins():
