@@ -11,10 +11,18 @@ forward as a deployed FP8 model does:
   in a scratch buffer, never in our amax.
 * **TE's FP8 grouped GEMM** (``general_grouped_gemm``, cuBLASLt, split fp32 accumulation), output times
   ``(1 / s_x) * (1 / s_w)`` in the activation dtype, biases added in its epilogue.
-* **The backward of the configured mode**, with the bf16 grouped GEMMs TE's own ``GroupedLinear`` backward calls, on
-  the operands the fake-quant path would give them: ``Q(x)``, ``Q(w)`` from the same fake-quant kernels and STE
-  (``dequantized``, ``quantized`` with the output gradient fake-quantized first) or ``x``, ``w`` (``high_precision``).
-  The gradients are the fake-quant path's; ``weight_amax_update`` static, dynamic and learned all work as there.
+* **The backward of the configured mode.** ``dequantized`` and ``high_precision``: the bf16 grouped GEMMs TE's own
+  ``GroupedLinear`` backward calls, on the operands the fake-quant path gives them (``Q(x)``, ``Q(w)`` from the same
+  fake-quant kernels and STE, or ``x``, ``w``): the gradients are the fake-quant path's, bit for bit;
+  ``weight_amax_update`` static, dynamic and learned all work as there.
+* **``quantized``: FP8 backward GEMMs.** The output gradient ``g`` is cast to ``grad_num_bits`` (E5M2 by default)
+  with one scale from its own amax, the codes of ``fake_quant(g, fmt, max|g|)``; dgrad is the FP8 GEMM
+  ``Q(g) Q(w)`` on the weights' transposed codes, and wgrad ``Q(g)^T Q(x)`` when every expert's token count is a
+  multiple of 16 (cuBLAS reads the transposed codes of tokens and gradient; Megatron pads the counts so with
+  ``moe_router_padding_for_quantization``), else the fake-quant path's bf16 wgrad on ``fake_quant(g)`` and ``Q(x)``.
+  These gradients are the exact products of the FP8 operands (fp32 accumulation, bf16 output), as the forward, not
+  the fake-quant path's bits. A layer with biases, a learned weight amax or router probabilities on its input keeps
+  the bf16 backward above (with ``g`` fake-quantized first).
 
 * **Router probabilities.** As ``TEGroupedMLP``'s ``linear_fc2`` given the tokens' probabilities
   (:mod:`.megatron.router_probs`), the FP8 GEMM runs on ``Q(act)`` and its output rows are multiplied by them, the
@@ -44,6 +52,7 @@ Transformer Engine is imported on first use, so :func:`problems` and :func:`enga
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from types import SimpleNamespace
@@ -51,7 +60,8 @@ from types import SimpleNamespace
 import torch
 from torch.autograd.function import once_differentiable
 
-from modelopt_moe.numerics import E4M3_MAX, safe_amax, scale_rows
+from modelopt_moe.kernels import grouped_weight_amax, grouped_weight_fake_quant
+from modelopt_moe.numerics import get_format, safe_amax, scale_rows
 from modelopt_moe.quantization.config import ConfigError
 from modelopt_moe.quantization.nn.expert_weights import expert_weight_clip_mask, quantize_expert_weights
 from modelopt_moe.quantization.nn.experts import expert_input_clip_mask, quantize_expert_inputs, split_sizes
@@ -76,7 +86,7 @@ def _te() -> SimpleNamespace:
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
 
     return SimpleNamespace(tex=tex, grouped_gemm=general_grouped_gemm, Float8Quantizer=Float8Quantizer,
-                           e4m3=tex.DType.kFloat8E4M3)
+                           dtypes={"e4m3": tex.DType.kFloat8E4M3, "e5m2": tex.DType.kFloat8E5M2})
 
 
 # --- when it runs, what it refuses ----------------------------------------------------------------------------------
@@ -140,63 +150,83 @@ def _fp8_gemm_capable(device_index: int) -> bool:
 
 
 # --- FP8 operands ---------------------------------------------------------------------------------------------------
-def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
-    """``448 / amax`` per expert, the scale :func:`modelopt_moe.numerics.quantize` uses (IEEE division; an invalid
-    amax entry gives scale 1)."""
-    a = safe_amax(amax.detach(), E4M3_MAX)
-    return torch.div(torch.full_like(a, E4M3_MAX), a)
+def fp8_scales(amax: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
+    """``bound / amax`` per entry (448 for E4M3, 57344 for E5M2), the scale :func:`modelopt_moe.numerics.quantize`
+    uses (IEEE division; an invalid amax entry gives scale 1)."""
+    bound = get_format(fmt).bound
+    a = safe_amax(amax.detach(), bound)
+    return torch.div(torch.full_like(a, bound), a)
 
 
 class _ExpertQuantizers:
-    """N TE ``Float8Quantizer`` (one per expert, row-wise FP8 only: the TN forward GEMM is their only use) over one
-    ``[N]`` scale buffer that each forward rewrites in place: no host sync, and no quantizer objects built per call."""
+    """N TE ``Float8Quantizer`` (one per expert) over one ``[N]`` scale buffer that each call rewrites in place: no
+    host sync, and no quantizer objects built per call. Row-wise FP8 serves the TN forward GEMM; ``columnwise`` adds
+    the transposed codes the backward's FP8 GEMMs read (dgrad reads the weights', wgrad the tokens' and gradient's)."""
 
-    def __init__(self, n: int, device: torch.device):
+    def __init__(self, n: int, device: torch.device, fmt: str, columnwise: bool):
         api = _te()
+        self.fmt = fmt
         self.scale = torch.ones(n, dtype=torch.float32, device=device)
         self.seen_amax = torch.zeros(n, dtype=torch.float32, device=device)  # TE's casts write max|x| here
         self.quantizers = []
         for i in range(n):
-            q = api.Float8Quantizer(self.scale[i:i + 1], self.seen_amax[i:i + 1], api.e4m3, rowwise=True,
-                                    columnwise=False)
+            q = api.Float8Quantizer(self.scale[i:i + 1], self.seen_amax[i:i + 1], api.dtypes[fmt], rowwise=True,
+                                    columnwise=columnwise)
             q.internal = True  # TE's storage class: less overhead than a torch tensor subclass
             self.quantizers.append(q)
 
     def with_scales_of(self, amax: torch.Tensor) -> list:
-        self.scale.copy_(fp8_scales(amax))
+        """The quantizers, with scale ``bound / amax`` (``amax``: one entry per expert, or one for all)."""
+        self.scale.copy_(fp8_scales(amax, self.fmt).expand_as(self.scale))
         return self.quantizers
 
 
-def _expert_quantizers(module, kind: str, device: torch.device) -> _ExpertQuantizers:
-    """``module``'s TE quantizers of ``kind`` (``input`` / ``weight``), kept in ``module.__dict__`` (a transient
-    attribute: never pickled or deep-copied)."""
+def _expert_quantizers(module, kind: str, device: torch.device, fmt: str = "e4m3",
+                       columnwise: bool = False) -> _ExpertQuantizers:
+    """``module``'s TE quantizers of ``kind`` (``input`` / ``weight`` / ``grad``), kept in ``module.__dict__`` (a
+    transient attribute: never pickled or deep-copied)."""
     cache = module.__dict__.setdefault("_te_fp8_quantizers", {})
-    entry = cache.get(kind)
+    key = (kind, fmt, columnwise)
+    entry = cache.get(key)
     if entry is None or entry.scale.device != device or entry.scale.numel() != module.num_gemms:
-        entry = cache[kind] = _ExpertQuantizers(module.num_gemms, device)
+        entry = cache[key] = _ExpertQuantizers(module.num_gemms, device, fmt, columnwise)
     return entry
 
 
-def quantize_inputs(module, x2d: torch.Tensor, splits: list[int]) -> list:
-    """The token matrix as N FP8 tensors (TE ``Float8TensorStorage``), expert ``i``'s rows with its input scale."""
-    q = _expert_quantizers(module, "input", x2d.device).with_scales_of(module.input_quantizer.amax)
+def quantize_inputs(module, x2d: torch.Tensor, splits: list[int], columnwise: bool = False) -> list:
+    """The token matrix as N FP8 tensors (TE ``Float8TensorStorage``), expert ``i``'s rows with its input scale
+    (``columnwise``: with the transposed codes too)."""
+    q = _expert_quantizers(module, "input", x2d.device, columnwise=columnwise).with_scales_of(
+        module.input_quantizer.amax)
     return _te().tex.split_quantize(x2d, splits, q)
 
 
-def quantize_weights(module, weights: list[torch.Tensor]) -> list:
-    """The N expert weights as FP8 tensors with their scales; inside ``mtq.reuse_quantized_weights`` computed once
-    while the weights, their versions and the amax are unchanged (cached under the weight quantizer: the layer's own
-    entry holds its fake-quantized weights)."""
+def quantize_weights(module, weights: list[torch.Tensor], columnwise: bool = False) -> list:
+    """The N expert weights as FP8 tensors with their scales (``columnwise``: with the transposed codes too); inside
+    ``mtq.reuse_quantized_weights`` computed once while the weights, their versions and the amax are unchanged (cached
+    under the weight quantizer: the layer's own entry holds its fake-quantized weights)."""
     wq = module.weight_quantizer
 
     def compute():
-        q = _expert_quantizers(module, "weight", weights[0].device).with_scales_of(wq.amax)
+        q = _expert_quantizers(module, "weight", weights[0].device, columnwise=columnwise).with_scales_of(wq.amax)
         return _te().tex.multi_tensor_quantize(list(map(torch.Tensor.detach, weights)), q)
 
     device = weights[0].device
     if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return compute()
-    return reused_or_computed(wq, lambda: weight_key(weights, wq.amax, GEMM), compute)
+    tag = f"{GEMM}+transposed" if columnwise else GEMM
+    return reused_or_computed(wq, lambda: weight_key(weights, wq.amax, tag), compute)
+
+
+def fp8_backward(module, row_scale: torch.Tensor | None) -> bool:
+    """Whether the backward GEMMs run in FP8 too: ``backward.mode: quantized`` asks for the output gradient
+    fake-quantized per tensor, so dgrad (``Q(g) Q(w)``) and wgrad (``Q(g)^T Q(x)``) are products of FP8 operands.
+    Not with biases (their gradient would need the dequantized gradient), a learned weight amax (its gradient comes
+    through the fake-quant operands), router probabilities on the input (wgrad's operand ``p * Q(x)`` is not FP8), or
+    an ``out_features`` that is not a multiple of 16 (dgrad's FP8 operands need 16-byte aligned rows); those keep the
+    bf16 backward on the fake-quant operands."""
+    return (module.quant_backward.mode == "quantized" and not module.apply_bias and row_scale is None
+            and module.weight_quantizer.amax_update != "learned" and module.out_features % 16 == 0)
 
 
 def _fp8_grouped_gemm(x_fp8, w_fp8, splits, out_features, dtype, device, biases):
@@ -250,6 +280,66 @@ class _Fp8ForwardGemm(torch.autograd.Function):
             if biases:
                 bgrads = list(bias_grads)
         return (None, None, None, None, None, dgrad, *wgrads, *bgrads)
+
+
+def fp8_wgrad(splits: list[int]) -> bool:
+    """Whether wgrad can be an FP8 GEMM for these token counts: it reads the transposed codes of each expert's tokens
+    and gradient, whose rows (one per token) cuBLAS needs 16-byte aligned: every count a multiple of 16 (Megatron's
+    ``moe_router_padding_for_quantization`` pads them so)."""
+    return all(s % 16 == 0 for s in splits)
+
+
+class _Fp8Gemm(torch.autograd.Function):
+    """``apply(x_fp8, w_fp8, splits, dtype, grad_fmt, module, wgrad_fp8, x_b, *w)``: the FP8 grouped GEMM of
+    ``x_fp8`` / ``w_fp8``, whose backward runs as ``backward.mode: quantized`` describes it, on FP8 GEMMs.
+
+    The output gradient ``g`` is cast to ``grad_fmt`` with one scale from its own amax (``fake_quant(g, grad_fmt,
+    max|g|)``'s codes). dgrad is ``Q(g) @ Q(w)`` (layout NN, the weights' transposed codes). With ``wgrad_fp8``
+    (``x_fp8`` then has transposed codes too) wgrad is ``Q(g)^T @ Q(x)`` (NT); otherwise (token counts
+    :func:`fp8_wgrad` refuses) it is the fake-quant path's bf16 GEMM ``fake_quant(g)^T @ x_b`` with ``x_b = Q(x)``.
+    Both FP8 GEMMs accumulate in fp32 (split). ``x_b`` and ``w`` are the operands the gradients go to (straight
+    through the quantizers, masked by a clipped STE outside); the weights' values are not kept."""
+
+    @staticmethod
+    def forward(ctx, x_fp8, w_fp8, splits, dtype, grad_fmt, module, wgrad_fp8, x_b, *w):
+        ctx.fp8_wgrad = wgrad_fp8
+        ctx.x_fp8, ctx.w_fp8, ctx.splits, ctx.dtype, ctx.grad_fmt, ctx.module = x_fp8, w_fp8, splits, dtype, grad_fmt, \
+            module
+        ctx.in_features = x_b.shape[-1]
+        if not ctx.fp8_wgrad:
+            ctx.save_for_backward(x_b)
+        return _fp8_grouped_gemm(x_fp8, w_fp8, splits, w[0].shape[0], dtype, x_b.device, [])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        n, splits, dtype = len(ctx.w_fp8), ctx.splits, ctx.dtype
+        grad = grad.contiguous().view(-1, grad.shape[-1]).to(dtype)
+        need_dgrad, need_wgrad = ctx.needs_input_grad[7], any(ctx.needs_input_grad[8:])
+        amax = grouped_weight_amax([grad])
+        quantizers = _expert_quantizers(ctx.module, "grad", grad.device, ctx.grad_fmt,
+                                        columnwise=need_wgrad and ctx.fp8_wgrad)
+        g_fp8 = _te().tex.split_quantize(grad, splits, quantizers.with_scales_of(amax))
+        gemm = _te().grouped_gemm
+        dgrad = None
+        if need_dgrad:
+            dgrad = torch.empty(grad.shape[0], ctx.in_features, dtype=dtype, device=grad.device)
+            gemm(ctx.w_fp8, g_fp8, [dgrad], [None] * n, dtype, single_output=True, layout="NN", m_splits=splits,
+                 grad=True, use_split_accumulator=_DGRAD_SPLIT_ACCUMULATOR)
+        wgrads = [None] * n
+        if need_wgrad:
+            packed = torch.empty(n, grad.shape[-1], ctx.in_features, dtype=dtype, device=grad.device)
+            wgrads = [packed[i] for i in range(n)]
+            if ctx.fp8_wgrad:
+                a, b = ctx.x_fp8, g_fp8
+            else:
+                (x_b,) = ctx.saved_tensors
+                a = list(torch.split(x_b.to(dtype), splits))
+                b = list(torch.split(grouped_weight_fake_quant([grad], amax, ctx.grad_fmt)[0], splits))
+            gemm(a, b, wgrads, [None] * n, dtype, layout="NT", grad=True, m_splits=splits,
+                 use_split_accumulator=_WGRAD_SPLIT_ACCUMULATOR, accumulate=False)
+        ctx.x_fp8 = ctx.w_fp8 = ctx.module = None
+        return (None, None, None, None, None, None, None, dgrad, *wgrads)
 
 
 # --- the layer's forward ----------------------------------------------------------------------------------------------
@@ -307,14 +397,26 @@ def forward(module, x: torch.Tensor, m_splits, **host_args):
             raise NotImplementedError(f"{type(module).__name__}: gemm te_fp8 adds the bias in the GEMM, where the "
                                       "router probabilities would not scale it (return the bias instead)")
     with_grad = torch.is_grad_enabled()
-    # The fake-quantized weights are the backward operands; computing them also refreshes a dynamic amax, which the
-    # FP8 scales then take (without autograd only that refresh is needed).
-    w_q = quantize_expert_weights(wq, weights, "auto", owner=module) if with_grad or wq.amax_update == "dynamic" \
-        else None
-    x_fp8 = quantize_inputs(module, x2d, splits)
-    w_fp8 = quantize_weights(module, weights)
+    fp8_bwd = with_grad and fp8_backward(module, scale)
+    wgrad_fp8 = fp8_bwd and fp8_wgrad(splits)
+    # The fake-quantized weights are the bf16 backward's operands; computing them also refreshes a dynamic amax,
+    # which the FP8 scales then take (without them only that refresh is needed).
+    w_q = None
+    if (with_grad and not fp8_bwd) or wq.amax_update == "dynamic":
+        with torch.no_grad() if fp8_bwd else contextlib.nullcontext():
+            w_q = quantize_expert_weights(wq, weights, "auto", owner=module)
+    x_fp8 = quantize_inputs(module, x2d, splits, columnwise=wgrad_fp8)
+    w_fp8 = quantize_weights(module, weights, columnwise=fp8_bwd)
     biases = module._get_bias_tensors() if module.apply_bias else []
-    if with_grad:
+    if fp8_bwd:
+        weight_mask = expert_weight_clip_mask(wq, weights)
+        if wgrad_fp8:  # the gradient to x goes straight through Q (masked by a clipped STE)
+            x_b = mask_grad(x2d, expert_input_clip_mask(iq, x2d, splits))
+        else:  # bf16 wgrad on Q(x); its autograd passes dgrad on to x
+            x_b = quantize_expert_inputs(iq, x2d, splits, "auto", module._splits_cache())
+        out = _Fp8Gemm.apply(x_fp8, w_fp8, splits, dtype, module.quant_backward.grad_format, module, wgrad_fp8, x_b,
+                             *(mask_grad(w, weight_mask(w)) for w in weights))
+    elif with_grad:
         if module.quant_backward.mode == "high_precision":
             x_b = mask_grad(x2d, expert_input_clip_mask(iq, x2d, splits))
             x_b = x_b if scale is None else scale_rows(x_b, scale)
@@ -326,7 +428,7 @@ def forward(module, x: torch.Tensor, m_splits, **host_args):
         out = _Fp8ForwardGemm.apply(x_fp8, w_fp8, splits, dtype, None if scale is None else scale.detach(), x_b,
                                     *w_b, *biases)
         if module.quant_backward.mode == "quantized":
-            out = quantize_grad(out, module.quant_backward.grad_format)
+            out = quantize_grad(out, module.quant_backward.grad_format, module.quant_kernel)
     else:
         out = _fp8_grouped_gemm(x_fp8, w_fp8, splits, weights[0].shape[0], dtype, x.device,
                                 [b.to(dtype) for b in biases])

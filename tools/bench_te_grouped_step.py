@@ -14,11 +14,17 @@ Variants:
   te_fp8 re-quantize    per-expert scales, backward on the fake-quant operands
   fp8 torch loop        per-expert amax and the torch reference, one expert at a time (what a per-expert Python
                         loop costs; NVIDIA Model Optimizer 0.47's layout)
+  TE fp8 delayed /      Transformer Engine's own FP8 training of the same layer (``fp8_autocast`` with its delayed or
+  TE fp8 current        current scaling recipe; FP8 forward, dgrad and wgrad GEMMs): the anchor for ``te_fp8``
+
+``--backward quantized`` sets ``backward.mode: quantized`` for every quantized variant: the output gradient is
+fake-quantized (E5M2, per tensor), and ``te_fp8`` then runs dgrad and wgrad as FP8 GEMMs too.
 
 Every variant is built first, then timed in alternating rounds (host-bound timings drift between runs on shared
 machines); the table gives the median over rounds and the range of the ratio to bf16 of the same round.
 
 Usage (GPU machine): python3 tools/bench_te_grouped_step.py [--experts 32 128] [--tokens 16384] [--rounds 5]
+                     [--backward dequantized|quantized] [--variants NAME ...]
 """
 
 from __future__ import annotations
@@ -48,30 +54,47 @@ def _time_ms(fn, warmup=5, iters=20) -> float:
     return times[len(times) // 2]
 
 
-def _variants(base, x, splits):
-    """The variants to time: name -> (layer, reuse scope or None)."""
+VARIANTS = ("bf16", "fp8 reuse", "fp8 re-quantize", "fp8 re-q, keep", "te_fp8 reuse", "te_fp8 re-quantize",
+            "fp8 torch loop", "TE fp8 delayed", "TE fp8 current")
+
+
+def _variants(base, x, splits, backward: str, names):
+    """The variants to time: name -> (layer, scope or None), for the names asked for (bf16 always)."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe
+
     import modelopt_moe.quantization as mtq
 
     def quantized(layout, kernel, weight_operands="recompute"):
         layer = copy.deepcopy(base)
         cfg = mtq.load_config("fp8_default.yaml")
         cfg.experts.weight_amax, cfg.backward.weight_operands = layout, weight_operands
+        cfg.backward.mode = backward
         cfg.kernel, cfg.gemm = ("auto", "te_fp8") if kernel == "te_fp8" else (kernel, "fake_quant")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mtq.quantize(layer, cfg, lambda m: m(x, splits))
         return layer
 
-    reused, te_reused = quantized("vectorized", "auto"), quantized("vectorized", "te_fp8")
-    return {
-        "bf16": (base, None),
-        "fp8 reuse": (reused, lambda: mtq.reuse_quantized_weights(reused)),
-        "fp8 re-quantize": (quantized("vectorized", "auto"), None),
-        "fp8 re-q, keep": (quantized("vectorized", "auto", "keep"), None),
-        "te_fp8 reuse": (te_reused, lambda: mtq.reuse_quantized_weights(te_reused)),
-        "te_fp8 re-quantize": (quantized("vectorized", "te_fp8"), None),
-        "fp8 torch loop": (quantized("per_expert", "torch"), None),
+    def reusing(kernel):
+        layer = quantized("vectorized", kernel)
+        return layer, lambda: mtq.reuse_quantized_weights(layer)
+
+    def te_own(scaling):
+        return copy.deepcopy(base), lambda: te.fp8_autocast(enabled=True, fp8_recipe=scaling())
+
+    build = {
+        "bf16": lambda: (base, None),
+        "fp8 reuse": lambda: reusing("auto"),
+        "fp8 re-quantize": lambda: (quantized("vectorized", "auto"), None),
+        "fp8 re-q, keep": lambda: (quantized("vectorized", "auto", "keep"), None),
+        "te_fp8 reuse": lambda: reusing("te_fp8"),
+        "te_fp8 re-quantize": lambda: (quantized("vectorized", "te_fp8"), None),
+        "fp8 torch loop": lambda: (quantized("per_expert", "torch"), None),
+        "TE fp8 delayed": lambda: te_own(recipe.DelayedScaling),
+        "TE fp8 current": lambda: te_own(recipe.Float8CurrentScaling),
     }
+    return {name: build[name]() for name in VARIANTS if name == "bf16" or name in names}
 
 
 def main():
@@ -84,6 +107,8 @@ def main():
     parser.add_argument("--out-features", type=int, default=1536)
     parser.add_argument("--in-features", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--backward", choices=("dequantized", "quantized"), default="dequantized")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     args = parser.parse_args()
 
     rows = []
@@ -94,7 +119,7 @@ def main():
         splits = [args.tokens // n] * n
         x = torch.randn(args.tokens, args.in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn(args.tokens, args.out_features, device="cuda", dtype=torch.bfloat16)
-        variants = _variants(base, x.detach(), splits)
+        variants = _variants(base, x.detach(), splits, args.backward, args.variants)
         times = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name, (layer, scope) in variants.items():
@@ -110,7 +135,7 @@ def main():
         torch.cuda.empty_cache()
 
     print(f"\nTE GroupedLinear fwd+bwd, {args.tokens} tokens, experts [{args.out_features} x {args.in_features}] "
-          f"bf16, {torch.cuda.get_device_name(0)}, {args.rounds} alternating rounds")
+          f"bf16, backward {args.backward}, {torch.cuda.get_device_name(0)}, {args.rounds} alternating rounds")
     print(f"{'N':>5} {'variant':<20} {'ms (median)':>12} {'x bf16 (median)':>16} {'x bf16 range':>14}")
     for n, name, ms, ratio, lo, hi in rows:
         print(f"{n:>5} {name:<20} {ms:>12.3f} {ratio:>16.2f} {lo:>6.2f}..{hi:<6.2f}")

@@ -41,7 +41,7 @@ if [[ $what == bench || $what == all || $what == kernels ]]; then
 fi
 if [[ $what == bench || $what == all || $what == grouped ]]; then
   [[ $what == grouped ]] || set --
-  "$PYTHON" "$root/tools/bench_te_grouped_step.py" "$@" 2>&1 | tee -a "$out/bench_te_grouped_step.log" | tail -15
+  "$PYTHON" "$root/tools/bench_te_grouped_step.py" "$@" 2>&1 | tee -a "$out/bench_te_grouped_step.log" | tail -30
   status=${PIPESTATUS[0]}
 fi
 if [[ $what == step ]]; then

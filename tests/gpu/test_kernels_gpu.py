@@ -370,3 +370,18 @@ def test_int_weights_and_inputs_bit_exact_in_both_ranges_and_padded_blocks(fmt, 
     y = K.grouped_input_fake_quant(x, m, amax, fmt, block_size, narrow_range=narrow_range)
     rows = torch.repeat_interleave(amax, m).unsqueeze(-1)
     assert_bits_equal(y, fake_quant(x, fmt, None if block_size else rows, block_size, narrow_range=narrow_range))
+
+
+@pytest.mark.parametrize("fmt", ["e5m2", "e4m3"])
+@pytest.mark.parametrize("shape", [(4096, 1536), (3, 1000, 24)])
+def test_output_gradient_fake_quant_is_the_reference(fmt, shape):
+    """``backward.mode: quantized``'s per-tensor gradient fake quant on the kernels (amax, then fake quant) against
+    the torch reference on the GPU and on the CPU, NaN, zeros and subnormals included."""
+    from modelopt_moe.quantization.nn.functional import fake_quant_grad
+    from modelopt_moe.quantization.tensor_quantizer import nan_ignoring_abs_max
+
+    g = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 1e-4
+    g.view(-1)[:5] = torch.tensor([0.0, -0.0, float("nan"), 1e-9, -2e-3], device="cuda", dtype=torch.bfloat16)
+    out = fake_quant_grad(g, fmt, "auto")
+    assert_bits_equal(out, fake_quant(g, fmt, nan_ignoring_abs_max(g)))
+    assert_bits_equal(out.cpu(), fake_quant(g.cpu(), fmt, nan_ignoring_abs_max(g.cpu())))

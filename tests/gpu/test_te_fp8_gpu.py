@@ -6,8 +6,10 @@ with the calibrated scales (``modelopt_moe.plugins.te_fp8``).
   bit, and cast to bf16 to the fake-quant path's operand;
 * (ii) the forward equals the exact (float64) product of those FP8 operands up to the bf16 output rounding, and the
   fake-quant forward (which multiplies the bf16-rounded values ``q / s``) within FP8-operand rounding;
-* (iii) the input, weight and bias gradients of every backward mode are the fake-quant path's, bit for bit: both run
-  TE's bf16 grouped GEMMs on the same operands;
+* (iii) the input, weight and bias gradients of every backward mode that keeps bf16 backward GEMMs are the fake-quant
+  path's, bit for bit: both run TE's bf16 grouped GEMMs on the same operands; with ``backward.mode: quantized`` (no
+  bias, no router probabilities, no learned amax) dgrad and wgrad are FP8 GEMMs: the exact (float64) products of the
+  gradient's, weights' and tokens' FP8 codes up to the bf16 output rounding, and close to the fake-quant gradients;
 * (iv) a Megatron GPT with ``TEGroupedMLP`` experts trains in Megatron's loop with ``te_fp8``; the amaxes stay;
   (timings: tools/bench_te_grouped_step.py, variants te_fp8 reuse / re-quantize).
 
@@ -108,11 +110,11 @@ def _gemm(model, gemm):
             m.quant_gemm = k
 
 
-def _run(layer, x, g):
+def _run(layer, x, g, splits=SPLITS):
     x = x.clone().requires_grad_(True)
     for p in layer.parameters():
         p.grad = None
-    result = layer(x, SPLITS)
+    result = layer(x, splits)
     y = result[0] if isinstance(result, tuple) else result
     y.backward(g)
     grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
@@ -223,7 +225,7 @@ def test_te_fp8_forward_runs_the_fp8_gemm_and_leaves_the_amax(monkeypatch):
     ("dequantized", "pass_through", "none"),
     ("dequantized", "clipped", "apply"),
     ("high_precision", "pass_through", "none"),
-    ("quantized", "pass_through", "none"),
+    ("quantized", "pass_through", "apply"),  # with a bias the quantized backward stays on bf16 GEMMs
 ])
 def test_gradients_are_the_fake_quant_gradients_bit_for_bit(mode, ste, bias):
     layer = _quantized(_config(mode, ste), bias)
@@ -246,6 +248,96 @@ def test_gradients_are_the_fake_quant_gradients_bit_for_bit(mode, ste, bias):
     # expert 1 has no token: zeros there
     assert fp8[1].abs().sum() > 0
     assert fp8[2]["weight0"].abs().sum() > 0
+
+
+def _exact_grads(layer, x, g, grad_fmt, ste, splits):
+    """The float64 products of the FP8 operands that ``backward.mode: quantized`` multiplies: dgrad ``Q(g) Q(w)``
+    and wgrad ``Q(g)^T Q(x)`` per expert, ``Q(g)`` with one scale from ``max|g|`` (masked by the clipped STE)."""
+    iq, wq = layer.input_quantizer, layer.weight_quantizer
+    qg = quantize(g.float(), grad_fmt, g.float().abs().amax())
+    dgrads, wgrads = [], {}
+    start = 0
+    for i, (rows, w) in enumerate(zip(splits, layer.expert_weights(), strict=True)):
+        gv = qg.values[start:start + rows].double() / qg.scale.double()
+        chunk = x[start:start + rows]
+        qx, qw = quantize(chunk.float(), "e4m3", iq.amax[i]), quantize(w.detach().float(), "e4m3", wq.amax[i])
+        d = gv @ (qw.values.double() / qw.scale.double())
+        wg = gv.t() @ (qx.values.double() / qx.scale.double())
+        if ste == "clipped":
+            d = d * (chunk.float().abs() <= iq.amax[i]).double()
+            wg = wg * (w.detach().float().abs() <= wq.amax[i]).double()
+        dgrads.append(d)
+        wgrads[f"weight{i}"] = wg
+        start += rows
+    return torch.cat(dgrads), wgrads
+
+
+# Token counts that are multiples of 16 (FP8 wgrad), and the ragged SPLITS (bf16 wgrad, the fake-quant path's)
+ALIGNED = [96, 0, 48, 112]
+
+
+@pytest.mark.parametrize(("ste", "grad_bits", "splits"), [("pass_through", "e5m2", ALIGNED),
+                                                          ("clipped", "e4m3", ALIGNED),
+                                                          ("pass_through", "e5m2", SPLITS)])
+def test_quantized_backward_runs_fp8_gemms_on_the_gradient_codes(monkeypatch, ste, grad_bits, splits):
+    """``backward.mode: quantized``: dgrad (and wgrad, when every token count is a multiple of 16) are FP8 GEMMs of
+    the quantized output gradient with the weights' (tokens') codes: the exact product up to the bf16 output
+    rounding, close to the fake-quant gradients. With ragged counts wgrad is the fake-quant path's, bit for bit."""
+    cfg = _config("quantized", ste)
+    cfg.backward.grad_num_bits = grad_bits
+    layer = _quantized(cfg)
+    with torch.no_grad():
+        layer.weight2.mul_(1.3)  # past the static amax: the clipped STE masks something
+    x = _tokens(9) * 1.5
+    g = _tokens(10, k=OUT)
+    g[3, :3] = torch.tensor([0.0, -0.0, 1e-30], dtype=torch.bfloat16, device="cuda")  # zeros, below E5M2's range
+    layouts = []
+    real = te_fp8._te().grouped_gemm
+    api = te_fp8._te()
+
+    def spy(a, b, *args, layout="TN", **kw):
+        layouts.append((layout, type(a[0]).__name__, type(b[0]).__name__))
+        return real(a, b, *args, layout=layout, **kw)
+
+    monkeypatch.setattr(api, "grouped_gemm", spy)
+    fp8 = _run(layer, x, g, splits)
+    monkeypatch.setattr(api, "grouped_gemm", real)
+    assert [lay for lay, *_ in layouts] == ["TN", "NN", "NT"], layouts
+    fp8_gemms = layouts if splits is ALIGNED else layouts[:2]
+    assert all(a == b == "Float8TensorStorage" for _, a, b in fp8_gemms), layouts
+    with _gemm(layer, "fake_quant"):
+        fake = _run(layer, x, g, splits)
+    if splits is not ALIGNED:
+        for name in fake[2]:
+            assert torch.equal(fp8[2][name], fake[2][name]), name
+    dgrad, wgrads = _exact_grads(layer, x, g, grad_bits, ste, splits)
+    rel = {"input": (_rel(fp8[1], dgrad), _rel(fp8[1], fake[1]))}
+    for name, exact in wgrads.items():
+        rel[name] = (_rel(fp8[2][name], exact) if exact.abs().sum() else 0.0, _rel(fp8[2][name], fake[2][name])
+                     if fake[2][name].abs().sum() else 0.0)
+    _report(f"fp8 backward ste={ste} grad={grad_bits} splits={splits}: rel_fro(te_fp8, exact fp8 product) / "
+            "(te_fp8, fake quant) " + " ".join(f"{k}={a:.2e}/{b:.2e}" for k, (a, b) in rel.items()))
+    assert sorted(fp8[2]) == sorted(fake[2])
+    for name, (to_exact, to_fake) in rel.items():
+        if name == "input" or splits is ALIGNED:  # (the bf16 wgrad is the fake-quant one, checked above)
+            assert to_exact < EXACT_BOUND, (name, to_exact)
+        assert to_fake < FAKE_QUANT_BOUND, (name, to_fake)
+    assert torch.equal(fp8[2]["weight1"], torch.zeros_like(fp8[2]["weight1"]))  # expert 1 has no token
+    assert fp8[2]["weight0"].abs().sum() > 0
+    assert (layer.weight2.detach().abs() > layer.weight_quantizer.amax[2]).any()  # the clipped STE masks weights
+    assert not torch.equal(fp8[0], fake[0])  # the FP8 forward GEMM ran (its value differs from fake quant's)
+
+
+def test_quantized_backward_in_a_reuse_scope_is_the_plain_backward():
+    layer = _quantized(_config("quantized"))
+    x, g = _tokens(13), _tokens(14, k=OUT)
+    plain = _run(layer, x, g)
+    with mtq.reuse_quantized_weights(layer):
+        first, second = _run(layer, x, g), _run(layer, x, g)
+    for got in (first, second):
+        assert torch.equal(got[0], plain[0])
+        assert torch.equal(got[1], plain[1])
+        assert all(torch.equal(got[2][n], plain[2][n]) for n in plain[2])
 
 
 @pytest.mark.parametrize(("mode", "ste"), [("dequantized", "pass_through"), ("dequantized", "clipped"),
@@ -315,7 +407,8 @@ def test_a_config_the_fp8_gemm_cannot_run_fails_in_quantize():
 
 
 # --------------------------------------------------------------------------------------------------------- (iv)
-def test_megatron_te_grouped_mlp_trains_with_te_fp8(megatron_one_gpu, monkeypatch):
+@pytest.mark.parametrize("mode", ["dequantized", "quantized"])
+def test_megatron_te_grouped_mlp_trains_with_te_fp8(megatron_one_gpu, monkeypatch, mode):
     import megatron_harness.models as mm
 
     from modelopt_moe.plugins.megatron import training as mt
@@ -323,7 +416,7 @@ def test_megatron_te_grouped_mlp_trains_with_te_fp8(megatron_one_gpu, monkeypatc
     steps, micro = 6, 2
     model = mm.build_moe_gpt(num_experts=8, hidden=128, ffn_hidden=256, seed=1, experts="te",
                              params_dtype=torch.bfloat16)
-    cfg = _config(weight_amax="per_expert", input_amax="per_expert")
+    cfg = _config(mode, weight_amax="per_expert", input_amax="per_expert")
     calib = mm.text_batches(2, 32, 2)
     model.eval()
     with warnings.catch_warnings():
@@ -335,15 +428,19 @@ def test_megatron_te_grouped_mlp_trains_with_te_fp8(megatron_one_gpu, monkeypatc
     assert fc1.quant_gemm == "te_fp8"
     amax = {n: b.clone() for n, b in model.named_buffers() if n.endswith("_amax")}
     assert any(".experts.linear_fc2." in n for n in amax)
-    calls = []
-    real = te_fp8.forward
+    calls, fp8_backward = [], []
+    real, real_backward = te_fp8.forward, te_fp8._Fp8Gemm.backward
     monkeypatch.setattr(te_fp8, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(te_fp8._Fp8Gemm, "backward",
+                        staticmethod(lambda *a: fp8_backward.append(1) or real_backward(*a)))
 
     trainer = mt.setup_training(model, reuse_quantized_weights=True)
     batches = mm.text_batches(2, 32, steps * micro, offset=100)
     losses = mt.train(trainer, batches, steps=steps, num_microbatches=micro)
-    _report(f"megatron TEGroupedMLP te_fp8 losses {[round(v, 4) for v in losses]}")
+    _report(f"megatron TEGroupedMLP te_fp8 backward {mode} losses {[round(v, 4) for v in losses]}")
     assert calls, losses
+    # quantized: the up projections' backward GEMMs run in FP8 (the down projections take the router probabilities)
+    assert bool(fp8_backward) == (mode == "quantized")
     assert all(torch.isfinite(torch.tensor(losses))), losses
     assert losses[-1] < losses[0], losses
     trained = mt.unwrap(trainer.model)

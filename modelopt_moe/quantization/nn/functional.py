@@ -24,14 +24,17 @@ from collections.abc import Callable
 
 import torch
 
+from ...kernels import grouped_weight_amax, grouped_weight_fake_quant
 from ...numerics import fake_quant, quant_error_sums, scale_rows
 from ..autoswitch import SampledGemm, gemm_sampler, select_tensor
 from ..tensor_quantizer import clip_mask, nan_ignoring_abs_max
 from ..weight_amax import quantize_weight_operand
+from .experts import use_kernels
 from .row_scale import rows_of
 
 __all__ = [
-    "apply_quantized_gemm", "run_quantized_gemm", "clip_mask_of", "quantize_grad", "mask_grad", "forward_value_of",
+    "apply_quantized_gemm", "run_quantized_gemm", "clip_mask_of", "quantize_grad", "fake_quant_grad", "mask_grad",
+    "forward_value_of",
 ]
 
 
@@ -47,17 +50,32 @@ class _ForwardValueOf(torch.autograd.Function):
         return grad, None
 
 
+# The one-launch kernels index a tensor with 32-bit offsets.
+_MAX_KERNEL_NUMEL = 2**31 - 1
+
+
+def fake_quant_grad(grad: torch.Tensor, fmt: str, kernel: str = "auto") -> torch.Tensor:
+    """``fake_quant(grad, fmt, max|grad|)`` with NaN ignored in the max (a per-tensor dynamic scale). Where the
+    one-launch kernels run (``kernel``: auto | triton | torch, as ``config.kernel``), one amax launch and one fake-quant
+    launch, bit-exact with the torch reference, which otherwise runs (several passes and an fp32 copy)."""
+    if 0 < grad.numel() <= _MAX_KERNEL_NUMEL and use_kernels(kernel, grad.device):
+        g = grad.contiguous()
+        g2d = g.view(-1, g.shape[-1]) if g.dim() > 1 else g.view(1, -1)
+        return grouped_weight_fake_quant([g2d], grouped_weight_amax([g2d]), fmt)[0].view_as(grad)
+    return fake_quant(grad, fmt, nan_ignoring_abs_max(grad))
+
+
 class _QuantizeGrad(torch.autograd.Function):
     """Identity in the forward; fake-quantizes the incoming gradient (dynamic per-tensor amax)."""
 
     @staticmethod
-    def forward(ctx, x, fmt):
-        ctx.fmt = fmt
+    def forward(ctx, x, fmt, kernel):
+        ctx.fmt, ctx.kernel = fmt, kernel
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return fake_quant(grad, ctx.fmt, nan_ignoring_abs_max(grad)), None
+        return fake_quant_grad(grad, ctx.fmt, ctx.kernel), None, None
 
 
 class _QuantizeGradSampled(torch.autograd.Function):
@@ -95,9 +113,10 @@ def forward_value_of(grad_path: torch.Tensor, value: torch.Tensor) -> torch.Tens
     return _ForwardValueOf.apply(grad_path, value)
 
 
-def quantize_grad(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``x`` in the forward; its incoming gradient fake-quantized to ``fmt`` with its own per-tensor amax."""
-    return _QuantizeGrad.apply(x, fmt)
+def quantize_grad(x: torch.Tensor, fmt: str, kernel: str = "auto") -> torch.Tensor:
+    """``x`` in the forward; its incoming gradient fake-quantized to ``fmt`` with its own per-tensor amax
+    (:func:`fake_quant_grad`)."""
+    return _QuantizeGrad.apply(x, fmt, kernel)
 
 
 def mask_grad(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -122,7 +141,8 @@ def _identity(t):
 
 def run_quantized_gemm(cfg, x, weight, gemm: Callable, quantize_input: Callable, quantize_weight: Callable,
                        input_mask: Callable, weight_mask: Callable, output_quantizer: Callable,
-                       sample: SampledGemm | None = None, input_operand: Callable | None = None):
+                       sample: SampledGemm | None = None, input_operand: Callable | None = None,
+                       kernel: str = "auto"):
     """The backward-mode machinery for one GEMM or a group of expert GEMMs.
 
     Args:
@@ -139,6 +159,7 @@ def run_quantized_gemm(cfg, x, weight, gemm: Callable, quantize_input: Callable,
         input_operand: the GEMM's unquantized input operand as a function of ``x`` (default ``x`` itself); an
             expert down projection's is ``scale_rows(x, prob)``, and ``quantize_input`` then returns
             ``scale_rows(Q(x), prob)`` (see :mod:`.row_scale`).
+        kernel: ``config.kernel`` (auto | triton | torch) for the output gradient's fake quant (``quantized`` mode).
     """
     operand = input_operand or _identity
     if sample is not None:
@@ -157,7 +178,7 @@ def run_quantized_gemm(cfg, x, weight, gemm: Callable, quantize_input: Callable,
     else:
         result = gemm(xq, wq)
         if cfg.mode == "quantized" and changed:  # a layer whose quantizers are all off stays a float layer
-            result = _replace_first(result, quantize_grad(_first(result), cfg.grad_format))
+            result = _replace_first(result, quantize_grad(_first(result), cfg.grad_format, kernel))
     return _replace_first(result, output_quantizer(_first(result)))
 
 

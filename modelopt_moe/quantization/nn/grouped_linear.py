@@ -161,6 +161,7 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
             output_quantizer=self.output_quantizer,
             sample=sample,
             input_operand=operand,
+            kernel=kernel,
         )
 
     def amax_reduction(self, quantizer_name: str) -> tuple[str, ...]:

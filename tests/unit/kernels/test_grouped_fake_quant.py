@@ -668,3 +668,26 @@ def test_fake_tensors_outside_compile_are_checked_and_give_fake_outputs():
         assert (tuple(a.shape), tuple(b.shape), tuple(sums.shape)) == ((4, 32), (2, 32), (2, 4))
         y, sums = K.grouped_input_fake_quant_stats(x, m, amax, "e4m3")
         assert (tuple(y.shape), tuple(sums.shape)) == ((6, 32), (2, 4))
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["e5m2", "e4m3"])
+@pytest.mark.parametrize(("shape", "dtype"), [((2, 9, 33), torch.bfloat16), ((40, 24), torch.float32), ((17,),
+                                                                                                          torch.float16)])
+def test_output_gradient_fake_quant_on_the_kernels_is_the_reference(fmt, shape, dtype):
+    """``backward.mode: quantized``'s gradient fake quant (one amax launch, one fake-quant launch) against
+    ``fake_quant(g, fmt, max|g|)`` with NaN ignored: bit for bit, edge values included."""
+    from modelopt_moe.quantization.nn.functional import fake_quant_grad
+    from modelopt_moe.quantization.tensor_quantizer import nan_ignoring_abs_max
+
+    torch.manual_seed(3)
+    g = (torch.randn(shape) * 1e-3).to(dtype)
+    flat = g.view(-1)
+    flat[:6] = torch.tensor([0.0, -0.0, float("nan"), 1e-7, -3e-3, 5e-3], dtype=dtype)
+    expected = fake_quant(g, fmt, nan_ignoring_abs_max(g))
+    assert_bits_equal(fake_quant_grad(g, fmt, "triton"), expected, f"{fmt} {shape} {dtype}")
+    assert_bits_equal(fake_quant_grad(g, fmt, "torch"), expected, "torch path")
+    g_inf = g.clone()
+    g_inf.view(-1)[7] = float("inf")  # an Inf amax is invalid: scale 1, Inf saturates
+    assert_bits_equal(fake_quant_grad(g_inf, fmt, "triton"), fake_quant(g_inf, fmt, nan_ignoring_abs_max(g_inf)),
+                      "inf")
