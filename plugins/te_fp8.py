@@ -21,8 +21,9 @@ forward as a deployed FP8 model does:
   multiple of 16 (cuBLAS reads the transposed codes of tokens and gradient; Megatron pads the counts so with
   ``moe_router_padding_for_quantization``), else the fake-quant path's bf16 wgrad on ``fake_quant(g)`` and ``Q(x)``.
   These gradients are the exact products of the FP8 operands (fp32 accumulation, bf16 output), as the forward, not
-  the fake-quant path's bits. A layer with biases, a learned weight amax or router probabilities on its input keeps
-  the bf16 backward above (with ``g`` fake-quantized first).
+  the fake-quant path's bits. Given router probabilities (an expert down projection), dgrad is FP8 and wgrad the
+  bf16 GEMM on ``scale_rows(Q(x), p)``. A layer with biases or a learned weight amax keeps the bf16 backward above
+  (with ``g`` fake-quantized first).
 
 * **Router probabilities.** As ``TEGroupedMLP``'s ``linear_fc2`` given the tokens' probabilities
   (:mod:`.megatron.router_probs`), the FP8 GEMM runs on ``Q(act)`` and its output rows are multiplied by them, the
@@ -218,14 +219,13 @@ def quantize_weights(module, weights: list[torch.Tensor], columnwise: bool = Fal
     return reused_or_computed(wq, lambda: weight_key(weights, wq.amax, tag), compute)
 
 
-def fp8_backward(module, row_scale: torch.Tensor | None) -> bool:
+def fp8_backward(module) -> bool:
     """Whether the backward GEMMs run in FP8 too: ``backward.mode: quantized`` asks for the output gradient
     fake-quantized per tensor, so dgrad (``Q(g) Q(w)``) and wgrad (``Q(g)^T Q(x)``) are products of FP8 operands.
     Not with biases (their gradient would need the dequantized gradient), a learned weight amax (its gradient comes
-    through the fake-quant operands), router probabilities on the input (wgrad's operand ``p * Q(x)`` is not FP8), or
-    an ``out_features`` that is not a multiple of 16 (dgrad's FP8 operands need 16-byte aligned rows); those keep the
-    bf16 backward on the fake-quant operands."""
-    return (module.quant_backward.mode == "quantized" and not module.apply_bias and row_scale is None
+    through the fake-quant operands), or an ``out_features`` that is not a multiple of 16 (dgrad's FP8 operands need
+    16-byte aligned rows); those keep the bf16 backward on the fake-quant operands."""
+    return (module.quant_backward.mode == "quantized" and not module.apply_bias
             and module.weight_quantizer.amax_update != "learned" and module.out_features % 16 == 0)
 
 
@@ -290,32 +290,36 @@ def fp8_wgrad(splits: list[int]) -> bool:
 
 
 class _Fp8Gemm(torch.autograd.Function):
-    """``apply(x_fp8, w_fp8, splits, dtype, grad_fmt, module, wgrad_fp8, x_b, *w)``: the FP8 grouped GEMM of
-    ``x_fp8`` / ``w_fp8``, whose backward runs as ``backward.mode: quantized`` describes it, on FP8 GEMMs.
+    """``apply(x_fp8, w_fp8, splits, dtype, grad_fmt, module, wgrad_fp8, row_scale, x_b, *w)``: the FP8 grouped GEMM
+    of ``x_fp8`` / ``w_fp8`` (its output rows times ``row_scale`` if given: an expert down projection's router
+    probabilities, applied as the engines do), whose backward runs as ``backward.mode: quantized`` describes it, on FP8
+    GEMMs.
 
     The output gradient ``g`` is cast to ``grad_fmt`` with one scale from its own amax (``fake_quant(g, grad_fmt,
     max|g|)``'s codes). dgrad is ``Q(g) @ Q(w)`` (layout NN, the weights' transposed codes). With ``wgrad_fp8``
     (``x_fp8`` then has transposed codes too) wgrad is ``Q(g)^T @ Q(x)`` (NT); otherwise (token counts
-    :func:`fp8_wgrad` refuses) it is the fake-quant path's bf16 GEMM ``fake_quant(g)^T @ x_b`` with ``x_b = Q(x)``.
+    :func:`fp8_wgrad` refuses, or router probabilities) it is the fake-quant path's bf16 GEMM ``fake_quant(g)^T @ x_b``
+    with ``x_b = Q(x)`` (``scale_rows(Q(x), p)``).
     Both FP8 GEMMs accumulate in fp32 (split). ``x_b`` and ``w`` are the operands the gradients go to (straight
     through the quantizers, masked by a clipped STE outside); the weights' values are not kept."""
 
     @staticmethod
-    def forward(ctx, x_fp8, w_fp8, splits, dtype, grad_fmt, module, wgrad_fp8, x_b, *w):
+    def forward(ctx, x_fp8, w_fp8, splits, dtype, grad_fmt, module, wgrad_fp8, row_scale, x_b, *w):
         ctx.fp8_wgrad = wgrad_fp8
         ctx.x_fp8, ctx.w_fp8, ctx.splits, ctx.dtype, ctx.grad_fmt, ctx.module = x_fp8, w_fp8, splits, dtype, grad_fmt, \
             module
         ctx.in_features = x_b.shape[-1]
         if not ctx.fp8_wgrad:
             ctx.save_for_backward(x_b)
-        return _fp8_grouped_gemm(x_fp8, w_fp8, splits, w[0].shape[0], dtype, x_b.device, [])
+        out = _fp8_grouped_gemm(x_fp8, w_fp8, splits, w[0].shape[0], dtype, x_b.device, [])
+        return out if row_scale is None else scale_rows(out, row_scale)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         n, splits, dtype = len(ctx.w_fp8), ctx.splits, ctx.dtype
         grad = grad.contiguous().view(-1, grad.shape[-1]).to(dtype)
-        need_dgrad, need_wgrad = ctx.needs_input_grad[7], any(ctx.needs_input_grad[8:])
+        need_dgrad, need_wgrad = ctx.needs_input_grad[8], any(ctx.needs_input_grad[9:])
         amax = grouped_weight_amax([grad])
         quantizers = _expert_quantizers(ctx.module, "grad", grad.device, ctx.grad_fmt,
                                         columnwise=need_wgrad and ctx.fp8_wgrad)
@@ -339,7 +343,7 @@ class _Fp8Gemm(torch.autograd.Function):
             gemm(a, b, wgrads, [None] * n, dtype, layout="NT", grad=True, m_splits=splits,
                  use_split_accumulator=_WGRAD_SPLIT_ACCUMULATOR, accumulate=False)
         ctx.x_fp8 = ctx.w_fp8 = ctx.module = None
-        return (None, None, None, None, None, None, None, dgrad, *wgrads)
+        return (None, None, None, None, None, None, None, None, dgrad, *wgrads)
 
 
 # --- the layer's forward ----------------------------------------------------------------------------------------------
@@ -397,8 +401,8 @@ def forward(module, x: torch.Tensor, m_splits, **host_args):
             raise NotImplementedError(f"{type(module).__name__}: gemm te_fp8 adds the bias in the GEMM, where the "
                                       "router probabilities would not scale it (return the bias instead)")
     with_grad = torch.is_grad_enabled()
-    fp8_bwd = with_grad and fp8_backward(module, scale)
-    wgrad_fp8 = fp8_bwd and fp8_wgrad(splits)
+    fp8_bwd = with_grad and fp8_backward(module)
+    wgrad_fp8 = fp8_bwd and scale is None and fp8_wgrad(splits)
     # The fake-quantized weights are the bf16 backward's operands; computing them also refreshes a dynamic amax,
     # which the FP8 scales then take (without them only that refresh is needed).
     w_q = None
@@ -412,9 +416,10 @@ def forward(module, x: torch.Tensor, m_splits, **host_args):
         weight_mask = expert_weight_clip_mask(wq, weights)
         if wgrad_fp8:  # the gradient to x goes straight through Q (masked by a clipped STE)
             x_b = mask_grad(x2d, expert_input_clip_mask(iq, x2d, splits))
-        else:  # bf16 wgrad on Q(x); its autograd passes dgrad on to x
-            x_b = quantize_expert_inputs(iq, x2d, splits, "auto", module._splits_cache())
-        out = _Fp8Gemm.apply(x_fp8, w_fp8, splits, dtype, module.quant_backward.grad_format, module, wgrad_fp8, x_b,
+        else:  # bf16 wgrad on Q(x) (times the probabilities); its autograd passes dgrad on to x (and them)
+            x_b = quantize_expert_inputs(iq, x2d, splits, "auto", module._splits_cache(), row_scale=scale)
+        out = _Fp8Gemm.apply(x_fp8, w_fp8, splits, dtype, module.quant_backward.grad_format, module, wgrad_fp8,
+                             None if scale is None else scale.detach(), x_b,
                              *(mask_grad(w, weight_mask(w)) for w in weights))
     elif with_grad:
         if module.quant_backward.mode == "high_precision":

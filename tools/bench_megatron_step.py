@@ -208,8 +208,9 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
-def quantize(name: str, model, calib: list[dict[str, torch.Tensor]]):
-    """Quantize ``model`` for variant ``name`` after calibrating on ``calib`` (eval mode, no gradients)."""
+def quantize(name: str, model, calib: list[dict[str, torch.Tensor]], backward: str | None = None):
+    """Quantize ``model`` for variant ``name`` after calibrating on ``calib`` (eval mode, no gradients); ``backward``:
+    our variants' ``backward.mode`` (None: the preset's)."""
     def forward_loop(m):
         with torch.no_grad():
             for batch in calib:
@@ -223,6 +224,8 @@ def quantize(name: str, model, calib: list[dict[str, torch.Tensor]]):
 
             cfg = mtq.load_config(PRESETS[name])
             cfg.gemm = GEMMS.get(name, cfg.gemm)
+            if backward:
+                cfg.backward.mode = backward
             mtq.quantize(model, cfg, forward_loop)
         else:
             import modelopt.torch.quantization as mto
@@ -255,7 +258,7 @@ def build_variant(name: str, args, calib, seed: int) -> Variant:
 
     model = build_te_gpt(args, seed) if have_transformer_engine() else build_cpu_gpt(args, seed)
     if name != "bf16":
-        model = quantize(name, model, calib)
+        model = quantize(name, model, calib, getattr(args, "backward", None))
     quantizers = count_weight_quantizers(model)
     return Variant(name, mt.setup_training(model), quantizers)
 
@@ -564,7 +567,8 @@ def header(args, device: torch.device, residency: Residency, variants: int) -> s
     return (f"Megatron GPTModel MoE training step ({spec}): {args.layers} layers, hidden {args.hidden}, "
             f"{args.experts} experts x FFN {args.moe_ffn_hidden} top-{args.topk}, {args.heads} heads "
             f"({args.kv_heads} KV), seq {args.seq}, micro-batch {args.micro_batch}, vocab {args.vocab}, "
-            f"{args.dispatcher} dispatcher, bf16 + Adam (distributed optimizer)\n"
+            f"{args.dispatcher} dispatcher, bf16 + Adam (distributed optimizer)"
+            f"{f', backward.mode {args.backward}' if getattr(args, 'backward', None) else ''}\n"
             f"{environment_line(device)}; {what}{where}")
 
 
@@ -612,6 +616,8 @@ def parse_args(argv=None):
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step in the reuse mode")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--backward", choices=("dequantized", "high_precision", "quantized"), default=None,
+                   help="backward.mode of our quantized variants (default: the preset's, dequantized)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=5, help="timed optimizer steps per variant, mode and round")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")

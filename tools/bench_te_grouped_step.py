@@ -21,7 +21,10 @@ Variants:
 fake-quantized (E5M2, per tensor), and ``te_fp8`` then runs dgrad and wgrad as FP8 GEMMs too.
 
 Every variant is built first, then timed in alternating rounds (host-bound timings drift between runs on shared
-machines); the table gives the median over rounds and the range of the ratio to bf16 of the same round.
+machines); the table gives the median over rounds and the range of the ratio to bf16 of the same round. Two timings:
+*one step*, each step alone (synchronized before it: the GPU also waits for the host's first launches), and
+*back-to-back*, 10 steps queued without a synchronization (what a training loop does: one step's host time overlaps
+the previous step's GPU work), per step.
 
 Usage (GPU machine): python3 tools/bench_te_grouped_step.py [--experts 32 128] [--tokens 16384] [--rounds 5]
                      [--backward dequantized|quantized] [--variants NAME ...]
@@ -56,6 +59,21 @@ def _time_ms(fn, warmup=5, iters=20) -> float:
 
 VARIANTS = ("bf16", "fp8 reuse", "fp8 re-quantize", "fp8 re-q, keep", "te_fp8 reuse", "te_fp8 re-quantize",
             "fp8 torch loop", "TE fp8 delayed", "TE fp8 current")
+
+
+def _time_back_to_back_ms(fn, steps=10, repeats=3) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return statistics.median(times)
 
 
 def _variants(base, x, splits, backward: str, names):
@@ -121,6 +139,7 @@ def main():
         grad = torch.randn(args.tokens, args.out_features, device="cuda", dtype=torch.bfloat16)
         variants = _variants(base, x.detach(), splits, args.backward, args.variants)
         times = {name: [] for name in variants}
+        queued = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name, (layer, scope) in variants.items():
                 def step(layer=layer, x=x, splits=splits, grad=grad):
@@ -128,17 +147,26 @@ def main():
 
                 with scope() if scope else contextlib.nullcontext():
                     times[name].append(_time_ms(step))
-        for name, ms in times.items():
-            ratios = [t / b for t, b in zip(ms, times["bf16"], strict=True)]
-            rows.append((n, name, statistics.median(ms), statistics.median(ratios), min(ratios), max(ratios)))
+                    queued[name].append(_time_back_to_back_ms(step))
+        for name in variants:
+            row = [n, name]
+            for ms in (times[name], queued[name]):
+                base_ms = times["bf16"] if ms is times[name] else queued["bf16"]
+                ratios = [t / b for t, b in zip(ms, base_ms, strict=True)]
+                row += [statistics.median(ms), statistics.median(ratios), min(ratios), max(ratios)]
+            rows.append(tuple(row))
         del variants, base
         torch.cuda.empty_cache()
 
     print(f"\nTE GroupedLinear fwd+bwd, {args.tokens} tokens, experts [{args.out_features} x {args.in_features}] "
           f"bf16, backward {args.backward}, {torch.cuda.get_device_name(0)}, {args.rounds} alternating rounds")
-    print(f"{'N':>5} {'variant':<20} {'ms (median)':>12} {'x bf16 (median)':>16} {'x bf16 range':>14}")
-    for n, name, ms, ratio, lo, hi in rows:
-        print(f"{n:>5} {name:<20} {ms:>12.3f} {ratio:>16.2f} {lo:>6.2f}..{hi:<6.2f}")
+    print(f"{'':>26} {'one step':-^44} {'back-to-back':-^44}")
+    print(f"{'N':>5} {'variant':<20} " + f"{'ms (median)':>12} {'x bf16 (median)':>16} {'x bf16 range':>14} " * 2)
+    for n, name, *cols in rows:
+        line = f"{n:>5} {name:<20}"
+        for ms, ratio, lo, hi in (cols[:4], cols[4:]):
+            line += f" {ms:>12.3f} {ratio:>16.2f} {lo:>6.2f}..{hi:<6.2f}"
+        print(line)
 
 
 if __name__ == "__main__":
