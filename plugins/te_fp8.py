@@ -306,10 +306,12 @@ class _Fp8Gemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_fp8, w_fp8, splits, dtype, grad_fmt, module, wgrad_fp8, row_scale, x_b, *w):
         ctx.fp8_wgrad = wgrad_fp8
-        ctx.x_fp8, ctx.w_fp8, ctx.splits, ctx.dtype, ctx.grad_fmt, ctx.module = x_fp8, w_fp8, splits, dtype, grad_fmt, \
-            module
+        ctx.w_fp8, ctx.splits, ctx.dtype, ctx.grad_fmt, ctx.module = w_fp8, splits, dtype, grad_fmt, module
         ctx.in_features = x_b.shape[-1]
-        if not ctx.fp8_wgrad:
+        if wgrad_fp8:  # the tokens' FP8 codes serve wgrad
+            ctx.x_fp8 = x_fp8
+        else:  # the bf16 wgrad's operand instead: the codes are not kept
+            ctx.x_fp8 = None
             ctx.save_for_backward(x_b)
         out = _fp8_grouped_gemm(x_fp8, w_fp8, splits, w[0].shape[0], dtype, x_b.device, [])
         return out if row_scale is None else scale_rows(out, row_scale)
