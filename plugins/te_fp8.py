@@ -53,7 +53,6 @@ Transformer Engine is imported on first use, so :func:`problems` and :func:`enga
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from types import SimpleNamespace
@@ -61,12 +60,12 @@ from types import SimpleNamespace
 import torch
 from torch.autograd.function import once_differentiable
 
-from modelopt_moe.kernels import grouped_weight_amax, grouped_weight_fake_quant
+from modelopt_moe.kernels import grouped_weight_amax
 from modelopt_moe.numerics import get_format, safe_amax, scale_rows
 from modelopt_moe.quantization.config import ConfigError
 from modelopt_moe.quantization.nn.expert_weights import expert_weight_clip_mask, quantize_expert_weights
 from modelopt_moe.quantization.nn.experts import expert_input_clip_mask, quantize_expert_inputs, split_sizes
-from modelopt_moe.quantization.nn.functional import mask_grad, quantize_grad
+from modelopt_moe.quantization.nn.functional import fake_quant_grad, mask_grad, quantize_grad
 from modelopt_moe.quantization.nn.row_scale import row_scale_of, rows_of
 from modelopt_moe.quantization.weight_reuse import reused_or_computed, weight_key
 
@@ -306,8 +305,9 @@ class _Fp8Gemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_fp8, w_fp8, splits, dtype, grad_fmt, module, wgrad_fp8, row_scale, x_b, *w):
         ctx.fp8_wgrad = wgrad_fp8
-        ctx.w_fp8, ctx.splits, ctx.dtype, ctx.grad_fmt, ctx.module = w_fp8, splits, dtype, grad_fmt, module
-        ctx.in_features = x_b.shape[-1]
+        ctx.w_fp8, ctx.splits, ctx.dtype, ctx.in_features = w_fp8, splits, dtype, x_b.shape[-1]
+        ctx.grad_quantizers = _expert_quantizers(module, "grad", x_b.device, grad_fmt,
+                                                 columnwise=wgrad_fp8 and any(ctx.needs_input_grad[9:]))
         if wgrad_fp8:  # the tokens' FP8 codes serve wgrad
             ctx.x_fp8 = x_fp8
         else:  # the bf16 wgrad's operand instead: the codes are not kept
@@ -323,9 +323,7 @@ class _Fp8Gemm(torch.autograd.Function):
         grad = grad.contiguous().view(-1, grad.shape[-1]).to(dtype)
         need_dgrad, need_wgrad = ctx.needs_input_grad[8], any(ctx.needs_input_grad[9:])
         amax = grouped_weight_amax([grad])
-        quantizers = _expert_quantizers(ctx.module, "grad", grad.device, ctx.grad_fmt,
-                                        columnwise=need_wgrad and ctx.fp8_wgrad)
-        g_fp8 = _te().tex.split_quantize(grad, splits, quantizers.with_scales_of(amax))
+        g_fp8 = _te().tex.split_quantize(grad, splits, ctx.grad_quantizers.with_scales_of(amax))
         gemm = _te().grouped_gemm
         dgrad = None
         if need_dgrad:
@@ -341,10 +339,10 @@ class _Fp8Gemm(torch.autograd.Function):
             else:
                 (x_b,) = ctx.saved_tensors
                 a = list(torch.split(x_b.to(dtype), splits))
-                b = list(torch.split(grouped_weight_fake_quant([grad], amax, ctx.grad_fmt)[0], splits))
+                b = list(torch.split(fake_quant_grad(grad, ctx.grad_quantizers.fmt, amax=amax), splits))
             gemm(a, b, wgrads, [None] * n, dtype, layout="NT", grad=True, m_splits=splits,
                  use_split_accumulator=_WGRAD_SPLIT_ACCUMULATOR, accumulate=False)
-        ctx.x_fp8 = ctx.w_fp8 = ctx.module = None
+        ctx.x_fp8 = ctx.w_fp8 = None
         return (None, None, None, None, None, None, None, None, dgrad, *wgrads)
 
 
@@ -408,9 +406,11 @@ def forward(module, x: torch.Tensor, m_splits, **host_args):
     # The fake-quantized weights are the bf16 backward's operands; computing them also refreshes a dynamic amax,
     # which the FP8 scales then take (without them only that refresh is needed).
     w_q = None
-    if (with_grad and not fp8_bwd) or wq.amax_update == "dynamic":
-        with torch.no_grad() if fp8_bwd else contextlib.nullcontext():
-            w_q = quantize_expert_weights(wq, weights, "auto", owner=module)
+    if with_grad and not fp8_bwd:
+        w_q = quantize_expert_weights(wq, weights, "auto", owner=module)
+    elif wq.amax_update == "dynamic":  # only the refresh (cached per step in a reuse scope like the values)
+        with torch.no_grad():
+            quantize_expert_weights(wq, weights, "auto", owner=module)
     x_fp8 = quantize_inputs(module, x2d, splits, columnwise=wgrad_fp8)
     w_fp8 = quantize_weights(module, weights, columnwise=fp8_bwd)
     biases = module._get_bias_tensors() if module.apply_bias else []

@@ -50,19 +50,18 @@ class _ForwardValueOf(torch.autograd.Function):
         return grad, None
 
 
-# The one-launch kernels index a tensor with 32-bit offsets.
-_MAX_KERNEL_NUMEL = 2**31 - 1
-
-
-def fake_quant_grad(grad: torch.Tensor, fmt: str, kernel: str = "auto") -> torch.Tensor:
-    """``fake_quant(grad, fmt, max|grad|)`` with NaN ignored in the max (a per-tensor dynamic scale). Where the
-    one-launch kernels run (``kernel``: auto | triton | torch, as ``config.kernel``), one amax launch and one fake-quant
-    launch, bit-exact with the torch reference, which otherwise runs (several passes and an fp32 copy)."""
-    if 0 < grad.numel() <= _MAX_KERNEL_NUMEL and use_kernels(kernel, grad.device):
+def fake_quant_grad(grad: torch.Tensor, fmt: str, kernel: str = "auto",
+                    amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``fake_quant(grad, fmt, max|grad|)`` with NaN ignored in the max (a per-tensor dynamic scale; ``amax``: that
+    max, when the caller has it already). Where the one-launch kernels run (``kernel``: auto | triton | torch, as
+    ``config.kernel``), one amax launch and one fake-quant launch, bit-exact with the torch reference, which otherwise
+    runs (several passes and an fp32 copy)."""
+    if grad.numel() and use_kernels(kernel, grad.device):
         g = grad.contiguous()
         g2d = g.view(-1, g.shape[-1]) if g.dim() > 1 else g.view(1, -1)
-        return grouped_weight_fake_quant([g2d], grouped_weight_amax([g2d]), fmt)[0].view_as(grad)
-    return fake_quant(grad, fmt, nan_ignoring_abs_max(grad))
+        amax = grouped_weight_amax([g2d]) if amax is None else amax.reshape(1)
+        return grouped_weight_fake_quant([g2d], amax, fmt)[0].view_as(grad)
+    return fake_quant(grad, fmt, nan_ignoring_abs_max(grad) if amax is None else amax.reshape(()))
 
 
 class _QuantizeGrad(torch.autograd.Function):

@@ -687,6 +687,9 @@ def test_output_gradient_fake_quant_on_the_kernels_is_the_reference(fmt, shape, 
     expected = fake_quant(g, fmt, nan_ignoring_abs_max(g))
     assert_bits_equal(fake_quant_grad(g, fmt, "triton"), expected, f"{fmt} {shape} {dtype}")
     assert_bits_equal(fake_quant_grad(g, fmt, "torch"), expected, "torch path")
+    amax = nan_ignoring_abs_max(g)  # a caller that has the max already
+    assert_bits_equal(fake_quant_grad(g, fmt, "triton", amax=amax), expected, "given amax")
+    assert_bits_equal(fake_quant_grad(g, fmt, "torch", amax=amax), expected, "given amax, torch path")
     g_inf = g.clone()
     g_inf.view(-1)[7] = float("inf")  # an Inf amax is invalid: scale 1, Inf saturates
     assert_bits_equal(fake_quant_grad(g_inf, fmt, "triton"), fake_quant(g_inf, fmt, nan_ignoring_abs_max(g_inf)),
