@@ -258,7 +258,7 @@ def build_variant(name: str, args, calib, seed: int) -> Variant:
 
     model = build_te_gpt(args, seed) if have_transformer_engine() else build_cpu_gpt(args, seed)
     if name != "bf16":
-        model = quantize(name, model, calib, getattr(args, "backward", None))
+        model = quantize(name, model, calib, args.backward)
     quantizers = count_weight_quantizers(model)
     return Variant(name, mt.setup_training(model), quantizers)
 
@@ -568,7 +568,7 @@ def header(args, device: torch.device, residency: Residency, variants: int) -> s
             f"{args.experts} experts x FFN {args.moe_ffn_hidden} top-{args.topk}, {args.heads} heads "
             f"({args.kv_heads} KV), seq {args.seq}, micro-batch {args.micro_batch}, vocab {args.vocab}, "
             f"{args.dispatcher} dispatcher, bf16 + Adam (distributed optimizer)"
-            f"{f', backward.mode {args.backward}' if getattr(args, 'backward', None) else ''}\n"
+            f"{f', backward.mode {args.backward}' if args.backward else ''}\n"
             f"{environment_line(device)}; {what}{where}")
 
 
