@@ -45,7 +45,7 @@ def model_card(*, architecture: str, fmt: str, linears: dict[str, LinearQuant], 
         ExportError: what :func:`~.schemes.resolve_scheme` raises (a format that cannot express the quantizers).
     """
     scheme = resolve_scheme(linears, fmt)
-    nvfp4_experts = fmt == "compressed-tensors" and scheme is not None and scheme.weight_fmt == "nvfp4" and any(
+    nvfp4_experts = fmt == "compressed-tensors" and scheme is not None and not _fp8(scheme) and any(
         ".experts." in m and q.is_quantized for m, q in linears.items())
     title = f"{name}: {architecture}" + ("" if scheme is None else f", {scheme.name}")
     lines = [*_front_matter(fmt, scheme, base_model), "", f"# {title} ({_FORMAT_LABELS[fmt]})", ""]
@@ -66,10 +66,15 @@ def model_card(*, architecture: str, fmt: str, linears: dict[str, LinearQuant], 
     return "\n".join(lines) + "\n"
 
 
+def _fp8(scheme: Scheme) -> bool:
+    """FP8 (E4M3) weights; the export's other schemes are NVFP4 (:data:`~.schemes.SCHEMES`)."""
+    return scheme.name.startswith("FP8")
+
+
 def _front_matter(fmt: str, scheme: Scheme | None, base_model: str | None) -> list[str]:
     tags = ["moe", _PRODUCER]
     if scheme is not None:
-        tags = ["quantized", "fp8" if scheme.weight_fmt == "e4m3" else "nvfp4", fmt, *tags]
+        tags = ["quantized", scheme.name.split("_")[0].lower(), fmt, *tags]  # fp8 or nvfp4
     lines = ["---", "library_name: transformers", "pipeline_tag: text-generation"]
     if base_model:
         lines += [f"base_model: {base_model}", f"base_model_relation: {'quantized' if scheme else 'finetune'}"]
@@ -148,7 +153,7 @@ def _scheme_table(fmt: str, scheme: Scheme | None, linears: dict[str, LinearQuan
 
 
 def _weights(fmt: str, scheme: Scheme) -> str:
-    if scheme.weight_fmt == "e4m3":
+    if _fp8(scheme):
         return f"FP8 E4M3, fp32 scale per {'output channel' if scheme.per_channel else 'tensor'}"
     return "NVFP4: E2M1, E4M3 scale per block of 16 inputs, fp32 global scale"
 
@@ -156,7 +161,7 @@ def _weights(fmt: str, scheme: Scheme) -> str:
 def _inputs(fmt: str, scheme: Scheme, dtype: str) -> str:
     if not scheme.input_quantized:
         return f"{dtype}, not quantized (weight-only)"
-    if scheme.weight_fmt == "e4m3":
+    if _fp8(scheme):
         return "FP8 E4M3, static fp32 scale per tensor"
     return "NVFP4: E4M3 scale per block of 16 computed at run time, static fp32 global scale"
 
@@ -164,7 +169,7 @@ def _inputs(fmt: str, scheme: Scheme, dtype: str) -> str:
 def _tensors_sentence(fmt: str, scheme: Scheme) -> list[str]:
     """The stored tensors of a quantized linear ``<m>`` and what their values are (amax: the value training used,
     each expert its own)."""
-    if scheme.weight_fmt == "e4m3":
+    if _fp8(scheme):
         shape = "`[out, 1]`" if scheme.per_channel else ("`[1]`" if fmt == "compressed-tensors" else "`[]`")
         names = ["`weight` float8_e4m3fn", f"`weight_scale` fp32 {shape} = amax / 448"]
         if scheme.input_quantized:
@@ -192,7 +197,7 @@ def _readers(fmt: str, scheme: Scheme | None, nvfp4_experts: bool) -> list[str]:
     if scheme is None:
         return ["- Any reader of this architecture (`transformers`, vLLM, SGLang): nothing is quantized."]
     if fmt == "compressed-tensors":
-        if scheme.weight_fmt == "e4m3":
+        if _fp8(scheme):
             tf = ("exact: every weight is `weight * weight_scale`, within 1 fp32 ulp of the trained fake "
                   "quantization")
         else:
@@ -202,12 +207,12 @@ def _readers(fmt: str, scheme: Scheme | None, nvfp4_experts: bool) -> list[str]:
         return [f"- transformers 5.23 + compressed-tensors 0.20, `CompressedTensorsConfig(dequantize=True)`: {tf}. "
                 "It runs the weights dequantized and ignores input scales.",
                 "- compressed-tensors' own decoders: the format's formula"
-                + (", exact." if scheme.weight_fmt == "e4m3" else ", within 2 fp32 ulps of training."),
+                + (", exact." if _fp8(scheme) else ", within 2 fp32 ulps of training."),
                 "- vLLM (compressed-tensors scheme): the layout its loader reads (checked against its source, not "
                 "run)."]
     lines = ["- vLLM (`quant_method: modelopt`), SGLang and TensorRT-LLM (`hf_quant_config.json`): the layouts their "
              "loaders read (checked against their source, not run)."]
-    if scheme.weight_fmt == "nvfp4":
+    if not _fp8(scheme):
         lines += ["- `weight * weight_scale * weight_scale_2` (Model Optimizer's formula) is bit-exact with training.",
                   "- transformers has no `modelopt` quant_method: convert with compressed-tensors' "
                   "`ModelOptNvfp4Converter` (the result is a compressed-tensors checkpoint: for its MoE experts "
