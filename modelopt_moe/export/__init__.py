@@ -53,8 +53,10 @@ HF_CONFIG_FILE = "hf_config.json"
 
 
 def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "compressed-tensors",
-              family: str | None = None, dtype=None, hf_config=None, progress: bool = True) -> Path:
-    """Writes ``model`` as a Hugging Face checkpoint; every rank calls it, global rank 0 writes.
+              family: str | None = None, dtype=None, hf_config=None, progress: bool = True,
+              base_model: str | None = None) -> Path:
+    """Writes ``model`` as a Hugging Face checkpoint with its model card (``README.md``: the format, the quantization
+    per layer, the readers known to be exact and the fix a reader needs); every rank calls it, global rank 0 writes.
 
     Args:
         model: a (quantized) model of a framework with a registered adapter (Megatron-Core GPTModel, possibly
@@ -68,6 +70,8 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "co
         hf_config: a Hugging Face config (dict, file or directory) whose other keys (token ids, ...) the written
             ``config.json`` keeps; its architecture keys must match the model.
         progress: a progress bar per layer on rank 0.
+        base_model: the Hugging Face id of the model it was trained from (``Qwen/Qwen3-30B-A3B``), for the model
+            card's ``base_model`` (omitted when None).
 
     Returns:
         The output directory.
@@ -85,7 +89,7 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "co
     # rank, in module order).
     update_weight_amax(model)
     return adapter.export_hf(model, out_dir, format=format, family=family, dtype=dtype, hf_config=hf_config,
-                             progress=progress)
+                             progress=progress, base_model=base_model)
 
 
 def import_hf(model: nn.Module, hf_dir: str | os.PathLike) -> None:

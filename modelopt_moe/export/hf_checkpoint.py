@@ -26,6 +26,7 @@ from ..quantization.utils import warn_once
 from . import transformers_compat
 from .errors import ExportError
 from .families import Family, MoEArch, canonical_names, read_hf_config
+from .model_card import CARD_FILE, model_card
 from .safetensors_files import check_tensors, read_weight_map
 from .schemes import LinearQuant, encode_linear, hf_quant_config, quantization_config, resolve_scheme, scheme_of
 from .writer import CheckpointWriter, check_out_dir
@@ -70,8 +71,10 @@ def _is_writer() -> bool:
 def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Family, fmt: str,
                         linear_quants: dict[str, LinearQuant], groups: Iterable[tuple[str, list]], num_groups: int,
                         dtype: torch.dtype | None = None, template: dict | None = None,
-                        progress: bool = True) -> Path:
-    """Writes a Hugging Face checkpoint of ``arch`` in format ``fmt``, all or nothing.
+                        progress: bool = True, base_model: str | None = None) -> Path:
+    """Writes a Hugging Face checkpoint of ``arch`` in format ``fmt``, all or nothing, with its model card
+    (``README.md``: the format, the quantization per layer, the readers known to be exact and any fix they need;
+    :mod:`.model_card`).
 
     Args:
         out_dir: the output directory (must not exist, or be empty).
@@ -87,6 +90,7 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
             fp32 by the framework are cast to it too). ``config.json`` names it.
         template: a Hugging Face config whose other keys (token ids, generation settings) are kept.
         progress: show a progress bar (writer rank only).
+        base_model: the Hugging Face id of the model it was trained from, for the model card (when known).
 
     Returns:
         The output directory.
@@ -102,6 +106,10 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
     error = None
     try:
         arch, dtype, config, scheme, ignore = _plan(arch, family, fmt, linear_quants, dtype, template)
+        card = model_card(architecture=family.architecture, fmt=fmt,
+                          linears={family.hf_module(c): q for c, q in linear_quants.items()},
+                          other_modules=[family.hf_module(c) for c in canonical_names(arch) if c not in linear_quants],
+                          dtype=arch.dtype, name=Path(out_dir).name, base_model=base_model)
         if _is_writer():
             check_out_dir(out_dir)
     except ExportError as e:
@@ -135,7 +143,7 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
             bar.close()
         error = None
         if writer is not None:
-            error = _commit(writer, config, scheme, ignore, fmt, sorted(expected - seen), family)
+            error = _commit(writer, config, scheme, ignore, fmt, sorted(expected - seen), family, card)
         _raise_agreed(error)
     except BaseException:
         if writer is not None:
@@ -175,13 +183,13 @@ def _plan(arch: MoEArch, family: Family, fmt: str, linear_quants: dict[str, Line
 
 
 def _commit(writer: CheckpointWriter, config: dict, scheme, ignore: list[str], fmt: str, missing: list[str],
-            family: Family) -> str | None:
+            family: Family, card: str) -> str | None:
     """Writer rank: the final files and the rename; returns an error to agree on (or None)."""
     if missing:
         return f"the adapter gave no tensor for {len(missing)} names of {family.architecture}, e.g. {missing[:3]}"
     extra = {"hf_quant_config.json": hf_quant_config(scheme, ignore)} if fmt == "modelopt" else None
     try:
-        writer.commit(config, extra)
+        writer.commit(config, extra, {CARD_FILE: card})
     except OSError as e:
         return f"writing {writer.out_dir} failed: {e}"
     return None

@@ -106,9 +106,10 @@ class CheckpointWriter:
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 
-    def commit(self, config: dict, extra_json: dict[str, dict] | None = None) -> Path:
-        """Writes the last shard, renames the shards, writes the index, the extra JSON files and ``config.json``
-        (last), then renames the temporary directory to ``out_dir``.
+    def commit(self, config: dict, extra_json: dict[str, dict] | None = None,
+               text_files: dict[str, str] | None = None) -> Path:
+        """Writes the last shard, renames the shards, writes the index, the extra JSON files, the text files (the
+        model card) and ``config.json`` (last), then renames the temporary directory to ``out_dir``.
 
         Returns:
             The output directory.
@@ -124,6 +125,8 @@ class CheckpointWriter:
                                                 "weight_map": dict(sorted(weight_map.items()))})
         for name, payload in (extra_json or {}).items():
             _write_json(self.tmp_dir / name, payload)
+        for name, text in (text_files or {}).items():
+            _write_text(self.tmp_dir / name, text)
         _write_json(self.tmp_dir / "config.json", config)
         if self.out_dir.exists():  # an empty directory (check_out_dir allowed it): replace it
             self.out_dir.rmdir()
@@ -137,8 +140,11 @@ class CheckpointWriter:
 
 
 def _write_json(path: Path, payload: dict) -> None:
+    _write_text(path, json.dumps(payload, indent=2, sort_keys=False) + "\n")
+
+
+def _write_text(path: Path, text: str) -> None:
     with open(path, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=False)
-        f.write("\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())

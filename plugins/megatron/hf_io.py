@@ -275,7 +275,7 @@ def _amax_lm_head(out, lay: _Layout) -> torch.Tensor | None:
 
 def export_megatron(model, out_dir: str | os.PathLike, *, format: str = "compressed-tensors",
                     family: str | None = None, dtype: torch.dtype | None = None, hf_config=None,
-                    progress: bool = True) -> Path:
+                    progress: bool = True, base_model: str | None = None) -> Path:
     """:func:`modelopt_moe.export.export_hf` for a Megatron-Core GPTModel (see there). Every rank calls it."""
     m = unwrap_model(model)
     template = read_hf_config(hf_config) if hf_config is not None else None
@@ -288,7 +288,7 @@ def export_megatron(model, out_dir: str | os.PathLike, *, format: str = "compres
     return write_hf_checkpoint(
         out_dir, arch=arch, family=get_family(arch.family), fmt=format, linear_quants=_linear_quants(m, arch),
         groups=_groups(m, arch, lay), num_groups=arch.num_layers + 2, dtype=dtype, template=template,
-        progress=progress)
+        progress=progress, base_model=base_model)
 
 
 _IGNORED_FIELDS = ("dtype", "router_aux_loss_coef", "family")

@@ -85,7 +85,7 @@ def test_empty_existing_directory_is_used(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     _write(out)
-    assert {"config.json", INDEX_FILE} <= {p.name for p in out.iterdir()}
+    assert {"config.json", INDEX_FILE, "README.md"} <= {p.name for p in out.iterdir()}  # the model card too
     assert _leftovers(out) == []
 
 

@@ -1,0 +1,223 @@
+"""The model card (``README.md``) of every export: what the checkpoint holds and how to read it right.
+
+Whoever receives a checkpoint sees its ``README.md`` first (the Hugging Face Hub renders it and reads its YAML front
+matter: ``library_name``, ``tags``, ``base_model``). The card states the format, the quantization of every group of
+modules (weights and inputs, block size, scale tensors; what stays unquantized and in which dtype), the readers known
+to read it exactly, and, where a reader needs one, the fix: transformers mis-scales compressed-tensors NVFP4 MoE
+experts silently (:mod:`.transformers_compat`), so such a card opens with the code to call.
+
+:func:`model_card` is pure (strings in, a string out): :func:`~.hf_checkpoint.write_hf_checkpoint` builds the card
+before any tensor is gathered and writes it inside the same all-or-nothing export.
+"""
+
+from __future__ import annotations
+
+import re
+
+from . import transformers_compat
+from .schemes import LinearQuant, Scheme, resolve_scheme, scheme_of
+
+__all__ = ["model_card", "CARD_FILE"]
+
+CARD_FILE = "README.md"
+_PRODUCER = "modelopt_moe"
+_FORMAT_LABELS = {"compressed-tensors": "compressed-tensors", "modelopt": "NVIDIA Model Optimizer unified HF format",
+                  "hf": "unquantized Hugging Face checkpoint"}
+
+
+def model_card(*, architecture: str, fmt: str, linears: dict[str, LinearQuant], other_modules: list[str],
+               dtype: str, name: str, base_model: str | None = None) -> str:
+    """The ``README.md`` text of a checkpoint.
+
+    Args:
+        architecture: the Hugging Face architecture (``Qwen3MoeForCausalLM``).
+        fmt: ``compressed-tensors``, ``modelopt`` or ``hf``.
+        linears: every exported linear's Hugging Face module name -> its quantizers (as the exporter resolves them).
+        other_modules: the Hugging Face module names of the other tensors (embeddings, norms), stored in ``dtype``.
+        dtype: the dtype of every unquantized tensor (``bfloat16``).
+        name: the checkpoint's name (its directory name), used in the loading code.
+        base_model: the Hugging Face id of the model it was trained from, when known.
+
+    Returns:
+        Markdown with YAML front matter.
+
+    Raises:
+        ExportError: what :func:`~.schemes.resolve_scheme` raises (a format that cannot express the quantizers).
+    """
+    scheme = resolve_scheme(linears, fmt)
+    nvfp4_experts = fmt == "compressed-tensors" and scheme is not None and not _fp8(scheme) and any(
+        ".experts." in m and q.is_quantized for m, q in linears.items())
+    title = f"{name}: {architecture}" + ("" if scheme is None else f", {scheme.name}")
+    lines = [*_front_matter(fmt, scheme, base_model), "", f"# {title} ({_FORMAT_LABELS[fmt]})", ""]
+    origin = f" from [{base_model}](https://huggingface.co/{base_model})" if base_model else ""
+    lines += [f"A Mixture-of-Experts model ({architecture}){origin}, "
+              + ("quantized (calibrated, and trained if QAT ran)" if scheme is not None else "trained")
+              + f" in Megatron-Core with {_PRODUCER}, exported as {_format_sentence(fmt, scheme)}", ""]
+    if nvfp4_experts:
+        lines += _transformers_fix(name)
+    lines += ["## Quantization per layer", ""]
+    lines += _scheme_table(fmt, scheme, linears, dtype)
+    others = _patterns(other_modules)
+    if others:
+        lines += ["", f"Not quantized, stored in {dtype}: " + ", ".join(f"`{p}`" for p in others) + "."]
+    if scheme is not None:
+        lines += ["", *_tensors_sentence(fmt, scheme)]
+    lines += ["", "## Readers", "", *_readers(fmt, scheme, nvfp4_experts)]
+    return "\n".join(lines) + "\n"
+
+
+def _fp8(scheme: Scheme) -> bool:
+    """FP8 (E4M3) weights; the export's other schemes are NVFP4 (:data:`~.schemes.SCHEMES`)."""
+    return scheme.name.startswith("FP8")
+
+
+def _front_matter(fmt: str, scheme: Scheme | None, base_model: str | None) -> list[str]:
+    tags = ["moe", _PRODUCER]
+    if scheme is not None:
+        tags = ["quantized", scheme.name.split("_")[0].lower(), fmt, *tags]  # fp8 or nvfp4
+    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation"]
+    if base_model:
+        lines += [f"base_model: {base_model}", f"base_model_relation: {'quantized' if scheme else 'finetune'}"]
+    return [*lines, "tags:", *(f"- {t}" for t in tags), "---"]
+
+
+def _format_sentence(fmt: str, scheme: Scheme | None) -> str:
+    if fmt == "compressed-tensors":
+        return (f"compressed-tensors (`config.json`: `quantization_config.quant_method: compressed-tensors`, "
+                f"`format: {scheme.ct_format}`).")
+    if fmt == "modelopt":
+        return (f"NVIDIA Model Optimizer's unified Hugging Face format (`config.json`: `quantization_config."
+                f"quant_method: modelopt`, `quant_algo: {scheme.modelopt_algo}`; the same in `hf_quant_config.json`).")
+    return "an unquantized Hugging Face checkpoint."
+
+
+def _transformers_fix(name: str) -> list[str]:
+    return [
+        "> **transformers reads the MoE experts of this checkpoint wrong without a fix.** "
+        f"Releases of {transformers_compat.AFFECTED_VERSIONS} dequantize "
+        "NVFP4 MoE experts without their `weight_global_scale`: every expert weight comes out thousands of times too "
+        "large, with no error or warning, and the logits are wrong (the top-1 token agrees with the trained model's "
+        "almost nowhere). Attention and other dense layers load right. Apply the fix of the `modelopt_moe` package "
+        "before loading (transformers >= 5.23):",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM",
+        "from transformers.utils.quantization_config import CompressedTensorsConfig",
+        "",
+        "from modelopt_moe.export import transformers_compat",
+        "",
+        "fix = transformers_compat.fix_nvfp4_experts()  # once per process, before from_pretrained",
+        f'model = AutoModelForCausalLM.from_pretrained("{name}",',
+        "                                             quantization_config=CompressedTensorsConfig(dequantize=True))",
+        "```",
+        "",
+        "It decodes every NVFP4 expert with compressed-tensors' own `NVFP4PackedCompressor.decompress`, the global "
+        "scale included (`fix.remove()` undoes it).",
+        "",
+    ]
+
+
+def _pattern(module: str) -> str:
+    """``model.layers.3.mlp.experts.5.gate_proj`` -> ``model.layers.*.mlp.experts.*.gate_proj``."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", module)
+
+
+def _patterns(modules: list[str]) -> list[str]:
+    return list(dict.fromkeys(_pattern(m) for m in modules))
+
+
+def _layers(modules: list[str]) -> str:
+    """The layer indices of ``modules`` as ranges (``0-47``, ``0, 2-5``), or ``-`` for modules outside the layers."""
+    found = sorted({int(m.group(1)) for m in (re.search(r"\blayers\.(\d+)\.", x) for x in modules) if m})
+    if not found:
+        return "-"
+    ranges, start = [], found[0]
+    for prev, cur in zip(found, [*found[1:], None], strict=True):
+        if cur != prev + 1:
+            ranges.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(ranges)
+
+
+def _scheme_table(fmt: str, scheme: Scheme | None, linears: dict[str, LinearQuant], dtype: str) -> list[str]:
+    rows: dict[tuple[str, bool], list[str]] = {}
+    for module, q in linears.items():
+        rows.setdefault((_pattern(module), scheme_of(q, module) is not None), []).append(module)
+    lines = ["| modules (Hugging Face names) | layers | count | weights | inputs (activations) |",
+             "|---|---|---|---|---|"]
+    for (pattern, quantized), modules in rows.items():
+        weight, inputs = (_weights(fmt, scheme), _inputs(fmt, scheme, dtype)) if quantized else (
+            f"{dtype}, not quantized", f"{dtype}, not quantized")
+        lines.append(f"| `{pattern}` | {_layers(modules)} | {len(modules)} | {weight} | {inputs} |")
+    return lines
+
+
+def _weights(fmt: str, scheme: Scheme) -> str:
+    if _fp8(scheme):
+        return f"FP8 E4M3, fp32 scale per {'output channel' if scheme.per_channel else 'tensor'}"
+    return "NVFP4: E2M1, E4M3 scale per block of 16 inputs, fp32 global scale"
+
+
+def _inputs(fmt: str, scheme: Scheme, dtype: str) -> str:
+    if not scheme.input_quantized:
+        return f"{dtype}, not quantized (weight-only)"
+    if _fp8(scheme):
+        return "FP8 E4M3, static fp32 scale per tensor"
+    return "NVFP4: E4M3 scale per block of 16 computed at run time, static fp32 global scale"
+
+
+def _tensors_sentence(fmt: str, scheme: Scheme) -> list[str]:
+    """The stored tensors of a quantized linear ``<m>`` and what their values are (amax: the value training used,
+    each expert its own)."""
+    if _fp8(scheme):
+        shape = "`[out, 1]`" if scheme.per_channel else ("`[1]`" if fmt == "compressed-tensors" else "`[]`")
+        names = ["`weight` float8_e4m3fn", f"`weight_scale` fp32 {shape} = amax / 448"]
+        if scheme.input_quantized:
+            names.append("`input_scale` fp32 = input amax / 448")
+    elif fmt == "modelopt":
+        names = ["`weight` uint8 `[out, in/2]` (two E2M1 codes per byte, the even column in the low nibble)",
+                 "`weight_scale` float8_e4m3fn `[out, in/16]`", "`weight_scale_2` fp32 = amax / 2688"]
+        if scheme.input_quantized:
+            names.append("`input_scale` fp32 = input amax / 2688")
+    else:
+        names = ["`weight_packed` uint8 `[out, in/2]` (two E2M1 codes per byte, the even column in the low nibble)",
+                 "`weight_scale` float8_e4m3fn `[out, in/16]`", "`weight_global_scale` fp32 = 2688 / amax"]
+        if scheme.input_quantized:
+            names.append("`input_global_scale` fp32 = 2688 / input amax")
+    lines = [f"Tensors of each quantized linear: {', '.join(names)} (amax: the value training used, each expert its "
+             "own). Gate and up projections of one expert share their second-level weight scale and input scale; so "
+             "do q, k and v (the fused projections of serving engines need that)."]
+    if scheme.input_quantized:
+        lines += ["", "Input scales are stored per expert; some engines take one maximum per layer (vLLM FP8 MoE, "
+                  "SGLang, TensorRT-LLM)."]
+    return lines
+
+
+def _readers(fmt: str, scheme: Scheme | None, nvfp4_experts: bool) -> list[str]:
+    if scheme is None:
+        return ["- Any reader of this architecture (`transformers`, vLLM, SGLang): nothing is quantized."]
+    if fmt == "compressed-tensors":
+        if _fp8(scheme):
+            tf = ("exact: every weight is `weight * weight_scale`, within 1 fp32 ulp of the trained fake "
+                  "quantization")
+        else:
+            tf = ("**wrong for the MoE experts without the fix above**; with it, every expert weight within 1 bf16 "
+                  "ulp of the trained fake quantization (compressed-tensors decodes NVFP4 to bf16)"
+                  if nvfp4_experts else "within 1 bf16 ulp of the trained fake quantization")
+        return [f"- transformers 5.23 + compressed-tensors 0.20, `CompressedTensorsConfig(dequantize=True)`: {tf}. "
+                "It runs the weights dequantized and ignores input scales.",
+                "- compressed-tensors' own decoders: the format's formula"
+                + (", exact." if _fp8(scheme) else ", within 2 fp32 ulps of training."),
+                "- vLLM (compressed-tensors scheme): the layout its loader reads (checked against its source, not "
+                "run)."]
+    lines = ["- vLLM (`quant_method: modelopt`), SGLang and TensorRT-LLM (`hf_quant_config.json`): the layouts their "
+             "loaders read (checked against their source, not run)."]
+    if not _fp8(scheme):
+        lines += ["- `weight * weight_scale * weight_scale_2` (Model Optimizer's formula) is bit-exact with training.",
+                  "- transformers has no `modelopt` quant_method: convert with compressed-tensors' "
+                  "`ModelOptNvfp4Converter` (the result is a compressed-tensors checkpoint: for its MoE experts "
+                  "transformers then needs `modelopt_moe.export.transformers_compat.fix_nvfp4_experts()`)."]
+    else:
+        lines += ["- transformers has no `modelopt` quant_method; these FP8 tensors carry compressed-tensors' names "
+                  "and load exactly with a compressed-tensors `quantization_config`."]
+    return lines
