@@ -203,7 +203,7 @@ class Format:
     bound: float
     label: str
     scale_layouts: frozenset[ScaleLayout]
-    kernel: KernelSpec
+    kernel: KernelSpec | None  # None: the reference only (no Triton routine yet)
     element_dtype: torch.dtype | None = None
     aliases: tuple[str, ...] = ()
     block: tuple[int, ...] | None = None
