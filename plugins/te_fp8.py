@@ -86,7 +86,8 @@ def _te() -> SimpleNamespace:
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
 
     return SimpleNamespace(tex=tex, grouped_gemm=general_grouped_gemm, Float8Quantizer=Float8Quantizer,
-                           dtypes={"e4m3": tex.DType.kFloat8E4M3, "e5m2": tex.DType.kFloat8E5M2})
+                           dtypes={torch.float8_e4m3fn: tex.DType.kFloat8E4M3,
+                                   torch.float8_e5m2: tex.DType.kFloat8E5M2})
 
 
 # --- when it runs, what it refuses ----------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ def problems(module) -> list[str]:
         if not q.is_quantizing:
             found.append(f"{kind} is not quantizing: te_fp8 runs FP8 x FP8 GEMMs, so both the input and the weight "
                          "quantizer must be enabled")
-        elif q.fmt != "e4m3":
+        elif get_format(q.fmt).element_dtype is not torch.float8_e4m3fn:
             found.append(f"{kind} format {q.fmt}: te_fp8 runs FP8 E4M3 GEMMs only")
         elif q.axis is not None:
             found.append(f"{kind} has a per-channel amax (axis={q.axis}): te_fp8 takes one scale per expert")
@@ -169,8 +170,9 @@ class _ExpertQuantizers:
         self.scale = torch.ones(n, dtype=torch.float32, device=device)
         self.seen_amax = torch.zeros(n, dtype=torch.float32, device=device)  # TE's casts write max|x| here
         self.quantizers = []
+        te_dtype = api.dtypes[get_format(fmt).element_dtype]
         for i in range(n):
-            q = api.Float8Quantizer(self.scale[i:i + 1], self.seen_amax[i:i + 1], api.dtypes[fmt], rowwise=True,
+            q = api.Float8Quantizer(self.scale[i:i + 1], self.seen_amax[i:i + 1], te_dtype, rowwise=True,
                                     columnwise=columnwise)
             q.internal = True  # TE's storage class: less overhead than a torch tensor subclass
             self.quantizers.append(q)

@@ -163,7 +163,7 @@ NVFP4_EXPERTS_WARNING = (
 
 
 def _has_nvfp4_experts(scheme, linear_quants: dict[str, LinearQuant]) -> bool:
-    return scheme is not None and scheme.weight_fmt == "nvfp4" and any(
+    return scheme is not None and scheme.ct_format == transformers_compat.AFFECTED_FORMAT and any(
         ".experts." in name and q.is_quantized for name, q in linear_quants.items())
 
 

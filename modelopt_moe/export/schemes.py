@@ -43,7 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .codecs import encode_fp8, encode_nvfp4, fp8_scale, nvfp4_global_scale, reciprocal
+from ..numerics import FORMATS as NUMBER_FORMATS
+from ..numerics import ExportCodec, get_format
 from .errors import ExportError
 
 __all__ = [
@@ -104,26 +105,32 @@ class Scheme:
     input_quantized: bool
 
     @property
+    def codec(self) -> ExportCodec:
+        """The weight format's export codec (its home in :mod:`modelopt_moe.numerics`)."""
+        return get_format(self.weight_fmt).export
+
+    @property
     def modelopt_algo(self) -> str | None:
         """Model Optimizer's ``quant_algo`` for this scheme (``hf_quant_config.json``), or None where it has none."""
-        return {"FP8": "FP8", "NVFP4": "NVFP4", "NVFP4_A16": "W4A16_NVFP4"}.get(self.name)
+        return self.codec.modelopt_algo(self.per_channel, self.input_quantized)
 
     @property
     def ct_format(self) -> str:
         """The compressed-tensors ``format`` of this scheme's weights."""
-        return "float-quantized" if self.weight_fmt == "e4m3" else "nvfp4-pack-quantized"
+        return self.codec.ct_format
 
 
-SCHEMES = {s.name: s for s in (
-    Scheme("FP8", "e4m3", False, True),
-    Scheme("FP8_A16", "e4m3", False, False),
-    Scheme("FP8_CHANNEL", "e4m3", True, True),
-    Scheme("FP8_CHANNEL_A16", "e4m3", True, False),
-    Scheme("NVFP4", "nvfp4", False, True),
-    Scheme("NVFP4_A16", "nvfp4", False, False),
-)}
-_EXPRESSIBLE = ("FP8 E4M3 weights per tensor or per output channel (axis 0) with E4M3 per-tensor inputs or none; "
-                "NVFP4 weights with NVFP4 inputs or none; no output quantizer")
+def _schemes(fmt) -> list[Scheme]:
+    """The schemes of one exportable format: per tensor (and per channel where its codec takes it), with quantized
+    inputs or weight-only (``_A16``)."""
+    layouts = [(False, "")] + ([(True, "_CHANNEL")] if fmt.export.per_channel else [])
+    return [Scheme(fmt.export.scheme + suffix + ("" if inputs else "_A16"), fmt.name, per_channel, inputs)
+            for per_channel, suffix in layouts for inputs in (True, False)]
+
+
+_EXPORTABLE = [f for f in NUMBER_FORMATS.values() if f.export is not None]
+SCHEMES = {s.name: s for f in _EXPORTABLE for s in _schemes(f)}
+_EXPRESSIBLE = "; ".join(f.export.expressible for f in _EXPORTABLE) + "; no output quantizer"
 
 
 def scheme_of(q: LinearQuant, where: str) -> Scheme | None:
@@ -145,16 +152,16 @@ def scheme_of(q: LinearQuant, where: str) -> Scheme | None:
     if q.weight is None:
         raise bad("inputs are quantized but the weight is not")
     w, x = q.weight, q.input
-    if w.fmt == "e4m3" and w.block_size is None and w.axis in (None, 0):
-        if x is not None and (x.fmt != "e4m3" or x.axis is not None or x.block_size is not None):
-            raise bad(f"FP8 weights need E4M3 per-tensor inputs (or none), got input {x}")
-        name = "FP8_CHANNEL" if w.axis == 0 else "FP8"
+    codec = get_format(w.fmt).export
+    if codec is not None and codec.accepts_weight(w.axis, w.block_size):
+        problem = codec.input_problem(w, x) if x is not None else None
+        if problem is not None:
+            raise bad(problem)
+        per_channel = codec.per_channel and w.axis is not None
+        name = codec.scheme + ("_CHANNEL" if per_channel else "")
         return SCHEMES[name if x is not None else name + "_A16"]
-    if w.fmt == "nvfp4":
-        if x is not None and x.fmt != "nvfp4":
-            raise bad(f"NVFP4 weights need NVFP4 inputs (or none), got input {x}")
-        return SCHEMES["NVFP4" if x is not None else "NVFP4_A16"]
-    raise bad(f"weight format {w} is not FP8 E4M3 (per tensor or axis 0) or NVFP4")
+    accepted = " or ".join(f.export.weight_text for f in _EXPORTABLE)
+    raise bad(f"weight format {w} is not {accepted}")
 
 
 def resolve_scheme(linears: dict[str, LinearQuant], fmt: str) -> Scheme | None:
@@ -200,12 +207,6 @@ def resolve_scheme(linears: dict[str, LinearQuant], fmt: str) -> Scheme | None:
     return scheme
 
 
-def _scalar(t: torch.Tensor, fmt: str) -> torch.Tensor:
-    """A per-tensor scale as each format's producers store it: ``[1]`` (compressed-tensors), ``[]`` (modelopt)."""
-    t = t.float().reshape(())
-    return t.reshape(1).contiguous() if fmt == "compressed-tensors" else t.contiguous()
-
-
 def encode_linear(module: str, weight: torch.Tensor, weight_amax: torch.Tensor | None,
                   input_amax: torch.Tensor | None, scheme: Scheme, fmt: str) -> dict[str, torch.Tensor]:
     """The tensors of one quantized linear in format ``fmt`` (see the module docstring for names and values).
@@ -233,47 +234,13 @@ def encode_linear(module: str, weight: torch.Tensor, weight_amax: torch.Tensor |
     weight = weight.detach().cpu()
     weight_amax = weight_amax.detach().cpu()
     input_amax = input_amax.detach().cpu() if input_amax is not None else None
-    out: dict[str, torch.Tensor] = {}
     try:
-        if scheme.weight_fmt == "e4m3":
-            amax = weight_amax.float().reshape(-1, 1) if scheme.per_channel else weight_amax.float().reshape(())
-            codes, s = encode_fp8(weight, amax, f"{module}.weight")
-            out[f"{module}.weight"] = codes
-            ws = reciprocal(s)
-            out[f"{module}.weight_scale"] = ws.contiguous() if scheme.per_channel else _scalar(ws, fmt)
-            if scheme.input_quantized:
-                out[f"{module}.input_scale"] = _scalar(reciprocal(fp8_scale(input_amax)), fmt)
-        else:
-            if weight.shape[1] % 16:
-                raise ExportError(f"{module}.weight: NVFP4 needs the input dim to be a multiple of 16, got shape "
-                                  f"{tuple(weight.shape)}")
-            packed, block_scale, sg = encode_nvfp4(weight, weight_amax.float().reshape(()), f"{module}.weight")
-            sg_in = nvfp4_global_scale(input_amax) if scheme.input_quantized else None
-            if fmt == "modelopt":
-                out[f"{module}.weight"] = packed
-                out[f"{module}.weight_scale"] = block_scale
-                out[f"{module}.weight_scale_2"] = _scalar(sg, fmt)
-                if sg_in is not None:
-                    out[f"{module}.input_scale"] = _scalar(sg_in, fmt)
-            else:
-                out[f"{module}.weight_packed"] = packed
-                out[f"{module}.weight_scale"] = block_scale
-                out[f"{module}.weight_global_scale"] = _scalar(reciprocal(sg), fmt)
-                if sg_in is not None:
-                    out[f"{module}.input_global_scale"] = _scalar(reciprocal(sg_in), fmt)
+        return scheme.codec.encode(module, weight, weight_amax, input_amax if scheme.input_quantized else None,
+                                   scheme.per_channel, fmt)
     except ValueError as e:
         if isinstance(e, ExportError):
             raise
         raise ExportError(str(e)) from None
-    return out
-
-
-def _ct_args(scheme: Scheme, inputs: bool) -> dict:
-    if scheme.weight_fmt == "e4m3":
-        strategy = "channel" if scheme.per_channel and not inputs else "tensor"
-        return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False}
-    return {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
-            "dynamic": "local" if inputs else False, "scale_dtype": "torch.float8_e4m3fn"}
 
 
 def quantization_config(scheme: Scheme, fmt: str, ignore: list[str]) -> dict:
@@ -285,8 +252,9 @@ def quantization_config(scheme: Scheme, fmt: str, ignore: list[str]) -> dict:
     (``exclude_modules``; ``ignore``, which vLLM reads from ``config.json``).
     """
     if fmt == "compressed-tensors":
-        group = {"targets": ["Linear"], "weights": _ct_args(scheme, False),
-                 "input_activations": _ct_args(scheme, True) if scheme.input_quantized else None,
+        args = scheme.codec.ct_args
+        group = {"targets": ["Linear"], "weights": args(scheme.per_channel, False),
+                 "input_activations": args(scheme.per_channel, True) if scheme.input_quantized else None,
                  "output_activations": None, "format": scheme.ct_format}
         return {"quant_method": "compressed-tensors", "format": scheme.ct_format, "quantization_status": "compressed",
                 "config_groups": {"group_0": group}, "ignore": list(ignore), "kv_cache_scheme": None,
@@ -294,8 +262,8 @@ def quantization_config(scheme: Scheme, fmt: str, ignore: list[str]) -> dict:
     if fmt == "modelopt":
         cfg = {"quant_method": "modelopt", "quant_algo": scheme.modelopt_algo, "kv_cache_quant_algo": None,
                "exclude_modules": list(ignore), "ignore": list(ignore), "producer": dict(PRODUCER)}
-        if scheme.weight_fmt == "nvfp4":
-            cfg["group_size"] = 16
+        if scheme.codec.group_size is not None:
+            cfg["group_size"] = scheme.codec.group_size
         return cfg
     raise ExportError(f"format={fmt!r}: no quantization_config for it (expected 'compressed-tensors' or 'modelopt')")
 
@@ -305,6 +273,6 @@ def hf_quant_config(scheme: Scheme, ignore: list[str]) -> dict:
     ``quantization_config``): ``{"producer", "quantization": {quant_algo, kv_cache_quant_algo, group_size,
     exclude_modules}}``."""
     quant = {"quant_algo": scheme.modelopt_algo, "kv_cache_quant_algo": None, "exclude_modules": list(ignore)}
-    if scheme.weight_fmt == "nvfp4":
-        quant["group_size"] = 16
+    if scheme.codec.group_size is not None:
+        quant["group_size"] = scheme.codec.group_size
     return {"producer": dict(PRODUCER), "quantization": quant}

@@ -37,8 +37,8 @@ import torch
 
 from .errors import ExportError
 
-__all__ = ["AFFECTED_SINCE", "FIXED_IN", "PATCHABLE_SINCE", "AFFECTED_VERSIONS", "nvfp4_experts_affected",
-           "fix_nvfp4_experts", "NVFP4ExpertsFix"]
+__all__ = ["AFFECTED_SINCE", "FIXED_IN", "PATCHABLE_SINCE", "AFFECTED_VERSIONS", "AFFECTED_FORMAT",
+           "nvfp4_experts_affected", "fix_nvfp4_experts", "NVFP4ExpertsFix"]
 
 AFFECTED_SINCE = (5, 13)  # the first release with the fused-expert compressed-tensors loader
 PATCHABLE_SINCE = (5, 23)  # the first release that hands weight_global_scale to the experts' dequantize
@@ -46,7 +46,8 @@ FIXED_IN: tuple[int, int] | None = None  # the first release that fixes it; set 
 AFFECTED_VERSIONS = "transformers 5.13 and later (5.23 the newest checked; no release fixes it yet)"
 
 _log = logging.getLogger(__name__)
-_NVFP4_FORMAT = "nvfp4-pack-quantized"
+# The compressed-tensors weight format whose MoE experts transformers mis-scales.
+AFFECTED_FORMAT = "nvfp4-pack-quantized"
 
 
 def _parse(version: str) -> tuple[int, int]:
@@ -179,7 +180,7 @@ def _patched_convert(original, ct_integration):
         config = self.hf_quantizer.compressor.quantization_config
         scheme = self.scheme or ct_integration.get_experts_scheme(config)
         fmt = scheme.format or config.format
-        if getattr(fmt, "value", fmt) != _NVFP4_FORMAT:
+        if getattr(fmt, "value", fmt) != AFFECTED_FORMAT:
             return unchanged()
         return _decode_nvfp4_experts(input_dict, scheme, kwargs["model"].get_parameter(full_layer_name).dtype)
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..numerics import NVFP4_BLOCK_SIZE, get_format
+from ..numerics import get_format
 from .launch import MAX_EXPERTS, Signature, checked_before, eager, remember_checked, signature
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -20,23 +20,21 @@ STE_MODES = ("pass_through", "clipped")
 
 
 def check_format(fmt: str, block_size: int | None) -> None:
-    """Checks that ``fmt`` is a known format and ``block_size`` one it takes (int formats: a power of two in
-    [2, 4096]; NVFP4: its own 16; fp8: none)."""
-    spec = get_format(fmt)  # ValueError on an unknown format
+    """Checks that ``fmt`` is a known format and ``block_size`` one it takes (data blocks: a power of two in
+    [2, 4096]; a format with a fixed block: that one; others: none)."""
+    problem = get_format(fmt).block_size_problem(block_size)  # ValueError on an unknown format
+    if problem is not None:
+        raise ValueError(problem)
     if block_size is None:
         return
-    if fmt == "nvfp4" and block_size != NVFP4_BLOCK_SIZE:
-        raise ValueError(f"nvfp4 uses blocks of {NVFP4_BLOCK_SIZE}, got block_size={block_size}")
-    if spec.kind == "fp8":
-        raise ValueError(f"format {fmt!r} has no block mode, got block_size={block_size}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size & (
             block_size - 1) or block_size > 4096:
         raise ValueError(f"block_size must be a power of two in [2, 4096], got {block_size!r}")
 
 
 def needs_amax(fmt: str, block_size: int | None) -> bool:
-    """Whether format ``fmt`` reads an amax (all but int formats with a dynamic per-block amax)."""
-    return not (get_format(fmt).kind == "int" and block_size is not None)
+    """Whether format ``fmt`` reads an amax (all but formats whose every scale comes from the data)."""
+    return get_format(fmt).needs_amax(block_size)
 
 
 def check_ste(ste: str) -> None:
@@ -94,6 +92,7 @@ def _check_each_weight(weights: list[torch.Tensor], what: str, amax: torch.Tenso
                        block_size: int | None) -> None:
     """The per-expert checks of :func:`check_weights` (``amax`` already checked as a tensor on the right device)."""
     w0 = weights[0]
+    fixed = None if fmt is None else get_format(fmt).block_length
     for i, w in enumerate(weights):
         if not isinstance(w, torch.Tensor):
             raise ValueError(f"{what}: expert {i} is a {type(w).__name__}, not a tensor")
@@ -106,10 +105,10 @@ def _check_each_weight(weights: list[torch.Tensor], what: str, amax: torch.Tenso
         if not w.is_contiguous():
             raise ValueError(f"{what}: expert {i} (shape {tuple(w.shape)}) is not contiguous")
         if fmt is not None:
-            # Int blocks zero-pad a partial last block (formats.fake_quant); NVFP4's blocks must tile exactly.
-            if fmt == "nvfp4" and (w.dim() == 0 or w.shape[-1] % NVFP4_BLOCK_SIZE):
+            # Data blocks zero-pad a partial last block (integer.py); a format's fixed blocks must tile exactly.
+            if fixed is not None and (w.dim() == 0 or w.shape[-1] % fixed):
                 raise ValueError(f"{what}: expert {i} has shape {tuple(w.shape)}; format {fmt!r} needs a last dim "
-                                 f"that is a multiple of the block size {NVFP4_BLOCK_SIZE}")
+                                 f"that is a multiple of the block size {fixed}")
             if block_size is not None and w.dim() == 0:
                 raise ValueError(f"{what}: expert {i} is a scalar; block_size={block_size} needs a last dim")
     n = len(weights)
@@ -181,7 +180,8 @@ def check_input_fake_quant(x, m_splits, amax, fmt: str, block_size: int | None, 
     if amax is None and needs_amax(fmt, block_size):
         raise ValueError(f"{what}: format {fmt!r} needs an amax tensor, got None")
     m_splits, amax = check_input(x, m_splits, amax, what)
-    if fmt == "nvfp4" and x.shape[1] % NVFP4_BLOCK_SIZE:
+    fixed = get_format(fmt).block_length
+    if fixed is not None and x.shape[1] % fixed:
         raise ValueError(f"{what}: x has shape {tuple(x.shape)}; format {fmt!r} needs a last dim that is a "
-                         f"multiple of the block size {NVFP4_BLOCK_SIZE}")
+                         f"multiple of the block size {fixed}")
     return m_splits, amax if needs_amax(fmt, block_size) else None

@@ -28,4 +28,4 @@ def per_row_amax(x: torch.Tensor, m_splits: torch.Tensor, amax: torch.Tensor | N
 
 def int_kwargs(fmt: str, narrow_range: bool) -> dict:
     """``fake_quant``'s range keyword for int formats (none for float formats, which reject it)."""
-    return {"narrow_range": narrow_range} if get_format(fmt).kind == "int" else {}
+    return {"narrow_range": narrow_range} if get_format(fmt).integer else {}

@@ -81,7 +81,7 @@ def grouped_input_fake_quant(
         m_splits: ``[N]`` integer tensor on ``x``'s device (offsets are computed on the device, no sync), or a list
             of ints (then copied to the device).
         amax: ``[N]`` per expert or a scalar shared by all; ``None`` only for int formats with ``block_size``.
-        fmt: ``"e4m3"``, ``"e5m2"``, ``"nvfp4"``, or ``"int2"`` .. ``"int8"``.
+        fmt: a registered format name (:data:`modelopt_moe.numerics.FORMATS`).
         block_size: int formats only: dynamic per-block amax along the last dim (power of two; a last dim that is
             not a multiple is zero-padded).
         narrow_range: int formats only: levels ``[-B, B]`` (True) or ``[-B-1, B]``.

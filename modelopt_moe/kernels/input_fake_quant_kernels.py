@@ -22,7 +22,8 @@ def _scale_rows(v, scale_ptr, rows, n_rows, OUT_DTYPE: tl.constexpr, BITWISE_CVT
 @triton.jit
 def grouped_input_fake_quant_kernel(
     x_ptr, y_ptr, m_splits_ptr, amax_ptr, scale_ptr, n_rows, n_cols, n_experts,
-    FMT: tl.constexpr, INT_BLOCK: tl.constexpr, PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr,
+    FAMILY: tl.constexpr, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+    INT_BLOCK: tl.constexpr, PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr,
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, BITWISE_CVT: tl.constexpr,
     NARROW: tl.constexpr = True, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False,
     FAST_MAX: tl.constexpr = False, HAS_SCALE: tl.constexpr = False,
@@ -33,7 +34,7 @@ def grouped_input_fake_quant_kernel(
     start, local, mask, rows = input_tile(n_rows, n_cols, TILE_R, TILE_NB, BS)
     x = to_fp32(tl.load(x_ptr + start + local, mask=mask, other=0.0))
     a = row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT, N_PAD, TILE_R)
-    y = fake_quant_tile(x, a, FMT, INT_BLOCK, False, HW_CVT, LEAN, FAST_MAX, NARROW)
+    y = fake_quant_tile(x, a, FAMILY, BOUND, MANT, EMIN, EMAX, INT_BLOCK, False, HW_CVT, LEAN, FAST_MAX, NARROW)
     if HAS_SCALE:
         y = _scale_rows(y, scale_ptr, rows, n_rows, y_ptr.dtype.element_ty, BITWISE_CVT)
     tl.store(y_ptr + start + local, to_out_dtype(y, y_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)

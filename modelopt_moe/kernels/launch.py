@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-from ..numerics import NVFP4_BLOCK_SIZE, get_format
+from ..numerics import get_format
 
 try:
     import triton  # noqa: F401
@@ -313,9 +313,10 @@ def input_tiling(n_cols: int, bs: int) -> tuple[int, int, int]:
 
 
 def format_constexprs(fmt: str, block_size: int | None) -> dict:
-    """The kernels' format constexprs: ``FMT`` (the format's code) and ``INT_BLOCK`` (an int format whose amax
-    comes from each block of the data)."""
-    return {"FMT": get_format(fmt).code, "INT_BLOCK": get_format(fmt).kind == "int" and block_size is not None}
+    """The kernels' format constexprs, read from the format's :class:`~modelopt_moe.numerics.KernelSpec`: the tile
+    routine ``FAMILY`` with its constants, and ``INT_BLOCK`` (each block's amax comes from the data)."""
+    spec = get_format(fmt)
+    return spec.kernel.constexprs(data_blocks=not spec.needs_amax(block_size))
 
 
 def launch_kwargs(device: torch.device) -> dict:
@@ -345,9 +346,11 @@ def amax_mode(amax: torch.Tensor | None, n: int) -> tuple[int, int]:
 
 
 def inner_block(fmt: str, block_size: int | None) -> tuple[int, bool]:
-    """(inner tile dim, whether it is a quantization block) for format ``fmt``."""
-    if fmt == "nvfp4":
-        return NVFP4_BLOCK_SIZE, True
+    """(inner tile dim, whether it is a quantization block) for format ``fmt``: its fixed block's length, else the
+    dynamic ``block_size``, else 16 elements that are no block."""
+    fixed = get_format(fmt).block_length
+    if fixed is not None:
+        return fixed, True
     if block_size is not None:
         return block_size, True
     return 16, False

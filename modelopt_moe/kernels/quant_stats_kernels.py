@@ -40,7 +40,8 @@ def _tile_stats(x, y, mask):
 @triton.jit
 def grouped_weight_fake_quant_stats_kernel(
     in_base, out_ptr, stats_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows, u_cols, u_ctiles,
-    FMT: tl.constexpr, INT_BLOCK: tl.constexpr, AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
+    FAMILY: tl.constexpr, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+    INT_BLOCK: tl.constexpr, AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr, UNIFORM: tl.constexpr, NARROW: tl.constexpr = True,
 ):
@@ -53,7 +54,8 @@ def grouped_weight_fake_quant_stats_kernel(
     in_off = tl.load(table_ptr + e * NCOL + COL_IN) + start
     x = to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0))
     a = load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
-    y = to_out_dtype(fake_quant_tile(x, a, FMT, INT_BLOCK, NARROW=NARROW), out_ptr.dtype.element_ty, BITWISE_CVT)
+    y = fake_quant_tile(x, a, FAMILY, BOUND, MANT, EMIN, EMAX, INT_BLOCK, NARROW=NARROW)
+    y = to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT)
     tl.store(out_ptr + out0 + start + local, y, mask=mask)
     # Statistics of the operand the GEMM reads: the output in its own dtype against the input.
     nz, uf, se, ss = _tile_stats(x, to_fp32(y), mask)
@@ -66,7 +68,8 @@ def grouped_weight_fake_quant_stats_kernel(
 @triton.jit
 def grouped_input_fake_quant_stats_kernel(
     x_ptr, y_ptr, stats_ptr, m_splits_ptr, amax_ptr, n_rows, n_cols, n_experts, n_ctiles,
-    FMT: tl.constexpr, INT_BLOCK: tl.constexpr, PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr,
+    FAMILY: tl.constexpr, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+    INT_BLOCK: tl.constexpr, PER_EXPERT: tl.constexpr, N_PAD: tl.constexpr,
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, BITWISE_CVT: tl.constexpr,
     NARROW: tl.constexpr = True,
 ):
@@ -75,7 +78,8 @@ def grouped_input_fake_quant_stats_kernel(
     start, local, mask, rows = input_tile(n_rows, n_cols, TILE_R, TILE_NB, BS)
     x = to_fp32(tl.load(x_ptr + start + local, mask=mask, other=0.0))
     a = row_amax(m_splits_ptr, amax_ptr, rows, n_experts, PER_EXPERT, N_PAD, TILE_R)
-    y = to_out_dtype(fake_quant_tile(x, a, FMT, INT_BLOCK, NARROW=NARROW), y_ptr.dtype.element_ty, BITWISE_CVT)
+    y = fake_quant_tile(x, a, FAMILY, BOUND, MANT, EMIN, EMAX, INT_BLOCK, NARROW=NARROW)
+    y = to_out_dtype(y, y_ptr.dtype.element_ty, BITWISE_CVT)
     tl.store(y_ptr + start + local, y, mask=mask)
     # One partial per token row and column tile ([T, n_ctiles, 4]): a tile's rows may belong to two experts.
     nz, uf, se, ss = _tile_stats(x, to_fp32(y), mask)

@@ -18,21 +18,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..numerics import FORMATS
 from ..numerics import TINY_AMAX as _TINY_AMAX
+from ..numerics import KernelRoutine
 from . import launch
 
-# Format codes (the FMT constexpr), from the numeric contract.
-E4M3: tl.constexpr = tl.constexpr(FORMATS["e4m3"].code)
-E5M2: tl.constexpr = tl.constexpr(FORMATS["e5m2"].code)
-NVFP4: tl.constexpr = tl.constexpr(FORMATS["nvfp4"].code)
-INT8: tl.constexpr = tl.constexpr(FORMATS["int8"].code)
-INT4: tl.constexpr = tl.constexpr(FORMATS["int4"].code)
-INT2: tl.constexpr = tl.constexpr(FORMATS["int2"].code)
-INT3: tl.constexpr = tl.constexpr(FORMATS["int3"].code)
-INT5: tl.constexpr = tl.constexpr(FORMATS["int5"].code)
-INT6: tl.constexpr = tl.constexpr(FORMATS["int6"].code)
-INT7: tl.constexpr = tl.constexpr(FORMATS["int7"].code)
+# The tile routines (the FAMILY constexpr, a format's KernelSpec.routine); each format's constants come as constexprs.
+SCALED_FLOAT: tl.constexpr = tl.constexpr(int(KernelRoutine.SCALED_FLOAT))
+SCALED_INT: tl.constexpr = tl.constexpr(int(KernelRoutine.SCALED_INT))
+TWO_LEVEL_E2M1: tl.constexpr = tl.constexpr(int(KernelRoutine.TWO_LEVEL_E2M1))
 
 # The invalid-amax threshold (2**-24) and the largest finite fp32; both exact in fp32.
 TINY_AMAX: tl.constexpr = tl.constexpr(_TINY_AMAX)
@@ -237,9 +230,9 @@ def _int_tile(x, amax, IBOUND: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV
 
 
 @triton.jit
-def _nvfp4_tile(x, amax, NATIVE_DIV: tl.constexpr, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False,
-                FAST_MAX: tl.constexpr = False):
-    sg = _div(_safe_amax(amax, 2688.0), tl.full(amax.shape, 2688.0, tl.float32))  # [R, 1, 1]
+def _nvfp4_tile(x, amax, BOUND: tl.constexpr, NATIVE_DIV: tl.constexpr, HW_CVT: tl.constexpr = False,
+                LEAN: tl.constexpr = False, FAST_MAX: tl.constexpr = False):
+    sg = _div(_safe_amax(amax, BOUND), tl.full(amax.shape, BOUND, tl.float32))  # [R, 1, 1]; BOUND = 6 * 448
     ax = tl.abs(x)
     if FAST_MAX:
         # GPU only: the reduction's max.f32 already returns the other operand when one is NaN (ax >= 0, so an
@@ -267,37 +260,25 @@ def _nvfp4_tile(x, amax, NATIVE_DIV: tl.constexpr, HW_CVT: tl.constexpr = False,
 
 
 @triton.jit
-def fake_quant_tile(x, amax, FMT: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV: tl.constexpr = False,
+def fake_quant_tile(x, amax, FAMILY: tl.constexpr, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
+                    EMAX: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV: tl.constexpr = False,
                     HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False, FAST_MAX: tl.constexpr = False,
-                     NARROW: tl.constexpr = True):
+                    NARROW: tl.constexpr = True):
     """Fake-quantizes a fp32 tile ``x`` [R, NB, BS] exactly as formats.fake_quant.
 
-    ``amax`` is fp32 [R, 1, 1] (per row: expert or channel). For NVFP4 and block int formats the last axis of the
-    tile is one quantization block. Same bits whatever the options (GPU only: ``HW_CVT``, ``FAST_MAX``):
-    ``HW_CVT`` rounds to fp8 with the hardware converter, ``LEAN`` drops a clamp that saturation makes redundant,
-    ``FAST_MAX`` takes the NVFP4 block max with the GPU's NaN-ignoring max. ``NARROW`` (int formats): the symmetric
-    range ``[-B, B]``; False: ``[-B-1, B]`` (formats.int_range).
+    ``amax`` is fp32 [R, 1, 1] (per row: expert or channel). The format arrives as its ``KernelSpec``'s constexprs:
+    ``FAMILY`` (the tile routine), ``BOUND`` and, for float grids, ``MANT`` / ``EMIN`` / ``EMAX``. For two-level
+    and block int formats the last axis of the tile is one quantization block. Same bits whatever the options (GPU
+    only: ``HW_CVT``, ``FAST_MAX``): ``HW_CVT`` rounds to fp8 with the hardware converter, ``LEAN`` drops a clamp that
+    saturation makes redundant, ``FAST_MAX`` takes the NVFP4 block max with the GPU's NaN-ignoring max. ``NARROW``
+    (int formats): the symmetric range ``[-B, B]``; False: ``[-B-1, B]`` (integer.int_range).
     """
-    if FMT == E4M3:
-        out = _fp8_tile(x, amax, 448.0, 3, -6, 8, NATIVE_DIV, HW_CVT, LEAN)
-    elif FMT == E5M2:
-        out = _fp8_tile(x, amax, 57344.0, 2, -14, 15, NATIVE_DIV, HW_CVT, LEAN)
-    elif FMT == INT8:
-        out = _int_tile(x, amax, 127.0, INT_BLOCK, NATIVE_DIV, 127.0 if NARROW else 128.0)
-    elif FMT == INT4:
-        out = _int_tile(x, amax, 7.0, INT_BLOCK, NATIVE_DIV, 7.0 if NARROW else 8.0)
-    elif FMT == INT2:
-        out = _int_tile(x, amax, 1.0, INT_BLOCK, NATIVE_DIV, 1.0 if NARROW else 2.0)
-    elif FMT == INT3:
-        out = _int_tile(x, amax, 3.0, INT_BLOCK, NATIVE_DIV, 3.0 if NARROW else 4.0)
-    elif FMT == INT5:
-        out = _int_tile(x, amax, 15.0, INT_BLOCK, NATIVE_DIV, 15.0 if NARROW else 16.0)
-    elif FMT == INT6:
-        out = _int_tile(x, amax, 31.0, INT_BLOCK, NATIVE_DIV, 31.0 if NARROW else 32.0)
-    elif FMT == INT7:
-        out = _int_tile(x, amax, 63.0, INT_BLOCK, NATIVE_DIV, 63.0 if NARROW else 64.0)
+    if FAMILY == SCALED_FLOAT:
+        out = _fp8_tile(x, amax, BOUND, MANT, EMIN, EMAX, NATIVE_DIV, HW_CVT, LEAN)
+    elif FAMILY == SCALED_INT:
+        out = _int_tile(x, amax, BOUND, INT_BLOCK, NATIVE_DIV, BOUND if NARROW else BOUND + 1.0)
     else:
-        out = _nvfp4_tile(x, amax, NATIVE_DIV, HW_CVT, LEAN, FAST_MAX)
+        out = _nvfp4_tile(x, amax, BOUND, NATIVE_DIV, HW_CVT, LEAN, FAST_MAX)
     return out
 
 

@@ -10,7 +10,7 @@ Example::
     from modelopt_moe.kernels import tuning
 
     tuning.set_weight_kernel_config(tile=8192, warps=8)  # every format
-    tuning.set_weight_kernel_config("nvfp4", tile=2048)  # NVFP4 only (replaces the "*" options for it)
+    tuning.set_weight_kernel_config("int4", tile=2048)  # INT4 only (replaces the "*" options for it)
     tuning.reset_weight_kernel_config()  # the shipped defaults again
 """
 
@@ -34,7 +34,6 @@ WEIGHT_KERNEL_DEFAULTS: Mapping[str, object] = MappingProxyType({
     "lean": True,  # drop the upper exponent clamp that saturation makes redundant
     "fast_max": True,  # GPU: NVFP4 block max by the NaN-ignoring hardware max
 })
-_FORMAT_DEFAULTS = {"nvfp4": {"tile": 2048}}  # fewer registers per program for the block max and scales
 _INT_OPTIONS = ("tile", "warps")
 
 _overrides: dict[str, dict] = {}  # format (or "*") -> options set through set_weight_kernel_config
@@ -45,7 +44,7 @@ def set_weight_kernel_config(fmt: str = "*", **options) -> None:
     """Overrides launch options of the grouped weight fake-quant kernel (same bits, another speed).
 
     Args:
-        fmt: a format name (``"e4m3"``, ``"nvfp4"``, ...) or ``"*"`` for every format without options of its own.
+        fmt: a format name (``"e4m3"``, ``"int4"``, ...) or ``"*"`` for every format without options of its own.
             A format's options replace the ``"*"`` ones for it; either replaces what the same ``fmt`` set before.
         **options: keys of :data:`WEIGHT_KERNEL_DEFAULTS`: ``tile`` (elements per program) and ``warps`` (powers
             of two), ``uniform``, ``even``, ``hw_cvt``, ``lean``, ``fast_max`` (bools). Keys left out keep their
@@ -76,11 +75,13 @@ def reset_weight_kernel_config() -> None:
 
 
 def weight_kernel_config(fmt: str) -> Mapping[str, object]:
-    """The launch options in force for format ``fmt``: defaults, the format's defaults, then the overrides (the
-    format's own, else ``"*"``'s). Read-only."""
+    """The launch options in force for format ``fmt``: defaults, the format's own (its ``KernelSpec.tile``), then the
+    overrides (the format's own, else ``"*"``'s). Read-only."""
     cfg = _effective.get(fmt)
     if cfg is None:
-        merged = {**WEIGHT_KERNEL_DEFAULTS, **_FORMAT_DEFAULTS.get(fmt, {})}
+        # A format's own default tile (its KernelSpec; NVFP4: fewer registers per program for the block scales).
+        tile = get_format(fmt).kernel.tile
+        merged = {**WEIGHT_KERNEL_DEFAULTS, **({"tile": tile} if tile is not None else {})}
         merged.update(_overrides.get(fmt, _overrides.get("*", {})))
         cfg = _effective[fmt] = MappingProxyType(merged)
     return cfg

@@ -78,7 +78,7 @@ def grouped_weight_fake_quant(
         amax: per expert ``[N]``, per expert and output channel ``[N, C]`` (2-D ``[C, K]`` experts), or a scalar
             shared by all experts; any float dtype (used as fp32). ``None`` only for int formats with
             ``block_size``. NVFP4 uses it as the global amax.
-        fmt: ``"e4m3"``, ``"e5m2"``, ``"nvfp4"``, or ``"int2"`` .. ``"int8"``.
+        fmt: a registered format name (:data:`modelopt_moe.numerics.FORMATS`).
         block_size: int formats only: dynamic per-block amax over blocks of this many elements of the last dim (a
             power of two; a last dim that is not a multiple is zero-padded). NVFP4 always uses blocks of 16.
         narrow_range: int formats only: levels ``[-B, B]`` (True) or ``[-B-1, B]`` (formats.int_range).

@@ -27,7 +27,8 @@ from .tile_kernels import (
 @triton.jit
 def _weight_fake_quant_tile(
     pid, in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows, u_cols, u_ctiles,
-    FMT: tl.constexpr, INT_BLOCK: tl.constexpr, AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
+    FAMILY: tl.constexpr, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+    INT_BLOCK: tl.constexpr, AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr, UNIFORM: tl.constexpr, EVEN: tl.constexpr,
     HW_CVT: tl.constexpr, LEAN: tl.constexpr, FAST_MAX: tl.constexpr, NARROW: tl.constexpr = True,
@@ -45,7 +46,7 @@ def _weight_fake_quant_tile(
     else:
         x = to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0))
     a = load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
-    y = fake_quant_tile(x, a, FMT, INT_BLOCK, False, HW_CVT, LEAN, FAST_MAX, NARROW)
+    y = fake_quant_tile(x, a, FAMILY, BOUND, MANT, EMIN, EMAX, INT_BLOCK, False, HW_CVT, LEAN, FAST_MAX, NARROW)
     if EVEN:
         tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT))
     else:
@@ -55,7 +56,8 @@ def _weight_fake_quant_tile(
 @triton.jit
 def grouped_weight_fake_quant_kernel(
     in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows, u_cols, u_ctiles,
-    FMT: tl.constexpr, INT_BLOCK: tl.constexpr, AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
+    FAMILY: tl.constexpr, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+    INT_BLOCK: tl.constexpr, AMAX_MODE: tl.constexpr, TWO_D: tl.constexpr,
     TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr, UNIFORM: tl.constexpr = False,
     EVEN: tl.constexpr = False, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False,
@@ -66,8 +68,8 @@ def grouped_weight_fake_quant_kernel(
     # persistent grid-stride loop over the tiles was measured slower on an H200: docs/benchmarks.md.)
     _weight_fake_quant_tile(
         tl.program_id(0), in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows,
-        u_cols, u_ctiles, FMT, INT_BLOCK, AMAX_MODE, TWO_D, TILE_R, TILE_NB, BS, VEC, SEARCH_STEPS,
-        BITWISE_CVT, UNIFORM, EVEN, HW_CVT, LEAN, FAST_MAX, NARROW)
+        u_cols, u_ctiles, FAMILY, BOUND, MANT, EMIN, EMAX, INT_BLOCK, AMAX_MODE, TWO_D, TILE_R, TILE_NB, BS, VEC,
+        SEARCH_STEPS, BITWISE_CVT, UNIFORM, EVEN, HW_CVT, LEAN, FAST_MAX, NARROW)
 
 
 @triton.jit

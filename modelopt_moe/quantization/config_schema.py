@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..numerics import NVFP4_BLOCK_SIZE, format_from_num_bits, get_format
+from ..numerics import UnsupportedSetting, format_from_num_bits, get_format
 from .modelopt_shapes import UNSUPPORTED_ALGORITHMS, normalize_quant_cfg, unsupported
 from .modelopt_shapes import parent_class_name as _modelopt_parent_class
 
@@ -139,8 +139,9 @@ class QuantizerAttributeConfig(_Strict):
     @model_validator(mode="after")
     def _blocks(self):
         fmt = self.format
+        spec = get_format(fmt)
         bs = self.block_sizes
-        if self.unsigned and get_format(fmt).kind != "int":
+        if self.unsigned and not spec.integer:
             raise ValueError(f"unsigned=True applies to int formats only, got num_bits={self.num_bits!r} ({fmt})")
         if self.axis is not None and not isinstance(self.axis, int):
             if not all(isinstance(a, int) and not isinstance(a, bool) for a in self.axis) or not self.axis:
@@ -171,22 +172,13 @@ class QuantizerAttributeConfig(_Strict):
                 if self.type != "dynamic" and bs.get("type") != "dynamic":
                     raise ValueError(unsupported("block_sizes", bs, "a static amax per token depends on the number "
                                                  "of tokens; use type: dynamic"))
-            elif "scale_bits" in bs and fmt != "nvfp4":
+            elif "scale_bits" in bs and spec.block_scale is None:
                 raise ValueError(unsupported("block_sizes.scale_bits", bs["scale_bits"], "no quantized block scales "
                                              "besides NVFP4's E4M3"))
-        if fmt == "nvfp4":
-            if bs is None or bs.get(-1) != NVFP4_BLOCK_SIZE:
-                raise ValueError(f"num_bits e2m1 (NVFP4) needs block_sizes {{-1: {NVFP4_BLOCK_SIZE}}}, got {bs!r}")
-            scale_bits = bs.get("scale_bits", (4, 3))
-            if format_from_num_bits(scale_bits) != "e4m3":
-                raise ValueError(f"NVFP4 block scales are E4M3: scale_bits must be (4, 3), got {scale_bits!r}")
-            if bs.get("type", "dynamic") != "dynamic":
-                raise ValueError(unsupported("block_sizes.type", bs["type"], "NVFP4 block scales always come from "
-                                             "the data (dynamic); static NVFP4 block amaxes are not implemented"))
-            if self.axis is not None:
-                raise ValueError(f"NVFP4 uses a per-tensor global amax: axis must be null, got {self.axis}")
-        elif fmt in ("e4m3", "e5m2") and bs is not None and bs[-1] is not None:
-            raise ValueError(f"format {fmt} has no block mode; remove block_sizes {bs!r}")
+        try:
+            spec.check_config(bs, self.axis)  # the format's own rules
+        except UnsupportedSetting as e:
+            raise ValueError(unsupported(e.key, e.value, e.hint)) from None
         return self
 
     @property
@@ -196,7 +188,7 @@ class QuantizerAttributeConfig(_Strict):
 
     @property
     def _int_block(self) -> int | None:
-        if self.block_sizes is None or self.format == "nvfp4":
+        if self.block_sizes is None or get_format(self.format).block is not None:  # a fixed block is no int block
             return None
         return self.block_sizes[-1]
 
@@ -225,7 +217,7 @@ class QuantizerAttributeConfig(_Strict):
     @property
     def int_kwargs(self) -> dict:
         """``narrow_range`` / ``unsigned`` for ``formats.fake_quant`` (int formats only; floats take neither)."""
-        if get_format(self.format).kind != "int":
+        if not get_format(self.format).integer:
             return {}
         return {"narrow_range": self.narrow_range, "unsigned": self.unsigned}
 
@@ -318,7 +310,7 @@ class BackwardConfig(_Strict):
         if isinstance(v, list):
             v = tuple(v)
         fmt = format_from_num_bits(v)
-        if fmt not in ("e4m3", "e5m2"):
+        if get_format(fmt).element_dtype is None:  # gradients: a torch float8 dtype (E4M3 or E5M2)
             raise ValueError(f"grad_num_bits={v!r} ({fmt}): gradients can be fake-quantized to e4m3 or e5m2 only")
         return v
 

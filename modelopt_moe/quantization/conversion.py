@@ -19,6 +19,7 @@ from importlib import metadata
 import torch
 from torch import nn
 
+from ..numerics import get_format
 from . import nn as framework_free
 from .config import ConfigError, QuantCfgEntry, QuantizeConfig, QuantizerAttributeConfig
 from .quant_module import (  # noqa: F401  _rebuild_quantized: the name pickles of quantized modules reference
@@ -281,9 +282,11 @@ def check_quantizer_shapes(model: nn.Module) -> None:
                 if not isinstance(q, TensorQuantizer) or not q.is_enabled:
                     continue
                 full = f"{prefix}.{kind}" if prefix else kind
-                if q.fmt == "nvfp4" and dim % 16:
-                    problems.append(f"{full}: NVFP4 quantizes blocks of 16 along the last dim, which is {dim} here "
-                                    f"(weight shape {wshape}); use another format for this module or disable it")
+                spec = get_format(q.fmt)
+                if spec.block_length is not None and dim % spec.block_length:
+                    problems.append(f"{full}: {spec.label} quantizes blocks of {spec.block_length} along the last "
+                                    f"dim, which is {dim} here (weight shape {wshape}); use another format for this "
+                                    "module or disable it")
                 axes = q.axis if isinstance(q.axis, tuple) else () if q.axis is None else (q.axis,)
                 if kind == "weight_quantizer" and any(not -len(wshape) <= a < len(wshape) for a in axes):
                     problems.append(f"{full}: axis={q.axis} is outside the weight's {len(wshape)} dims "

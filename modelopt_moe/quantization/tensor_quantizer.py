@@ -270,12 +270,12 @@ class TensorQuantizer(nn.Module):
 
     @property
     def maxbound(self) -> float:
-        """The largest quantized magnitude: 448 (e4m3), 57344 (e5m2), 6 (NVFP4 elements), ``2**(b-1+unsigned)-1``."""
-        if self.fmt == "nvfp4":
-            return 6.0
-        if get_format(self.fmt).kind == "int":
-            return float(2 ** (get_format(self.fmt).num_bits - 1 + int(self.unsigned)) - 1)
-        return get_format(self.fmt).bound
+        """The largest quantized magnitude: the format's largest element (448 for e4m3, 57344 for e5m2, 6 for NVFP4's
+        E2M1), ``2**(b-1+unsigned)-1`` for int formats."""
+        spec = get_format(self.fmt)
+        if spec.integer:
+            return float(2 ** (spec.num_bits - 1 + int(self.unsigned)) - 1)
+        return spec.element_max
 
     @property
     def step_size(self) -> torch.Tensor | None:
@@ -284,7 +284,7 @@ class TensorQuantizer(nn.Module):
         Raises:
             ValueError: a floating-point format (no uniform step).
         """
-        if get_format(self.fmt).kind != "int":
+        if not get_format(self.fmt).integer:
             raise ValueError(f"step_size is defined for integer formats only, this quantizer is {self.fmt}")
         if self._amax is None:
             warnings.warn("step_size is undefined without an amax (dynamic or uncalibrated quantizer)", stacklevel=2)
@@ -303,8 +303,9 @@ class TensorQuantizer(nn.Module):
 
     @property
     def needs_amax(self) -> bool:
-        """Whether ``formats.fake_quant`` takes an amax: False for int formats with dynamic block scales."""
-        return not (get_format(self.fmt).kind == "int" and self.block_size is not None)
+        """Whether ``formats.fake_quant`` takes an amax: False where the format takes every scale from the data
+        (int formats with dynamic block scales)."""
+        return get_format(self.fmt).needs_amax(self.block_size)
 
     @property
     def int_kwargs(self) -> dict:
@@ -580,7 +581,7 @@ class TensorQuantizer(nn.Module):
             parts.append(f"static block={self.static_block_size}")
         if self._cfg.per_token:
             parts.append("per token")
-        if get_format(self.fmt).kind == "int" and (self.narrow_range or self.unsigned):
+        if get_format(self.fmt).integer and (self.narrow_range or self.unsigned):
             parts.append("unsigned" if self.unsigned else "narrow")
         parts.append("dynamic" if self.is_dynamic else self._amax_repr())
         if self._if_calib:

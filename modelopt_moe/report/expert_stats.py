@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.state import iter_expert_quantizers
-from ..numerics import NVFP4_BLOCK_SIZE, fake_quant
+from ..numerics import fake_quant, get_format
 
 __all__ = ["ExpertStats", "gather_expert_stats"]
 
@@ -107,7 +107,7 @@ def gather_expert_stats(model: nn.Module, errors: bool = True) -> ExpertStats | 
         wq = gemm.quantizers.weight_quantizer
         if wq.is_enabled:
             stats.weight_format[gemm_name] = wq.fmt
-            stats.weight_block_size[gemm_name] = wq.block_size or (NVFP4_BLOCK_SIZE if wq.fmt == "nvfp4" else None)
+            stats.weight_block_size[gemm_name] = wq.block_size or get_format(wq.fmt).block_length
         for kind, table in (("weight_quantizer", stats.weight_amax), ("input_quantizer", stats.input_amax)):
             values = [amax.get((gemm_name, kind, g)) for g in range(n)]
             if all(v is not None for v in values):

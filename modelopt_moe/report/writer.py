@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..numerics import FORMATS
 from . import plots
 from .outcome import mean_and_noise
 
@@ -63,15 +64,17 @@ def _held_out(run: dict) -> tuple[list[str], dict[str, tuple[float, float | None
 def _weight_error_note(stats: dict) -> str | None:
     """Why a per-expert amax may look no better than a shared one: block-scaled formats."""
     formats, sizes = stats.get("weight_format") or {}, stats.get("weight_block_size") or {}
-    blocks = {fmt: sizes.get(k) or (16 if fmt == "nvfp4" else None) for k, fmt in formats.items()}
+    blocks = {fmt: sizes.get(k) or (FORMATS[fmt].block_length if fmt in FORMATS else None)
+              for k, fmt in formats.items()}
     blocks = {fmt: size for fmt, size in blocks.items() if size}
     if not blocks:
         return None
     fmt, size = next(iter(blocks.items()))
-    if fmt == "nvfp4":
-        return (f"NVFP4: every block of {size} weights has its own E4M3 scale; the per-tensor amax only sets the "
-                "range of those block scales, so a per-expert amax changes the error little (either may come out "
-                "lower: the block scales round differently)")
+    spec = FORMATS.get(fmt)
+    if spec is not None and spec.block_scale is not None:  # two-level: quantized block scales under the amax
+        return (f"{spec.label}: every block of {size} weights has its own {spec.block_scale.upper()} scale; "
+                "the per-tensor amax only sets the range of those block scales, so a per-expert amax changes the "
+                "error little (either may come out lower: the block scales round differently)")
     return (f"{fmt} in blocks of {size}: every block has its own scale from its own values; the per-tensor amax does "
             "not set the step sizes, so a per-expert amax changes the error little")
 

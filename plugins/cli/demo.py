@@ -46,14 +46,24 @@ from .ranks import (
 __all__ = ["main"]
 
 MODEL_CONFIG = "qwen3_moe_tiny.json"
-FORMAT_CONFIGS = {"nvfp4": "nvfp4_experts.yaml", "fp8": "fp8_experts.yaml"}
+_EXPERTS_PRESET = "_experts.yaml"  # configs/<format>_experts.yaml: the preset --format <format> runs
+DEFAULT_CONFIG = "nvfp4_experts.yaml"
 # Disjoint sample ranges of the corpus (text_batches offsets, in samples).
 _TRAIN, _CALIB, _QAD, _EVAL = 0, 4000, 4500, 6000
 
 
+def _format_configs() -> dict[str, str]:
+    """``--format`` choice -> its shipped preset: every ``configs/<format>_experts.yaml``."""
+    from importlib import resources
+
+    files = resources.files("modelopt_moe.configs").iterdir()
+    return {f.name.removesuffix(_EXPERTS_PRESET): f.name for f in files if f.name.endswith(_EXPERTS_PRESET)}
+
+
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="modelopt-moe demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--format", choices=sorted(FORMAT_CONFIGS), default="nvfp4",
+    p.add_argument("--format", choices=sorted(_format_configs()),
+                   default=DEFAULT_CONFIG.removesuffix(_EXPERTS_PRESET),
                    help="expert number format (default: %(default)s)")
     p.add_argument("--config", help="quantization YAML instead of the format's shipped one (a bare name finds the "
                                     "shipped presets)")
@@ -110,7 +120,7 @@ def main(argv: list[str]) -> int:
     args = _parse_args(argv)
     import modelopt_moe.quantization as mtq
 
-    config = args.config or FORMAT_CONFIGS[args.format]
+    config = args.config or _format_configs()[args.format]
     try:  # fail fast, before starting processes
         mtq.load_config(config)
     except mtq.ConfigError as e:

@@ -1,0 +1,199 @@
+"""NVFP4: E2M1 values in blocks of 16 along the last dim, E4M3 block scales under a per-tensor second-level scale.
+
+Global scale ``sg = amax / (6 * 448)``; each block of 16 along the last dim gets ``sb = e4m3(clamp(blockmax / 6 / sg,
+0, 448))`` and ``s = sb * sg``; values ``x / s`` round to E2M1 ``{0, .5, 1, 1.5, 2, 3, 4, 6}`` (ties to even,
+saturating at 6); output ``q * s``. Where ``s == 0`` (an all-zero block, or a block scale that underflows E4M3)
+``x * 0`` is used instead of ``x / s``. An invalid amax (<= 2**-24, NaN, Inf) gives ``sg = 1``. Blocks are never
+padded: the last dim must be a multiple of 16. The per-tensor amax is the only calibrated number; the block scales
+come from the data (dynamic).
+
+Export: two E2M1 codes per byte (column ``2j`` in the low nibble of byte ``j``; code bit 3 the sign, bits 0-2 the
+index into ``0, 0.5, 1, 1.5, 2, 3, 4, 6``), the E4M3 block scales, and the second-level scale as each file format
+stores it (Model Optimizer ``weight_scale_2 = sg``; compressed-tensors ``weight_global_scale = 1 / sg``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .format import (
+    ExportCodec,
+    Format,
+    KernelRoutine,
+    KernelSpec,
+    Quantized,
+    ScaleLayout,
+    UnsupportedSetting,
+    check_finite_weight,
+    nan_ignoring_block_max,
+    reciprocal,
+    safe_amax,
+    true_div,
+)
+from .fp8 import E4M3, E4M3_MAX
+
+__all__ = ["NVFP4_BLOCK_SIZE", "E2M1_MAX", "E2M1_VALUES", "NVFP4Format", "NVFP4", "round_to_e2m1", "e2m1_codes",
+           "e2m1_values", "pack_fp4", "unpack_fp4", "encode_nvfp4", "nvfp4_global_scale"]
+
+NVFP4_BLOCK_SIZE = 16
+E2M1_MAX = 6.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# |value| * 2 -> code index (0, 1, 2, 3, 4, 6, 8, 12 -> 0..7); other entries are never looked up.
+_DOUBLED_TO_INDEX = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8)
+
+
+def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Rounds fp32 values to the nearest E2M1 value (ties to even mantissa), saturating at +-6, NaN kept."""
+    a = v.abs()
+    # Each step is (upper edge, inclusive?): a tie goes to the neighbour whose mantissa bit is 0.
+    mag = torch.full_like(a, E2M1_MAX)
+    mag = torch.where(a <= 5.0, 4.0, mag)
+    mag = torch.where(a < 3.5, 3.0, mag)
+    mag = torch.where(a <= 2.5, 2.0, mag)
+    mag = torch.where(a < 1.75, 1.5, mag)
+    mag = torch.where(a <= 1.25, 1.0, mag)
+    mag = torch.where(a < 0.75, 0.5, mag)
+    mag = torch.where(a <= 0.25, 0.0, mag)
+    return torch.where(torch.isnan(v), v, torch.copysign(mag, v))
+
+
+class NVFP4Format(Format):
+    """E2M1 values with E4M3 block scales of the format's fixed block, under a per-tensor second-level scale."""
+
+    def check_config(self, block_sizes: dict | None, axis) -> None:
+        """Blocks of exactly the format's own length with E4M3 scales from the data, and a per-tensor amax."""
+        bs = block_sizes
+        if bs is None or bs.get(-1) != self.block_length:
+            raise ValueError(f"num_bits e2m1 (NVFP4) needs block_sizes {{-1: {self.block_length}}}, got {bs!r}")
+        scale_bits = bs.get("scale_bits", E4M3.num_bits)
+        key = (scale_bits.strip().lower() if isinstance(scale_bits, str)
+               else tuple(scale_bits) if isinstance(scale_bits, list) else scale_bits)
+        if key not in (E4M3.num_bits, *E4M3.aliases):
+            raise ValueError(f"NVFP4 block scales are E4M3: scale_bits must be (4, 3), got {scale_bits!r}")
+        if bs.get("type", "dynamic") != "dynamic":
+            raise UnsupportedSetting("block_sizes.type", bs["type"], "NVFP4 block scales always come from the data "
+                                     "(dynamic); static NVFP4 block amaxes are not implemented")
+        if axis is not None:
+            raise ValueError(f"NVFP4 uses a per-tensor global amax: axis must be null, got {axis}")
+
+    def _quantize(self, xf, amax, block_size, narrow_range, unsigned) -> Quantized:
+        sg = true_div(safe_amax(amax, self.bound), self.bound)
+        sg = sg.unsqueeze(-1) if sg.dim() > 0 else sg  # broadcast over the [..., K/16, 16] block view
+        b = self.block_length
+        blocks = xf.unflatten(-1, (-1, b))
+        block_max = nan_ignoring_block_max(xf, b)
+        sb = torch.clamp(true_div(true_div(block_max, E2M1_MAX), sg), 0.0, E4M3_MAX).to(E4M3.element_dtype).float()
+        s = sb * sg
+        v = torch.where(s > 0, true_div(blocks, s), blocks * 0.0)
+        return Quantized(self.name, round_to_e2m1(v), sg, sb, b)
+
+    def dequantize(self, qx: Quantized) -> torch.Tensor:
+        """``values * (sb * sg)``: one multiply by the combined scale, as the quantizer's ``s = sb * sg``."""
+        return (qx.values * (qx.block_scale * qx.scale)).flatten(-2)
+
+
+class _NVFP4Codec(ExportCodec):
+    scheme = "NVFP4"
+    label = "NVFP4"
+    expressible = "NVFP4 weights with NVFP4 inputs or none"
+    weight_text = "NVFP4"
+    ct_format = "nvfp4-pack-quantized"
+    group_size = NVFP4_BLOCK_SIZE
+
+    def accepts_weight(self, axis, block_size) -> bool:
+        return True
+
+    def input_problem(self, weight, x) -> str | None:
+        return None if x.fmt == weight.fmt else f"NVFP4 weights need NVFP4 inputs (or none), got input {x}"
+
+    def modelopt_algo(self, per_channel: bool, input_quantized: bool) -> str | None:
+        return "NVFP4" if input_quantized else "W4A16_NVFP4"
+
+    def ct_args(self, per_channel: bool, inputs: bool) -> dict:
+        return {"num_bits": 4, "type": "float", "symmetric": True, "group_size": NVFP4_BLOCK_SIZE,
+                "strategy": "tensor_group", "dynamic": "local" if inputs else False,
+                "scale_dtype": "torch.float8_e4m3fn"}
+
+    def encode(self, module, weight, weight_amax, input_amax, per_channel, file_format) -> dict[str, torch.Tensor]:
+        if weight.shape[1] % NVFP4_BLOCK_SIZE:
+            raise ValueError(f"{module}.weight: NVFP4 needs the input dim to be a multiple of {NVFP4_BLOCK_SIZE}, "
+                             f"got shape {tuple(weight.shape)}")
+        packed, block_scale, sg = encode_nvfp4(weight, weight_amax.float().reshape(()), f"{module}.weight")
+        sg_in = nvfp4_global_scale(input_amax) if input_amax is not None else None
+        if file_format == "modelopt":
+            out = {f"{module}.weight": packed, f"{module}.weight_scale": block_scale,
+                   f"{module}.weight_scale_2": self.scalar(sg, file_format)}
+            if sg_in is not None:
+                out[f"{module}.input_scale"] = self.scalar(sg_in, file_format)
+            return out
+        out = {f"{module}.weight_packed": packed, f"{module}.weight_scale": block_scale,
+               f"{module}.weight_global_scale": self.scalar(reciprocal(sg), file_format)}
+        if sg_in is not None:
+            out[f"{module}.input_global_scale"] = self.scalar(reciprocal(sg_in), file_format)
+        return out
+
+
+# NVFP4's amax bound is the product of its element bound and its block-scale bound.
+NVFP4 = NVFP4Format("nvfp4", (2, 1), E2M1_MAX, E2M1_MAX * E4M3_MAX, "NVFP4", frozenset({ScaleLayout.TWO_LEVEL}),
+                    KernelSpec(KernelRoutine.TWO_LEVEL_E2M1, E2M1_MAX * E4M3_MAX, tile=2048),
+                    aliases=("e2m1", "nvfp4"), block=(NVFP4_BLOCK_SIZE,), block_scale=E4M3.name, export=_NVFP4Codec())
+
+
+def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 codes (uint8, one per element) of fp32 values that lie on the E2M1 grid; ``-0.0`` keeps its sign.
+
+    Raises:
+        ValueError: a value is NaN or not on the grid.
+    """
+    doubled = values.abs() * 2
+    on_grid = torch.isin(doubled, torch.tensor([2.0 * v for v in E2M1_VALUES], device=values.device))
+    if not bool(on_grid.all()):
+        bad = values[~on_grid].flatten()[:4].tolist()
+        raise ValueError(f"e2m1_codes: values {bad} are not E2M1 values {E2M1_VALUES} (NaN weights cannot be encoded)")
+    index = _DOUBLED_TO_INDEX.to(values.device)[doubled.to(torch.int64)]
+    return index | (torch.signbit(values).to(torch.uint8) << 3)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of 4-bit E2M1 codes (the sign bit gives ``-0.0`` for code 8)."""
+    magnitude = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[(codes & 7).to(torch.int64)]
+    return torch.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """``[..., K]`` 4-bit codes -> ``[..., K // 2]`` bytes, column ``2j`` in the low nibble of byte ``j``."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4: the last dim of shape {tuple(codes.shape)} must be even")
+    pairs = codes.to(torch.uint8).unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_fp4`: ``[..., K // 2]`` uint8 -> ``[..., K]`` 4-bit codes."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"unpack_fp4: expected uint8 packed codes, got {packed.dtype}")
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def encode_nvfp4(w: torch.Tensor, amax: torch.Tensor,
+                 name: str = "weight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 codes of the 2-D ``w`` packed two per byte ``[R, K // 2]``, its E4M3 block scales ``[R, K // 16]`` and
+    the training's second-level scale ``sg = amax / 2688`` (fp32 scalar).
+
+    Raises:
+        ValueError: ``w`` is not 2-D, holds NaN, or its last dim is not a multiple of 16.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"{name}: NVFP4 export takes a 2-D weight, got shape {tuple(w.shape)}")
+    check_finite_weight(w, name)
+    qx = NVFP4.quantize(w, amax)
+    codes = e2m1_codes(qx.values.flatten(-2))
+    block_scale = qx.block_scale.squeeze(-1)
+    if bool((block_scale > E4M3_MAX).any()):  # cannot happen (quantize clamps); a guard for the cast below
+        raise ValueError(f"{name}: an NVFP4 block scale exceeds E4M3's range")
+    return pack_fp4(codes), block_scale.to(E4M3.element_dtype), qx.scale.reshape(())
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The training's NVFP4 second-level scale ``sg = amax / 2688`` (invalid amax -> 1)."""
+    return NVFP4.quantize(torch.zeros(NVFP4_BLOCK_SIZE), amax.float().reshape(())).scale.reshape(())
