@@ -210,7 +210,9 @@ def load_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
         ckpt_dir: a checkpoint written by :func:`save_sharded_checkpoint` (or by ``dist_checkpointing.save`` plus
             ``save_sharded_modelopt_state``), or by NVIDIA Model Optimizer 0.47 (its ``modelopt_state/`` inside:
             weights and quantization load through :func:`load_modelopt_checkpoint`).
-        optimizer: the Megatron optimizer built for ``model_list`` (built after the quantization is restored).
+        optimizer: the Megatron optimizer built for ``model_list`` (built after the quantization is restored), of
+            the kind that saved the state; its moments, main parameters and step are restored (the distributed
+            optimizer over torch's Adam too: :mod:`.optimizer_checkpoint`), so the next step continues bit-exact.
         opt_param_scheduler: the scheduler to restore.
         experts: restore into these expert amax layouts (an ``ExpertsConfig`` or dict) instead of the saved ones.
         strict: passed to ``load_state_dict``.
@@ -223,7 +225,8 @@ def load_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
             CorruptCheckpointError where a file cannot be read (names it).
         CheckpointMismatchError: a tensor's global shape, the expert count, format or amax shape does not fit (names
             key, expected, found); a model chunk that is not quantized but already wrapped or given with an
-            optimizer (names the call that restores it first). Nothing is changed when these are raised.
+            optimizer (names the call that restores it first); an optimizer of another kind (distributed or not)
+            than the one whose state the checkpoint holds (names both). Nothing is changed when these are raised.
         KeyError: an optimizer or scheduler was given but the checkpoint has no state for it.
     """
     models = _models(model_list)
