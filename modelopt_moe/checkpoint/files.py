@@ -290,20 +290,23 @@ def check_checkpoint_dir(ckpt_dir: str | os.PathLike, require_state: bool = True
     marker = path / COMPLETE_MARKER
     required = [_DCP_METADATA, _MEGATRON_METADATA] + ([STATE_FILE] if require_state else [])
     missing = [name for name in required if not (path / name).is_file()]
+    resized = []  # present, but not the size the save wrote
     if marker.is_file():
         for name, size in json.loads(marker.read_text())["files"].items():
             p = path / name
             if not p.is_file():
                 missing.append(name)
             elif p.stat().st_size != size:
-                missing.append(f"{name} (size {p.stat().st_size}, expected {size})")
+                cut = "truncated" if p.stat().st_size < size else "changed"
+                resized.append(f"{name} is {cut}: {p.stat().st_size} bytes, the save wrote {size}")
     elif path.name.endswith(".tmp"):  # our own save's staging directory: complete only once the marker is written
         missing.append(COMPLETE_MARKER)
     missing = list(dict.fromkeys(missing))
-    if missing:
+    if missing or resized:
+        problems = ([f"missing {', '.join(missing)}"] if missing else []) + resized
         raise IncompleteCheckpointError(
-            f"checkpoint directory {path} is incomplete (a save did not finish or files were removed): missing "
-            f"{', '.join(missing)}")
+            f"checkpoint directory {path} is incomplete (a save did not finish, or files were removed or cut short): "
+            f"{'; '.join(problems)}")
     check_dcp_file_sizes(path)
     return path
 

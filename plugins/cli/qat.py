@@ -217,10 +217,8 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     if recipe is not None:
         select_trainable(student, recipe)  # the rest keeps the teacher's values
     model = distillation_model(student, teacher, recipe=recipe) if teacher is not None else student
-    # The distributed optimizer on GPUs; on CPU ranks the per-rank one (Megatron 0.19 cannot reload its distributed
-    # optimizer's state without CUDA).
     trainer = mt.setup_training(model, lr=opts["lr"] or 1e-5, lr_decay_steps=max(1, opts["steps"]), recipe=recipe,
-                                use_distributed_optimizer=opts["gpus"], reuse_quantized_weights=True)
+                                reuse_quantized_weights=True)  # Megatron's distributed optimizer, as with GPUs
     if opts["load"]:
         with megatron_training_shims():  # the optimizer's checkpoint code moves tensors with .cuda()
             info = load_sharded_checkpoint([trainer.model], opts["load"], optimizer=trainer.optimizer,

@@ -39,6 +39,7 @@ from modelopt_moe.quantization.weight_amax import update_weight_amax
 
 from .checkpoint_checks import mismatch_message, raise_agreed, sharded_state_dict_problems, translate_load_error
 from .modelopt_checkpoint import is_modelopt_checkpoint, load_modelopt_checkpoint
+from .optimizer_checkpoint import check_optimizer_fits, init_torch_adam_state, load_optimizer_state, own_steps
 from .sharded_state_dict import checkpoint_load_metadata
 
 __all__ = ["model_sharded_state_dict", "save_sharded_checkpoint", "load_sharded_checkpoint",
@@ -115,6 +116,7 @@ def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     raise_agreed(failure, "save_sharded_checkpoint")
     state = model_sharded_state_dict(models, OPTIMIZER_METADATA)
     if optimizer is not None:
+        init_torch_adam_state(optimizer)  # an optimizer that has not stepped yet (torch's Adam: no state)
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=dict(OPTIMIZER_METADATA))
     if opt_param_scheduler is not None:
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
@@ -208,7 +210,9 @@ def load_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
         ckpt_dir: a checkpoint written by :func:`save_sharded_checkpoint` (or by ``dist_checkpointing.save`` plus
             ``save_sharded_modelopt_state``), or by NVIDIA Model Optimizer 0.47 (its ``modelopt_state/`` inside:
             weights and quantization load through :func:`load_modelopt_checkpoint`).
-        optimizer: the Megatron optimizer built for ``model_list`` (built after the quantization is restored).
+        optimizer: the Megatron optimizer built for ``model_list`` (built after the quantization is restored), of
+            the kind that saved the state; its moments, main parameters and step are restored (the distributed
+            optimizer over torch's Adam too: :mod:`.optimizer_checkpoint`), so the next step continues bit-exact.
         opt_param_scheduler: the scheduler to restore.
         experts: restore into these expert amax layouts (an ``ExpertsConfig`` or dict) instead of the saved ones.
         strict: passed to ``load_state_dict``.
@@ -221,7 +225,8 @@ def load_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
             CorruptCheckpointError where a file cannot be read (names it).
         CheckpointMismatchError: a tensor's global shape, the expert count, format or amax shape does not fit (names
             key, expected, found); a model chunk that is not quantized but already wrapped or given with an
-            optimizer (names the call that restores it first). Nothing is changed when these are raised.
+            optimizer (names the call that restores it first); an optimizer of another kind (distributed or not)
+            than the one whose state the checkpoint holds (names both). Nothing is changed when these are raised.
         KeyError: an optimizer or scheduler was given but the checkpoint has no state for it.
     """
     models = _models(model_list)
@@ -242,6 +247,8 @@ def load_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
         raise translate_load_error(e, path) from None
     if optimizer is not None and "optimizer" not in common:
         raise KeyError(f"load_sharded_checkpoint: {path} holds no optimizer state (it was saved without optimizer)")
+    if optimizer is not None:
+        check_optimizer_fits(optimizer, common["optimizer"], path)
     if opt_param_scheduler is not None and "opt_param_scheduler" not in common:
         raise KeyError(f"load_sharded_checkpoint: {path} holds no scheduler state (it was saved without "
                        "opt_param_scheduler)")
@@ -249,7 +256,9 @@ def load_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     restore_sharded_modelopt_state(models, path, experts, check=False)
     state = model_sharded_state_dict(models, checkpoint_load_metadata(path, OPTIMIZER_METADATA))
     if optimizer is not None:
+        init_torch_adam_state(optimizer)  # a freshly built optimizer has no state to load into
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=dict(OPTIMIZER_METADATA))
+        own_steps(optimizer)
     try:
         loaded = dist_checkpointing.load(state, str(path))
     except CheckpointException as e:  # a BaseException; what the checks above cannot see (damaged bytes)
@@ -257,7 +266,7 @@ def load_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     for key, m in zip(_model_keys(models), models, strict=True):
         m.load_state_dict(loaded[key], strict=strict)
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        load_optimizer_state(optimizer, loaded["optimizer"])
     if opt_param_scheduler is not None:
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     return dict(common.get("modelopt_moe_training") or {"iteration": None, "extra_state": None})

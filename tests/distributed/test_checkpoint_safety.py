@@ -12,6 +12,7 @@ import hashlib
 import os
 import shutil
 import traceback
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,22 @@ def _worker(rank, world_size, root):
     out["cut_own"] = refused(lambda: load_with_own_calls(fresh, cut), fresh, cut)
     out["cut_load"] = refused(lambda: load_sharded_checkpoint([fresh], cut), fresh, cut)
 
+    # --- our checkpoint (its completion marker lists every file) with one data file cut short and another removed
+    cut_ours = os.path.join(root, "qat_truncated")
+
+    def truncate_ours():
+        shutil.copytree(ckpt, cut_ours)
+        short, gone = sorted(Path(cut_ours).glob("*.distcp"))
+        data = short.read_bytes()
+        short.write_bytes(data[: len(data) // 2])
+        gone.unlink()
+        out["cut_ours"] = {"short": short.name, "size": len(data) // 2, "needed": len(data), "gone": gone.name}
+
+    on_rank0(truncate_ours)
+    fresh = build()
+    out["cut_ours_load"] = refused(lambda: load_sharded_checkpoint([fresh], cut_ours), fresh, cut_ours)
+    out["cut_ours_own"] = refused(lambda: load_with_own_calls(fresh, cut_ours), fresh, cut_ours)
+
     # --- a damaged quantization state file (its size unchanged, so the completion marker still matches)
     bad_state = os.path.join(root, "bad_state")
 
@@ -195,6 +212,32 @@ def _worker(rank, world_size, root):
     with megatron_training_shims():
         ddp = DistributedDataParallel(config=fresh.config, ddp_config=DistributedDataParallelConfig(), module=fresh)
         out["documented"] = _outcome(lambda: load_sharded_checkpoint([ddp], ckpt))
+
+    # --- an optimizer of the other kind (distributed or not) than the one whose state the checkpoint holds
+    def restored_and_wrapped(distributed):
+        model = build()
+        restore_sharded_modelopt_state([model], ckpt)
+        with megatron_training_shims():
+            ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+                use_distributed_optimizer=distributed))
+            opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, params_dtype=torch.float32,
+                                                         use_distributed_optimizer=distributed), [ddp])
+        return model, ddp, opt
+
+    saved_with = {True: os.path.join(root, "distributed_optimizer"), False: os.path.join(root, "local_optimizer")}
+    for distributed, target in saved_with.items():
+        _, ddp, opt = restored_and_wrapped(distributed)
+        with megatron_training_shims():  # an optimizer that has not stepped yet
+            out[f"save_{distributed}"] = _outcome(partial(save_sharded_checkpoint, [ddp], target, optimizer=opt))
+    for distributed, target in saved_with.items():
+        model, ddp, opt = restored_and_wrapped(not distributed)
+        with megatron_training_shims():
+            out[f"other_kind_{distributed}"] = refused(
+                partial(load_sharded_checkpoint, [ddp], target, optimizer=opt), model, target)
+        dist.barrier()
+    model, ddp, opt = restored_and_wrapped(True)  # the distributed optimizer's state of its first step loads
+    with megatron_training_shims():
+        out["same_kind"] = _outcome(partial(load_sharded_checkpoint, [ddp], saved_with[True], optimizer=opt))
     want = {k: v for k, v in src.state_dict().items() if k.endswith("_amax")}
     got = {k: v for k, v in fresh.state_dict().items() if k.endswith("_amax")}
     out["documented_amax"] = bool(want) and want.keys() == got.keys() and all(torch.equal(got[k], v)
@@ -251,6 +294,33 @@ def test_truncated_data_file_without_our_marker_is_refused_before_loading(result
             assert f"truncated: {size} bytes" in message, (case, message)
             assert "needs" in message, (case, message)
             assert unchanged, case
+
+
+def test_a_data_file_of_our_checkpoint_cut_short_is_called_truncated_and_a_removed_one_missing(results):
+    cut = results[0]["cut_ours"]
+    for r in results:
+        for case in ("cut_ours_load", "cut_ours_own"):
+            message, unchanged = r[case]
+            assert "IncompleteCheckpointError" in message, (case, message)
+            assert f"{cut['short']} is truncated: {cut['size']} bytes, the save wrote {cut['needed']}" in message, \
+                (case, message)
+            assert f"missing {cut['gone']}" in message, (case, message)
+            assert f"missing {cut['short']}" not in message, (case, message)
+            assert unchanged, case
+
+
+def test_an_optimizer_of_the_other_kind_than_the_checkpoints_is_refused_naming_both(results):
+    for r in results:
+        for distributed in (True, False):
+            assert r[f"save_{distributed}"] == "no error", r[f"save_{distributed}"]
+            message, unchanged = r[f"other_kind_{distributed}"]
+            assert "CheckpointMismatchError" in message, message
+            assert f"holds the state of {'' if distributed else 'a non-'}" in message, message
+            assert ("FP32Optimizer" if distributed else "DistributedOptimizer") in message, message
+            assert f"use_distributed_optimizer={distributed} in both" in message, message
+            assert "KeyError" not in message, message
+            assert unchanged, message
+        assert r["same_kind"] == "no error", r["same_kind"]
 
 
 def test_damaged_state_file_is_named_and_never_advises_unsafe_loading(results):

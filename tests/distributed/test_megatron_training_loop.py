@@ -15,10 +15,9 @@ re-quantizing (the same optimizer, distributed or not: the two sum the clip norm
 must train bit-identically, and a control: grouped experts with fp32 parameters and Megatron's non-distributed FP32
 optimizer.
 
-The checkpoint runs use Megatron's non-distributed optimizers (Float16 with fp32 main parameters; FP32): on this
-machine (no Transformer Engine / Apex) the inner optimizer is torch's Adam, whose per-parameter ``step`` makes
-Megatron-Core 0.19 fail to load any distributed-optimizer checkpoint (``KeyError: 'step'`` in
-``DistributedOptimizer._set_main_param_and_optimizer_states``); with TE's fused Adam (the GPU machine) it loads.
+The checkpoint runs use Megatron's non-distributed optimizers (Float16 with fp32 main parameters; FP32); the
+distributed optimizer's resume (torch's Adam on this machine) is tested through the README's flow in test_readme.py,
+with TE's fused Adam in tests/gpu.
 
 Then, in FRESH processes (nothing imported or registered by the training processes): the trained model saved with
 each documented checkpoint call (``save_sharded_checkpoint`` with the optimizer state; the README's own

@@ -2,11 +2,12 @@
 
 Python snippets that are complete programs run as they are (the usage example in this process, the ``spawn``
 example as a script); the Megatron snippets define functions (``qat``, ``resume``, ``save_with_own_calls``,
-``load_with_own_calls``), which are written to a module, exactly as printed (its first lines set Megatron up for this
-CPU machine: ``enable_cpu_megatron()``), and called here on 2 gloo ranks (TP=1 x EP=2) with a small real Megatron
-MoE GPT: train 2 steps, save with the optimizer, restore into a freshly built model through each documented call,
-and compare every weight and amax. The YAML snippet is loaded with ``mtq.load_config``. A new snippet must be added
-here: the first test counts them.
+``load_with_own_calls``, and ``wrap_and_build_optimizer`` / ``train_step`` beside ``qat``), which are written to a
+module, exactly as printed (its first lines set Megatron up for this CPU machine: ``enable_cpu_megatron()``), and
+called here on 2 gloo ranks (TP=1 x EP=2) with a small real Megatron MoE GPT: train 2 steps, save with the optimizer,
+restore into a freshly built model through each documented call and compare every weight and amax; ``resume``
+restores the optimizer too, and the next ``train_step`` must equal the uninterrupted run's bit for bit. The YAML
+snippet is loaded with ``mtq.load_config``. A new snippet must be added here: the first test counts them.
 """
 
 import os
@@ -103,10 +104,12 @@ def _megatron_worker(rank, world_size, root):
     from test_checkpoint_reshard import global_amax, global_params
 
     import modelopt_moe.quantization as mtq
+    from modelopt_moe.plugins.megatron import get_forward_backward_func
     from modelopt_moe.plugins.megatron import training as mt
 
     mm.init_model_parallel(1, 2, seed=3)
     batches = mm.text_batches(2, 32, 4, offset=50)
+    next_batches = mm.text_batches(2, 32, 4, offset=90)
 
     def build(seed):
         return mm.build_moe_gpt(num_experts=4, seed=seed, experts="grouped", params_dtype=torch.bfloat16)
@@ -116,28 +119,26 @@ def _megatron_worker(rank, world_size, root):
             mm.lm_loss(model, b)
 
     ckpt = os.path.join(root, "ckpt")
-    model, _ = rm.qat(build(3), batches, forward_loop, steps=2, num_microbatches=2, ckpt_dir=ckpt)
+    model, optimizer = rm.qat(build(3), batches, forward_loop, steps=2, num_microbatches=2, ckpt_dir=ckpt)
     trained = mt.unwrap(model)
     want = {"amax": global_amax(trained, mm), "params": global_params(trained, mm)}
     assert isinstance(trained.decoder.layers[0].mlp.experts.linear_fc1.weight_quantizer, mtq.ExpertQuantizer)
-
-    def wrap_and_build_optimizer(model):
-        # No optimizer to restore here: qat() saved a distributed optimizer, which Megatron-Core 0.19 cannot load
-        # when its inner optimizer is torch's Adam (no TE/Apex, this machine). Optimizer resumes are tested in
-        # test_megatron_training_loop.py (Megatron's Float16/FP32 optimizers) and tests/gpu (distributed, TE).
-        trainer = mt.setup_training(model)
-        return trainer.model, None
-
-    out = {}
-    resumed, optimizer, out["iteration"] = rm.resume(build(11), wrap_and_build_optimizer, ckpt)
-    out["resume_amax"] = global_amax(mt.unwrap(resumed), mm)
-    out["resume_params"] = global_params(mt.unwrap(resumed), mm)
     own = os.path.join(root, "own")
     if rank == 0:
         os.makedirs(own)
     dist.barrier()
     rm.save_with_own_calls(trained, own)
     dist.barrier()
+    # The uninterrupted run's next step (with its third step's data), then the same step after each resume.
+    rm.train_step(model, optimizer, get_forward_backward_func(), next_batches, 2)
+    want["next_amax"], want["next_params"] = global_amax(trained, mm), global_params(trained, mm)
+
+    out = {}
+    resumed, optimizer, out["iteration"] = rm.resume(build(11), rm.wrap_and_build_optimizer, ckpt)
+    out["resume_amax"] = global_amax(mt.unwrap(resumed), mm)
+    out["resume_params"] = global_params(mt.unwrap(resumed), mm)
+    rm.train_step(resumed, optimizer, get_forward_backward_func(), next_batches, 2)
+    out["next_amax"], out["next_params"] = global_amax(mt.unwrap(resumed), mm), global_params(mt.unwrap(resumed), mm)
     fresh = build(12)
     rm.load_with_own_calls(fresh, own)
     out["own_amax"] = global_amax(fresh, mm)
@@ -157,6 +158,12 @@ def test_megatron_snippets_train_save_and_restore(tmp_path):
             assert torch.equal(r["resume_amax"][k], v), k
         for k, v in r["want"]["params"].items():
             assert torch.equal(r["resume_params"][k], v), k
+        # The optimizer resumed too: the next step equals the uninterrupted run's, bit for bit.
+        for k, v in r["want"]["next_amax"].items():
+            assert torch.equal(r["next_amax"][k], v), k
+        for k, v in r["want"]["next_params"].items():
+            assert torch.equal(r["next_params"][k], v), k
+        assert any(not torch.equal(r["want"]["next_params"][k], v) for k, v in r["want"]["params"].items())
         for k, v in r["want"]["amax"].items():
             assert torch.equal(r["own_amax"][k], v), k
         for k, v in r["want"]["params"].items():

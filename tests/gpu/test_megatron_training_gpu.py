@@ -4,8 +4,8 @@ fused Adam) + ``get_forward_backward_func`` with 2 micro-batches, reusing fake-q
 
 After training the quantized forward equals a fresh model given the trained weights and amaxes, bit for bit; a run
 saved after 2 of 4 steps (weights, amax, quantization state, optimizer, LR scheduler, iteration) resumes in a freshly
-built model and continues bit-identically. (On the CPU machine Megatron cannot load distributed-optimizer checkpoints
-of torch's Adam; with TE's fused Adam it can: this is the test of that path.)
+built model and continues bit-identically. (This is the distributed optimizer with TE's fused Adam, one step per
+parameter group; with torch's Adam, a step per parameter, tests/distributed/test_readme.py resumes it on CPU.)
 """
 
 import warnings
