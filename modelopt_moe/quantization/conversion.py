@@ -33,6 +33,7 @@ from .quant_module import (  # noqa: F401  _rebuild_quantized: the name pickles 
     register_wrapper,
     rule_name,
     unwrap_model,
+    wrapper_names,
 )
 from .tensor_quantizer import TensorQuantizer
 from .utils import warn_once
@@ -45,6 +46,7 @@ __all__ = [
     "register_framework_plugins",
     "register_wrapper",
     "unwrap_model",
+    "wrapper_names",
     "convert",
     "is_quantized",
     "named_quantizers",

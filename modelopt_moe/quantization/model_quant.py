@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .calibration import as_forward_loop, calibrate
+from .calibration import as_forward_loop, calibrate, refuse_meta
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig, to_config
 from .conversion import (
     _set_attributes,
@@ -29,8 +29,10 @@ from .conversion import (
     is_quantized,
     matching_quantizers,
     named_quantizers,
+    register_framework_plugins,
     set_quantizer_by_pattern,
     unwrap_model,
+    wrapper_names,
 )
 from .expert_quantizer import ExpertQuantizer
 from .modelopt_compat import COMPAT_DOC
@@ -76,11 +78,23 @@ def quantize(model: nn.Module, config: QuantizeConfig | dict, forward_loop: Call
     Raises:
         ConfigError: an invalid config, or quantizers that cannot work on their modules (naming them).
         TypeError: ``forward_loop`` is not callable (checked before anything is converted).
-        ValueError: nothing quantizable, or ``model`` is already quantized (Model Optimizer reconfigures it
-            silently; here: call :func:`set_quantizer_by_cfg` and :func:`calibrate`).
+        ValueError: nothing quantizable; ``model`` is already quantized (Model Optimizer reconfigures it
+            silently; here: call :func:`set_quantizer_by_cfg` and :func:`calibrate`); ``model`` is already wrapped
+            (torch's or Megatron's ``DistributedDataParallel``, ``Float16Module``: quantize before wrapping); or it
+            is on the meta device and the config calibrates (``algorithm`` not None). Nothing is changed then.
     """
     cfg = to_config(config)
     as_forward_loop(forward_loop)  # a bad forward_loop fails before the model changes
+    register_framework_plugins()  # the wrappers of the imported frameworks, for wrapper_names
+    wrappers = wrapper_names(model)
+    if wrappers:
+        raise ValueError(
+            f"mtq.quantize: the model is already wrapped in {' around '.join(wrappers)}; quantize it before wrapping: "
+            "mtq.quantize(model, config, forward_loop) on the freshly built model, then wrap it and build the "
+            "optimizer (a wrapper's gradient buffers and hooks, and an optimizer, built first miss what quantize "
+            "adds, e.g. learned amaxes). Nothing was changed")
+    if cfg.algorithm is not None:
+        refuse_meta(model, "mtq.quantize")
     quantized = [name or "<model>" for name, m in model.named_modules() if is_quantized(m)]
     if quantized:
         raise ValueError(

@@ -26,6 +26,7 @@ __all__ = [
     "quantized_class",
     "register_wrapper",
     "unwrap_model",
+    "wrapper_names",
     "is_quantized",
     "named_quantizers",
     "own_quantizers",
@@ -202,7 +203,7 @@ class _Registry:
 QuantModuleRegistry = _Registry()
 
 
-_WRAPPERS: set[type] = {torch.nn.parallel.DistributedDataParallel}
+_WRAPPERS: set[type] = {torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel}
 
 
 def register_wrapper(cls: type) -> None:
@@ -216,6 +217,16 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while isinstance(model, tuple(_WRAPPERS)):
         model = model.module
     return model
+
+
+def wrapper_names(model: nn.Module) -> list[str]:
+    """The class names of the registered wrappers around ``model``, outermost first (empty for a bare model): what
+    calls that must run before wrapping (``mtq.quantize``, a checkpoint's first restore) name in their refusal."""
+    names = []
+    while isinstance(model, tuple(_WRAPPERS)):
+        names.append(type(model).__name__)
+        model = model.module
+    return names
 
 
 def is_quantized(module: nn.Module) -> bool:
