@@ -7,10 +7,17 @@ Hugging Face export), found through the package's entry point (group ``modelopt_
 the core never imports this package: for every plugin whose frameworks the program has imported, and every plugin
 the caller requires by name, it imports the plugin and calls its ``register()``, which adds the plugin's quantized
 classes, parallel groups and export adapter to the core's registries.
+
+:func:`quiet_known_warnings` hides the known harmless messages of Megatron, torch.distributed and transformers (the
+list, each with why: :mod:`.known_warnings`), as the ``modelopt-moe`` commands do.
 """
 
 import importlib
 import sys
+
+from .known_warnings import quiet_known_warnings
+
+__all__ = ["register_imported", "quiet_known_warnings"]
 
 # plugin module -> the framework modules that must all be imported for it to apply
 _PLUGINS = {

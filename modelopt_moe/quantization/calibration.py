@@ -133,6 +133,23 @@ def _needs_activation_data(quantizers) -> bool:
     return any(not _is_weight_quantizer(n) and not q.is_dynamic for n, q in quantizers)
 
 
+def refuse_meta(model: nn.Module, call: str) -> None:
+    """Calibration reads the weights and runs data through them: on the meta device it would compute nothing, and
+    the amaxes would be garbage once the model is materialised.
+
+    Raises:
+        ValueError: a parameter or buffer is on the meta device (naming it and the fix).
+    """
+    on_meta = next((name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
+    if on_meta is not None:
+        raise ValueError(
+            f"{call}: {on_meta} is on the meta device; calibration needs the real weights (and data). Materialise "
+            "the model first (model.to_empty(device=...), then load its weights), or quantize without calibrating "
+            "(the config's 'algorithm': None) and call mtq.calibrate once it is materialised. To restore a quantized "
+            "checkpoint into a model on the meta device, use modelopt_moe.checkpoint.restore_sharded_modelopt_state "
+            "(Megatron) or restore_from_modelopt_state. Nothing was changed")
+
+
 def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = "max",
               forward_loop: Callable | None = None, groups: dict | None = None) -> nn.Module:
     """Max-calibrates every enabled quantizer of a converted model.
@@ -154,13 +171,14 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
         groups: ``{name: ProcessGroup}`` for the amax reduction.
 
     Raises:
-        ValueError: an algorithm other than max (naming it).
+        ValueError: an algorithm other than max (naming it); a model on the meta device (naming a tensor there).
         TypeError: a ``forward_loop`` that is not callable.
     """
     options = normalize_algorithm(algorithm)
     loop = as_forward_loop(forward_loop)
     if options is None:
         return model
+    refuse_meta(model, "mtq.calibrate")
     quantizers = [(name, q) for name, q, _ in named_quantizers(model) if q.is_enabled]
     saved = [(q, q.calibration_snapshot()) for _, q in quantizers]
     training = model.training

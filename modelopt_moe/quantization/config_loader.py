@@ -2,7 +2,8 @@
 
 ``$import: other.yaml`` at the top of a file merges that file first (its ``quant_cfg`` entries come before this
 file's); ``- $import: other.yaml`` inside ``quant_cfg`` splices the other file's entries at that place. An imported
-name is looked up beside the importing file first, then among the shipped presets.
+name is looked up beside the importing file first, then among the shipped presets. A key given twice in one mapping
+of one file is an error (YAML readers keep the last silently); a file overriding a key of a file it imports is not.
 """
 
 from __future__ import annotations
@@ -32,12 +33,34 @@ def _import_target(importing: Path, target: str) -> Path:
     return find_preset(target) or beside  # a missing file is reported with its path by _read_yaml
 
 
+def _check_unique_keys(node: yaml.Node, path: Path, where: str = "") -> None:
+    """Refuses a key that appears twice in one mapping of the composed document (at any depth)."""
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_unique_keys(item, path, f"{where}{i}.")
+    elif isinstance(node, yaml.MappingNode):
+        lines: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line = key.start_mark.line + 1
+                if (key.tag, key.value) in lines:
+                    raise ConfigError(f"{path}: key '{where}{key.value}' appears twice, on lines "
+                                      f"{lines[key.tag, key.value]} and {line}; a config takes each key once (remove "
+                                      "one)")
+                lines[key.tag, key.value] = line
+                _check_unique_keys(value, path, f"{where}{key.value}.")
+
+
 def _read_yaml(path: Path, imported_from: Path | None) -> Any:
     if not path.is_file():
         where = f" (imported from {imported_from})" if imported_from else ""
         raise ConfigError(f"config file not found: {path}{where}")
+    text = path.read_text()
     try:
-        return yaml.safe_load(path.read_text())
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None:
+            _check_unique_keys(node, path)
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
 
@@ -120,7 +143,8 @@ def load_config(path: str | Path) -> QuantizeConfig:
     file looks beside that file first, then among the shipped presets.
 
     Raises:
-        ConfigError: missing file, bad YAML, bad ``$import``, unknown key or bad value, naming the file and key.
+        ConfigError: missing file, bad YAML, a key given twice in one mapping (naming both lines), bad ``$import``,
+            unknown key or bad value, naming the file and key.
     """
     p = Path(path)
     if not p.is_file():

@@ -3,9 +3,9 @@
 The class registry and the quantized-module mixin live in :mod:`.quant_module` (re-exported here). Classes enter the
 registry through ONE explicit call, :func:`register_framework_plugins`, which :func:`convert` (so ``mtq.quantize`` and
 every restore) makes: it registers the framework-free wrappers (``quantization/nn``) and the plugin of every framework
-the program has imported, the same way (each has a ``register()``). Registry lookups change nothing. The core finds
-the framework plugins through the package's entry points (group :data:`PLUGIN_ENTRY_POINTS`), never by importing
-``modelopt_moe.plugins``; importing this package imports no framework.
+the program has imported, the same way (each has a ``register()``); every registry lookup makes it first. The core
+finds the framework plugins through the package's entry points (group :data:`PLUGIN_ENTRY_POINTS`), never by
+importing ``modelopt_moe.plugins``; importing this package imports no framework and registers nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from .quant_module import (  # noqa: F401  _rebuild_quantized: the name pickles 
     register_wrapper,
     rule_name,
     unwrap_model,
+    wrapper_names,
 )
 from .tensor_quantizer import TensorQuantizer
 from .utils import warn_once
@@ -46,6 +47,7 @@ __all__ = [
     "register_framework_plugins",
     "register_wrapper",
     "unwrap_model",
+    "wrapper_names",
     "convert",
     "is_quantized",
     "named_quantizers",
@@ -98,6 +100,9 @@ def register_framework_plugins(require: str | tuple[str, ...] | list[str] | None
     for register in _plugin_registrars():
         names.update(register(require=require))
     return sorted(names)
+
+
+QuantModuleRegistry.resolve_with(register_framework_plugins)  # lookups see what the call registers (no call here)
 
 
 def convert(model: nn.Module, config: QuantizeConfig, apply_rules: bool = True) -> list[str]:

@@ -385,8 +385,22 @@ class ExpertQuantizer(TensorQuantizer):
     def _amax_repr(self) -> str:
         if self._amax is None:
             return "amax=None"
-        lo, hi = self._amax.min().item(), self._amax.max().item()
-        return f"amax={hi:.4g}" if lo == hi else f"amax[{tuple(self._amax.shape)}] {lo:.4g}..{hi:.4g}"
+        if self._amax.is_meta:  # restored into a model on the meta device: values come when it is materialised
+            return f"amax[{tuple(self._amax.shape)}] on meta"
+        return _amax_range_text(self._amax.min().item(), self._amax.max().item(), tuple(self._amax.shape))
+
+    def describe_experts(self, num_experts: int, amax_range: tuple[float, float] | None) -> str:
+        """:meth:`extra_repr` for ``num_experts`` experts in all (e.g. every expert-parallel rank's) whose amaxes
+        span ``amax_range`` (None: no expert has one): the line of a summary that gathered every rank's experts."""
+        head = [self.config_name, f"{num_experts} experts"]
+        if amax_range is None:
+            return self._describe(head, "amax=None")
+        tail = tuple(self._amax.shape[1:]) if self._amax is not None else ()
+        return self._describe(head, _amax_range_text(*amax_range, (num_experts, *tail)))
+
+
+def _amax_range_text(lo: float, hi: float, shape: tuple[int, ...]) -> str:
+    return f"amax={hi:.4g}" if lo == hi else f"amax[{shape}] {lo:.4g}..{hi:.4g}"
 
 
 class ExpertView(nn.Module):
@@ -487,5 +501,7 @@ class ExpertView(nn.Module):
         amax = self.amax
         if amax is None:
             return f"expert {self.index}, amax=None"
+        if amax.is_meta:
+            return f"expert {self.index}, amax[{tuple(amax.shape)}] on meta"
         return f"expert {self.index}, amax={amax.item():.4g}" if amax.numel() == 1 else \
             f"expert {self.index}, amax[{tuple(amax.shape)}] max={amax.max().item():.4g}"

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .calibration import as_forward_loop, calibrate
+from .calibration import as_forward_loop, calibrate, refuse_meta
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig, to_config
 from .conversion import (
     _set_attributes,
@@ -29,8 +29,10 @@ from .conversion import (
     is_quantized,
     matching_quantizers,
     named_quantizers,
+    register_framework_plugins,
     set_quantizer_by_pattern,
     unwrap_model,
+    wrapper_names,
 )
 from .expert_quantizer import ExpertQuantizer
 from .modelopt_compat import COMPAT_DOC
@@ -76,11 +78,23 @@ def quantize(model: nn.Module, config: QuantizeConfig | dict, forward_loop: Call
     Raises:
         ConfigError: an invalid config, or quantizers that cannot work on their modules (naming them).
         TypeError: ``forward_loop`` is not callable (checked before anything is converted).
-        ValueError: nothing quantizable, or ``model`` is already quantized (Model Optimizer reconfigures it
-            silently; here: call :func:`set_quantizer_by_cfg` and :func:`calibrate`).
+        ValueError: nothing quantizable; ``model`` is already quantized (Model Optimizer reconfigures it
+            silently; here: call :func:`set_quantizer_by_cfg` and :func:`calibrate`); ``model`` is already wrapped
+            (torch's or Megatron's ``DistributedDataParallel``, ``Float16Module``: quantize before wrapping); or it
+            is on the meta device and the config calibrates (``algorithm`` not None). Nothing is changed then.
     """
     cfg = to_config(config)
     as_forward_loop(forward_loop)  # a bad forward_loop fails before the model changes
+    register_framework_plugins()  # the wrappers of the imported frameworks, for wrapper_names
+    wrappers = wrapper_names(model)
+    if wrappers:
+        raise ValueError(
+            f"mtq.quantize: the model is already wrapped in {' around '.join(wrappers)}; quantize it before wrapping: "
+            "mtq.quantize(model, config, forward_loop) on the freshly built model, then wrap it and build the "
+            "optimizer (a wrapper's gradient buffers and hooks, and an optimizer, built first miss what quantize "
+            "adds, e.g. learned amaxes). Nothing was changed")
+    if cfg.algorithm is not None:
+        refuse_meta(model, "mtq.quantize")
     quantized = [name or "<model>" for name, m in model.named_modules() if is_quantized(m)]
     if quantized:
         raise ValueError(
@@ -254,9 +268,10 @@ def _ranges(indices: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def _expert_amax_rows(model: nn.Module) -> dict[str, dict[int, str]]:
-    """``{expert quantizer name: {global expert: amax text}}`` of this rank's experts."""
-    rows: dict[str, dict[int, str]] = {}
+def _expert_amaxes(model: nn.Module) -> dict[str, tuple[bool, dict[int, tuple[float, float] | None]]]:
+    """``{expert quantizer name: (enabled, {global expert: (min, max) of its amax, or None})}`` of this rank's
+    experts."""
+    found: dict[str, tuple[bool, dict[int, tuple[float, float] | None]]] = {}
     for mod_name, module in unwrap_model(model).named_modules():
         if not is_quantized(module):
             continue
@@ -265,13 +280,12 @@ def _expert_amax_rows(model: nn.Module) -> dict[str, dict[int, str]]:
             base = ".".join(p for p in (mod_name, gemm.name) if p)
             for kind in ("input_quantizer", "weight_quantizer", "output_quantizer"):
                 q = getattr(gemm.quantizers, kind)
-                if not q.is_enabled:
-                    continue
-                cells = rows.setdefault(f"{base}.{kind}" if base else kind, {})
+                _, cells = found.setdefault(f"{base}.{kind}" if base else kind, (q.is_enabled, {}))
                 for i in range(gemm.num_local):
                     a = q.expert_amax(i)
-                    cells[grid.global_index(gemm.num_local, i)] = "None" if a is None else f"{a.max().item():.4g}"
-    return rows
+                    known = a is not None and not a.is_meta
+                    cells[grid.global_index(gemm.num_local, i)] = (a.min().item(), a.max().item()) if known else None
+    return found
 
 
 def print_quant_summary(model: nn.Module, output_dir: str | None = None, file=None, *,
@@ -281,40 +295,53 @@ def print_quant_summary(model: nn.Module, output_dir: str | None = None, file=No
     ``output_dir/.quant_summary.txt``.
 
     Safe to call from one rank (``if rank == 0: mtq.print_quant_summary(model)``): by default it enters no collective
-    and the expert table lists this rank's local experts (the header says which global experts they are).
+    and, in a multi-process job, describes this rank's quantizers: an expert quantizer's line counts this rank's
+    local experts, and the expert table lists them (its first line says so).
 
     Args:
         model: a quantized model (wrappers are fine).
         output_dir: write the summary to ``output_dir/.quant_summary.txt`` instead of printing it.
         file: where to print (``sys.stdout`` by default; ``False``: print nothing, only return the text).
-        gather: a collective: every rank must call it. The expert table then holds every expert of every rank
-            (one ``all_gather_object``), the same at any tensor / expert parallel layout.
+        gather: a collective: every rank must call it. The summary then describes the whole model: each expert
+            quantizer's line counts every rank's experts with the range of all their amaxes, and the expert table
+            holds every expert of every rank (one ``all_gather_object``), the same at any tensor / expert parallel
+            layout.
 
     Returns:
         The summary text (on every rank).
     """
-    lines = []
+    amaxes = _expert_amaxes(model)
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    gathered = gather and distributed
+    if gathered:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, amaxes)
+        amaxes = {}
+        for part in parts:
+            for name, (on, cells) in part.items():
+                amaxes.setdefault(name, (on, {}))[1].update(cells)
+    lines = [] if gathered or not distributed else [
+        f"rank {dist.get_rank()}'s quantizers, with its local experts (every rank's: "
+        "print_quant_summary(model, gather=True), which every rank calls)"]
     enabled = total = 0
     for name, q, _ in named_quantizers(model):
         enabled += q.is_enabled
         total += 1
-        lines.append(f"{name:<80} {q.extra_repr()}")
-    rows = _expert_amax_rows(model)
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if gather and distributed:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, rows)
-        rows = {}
-        for part in parts:
-            for name, cells in part.items():
-                rows.setdefault(name, {}).update(cells)
+        cells = amaxes.get(name, (False, None))[1]
+        if gathered and cells is not None and isinstance(q, ExpertQuantizer):  # every rank's experts, as the table
+            known = [c for c in cells.values() if c is not None]
+            span = (min(c[0] for c in known), max(c[1] for c in known)) if known else None
+            lines.append(f"{name:<80} {q.describe_experts(len(cells), span)}")
+        else:
+            lines.append(f"{name:<80} {q.extra_repr()}")
+    rows = {name: cells for name, (on, cells) in amaxes.items() if on}
     if rows:
         experts = sorted({g for cells in rows.values() for g in cells})
-        scope = "every rank's experts" if gather or not distributed else \
-            f"rank {dist.get_rank()}'s local experts only; gather=True for every rank's"
+        scope = "every rank's experts" if gathered or not distributed else f"rank {dist.get_rank()}'s local experts"
         lines.append(f"expert amax by global expert index ({scope}: {_ranges(experts)}):")
         for name, cells in rows.items():
-            lines.append(f"  {name:<78} " + " ".join(f"{g}:{cells[g]}" for g in sorted(cells)))
+            amax = {g: "None" if c is None else f"{c[1]:.4g}" for g, c in cells.items()}
+            lines.append(f"  {name:<78} " + " ".join(f"{g}:{amax[g]}" for g in sorted(cells)))
     lines.append(f"{enabled} of {total} quantizers enabled")
     text = "\n".join(lines)
     if not is_rank0():

@@ -11,7 +11,7 @@ Below the wrappers (``quantization/nn``, the plugins) and :mod:`.conversion`, wh
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ __all__ = [
     "quantized_class",
     "register_wrapper",
     "unwrap_model",
+    "wrapper_names",
     "is_quantized",
     "named_quantizers",
     "own_quantizers",
@@ -115,12 +116,32 @@ def _rebuild_quantized(original: type, mixin: type):
 
 
 class _Registry:
-    """Original module class -> quantized mixin. Lookups are by exact class, then by base class, and change nothing:
-    classes are added by ``register`` calls only (:func:`~.conversion.register_framework_plugins` makes them for
-    the framework-free wrappers and every imported framework's plugin)."""
+    """Original module class -> quantized mixin. Lookups are by exact class, then by base class.
+
+    Every read (``cls in registry``, :meth:`get`, ``registry[cls]``, iteration, :meth:`registered`) first makes the
+    one registration call (:func:`~.conversion.register_framework_plugins`, installed with :meth:`resolve_with`),
+    so the registry holds the framework-free wrappers and the plugins of every framework imported so far, as Model
+    Optimizer's registry does once its plugins are imported: ``ColumnParallelLinear in mtq.QuantModuleRegistry``
+    holds as soon as ``megatron.core`` is imported, before or after ``mtq``. Importing registers nothing and
+    imports no framework."""
 
     def __init__(self):
         self._map: dict[type, type] = {}
+        self._resolve: Callable[[], object] | None = None
+        self._resolving = False
+
+    def resolve_with(self, resolve: Callable[[], object]) -> None:
+        """Installs the registration call every read makes first (the core's conversion module installs it)."""
+        self._resolve = resolve
+
+    def _resolved(self) -> dict[type, type]:
+        if self._resolve is not None and not self._resolving:
+            self._resolving = True  # a plugin's register() may read the registry
+            try:
+                self._resolve()
+            finally:
+                self._resolving = False
+        return self._map
 
     def register(self, original: type, mixin: type, *, replace: bool = True) -> None:
         """Quantizes ``original`` (and its subclasses without a registration of their own) with ``mixin``.
@@ -143,25 +164,46 @@ class _Registry:
         self._map.pop(original, None)
 
     def mixin_for(self, cls: type) -> type | None:
+        """The mixin that quantizes ``cls`` (its own registration or its nearest registered base's); None for an
+        unregistered or already quantized class."""
         if issubclass(cls, QuantModuleMixin):
             return None  # already converted
+        registered = self._resolved()
         for base in cls.__mro__:
-            if base in self._map:
-                return self._map[base]
+            if base in registered:
+                return registered[base]
         return None
+
+    def get(self, cls: type, default: type | None = None) -> type | None:
+        """:meth:`mixin_for`, or ``default`` where ``cls`` is not quantizable."""
+        mixin = self.mixin_for(cls)
+        return default if mixin is None else mixin
+
+    def __getitem__(self, cls: type) -> type:
+        mixin = self.mixin_for(cls)
+        if mixin is None:
+            raise KeyError(f"{cls.__name__} is not registered for quantization; registered classes: "
+                           f"{sorted(c.__name__ for c in self._map)}")
+        return mixin
 
     def __contains__(self, cls: type) -> bool:
         return self.mixin_for(cls) is not None
 
+    def __iter__(self) -> Iterator[type]:
+        return iter(list(self._resolved()))
+
+    def __len__(self) -> int:
+        return len(self._resolved())
+
     def registered(self) -> dict[type, type]:
-        """``{original class: mixin}`` of every registration so far (a copy)."""
-        return dict(self._map)
+        """``{original class: mixin}`` of every registration (a copy)."""
+        return dict(self._resolved())
 
 
 QuantModuleRegistry = _Registry()
 
 
-_WRAPPERS: set[type] = {torch.nn.parallel.DistributedDataParallel}
+_WRAPPERS: set[type] = {torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel}
 
 
 def register_wrapper(cls: type) -> None:
@@ -175,6 +217,16 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while isinstance(model, tuple(_WRAPPERS)):
         model = model.module
     return model
+
+
+def wrapper_names(model: nn.Module) -> list[str]:
+    """The class names of the registered wrappers around ``model``, outermost first (empty for a bare model): what
+    calls that must run before wrapping (``mtq.quantize``, a checkpoint's first restore) name in their refusal."""
+    names = []
+    while isinstance(model, tuple(_WRAPPERS)):
+        names.append(type(model).__name__)
+        model = model.module
+    return names
 
 
 def is_quantized(module: nn.Module) -> bool:

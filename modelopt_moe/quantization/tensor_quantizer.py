@@ -561,6 +561,8 @@ class TensorQuantizer(nn.Module):
     def _amax_repr(self) -> str:
         if self._amax is None:
             return "amax=None"
+        if self._amax.is_meta:  # restored into a model on the meta device: values come when it is materialised
+            return f"amax[{tuple(self._amax.shape)}] on meta"
         if self._amax.numel() == 1:
             return f"amax={self._amax.item():.4g}"
         return f"amax[{tuple(self._amax.shape)}] max={self._amax.max().item():.4g}"
@@ -570,9 +572,12 @@ class TensorQuantizer(nn.Module):
 
     def extra_repr(self) -> str:
         """The format and its settings, the amax (or ``dynamic``) and the switches that are not the default."""
+        return self._describe(self._repr_head(), self._amax_repr())
+
+    def _describe(self, head: list[str], amax_text: str) -> str:
         if not self._enabled:
-            return ", ".join([*self._repr_head(), "disabled"])
-        parts = [*self._repr_head(), self.fmt]
+            return ", ".join([*head, "disabled"])
+        parts = [*head, self.fmt]
         if self.axis is not None:
             parts.append(f"axis={self.axis}")
         if self.block_size is not None:
@@ -583,7 +588,7 @@ class TensorQuantizer(nn.Module):
             parts.append("per token")
         if get_format(self.fmt).integer and (self.narrow_range or self.unsigned):
             parts.append("unsigned" if self.unsigned else "narrow")
-        parts.append("dynamic" if self.is_dynamic else self._amax_repr())
+        parts.append("dynamic" if self.is_dynamic else amax_text)
         if self._if_calib:
             parts.append("calibrating")
         if not self._if_quant:

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{argv[0]!r}; the commands are {', '.join(COMMANDS)} (modelopt-moe --help)", file=sys.stderr)
         return 2
     command, rest = (argv[0], argv[1:]) if argv and argv[0] in COMMANDS else ("demo", argv)
-    from .noise import hide_known_warnings
+    from ..known_warnings import quiet_known_warnings
 
-    hide_known_warnings()  # this process's own imports (the command's ranks hide them in theirs)
+    quiet_known_warnings()  # this process's own imports (the command's ranks hide them in theirs)
     return importlib.import_module(COMMANDS[command]).main(rest)

@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..known_warnings import quiet_known_warnings
 from .layout import Layout, LayoutError, choose_layout, launcher_world_size, visible_gpus
-from .noise import hide_known_warnings, rank_output
+from .noise import rank_output
 
 __all__ = ["Layout", "LayoutError", "Ran", "add_layout_args", "check_layout", "run_ranks", "say", "gpus_hidden",
            "prints_here", "progress", "calibration_loop"]
@@ -125,7 +126,7 @@ def run_ranks(fn: Callable[..., Any], layout: Layout, *, args: tuple = (), timeo
 
 def quiet_parent() -> None:
     """The process that parses and spawns hides the known third-party warnings of its own imports too."""
-    hide_known_warnings()
+    quiet_known_warnings()
 
 
 class _Silent:

@@ -33,7 +33,12 @@ from modelopt_moe.checkpoint.files import (
     resolve_checkpoint_dir,
 )
 from modelopt_moe.checkpoint.sharded import restore_sharded_modelopt_state, save_sharded_modelopt_state
-from modelopt_moe.quantization.conversion import is_quantized, register_framework_plugins, unwrap_model
+from modelopt_moe.quantization.conversion import (
+    is_quantized,
+    register_framework_plugins,
+    unwrap_model,
+    wrapper_names,
+)
 from modelopt_moe.quantization.utils import rank
 from modelopt_moe.quantization.weight_amax import update_weight_amax
 
@@ -184,7 +189,8 @@ def _refuse_unrestored(model_list, models: list, path: Path, optimizer) -> None:
             continue
         if given is model and optimizer is None:
             continue
-        built = f"wrapped in {type(given).__name__}" if given is not model else "given with an optimizer built for it"
+        built = f"wrapped in {' around '.join(wrapper_names(given))}" if given is not model else \
+            "given with an optimizer built for it"
         raise CheckpointMismatchError(
             f"load_sharded_checkpoint: {path} holds a quantized model, but model chunk {i} is not quantized and is "
             f"already {built}: restore its quantization first, on the freshly built model, then wrap it and build the "

@@ -138,6 +138,7 @@ def _errors_worker(rank, world_size, root):
             shapes[st.key] = st.global_shape
     out["meta_shapes"] = shapes
     out["ckpt_shapes"] = ck_sharded.checkpoint_amax_shapes(ckpt)
+    out["meta_repr"] = repr(meta_model) + mtq.print_quant_summary(meta_model, file=False)  # before the weights load
     meta_model.to_empty(device="cpu")
     mc.load_sharded_checkpoint([meta_model], ckpt)
     out["meta_loads"] = (all(torch.equal(a, ref["amax"][k]) for k, a in global_amax(meta_model, mm).items())
@@ -206,4 +207,5 @@ def test_partial_save_keeps_previous_checkpoint_and_partial_load_fails_clearly(r
 def test_meta_device_model_restores_shapes_and_loads_bit_exact(results):
     for r in results:
         assert r["meta_shapes"] == r["ckpt_shapes"]
+        assert "amax=None" in r["meta_repr"]  # it prints; the amaxes come with the weights
         assert r["meta_loads"]

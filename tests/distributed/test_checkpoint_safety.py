@@ -8,6 +8,7 @@ Every refused call must leave the directories it touched and the model (module c
 as they were. One spawn holds every case; each error is raised on every rank and recorded for the tests below.
 """
 
+import copy
 import hashlib
 import os
 import shutil
@@ -65,6 +66,7 @@ def _worker(rank, world_size, root):
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.checkpoint import restore_sharded_modelopt_state, save_sharded_modelopt_state
@@ -206,6 +208,16 @@ def _worker(rank, world_size, root):
         out["wrapped"] = refused(lambda: load_sharded_checkpoint([ddp], ckpt), bare, ckpt)
         out["with_optimizer"] = refused(lambda: load_sharded_checkpoint([bare], ckpt, optimizer=optimizer), bare,
                                         ckpt)
+    # --- quantizing a model already wrapped (Float16Module inside Megatron's DDP, as Megatron-LM wraps it)
+    unquantized = build()
+    config = copy.copy(unquantized.config)
+    config.bf16 = True
+    with megatron_training_shims():
+        wrapped = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(),
+                                          module=Float16Module(config, unquantized))
+        out["quantize_wrapped"] = refused(
+            lambda: mtq.quantize(wrapped, mtq.load_config("fp8_default.yaml"), lambda m: m(tokens, positions, causal)),
+            unquantized)
     # ... and the documented order works: restore, wrap, load
     fresh = build()
     restore_sharded_modelopt_state([fresh], ckpt)
@@ -351,3 +363,11 @@ def test_load_into_a_wrapped_unrestored_model_names_the_fix(results):
             assert unchanged, case
         assert r["documented"] == "no error", r["documented"]
         assert r["documented_amax"]
+
+
+def test_quantize_of_a_wrapped_model_names_the_wrappers_and_changes_nothing(results):
+    for r in results:
+        message, unchanged = r["quantize_wrapped"]
+        assert "ValueError: mtq.quantize: the model is already wrapped in DistributedDataParallel around " \
+               "Float16Module; quantize it before wrapping" in message, message
+        assert unchanged

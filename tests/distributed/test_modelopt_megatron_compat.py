@@ -6,8 +6,8 @@
   every amax Model Optimizer saved equals ours bit for bit (per global expert), the weights load, the logits are
   Model Optimizer's up to its reciprocal-multiply FP8 rounding, and the normalization-layer amaxes Model Optimizer
   adds are named in a warning.
-* ``QuantModuleRegistry`` holds Megatron's parallel linears once a model was restored (or quantized); a lookup
-  registers nothing.
+* ``QuantModuleRegistry`` holds Megatron's parallel linears once ``megatron.core`` is imported, before any model was
+  quantized or restored.
 * ``layer_sync_moe_local_experts_amax`` on quantized ``SequentialMLP`` experts.
 * The shipped INT4 preset on the demo model (64-wide expert inputs, blocks of 128): quantize, forward, no error.
 * Model Optimizer's static INT4 blocks on the dense linears (16-wide, padded to 128): our own checkpoint round trip
@@ -38,7 +38,7 @@ def _rank(rank, world, fixture_dir, tmp_dir):
     from modelopt_moe.plugins.megatron import load_modelopt_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 
     megatron_classes = (ColumnParallelLinear, RowParallelLinear, SequentialMLP)
-    # Lookups register nothing; restoring (or quantizing) a model makes the one registration call.
+    # A lookup sees the plugins of the imported frameworks, before any model was quantized or restored.
     out = {"registry_before": [cls in mtq.QuantModuleRegistry for cls in megatron_classes]}
     saved = torch.load(f"{fixture_dir}.amax.pt", weights_only=True)
     spec = saved["model"]
@@ -181,8 +181,8 @@ def test_model_optimizer_checkpoint_weights_and_logits(results, layout):
     assert any(w is not None for w in weights)
 
 
-def test_quant_module_registry_holds_megatron_linears_once_a_model_was_restored(results):
-    assert results[0]["registry_before"] == [False, False, False]  # a lookup registers nothing
+def test_quant_module_registry_holds_megatron_linears_before_and_after_a_restore(results):
+    assert results[0]["registry_before"] == [True, True, True]  # as Model Optimizer's, before any quantize
     assert results[0]["registry"] == [True, True, True]
 
 

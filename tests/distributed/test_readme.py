@@ -85,11 +85,19 @@ def test_distillation_snippet(tmp_path):
 
 
 def test_export_snippet(tmp_path):
+    from modelopt_moe.plugins.known_warnings import KNOWN_LOGS, KNOWN_WARNINGS
+
     script = tmp_path / "readme_export.py"
     script.write_text(_python("def qat_and_export("))
+    # as a user runs it: ranks start as fresh interpreters (not forked from this suite's preloaded fork server)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELOPT_MOE_FORKSERVER")}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=seconds(600),
-                          cwd=tmp_path)
+                          cwd=tmp_path, env={**env, "MODELOPT_MOE_START_METHOD": "spawn"})
     assert done.returncode == 0, done.stderr[-3000:]
+    # quiet_known_warnings() at its top: no known third-party warning from any process
+    shown = [k.pattern for k in (*KNOWN_WARNINGS, *KNOWN_LOGS) if re.search(k.pattern, done.stderr)]
+    assert not shown, (shown, done.stderr[-3000:])
+    assert "warnings.warn(" not in done.stderr, done.stderr[-3000:]
     written = sorted(p.name for p in (tmp_path / "tiny-qwen3-moe-nvfp4").iterdir())
     assert "config.json" in written, written
     assert any(n.endswith(".safetensors") for n in written), written

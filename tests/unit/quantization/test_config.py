@@ -322,6 +322,30 @@ def test_unknown_key_inside_cfg_names_its_path_and_suggests(tmp_path):
     assert "'num_bits'" in msg
 
 
+@pytest.mark.parametrize(("text", "key", "lines"), [
+    ("experts: {weight_amax: per_expert}\nbackward: {mode: quantized}\nexperts: {weight_amax: shared}\n",
+     "experts", (1, 3)),
+    ("quant_cfg:\n  - quantizer_name: '*weight_quantizer'\n    cfg:\n      num_bits: 8\n      axis: 0\n"
+     "      num_bits: e4m3\n", "quant_cfg.0.cfg.num_bits", (4, 6)),
+    ("backward:\n  mode: quantized\n  ste: clipped\n  mode: dequantized\n", "backward.mode", (2, 4)),
+    ("quant_cfg:\n  - {quantizer_name: '*', enable: false, enable: true}\n", "quant_cfg.0.enable", (2, 2)),
+])
+def test_a_key_given_twice_names_the_file_the_key_and_both_lines(tmp_path, text, key, lines):
+    p = tmp_path.resolve() / "twice.yaml"
+    p.write_text(text)
+    msg = _config_error(p)
+    assert msg.startswith(f"{p}: key '{key}' appears twice, on lines {lines[0]} and {lines[1]}"), msg
+
+
+def test_a_key_of_an_imported_file_may_be_overridden_and_twice_in_an_imported_file_is_refused(tmp_path):
+    tmp_path = tmp_path.resolve()
+    _write(tmp_path / "base.yaml", "experts: {weight_amax: shared}\nbackward: {mode: high_precision}\n")
+    top = _write(tmp_path / "top.yaml", "$import: base.yaml\nexperts: {weight_amax: per_expert}\n")
+    assert load_config(top).experts.weight_amax == "per_expert"
+    _write(tmp_path / "base.yaml", "backward: {mode: high_precision}\nbackward: {mode: quantized}\n")
+    assert _config_error(top).startswith(f"{tmp_path / 'base.yaml'}: key 'backward' appears twice, on lines 1 and 2")
+
+
 def test_unknown_key_in_backward_names_its_path(tmp_path):
     p = _write(tmp_path.resolve() / "typo.yaml", "backward: {mode: quantized, stee: clipped}\n")
     msg = _config_error(p)

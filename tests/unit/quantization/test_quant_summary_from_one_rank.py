@@ -30,6 +30,7 @@ def test_summary_from_rank0_alone_leaves_the_next_collective_of_every_rank_intac
     results = spawn(_summary_on_rank0_then_a_collective, 2, timeout=60)
     assert [total for _, total, _ in results] == [3.0, 3.0]
     text = results[0][0]
-    assert "rank 0's local experts only" in text
+    assert text.startswith("rank 0's quantizers, with its local experts")
+    assert "(rank 0's local experts: 0-3):" in text
     assert "0 of" not in text.splitlines()[-1]
     assert "every rank's experts" in results[0][2]
