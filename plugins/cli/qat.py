@@ -24,7 +24,7 @@ contract stops the run with an error naming ``--data``, the split, the batch, th
 ``--data``, the byte-level English text that ships with Python (a smoke test for models with a vocabulary of at
 least 256). ``--eval-data module:function`` is called the same way with ``split`` ``"eval"`` (``--eval-batches``
 batches, offset 0): the held-out loss and perplexity on them (and, with ``--distill``, the KL to the bf16 model) are
-measured after calibration and after training.
+measured before training (after calibration, or after the resume) and after it.
 
 Runs under ``torchrun`` / ``srun`` in the launcher's processes (one per GPU), or spawns ``--world-size`` processes
 on this machine.
