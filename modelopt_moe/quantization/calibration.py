@@ -33,6 +33,7 @@ __all__ = ["calibrate", "sync_amax", "register_group_provider", "default_groups"
 class CalibrationError(ValueError):
     """Calibration saw data it cannot calibrate on (an infinite value gives an infinite amax: no scale at all)."""
 
+
 def _is_weight_quantizer(full_name: str) -> bool:
     return rule_name(full_name).endswith("weight_quantizer")
 
@@ -209,18 +210,10 @@ def _check_finite(quantizers, collective: bool) -> None:
     Raises:
         CalibrationError: some rank's calibration data or weights held an Inf (its amax is infinite).
     """
-    if not quantizers:
-        counts = torch.zeros(0, 3, dtype=torch.int64)
-    else:  # one device-to-host copy for every quantizer: [NaN seen, Inf seen, non-finite amax entries]
-        rows = []
-        for _, q in quantizers:
-            seen = q.__dict__.get("_calib_nonfinite")
-            seen = torch.zeros(2, dtype=torch.int64) if seen is None else seen.detach().cpu()
-            bad = torch.zeros(1, dtype=torch.int64) if q.amax is None else \
-                (~torch.isfinite(q.amax.detach())).sum().reshape(1).cpu()
-            rows.append(torch.cat([seen, bad]))
-        counts = torch.stack(rows)
-    totals = counts.sum(0) if len(counts) else torch.zeros(3, dtype=torch.int64)
+    # Per quantizer: [NaN seen, Inf seen, non-finite amax entries] (read once, after the pass).
+    rows = [(*q.calib_nonfinite, 0 if q.amax is None else int((~torch.isfinite(q.amax.detach())).sum()))
+            for _, q in quantizers]
+    totals = torch.tensor([sum(column) for column in zip(*rows, strict=True)] if rows else [0, 0, 0])
     if collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         flat = totals.to(collective_device(None))
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
@@ -231,7 +224,7 @@ def _check_finite(quantizers, collective: bool) -> None:
     where = " on all ranks" if collective and dist.is_initialized() and dist.get_world_size() > 1 else ""
     lines = [f"{name}: {nan} NaN, {inf} Inf seen" + (f"; amax {_amax_text(q.amax)}" if bad else "")
              + (" (max-reduced from another rank)" if bad and not inf else "")
-             for (name, q), (nan, inf, bad) in zip(quantizers, counts.tolist(), strict=True) if nan or inf or bad]
+             for (name, q), (nan, inf, bad) in zip(quantizers, rows, strict=True) if nan or inf or bad]
     listing = ("\n  " + "\n  ".join(lines)) if lines else " (none of them on this rank)"
     if inf_total or bad_total:
         raise CalibrationError(
