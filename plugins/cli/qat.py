@@ -184,9 +184,11 @@ def _batches(opts: dict[str, Any], split: str, num_batches: int, offset: int, vo
         source = f"{flag} {spec}('{split}', {num_batches}, {opts['batch_size']}, {opts['seq_len']}, {offset})"
         got = fn(split, num_batches, opts["batch_size"], opts["seq_len"], offset)
         try:
-            batches = list(got)
+            batches = None if isinstance(got, dict) else list(got)
         except TypeError:
-            raise BatchError(f"{source} returned {type(got).__name__}, not a list of batches") from None
+            batches = None
+        if batches is None:
+            raise BatchError(f"{source} returned a {type(got).__name__}, not a list of batches")
         if not batches:
             raise BatchError(f"{source} returned no batches; expected {num_batches}")
         for i, batch in enumerate(batches):
