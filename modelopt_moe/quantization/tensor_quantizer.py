@@ -178,7 +178,7 @@ class TensorQuantizer(nn.Module):
     def calibration_snapshot(self) -> tuple:
         """What a calibration pass changes (the amax tensor, the switches, its progress), for
         :meth:`restore_calibration_snapshot` after a pass that failed."""
-        return self._amax, self.switches(), self._calib_seen, self._calib_nonfinite
+        return self._amax, self.switches(), self._calib_seen, self.__dict__.get("_calib_nonfinite")
 
     def restore_calibration_snapshot(self, snapshot: tuple) -> None:
         """Puts back what :meth:`calibration_snapshot` took (the amax tensor, the switches, the pass's progress)."""
