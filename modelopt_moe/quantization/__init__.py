@@ -10,7 +10,7 @@ copy and edit them.
 from ..numerics import FORMATS, fake_quant
 from . import nn  # noqa: F401  the framework-free wrappers (registered by the conversion's one registration call)
 from .autoswitch import autoswitch_step, autoswitch_summary
-from .calibration import sync_amax
+from .calibration import CalibrationError, sync_amax
 from .config import (
     ConfigError,
     MaxCalibConfig,
@@ -51,7 +51,7 @@ __all__ = [
     "set_quantizer_by_cfg", "set_quantizer_attributes_full", "set_quantizer_attributes_partial",
     "set_quantizer_attribute", "postprocess_amax", "replace_quant_module", "MaxCalibConfig", "QuantCfgEntry",
     "load_config", "ConfigError", "QuantizeConfig", "QuantizerAttributeConfig", "TensorQuantizer", "ExpertQuantizer",
-    "QuantMode",
+    "QuantMode", "CalibrationError",
     "reuse_quantized_weights", "fake_quant", "update_weight_amax", "autoswitch_step", "autoswitch_summary",
     "FORMATS", "QuantModuleRegistry", "named_quantizers", "sync_amax", "FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG",
     "INT8_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",

@@ -27,7 +27,12 @@ from .tensor_quantizer import TensorQuantizer
 from .utils import is_rank0, warn_once
 
 __all__ = ["calibrate", "sync_amax", "register_group_provider", "default_groups", "amax_placeholder",
-           "as_forward_loop"]
+           "as_forward_loop", "CalibrationError"]
+
+
+class CalibrationError(ValueError):
+    """Calibration saw data it cannot calibrate on (an infinite value gives an infinite amax: no scale at all)."""
+
 
 def _is_weight_quantizer(full_name: str) -> bool:
     return rule_name(full_name).endswith("weight_quantizer")
@@ -195,7 +200,8 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
     finally:
         model.train(training)
     groups = default_groups() if groups is None else groups
-    if options.distributed_sync is not False:
+    sync = options.distributed_sync is not False
+    if sync:
         sync_amax(model, groups)
     unseen = []
     for name, module in model.named_modules():
@@ -204,7 +210,55 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
     if unseen:
         warn_once("calibrate: these experts (global indices) saw no calibration tokens on any rank and use the "
                   "shared input amax (max over all experts):\n  " + "\n  ".join(unseen))
+    try:
+        _check_finite(quantizers, collective=sync and bool(groups))
+    except CalibrationError:
+        for q, snapshot in saved:
+            q.restore_calibration_snapshot(snapshot)
+        raise
     return model
+
+
+def _check_finite(quantizers, collective: bool) -> None:
+    """Refuses an infinite amax and warns once (rank 0) about NaN, naming the quantizers and what they saw.
+
+    With ``collective`` (a synchronised calibration in a process group), every rank adds its counts to one
+    ``all_reduce`` over the world, whatever its data, so that all ranks raise or none does.
+
+    Raises:
+        CalibrationError: some rank's calibration data or weights held an Inf (its amax is infinite).
+    """
+    # Per quantizer: [NaN seen, Inf seen, non-finite amax entries] (read once, after the pass).
+    rows = [(*q.calib_nonfinite, 0 if q.amax is None else int((~torch.isfinite(q.amax.detach())).sum()))
+            for _, q in quantizers]
+    totals = torch.tensor([sum(column) for column in zip(*rows, strict=True)] if rows else [0, 0, 0])
+    if collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flat = totals.to(collective_device(None))
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        totals = flat.cpu()
+    nan_total, inf_total, bad_total = totals.tolist()
+    if not (nan_total or inf_total or bad_total):
+        return
+    where = " on all ranks" if collective and dist.is_initialized() and dist.get_world_size() > 1 else ""
+    lines = [f"{name}: {nan} NaN, {inf} Inf seen" + (f"; amax {_amax_text(q.amax)}" if bad else "")
+             + (" (max-reduced from another rank)" if bad and not inf else "")
+             for (name, q), (nan, inf, bad) in zip(quantizers, rows, strict=True) if nan or inf or bad]
+    listing = ("\n  " + "\n  ".join(lines)) if lines else " (none of them on this rank)"
+    if inf_total or bad_total:
+        raise CalibrationError(
+            f"mtq.calibrate: the calibration data (or weights) held {inf_total} infinite and {nan_total} NaN "
+            f"values{where}; an infinite amax gives a scale of 1, i.e. no calibration. Quantizers that saw them"
+            f"{' on this rank' if where else ''}:{listing}\nFind where the model overflows (e.g. run the "
+            "forward_loop without quantization and check each layer's output with torch.isfinite), or feed "
+            "other batches; every quantizer is back in its state before this call")
+    warn_once(f"mtq.calibrate: the calibration data held {nan_total} NaN values{where}, which the amax ignores (it "
+              f"is the max of the finite values); a model that makes NaN will not train. Quantizers that saw them"
+              f"{' on this rank' if where else ''}:{listing}")
+
+
+def _amax_text(amax: torch.Tensor) -> str:
+    a = amax.detach().float().reshape(-1)
+    return f"{a.item()}" if a.numel() == 1 else f"{(~torch.isfinite(a)).sum().item()} of {a.numel()} entries non-finite"
 
 
 def _collect(model: nn.Module, quantizers, loop, options: MaxCalibConfig) -> None:

@@ -231,6 +231,7 @@ class ExpertQuantizer(TensorQuantizer):
             if self.calibrated_rows is None:
                 self.calibrated_rows = torch.zeros(self.num_experts, dtype=torch.int64)
             self.calibrated_rows[index] += x.numel() // max(1, x.shape[-1]) if x.dim() else 1
+        self._count_nonfinite(x, fresh=False)  # reset_amax starts the pass
         new = self.amax_of(x)
         amax = self._ensure_amax(new)
         with torch.no_grad():
@@ -244,6 +245,7 @@ class ExpertQuantizer(TensorQuantizer):
         """Max calibration on a tensor that belongs to every expert (e.g. a GEMM output of all experts)."""
         if self.is_dynamic:
             return
+        self._count_nonfinite(x, fresh=False)
         new = self.amax_of(x)
         amax = self._ensure_amax(new)
         with torch.no_grad():

@@ -29,7 +29,7 @@ from .modelopt_compat import modelopt_quantizer_state, parse_modelopt_quantizer_
 from .quant_mode import QuantMode, derive_mode
 from .utils import warn_once
 
-__all__ = ["TensorQuantizer", "FakeQuantSTE", "nan_ignoring_abs_max", "clip_mask"]
+__all__ = ["TensorQuantizer", "FakeQuantSTE", "nan_ignoring_abs_max", "nonfinite_counts", "clip_mask"]
 
 
 def nan_ignoring_abs_max(x: torch.Tensor, keep_dims: tuple[int, ...] = ()) -> torch.Tensor:
@@ -41,6 +41,13 @@ def nan_ignoring_abs_max(x: torch.Tensor, keep_dims: tuple[int, ...] = ()) -> to
     keep = {d % a.dim() for d in keep_dims}
     reduce = [d for d in range(a.dim()) if d not in keep]
     return a.amax(dim=reduce, keepdim=True) if reduce else a
+
+
+def nonfinite_counts(x: torch.Tensor) -> torch.Tensor:
+    """``[NaN count, Inf count]`` of ``x`` as an int64 tensor on its device (no host synchronisation): what a
+    calibration pass reports after it ends, since the amax ignores NaN and an Inf amax calibrates nothing."""
+    x = x.detach()
+    return torch.stack([torch.isnan(x).sum(), torch.isinf(x).sum()])
 
 
 def clip_mask(x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor | None:
@@ -106,6 +113,7 @@ class TensorQuantizer(nn.Module):
         self._if_calib = bool(if_calib)
         self._if_quant = bool(if_quant)
         self._calib_seen = False
+        self._calib_nonfinite: torch.Tensor | None = None  # [NaN, Inf] counts of this calibration pass
         self.ste = "pass_through"
         self.amax_update = "static"
         cfg = quant_attribute_cfg if quant_attribute_cfg is not None else QuantizerAttributeConfig()
@@ -170,14 +178,30 @@ class TensorQuantizer(nn.Module):
     def calibration_snapshot(self) -> tuple:
         """What a calibration pass changes (the amax tensor, the switches, its progress), for
         :meth:`restore_calibration_snapshot` after a pass that failed."""
-        return self._amax, self.switches(), self._calib_seen
+        return self._amax, self.switches(), self._calib_seen, self.__dict__.get("_calib_nonfinite")
 
     def restore_calibration_snapshot(self, snapshot: tuple) -> None:
         """Puts back what :meth:`calibration_snapshot` took (the amax tensor, the switches, the pass's progress)."""
-        amax, switches, seen = snapshot
+        amax, switches, seen, nonfinite = snapshot
         self._amax = amax
         self.set_switches(**switches)
         self._calib_seen = seen
+        self._calib_nonfinite = nonfinite
+
+    @property
+    def calib_nonfinite(self) -> tuple[int, int]:
+        """``(NaN, Inf)``: how many non-finite values the current calibration pass saw (the amax ignores NaN; an Inf
+        makes the amax infinite). Reading it synchronises with the device."""
+        counts = self.__dict__.get("_calib_nonfinite")  # absent in quantizers pickled by older versions
+        if counts is None:
+            return 0, 0
+        nan, inf = counts.tolist()
+        return nan, inf
+
+    def _count_nonfinite(self, x: torch.Tensor, fresh: bool) -> None:
+        counts = nonfinite_counts(x)
+        old = self.__dict__.get("_calib_nonfinite")
+        self._calib_nonfinite = counts if fresh or old is None else old + counts.to(old.device)
 
     # --- configuration -------------------------------------------------------------------------------------------
     def set_from_attribute_config(self, cfg: QuantizerAttributeConfig | dict) -> None:
@@ -408,6 +432,7 @@ class TensorQuantizer(nn.Module):
 
     def reset_amax(self) -> None:
         """Forgets the amax before a new calibration; a learned amax is zeroed in place (an optimizer may hold it)."""
+        self._calib_nonfinite = None
         if self.learns_amax:  # keep the parameter object (an optimizer may hold it); max calibration starts at 0
             with torch.no_grad():
                 self._amax.zero_()
@@ -443,6 +468,7 @@ class TensorQuantizer(nn.Module):
             return
         new = self.amax_of(x)
         fresh = self._amax is None or not self._calib_seen
+        self._count_nonfinite(x, fresh)
         self.amax = new if fresh else torch.maximum(self._amax, new.to(self._amax.device))
         self._calib_seen = True
 

@@ -2,11 +2,14 @@
 the KL to a teacher, and the layout-independent state a checkpoint round trip is compared by.
 
 Batches are :func:`~modelopt_moe.plugins.cli.text_data.text_batches` items (``tokens``, ``labels``,
-``position_ids``, ``attention_mask``). Every function here that reduces or gathers must be called by every rank.
+``position_ids``, ``attention_mask``), or any batch of the contract of
+:mod:`modelopt_moe.plugins.megatron.batches` (a ``loss_mask`` weights the losses as in training). Every function
+here that reduces or gathers must be called by every rank.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -16,8 +19,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-__all__ = ["lm_loss", "gather_logits", "loss_and_kl", "iter_params_with_global_names", "global_param_name",
-           "global_state"]
+from modelopt_moe.plugins.megatron.forward_step import lm_loss_func
+
+__all__ = ["lm_loss", "gather_logits", "loss_and_kl", "held_out_metrics", "iter_params_with_global_names",
+           "global_param_name", "global_state"]
 
 _LOCAL_EXPERT_RE = re.compile(r"\.local_experts\.(\d+)\.")
 # A grouped expert weight (TEGroupedMLP): ".experts.linear_fc1.weight3" is local expert 3's fc1 weight.
@@ -30,19 +35,20 @@ def _to_model_device(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> 
 
 
 def lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``model`` (a ``GPTModel``) on ``batch``; differentiable.
+    """Mean next-token cross-entropy of ``model`` (a ``GPTModel``) on ``batch`` (over the tokens its ``loss_mask``
+    keeps, if it has one); differentiable.
 
     Megatron computes the vocab-parallel cross-entropy, so the value is the same on every rank of any layout.
     """
     b = _to_model_device(batch, model)
-    per_token = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
-    return per_token.float().mean()
+    per_token = model(b["tokens"], b["position_ids"], b.get("attention_mask"), labels=b["labels"])
+    return lm_loss_func(b.get("loss_mask"), per_token)[0]
 
 
 def gather_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Full-vocabulary logits ``[batch, seq, vocab]`` (gathered over TP), the same on every rank of any layout."""
     b = _to_model_device(batch, model)
-    return model(b["tokens"], b["position_ids"], b["attention_mask"], runtime_gather_output=True)
+    return model(b["tokens"], b["position_ids"], b.get("attention_mask"), runtime_gather_output=True)
 
 
 def loss_and_kl(model: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor]],
@@ -62,12 +68,22 @@ def loss_and_kl(model: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor
             per_batch = []
             for batch in batches:
                 b = _to_model_device(batch, model)
-                args = (b["tokens"], b["position_ids"], b["attention_mask"])
-                per_batch.append(logits_kl_loss(model(*args), teacher(*args), tp_group=tp_group).float().mean())
+                args = (b["tokens"], b["position_ids"], b.get("attention_mask"))
+                kl = logits_kl_loss(model(*args), teacher(*args), tp_group=tp_group)
+                per_batch.append(lm_loss_func(b.get("loss_mask"), kl)[0])
             kls = torch.stack(per_batch)
     model.train(was_training)
     return {"loss": float(losses.mean()), "kl": None if kls is None else float(kls.mean()),
             "losses": losses.tolist(), "kls": None if kls is None else kls.tolist()}
+
+
+def held_out_metrics(model: torch.nn.Module, teacher: torch.nn.Module | None,
+                     batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, float | None]:
+    """:func:`loss_and_kl` over Megatron's tensor-parallel group, with the perplexity ``exp(loss)``: ``{"loss",
+    "perplexity", "kl"}`` (``kl`` None without a teacher). Every rank must call it."""
+    out = loss_and_kl(model, batches, teacher, parallel_state.get_tensor_model_parallel_group())
+    perplexity = math.exp(out["loss"]) if out["loss"] < 700 else math.inf
+    return {"loss": out["loss"], "perplexity": perplexity, "kl": out["kl"]}
 
 
 def global_param_name(name: str, num_local_experts: int, ep_rank: int) -> str:

@@ -16,9 +16,15 @@ checkpoint.
 
 Data: ``--data module:function`` is called as ``function(split, num_batches, batch_size, seq_len, offset)`` with
 ``split`` ``"calib"`` or ``"train"`` and returns that many batches, each a dict of ``tokens`` / ``labels`` /
-``position_ids`` (int64 ``[batch_size, seq_len]``) and ``attention_mask`` (bool, True where masked); every rank of
-a data-parallel replica must get the same batches. Without it, the byte-level English text that ships with Python
-(a smoke test for models with a vocabulary of at least 256).
+``position_ids`` (int64 ``[batch_size, seq_len]``, token and label ids in ``[0, vocab_size)``), ``attention_mask``
+(bool, True where masked, broadcastable to ``[batch_size, 1, seq_len, seq_len]``; None: causal) and optionally
+``loss_mask`` (``[batch_size, seq_len]``, nonzero where a token counts); every rank of a data-parallel replica must
+get the same batches. Every batch is checked against the model before calibration starts: a batch that breaks this
+contract stops the run with an error naming ``--data``, the split, the batch, the key and its value. Without
+``--data``, the byte-level English text that ships with Python (a smoke test for models with a vocabulary of at
+least 256). ``--eval-data module:function`` is called the same way with ``split`` ``"eval"`` (``--eval-batches``
+batches, offset 0): the held-out loss and perplexity on them (and, with ``--distill``, the KL to the bf16 model) are
+measured before training (after calibration, or after the resume) and after it.
 
 Runs under ``torchrun`` / ``srun`` in the launcher's processes (one per GPU), or spawns ``--world-size`` processes
 on this machine.
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import re
 import sys
 from typing import Any
 
@@ -81,6 +88,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--train", help="with --distill: the parameter groups that train, e.g. 'experts', "
                                    "'experts+dense', 'all' (default: the recipe's, 'experts')")
     p.add_argument("--data", help="'module:function' giving the batches (see below; default: shipped text)")
+    p.add_argument("--eval-data", help="'module:function' giving held-out batches (split 'eval'): loss, perplexity "
+                                       "and, with --distill, KL before and after training")
+    p.add_argument("--eval-batches", type=int, default=8, help="batches of --eval-data (default: %(default)s)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: %(default)s)")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch (default: %(default)s)")
@@ -103,7 +113,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("give --model-provider or --hf (the model to train)")
     if args.distill and args.load and not args.hf:
         p.error("--distill with --load needs --hf: the teacher's weights are not in the student's checkpoint")
-    for name in ("steps", "micro_batches", "batch_size", "seq_len", "calib_batches"):
+    for name in ("steps", "micro_batches", "batch_size", "seq_len", "calib_batches", "eval_batches"):
         if getattr(args, name) < (0 if name == "steps" else 1):
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'steps' else 1}")
     model = _hf_model_config(args.hf)
@@ -163,10 +173,28 @@ def _build(opts: dict[str, Any]):
     return build_megatron_model(opts["hf"], spec="te" if opts["gpus"] else "local", params_dtype=torch.bfloat16)
 
 
-def _batches(opts: dict[str, Any], split: str, num_batches: int, offset: int, vocab_size: int):
-    if opts["data"]:
-        fn = resolve_callable(opts["data"], "--data")
-        return list(fn(split, num_batches, opts["batch_size"], opts["seq_len"], offset))
+def _batches(opts: dict[str, Any], split: str, num_batches: int, offset: int, vocab_size: int, flag: str = "--data"):
+    """The batches of ``flag``'s function (each checked against the batch contract and the model's vocabulary), or
+    the shipped text."""
+    spec = opts[flag[2:].replace("-", "_")]
+    if spec:
+        from modelopt_moe.plugins.megatron import BatchError, check_lm_batch
+
+        fn = resolve_callable(spec, flag)
+        source = f"{flag} {spec}('{split}', {num_batches}, {opts['batch_size']}, {opts['seq_len']}, {offset})"
+        got = fn(split, num_batches, opts["batch_size"], opts["seq_len"], offset)
+        try:
+            batches = None if isinstance(got, dict) else list(got)
+        except TypeError:
+            batches = None
+        if batches is None:
+            raise BatchError(f"{source} returned a {type(got).__name__}, not a list of batches")
+        if not batches:
+            raise BatchError(f"{source} returned no batches; expected {num_batches}")
+        for i, batch in enumerate(batches):
+            check_lm_batch(batch, vocab_size, source=f"{source}, batch {i}", batch_size=opts["batch_size"],
+                           seq_len=opts["seq_len"])
+        return batches
     if vocab_size < 256:
         raise ValueError(f"the shipped byte-level text needs a vocabulary of at least 256 tokens; the model has "
                          f"{vocab_size}: give --data")
@@ -190,10 +218,17 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     from modelopt_moe.plugins.megatron import training as mt
     from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
 
+    from .evaluate import held_out_metrics as evaluate
+
     init_model_parallel(opts["tp"], opts["ep"], seed=1234)
     recipe = opts["recipe"]
     student = _build(opts)
     vocab = student.vocab_size
+    # Every batch is checked against the model before anything costly starts (BatchError naming the flag).
+    m = opts["micro_batches"]
+    calib = None if opts["load"] else _batches(opts, "calib", opts["calib_batches"], 0, vocab)
+    data = _batches(opts, "train", max(1, opts["steps"]) * m, opts["calib_batches"] * opts["batch_size"], vocab)
+    held_out = _batches(opts, "eval", opts["eval_batches"], 0, vocab, "--eval-data") if opts["eval_data"] else None
     if opts["hf"] and not opts["load"]:  # resuming: the checkpoint holds the student's weights
         import_hf(student, opts["hf"])
     teacher = None
@@ -208,7 +243,6 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         restore_sharded_modelopt_state([student], opts["load"])
         say(rank, f"resuming from {opts['load']}")
     else:
-        calib = _batches(opts, "calib", opts["calib_batches"], 0, vocab)
         student.eval()
         config = mtq.load_config(opts["config"])
         if recipe is not None and "weight_amax_update" not in config.model_fields_set:  # the YAML's own wins
@@ -235,8 +269,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         if rank == 0 and opts["hf"]:
             save_hf_config(opts["hf"], opts["save"])  # so that `modelopt-moe export` rebuilds the model
 
-    m = opts["micro_batches"]
-    data = _batches(opts, "train", max(1, opts["steps"]) * m, opts["calib_batches"] * opts["batch_size"], vocab)
+    evaluated = [evaluate(student, teacher, held_out)] if held_out and start < opts["steps"] else []
     losses = []
     bar = progress(rank, opts["steps"], "QAD" if teacher is not None else "QAT", initial=min(start, opts["steps"]))
     for step in range(start, opts["steps"]):
@@ -250,12 +283,36 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     if opts["save"]:
         save(opts["steps"])
         say(rank, f"saved {opts['save']} (iteration {opts['steps']})")
+    if held_out:
+        evaluated.append(evaluate(student, teacher, held_out))
     if opts["export"]:
         out = export_hf(trainer.model, opts["export"], format=opts["export_format"],
                         hf_config=opts["hf"], progress=rank == 0)
         say(rank, f"exported {out} ({opts['export_format']})")
     destroy_model_parallel()
-    return {"losses": losses, "start": start}
+    return {"losses": losses, "start": start, "eval": evaluated}
+
+
+def _eval_line(evaluated: list[dict[str, Any]]) -> str:
+    """``loss a -> b, perplexity c -> d, KL e -> f`` (before and after training; one value without steps)."""
+    names = {"loss": "loss", "perplexity": "perplexity", "kl": "KL to the bf16 model"}
+    return ", ".join(f"{label} " + " -> ".join(f"{e[key]:.4g}" for e in evaluated)
+                     for key, label in names.items() if evaluated[0][key] is not None)
+
+
+_INPUT_ERRORS = ("BatchError", "CalibrationError")  # about the user's data: the message says it all
+
+
+def _input_error(e: Exception) -> str:
+    """A rank's error about the user's input (a batch, the calibration data) without the traceback around it."""
+    text = str(e)
+    for name in _INPUT_ERRORS:
+        found = re.search(rf"^\S*\b{name}: ", text, flags=re.M)
+        if found:
+            rank = re.match(r"spawn: (rank \d+ of \d+)", text)
+            message = text[found.end():].split("\n(ranks ")[0].rstrip()
+            return f"{rank.group(1) + ': ' if rank else ''}{message}"
+    return text
 
 
 def main(argv: list[str]) -> int:
@@ -265,15 +322,17 @@ def main(argv: list[str]) -> int:
 
     try:  # fail fast, before starting processes
         mtq.load_config(args.config)
-        for flag, spec in (("--model-provider", args.model_provider), ("--data", args.data)):
+        for flag, spec in (("--model-provider", args.model_provider), ("--data", args.data),
+                           ("--eval-data", args.eval_data)):
             if spec:
                 resolve_callable(spec, flag)
     except (mtq.ConfigError, ValueError) as e:
         print(f"modelopt-moe qat: {e}", file=sys.stderr)
         return 2
     opts = {k: getattr(args, k) for k in ("model_provider", "hf", "load", "config", "distill", "recipe", "data",
-                                          "steps", "micro_batches", "batch_size", "seq_len", "calib_batches", "lr",
-                                          "save", "save_interval", "export", "export_format", "tp", "ep")}
+                                          "eval_data", "eval_batches", "steps", "micro_batches", "batch_size",
+                                          "seq_len", "calib_batches", "lr", "save", "save_interval", "export",
+                                          "export_format", "tp", "ep")}
     opts["gpus"] = args.layout.gpus
     if prints_here():
         print(f"modelopt-moe qat: {args.layout.describe()}", flush=True)
@@ -283,6 +342,11 @@ def main(argv: list[str]) -> int:
         print(f"modelopt-moe qat: {e}", file=sys.stderr)
         return 2
     except (RuntimeError, TimeoutError) as e:
+        print(f"modelopt-moe qat: failed: {_input_error(e)}", file=sys.stderr)
+        return 1
+    except Exception as e:  # under a launcher, this rank's own exception
+        if type(e).__name__ not in _INPUT_ERRORS:
+            raise
         print(f"modelopt-moe qat: failed: {e}", file=sys.stderr)
         return 1
     result = ran.results[0]
@@ -291,5 +355,8 @@ def main(argv: list[str]) -> int:
         if losses:  # significant digits: a KL of 1e-5 is not 0.0000
             print(f"modelopt-moe qat: steps {result['start'] + 1}..{result['start'] + len(losses)}, loss "
                   f"{losses[0]:.4g} -> {losses[-1]:.4g}", flush=True)
+        if result["eval"]:
+            print(f"modelopt-moe qat: held-out ({args.eval_data}, {args.eval_batches} batches): "
+                  f"{_eval_line(result['eval'])}", flush=True)
         print_warnings(ran.warnings)
     return 0

@@ -11,6 +11,7 @@ Public API::
         get_forward_backward_func,                          # Megatron's, reusing fake-quantized weights per step,
                                                             # one autoswitch step per call
         lm_forward_step,                                    # a forward_step_func with a plain LM loss
+        check_lm_batch, BatchError,                         # ... and the batch contract it checks
         distillation_model, distillation_loss_func,         # QAD: the student beside its frozen teacher
         select_trainable, qad_optimizer_config,             # ... trained the QADRecipe's way
         get_qad_optimizer, qad_lr_scheduler,
@@ -35,6 +36,7 @@ from modelopt_moe.export.registry import register_export_adapter
 from modelopt_moe.quantization.conversion import QuantModuleRegistry, register_wrapper
 from modelopt_moe.quantization.process_groups import register_group_provider
 
+from .batches import LM_BATCH_CONTRACT, BatchError, check_lm_batch
 from .checkpoint import (
     check_sharded_checkpoint,
     load_sharded_checkpoint,
@@ -70,6 +72,9 @@ __all__ = [
     "get_forward_backward_func",
     "lm_forward_step",
     "lm_loss_func",
+    "check_lm_batch",
+    "BatchError",
+    "LM_BATCH_CONTRACT",
     "megatron_amax_groups",
     "load_modelopt_checkpoint",
     "is_modelopt_checkpoint",

@@ -6,7 +6,8 @@ Megatron-LM's ``pretrain_gpt.py`` defines its own; this one is for scripts that 
     forward_backward(forward_step_func=lm_forward_step, data_iterator=iter(batches), model=[model], ...)
 
 Each batch is a dict of ``tokens``, ``labels``, ``position_ids`` (int64 ``[batch, seq]``), ``attention_mask`` (bool,
-True where masked, or None for causal attention alone) and, optionally, ``loss_mask`` (1 where a token counts). The
+True where masked, or None for causal attention alone) and, optionally, ``loss_mask`` (1 where a token counts):
+:mod:`.batches` states the contract and checks it. The
 same step trains a :func:`~modelopt_moe.plugins.megatron.distillation_model` (its forward returns the per-token
 distillation loss where a GPT model returns the per-token LM loss).
 """
@@ -17,6 +18,8 @@ from collections.abc import Iterator
 from functools import partial
 
 import torch
+
+from .batches import check_lm_batch, model_vocab_size
 
 __all__ = ["lm_forward_step", "lm_loss_func"]
 
@@ -37,14 +40,15 @@ def lm_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: tor
     """Megatron ``forward_step_func``: the next batch through ``model`` with its labels; returns the per-token loss
     and :func:`lm_loss_func` (with the batch's ``loss_mask``).
 
+    Each batch is checked first (:func:`~modelopt_moe.plugins.megatron.batches.check_lm_batch`: keys, dtypes,
+    shapes, and token and label ids against the model's vocabulary).
+
     Raises:
-        KeyError: the batch lacks ``tokens``, ``labels`` or ``position_ids`` (the message lists its keys).
+        BatchError: (a ``ValueError``) the batch breaks the contract; the message names the key, its value and what
+            is expected.
     """
     batch = next(data_iterator)
-    missing = [k for k in ("tokens", "labels", "position_ids") if k not in batch]
-    if missing:
-        raise KeyError(f"lm_forward_step: the batch has no {missing} (its keys: {sorted(batch)}); expected tokens, "
-                       "labels, position_ids, attention_mask and optionally loss_mask")
+    check_lm_batch(batch, model_vocab_size(model), source="lm_forward_step: the batch")
     device = next(model.parameters()).device
     b = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     output = model(b["tokens"], b["position_ids"], b.get("attention_mask"), labels=b["labels"])
