@@ -57,8 +57,8 @@ def _scaled(x: torch.Tensor, temperature: float, maxima: torch.Tensor) -> torch.
 
 
 class _VocabParallelKL(torch.autograd.Function):
-    """Per-token ``T**2 * KL(q || softmax(s / T))`` over a vocabulary split across ``group``, where ``q`` is
-    ``softmax(t / T)`` or, with ``top_k``, the teacher's ``top_k`` most likely tokens renormalised.
+    """Per-token ``T**2 * KL(softmax(t / T) || softmax(s / T))`` over a vocabulary split across ``group`` or, with
+    ``top_k``, over the teacher's ``top_k`` most likely tokens alone (both softmaxes renormalised there).
 
     Chunked over tokens: no ``[tokens, vocab]`` tensor in fp32 exists at any time, only ``[chunk, vocab]`` ones. The
     backward recomputes both softmaxes per chunk from the saved logits (in their own dtype) and the per-token maxima
@@ -70,25 +70,30 @@ class _VocabParallelKL(torch.autograd.Function):
         shape, vocab = student.shape, student.shape[-1]
         s_all, t_all = student.reshape(-1, vocab), teacher.reshape(-1, vocab)
         rows = _chunk_rows(s_all.shape[0], vocab, chunk_tokens)
-        # max(round(x_i / T)) == round(max(x_i) / T) for T > 0: the maxima need no fp32 copy of the logits.
-        maxima = torch.stack([s_all.amax(-1).float() / temperature, t_all.amax(-1).float() / temperature]) \
-            if s_all.shape[0] else s_all.new_zeros(2, 0, dtype=torch.float32)
-        _all_reduce(maxima, dist.ReduceOp.MAX if dist.is_available() else None, group)
         threshold = _top_k_threshold(t_all, top_k, group) if top_k else None
+        # max(round(x_i / T)) == round(max(x_i) / T) for T > 0: the maxima need no fp32 copy of the logits.
+        s_max = s_all.amax(-1) if threshold is None else torch.cat([
+            s_all[a:a + rows].masked_fill(t_all[a:a + rows] < threshold[a:a + rows, None], -math.inf).amax(-1)
+            for a in range(0, s_all.shape[0], rows)])
+        maxima = torch.stack([s_max.float() / temperature, t_all.amax(-1).float() / temperature])
+        _all_reduce(maxima, dist.ReduceOp.MAX if dist.is_available() else None, group)
         sums = torch.empty(3, s_all.shape[0], dtype=torch.float32, device=student.device)
         for a in range(0, s_all.shape[0], rows):
             b = min(a + rows, s_all.shape[0])
             s = _scaled(s_all[a:b], temperature, maxima[0, a:b])
             t = _scaled(t_all[a:b], temperature, maxima[1, a:b])
-            if threshold is not None:
-                t.masked_fill_(t_all[a:b] < threshold[a:b].unsqueeze(-1), -math.inf)
+            if threshold is not None:  # both distributions on the teacher's top k alone
+                outside = t_all[a:b] < threshold[a:b].unsqueeze(-1)
+                s.masked_fill_(outside, -math.inf)
+                t.masked_fill_(outside, -math.inf)
+                del outside
             # sum_v p_t (log p_t - log p_s) = sum_v e_t (t - s) / Z_t - log Z_t + log Z_s
             d = t - s
             torch.sum(s.exp_(), -1, out=sums[0, a:b])
             del s
             torch.sum(t.exp_(), -1, out=sums[1, a:b])
             if threshold is not None:
-                d.nan_to_num_(neginf=0.0)  # outside the top k: e_t = 0 and t - s = -inf
+                d.nan_to_num_(nan=0.0)  # outside the top k: e_t = 0 and t - s = -inf - (-inf)
             torch.sum(d.mul_(t), -1, out=sums[2, a:b])
             del t, d
         _all_reduce(sums, dist.ReduceOp.SUM if dist.is_available() else None, group)
@@ -110,10 +115,14 @@ class _VocabParallelKL(torch.autograd.Function):
         for a in range(0, s_all.shape[0], ctx.rows):
             b = min(a + ctx.rows, s_all.shape[0])
             # d/ds [T^2 KL(p_t || p_s(s / T))] = T (p_s - p_t): this rank's slice of the vocabulary.
-            ps = _scaled(s_all[a:b], temperature, maxima[0, a:b]).exp_().div_(sums[0, a:b].unsqueeze(-1))
+            ps = _scaled(s_all[a:b], temperature, maxima[0, a:b])
             pt = _scaled(t_all[a:b], temperature, maxima[1, a:b])
             if threshold is not None:
-                pt.masked_fill_(t_all[a:b] < threshold[a:b].unsqueeze(-1), -math.inf)
+                outside = t_all[a:b] < threshold[a:b].unsqueeze(-1)
+                ps.masked_fill_(outside, -math.inf)
+                pt.masked_fill_(outside, -math.inf)
+                del outside
+            ps = ps.exp_().div_(sums[0, a:b].unsqueeze(-1))
             pt = pt.exp_().div_(sums[1, a:b].unsqueeze(-1))
             out[a:b] = ps.sub_(pt).mul_(scale[a:b].unsqueeze(-1))
             del ps, pt
@@ -146,9 +155,9 @@ def logits_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *
             flows to them.
         temperature: softmax temperature (> 0).
         tp_group: the tensor-parallel group the vocabulary is split over (None: not split).
-        top_k: None (the default): the exact KL. An integer: the teacher's distribution is restricted to its ``top_k``
-            most likely tokens of the whole vocabulary and renormalised there (top-k knowledge distillation; tokens
-            tied with the k-th are kept), the student's log-probabilities stay those of the whole vocabulary. An
+        top_k: None (the default): the exact KL. An integer: the KL of the two distributions restricted to the
+            teacher's ``top_k`` most likely tokens of the whole vocabulary and renormalised there (top-k knowledge
+            distillation, as Model Optimizer's ``TopKLogitsKLLoss``; tokens tied with the k-th are kept). An
             approximation (its error is measured in docs/qad.md); it saves no memory here.
         chunk_tokens: tokens per chunk (None: automatic, see below). Only memory and speed depend on it.
 
