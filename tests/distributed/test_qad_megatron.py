@@ -1,7 +1,8 @@
 """Quantization-aware distillation in Megatron on 4 gloo ranks (one spawn for the whole module).
 
 * The KL and cross entropy on vocabulary-parallel logits equal those of the gathered logits (framework-free logits
-  split over the TP group), and Megatron's own vocab-parallel cross entropy.
+  split over the TP group), and Megatron's own vocab-parallel cross entropy; so do the KL chunked over tokens and the
+  top-k KL (the teacher's global top k, gathered from the shards).
 * ``distillation_model(student, teacher)``: the same per-token loss at TP=2 x EP=2 and TP=1 x EP=2 for the same
   weights and tokens.
 * Wrapped in ``Float16Module`` + Megatron DDP + ``get_megatron_optimizer``: DDP and the optimizer hold the student's
@@ -44,6 +45,24 @@ def _vocab_parallel_checks(tp_group):
     (kl_part.sum()).backward()
     out["kl_diff"] = (kl_full - kl_part).abs().max().item()
     out["kl_grad_diff"] = (full_s.grad[..., shard] - part_s.grad).abs().max().item()
+    # chunked over tokens (3 a chunk: 5 chunks of 14 tokens) on the vocabulary slice, bf16 logits as Megatron's
+    chunk_s = s[..., shard].bfloat16().requires_grad_(True)
+    whole_s = s.bfloat16().requires_grad_(True)
+    kl_chunked = logits_kl_loss(chunk_s, t[..., shard].bfloat16(), temperature=1.5, tp_group=tp_group, chunk_tokens=3)
+    kl_whole = logits_kl_loss(whole_s, t.bfloat16(), temperature=1.5)
+    kl_chunked.sum().backward()
+    kl_whole.sum().backward()
+    out["chunked_kl_diff"] = (kl_chunked - kl_whole).abs().max().item()
+    out["chunked_kl_grad_diff"] = (chunk_s.grad.float() - whole_s.grad[..., shard].float()).abs().max().item()
+    # top-k: the global top k of the teacher, whatever shard holds it
+    topk_s, topk_full_s = s[..., shard].clone().requires_grad_(True), s.clone().requires_grad_(True)
+    kl_topk = logits_kl_loss(topk_s, t[..., shard], temperature=1.5, tp_group=tp_group, top_k=20, chunk_tokens=4)
+    kl_topk_full = logits_kl_loss(topk_full_s, t, temperature=1.5, top_k=20)
+    kl_topk.sum().backward()
+    kl_topk_full.sum().backward()
+    out["topk_kl_diff"] = (kl_topk - kl_topk_full).abs().max().item()
+    out["topk_kl_grad_diff"] = (topk_s.grad - topk_full_s.grad[..., shard]).abs().max().item()
+    out["topk_differs_from_exact"] = (kl_topk - kl_full).abs().max().item()
     ce_part = vocab_parallel_cross_entropy(s[..., shard], labels, tp_group=tp_group)
     ce_full = vocab_parallel_cross_entropy(s, labels)
     ce_megatron = tensor_parallel.vocab_parallel_cross_entropy(s[..., shard].clone().transpose(0, 1).contiguous(),
@@ -152,6 +171,11 @@ def test_vocab_parallel_losses_equal_the_gathered_ones(results):
         v = r["vocab_parallel"]
         assert v["kl_diff"] < 1e-5, v
         assert v["kl_grad_diff"] < 1e-6, v
+        assert v["chunked_kl_diff"] < 1e-5, v
+        assert v["chunked_kl_grad_diff"] < 1e-6, v
+        assert v["topk_kl_diff"] < 1e-5, v
+        assert v["topk_kl_grad_diff"] < 1e-6, v
+        assert v["topk_differs_from_exact"] > 1e-3, v
         assert v["ce_diff"] < 1e-5, v
         assert v["ce_megatron_diff"] < 1e-5, v
 
