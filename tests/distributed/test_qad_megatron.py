@@ -4,7 +4,7 @@
   split over the TP group), and Megatron's own vocab-parallel cross entropy; so do the KL chunked over tokens and the
   top-k KL (the teacher's global top k, gathered from the shards).
 * ``distillation_model(student, teacher)``: the same per-token loss at TP=2 x EP=2 and TP=1 x EP=2 for the same
-  weights and tokens.
+  weights and tokens; so are the held-out evaluation's teacher-forced top-1 agreement and greedy generation.
 * Wrapped in ``Float16Module`` + Megatron DDP + ``get_megatron_optimizer``: DDP and the optimizer hold the student's
   parameters only; a step through ``get_forward_backward_func`` changes the student and leaves the teacher (no
   gradient) untouched.
@@ -83,6 +83,21 @@ def _distillation_losses(mm, batch):
         return model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
 
 
+def _agreement(mm, batch, tp_group):
+    """What the KL does not show, at the current layout: teacher-forced top-1 agreement (vocabulary-parallel, and
+    from the gathered logits), and greedy generation from 2 prompts of 5 tokens (padded to the TP size)."""
+    from modelopt_moe.plugins.cli.agreement import greedy_generate, top1_agreement
+    from modelopt_moe.plugins.cli.evaluate import gather_logits
+
+    student = mm.build_moe_gpt(seed=SEED).eval()
+    teacher = mm.build_moe_gpt(seed=SEED, params_dtype=torch.bfloat16).eval()  # close to it: most tokens agree
+    tp = torch.distributed.get_world_size(tp_group)
+    with torch.no_grad():
+        gathered = (gather_logits(student, batch).argmax(-1) == gather_logits(teacher, batch).argmax(-1)).float()
+    return {"top1": top1_agreement(student, teacher, [batch], tp_group), "top1_gathered": gathered.mean().item(),
+            "generated": greedy_generate(student, batch["tokens"][:, :5], 4, multiple_of=tp)}
+
+
 def _wrapped_training(mm, mt, batches):
     """Float16Module + DDP + Megatron's optimizer around distillation_model(quantized student, bf16 teacher)."""
     import warnings
@@ -154,10 +169,12 @@ def _worker(rank, world_size):
     mm.init_model_parallel(2, 2, seed=SEED)
     out["vocab_parallel"] = _vocab_parallel_checks(parallel_state.get_tensor_model_parallel_group())
     out["loss_tp2"] = _distillation_losses(mm, batch)
+    out["agreement_tp2"] = _agreement(mm, batch, parallel_state.get_tensor_model_parallel_group())
     out["training"] = _wrapped_training(mm, mt, mm.text_batches(2, 32, 4))
     out["recipe"] = _recipe_training(mm, mt, mm.text_batches(2, 32, 4))
     mm.init_model_parallel(1, 2, seed=SEED)
     out["loss_tp1"] = _distillation_losses(mm, batch)
+    out["agreement_tp1"] = _agreement(mm, batch, parallel_state.get_tensor_model_parallel_group())
     return out
 
 
@@ -188,6 +205,18 @@ def test_distillation_loss_at_tp2_equals_tp1(results):
     for r in results:  # the same per-token loss on every rank
         assert torch.equal(r["loss_tp2"], tp2)
         assert torch.equal(r["loss_tp1"], tp1)
+
+
+def test_top1_agreement_and_greedy_generation_are_the_same_at_tp2_and_tp1(results):
+    for r in results:
+        a2, a1 = r["agreement_tp2"], r["agreement_tp1"]
+        assert a2["top1"] == [a2["top1_gathered"]]  # vocabulary-parallel argmax == argmax of the gathered logits
+        assert a1["top1"] == [a1["top1_gathered"]]
+        assert 0.5 < a2["top1"][0] < 1.0, a2  # the bf16 copy: most positions agree, not all
+        assert abs(a2["top1"][0] - a1["top1"][0]) <= 2 / 64, (a2, a1)  # bf16 sums in another order: a near tie
+        assert a2["generated"].shape == (2, 4)
+        assert torch.equal(a2["generated"], a1["generated"])
+        assert torch.equal(a2["generated"], results[0]["agreement_tp2"]["generated"])  # every rank alike
 
 
 def test_ddp_and_optimizer_hold_the_student_only_and_gradients_reach_it_only(results):
