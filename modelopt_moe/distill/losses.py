@@ -34,25 +34,28 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
-# Largest fp32 working set of one chunk, in elements (16 MiB a temporary), and the share of the tokens one chunk may
-# take: three fp32 temporaries of a chunk stay under a quarter of one bf16 logits tensor.
-_CHUNK_ELEMENTS = 1 << 22
+# Up to _ONE_CHUNK elements the KL runs in one chunk (the whole-tensor arithmetic, op for op). Above, a chunk holds at
+# most _CHUNK_ELEMENTS (64 MiB an fp32 temporary: few enough kernel launches) and a 32nd of the tokens (its three fp32
+# temporaries stay under a quarter of one bf16 logits tensor).
+_ONE_CHUNK = 1 << 22
+_CHUNK_ELEMENTS = 1 << 24
 _CHUNKS_AT_LEAST = 32
 
 
 def _chunk_rows(tokens: int, vocab: int, chunk_tokens: int | None) -> int:
-    """Tokens per chunk: ``chunk_tokens``, else all of them while their fp32 working set is small (the loss is then
-    computed exactly as on whole tensors), else as many as keep one fp32 temporary under ``_CHUNK_ELEMENTS`` and a
-    32nd of the tokens."""
+    """Tokens per chunk: ``chunk_tokens``, else all of them while ``tokens * vocab <= _ONE_CHUNK``, else as many as
+    keep one fp32 temporary under ``_CHUNK_ELEMENTS`` and a 32nd of the tokens."""
     if chunk_tokens is not None:
         return max(1, min(tokens, chunk_tokens))
-    if tokens * vocab <= _CHUNK_ELEMENTS:
+    if tokens * vocab <= _ONE_CHUNK:
         return max(1, tokens)
     return max(1, min(_CHUNK_ELEMENTS // max(1, vocab), -(-tokens // _CHUNKS_AT_LEAST)))
 
 
 def _scaled(x: torch.Tensor, temperature: float, maxima: torch.Tensor) -> torch.Tensor:
     """``x / T - max`` in a new fp32 tensor (the input is never written, whatever its dtype)."""
+    if temperature == 1.0:  # x / 1 == x: one pass (a low-precision x is promoted to fp32 exactly)
+        return torch.sub(x, maxima.unsqueeze(-1))
     return x.to(torch.float32, copy=True).div_(temperature).sub_(maxima.unsqueeze(-1))
 
 
@@ -164,7 +167,7 @@ def logits_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *
     The loss is computed chunk by chunk over the tokens and recomputed in the backward: besides the logits (saved in
     their own dtype, no fp32 copy) and the gradient, the fp32 working set is three ``[chunk, V]`` tensors. By default
     a chunk holds all the tokens while ``tokens * V`` is at most 2**22 (the values are then bit for bit those of the
-    whole-tensor formula), else at most 2**22 elements and a 32nd of the tokens (under a quarter of one bf16 logits
+    whole-tensor formula), else at most 2**24 elements and a 32nd of the tokens (under a quarter of one bf16 logits
     tensor). Either way every token's result is the whole-tensor formula's to fp32 rounding.
 
     Returns:

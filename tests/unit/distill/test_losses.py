@@ -71,13 +71,14 @@ class _WholeTensorKL(torch.autograd.Function):
 @pytest.mark.parametrize(("shape", "chunk_tokens"), [((3, 5, 64), None), ((3, 5, 64), 2), ((7, 1000), 3),
                                                      ((40, 120_000), None)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_chunked_kl_equals_the_whole_tensor_kl_and_its_gradient(shape, chunk_tokens, dtype):
+@pytest.mark.parametrize("temperature", [1.0, 1.7])
+def test_chunked_kl_equals_the_whole_tensor_kl_and_its_gradient(shape, chunk_tokens, dtype, temperature):
     """Chunked over tokens (explicitly, or by default above 2**22 elements) or not, the loss and the gradient are the
     whole-tensor formula's; one chunk (small inputs) gives them bit for bit."""
     s, t = _logits(seed=3, shape=shape, dtype=dtype)
     a, b = s.clone().requires_grad_(True), s.clone().requires_grad_(True)
-    got = logits_kl_loss(a, t, temperature=1.7, chunk_tokens=chunk_tokens)
-    want = _WholeTensorKL.apply(b, t, 1.7)
+    got = logits_kl_loss(a, t, temperature=temperature, chunk_tokens=chunk_tokens)
+    want = _WholeTensorKL.apply(b, t, temperature)
     g = torch.randn(got.shape, generator=torch.Generator().manual_seed(4))
     got.backward(g)
     want.backward(g)
