@@ -124,6 +124,13 @@ def test_top_k_kl_is_the_kl_on_the_teachers_top_k_and_never_the_default():
     exact = logits_kl_loss(s, t, temperature=1.5)
     assert torch.equal(logits_kl_loss(s, t, temperature=1.5, top_k=200), exact)  # all tokens: the exact KL
     assert not torch.allclose(got, exact)
+    student, teacher = _TinyLM(0), _TinyLM(1)
+    tokens = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = logits_kl_loss(student(tokens), teacher(tokens), top_k=5)
+        assert torch.equal(DistillationModel(student, teacher, top_k=5)(tokens), want)
+    with pytest.raises(ValueError, match="top_k must be a positive integer or None, got 0"):
+        DistillationModel(student, teacher, top_k=0)
 
 
 def test_cross_entropy_matches_torch():
