@@ -5,6 +5,9 @@
   top-k KL (the teacher's global top k, gathered from the shards).
 * ``distillation_model(student, teacher)``: the same per-token loss at TP=2 x EP=2 and TP=1 x EP=2 for the same
   weights and tokens; so are the held-out evaluation's teacher-forced top-1 agreement and greedy generation.
+* At TP=2 x CP=2: each CP rank's per-token KL (load-balanced token split, vocabulary slice) is the whole sequence's
+  there, and a dense input amax is reduced over the CP ranks too (their tokens differ), as the experts' group holds
+  them.
 * Wrapped in ``Float16Module`` + Megatron DDP + ``get_megatron_optimizer``: DDP and the optimizer hold the student's
   parameters only; a step through ``get_forward_backward_func`` changes the student and leaves the teacher (no
   gradient) untouched.
@@ -98,6 +101,59 @@ def _agreement(mm, batch, tp_group):
             "generated": greedy_generate(student, batch["tokens"][:, :5], 4, multiple_of=tp)}
 
 
+def _context_parallel_checks():
+    """TP=2 x CP=2 (EP=2 beside them): the KL of each CP rank's tokens (Megatron's load-balanced split: chunks r and
+    2 * cp - 1 - r of 2 * cp) on its vocabulary slice, and a dense input amax calibrated on other tokens per rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.distill import logits_kl_loss
+    from modelopt_moe.plugins.megatron.modules import megatron_amax_groups
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2,
+                                             expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED, inference_rng_tracker=True, force_reset_rng=True)
+    tp_group, cp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_context_parallel_group()
+    tp_r, cp_r = dist.get_rank(tp_group), dist.get_rank(cp_group)
+    g = torch.Generator().manual_seed(7)
+    s, t = torch.randn(2, 16, 96, generator=g) * 4, torch.randn(2, 16, 96, generator=g) * 4
+    chunks = list(torch.arange(16).chunk(4))
+    mine = torch.cat([chunks[cp_r], chunks[3 - cp_r]])
+    vocab = slice(tp_r * 48, (tp_r + 1) * 48)
+    part = s[:, mine, vocab].clone().requires_grad_(True)
+    whole = s.clone().requires_grad_(True)
+    kl_part = logits_kl_loss(part, t[:, mine, vocab], temperature=1.5, tp_group=tp_group, chunk_tokens=5)
+    kl_whole = logits_kl_loss(whole, t, temperature=1.5)
+    kl_part.sum().backward()
+    kl_whole.sum().backward()
+    total = kl_part.detach().sum().reshape(1)
+    dist.all_reduce(total, group=cp_group)  # the micro-batch's loss: summed over the CP ranks' tokens
+    out = {"kl_diff": (kl_part - kl_whole[:, mine]).abs().max().item(),
+           "kl_grad_diff": (part.grad - whole.grad[:, mine, vocab]).abs().max().item(),
+           "kl_mean_diff": abs(total.item() / kl_whole.numel() - kl_whole.mean().item())}
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, tensor_model_parallel_size=2,
+                            context_parallel_size=2, params_dtype=torch.float32, gradient_accumulation_fusion=False)
+    model = torch.nn.Sequential(ColumnParallelLinear(16, 32, config=cfg, init_method=torch.nn.init.normal_,
+                                                     bias=False, gather_output=False))
+    rank = dist.get_rank()
+    x = torch.randn(6, 1, 16, generator=torch.Generator().manual_seed(rank)) * (1 + rank)  # other tokens per rank
+    mtq.quantize(model, {"quant_cfg": [{"quantizer_name": "*input_quantizer", "cfg": {"num_bits": "e4m3",
+                                                                                       "axis": None}}],
+                         "algorithm": "max"}, lambda m: m(x))
+    local_max = x.abs().max().reshape(1)
+    dist.all_reduce(local_max, op=dist.ReduceOp.MAX)
+    groups = megatron_amax_groups()
+    cp_ranks = set(dist.get_process_group_ranks(cp_group))
+    out.update(amax=model[0].input_quantizer.amax.item(), world_max=local_max.item(),
+               dp_has_cp=cp_ranks <= set(dist.get_process_group_ranks(groups["dp"])),
+               edp_has_cp=cp_ranks <= set(dist.get_process_group_ranks(groups["edp"])))
+    return out
+
+
 def _wrapped_training(mm, mt, batches):
     """Float16Module + DDP + Megatron's optimizer around distillation_model(quantized student, bf16 teacher)."""
     import warnings
@@ -175,6 +231,7 @@ def _worker(rank, world_size):
     mm.init_model_parallel(1, 2, seed=SEED)
     out["loss_tp1"] = _distillation_losses(mm, batch)
     out["agreement_tp1"] = _agreement(mm, batch, parallel_state.get_tensor_model_parallel_group())
+    out["context_parallel"] = _context_parallel_checks()
     return out
 
 
@@ -195,6 +252,17 @@ def test_vocab_parallel_losses_equal_the_gathered_ones(results):
         assert v["topk_differs_from_exact"] > 1e-3, v
         assert v["ce_diff"] < 1e-5, v
         assert v["ce_megatron_diff"] < 1e-5, v
+
+
+def test_kl_and_amax_are_correct_at_context_parallel_2(results):
+    for r in results:
+        c = r["context_parallel"]
+        assert c["kl_diff"] < 1e-5, c  # each CP rank's tokens: the KL of the whole sequence there
+        assert c["kl_grad_diff"] < 1e-6, c
+        assert c["kl_mean_diff"] < 1e-5, c  # summed over CP ranks: the whole sequence's
+        assert c["amax"] == c["world_max"], c  # reduced over TP and CP (the CP ranks' tokens differ)
+        assert c["dp_has_cp"], c  # dense amax reductions span the CP ranks
+        assert c["edp_has_cp"], c  # so do the experts' (expert data parallel holds CP)
 
 
 def test_distillation_loss_at_tp2_equals_tp1(results):
