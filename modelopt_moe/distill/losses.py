@@ -75,7 +75,7 @@ class _VocabParallelKL(torch.autograd.Function):
         rows = _chunk_rows(s_all.shape[0], vocab, chunk_tokens)
         threshold = _top_k_threshold(t_all, top_k, group) if top_k else None
         # max(round(x_i / T)) == round(max(x_i) / T) for T > 0: the maxima need no fp32 copy of the logits.
-        s_max = s_all.amax(-1) if threshold is None else torch.cat([
+        s_max = s_all.amax(-1) if threshold is None or not s_all.shape[0] else torch.cat([
             s_all[a:a + rows].masked_fill(t_all[a:a + rows] < threshold[a:a + rows, None], -math.inf).amax(-1)
             for a in range(0, s_all.shape[0], rows)])
         maxima = torch.stack([s_max.float() / temperature, t_all.amax(-1).float() / temperature])
