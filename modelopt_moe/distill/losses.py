@@ -7,10 +7,13 @@ Both losses here reduce that way (one all-reduce of the maxima, one of the sums,
 data), return a per-token loss that is the same on every TP rank, and compute their own gradient (no collective in
 the backward): each rank's gradient is its own slice of the full-vocabulary gradient.
 
-Everything is computed in fp32, whatever the logits' dtype; the gradient has the student logits' dtype.
+Everything is computed in fp32, whatever the logits' dtype; the gradient has the student logits' dtype. The KL never
+holds ``[tokens, vocab]`` in fp32: it runs over chunks of tokens and recomputes them in its backward.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -31,37 +34,120 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
+# Up to _ONE_CHUNK elements the KL runs in one chunk (the whole-tensor arithmetic, op for op). Above, a chunk holds at
+# most _CHUNK_ELEMENTS (64 MiB an fp32 temporary: few enough kernel launches) and a 32nd of the tokens (its three fp32
+# temporaries stay under a quarter of one bf16 logits tensor).
+_ONE_CHUNK = 1 << 22
+_CHUNK_ELEMENTS = 1 << 24
+_CHUNKS_AT_LEAST = 32
+
+
+def _chunk_rows(tokens: int, vocab: int, chunk_tokens: int | None) -> int:
+    """Tokens per chunk: ``chunk_tokens``, else all of them while ``tokens * vocab <= _ONE_CHUNK``, else as many as
+    keep one fp32 temporary under ``_CHUNK_ELEMENTS`` and a 32nd of the tokens."""
+    if chunk_tokens is not None:
+        return max(1, min(tokens, chunk_tokens))
+    if tokens * vocab <= _ONE_CHUNK:
+        return max(1, tokens)
+    return max(1, min(_CHUNK_ELEMENTS // max(1, vocab), -(-tokens // _CHUNKS_AT_LEAST)))
+
+
+def _scaled(x: torch.Tensor, temperature: float, maxima: torch.Tensor) -> torch.Tensor:
+    """``x / T - max`` in a new fp32 tensor (the input is never written, whatever its dtype)."""
+    if temperature == 1.0:  # x / 1 == x: one pass (a low-precision x is promoted to fp32 exactly)
+        return torch.sub(x, maxima.unsqueeze(-1))
+    return x.to(torch.float32, copy=True).div_(temperature).sub_(maxima.unsqueeze(-1))
+
+
 class _VocabParallelKL(torch.autograd.Function):
-    """Per-token ``T**2 * KL(softmax(t / T) || softmax(s / T))`` over a vocabulary split across ``group``."""
+    """Per-token ``T**2 * KL(softmax(t / T) || softmax(s / T))`` over a vocabulary split across ``group`` or, with
+    ``top_k``, over the teacher's ``top_k`` most likely tokens alone (both softmaxes renormalised there).
+
+    Chunked over tokens: no ``[tokens, vocab]`` tensor in fp32 exists at any time, only ``[chunk, vocab]`` ones. The
+    backward recomputes both softmaxes per chunk from the saved logits (in their own dtype) and the per-token maxima
+    and sums. Each token's arithmetic is the one of the whole-tensor formula, operation for operation.
+    """
 
     @staticmethod
-    def forward(ctx, student, teacher, temperature, group):
-        s = student.float() / temperature
-        t = teacher.float() / temperature
-        maxima = torch.stack([s.amax(-1), t.amax(-1)])
+    def forward(ctx, student, teacher, temperature, group, chunk_tokens, top_k):
+        shape, vocab = student.shape, student.shape[-1]
+        s_all, t_all = student.reshape(-1, vocab), teacher.reshape(-1, vocab)
+        rows = _chunk_rows(s_all.shape[0], vocab, chunk_tokens)
+        threshold = _top_k_threshold(t_all, top_k, group) if top_k else None
+        # max(round(x_i / T)) == round(max(x_i) / T) for T > 0: the maxima need no fp32 copy of the logits.
+        s_max = s_all.amax(-1) if threshold is None or not s_all.shape[0] else torch.cat([
+            s_all[a:a + rows].masked_fill(t_all[a:a + rows] < threshold[a:a + rows, None], -math.inf).amax(-1)
+            for a in range(0, s_all.shape[0], rows)])
+        maxima = torch.stack([s_max.float() / temperature, t_all.amax(-1).float() / temperature])
         _all_reduce(maxima, dist.ReduceOp.MAX if dist.is_available() else None, group)
-        s = s - maxima[0].unsqueeze(-1)
-        t = t - maxima[1].unsqueeze(-1)
-        es, et = s.exp(), t.exp()
-        # sum_v p_t (log p_t - log p_s) = sum_v e_t (t - s) / Z_t - log Z_t + log Z_s
-        sums = torch.stack([es.sum(-1), et.sum(-1), (et * (t - s)).sum(-1)])
+        sums = torch.empty(3, s_all.shape[0], dtype=torch.float32, device=student.device)
+        for a in range(0, s_all.shape[0], rows):
+            b = min(a + rows, s_all.shape[0])
+            s = _scaled(s_all[a:b], temperature, maxima[0, a:b])
+            t = _scaled(t_all[a:b], temperature, maxima[1, a:b])
+            if threshold is not None:  # both distributions on the teacher's top k alone
+                outside = t_all[a:b] < threshold[a:b].unsqueeze(-1)
+                s.masked_fill_(outside, -math.inf)
+                t.masked_fill_(outside, -math.inf)
+                del outside
+            # sum_v p_t (log p_t - log p_s) = sum_v e_t (t - s) / Z_t - log Z_t + log Z_s
+            d = t - s
+            torch.sum(s.exp_(), -1, out=sums[0, a:b])
+            del s
+            torch.sum(t.exp_(), -1, out=sums[1, a:b])
+            if threshold is not None:
+                d.nan_to_num_(nan=0.0)  # outside the top k: e_t = 0 and t - s = -inf - (-inf)
+            torch.sum(d.mul_(t), -1, out=sums[2, a:b])
+            del t, d
         _all_reduce(sums, dist.ReduceOp.SUM if dist.is_available() else None, group)
         zs, zt, cross = sums
         kl = cross / zt - zt.log() + zs.log()
-        ctx.save_for_backward(es.div_(zs.unsqueeze(-1)), et.div_(zt.unsqueeze(-1)))
-        ctx.temperature, ctx.dtype = temperature, student.dtype
-        return kl * (temperature * temperature)
+        extra = (threshold,) if threshold is not None else ()
+        ctx.save_for_backward(student, teacher, maxima, sums[:2], *extra)
+        ctx.temperature, ctx.rows, ctx.shape = temperature, rows, shape
+        return (kl * (temperature * temperature)).reshape(shape[:-1])
 
     @staticmethod
     def backward(ctx, grad):
-        ps, pt = ctx.saved_tensors
-        # d/ds [T^2 KL(p_t || p_s(s / T))] = T (p_s - p_t): this rank's slice of the vocabulary.
-        g = (ps - pt) * (grad.float().unsqueeze(-1) * ctx.temperature)
-        return g.to(ctx.dtype), None, None, None
+        student, teacher, maxima, sums, *extra = ctx.saved_tensors
+        threshold = extra[0] if extra else None
+        vocab, temperature = student.shape[-1], ctx.temperature
+        s_all, t_all = student.reshape(-1, vocab), teacher.reshape(-1, vocab)
+        scale = grad.reshape(-1).float() * temperature
+        out = torch.empty(s_all.shape, dtype=student.dtype, device=student.device)
+        for a in range(0, s_all.shape[0], ctx.rows):
+            b = min(a + ctx.rows, s_all.shape[0])
+            # d/ds [T^2 KL(p_t || p_s(s / T))] = T (p_s - p_t): this rank's slice of the vocabulary.
+            ps = _scaled(s_all[a:b], temperature, maxima[0, a:b])
+            pt = _scaled(t_all[a:b], temperature, maxima[1, a:b])
+            if threshold is not None:
+                outside = t_all[a:b] < threshold[a:b].unsqueeze(-1)
+                ps.masked_fill_(outside, -math.inf)
+                pt.masked_fill_(outside, -math.inf)
+                del outside
+            ps = ps.exp_().div_(sums[0, a:b].unsqueeze(-1))
+            pt = pt.exp_().div_(sums[1, a:b].unsqueeze(-1))
+            out[a:b] = ps.sub_(pt).mul_(scale[a:b].unsqueeze(-1))
+            del ps, pt
+        return out.reshape(ctx.shape), None, None, None, None, None
+
+
+def _top_k_threshold(teacher: torch.Tensor, k: int, group) -> torch.Tensor:
+    """Per token, the ``k``-th largest teacher logit over the whole vocabulary (in the logits' dtype): each rank's
+    local top ``k`` gathered over ``group``."""
+    local = teacher.topk(min(k, teacher.shape[-1]), dim=-1).values
+    if local.shape[-1] < k:  # a shard smaller than k: pad with -inf so every rank gathers the same shape
+        local = torch.cat([local, local.new_full((*local.shape[:-1], k - local.shape[-1]), -math.inf)], -1)
+    _, size = _tp(group)
+    if size > 1:
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        local = torch.cat(parts, -1)
+    return local.topk(k, dim=-1).values[..., -1]
 
 
 def logits_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, temperature: float = 1.0,
-                   tp_group=None) -> torch.Tensor:
+                   tp_group=None, top_k: int | None = None, chunk_tokens: int | None = None) -> torch.Tensor:
     """Per-token forward KL divergence from the teacher's to the student's softmax, ``KL(p_teacher || p_student)``,
     at ``temperature`` and multiplied by ``temperature**2`` (Hinton et al.: keeps the gradient's scale independent of
     the temperature).
@@ -72,12 +158,24 @@ def logits_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *
             flows to them.
         temperature: softmax temperature (> 0).
         tp_group: the tensor-parallel group the vocabulary is split over (None: not split).
+        top_k: None (the default): the exact KL. An integer: the KL of the two distributions restricted to the
+            teacher's ``top_k`` most likely tokens of the whole vocabulary and renormalised there (top-k knowledge
+            distillation, as Model Optimizer's ``TopKLogitsKLLoss``; tokens tied with the k-th are kept). An
+            approximation (its error is measured in docs/qad.md); it saves no memory here.
+        chunk_tokens: tokens per chunk (None: automatic, see below). Only memory and speed depend on it.
+
+    The loss is computed chunk by chunk over the tokens and recomputed in the backward: besides the logits (saved in
+    their own dtype, no fp32 copy) and the gradient, the fp32 working set is three ``[chunk, V]`` tensors. By default
+    a chunk holds all the tokens while ``tokens * V`` is at most 2**22 (the values are then bit for bit those of the
+    whole-tensor formula), else at most 2**24 elements and a 32nd of the tokens (under a quarter of one bf16 logits
+    tensor). Either way every token's result is the whole-tensor formula's to fp32 rounding.
 
     Returns:
         fp32 ``[...]``: the loss of every token, the same on every rank of ``tp_group``.
 
     Raises:
-        ValueError: shapes differ, a non-float input, or a temperature that is not positive.
+        ValueError: shapes differ, a non-float input, a temperature that is not positive, or a ``top_k`` or
+            ``chunk_tokens`` that is not a positive integer.
     """
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"logits_kl_loss: student logits {tuple(student_logits.shape)} and teacher logits "
@@ -87,7 +185,11 @@ def logits_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *
                          f"{teacher_logits.dtype}")
     if not temperature > 0:
         raise ValueError(f"logits_kl_loss: temperature must be > 0, got {temperature!r}")
-    return _VocabParallelKL.apply(student_logits, teacher_logits.detach(), float(temperature), tp_group)
+    for name, value in (("top_k", top_k), ("chunk_tokens", chunk_tokens)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"logits_kl_loss: {name} must be a positive integer or None, got {value!r}")
+    return _VocabParallelKL.apply(student_logits, teacher_logits.detach(), float(temperature), tp_group, chunk_tokens,
+                                  top_k)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -42,20 +42,25 @@ class DistillationModel(nn.Module):
         kl_weight: weight of the KL term.
         lm_loss_weight: weight of the language-modelling cross entropy on ``labels``.
         tp_group: the tensor-parallel group the logits' vocabulary is split over (None: not split).
+        top_k: None (the default): the exact KL; an integer: the KL on the teacher's ``top_k`` most likely tokens
+            (:func:`.losses.logits_kl_loss`'s ``top_k``, an approximation).
 
     Raises:
-        ValueError: the teacher is the student, or a weight is negative.
+        ValueError: the teacher is the student, a weight is negative, or ``top_k`` is not a positive integer.
     """
 
     def __init__(self, student: nn.Module, teacher: nn.Module, *, temperature: float = 1.0, kl_weight: float = 1.0,
-                 lm_loss_weight: float = 0.0, tp_group=None):
+                 lm_loss_weight: float = 0.0, tp_group=None, top_k: int | None = None):
         super().__init__()
         if teacher is student:
             raise ValueError("DistillationModel: the teacher must be a separate model from the student")
         if kl_weight < 0 or lm_loss_weight < 0:
             raise ValueError(f"DistillationModel: weights must be >= 0, got kl_weight={kl_weight}, "
                              f"lm_loss_weight={lm_loss_weight}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"DistillationModel: top_k must be a positive integer or None, got {top_k!r}")
         self.module = student
+        self.top_k = top_k
         teacher.eval()
         teacher.requires_grad_(False)
         self.__dict__["_teacher"] = teacher  # not a submodule: see the module docstring
@@ -94,7 +99,8 @@ class DistillationModel(nn.Module):
         with torch.no_grad():
             teacher_logits = self.teacher(*args, **kwargs)
         group = self.__dict__["_tp_group"]
-        loss = logits_kl_loss(student_logits, teacher_logits, temperature=self.temperature, tp_group=group)
+        loss = logits_kl_loss(student_logits, teacher_logits, temperature=self.temperature, tp_group=group,
+                              top_k=self.top_k)
         if self.kl_weight != 1.0:
             loss = loss * self.kl_weight
         if labels is not None and self.lm_loss_weight:

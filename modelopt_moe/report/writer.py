@@ -39,8 +39,11 @@ def _held_out(run: dict) -> tuple[list[str], dict[str, tuple[float, float | None
         return [], {}
     base_label = next(iter(ev))
     base = ev[base_label]["loss"]
+    top1 = any("top1" in v for v in ev.values())  # teacher-forced top-1 agreement (runs that measured it)
     md = ["", f"## Held out ({len(base)} batches; mean ± standard error over them)", "",
-          f"| | loss | minus the {base_label}'s (paired by batch) | KL to the teacher |", "|---|---|---|---|"]
+          f"| | loss | minus the {base_label}'s (paired by batch) | KL to the teacher |"
+          + (" the teacher's top-1 token (% of positions) |" if top1 else ""),
+          "|---|---|---|---|" + ("---|" if top1 else "")]
     points = {}
 
     def cell(values, fmt: str = "#.5g") -> str:
@@ -51,7 +54,8 @@ def _held_out(run: dict) -> tuple[list[str], dict[str, tuple[float, float | None
 
     for label, values in ev.items():
         diff = None if label == base_label else [a - b for a, b in zip(values["loss"], base, strict=True)]
-        md.append(f"| {label} | {cell(values['loss'])} | {cell(diff, '+.2g')} | {cell(values.get('kl'), '.3g')} |")
+        md.append(f"| {label} | {cell(values['loss'])} | {cell(diff, '+.2g')} | {cell(values.get('kl'), '.3g')} |"
+                  + (f" {cell(values.get('top1') and [100 * v for v in values['top1']], '.1f')} |" if top1 else ""))
         if diff is not None:
             mean, noise = mean_and_noise(diff)
             points[label] = (mean, None if math.isnan(noise) else noise)
@@ -59,6 +63,21 @@ def _held_out(run: dict) -> tuple[list[str], dict[str, tuple[float, float | None
     if outcome:
         md += ["", f"**What QAD did:** {outcome['text']}."]
     return md, points
+
+
+def _generation(run: dict) -> list[str]:
+    """The greedy-generation table: what the KL does not show (a student that stops later, or never)."""
+    gen = run.get("generation")
+    if not gen:
+        return []
+    md = ["", f"## Greedy generation ({gen['prompts']} held-out prompts of {gen['prompt tokens']} tokens, up to "
+              f"{gen['new tokens']} new tokens, end token {gen['end token']})", "",
+          "| | the teacher's tokens (positions both generated) | end rate | mean length |", "|---|---|---|---|"]
+    for label, g in gen["models"].items():
+        same = g["same tokens as the reference"]
+        md.append(f"| {label} | {'-' if same is None else f'{same:.1%}'} | {g['end rate']:.0%} | "
+                  f"{g['mean length']:.1f} |")
+    return md
 
 
 def _weight_error_note(stats: dict) -> str | None:
@@ -83,8 +102,10 @@ def write_report(run: dict, out_dir: str | Path) -> list[Path]:
     """Writes ``report.md`` and the PNG plots of ``run`` into ``out_dir``; returns the written paths.
 
     ``run`` keys used (all optional but ``stages``): ``title``, ``setup`` (lines), ``stages`` (one line each),
-    ``losses`` (name -> number), ``eval`` (model -> ``{"loss": [per batch], "kl": [per batch] or None}``), ``outcome``
-    (:func:`~.outcome.qad_outcome`), ``curves`` (label -> [[step, loss], ...]), ``stats``
+    ``losses`` (name -> number), ``eval`` (model -> ``{"loss": [per batch], "kl": [per batch] or None}``, and
+    ``"top1": [per batch]`` where measured), ``outcome`` (:func:`~.outcome.qad_outcome`), ``generation``
+    (``prompts``, ``prompt tokens``, ``new tokens``, ``end token``, ``models``: model -> ``{"same tokens as the
+    reference", "end rate", "mean length"}``), ``curves`` (label -> [[step, loss], ...]), ``stats``
     (:class:`~.expert_stats.ExpertStats` as a dict), ``summary`` (the quantizer summary text).
     """
     out = Path(out_dir)
@@ -127,6 +148,7 @@ def write_report(run: dict, out_dir: str | Path) -> list[Path]:
     md += ["", "## What each stage proved", ""]
     md += [f"{i + 1}. {line}" for i, line in enumerate(run.get("stages", []))]
     md += held_md
+    md += _generation(run)
     md += ["", "## Numbers", "", "| | value |", "|---|---|"]
     md += [f"| {k} | {_fmt(v)} |" for k, v in losses.items()]
     md += ["", "## Plots", ""]

@@ -4,7 +4,9 @@
    on real English text (byte tokens), save it as a Hugging Face checkpoint and import it back (the path a user with a
    published model takes);
 2. PTQ: quantize a copy with a YAML config from ``configs/`` (NVFP4 experts by default, ``--format fp8``), calibrate;
-3. QAD: distil the quantized student from the bf16 teacher (forward KL) in Megatron's training loop;
+3. QAD: distil the quantized student from the bf16 teacher (forward KL) in Megatron's training loop; held out, after
+   PTQ and after QAD, what the KL does not show: teacher-forced top-1 agreement with the teacher and greedy generation
+   from a few prompts (the teacher's tokens agreed on, the end rate and the mean length of each model);
 4. checkpoint: save a distributed checkpoint, restore it in fresh process groups into freshly built models, at the
    same layout (logits bit-identical) and at TP=1 x EP=world (every weight and amax bit-identical; the logits' max
    and mean |diff| and top-1 agreement, with the measured source of the difference: bf16 rounding);
@@ -50,6 +52,9 @@ _EXPERTS_PRESET = "_experts.yaml"  # configs/<format>_experts.yaml: the preset -
 DEFAULT_CONFIG = "nvfp4_experts.yaml"
 # Disjoint sample ranges of the corpus (text_batches offsets, in samples).
 _TRAIN, _CALIB, _QAD, _EVAL = 0, 4000, 4500, 6000
+# Greedy generation on held-out prompts: how many, and new tokens each. The tiny config has no end-of-sequence token;
+# its byte model ends a line with "\n", which stands for one.
+_GEN_PROMPTS, _GEN_TOKENS, _LINE_END = 8, 16, 10
 
 
 def _format_configs() -> dict[str, str]:
@@ -198,6 +203,7 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     from modelopt_moe.report import gather_expert_stats
     from modelopt_moe.report.outcome import mean_and_noise, qad_outcome
 
+    from .agreement import generation_stats, greedy_generate, held_out_prompts, top1_agreement
     from .evaluate import gather_logits, global_state, loss_and_kl
     from .text_data import text_batches
 
@@ -251,6 +257,9 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     bf16 = loss_and_kl(teacher, held_out, None, tp_group)
     run["losses"]["bf16 teacher (held out)"] = bf16["loss"]
     run["eval"]["bf16 teacher"] = {"loss": bf16["losses"]}
+    prompts = held_out_prompts(held_out, _GEN_PROMPTS, min(seq // 2, 32))
+    end_token = hf_config.get("eos_token_id", _LINE_END)
+    generated = {"bf16 teacher": greedy_generate(teacher, prompts, _GEN_TOKENS, multiple_of=tp)}
     curve = run["curves"]["bf16 teacher training"]
     stage(f"teacher: {opts['train_steps']} bf16 steps in Megatron's training loop (loss {curve[0][1]:.3f} -> "
           f"{curve[-1][1]:.3f}), saved as a Hugging Face checkpoint and imported back "
@@ -267,7 +276,9 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     qad_seen = qad[:opts["num_eval_batches"]]  # the KL that QAD minimises, on batches it trains on
     ptq_seen_kl = loss_and_kl(student, qad_seen, teacher, tp_group)["kl"]
     run["losses"]["PTQ (held out)"] = ptq["loss"]
-    run["eval"]["PTQ"] = {"loss": ptq["losses"], "kl": ptq["kls"]}
+    run["eval"]["PTQ"] = {"loss": ptq["losses"], "kl": ptq["kls"],
+                          "top1": top1_agreement(student, teacher, held_out, tp_group)}
+    generated["PTQ"] = greedy_generate(student, prompts, _GEN_TOKENS, multiple_of=tp)
     enabled = sum(q.is_enabled for e in iter_expert_quantizers(student) for q in [e.quantizer])
     gap, gap_noise = mean_and_noise([q - b for q, b in zip(ptq["losses"], bf16["losses"], strict=True)])
     stage(f"PTQ: {enabled} expert quantizers ({opts['format']}) calibrated on {len(calib)} batches: held-out loss "
@@ -292,7 +303,13 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     run["losses"]["KL to teacher on QAD data, after QAD"] = qad_seen_kl
     run["losses"]["QAD (held out)"] = qad_eval["loss"]
     run["losses"]["KL to teacher after PTQ"], run["losses"]["KL to teacher after QAD"] = ptq["kl"], qad_eval["kl"]
-    run["eval"]["QAD"] = {"loss": qad_eval["losses"], "kl": qad_eval["kls"]}
+    run["eval"]["QAD"] = {"loss": qad_eval["losses"], "kl": qad_eval["kls"],
+                          "top1": top1_agreement(student, teacher, held_out, tp_group)}
+    generated["QAD"] = greedy_generate(student, prompts, _GEN_TOKENS, multiple_of=tp)
+    run["generation"] = {"prompts": len(prompts), "prompt tokens": prompts.shape[1], "new tokens": _GEN_TOKENS,
+                         "end token": end_token, "models": {m: generation_stats(g, end_token, generated["bf16 teacher"])
+                                                            for m, g in generated.items()}}
+    gen = run["generation"]["models"]
     # Said plainly, with the noise of each difference (the spread over the held-out batches): a share of the loss
     # gap closed only where that gap is larger than its noise, and a loss that got worse called worse.
     outcome = qad_outcome(bf16["losses"], ptq["losses"], qad_eval["losses"], ptq["kls"], qad_eval["kls"])
@@ -300,7 +317,13 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     stage(f"QAD: {opts['steps']} steps training {trained_what} at lr {recipe.lr:g} (warmup, {recipe.lr_decay_style} "
           f"decay) on the KL to the bf16 teacher (Megatron's schedule, "
           f"fake-quantized weights reused within each step): KL on its data {ptq_seen_kl:.3g} -> {qad_seen_kl:.3g}; "
-          f"{outcome['text']}")
+          f"{outcome['text']}; held out, the teacher's top-1 token at "
+          f"{100 * sum(run['eval']['PTQ']['top1']) / len(held_out):.1f}% -> "
+          f"{100 * sum(run['eval']['QAD']['top1']) / len(held_out):.1f}% of positions, and greedy generation from "
+          f"{len(prompts)} prompts: the teacher's tokens at {100 * gen['PTQ']['same tokens as the reference']:.0f}% "
+          f"-> {100 * gen['QAD']['same tokens as the reference']:.0f}%, mean length "
+          f"{gen['PTQ']['mean length']:.1f} -> {gen['QAD']['mean length']:.1f} (teacher "
+          f"{gen['bf16 teacher']['mean length']:.1f})")
 
     # 4. checkpoint ---------------------------------------------------------------------------------------------
     ckpt = art / "checkpoint"

@@ -44,7 +44,8 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
         student: the (quantized) Megatron model to train, not wrapped yet.
         teacher: the frozen Megatron model of the same architecture and parallel layout (e.g. the bf16 model).
         recipe: takes ``temperature`` and ``lm_loss_weight`` from it (keyword arguments still win).
-        **kwargs: ``temperature``, ``kl_weight``, ``lm_loss_weight``.
+        **kwargs: ``temperature``, ``kl_weight``, ``lm_loss_weight``, ``top_k`` (None, the default: the exact KL,
+            chunked over tokens; an integer: the KL on the teacher's top k tokens, an approximation).
 
     Raises:
         ValueError: pipeline parallelism is on.

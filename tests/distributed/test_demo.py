@@ -1,6 +1,7 @@
 """``modelopt-moe demo``: argument checks before any process starts, and a shortened end-to-end run (with no layout
 flag on this GPU-less machine: 4 gloo ranks at TP=2 x EP=2, the shipped Qwen3-MoE-shaped config, NVFP4 experts)
-whose output, report, plots and numbers are checked."""
+whose output, report, plots and numbers are checked, the held-out top-1 agreement and greedy generation among
+them."""
 
 import json
 import math
@@ -67,6 +68,11 @@ def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capf
     assert re.search(r"(\d+% ± \d+% of the PTQ loss gap \(.*\) closed|no share of it closed is reported|"
                      r"QAD made the held-out loss WORSE)", printed), printed
     assert "imported back bit-exact" in printed
+    # what the KL does not show: teacher-forced top-1 agreement and greedy generation, after PTQ and after QAD
+    qad_line = next(line for line in printed.splitlines() if line.startswith("[3/6] "))
+    assert re.search(r"the teacher's top-1 token at [0-9.]+% -> [0-9.]+% of positions, and greedy generation from "
+                     r"\d+ prompts: the teacher's tokens at \d+% -> \d+%, mean length [0-9.]+ -> [0-9.]+ \(teacher "
+                     r"[0-9.]+\)", qad_line), qad_line
     # transformers reads the NVFP4 experts through the public fix, and the demo says so
     assert "with modelopt_moe.export.transformers_compat.fix_nvfp4_experts() applied" in printed
     assert "logits bit-identical" in printed
@@ -80,6 +86,16 @@ def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capf
     # per-batch held-out numbers, the noise behind every comparison
     assert [len(run["eval"][m]["loss"]) for m in ("bf16 teacher", "PTQ", "QAD")] == [4, 4, 4]
     assert run["outcome"]["verdict"] in ("better", "worse", "within noise")
+    assert all(0.0 <= x <= 1.0 for m in ("PTQ", "QAD") for x in run["eval"][m]["top1"]), run["eval"]
+    assert [len(run["eval"][m]["top1"]) for m in ("PTQ", "QAD")] == [4, 4]
+    gen = run["generation"]
+    assert (gen["prompt tokens"], gen["new tokens"], gen["end token"]) == (16, 16, 10)
+    assert list(gen["models"]) == ["bf16 teacher", "PTQ", "QAD"]
+    assert gen["models"]["bf16 teacher"]["same tokens as the reference"] == 1.0
+    for g in gen["models"].values():
+        assert 1 <= g["mean length"] <= 16, gen
+        assert 0.0 <= g["end rate"] <= 1.0, gen
+        assert 0.0 <= g["same tokens as the reference"] <= 1.0, gen
     assert run["outcome"]["gap_noise"] > 0
     # QAD lowers the KL it minimises (on its own batches; the held-out KL of this short run is only reported)
     assert losses["KL to teacher on QAD data, after QAD"] < losses["KL to teacher on QAD data, after PTQ"], losses
@@ -123,6 +139,10 @@ def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capf
     assert re.search(" ".join(rf"{e}:[0-9.]+" for e in range(8)), report), report
     assert "every rank's experts" in report
     assert "## Held out (4 batches; mean ± standard error over them)" in report
+    assert "| KL to the teacher | the teacher's top-1 token (% of positions) |" in report
+    assert f"## Greedy generation ({gen['prompts']} held-out prompts of 16 tokens, up to 16 new tokens" in report
+    for m in ("bf16 teacher", "PTQ", "QAD"):
+        assert re.search(rf"^\| {m} \| [0-9.]+% \| \d+% \| [0-9.]+ \|$", report, re.M), report
 
     # `modelopt-moe report` renders the same report again from run.json
     again = tmp_path / "again"

@@ -46,6 +46,93 @@ def test_kl_of_equal_logits_is_zero_and_teacher_gets_no_gradient():
     assert t.grad is None
 
 
+class _WholeTensorKL(torch.autograd.Function):
+    """The KL as it was computed on whole tensors (fp32 softmaxes saved for the backward): the reference of the
+    chunked one (one TP rank)."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, temperature):
+        s = student.float() / temperature
+        t = teacher.float() / temperature
+        s = s - s.amax(-1, keepdim=True)
+        t = t - t.amax(-1, keepdim=True)
+        es, et = s.exp(), t.exp()
+        zs, zt, cross = es.sum(-1), et.sum(-1), (et * (t - s)).sum(-1)
+        ctx.save_for_backward(es.div_(zs.unsqueeze(-1)), et.div_(zt.unsqueeze(-1)))
+        ctx.temperature, ctx.dtype = temperature, student.dtype
+        return (cross / zt - zt.log() + zs.log()) * (temperature * temperature)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ps, pt = ctx.saved_tensors
+        return ((ps - pt) * (grad.float().unsqueeze(-1) * ctx.temperature)).to(ctx.dtype), None, None
+
+
+@pytest.mark.parametrize(("shape", "chunk_tokens"), [((3, 5, 64), None), ((3, 5, 64), 2), ((7, 1000), 3),
+                                                     ((40, 120_000), None)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 1.7])
+def test_chunked_kl_equals_the_whole_tensor_kl_and_its_gradient(shape, chunk_tokens, dtype, temperature):
+    """Chunked over tokens (explicitly, or by default above 2**22 elements) or not, the loss and the gradient are the
+    whole-tensor formula's; one chunk (small inputs) gives them bit for bit."""
+    s, t = _logits(seed=3, shape=shape, dtype=dtype)
+    a, b = s.clone().requires_grad_(True), s.clone().requires_grad_(True)
+    got = logits_kl_loss(a, t, temperature=temperature, chunk_tokens=chunk_tokens)
+    want = _WholeTensorKL.apply(b, t, temperature)
+    g = torch.randn(got.shape, generator=torch.Generator().manual_seed(4))
+    got.backward(g)
+    want.backward(g)
+    assert a.grad.dtype == dtype
+    if chunk_tokens is None and s.numel() <= 1 << 22:
+        assert torch.equal(got, want)
+        assert torch.equal(a.grad, b.grad)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-6 if dtype == torch.float32 else 2**-8, atol=1e-9)
+
+
+def test_kl_saves_the_logits_alone_for_its_backward():
+    """No fp32 copy of the logits, no softmax: what the backward keeps of size tokens x vocab is the two inputs."""
+    s, t = _logits(shape=(4, 9, 128), dtype=torch.bfloat16)
+    s.requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        loss = logits_kl_loss(s, t, temperature=2.0)
+    big = [x for x in saved if x.numel() >= s.numel()]
+    assert [x.dtype for x in big] == [torch.bfloat16] * 2, [(x.dtype, x.shape) for x in saved]
+    assert {x.data_ptr() for x in big} == {s.data_ptr(), t.data_ptr()}
+    assert sum(x.numel() for x in saved if x.numel() < s.numel()) <= 4 * 36  # per-token maxima and sums
+    loss.sum().backward()
+
+
+def _top_k_kl(s, t, k, temperature):
+    """Top-k KD written with torch's softmaxes: both distributions on the teacher's k most likely tokens alone."""
+    idx = t.topk(k, dim=-1).indices
+    log_q = torch.log_softmax(t.gather(-1, idx) / temperature, -1)
+    log_p = torch.log_softmax(s.gather(-1, idx) / temperature, -1)
+    return (log_q.exp() * (log_q - log_p)).sum(-1) * temperature**2
+
+
+def test_top_k_kl_is_the_kl_on_the_teachers_top_k_and_never_the_default():
+    s, t = _logits(seed=5, shape=(6, 7, 200))
+    a, b = s.clone().requires_grad_(True), s.clone().requires_grad_(True)
+    got = logits_kl_loss(a, t, temperature=1.5, top_k=10, chunk_tokens=4)
+    want = _top_k_kl(b, t, 10, 1.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    exact = logits_kl_loss(s, t, temperature=1.5)
+    assert torch.equal(logits_kl_loss(s, t, temperature=1.5, top_k=200), exact)  # all tokens: the exact KL
+    assert not torch.allclose(got, exact)
+    student, teacher = _TinyLM(0), _TinyLM(1)
+    tokens = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = logits_kl_loss(student(tokens), teacher(tokens), top_k=5)
+        assert torch.equal(DistillationModel(student, teacher, top_k=5)(tokens), want)
+    with pytest.raises(ValueError, match="top_k must be a positive integer or None, got 0"):
+        DistillationModel(student, teacher, top_k=0)
+
+
 def test_cross_entropy_matches_torch():
     s, _ = _logits()
     labels = torch.randint(0, 64, s.shape[:-1], generator=torch.Generator().manual_seed(2))
@@ -62,6 +149,8 @@ def test_cross_entropy_matches_torch():
 @pytest.mark.parametrize(("call", "match"), [
     (lambda: logits_kl_loss(torch.zeros(2, 4), torch.zeros(2, 5)), "shape"),
     (lambda: logits_kl_loss(torch.zeros(2, 4), torch.zeros(2, 4), temperature=0.0), "temperature"),
+    (lambda: logits_kl_loss(torch.zeros(2, 4), torch.zeros(2, 4), top_k=0), "top_k must be a positive integer"),
+    (lambda: logits_kl_loss(torch.zeros(2, 4), torch.zeros(2, 4), chunk_tokens=1.5), "chunk_tokens must be"),
     (lambda: vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(3, dtype=torch.long)), "labels"),
 ])
 def test_errors(call, match):

@@ -143,3 +143,28 @@ def test_the_report_shows_the_noise_and_significant_digits(tmp_path):
     assert "WORSE" in md
     assert (tmp_path / "loss_curve.png").is_file()
     assert (tmp_path / "expert_weight_error.png").is_file()
+
+
+def test_the_report_shows_top1_agreement_and_greedy_generation_beside_the_kl(tmp_path):
+    from modelopt_moe.report.writer import write_report
+
+    run = {"stages": ["s"], "eval": {"bf16 teacher": {"loss": BF16}, "PTQ": {"loss": BF16, "kl": [0.1] * 4,
+                                                                              "top1": [0.9, 0.92, 0.94, 0.96]}},
+           "generation": {"prompts": 8, "prompt tokens": 16, "new tokens": 16, "end token": 10,
+                          "models": {"bf16 teacher": {"same tokens as the reference": 1.0, "end rate": 0.5,
+                                                      "mean length": 12.5},
+                                     "PTQ": {"same tokens as the reference": 0.75, "end rate": 0.25,
+                                             "mean length": 15.0}}}}
+    write_report(run, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| KL to the teacher | the teacher's top-1 token (% of positions) |" in md
+    assert "| 0.1 ± 0 | 93.0 ± 1.3 |" in md
+    assert "| - | - |" in md  # the teacher: no KL, no agreement with itself
+    assert "## Greedy generation (8 held-out prompts of 16 tokens, up to 16 new tokens, end token 10)" in md
+    assert "| PTQ | 75.0% | 25% | 15.0 |" in md
+    assert "| bf16 teacher | 100.0% | 50% | 12.5 |" in md
+    del run["generation"], run["eval"]["PTQ"]["top1"]  # a run that measured neither: the table as before
+    write_report(run, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "top-1" not in md
+    assert "Greedy generation" not in md

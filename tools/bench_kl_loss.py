@@ -1,0 +1,178 @@
+"""Benchmark: memory and time of the distillation KL (``logits_kl_loss``) forward + backward on bf16 logits, one
+rank, against the whole-tensor formula it replaced (fp32 logits, exponentials and softmaxes of ``[tokens, vocab]``,
+both softmaxes saved for the backward). Prints a table; works on CPU and GPU.
+
+* peak: the most memory allocated during forward + backward above the two logits tensors and the gradient (one
+  logits tensor), in GiB and in units of one logits tensor. GPU: ``torch.cuda.max_memory_allocated``; CPU: the
+  allocations ``torch.profiler`` records (``profile_memory=True``), summed in time order.
+* time: median of ``--repeats`` forward + backward after one warm-up (without the profiler).
+* ``--top-k``: the error of the top-k teacher distribution against the exact KL (loss and gradient) on synthetic
+  logits: a Gaussian teacher of the given scale (its entropy is printed) and a student that is the teacher plus
+  Gaussian noise of 0.3 (``--noise``), as a quantized copy of it would be.
+
+Usage: ``python tools/bench_kl_loss.py [--device cuda] [--tokens 4096,8192,16384,32768] [--vocab 151936,248320]
+[--top-k 64,1024,4096]``; ``--quick`` for a few-second run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from modelopt_moe.distill import logits_kl_loss
+
+GiB = 1 << 30
+
+
+class _WholeTensorKL(torch.autograd.Function):
+    """The KL on whole tensors, as it was computed before it was chunked (the reference of memory and time)."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, temperature):
+        s = student.float() / temperature
+        t = teacher.float() / temperature
+        s = s - s.amax(-1, keepdim=True)
+        t = t - t.amax(-1, keepdim=True)
+        es, et = s.exp(), t.exp()
+        zs, zt, cross = es.sum(-1), et.sum(-1), (et * (t - s)).sum(-1)
+        ctx.save_for_backward(es.div_(zs.unsqueeze(-1)), et.div_(zt.unsqueeze(-1)))
+        ctx.temperature, ctx.dtype = temperature, student.dtype
+        return (cross / zt - zt.log() + zs.log()) * (temperature * temperature)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ps, pt = ctx.saved_tensors
+        return ((ps - pt) * (grad.float().unsqueeze(-1) * ctx.temperature)).to(ctx.dtype), None, None
+
+
+IMPLS = {"whole-tensor": lambda s, t: _WholeTensorKL.apply(s, t, 1.0), "chunked": lambda s, t: logits_kl_loss(s, t)}
+
+
+def _step(impl, student, teacher):
+    student.grad = None
+    IMPLS[impl](student, teacher).sum().backward()
+
+
+def _cpu_peak(fn) -> int:
+    """Peak bytes allocated by ``fn`` on the CPU above what was allocated before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    current = peak = 0
+    for _, n in events:
+        current += n
+        peak = max(peak, current)
+    return peak
+
+
+def measure(impl: str, tokens: int, vocab: int, device: str = "cpu", repeats: int = 3) -> dict:
+    """Peak memory above the logits and their gradient, and the median time of forward + backward, of one KL
+    implementation on random bf16 logits ``[tokens, vocab]``. ``{"oom": True}`` when it does not fit."""
+    g = torch.Generator(device=device).manual_seed(0)
+    student = (torch.randn(tokens, vocab, generator=g, device=device) * 3).bfloat16().requires_grad_(True)
+    teacher = (torch.randn(tokens, vocab, generator=g, device=device) * 3).bfloat16()
+    logits_bytes = student.numel() * student.element_size()
+    try:
+        if device == "cpu":
+            peak = _cpu_peak(lambda: _step(impl, student, teacher))
+        else:
+            _step(impl, student, teacher)
+            student.grad = None
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            _step(impl, student, teacher)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - start
+        times = []
+        for _ in range(repeats):
+            if device != "cpu":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            _step(impl, student, teacher)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    except torch.OutOfMemoryError:
+        return {"oom": True}
+    finally:
+        student.grad = None
+    above = peak - logits_bytes  # the gradient is one logits tensor
+    return {"oom": False, "peak_gib": above / GiB, "x_logits": above / logits_bytes,
+            "ms": 1e3 * statistics.median(times)}
+
+
+def top_k_error(tokens: int, vocab: int, k: int, scale: float, noise: float, device: str = "cpu") -> dict:
+    """Relative error of the top-k KL against the exact one: of the mean loss and of the gradient (L2 norms)."""
+    g = torch.Generator(device=device).manual_seed(1)
+    teacher = torch.randn(tokens, vocab, generator=g, device=device) * scale
+    student = teacher + torch.randn(tokens, vocab, generator=g, device=device) * noise
+    out = {}
+    for name, top_k in (("exact", None), ("top_k", k)):
+        s = student.bfloat16().requires_grad_(True)
+        loss = logits_kl_loss(s, teacher.bfloat16(), top_k=top_k)
+        loss.sum().backward()
+        out[name] = (float(loss.detach().mean()), s.grad.float())
+    entropy = -(torch.softmax(teacher, -1) * torch.log_softmax(teacher, -1)).sum(-1).mean()
+    (kl, grad), (kl_k, grad_k) = out["exact"], out["top_k"]
+    return {"entropy": float(entropy), "kl": kl, "kl_k": kl_k, "loss_err": abs(kl_k - kl) / kl,
+            "grad_err": float((grad_k - grad).norm() / grad.norm())}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None) -> None:
+    """Prints the memory and time table, then the top-k error table when `--top-k` is given."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=_ints, default=None, help="comma-separated (default: 4k-32k on GPU, 256,512 "
+                   "on CPU)")
+    p.add_argument("--vocab", type=_ints, default=[151936, 248320], help="comma-separated (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--top-k", type=_ints, default=[], help="comma-separated k: the top-k error table")
+    p.add_argument("--top-k-tokens", type=int, default=256)
+    p.add_argument("--scales", type=float, nargs="+", default=[3.0, 6.0], help="teacher logit scales (top-k table)")
+    p.add_argument("--noise", type=float, default=0.3)
+    p.add_argument("--quick", action="store_true", help="a few-second run: 64 tokens x 32768 vocabulary")
+    args = p.parse_args(argv)
+    tokens = args.tokens or ([4096, 8192, 16384, 32768] if args.device != "cpu" else [256, 512])
+    vocabs = args.vocab
+    if args.quick:
+        tokens, vocabs, args.repeats, args.top_k_tokens = [64], [32768], 1, 16
+    name = torch.cuda.get_device_name() if args.device != "cpu" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"logits_kl_loss forward + backward, bf16 logits, one rank ({name}, torch {torch.__version__})")
+    print("peak: memory allocated above the two logits tensors and the gradient")
+    print(f"{'tokens':>7} {'vocab':>7} {'impl':>12} {'peak GiB':>9} {'x logits':>9} {'ms':>9} {'time vs whole':>14}")
+    for vocab in vocabs:
+        for n in tokens:
+            rows = {impl: measure(impl, n, vocab, args.device, args.repeats) for impl in IMPLS}
+            for impl, r in rows.items():
+                if r["oom"]:
+                    print(f"{n:>7} {vocab:>7} {impl:>12} {'OOM':>9}")
+                    continue
+                ref = rows["whole-tensor"]
+                ratio = "" if ref["oom"] else f"{r['ms'] / ref['ms']:.2f}x"
+                print(f"{n:>7} {vocab:>7} {impl:>12} {r['peak_gib']:>9.3f} {r['x_logits']:>9.3f} {r['ms']:>9.1f} "
+                      f"{ratio:>14}", flush=True)
+    if args.top_k:
+        print(f"\ntop-k teacher distribution against the exact KL ({args.top_k_tokens} tokens, student = teacher + "
+              f"N(0, {args.noise}^2))")
+        print(f"{'vocab':>7} {'scale':>6} {'entropy':>8} {'k':>6} {'exact KL':>9} {'top-k KL':>9} {'loss err':>9} "
+              f"{'grad err':>9}")
+        for vocab in vocabs:
+            for scale in args.scales:
+                for k in args.top_k:
+                    e = top_k_error(args.top_k_tokens, vocab, k, scale, args.noise, args.device)
+                    print(f"{vocab:>7} {scale:>6.1f} {e['entropy']:>8.2f} {k:>6} {e['kl']:>9.4f} {e['kl_k']:>9.4f} "
+                          f"{e['loss_err']:>9.2%} {e['grad_err']:>9.2%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
