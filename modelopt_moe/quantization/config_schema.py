@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..numerics import UnsupportedSetting, format_from_num_bits, get_format
+from ..numerics import UnsupportedSetting, format_from_num_bits, format_of, get_format
 from .modelopt_shapes import UNSUPPORTED_ALGORITHMS, normalize_quant_cfg, unsupported
 from .modelopt_shapes import parent_class_name as _modelopt_parent_class
 
@@ -174,7 +174,7 @@ class QuantizerAttributeConfig(_Strict):
                                                  "of tokens; use type: dynamic"))
             elif "scale_bits" in bs and spec.block_scale is None:
                 raise ValueError(unsupported("block_sizes.scale_bits", bs["scale_bits"], "no quantized block scales "
-                                             "besides NVFP4's E4M3"))
+                                             "besides NVFP4's E4M3 and MX's E8M0"))
         try:
             spec.check_config(bs, self.axis)  # the format's own rules
         except UnsupportedSetting as e:
@@ -183,8 +183,9 @@ class QuantizerAttributeConfig(_Strict):
 
     @property
     def format(self) -> str:
-        """The format name in :data:`formats.FORMATS`."""
-        return format_from_num_bits(self.num_bits)
+        """The format name in :data:`formats.FORMATS` (``num_bits``, and the block scales' ``scale_bits`` where they
+        select the format: E8M0 for MX)."""
+        return format_of(self.num_bits, self.block_sizes)
 
     @property
     def _int_block(self) -> int | None:

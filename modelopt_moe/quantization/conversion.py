@@ -283,7 +283,7 @@ def check_quantizer_shapes(model: nn.Module) -> None:
                     continue
                 full = f"{prefix}.{kind}" if prefix else kind
                 spec = get_format(q.fmt)
-                if spec.block_length is not None and dim % spec.block_length:
+                if spec.block_length is not None and dim % spec.block_length and not spec.pads:
                     problems.append(f"{full}: {spec.label} quantizes blocks of {spec.block_length} along the last "
                                     f"dim, which is {dim} here (weight shape {wshape}); use another format for this "
                                     "module or disable it")

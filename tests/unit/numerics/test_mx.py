@@ -1,13 +1,14 @@
-"""The MXFP4 reference (modelopt_moe/numerics/mxfp4.py) against values checked by hand, Model Optimizer 0.47's rules
-(the E8M0 exponent ``clamp(ceil(log2(amax / 6)), -127, 127)``, an invalid block amax giving scale 1, padded blocks),
-and its CPU exporter where both round the same way."""
+"""The MX references (modelopt_moe/numerics/mx.py: MXFP4, MXFP8) against values checked by hand, Model Optimizer
+0.47's rules (the E8M0 exponent ``clamp(ceil(log2(amax / m)), -127, 127)``, an all-zero block giving scale 1, Inf
+counted as the largest finite fp32 in the block maximum, padded blocks), and its CPU exporters where both round the
+same way."""
 
 import math
 
 import pytest
 import torch
 
-from modelopt_moe.numerics.mxfp4 import MXFP4, e8m0_exponent
+from modelopt_moe.numerics.mx import MXFP4, e8m0_exponent
 
 NAN, INF = float("nan"), float("inf")
 
@@ -73,8 +74,10 @@ def test_edge_blocks_zero_nan_inf():
     nan_only = MXFP4.fake_quant(_block(NAN, NAN, k=32))
     assert torch.isnan(nan_only[0, :2]).all()
     assert torch.equal(nan_only[0, 2:], torch.zeros(30))
-    # Inf makes the block amax invalid: scale 1, Inf saturates to 6, the rest rounds at scale 1.
-    assert MXFP4.fake_quant(_block(INF, -INF, 0.3, 7.0, 1e-3))[0, :5].tolist() == [6.0, -6.0, 0.5, 6.0, 0.0]
+    # Inf counts as the largest finite fp32 in the block max (Model Optimizer clamps |x| to FLT_MAX before its
+    # reduction): e = 126, Inf saturates to 6 and 6 * 2**126 overflows back to Inf; the rest rounds at 2**126 (to 0).
+    assert MXFP4.fake_quant(_block(INF, -INF, 0.3, 7.0, 1e-3))[0, :5].tolist() == [INF, -INF, 0.0, 0.0, 0.0]
+    assert MXFP4.quantize(_block(INF)).scale.flatten().tolist() == [2.0**-126]
 
 
 def test_each_block_of_a_row_gets_its_own_exponent_and_a_partial_last_block_is_padded():
