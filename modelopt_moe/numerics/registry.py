@@ -81,7 +81,7 @@ def format_of(num_bits, block_sizes: dict | None = None) -> str:
 
 
 def scale_bits_tuple(scale_bits) -> tuple[int, int]:
-    """``scale_bits`` as Model Optimizer writes it, an (E, M) tuple (``"e4m3"`` -> ``(4, 3)``, ``"e8m0"`` -> ``(8, 0)``).
+    """``scale_bits`` as Model Optimizer writes it: an (E, M) tuple (``"e4m3"``: ``(4, 3)``; ``"e8m0"``: ``(8, 0)``).
 
     Raises:
         ValueError: ``scale_bits`` names no block-scale format.
