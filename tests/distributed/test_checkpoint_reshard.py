@@ -1,8 +1,8 @@
 """Distributed checkpoints of quantized Megatron MoE GPTs on 4 gloo ranks: a reshard matrix.
 
-Every (TP, EP) layout in LAYOUTS saves once (FP8 or NVFP4, some weight / input amax layout); every other layout
+Every (TP, EP) layout in LAYOUTS saves once (FP8, NVFP4, MXFP4 or MXFP8, some weight / input amax layout); every other layout
 loads each of those checkpoints into a freshly built model of another seed, restoring into another expert amax layout
-(all 9 weight-layout pairs and all 4 input-layout pairs occur, both formats). Each load compares, layout-independently
+(all 9 weight-layout pairs and all 4 input-layout pairs occur, every format). Each load compares, layout-independently
 (global tensors keyed by global expert index / full TP tensors), every amax and weight bit-exactly with the saved
 model's (a `shared` target holds the max over all experts, as the contract says), the logits on the same batch, and
 re-saves to check the second checkpoint equals the first key by key (bit-exact; `shared` targets: the max).
@@ -25,13 +25,13 @@ WORLD, SEED, EXPERTS, LAYERS = 4, 1234, 8, 2
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (4, 1)]
 W_LAYOUTS = ["vectorized", "per_expert", "shared"]
 I_LAYOUTS = ["shared", "per_expert"]
-PRESETS = ["fp8_default.yaml", "nvfp4_default.yaml"]
+PRESETS = ["fp8_default.yaml", "nvfp4_default.yaml", "mxfp4_default.yaml", "mxfp8_default.yaml"]
 EXPERT_AMAX = ("weight_quantizer", "input_quantizer")
 
 
 def source_setup(s):
     """Source layout index -> (preset, weight amax layout, input amax layout)."""
-    return PRESETS[s % 2], W_LAYOUTS[s % 3], I_LAYOUTS[(s // 2) % 2]
+    return PRESETS[s % len(PRESETS)], W_LAYOUTS[s % 3], I_LAYOUTS[(s // 2) % 2]
 
 
 def target_setup(s, t):
