@@ -53,9 +53,11 @@ class QuantizerAttributeConfig(_Strict):
         num_bits: ``(4, 3)``/``"e4m3"``, ``(5, 2)``/``"e5m2"``, ``(2, 1)``/``"e2m1"`` (NVFP4), an int 2..8.
         axis: ``None`` for one amax per tensor; an int (or tuple of ints) for one amax per slice along those axes
             (per channel: the kept axes, as in Model Optimizer).
-        block_sizes: ``{-1: 16, "type": "dynamic", "scale_bits": (4, 3)}`` for NVFP4; ``{-1: 128, "type":
-            "static"}`` for INT4 blocks with calibrated (static) per-block amaxes, ``"type": "dynamic"`` for block
-            amaxes taken from the data at every call; ``{-1: None}`` with ``type: dynamic``: one amax per token.
+        block_sizes: ``{-1: 16, "type": "dynamic", "scale_bits": (4, 3)}`` for NVFP4; ``{-1: 32, "type":
+            "dynamic", "scale_bits": (8, 0)}`` with ``num_bits`` ``(2, 1)`` / ``(4, 3)`` for MXFP4 / MXFP8 (E8M0
+            block scales; any other block refused); ``{-1: 128, "type": "static"}`` for INT4 blocks with calibrated
+            (static) per-block amaxes, ``"type": "dynamic"`` for block amaxes taken from the data at every call;
+            ``{-1: None}`` with ``type: dynamic``: one amax per token.
             Without ``"type"`` int blocks are static (Model Optimizer's default) and NVFP4 blocks dynamic (the only
             NVFP4 this package has). A last dim that is not a multiple of an int block is zero-padded.
         enable: whether the quantizer is on.
