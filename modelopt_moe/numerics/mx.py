@@ -38,6 +38,11 @@ Edge rules:
   two, such as a block maximum of exactly ``3 * 2**k``; data below 2**-126); the GPU comparison against the installed
   package runs away from them. This reference uses IEEE arithmetic throughout.
 
+Encoding (the export codec's half; writing checkpoints is not wired yet): :func:`encode_mx` gives the codes and the
+E8M0 scales (uint8 ``127 + e``) of exactly what the fake quant rounded to (MXFP4: two E2M1 codes per byte as NVFP4
+packs them; MXFP8: ``float8_e4m3fn``), as compressed-tensors' ``mxfp4-pack-quantized`` / ``mxfp8-quantized`` store
+and decode them.
+
 Calibration: MX quantizers take every scale from the data, so the forward never reads an amax; calibration records
 each quantizer's absolute max all the same (as for dynamic int blocks), for reports and checkpoints only.
 """
@@ -59,10 +64,10 @@ from .format import (
     true_div,
 )
 from .fp8 import E4M3, E4M3_MAX
-from .nvfp4 import E2M1_MAX, round_to_e2m1
+from .nvfp4 import E2M1_MAX, e2m1_codes, pack_fp4, round_to_e2m1
 
 __all__ = ["MX_BLOCK_SIZE", "E8M0_MIN", "E8M0_MAX", "E8M0_BITS", "FP32_MAX", "MXFormat", "MXFP4", "MXFP8",
-           "MX_FORMATS", "e8m0_exponent"]
+           "MX_FORMATS", "e8m0_exponent", "encode_mx"]
 
 MX_BLOCK_SIZE = 32
 E8M0_MIN, E8M0_MAX = -127, 127  # the exponents an E8M0 scale holds (bias 127; 0xFF is NaN)
@@ -146,3 +151,26 @@ MXFP8 = MXFormat("mxfp8", (4, 3), E4M3_MAX, E4M3_MAX, "MXFP8",
                  kernel=KernelSpec(KernelRoutine.POWER_OF_TWO_BLOCKS, E4M3_MAX, mant=3, emin=-6, emax=8),
                  element_dtype=E4M3.element_dtype, aliases=("mxfp8",), round_elements=_round_e4m3, **_MX)
 MX_FORMATS = (MXFP4, MXFP8)
+
+
+def encode_mx(w: torch.Tensor, fmt: MXFormat, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes of the 2-D ``w`` in MX format ``fmt`` and its E8M0 block scales, exactly what :meth:`fake_quant`
+    rounded to: MXFP4 ``[R, K // 2]`` uint8 (two E2M1 codes per byte, column ``2j`` in the low nibble of byte ``j``),
+    MXFP8 ``[R, K]`` ``float8_e4m3fn``; scales ``[R, K // 32]`` uint8 ``127 + e`` (the value is ``codes * 2**e``).
+
+    Raises:
+        ValueError: ``w`` is not 2-D, holds NaN, or its last dim is not a multiple of 32 (``name`` says which tensor).
+    """
+    b = fmt.block_length
+    if w.dim() != 2 or w.shape[-1] % b:
+        raise ValueError(f"{name}: {fmt.label} encodes 2-D weights whose last dim is a multiple of {b}, got shape "
+                         f"{tuple(w.shape)}")
+    if bool(torch.isnan(w).any()):
+        raise ValueError(f"{name}: the weight holds NaN; a NaN weight cannot be encoded (was training diverging?)")
+    qx = fmt.quantize(w)
+    # scale = 2**-e exactly (e in [-127, 127]): its exponent field gives e without rounding.
+    e = -(torch.frexp(qx.scale.squeeze(-1))[1] - 1)
+    e8m0 = (e + 127).to(torch.uint8)
+    values = qx.values.flatten(-2)
+    codes = pack_fp4(e2m1_codes(values)) if fmt.element_dtype is None else values.to(fmt.element_dtype)
+    return codes, e8m0
