@@ -86,3 +86,21 @@ def test_straight_through_backward_passes_the_gradients_unchanged(fmt):
     y = K.grouped_input_fake_quant_ste(x, [2, 3], None, fmt, ste="clipped")
     g = torch.randn_like(y)
     assert torch.equal(torch.autograd.grad(y, x, g)[0], g)
+
+
+@needs_triton
+@pytest.mark.parametrize("options", [{"tile": 1024, "warps": 2}, {"tile": 8192, "lean": False},
+                                     {"uniform": False, "even": False}], ids=str)
+@pytest.mark.parametrize("fmt", MX)
+def test_every_launch_option_gives_the_reference_bits(fmt, options):
+    from modelopt_moe.kernels import tuning
+
+    try:
+        tuning.set_weight_kernel_config(fmt, **options)
+        for shapes in ([(8, 64)] * 3, RAGGED[:3]):
+            weights = make_experts(shapes, torch.bfloat16, seed=8)
+            for o, w in zip(K.grouped_weight_fake_quant(weights, None, fmt), weights, strict=True):
+                assert_bits_equal(o, fake_quant(w, fmt), f"{fmt} {options} {shapes}")
+    finally:
+        tuning.reset_weight_kernel_config()
+        K.clear_table_cache()
