@@ -9,7 +9,8 @@ names:
   amax maps to: the element bound times the block-scale bound for two-level formats);
 * how it is scaled: ``scale_layouts`` (:class:`ScaleLayout`), ``block`` (the fixed block shape of block formats,
   last dim last: ``(16,)`` for NVFP4, ``(128, 128)`` for a 2-D block), ``block_scale`` (the format of the block
-  scales of two-level formats), ``integer`` (levels are integers: ``narrow_range`` / ``unsigned`` apply);
+  scales of two-level formats), ``integer`` (levels are integers: ``narrow_range`` / ``unsigned`` apply), ``pads``
+  (a partial last block is zero-padded: MX), ``scale_bits`` (Model Optimizer's ``scale_bits`` that select it: MX);
 * whether it needs a calibrated amax (:meth:`Format.needs_amax`), which block sizes and configs it takes
   (:meth:`Format.block_size_problem`, :meth:`Format.check_config`);
 * the reference quantize / dequantize (:meth:`Format.quantize`, :meth:`Format.dequantize`), pure-torch fp32 with IEEE

@@ -49,6 +49,7 @@ each quantizer's absolute max all the same (as for dynamic int blocks), for repo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,7 +103,7 @@ class MXFormat(Format):
             ties to even, NaN kept).
     """
 
-    round_elements: object = None
+    round_elements: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def needs_amax(self, block_size: int | None) -> bool:
         """Never: every scale comes from its block."""
