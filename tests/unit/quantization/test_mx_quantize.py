@@ -70,6 +70,7 @@ def test_linear_forward_is_the_reference_on_inputs_and_weights_whatever_calibrat
     assert torch.equal(fc(x), want)
     # Calibration records each quantizer's absolute max (reports, checkpoints); the forward never reads it.
     assert torch.equal(fc.weight_quantizer.amax, fc.weight.detach().abs().amax())
+    assert f"{fmt}, E8M0 scales per 32 from the data, amax=" in repr(fc.weight_quantizer)
     fc.weight_quantizer.amax = fc.weight_quantizer.amax * 0.01
     fc.input_quantizer.amax = fc.input_quantizer.amax * 0.01
     assert torch.equal(fc(x), want)
