@@ -104,3 +104,37 @@ def test_every_launch_option_gives_the_reference_bits(fmt, options):
     finally:
         tuning.reset_weight_kernel_config()
         K.clear_table_cache()
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", MX)
+def test_mx_grouped_linear_traces_with_fullgraph_and_matches_eager(fmt):
+    import warnings
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.quantization.nn import GroupedLinear
+
+    splits = [3, 0, 5]
+    torch.manual_seed(0)
+    layer = GroupedLinear(len(splits), 48, 16, bias=True)  # 48: a padded last block
+    cfg = mtq.load_config(f"{fmt}_default.yaml")
+    cfg.kernel = "triton"
+    x = torch.randn(sum(splits), 48, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(layer, cfg, lambda m: m(x, splits))
+
+    def run(fn):
+        for w in layer.parameters():
+            w.grad = None
+        xx = x.clone().requires_grad_(True)
+        y = fn(xx)
+        y.square().sum().backward()
+        return y.detach(), xx.grad, [w.grad.clone() for w in layer.expert_weights()]
+
+    eager = run(lambda t: layer(t, splits))
+    torch._dynamo.reset()
+    compiled = run(torch.compile(lambda t: layer(t, splits), fullgraph=True, backend="aot_eager"))
+    assert torch.equal(compiled[0], eager[0])
+    assert torch.equal(compiled[1], eager[1])
+    assert all(torch.equal(a, b) for a, b in zip(compiled[2], eager[2], strict=True))
