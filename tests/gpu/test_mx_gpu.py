@@ -109,6 +109,35 @@ def test_straight_through_backward_passes_the_gradients(fmt):
         assert_bits_equal(w.grad, g, f"expert {i}")
 
 
+@pytest.mark.parametrize("fmt", MX)
+def test_cuda_graph_capture_and_replay(fmt):
+    weights = make_experts([(512, 1000)] * 16, torch.bfloat16)  # 1000: a partial last block
+    m = torch.tensor([100, 0, 28] + [0] * 13, device=DEV)
+    x = torch.randn(128, 1000, device=DEV, dtype=torch.bfloat16)
+
+    def step():
+        return K.grouped_weight_fake_quant(weights, None, fmt), K.grouped_input_fake_quant(x, m, None, fmt)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs, y = step()
+    with torch.no_grad():  # new values in the same storage, then replay
+        for i, w in enumerate(weights):
+            w.copy_(torch.randn_like(w) * (i + 1))
+        x.copy_(torch.randn_like(x))
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    for i, (o, w) in enumerate(zip(outs, weights, strict=True)):
+        assert_bits_equal(o, fake_quant(w, fmt), f"replayed expert {i}")
+    assert_bits_equal(y, fake_quant(x, fmt))
+
+
 def _modelopt_mx_quantizer(fmt):
     """Model Optimizer's own TensorQuantizer for its MX preset's attributes (skips where it is not importable)."""
     mo = pytest.importorskip("modelopt.torch.quantization")
