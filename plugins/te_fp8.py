@@ -61,7 +61,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from modelopt_moe.kernels import grouped_weight_amax
-from modelopt_moe.numerics import get_format, safe_amax, scale_rows
+from modelopt_moe.numerics import ScaleLayout, get_format, safe_amax, scale_rows
 from modelopt_moe.quantization.config import ConfigError
 from modelopt_moe.quantization.nn.expert_weights import expert_weight_clip_mask, quantize_expert_weights
 from modelopt_moe.quantization.nn.experts import expert_input_clip_mask, quantize_expert_inputs, split_sizes
@@ -110,6 +110,9 @@ def problems(module) -> list[str]:
                          "quantizer must be enabled")
         elif get_format(q.fmt).element_dtype is not torch.float8_e4m3fn:
             found.append(f"{kind} format {q.fmt}: te_fp8 runs FP8 E4M3 GEMMs only")
+        elif ScaleLayout.PER_TENSOR not in get_format(q.fmt).scale_layouts:
+            found.append(f"{kind} format {q.fmt} scales each block of {get_format(q.fmt).block_length}: te_fp8 takes "
+                         "one scale per expert (MXFP8 GEMMs need Blackwell; train it with gemm: fake_quant)")
         elif q.axis is not None:
             found.append(f"{kind} has a per-channel amax (axis={q.axis}): te_fp8 takes one scale per expert")
         elif q.is_dynamic:

@@ -32,7 +32,12 @@ Files (all CPU, fp32 unless named):
   (``modelopt_state/`` inside). Beside it ``megatron_moe_fp8_tp1ep2.amax.pt``: every amax by its quantizer's name
   with GLOBAL expert indices, and the full-vocabulary logits of an evaluation batch.
 
-Model Optimizer 0.47's NVFP4 and dynamic-block fake quant need CUDA, so no NVFP4 case is made on CPU.
+* ``mx.pt.xz``: Model Optimizer's MX presets (``MXFP4_DEFAULT_CFG``, ``MXFP8_DEFAULT_CFG``), the state of its
+  TensorQuantizer for each (``get_modelopt_state``), and its CPU MX exporters' E8M0 scales and values
+  (``MXFP4QTensor``, ``MXFP8QTensor``) of a 64 x 256 fp32 tensor of spread magnitudes.
+
+Model Optimizer 0.47's NVFP4, MX and dynamic-block fake quant need CUDA, so no NVFP4 or MX fake-quant case is made on
+CPU (tests/gpu/test_mx_gpu.py compares against its MX fake quant on the GPU).
 """
 
 from __future__ import annotations
@@ -188,6 +193,39 @@ def make_linear(out: Path) -> None:
     torch.save(presets, out / "presets.pt")
 
 
+def mx_input() -> torch.Tensor:
+    """The tensor the MX exporters quantize: 64 rows of 256, row magnitudes from 1e-20 to 1e20."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(64, 256, generator=g) * torch.logspace(-20, 20, 64).unsqueeze(-1)
+
+
+def make_mx(out: Path) -> None:
+    """Writes ``mx.pt.xz``: Model Optimizer's MX presets, quantizer states, and its CPU MX exporters' output."""
+    warnings.filterwarnings("ignore")
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.quantization.nn import TensorQuantizer
+    from modelopt.torch.quantization.qtensor.mxfp4_tensor import MXFP4QTensor
+    from modelopt.torch.quantization.qtensor.mxfp8_tensor import MXFP8QTensor
+
+    presets = {n: copy.deepcopy(getattr(mtq, n)) for n in ("MXFP4_DEFAULT_CFG", "MXFP8_DEFAULT_CFG")}
+    states = {}
+    for name, preset in presets.items():
+        cfg = next(e["cfg"] for e in preset["quant_cfg"] if e["quantizer_name"] == "*weight_quantizer")
+        states[name] = TensorQuantizer(mtq.config.QuantizerAttributeConfig(**cfg)).get_modelopt_state()
+    x = mx_input()
+    packed4, scale4 = MXFP4QTensor.quantize(x, 32)
+    q8, scale8 = MXFP8QTensor.quantize(x)
+    exporters = {  # of mx_input(), which the tests make again (the same bits from the same seed)
+        "mxfp4": {"e8m0": scale4.clone(), "values": packed4.dequantize(torch.float32, scale=scale4,
+                                                                       block_sizes={-1: 32}).reshape(x.shape)},
+        "mxfp8": {"e8m0": scale8.clone(), "values": q8.dequantize(torch.float32, scale=scale8).reshape(x.shape)},
+    }
+    raw = io.BytesIO()
+    torch.save({"presets": presets, "quantizer_state": states, "exporters": exporters,
+                "modelopt_version": __import__("modelopt").__version__}, raw)
+    (out / "mx.pt.xz").write_bytes(lzma.compress(raw.getvalue(), preset=9 | lzma.PRESET_EXTREME))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Megatron MoE GPT, dist checkpoint
 
@@ -259,13 +297,15 @@ def main() -> None:
     """Makes the fixtures of ``--part`` in ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--part", choices=("all", "linear", "megatron"), default="all")
+    parser.add_argument("--part", choices=("all", "linear", "megatron", "mx"), default="all")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.part in ("all", "linear"):
         make_linear(args.out)
     if args.part in ("all", "megatron"):
         make_megatron(args.out)
+    if args.part in ("all", "mx"):
+        make_mx(args.out)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,9 @@ def _check_each_weight(weights: list[torch.Tensor], what: str, amax: torch.Tenso
                        block_size: int | None) -> None:
     """The per-expert checks of :func:`check_weights` (``amax`` already checked as a tensor on the right device)."""
     w0 = weights[0]
-    fixed = None if fmt is None else get_format(fmt).block_length
+    # Blocks that pad a partial last block (data int blocks, MX) take any last dim; other fixed blocks must tile it.
+    spec = None if fmt is None else get_format(fmt)
+    fixed = None if spec is None or spec.pads else spec.block_length
     for i, w in enumerate(weights):
         if not isinstance(w, torch.Tensor):
             raise ValueError(f"{what}: expert {i} is a {type(w).__name__}, not a tensor")
@@ -180,7 +182,8 @@ def check_input_fake_quant(x, m_splits, amax, fmt: str, block_size: int | None, 
     if amax is None and needs_amax(fmt, block_size):
         raise ValueError(f"{what}: format {fmt!r} needs an amax tensor, got None")
     m_splits, amax = check_input(x, m_splits, amax, what)
-    fixed = get_format(fmt).block_length
+    spec = get_format(fmt)
+    fixed = None if spec.pads else spec.block_length
     if fixed is not None and x.shape[1] % fixed:
         raise ValueError(f"{what}: x has shape {tuple(x.shape)}; format {fmt!r} needs a last dim that is a "
                          f"multiple of the block size {fixed}")

@@ -356,9 +356,12 @@ def inner_block(fmt: str, block_size: int | None) -> tuple[int, bool]:
     return 16, False
 
 
-def padded(weights, block_size) -> bool:
-    """Whether an int block of ``block_size`` overhangs the last dim of some expert (then zero-padded)."""
-    return block_size is not None and any(w.dim() == 0 or w.shape[-1] % block_size for w in weights)
+def padded(weights, fmt: str, block_size: int | None) -> bool:
+    """Whether a block that pads (an int block of ``block_size``, a fixed block of a format that pads: MX) overhangs
+    the last dim of some expert (then zero-padded)."""
+    spec = get_format(fmt)
+    block = block_size if block_size is not None else spec.block_length if spec.pads else None
+    return block is not None and any(w.dim() == 0 or w.shape[-1] % block for w in weights)
 
 
 def split_views(flat: torch.Tensor, like: Sequence[torch.Tensor], sig: Signature | None = None) -> list[torch.Tensor]:

@@ -107,7 +107,7 @@ def _launch_weight_stats(weights, amax, fmt, block_size, narrow_range=True,
     n = len(weights)
     mode, amax_stride = amax_mode(amax, n)
     bs, _ = inner_block(fmt, block_size)
-    plan = weight_plan(weights, None, bs, two_d=mode == 2 or padded(weights, block_size),
+    plan = weight_plan(weights, None, bs, two_d=mode == 2 or padded(weights, fmt, block_size),
                        tile_elems=weight_kernel_config(fmt)["tile"], sig=sig)
     device = weights[0].device
     out = torch.empty(plan.total, dtype=weights[0].dtype, device=device)

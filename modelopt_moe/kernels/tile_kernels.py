@@ -26,6 +26,7 @@ from . import launch
 SCALED_FLOAT: tl.constexpr = tl.constexpr(int(KernelRoutine.SCALED_FLOAT))
 SCALED_INT: tl.constexpr = tl.constexpr(int(KernelRoutine.SCALED_INT))
 TWO_LEVEL_E2M1: tl.constexpr = tl.constexpr(int(KernelRoutine.TWO_LEVEL_E2M1))
+POWER_OF_TWO_BLOCKS: tl.constexpr = tl.constexpr(int(KernelRoutine.POWER_OF_TWO_BLOCKS))
 
 # The invalid-amax threshold (2**-24) and the largest finite fp32; both exact in fp32.
 TINY_AMAX: tl.constexpr = tl.constexpr(_TINY_AMAX)
@@ -230,6 +231,34 @@ def _int_tile(x, amax, IBOUND: tl.constexpr, INT_BLOCK: tl.constexpr, NATIVE_DIV
 
 
 @triton.jit
+def _mx_tile(x, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+             LEAN: tl.constexpr = False):
+    """MX (numerics/mx.py): each block (the last axis) scaled by ``2**-e``, ``e = ceil(log2(amax / BOUND))`` read
+    from the quotient's bits, its elements rounded to the float grid (MANT, EMIN, EMAX) saturating at BOUND."""
+    ax = tl.abs(x)
+    bmax = tl.max(tl.where(ax != ax, 0.0, ax), axis=2, keep_dims=True)  # [R, NB, 1], NaN ignored
+    bmax = tl.where(bmax > FP32_MAX, FP32_MAX, bmax)  # Inf counts as the largest finite (Model Optimizer's clamp)
+    bits = _div(bmax, tl.full(bmax.shape, BOUND, tl.float32)).to(tl.int32, bitcast=True)  # >= 0: no sign bit
+    ef = bits >> 23
+    sig = bits & 0x7FFFFF
+    # ceil(log2(ratio)): the exponent, one more where the significand is not zero; a subnormal ratio (ef == 0) is
+    # above 2**-127 (-126) or not (-127, also for an underflow to 0). At most 126 (FP32_MAX / 6 < 2**126), so
+    # 2**-e is a normal fp32.
+    e = tl.where(sig != 0, ef - 126, ef - 127)
+    e = tl.where(ef == 0, tl.where(sig > 0x400000, -126, -127), e)
+    e = tl.where(bmax == 0.0, 0, e)  # an all-zero (or all-NaN) block: scale 1
+    scale = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    v = ax * scale  # exact: a power of two (values that underflow round to 0 below anyway)
+    v = tl.where(v > BOUND, BOUND, v)  # only Inf exceeds it (NaN compares false and stays NaN)
+    q = _round_mag(v, MANT, EMIN, EMAX, LEAN)
+    # q * 2**e, exact: 2**e is normal but at e = -127, whose product is taken in two normal steps.
+    half = tl.where(e == -127, -64, e)
+    y = q * ((127 + half) << 23).to(tl.float32, bitcast=True)
+    y = tl.where(e == -127, y * 1.0842021724855044e-19, y)  # 2**-63
+    return _with_sign_of(y, x)
+
+
+@triton.jit
 def _nvfp4_tile(x, amax, BOUND: tl.constexpr, NATIVE_DIV: tl.constexpr, HW_CVT: tl.constexpr = False,
                 LEAN: tl.constexpr = False, FAST_MAX: tl.constexpr = False):
     sg = _div(_safe_amax(amax, BOUND), tl.full(amax.shape, BOUND, tl.float32))  # [R, 1, 1]; BOUND = 6 * 448
@@ -277,6 +306,8 @@ def fake_quant_tile(x, amax, FAMILY: tl.constexpr, BOUND: tl.constexpr, MANT: tl
         out = _fp8_tile(x, amax, BOUND, MANT, EMIN, EMAX, NATIVE_DIV, HW_CVT, LEAN)
     elif FAMILY == SCALED_INT:
         out = _int_tile(x, amax, BOUND, INT_BLOCK, NATIVE_DIV, BOUND if NARROW else BOUND + 1.0)
+    elif FAMILY == POWER_OF_TWO_BLOCKS:
+        out = _mx_tile(x, BOUND, MANT, EMIN, EMAX, LEAN)
     else:
         out = _nvfp4_tile(x, amax, BOUND, NATIVE_DIV, HW_CVT, LEAN, FAST_MAX)
     return out

@@ -142,7 +142,7 @@ def _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range=True,
     cfg = weight_kernel_config(fmt)
     # Padded int blocks need the 2-D tiling: its tiles start at a row and mask the columns past the last one (loaded
     # as 0: the zero padding), so no block spans two rows.
-    plan = weight_plan(weights, None, bs, two_d=mode == 2 or padded(weights, block_size), tile_elems=cfg["tile"],
+    plan = weight_plan(weights, None, bs, two_d=mode == 2 or padded(weights, fmt, block_size), tile_elems=cfg["tile"],
                        sig=sig)
     out = torch.empty(plan.total, dtype=weights[0].dtype, device=weights[0].device)
     if plan.n_tiles == 0:

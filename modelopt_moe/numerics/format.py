@@ -9,7 +9,8 @@ names:
   amax maps to: the element bound times the block-scale bound for two-level formats);
 * how it is scaled: ``scale_layouts`` (:class:`ScaleLayout`), ``block`` (the fixed block shape of block formats,
   last dim last: ``(16,)`` for NVFP4, ``(128, 128)`` for a 2-D block), ``block_scale`` (the format of the block
-  scales of two-level formats), ``integer`` (levels are integers: ``narrow_range`` / ``unsigned`` apply);
+  scales of two-level formats), ``integer`` (levels are integers: ``narrow_range`` / ``unsigned`` apply), ``pads``
+  (a partial last block is zero-padded: MX), ``scale_bits`` (Model Optimizer's ``scale_bits`` that select it: MX);
 * whether it needs a calibrated amax (:meth:`Format.needs_amax`), which block sizes and configs it takes
   (:meth:`Format.block_size_problem`, :meth:`Format.check_config`);
 * the reference quantize / dequantize (:meth:`Format.quantize`, :meth:`Format.dequantize`), pure-torch fp32 with IEEE
@@ -64,6 +65,7 @@ class KernelRoutine(enum.IntEnum):
     SCALED_FLOAT = 0  # one divisor bound / amax, a small float grid (FP8)
     SCALED_INT = 1  # one divisor bound / amax per tensor, channel or data block, an integer grid
     TWO_LEVEL_E2M1 = 2  # E2M1 values, E4M3 block scales times a second-level scale (NVFP4)
+    POWER_OF_TWO_BLOCKS = 3  # a small float grid, one power-of-two (E8M0) scale per block from the data (MX)
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,12 @@ class Format:
     block_scale: str | None = None
     integer: bool = False
     export: ExportCodec | None = field(default=None, repr=False)
+    # A last dim that is not a multiple of the fixed block is zero-padded (MX, as Model Optimizer pads); False: the
+    # block must tile it exactly (NVFP4).
+    pads: bool = False
+    # Model Optimizer's ``block_sizes.scale_bits`` that selects this format among the formats of its ``num_bits``
+    # (MX: ``(8, 0)``); None: ``num_bits`` alone names it.
+    scale_bits: tuple[int, int] | None = None
 
     @property
     def block_length(self) -> int | None:
@@ -277,9 +285,9 @@ class Format:
         if block_size is not None and self.block is None and (
                 isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
             raise ValueError(f"fake_quant: block_size must be a positive int, got {block_size!r}")
-        # Data blocks pad the last dim (integer.py); a format's own fixed blocks must tile it exactly.
+        # Data blocks pad the last dim (integer.py); a format's own fixed blocks must tile it exactly unless it pads.
         fixed = self.block_length
-        if fixed is not None and (x.dim() == 0 or x.shape[-1] % fixed != 0):
+        if fixed is not None and (x.dim() == 0 or (x.shape[-1] % fixed != 0 and not self.pads)):
             raise ValueError(f"fake_quant: last dim of shape {tuple(x.shape)} must be a multiple of block size "
                              f"{fixed} ({self.name} blocks are never padded)")
         if block_size is not None and x.dim() == 0:

@@ -43,6 +43,8 @@ from .weight_reuse import reuse_quantized_weights
 
 FP8_DEFAULT_CFG = load_config(preset_path("fp8_default.yaml")).model_dump()
 NVFP4_DEFAULT_CFG = load_config(preset_path("nvfp4_default.yaml")).model_dump()
+MXFP4_DEFAULT_CFG = load_config(preset_path("mxfp4_default.yaml")).model_dump()
+MXFP8_DEFAULT_CFG = load_config(preset_path("mxfp8_default.yaml")).model_dump()
 INT8_DEFAULT_CFG = load_config(preset_path("int8_default.yaml")).model_dump()
 INT4_BLOCKWISE_WEIGHT_ONLY_CFG = load_config(preset_path("int4_blockwise_weight_only.yaml")).model_dump()
 
@@ -54,5 +56,6 @@ __all__ = [
     "QuantMode", "CalibrationError",
     "reuse_quantized_weights", "fake_quant", "update_weight_amax", "autoswitch_step", "autoswitch_summary",
     "FORMATS", "QuantModuleRegistry", "named_quantizers", "sync_amax", "FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG",
+    "MXFP4_DEFAULT_CFG", "MXFP8_DEFAULT_CFG",
     "INT8_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
 ]

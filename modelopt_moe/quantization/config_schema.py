@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..numerics import UnsupportedSetting, format_from_num_bits, get_format
+from ..numerics import UnsupportedSetting, format_from_num_bits, format_of, get_format
 from .modelopt_shapes import UNSUPPORTED_ALGORITHMS, normalize_quant_cfg, unsupported
 from .modelopt_shapes import parent_class_name as _modelopt_parent_class
 
@@ -53,9 +53,11 @@ class QuantizerAttributeConfig(_Strict):
         num_bits: ``(4, 3)``/``"e4m3"``, ``(5, 2)``/``"e5m2"``, ``(2, 1)``/``"e2m1"`` (NVFP4), an int 2..8.
         axis: ``None`` for one amax per tensor; an int (or tuple of ints) for one amax per slice along those axes
             (per channel: the kept axes, as in Model Optimizer).
-        block_sizes: ``{-1: 16, "type": "dynamic", "scale_bits": (4, 3)}`` for NVFP4; ``{-1: 128, "type":
-            "static"}`` for INT4 blocks with calibrated (static) per-block amaxes, ``"type": "dynamic"`` for block
-            amaxes taken from the data at every call; ``{-1: None}`` with ``type: dynamic``: one amax per token.
+        block_sizes: ``{-1: 16, "type": "dynamic", "scale_bits": (4, 3)}`` for NVFP4; ``{-1: 32, "type":
+            "dynamic", "scale_bits": (8, 0)}`` with ``num_bits`` ``(2, 1)`` / ``(4, 3)`` for MXFP4 / MXFP8 (E8M0
+            block scales; any other block refused); ``{-1: 128, "type": "static"}`` for INT4 blocks with calibrated
+            (static) per-block amaxes, ``"type": "dynamic"`` for block amaxes taken from the data at every call;
+            ``{-1: None}`` with ``type: dynamic``: one amax per token.
             Without ``"type"`` int blocks are static (Model Optimizer's default) and NVFP4 blocks dynamic (the only
             NVFP4 this package has). A last dim that is not a multiple of an int block is zero-padded.
         enable: whether the quantizer is on.
@@ -174,7 +176,7 @@ class QuantizerAttributeConfig(_Strict):
                                                  "of tokens; use type: dynamic"))
             elif "scale_bits" in bs and spec.block_scale is None:
                 raise ValueError(unsupported("block_sizes.scale_bits", bs["scale_bits"], "no quantized block scales "
-                                             "besides NVFP4's E4M3"))
+                                             "besides NVFP4's E4M3 and MX's E8M0"))
         try:
             spec.check_config(bs, self.axis)  # the format's own rules
         except UnsupportedSetting as e:
@@ -183,8 +185,9 @@ class QuantizerAttributeConfig(_Strict):
 
     @property
     def format(self) -> str:
-        """The format name in :data:`formats.FORMATS`."""
-        return format_from_num_bits(self.num_bits)
+        """The format name in :data:`formats.FORMATS` (``num_bits``, and the block scales' ``scale_bits`` where they
+        select the format: E8M0 for MX)."""
+        return format_of(self.num_bits, self.block_sizes)
 
     @property
     def _int_block(self) -> int | None:

@@ -254,22 +254,37 @@ def report_unmatched_entries(entries: list[QuantCfgEntry], found, strict: bool) 
     return messages
 
 
-def _shape_targets(name: str, module: nn.Module) -> list[tuple[str, nn.Module, tuple[int, ...]]]:
-    """``(quantizer prefix, holder of the quantizers, weight shape)`` of a quantized module's GEMMs."""
+def _shape_targets(name: str, module: nn.Module) -> list[tuple[str, nn.Module, tuple[int, ...], int]]:
+    """``(quantizer prefix, holder of the quantizers, weight shape, tensor-parallel parts of its input dim)`` of a
+    quantized module's GEMMs."""
     gemms = module.expert_gemms()
     if gemms:
-        return [(".".join(p for p in (name, g.name) if p), g.quantizers, tuple(g.weight_shape)) for g in gemms
-                if g.weight_shape]
+        etp = module.expert_grid().etp_size
+        return [(".".join(p for p in (name, g.name) if p), g.quantizers, tuple(g.weight_shape),
+                 etp if g.sharded_axis == len(g.weight_shape) - 1 else 1) for g in gemms if g.weight_shape]
     weight = getattr(module, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() >= 1 and "weight_quantizer" in module._modules:
-        return [(name, module, tuple(weight.shape))]
+        return [(name, module, tuple(weight.shape), module.input_dim_parts())]
     return []
+
+
+def _cut_blocks(full: str, spec, dim: int, parts: int, wshape) -> list[str]:
+    """Padded blocks (MX) of an input dim split over ``parts`` tensor-parallel ranks: a block cut by the split would
+    make the result depend on the TP size (each rank pads its own part)."""
+    if parts <= 1 or dim % spec.block_length == 0:
+        return []
+    total, b = dim * parts, spec.block_length
+    works = [t for t in range(1, total + 1) if total % t == 0 and (total // t) % b == 0 and t & (t - 1) == 0]
+    return [f"{full}: {spec.label} quantizes blocks of {b} along the input dim, which tensor parallelism splits into "
+            f"{parts} parts of {dim} of {total} here (weight shape {wshape}, TP {parts}): a block would be cut and the "
+            f"result would depend on the TP size; use TP in {works} for this model, or another format for this "
+            "module"]
 
 
 def check_quantizer_shapes(model: nn.Module) -> None:
     """What cannot work, found when quantizers are configured rather than at the first forward: an NVFP4 quantizer
-    on a tensor whose last dim is not a multiple of 16 (int blocks are zero-padded instead), a per-channel axis
-    outside the weight's dims.
+    on a tensor whose last dim is not a multiple of 16 (int blocks are zero-padded instead), an MX block cut by the
+    tensor-parallel split of an input dim, a per-channel axis outside the weight's dims.
 
     Raises:
         ConfigError: naming each quantizer, its format and the module's shape.
@@ -278,7 +293,7 @@ def check_quantizer_shapes(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if not is_quantized(module):
             continue
-        for prefix, holder, wshape in _shape_targets(name, module):
+        for prefix, holder, wshape, parts in _shape_targets(name, module):
             # Last dims: the weight's; the input's is the weight's input features, the output's its output ones.
             last = {"weight_quantizer": wshape[-1], "input_quantizer": wshape[-1],
                     "output_quantizer": wshape[0] if len(wshape) > 1 else wshape[-1]}
@@ -288,10 +303,12 @@ def check_quantizer_shapes(model: nn.Module) -> None:
                     continue
                 full = f"{prefix}.{kind}" if prefix else kind
                 spec = get_format(q.fmt)
-                if spec.block_length is not None and dim % spec.block_length:
+                if spec.block_length is not None and dim % spec.block_length and not spec.pads:
                     problems.append(f"{full}: {spec.label} quantizes blocks of {spec.block_length} along the last "
                                     f"dim, which is {dim} here (weight shape {wshape}); use another format for this "
                                     "module or disable it")
+                elif spec.pads and kind != "output_quantizer":
+                    problems += _cut_blocks(full, spec, dim, parts, wshape)
                 axes = q.axis if isinstance(q.axis, tuple) else () if q.axis is None else (q.axis,)
                 if kind == "weight_quantizer" and any(not -len(wshape) <= a < len(wshape) for a in axes):
                     problems.append(f"{full}: axis={q.axis} is outside the weight's {len(wshape)} dims "

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..numerics import format_from_num_bits, get_format
+from ..numerics import get_format, scale_bits_tuple
 from .config_schema import QuantizerAttributeConfig
 from .modelopt_shapes import COMPAT_DOC, UNSUPPORTED_ALGORITHMS, normalize_quant_cfg, parent_class_name, unsupported
 from .utils import warn_once
@@ -60,7 +60,7 @@ def modelopt_quantizer_state(q, properties_only: bool = False) -> dict[str, Any]
     if cfg.block_sizes is not None:
         block_sizes = dict(cfg.block_sizes)
         if "scale_bits" in block_sizes:
-            block_sizes["scale_bits"] = get_format(format_from_num_bits(block_sizes["scale_bits"])).num_bits
+            block_sizes["scale_bits"] = scale_bits_tuple(block_sizes["scale_bits"])
     state = {
         "_num_bits": _modelopt_num_bits(cfg), "_axis": cfg.axis, "_block_sizes": block_sizes,
         "_unsigned": cfg.unsigned, "_narrow_range": cfg.narrow_range, "_dynamic": cfg.type == "dynamic",

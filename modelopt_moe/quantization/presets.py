@@ -10,6 +10,8 @@ __all__ = ["PRESET_FILES", "preset_path", "find_preset", "preset_names"]
 PRESET_FILES = {
     "FP8_DEFAULT_CFG": "fp8_default.yaml",
     "NVFP4_DEFAULT_CFG": "nvfp4_default.yaml",
+    "MXFP4_DEFAULT_CFG": "mxfp4_default.yaml",
+    "MXFP8_DEFAULT_CFG": "mxfp8_default.yaml",
     "INT8_DEFAULT_CFG": "int8_default.yaml",
     "INT4_BLOCKWISE_WEIGHT_ONLY_CFG": "int4_blockwise_weight_only.yaml",
 }

@@ -68,6 +68,10 @@ class QuantModuleMixin:
         ``quantizer_name`` (relative name) must max-reduce its amax. Plain modules: none."""
         return ()
 
+    def input_dim_parts(self) -> int:
+        """Into how many tensor-parallel parts the weight's input dim (its last) is split: 1 unless row-parallel."""
+        return 1
+
     def finalize_calibration(self, groups: dict) -> list[str]:
         """After the amax reduction: fix what calibration left incomplete; returns notes for one rank-0 warning."""
         return []

@@ -610,6 +610,9 @@ class TensorQuantizer(nn.Module):
             parts.append(f"block={self.block_size}")
         if self.static_block_size is not None:
             parts.append(f"static block={self.static_block_size}")
+        spec = get_format(self.fmt)
+        if not self.needs_amax and self.block_size is None:  # a fixed block whose every scale comes from the data: MX
+            parts.append(f"{spec.block_scale.upper()} scales per {spec.block_length} from the data")
         if self._cfg.per_token:
             parts.append("per token")
         if get_format(self.fmt).integer and (self.narrow_range or self.unsigned):

@@ -133,6 +133,10 @@ class QuantRowParallelLinear(_QuantParallelLinearMixin):
     """Quantized Megatron ``RowParallelLinear``: the weight's input channels (axis 1) are split over TP ranks."""
     sharded_axis = 1
 
+    def input_dim_parts(self) -> int:
+        """The TP size: Megatron splits the input dim into ``input_size_per_partition`` per rank."""
+        return self.input_size // self.input_size_per_partition
+
 
 class QuantSequentialMLP(QuantModuleMixin):
     """Megatron ``SequentialMLP`` experts with layer-level expert quantizers.

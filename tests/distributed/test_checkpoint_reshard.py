@@ -1,11 +1,12 @@
 """Distributed checkpoints of quantized Megatron MoE GPTs on 4 gloo ranks: a reshard matrix.
 
-Every (TP, EP) layout in LAYOUTS saves once (FP8 or NVFP4, some weight / input amax layout); every other layout
-loads each of those checkpoints into a freshly built model of another seed, restoring into another expert amax layout
-(all 9 weight-layout pairs and all 4 input-layout pairs occur, both formats). Each load compares, layout-independently
-(global tensors keyed by global expert index / full TP tensors), every amax and weight bit-exactly with the saved
-model's (a `shared` target holds the max over all experts, as the contract says), the logits on the same batch, and
-re-saves to check the second checkpoint equals the first key by key (bit-exact; `shared` targets: the max).
+Every (TP, EP) layout in LAYOUTS saves once (FP8, NVFP4, or MXFP4 / MXFP8 experts; some weight / input amax layout);
+every other layout loads each of those checkpoints into a freshly built model of another seed, restoring into
+another expert amax layout (all 9 weight-layout pairs and all 4 input-layout pairs occur, every format). Each load
+compares, layout-independently (global tensors keyed by global expert index / full TP tensors), every amax and weight
+bit-exactly with the saved model's (a `shared` target holds the max over all experts, as the contract says), the
+logits on the same batch, and re-saves to check the second checkpoint equals the first key by key (bit-exact;
+`shared` targets: the max).
 Half the checkpoints are written, and every checkpoint is also read, with the README's flow (the user's own
 ``dist_checkpointing.save/load`` calls plus ``save/restore_sharded_modelopt_state``), which must give the same model.
 Megatron's validate_sharding_integrity runs in every save (dist_checkpointing.save, validate_access_integrity=True)
@@ -25,13 +26,15 @@ WORLD, SEED, EXPERTS, LAYERS = 4, 1234, 8, 2
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (4, 1)]
 W_LAYOUTS = ["vectorized", "per_expert", "shared"]
 I_LAYOUTS = ["shared", "per_expert"]
-PRESETS = ["fp8_default.yaml", "nvfp4_default.yaml"]
+# MX on the experts only: at TP 4 the attention's row-parallel input dim (64 / 4 = 16) would cut a block of 32, which
+# mtq.quantize refuses (checked below); experts are not tensor-parallel here.
+PRESETS = ["fp8_default.yaml", "mxfp4_experts_only.yaml", "mxfp8_experts_only.yaml", "nvfp4_default.yaml"]
 EXPERT_AMAX = ("weight_quantizer", "input_quantizer")
 
 
 def source_setup(s):
     """Source layout index -> (preset, weight amax layout, input amax layout)."""
-    return PRESETS[s % 2], W_LAYOUTS[s % 3], I_LAYOUTS[(s // 2) % 2]
+    return PRESETS[s % len(PRESETS)], W_LAYOUTS[s % 3], I_LAYOUTS[(s // 2) % 2]
 
 
 def target_setup(s, t):
@@ -248,6 +251,11 @@ def _matrix_worker(rank, world_size, root):
         # Amaxes as calibrated and loaded: a dynamic weight amax would be recomputed from the weights on re-save.
         cfg.weight_amax_update = "static"
         mtq.quantize(model, cfg, lambda m: mm.lm_loss(m, calib))
+        if tp == 4:  # MX everywhere: the attention's row-parallel input dim is cut into parts of 16
+            try:
+                mtq.quantize(build(mm, SEED), mtq.load_config("mxfp4_default.yaml"))
+            except mtq.ConfigError as e:
+                timings["mx_tp4_error"] = str(e)
         ref = {"amax": global_amax(model, mm), "params": global_params(model, mm), "logits": {}}
         for ws in (False, True):
             for is_ in (False, True):
@@ -341,6 +349,15 @@ def test_reshard_logits_match_the_saved_model(matrix):
     # another order (~1e-7 relative), which can flip a rare fake-quant rounding: a loose bound catches gross errors.
     for c in matrix[0]["cases"]:
         assert c["logit_diff"] <= 1e-2 * max(1.0, c["logit_scale"]), c
+
+
+def test_mx_blocks_cut_by_the_tensor_parallel_split_are_refused_naming_the_layer_shape_and_tp(matrix):
+    text = matrix[0]["timings"].get("mx_tp4_error", "")
+    assert "decoder.layers.0.self_attention.linear_proj.weight_quantizer: MXFP4" in text
+    assert "4 parts of 16 of 64" in text
+    assert "TP 4" in text
+    assert "use TP in [1, 2]" in text
+    assert "linear_qkv" not in text  # column-parallel: the input dim is whole
 
 
 def test_checkpoint_key_scheme_has_layer_and_global_expert_axes(matrix):

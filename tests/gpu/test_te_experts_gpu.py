@@ -60,7 +60,8 @@ def layers():
     return _moe_layers()
 
 
-@pytest.mark.parametrize("preset", ["fp8_default.yaml", "nvfp4_default.yaml"])
+@pytest.mark.parametrize("preset", ["fp8_default.yaml", "nvfp4_default.yaml", "mxfp4_default.yaml",
+                                    "mxfp8_default.yaml"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_te_grouped_experts_match_sequential_experts(layers, preset, layout):
     float_out = layers[0](_hidden(5))[0]
@@ -111,7 +112,8 @@ def _fake_quant_rows(q, t, splits):
                       for i, c in enumerate(t.split(splits))])
 
 
-@pytest.mark.parametrize("preset", ["fp8_default.yaml", "nvfp4_default.yaml"])
+@pytest.mark.parametrize("preset", ["fp8_default.yaml", "nvfp4_default.yaml", "mxfp4_default.yaml",
+                                    "mxfp8_default.yaml"])
 @pytest.mark.parametrize("input_amax", ["per_expert", "shared"])
 def test_te_grouped_down_proj_input_is_the_prob_times_the_quantized_activation(layers, preset, input_amax,
                                                                                monkeypatch):

@@ -83,7 +83,7 @@ def test_weight_amax_validates():
 # ----------------------------------------------------------------------------------------------------------------
 # Fake quant with statistics
 # ----------------------------------------------------------------------------------------------------------------
-STAT_FORMATS = [("e4m3", None), ("nvfp4", None), ("int4", None), ("int8", 16)]
+STAT_FORMATS = [("e4m3", None), ("nvfp4", None), ("int4", None), ("int8", 16), ("mxfp4", None), ("mxfp8", None)]
 
 
 @needs_triton

@@ -39,7 +39,8 @@ def _run(preset, weight_amax, input_amax, ste, kernel, narrow_range=None):
     return y.detach(), x.grad, [w.grad for w in layer.expert_weights()]
 
 
-@pytest.mark.parametrize("preset", ["fp8_default.yaml", "nvfp4_default.yaml"])
+@pytest.mark.parametrize("preset", ["fp8_default.yaml", "nvfp4_default.yaml", "mxfp4_default.yaml",
+                                    "mxfp8_default.yaml"])
 @pytest.mark.parametrize(("weight_amax", "input_amax", "ste"), [
     ("vectorized", "per_expert", "clipped"),
     ("per_expert", "shared", "pass_through"),

@@ -128,6 +128,7 @@ def test_te_fp8_engages_after_calibration_only():
 @pytest.mark.parametrize(("preset", "change", "message"), [
     ("nvfp4_default.yaml", None, "format nvfp4"),
     ("int8_default.yaml", None, "format int8"),
+    ("mxfp8_default.yaml", None, "format mxfp8 scales each block of 32"),
     ("fp8_default.yaml", lambda m: m.input_quantizer.disable(), "input_quantizer is not quantizing"),
     ("fp8_default.yaml", lambda m: m.weight_quantizer.disable(), "weight_quantizer is not quantizing"),
     ("fp8_default.yaml", lambda m: m.output_quantizer.enable(), "output_quantizer is enabled"),

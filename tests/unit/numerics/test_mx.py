@@ -1,13 +1,14 @@
-"""The MXFP4 reference (modelopt_moe/numerics/mxfp4.py) against values checked by hand, Model Optimizer 0.47's rules
-(the E8M0 exponent ``clamp(ceil(log2(amax / 6)), -127, 127)``, an invalid block amax giving scale 1, padded blocks),
-and its CPU exporter where both round the same way."""
+"""The MX references (modelopt_moe/numerics/mx.py: MXFP4, MXFP8) against values checked by hand, Model Optimizer
+0.47's rules (the E8M0 exponent ``clamp(ceil(log2(amax / m)), -127, 127)``, an all-zero block giving scale 1, Inf
+counted as the largest finite fp32 in the block maximum, padded blocks), and its CPU exporters where both round the
+same way."""
 
 import math
 
 import pytest
 import torch
 
-from modelopt_moe.numerics.mxfp4 import MXFP4, e8m0_exponent
+from modelopt_moe.numerics.mx import MXFP4, MXFP8, e8m0_exponent, encode_mx
 
 NAN, INF = float("nan"), float("inf")
 
@@ -73,8 +74,10 @@ def test_edge_blocks_zero_nan_inf():
     nan_only = MXFP4.fake_quant(_block(NAN, NAN, k=32))
     assert torch.isnan(nan_only[0, :2]).all()
     assert torch.equal(nan_only[0, 2:], torch.zeros(30))
-    # Inf makes the block amax invalid: scale 1, Inf saturates to 6, the rest rounds at scale 1.
-    assert MXFP4.fake_quant(_block(INF, -INF, 0.3, 7.0, 1e-3))[0, :5].tolist() == [6.0, -6.0, 0.5, 6.0, 0.0]
+    # Inf counts as the largest finite fp32 in the block max (Model Optimizer clamps |x| to FLT_MAX before its
+    # reduction): e = 126, Inf saturates to 6 and 6 * 2**126 overflows back to Inf; the rest rounds at 2**126 (to 0).
+    assert MXFP4.fake_quant(_block(INF, -INF, 0.3, 7.0, 1e-3))[0, :5].tolist() == [INF, -INF, 0.0, 0.0, 0.0]
+    assert MXFP4.quantize(_block(INF)).scale.flatten().tolist() == [2.0**-126]
 
 
 def test_each_block_of_a_row_gets_its_own_exponent_and_a_partial_last_block_is_padded():
@@ -117,3 +120,50 @@ def test_model_optimizers_cpu_exporter_gives_the_same_exponents_and_values_away_
     packed, e8m0 = mxfp4_tensor.MXFP4QTensor.quantize(tie, 32)
     assert packed.dequantize(torch.float32, scale=e8m0, block_sizes={-1: 32})[0, 1].item() == 0.5
     assert MXFP4.fake_quant(tie)[0, 1].item() == 1.0
+
+
+# ------------------------------------------------------------------------------------------------------------ MXFP8
+
+
+def test_mxfp8_of_one_block_checked_by_hand():
+    # amax 500 -> 500 / 448 = 1.12: e = 1, scale 1/2: 500 -> 250 -> E4M3 256 (3 mantissa bits: 240, 256) -> 512;
+    # 3 -> 1.5 -> 3; 0.01 -> 0.005 -> an E4M3 subnormal (steps of 2**-9): 2.56 steps -> 3 * 2**-9 -> 0.01171875;
+    # -7.3 -> -3.65 -> (steps of 0.25 in [2, 4)) -3.75 -> -7.5.
+    x = _block(500.0, 3.0, 0.01, -7.3)
+    assert MXFP8.fake_quant(x)[0, :4].tolist() == [512.0, 3.0, 0.01171875, -7.5]
+    # amax 448 exactly: e = 0 (no clip: amax * 2**-e <= 448), values round on the E4M3 grid itself.
+    assert MXFP8.fake_quant(_block(448.0, 449.0 / 2))[0, :2].tolist() == [448.0, 224.0]
+    assert e8m0_exponent(torch.tensor([448.0, 448.5, 224.0, 0.0]), 448.0).tolist() == [0, 1, -1, 0]
+    # Inf: the block max counts FLT_MAX, e = 120; Inf -> 448 * 2**120 overflows back to Inf.
+    inf = MXFP8.fake_quant(_block(INF, 1.0))
+    assert inf[0, :2].tolist() == [INF, 0.0]
+    assert MXFP8.quantize(_block(INF)).scale.flatten().tolist() == [2.0**-120]
+    # NaN stays in its element (Model Optimizer's MXFP8 keeps it too).
+    nan = MXFP8.fake_quant(_block(NAN, 5.0))
+    assert math.isnan(nan[0, 0].item())
+    assert nan[0, 1].item() == 5.0
+
+
+@pytest.mark.parametrize("fmt", [MXFP4, MXFP8], ids=lambda f: f.name)
+def test_encode_gives_compressed_tensors_what_training_rounded_to(fmt):
+    """compressed-tensors' own MX decoders, given our codes and E8M0 scales, return the fake-quantized weight; an
+    E2M1 tie is stored as the fake quant rounded it (to even), not as Model Optimizer's exporter rounds (to zero)."""
+    compressors = pytest.importorskip("compressed_tensors.compressors")
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 96, generator=g) * torch.logspace(-8, 8, 16).unsqueeze(-1)
+    w[0, :3] = torch.tensor([6.0, 0.75, -2.5])  # E2M1 ties at scale 1
+    codes, e8m0 = encode_mx(w, fmt)
+    assert e8m0.dtype == torch.uint8
+    assert e8m0.shape == (16, 3)
+    scheme = preset_name_to_scheme(fmt.label, ["Linear"])
+    if fmt is MXFP4:
+        theirs = compressors.MXFP4PackedCompressor.decompress({"weight_packed": codes, "weight_scale": e8m0}, scheme)
+    else:
+        theirs = compressors.MXFP8QuantizationCompressor.decompress({"weight": codes, "weight_scale": e8m0}, scheme)
+    want = fmt.fake_quant(w)
+    assert torch.equal(theirs["weight"].float(), want)  # exact: few significant bits times a power of two
+    assert want[0, 1].item() == (1.0 if fmt is MXFP4 else 0.75)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        encode_mx(w[:, :40], fmt, "layer.weight")
