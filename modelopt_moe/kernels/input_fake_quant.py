@@ -39,6 +39,7 @@ from .launch import (
     inner_block,
     input_tiling,
     kernels_available,
+    kernels_take,
     launch_kwargs,
     next_pow2,
     rounding_options,
@@ -249,7 +250,7 @@ def _grouped_input_fake_quant_op(
 
 
 def _input_fake_quant_impl(x, m_splits, amax, fmt, block_size, narrow_range=True) -> torch.Tensor:
-    if kernels_available(x.device):
+    if kernels_available(x.device) and kernels_take(fmt, block_size):
         return _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range)
     return _torch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range)
 
@@ -286,7 +287,7 @@ def _grouped_input_fake_quant_scaled_op(
 
 
 def _input_fake_quant_scaled_impl(x, m_splits, amax, fmt, row_scale, block_size, narrow_range=True) -> torch.Tensor:
-    if kernels_available(x.device):
+    if kernels_available(x.device) and kernels_take(fmt, block_size):
         return _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range, row_scale)
     return _torch_input_fake_quant_scaled(x, m_splits, amax, fmt, block_size, narrow_range, row_scale)
 

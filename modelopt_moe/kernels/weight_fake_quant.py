@@ -39,6 +39,7 @@ from .launch import (
     format_constexprs,
     inner_block,
     kernels_available,
+    kernels_take,
     launch_kwargs,
     padded,
     rounding_options,
@@ -212,7 +213,7 @@ def _grouped_weight_fake_quant_op(
 
 
 def _weight_fake_quant_impl(weights, amax, fmt, block_size, narrow_range, sig: Signature | None = None):
-    if kernels_available(weights[0].device):
+    if kernels_available(weights[0].device) and kernels_take(fmt, block_size):
         return _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range, sig)
     return _torch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range)
 

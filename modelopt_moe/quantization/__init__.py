@@ -45,6 +45,8 @@ FP8_DEFAULT_CFG = load_config(preset_path("fp8_default.yaml")).model_dump()
 NVFP4_DEFAULT_CFG = load_config(preset_path("nvfp4_default.yaml")).model_dump()
 INT8_DEFAULT_CFG = load_config(preset_path("int8_default.yaml")).model_dump()
 INT4_BLOCKWISE_WEIGHT_ONLY_CFG = load_config(preset_path("int4_blockwise_weight_only.yaml")).model_dump()
+FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG = load_config(preset_path("fp8_block_weight_only.yaml")).model_dump()
+FP8_BLOCKWISE_W8A8_CFG = load_config(preset_path("fp8_block_w8a8.yaml")).model_dump()
 
 __all__ = [
     "quantize", "calibrate", "print_quant_summary", "enable_quantizer", "disable_quantizer", "fold_weight",
@@ -54,5 +56,5 @@ __all__ = [
     "QuantMode",
     "reuse_quantized_weights", "fake_quant", "update_weight_amax", "autoswitch_step", "autoswitch_summary",
     "FORMATS", "QuantModuleRegistry", "named_quantizers", "sync_amax", "FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG",
-    "INT8_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
+    "INT8_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "FP8_BLOCKWISE_W8A8_CFG",
 ]

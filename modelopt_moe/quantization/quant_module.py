@@ -86,6 +86,11 @@ class QuantModuleMixin:
         """This rank's place among the expert-parallel ranks (framework adapters answer from their groups)."""
         return ExpertGrid()
 
+    def tensor_split(self) -> tuple[int, int] | None:
+        """``(weight axis, size)`` of this module's tensor-parallel weight split, or None (not split; framework
+        adapters answer from their groups)."""
+        return None
+
     # Attributes that are caches: never pickled or deep-copied (they hold ids and derived tensors).
     _transient_attributes: tuple[str, ...] = ()
 

@@ -108,6 +108,10 @@ class _QuantParallelLinearMixin(QuantModuleMixin):
         # A per-channel amax along the TP-sharded axis belongs to this rank's channels only.
         return () if q.axis is not None and q.axis % 2 == self.sharded_axis else (tp,)
 
+    def tensor_split(self) -> tuple[int, int] | None:
+        """The weight axis split over this linear's tensor-parallel group, and the group's size."""
+        return self.sharded_axis, get_pg_size(self.tp_group)
+
     def calibrate_weights(self) -> None:
         if not self.is_expert_view:  # an expert's: the SequentialMLP calibrates all its experts
             super().calibrate_weights()
