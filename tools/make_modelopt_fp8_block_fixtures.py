@@ -1,5 +1,7 @@
-r"""Make the Model Optimizer 0.47 FP8 block-wise fixture ``tests/fixtures/modelopt_0_47/fp8_block_cases.pt.xz`` (run
-once; the output is committed). The same environment as ``tools/make_modelopt_fixtures.py``; then::
+r"""Make the Model Optimizer 0.47 FP8 block-wise fixture (run once; the output is committed).
+
+The file is ``tests/fixtures/modelopt_0_47/fp8_block_cases.pt.xz``. The same environment as
+``tools/make_modelopt_fixtures.py``; then::
 
     .venv-modelopt/bin/python tools/make_modelopt_fp8_block_fixtures.py [--out DIR]
 
@@ -35,6 +37,7 @@ def _cases(mtq) -> dict:
 
 
 def main() -> None:
+    """Quantizes the cases with Model Optimizer and writes the fixture."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
@@ -53,7 +56,7 @@ def main() -> None:
             model = copy.deepcopy(base).to(dtype)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                mtq.quantize(model, copy.deepcopy(config), lambda m: m(calib.to(dtype)))
+                mtq.quantize(model, copy.deepcopy(config), lambda m, d=dtype: m(calib.to(d)))
             with torch.no_grad():
                 weight_q = model.weight_quantizer(model.weight)
                 input_q = model.input_quantizer(test.to(dtype)) if model.input_quantizer.is_enabled else None

@@ -15,7 +15,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _exact(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.dtype == b.dtype
+    assert a.shape == b.shape
     same = (_bits(a) == _bits(b)) | (torch.isnan(a) & torch.isnan(b))
     assert bool(same.all()), f"{int((~same).sum())} elements differ"
 
@@ -30,7 +31,8 @@ def _spread(shape, seed=0) -> torch.Tensor:
 def test_each_2d_block_is_per_tensor_fp8_with_the_blocks_own_amax(shape, dtype):
     x = _spread(shape).to(dtype)
     y = fake_quant(x, "e4m3", None, (128, 128))
-    assert y.dtype == dtype and y.shape == x.shape
+    assert y.dtype == dtype
+    assert y.shape == x.shape
     for r in range(0, shape[-2], 128):
         for c in range(0, shape[-1], 128):
             block = x[..., r:r + 128, c:c + 128]
@@ -60,10 +62,15 @@ def test_edge_blocks_zero_tiny_inf_nan_and_negative_zero():
     x[3, 2] = -0.0  # an all-zero block with a negative zero
     y = fake_quant(x, "e4m3", None, (2, 2))
     assert torch.equal(y[0:2, 0:2], torch.zeros(2, 2))
-    assert y[0, 2] == 448.0 and y[0, 3] == 1.0 and y[1, 3] == fake_quant(torch.tensor(0.3), "e4m3", torch.tensor(448.))
-    assert torch.isnan(y[2, 0]) and int(torch.isnan(y).sum()) == 1
-    assert y[2, 1] == 3.0 and y[3, 1] == fake_quant(torch.tensor(-1.0), "e4m3", torch.tensor(3.0))
-    assert y[3, 2] == 0 and torch.signbit(y[3, 2])
+    assert y[0, 2] == 448.0
+    assert y[0, 3] == 1.0
+    assert y[1, 3] == fake_quant(torch.tensor(0.3), "e4m3", torch.tensor(448.))
+    assert torch.isnan(y[2, 0])
+    assert int(torch.isnan(y).sum()) == 1
+    assert y[2, 1] == 3.0
+    assert y[3, 1] == fake_quant(torch.tensor(-1.0), "e4m3", torch.tensor(3.0))
+    assert y[3, 2] == 0
+    assert torch.signbit(y[3, 2])
     assert torch.equal(y[2:4, 4:8], torch.zeros(2, 4))
     assert torch.isfinite(y[~torch.isnan(x)]).all()
 
@@ -71,9 +78,11 @@ def test_edge_blocks_zero_tiny_inf_nan_and_negative_zero():
 def test_quantize_gives_the_values_and_one_scale_per_block_padding_counted():
     x = _spread((300, 260))
     qx = quantize(x, "e4m3", None, (128, 128))
-    assert qx.values.shape == (3, 128, 3, 128) and qx.scale.shape == (3, 1, 3, 1)
+    assert qx.values.shape == (3, 128, 3, 128)
+    assert qx.scale.shape == (3, 1, 3, 1)
     assert torch.equal(qx.values, qx.values.to(torch.float8_e4m3fn).float())
-    assert qx.values[2, 44:].abs().sum() == 0 and qx.values[:, :, 2, 4:].abs().sum() == 0  # the padding
+    assert qx.values[2, 44:].abs().sum() == 0
+    assert qx.values[:, :, 2, 4:].abs().sum() == 0
     amax = torch.tensor([[x[r:r + 128, c:c + 128].abs().max() for c in (0, 128, 256)] for r in (0, 128, 256)])
     # A true division, the per-tensor convention (torch's ``448.0 / amax`` is a reciprocal times 448: not the same).
     _exact(qx.scale.reshape(3, 3), torch.div(torch.full_like(amax, 448.0), amax))

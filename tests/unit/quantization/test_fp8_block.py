@@ -134,7 +134,8 @@ def test_save_and_restore_give_the_same_outputs(tmp_path):
     fresh = mto.restore(GroupedLinear(N, IN, OUT, bias=True), tmp_path / "q.pt")
     fresh.load_state_dict(layer.state_dict())
     assert torch.equal(fresh(x, SPLITS), layer(x, SPLITS))
-    assert fresh.weight_quantizer.block_size == (128, 128) and fresh.input_quantizer.block_size == 128
+    assert fresh.weight_quantizer.block_size == (128, 128)
+    assert fresh.input_quantizer.block_size == 128
 
 
 def test_a_2d_block_on_an_input_quantizer_is_a_config_error_naming_it():
