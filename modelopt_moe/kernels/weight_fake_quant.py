@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from ..numerics import clip_limit, fake_quant
+from . import fp8_block_fake_quant as fp8_blocks
 from .checks import check_ste, check_weight_fake_quant, check_weights
 from .fallback import expert_amax, int_kwargs
 from .launch import (
@@ -215,6 +216,8 @@ def _grouped_weight_fake_quant_op(
 def _weight_fake_quant_impl(weights, amax, fmt, block_size, narrow_range, sig: Signature | None = None):
     if kernels_available(weights[0].device) and kernels_take(fmt, block_size):
         return _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range, sig)
+    if kernels_available(weights[0].device) and fp8_blocks.takes_weights(fmt, block_size, weights):
+        return fp8_blocks.weight_blocks_fake_quant(weights, fmt, block_size, sig)
     return _torch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range)
 
 
