@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import modelopt_moe.quantization as mtq
 from modelopt_moe import kernels as K
 from modelopt_moe.kernels import fp8_block_fake_quant
 from modelopt_moe.numerics import fake_quant, scale_rows
@@ -82,3 +83,29 @@ def test_blocks_that_are_not_powers_of_two_run_the_reference():
     assert not fp8_block_fake_quant.takes_weights("e4m3", (12, 8), weights)
     outs = K.grouped_weight_fake_quant(weights, None, "e4m3", (12, 8))
     assert_bits_equal(outs[0], fake_quant(weights[0], "e4m3", None, (12, 8)))
+
+
+@pytest.mark.parametrize("mode", ["dequantized", "quantized"])
+def test_grouped_linear_on_the_kernel_path_gives_the_reference_bits(mode):
+    from modelopt_moe.quantization.nn import GroupedLinear
+
+    def run(kernel):
+        torch.manual_seed(0)
+        layer = GroupedLinear(3, 136, 40, bias=False)
+        with torch.no_grad():
+            for i, w in enumerate(layer.expert_weights()):
+                w.mul_(4.0 ** i)
+        cfg = mtq.load_config("fp8_block_w8a8")
+        cfg.kernel, cfg.backward.mode = kernel, mode
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(8, 136, generator=g)
+        mtq.quantize(layer, cfg, lambda m: m(x, [3, 0, 5]))
+        x = x.clone().requires_grad_(True)
+        y = layer(x, torch.tensor([3, 0, 5]))
+        y.backward(torch.randn(y.shape, generator=g))
+        return y.detach(), x.grad, [w.grad for w in layer.expert_weights()]
+
+    ref, fast = run("torch"), run("triton")
+    assert torch.equal(fast[0], ref[0])
+    assert torch.equal(fast[1], ref[1])
+    assert all(torch.equal(a, b) for a, b in zip(fast[2], ref[2], strict=True))
