@@ -95,6 +95,8 @@ def grouped_weight_fake_quant(
     weights, amax, sig = check_weight_fake_quant(weights, amax, fmt, block_size, "grouped_weight_fake_quant")
     if eager():  # the op's body without the dispatcher round trip (list conversions, schema checks)
         flat = _weight_fake_quant_impl(weights, amax, fmt, block_size, bool(narrow_range), sig)
+    elif isinstance(block_size, tuple):  # 2-D blocks: the op schema's block size is an int
+        flat = torch.ops.modelopt_moe.grouped_weight_block2d_fake_quant(weights, fmt, *block_size)
     else:
         flat = torch.ops.modelopt_moe.grouped_weight_fake_quant(weights, amax, fmt, block_size, bool(narrow_range))
     return split_views(flat, weights, sig)

@@ -109,3 +109,14 @@ def test_grouped_linear_on_the_kernel_path_gives_the_reference_bits(mode):
     assert torch.equal(fast[0], ref[0])
     assert torch.equal(fast[1], ref[1])
     assert all(torch.equal(a, b) for a, b in zip(fast[2], ref[2], strict=True))
+
+
+def test_torch_compile_fullgraph_traces_2d_blocks():
+    weights = make_experts([(40, 24)] * 3, torch.float32)
+
+    def fn(*ws):
+        return [o * 2 for o in K.grouped_weight_fake_quant(list(ws), None, "e4m3", BLOCK)]
+
+    outs = torch.compile(fn, fullgraph=True, backend="eager")(*weights)
+    for o, w in zip(outs, weights, strict=True):
+        assert_bits_equal(o, fake_quant(w, "e4m3", None, BLOCK) * 2)
