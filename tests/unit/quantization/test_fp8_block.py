@@ -148,3 +148,19 @@ def test_a_2d_block_on_an_input_quantizer_is_a_config_error_naming_it():
         with pytest.raises(mtq.ConfigError, match=r"0\.input_quantizer: 2-D blocks .* weights only.*-1: 128.*dynamic"):
             mtq.quantize(model, cfg, lambda m: m(_data()[0]))
     assert type(model[0]) is nn.Linear  # all or nothing: the model as before
+
+
+@pytest.mark.parametrize("mode", ["dequantized", "high_precision", "quantized"])
+def test_linear_every_backward_mode_matches_a_hand_computed_reference(mode):
+    torch.manual_seed(0)
+    layer = nn.Linear(IN, OUT)
+    x, g = _data(8)
+    mtq.quantize(layer, _cfg(backward={"mode": mode}), lambda m: m(x))
+    x = x.clone().requires_grad_()
+    layer(x).backward(g)
+    xq, wq = fake_quant(x.detach(), "e4m3", None, 128), fake_quant(layer.weight.detach(), "e4m3", None, (128, 128))
+    if mode == "quantized":
+        g = fake_quant(g, "e5m2", g.abs().amax())
+    x_op, w_op = (x.detach(), layer.weight.detach()) if mode == "high_precision" else (xq, wq)
+    torch.testing.assert_close(x.grad, g @ w_op, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.weight.grad, g.t() @ x_op, rtol=1e-6, atol=1e-6)
