@@ -43,7 +43,7 @@ from .format import (
     true_div,
 )
 
-__all__ = ["E4M3_MAX", "E5M2_MAX", "FP8Format", "E4M3", "E5M2", "encode_fp8", "fp8_scale"]
+__all__ = ["E4M3_MAX", "E5M2_MAX", "FP8Format", "E4M3", "E5M2", "encode_fp8", "encode_fp8_blocks", "fp8_scale"]
 
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
@@ -160,6 +160,24 @@ def encode_fp8(w: torch.Tensor, amax: torch.Tensor, name: str = "weight") -> tup
     check_finite_weight(w, name)
     qx = E4M3.quantize(w, amax)
     return qx.values.to(E4M3.element_dtype), qx.scale
+
+
+def encode_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128),
+                      name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 codes of the 2-D ``w`` in 2-D blocks (the codes training rounded to) and each block's training
+    divisor ``s = 448 / blockmax``, ``[ceil(R / rows), ceil(C / cols)]`` (DeepSeek's and compressed-tensors'
+    ``FP8_BLOCK`` layout: a partial block has a scale of its own). Files store the multiplicative ``1 / s``
+    (:func:`~.format.reciprocal`), as for per-tensor FP8.
+
+    Raises:
+        ValueError: ``w`` is not 2-D or holds NaN (``name`` says which tensor).
+    """
+    if w.dim() != 2:
+        raise ValueError(f"{name}: FP8 block export takes a 2-D weight, got shape {tuple(w.shape)}")
+    check_finite_weight(w, name)
+    qx = E4M3.quantize(w, None, tuple(block))
+    codes = from_blocks(qx.values, block_dims(tuple(block)), qx.length).to(E4M3.element_dtype)
+    return codes, qx.scale[:, 0, :, 0]
 
 
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
