@@ -20,7 +20,9 @@ token and group of 128 features, at any token count) or ``(rows, cols)`` for 2-D
 * bf16, fp16 or fp32 in, the same dtype out (the arithmetic is fp32).
 
 Export (E4M3 only): codes in ``float8_e4m3fn`` and the multiplicative ``weight_scale = 1 / s`` (compressed-tensors
-``float-quantized``, Model Optimizer ``FP8``); per output channel (axis 0) to compressed-tensors only.
+``float-quantized``, Model Optimizer ``FP8``); per output channel (axis 0) to compressed-tensors only. 2-D blocks:
+:func:`encode_fp8_blocks` gives the codes and one divisor per block (compressed-tensors ``FP8_BLOCK`` reads the
+codes with ``1 / s`` within one fp32 ulp); the exporters do not write block checkpoints yet.
 """
 
 from __future__ import annotations
