@@ -63,7 +63,9 @@ class QuantizerAttributeConfig(_Strict):
             "static"}`` for INT4 blocks with calibrated (static) per-block amaxes, ``"type": "dynamic"`` for block
             amaxes taken from the data at every call; ``{-1: None}`` with ``type: dynamic``: one amax per token.
             Without ``"type"`` int blocks are static (Model Optimizer's default) and NVFP4 blocks dynamic (the only
-            NVFP4 this package has). A last dim that is not a multiple of an int block is zero-padded.
+            NVFP4 this package has). A last dim that is not a multiple of an int block is zero-padded. FP8:
+            ``{-1: 128, -2: 128}`` for 2-D weight blocks (scales always from the data), ``{-1: 128}`` with ``type:
+            dynamic`` for per-token groups of 128 (a dynamic quantizer's blocks are dynamic blocks).
         enable: whether the quantizer is on.
         narrow_range: int formats: levels ``[-B, B]`` (True) or ``[-B-1, B]`` (False, Model Optimizer's default).
         unsigned: int formats: levels ``[0, 2**b - 1]``.
