@@ -164,3 +164,15 @@ def test_linear_every_backward_mode_matches_a_hand_computed_reference(mode):
     x_op, w_op = (x.detach(), layer.weight.detach()) if mode == "high_precision" else (xq, wq)
     torch.testing.assert_close(x.grad, g @ w_op, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(layer.weight.grad, g.t() @ x_op, rtol=1e-6, atol=1e-6)
+
+
+def test_gemm_te_fp8_refuses_fp8_blocks_naming_them():
+    from modelopt_moe.plugins import te_fp8
+
+    cfg = mtq.load_config("fp8_default.yaml")
+    cfg.gemm = "te_fp8"
+    layer = _grouped(cfg)
+    layer.weight_quantizer.set_from_attribute_config({"block_sizes": {-1: 128, -2: 128}})
+    assert any("weight_quantizer quantizes in blocks ((128, 128))" in p for p in te_fp8.problems(layer))
+    with pytest.raises(mtq.ConfigError, match="gemm te_fp8 cannot run"):
+        te_fp8.check(layer)
