@@ -152,17 +152,3 @@ def token_groups_fake_quant(x: torch.Tensor, fmt: str, block_size: int) -> torch
         x, y, t, k, **_constexprs(fmt), TILE_R=tile_r, TILE_NB=tile_nb, BS=block_size, **launch_kwargs(x.device))
     return y
 
-
-# The grouped weight op's schema takes an int block size; traced calls with 2-D blocks go through this op instead
-# (opaque to torch.compile, register_fake gives the output metadata; no host sync inside).
-@torch.library.custom_op("modelopt_moe::grouped_weight_block2d_fake_quant", mutates_args=())
-def grouped_weight_block2d_op(weights: list[torch.Tensor], fmt: str, rows: int, cols: int) -> torch.Tensor:
-    """The flat fake-quantized experts of ``grouped_weight_fake_quant(weights, None, fmt, (rows, cols))``."""
-    from .weight_fake_quant import _weight_fake_quant_impl  # the grouped op's body: kernels or the reference
-
-    return _weight_fake_quant_impl(weights, None, fmt, (rows, cols), True)
-
-
-@grouped_weight_block2d_op.register_fake
-def _(weights, fmt, rows, cols):
-    return weights[0].new_empty(sum(w.numel() for w in weights))

@@ -228,6 +228,17 @@ def _(weights, amax, fmt, block_size, narrow_range=True):
     return weights[0].new_empty(sum(w.numel() for w in weights))
 
 
+# The op above takes an int block size; traced calls with 2-D blocks (rows, cols) go through this one.
+@torch.library.custom_op("modelopt_moe::grouped_weight_block2d_fake_quant", mutates_args=())
+def _grouped_weight_block2d_op(weights: list[torch.Tensor], fmt: str, rows: int, cols: int) -> torch.Tensor:
+    return _weight_fake_quant_impl(weights, None, fmt, (rows, cols), True)
+
+
+@_grouped_weight_block2d_op.register_fake
+def _(weights, fmt, rows, cols):
+    return weights[0].new_empty(sum(w.numel() for w in weights))
+
+
 @torch.library.custom_op("modelopt_moe::grouped_weight_clip_grad", mutates_args=())
 def _grouped_weight_clip_grad_op(
     grads: list[torch.Tensor], weights: list[torch.Tensor], amax: torch.Tensor
