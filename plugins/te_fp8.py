@@ -115,6 +115,9 @@ def problems(module) -> list[str]:
                          "one scale per expert (MXFP8 GEMMs need Blackwell; train it with gemm: fake_quant)")
         elif q.axis is not None:
             found.append(f"{kind} has a per-channel amax (axis={q.axis}): te_fp8 takes one scale per expert")
+        elif q.block_size is not None or q.static_block_size is not None:
+            found.append(f"{kind} quantizes in blocks ({q.block_size or q.static_block_size}): te_fp8 takes one "
+                         "scale per expert")
         elif q.is_dynamic:
             found.append(f"{kind} takes its amax from each tensor (dynamic / per token): te_fp8 needs static scales")
     if iq.is_quantizing and iq.needs_amax and iq.amax is None:

@@ -25,7 +25,7 @@ def check_format(fmt: str, block_size: int | None) -> None:
     problem = get_format(fmt).block_size_problem(block_size)  # ValueError on an unknown format
     if problem is not None:
         raise ValueError(problem)
-    if block_size is None:
+    if block_size is None or isinstance(block_size, tuple):  # 2-D blocks: the format's check above is all
         return
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size & (
             block_size - 1) or block_size > 4096:

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from ..numerics import clip_limit, fake_quant, scale_rows, scale_rows_backward
+from . import fp8_block_fake_quant as fp8_blocks
 from .checks import FLOAT_DTYPES, check_input, check_input_fake_quant, check_ste
 from .fallback import int_kwargs, per_row_amax
 from .launch import (
@@ -39,6 +40,7 @@ from .launch import (
     inner_block,
     input_tiling,
     kernels_available,
+    kernels_take,
     launch_kwargs,
     next_pow2,
     rounding_options,
@@ -249,8 +251,10 @@ def _grouped_input_fake_quant_op(
 
 
 def _input_fake_quant_impl(x, m_splits, amax, fmt, block_size, narrow_range=True) -> torch.Tensor:
-    if kernels_available(x.device):
+    if kernels_available(x.device) and kernels_take(fmt, block_size):
         return _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range)
+    if kernels_available(x.device) and fp8_blocks.takes_tokens(fmt, block_size):
+        return fp8_blocks.token_groups_fake_quant(x, fmt, block_size)
     return _torch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range)
 
 
@@ -286,8 +290,10 @@ def _grouped_input_fake_quant_scaled_op(
 
 
 def _input_fake_quant_scaled_impl(x, m_splits, amax, fmt, row_scale, block_size, narrow_range=True) -> torch.Tensor:
-    if kernels_available(x.device):
+    if kernels_available(x.device) and kernels_take(fmt, block_size):
         return _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range, row_scale)
+    if kernels_available(x.device) and fp8_blocks.takes_tokens(fmt, block_size):
+        return scale_rows(fp8_blocks.token_groups_fake_quant(x, fmt, block_size), row_scale)
     return _torch_input_fake_quant_scaled(x, m_splits, amax, fmt, block_size, narrow_range, row_scale)
 
 

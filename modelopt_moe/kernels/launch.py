@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-from ..numerics import get_format
+from ..numerics import KernelRoutine, get_format
 
 try:
     import triton  # noqa: F401
@@ -343,6 +343,16 @@ def amax_mode(amax: torch.Tensor | None, n: int) -> tuple[int, int]:
     if amax.dim() == 1:
         return 1, 1
     return 2, amax.shape[1]
+
+
+def kernels_take(fmt: str, block_size) -> bool:
+    """Whether the tile kernels run format ``fmt`` with ``block_size`` (else the pure-torch reference does, on any
+    device): every format with a kernel routine, except float formats' blocks from the data (1-D or 2-D) until a
+    routine takes them."""
+    kernel = get_format(fmt).kernel
+    if kernel is None:
+        return False
+    return block_size is None or (isinstance(block_size, int) and kernel.routine != KernelRoutine.SCALED_FLOAT)
 
 
 def inner_block(fmt: str, block_size: int | None) -> tuple[int, bool]:

@@ -35,6 +35,7 @@ from .launch import (
     inner_block,
     input_tiling,
     kernels_available,
+    kernels_take,
     launch_kwargs,
     next_pow2,
     padded,
@@ -192,7 +193,7 @@ def _grouped_weight_fake_quant_stats_op(
 
 
 def _weight_stats_impl(weights, amax, fmt, block_size, narrow_range=True, sig=None):
-    if kernels_available(weights[0].device):
+    if kernels_available(weights[0].device) and kernels_take(fmt, block_size):
         return _launch_weight_stats(weights, amax, fmt, block_size, narrow_range, sig)
     return _torch_weight_stats(weights, amax, fmt, block_size, narrow_range)
 
@@ -212,7 +213,7 @@ def _grouped_input_fake_quant_stats_op(
 
 
 def _input_stats_impl(x, m_splits, amax, fmt, block_size, narrow_range=True) -> tuple[torch.Tensor, torch.Tensor]:
-    if kernels_available(x.device):
+    if kernels_available(x.device) and kernels_take(fmt, block_size):
         return _launch_input_stats(x, m_splits, amax, fmt, block_size, narrow_range)
     return _torch_input_stats(x, m_splits, amax, fmt, block_size, narrow_range)
 

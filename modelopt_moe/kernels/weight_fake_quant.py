@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from ..numerics import clip_limit, fake_quant
+from . import fp8_block_fake_quant as fp8_blocks
 from .checks import check_ste, check_weight_fake_quant, check_weights
 from .fallback import expert_amax, int_kwargs
 from .launch import (
@@ -39,6 +40,7 @@ from .launch import (
     format_constexprs,
     inner_block,
     kernels_available,
+    kernels_take,
     launch_kwargs,
     padded,
     rounding_options,
@@ -93,6 +95,8 @@ def grouped_weight_fake_quant(
     weights, amax, sig = check_weight_fake_quant(weights, amax, fmt, block_size, "grouped_weight_fake_quant")
     if eager():  # the op's body without the dispatcher round trip (list conversions, schema checks)
         flat = _weight_fake_quant_impl(weights, amax, fmt, block_size, bool(narrow_range), sig)
+    elif isinstance(block_size, tuple):  # 2-D blocks: the op schema's block size is an int
+        flat = torch.ops.modelopt_moe.grouped_weight_block2d_fake_quant(weights, fmt, *block_size)
     else:
         flat = torch.ops.modelopt_moe.grouped_weight_fake_quant(weights, amax, fmt, block_size, bool(narrow_range))
     return split_views(flat, weights, sig)
@@ -212,13 +216,26 @@ def _grouped_weight_fake_quant_op(
 
 
 def _weight_fake_quant_impl(weights, amax, fmt, block_size, narrow_range, sig: Signature | None = None):
-    if kernels_available(weights[0].device):
+    if kernels_available(weights[0].device) and kernels_take(fmt, block_size):
         return _launch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range, sig)
+    if kernels_available(weights[0].device) and fp8_blocks.takes_weights(fmt, block_size, weights):
+        return fp8_blocks.weight_blocks_fake_quant(weights, fmt, block_size, sig)
     return _torch_weight_fake_quant(weights, amax, fmt, block_size, narrow_range)
 
 
 @_grouped_weight_fake_quant_op.register_fake
 def _(weights, amax, fmt, block_size, narrow_range=True):
+    return weights[0].new_empty(sum(w.numel() for w in weights))
+
+
+# The op above takes an int block size; traced calls with 2-D blocks (rows, cols) go through this one.
+@torch.library.custom_op("modelopt_moe::grouped_weight_block2d_fake_quant", mutates_args=())
+def _grouped_weight_block2d_op(weights: list[torch.Tensor], fmt: str, rows: int, cols: int) -> torch.Tensor:
+    return _weight_fake_quant_impl(weights, None, fmt, (rows, cols), True)
+
+
+@_grouped_weight_block2d_op.register_fake
+def _(weights, fmt, rows, cols):
     return weights[0].new_empty(sum(w.numel() for w in weights))
 
 

@@ -122,16 +122,17 @@ class Quantized:
             nvfp4: the per-tensor (per-expert) second-level scale ``sg = amax / (6 * 448)``, broadcastable over the
             block view; int blocks: the divisor of each block ``[..., K // block, 1]``.
         block_scale: nvfp4 only: each block's E4M3 scale ``sb`` as fp32, ``[..., K // 16, 1]``.
-        block_size: the block length of the last dim (nvfp4: 16; int with blocks), None per tensor / channel.
-        length: int blocks: the last dim before its zero padding to a whole number of blocks.
+        block_size: the block length of the last dim (nvfp4: 16; int with blocks), ``(rows, cols)`` for 2-D blocks
+            (values ``[..., R // rows, rows, C // cols, cols]``), None per tensor / channel.
+        length: padded blocks: the last dim (2-D: the last two dims) before its zero padding to whole blocks.
     """
 
     fmt: str
     values: torch.Tensor
     scale: torch.Tensor
     block_scale: torch.Tensor | None = None
-    block_size: int | None = None
-    length: int | None = None
+    block_size: int | tuple[int, int] | None = None
+    length: int | tuple[int, int] | None = None
 
 
 class ExportCodec:

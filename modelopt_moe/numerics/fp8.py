@@ -1,43 +1,110 @@
-"""FP8 E4M3 and E5M2, per tensor or per channel: the home of the FP8 formats.
+"""FP8 E4M3 and E5M2, per tensor, per channel or in blocks: the home of the FP8 formats.
 
 ``scale = bound / amax`` (bound 448 / 57344); ``q = fp8(clamp(x * scale, -bound, bound))`` rounded to nearest even;
 output ``q / scale`` (a true division: one rounding, the same on CPU and GPU). An invalid amax (<= 2**-24, NaN, Inf)
-gives scale 1. No block mode.
+gives scale 1.
+
+Blocks (FP8 block-wise: DeepSeek-V3/R1, Kimi-K2 and Qwen3 FP8 checkpoints, Transformer Engine's
+``Float8BlockScaling``): with ``block_size`` every block takes its amax from its own data, so no calibrated amax is
+needed (:meth:`FP8Format.needs_amax`), and then the same rule as above per block, the same divisor convention as per
+tensor (one convention for every FP8 scale; Model Optimizer's block path multiplies by a reciprocal instead:
+docs/modelopt_compat.md). ``block_size`` is an int for blocks of the last dim (activations: ``128``, one scale per
+token and group of 128 features, at any token count) or ``(rows, cols)`` for 2-D blocks of the last two dims
+(weights: ``(128, 128)``, ``{-1: 128, -2: 128}`` in a config). Edge rules (:mod:`.blocks`):
+
+* a block whose amax is invalid (all zero, <= 2**-24, or holding an Inf) gets scale 1, as an invalid amax does per
+  tensor: zeros stay zero, an Inf saturates to the bound and its neighbours round at scale 1;
+* the block max ignores NaN, and a NaN stays NaN in its own element only; ``-0.0`` keeps its sign;
+* dims that are not multiples of the block are zero-padded (the last block of a row or column is smaller, as in
+  DeepSeek's scale layout and Model Optimizer's padding); the output has the input's shape;
+* bf16, fp16 or fp32 in, the same dtype out (the arithmetic is fp32).
 
 Export (E4M3 only): codes in ``float8_e4m3fn`` and the multiplicative ``weight_scale = 1 / s`` (compressed-tensors
-``float-quantized``, Model Optimizer ``FP8``); per output channel (axis 0) to compressed-tensors only.
+``float-quantized``, Model Optimizer ``FP8``); per output channel (axis 0) to compressed-tensors only. 2-D blocks:
+:func:`encode_fp8_blocks` gives the codes and one divisor per block (compressed-tensors ``FP8_BLOCK`` reads the
+codes with ``1 / s`` within one fp32 ulp); the exporters do not write block checkpoints yet.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .blocks import block_dims, block_max, from_blocks, to_blocks
 from .format import (
+    FLOAT_DTYPES,
     ExportCodec,
     Format,
     KernelRoutine,
     KernelSpec,
     Quantized,
     ScaleLayout,
+    UnsupportedSetting,
     check_finite_weight,
     reciprocal,
     safe_amax,
     true_div,
 )
 
-__all__ = ["E4M3_MAX", "E5M2_MAX", "FP8Format", "E4M3", "E5M2", "encode_fp8", "fp8_scale"]
+__all__ = ["E4M3_MAX", "E5M2_MAX", "FP8Format", "E4M3", "E5M2", "encode_fp8", "encode_fp8_blocks", "fp8_scale"]
 
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 
 
 class FP8Format(Format):
-    """A scaled FP8 format: one divisor ``bound / amax`` per tensor, expert or channel."""
+    """A scaled FP8 format: one divisor ``bound / amax`` per tensor, expert, channel, or block of the data."""
+
+    def needs_amax(self, block_size) -> bool:
+        """An amax per tensor or channel; none with blocks, which take every scale from the data."""
+        return block_size is None
+
+    def block_size_problem(self, block_size) -> str | None:
+        """Blocks of the last dim (an int) or of the last two dims (a pair), of any positive lengths."""
+        if block_size is None or block_dims(block_size) is not None:
+            return None
+        return (f"{self.name} takes blocks of the last dim (a positive int) or of the last two dims (rows, cols), "
+                f"got block_size={block_size!r}")
+
+    def check_config(self, block_sizes: dict | None, axis) -> None:
+        """Blocks of the last dim (static or dynamic, as int blocks) or 2-D blocks ``{-1: c, -2: r}``, whose scales
+        always come from the data.
+
+        Raises:
+            UnsupportedSetting: 2-D blocks with ``type: static``.
+        """
+        if block_sizes is None or block_sizes.get(-2) is None:
+            return
+        if block_sizes.get("type", "dynamic") != "dynamic":
+            raise UnsupportedSetting("block_sizes.type", block_sizes["type"], "2-D FP8 block scales always come from "
+                                     "the current weights (the same numbers as a calibrated block amax at "
+                                     "calibration); drop 'type' or write 'dynamic'")
+
+    def _check_inputs(self, x, amax, block_size) -> None:
+        dims = block_dims(block_size) if block_size is not None else None
+        if dims is None or len(dims) == 1:
+            return super()._check_inputs(x, amax, block_size)
+        if x.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"fake_quant: input dtype {x.dtype} not supported; expected one of {FLOAT_DTYPES}")
+        if x.dim() < 2:
+            raise ValueError(f"fake_quant: 2-D blocks {tuple(block_size)} need a tensor of at least 2 dims, got "
+                             f"shape {tuple(x.shape)}")
 
     def _quantize(self, xf, amax, block_size, narrow_range, unsigned) -> Quantized:
-        scale = true_div(self.bound, safe_amax(amax, self.bound))
-        q = torch.clamp(xf * scale, -self.bound, self.bound).to(self.element_dtype).float()
-        return Quantized(self.name, q, scale)
+        if block_size is None:
+            scale = true_div(self.bound, safe_amax(amax, self.bound))
+            q = torch.clamp(xf * scale, -self.bound, self.bound).to(self.element_dtype).float()
+            return Quantized(self.name, q, scale)
+        dims = block_dims(block_size)
+        blocks, length = to_blocks(xf, dims)
+        scale = true_div(self.bound, safe_amax(block_max(blocks, dims), self.bound))
+        q = torch.clamp(blocks * scale, -self.bound, self.bound).to(self.element_dtype).float()
+        return Quantized(self.name, q, scale, block_size=block_size, length=length)
+
+    def dequantize(self, qx: Quantized) -> torch.Tensor:
+        """``values / scale`` in fp32, blocks back in the input's shape (padding dropped)."""
+        if qx.block_size is None:
+            return true_div(qx.values, qx.scale)
+        return from_blocks(true_div(qx.values, qx.scale), block_dims(qx.block_size), qx.length)
 
 
 class _FP8Codec(ExportCodec):
@@ -75,7 +142,8 @@ class _FP8Codec(ExportCodec):
         return out
 
 
-_BOTH_SCALINGS = frozenset({ScaleLayout.PER_TENSOR, ScaleLayout.PER_CHANNEL})
+_BOTH_SCALINGS = frozenset({ScaleLayout.PER_TENSOR, ScaleLayout.PER_CHANNEL, ScaleLayout.BLOCKS_1D,
+                            ScaleLayout.BLOCKS_2D})
 E4M3 = FP8Format("e4m3", (4, 3), E4M3_MAX, E4M3_MAX, "FP8 E4M3", _BOTH_SCALINGS,
                  KernelSpec(KernelRoutine.SCALED_FLOAT, E4M3_MAX, mant=3, emin=-6, emax=8),
                  element_dtype=torch.float8_e4m3fn, aliases=("e4m3", "fp8"), export=_FP8Codec())
@@ -94,6 +162,24 @@ def encode_fp8(w: torch.Tensor, amax: torch.Tensor, name: str = "weight") -> tup
     check_finite_weight(w, name)
     qx = E4M3.quantize(w, amax)
     return qx.values.to(E4M3.element_dtype), qx.scale
+
+
+def encode_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128),
+                      name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 codes of the 2-D ``w`` in 2-D blocks (the codes training rounded to) and each block's training
+    divisor ``s = 448 / blockmax``, ``[ceil(R / rows), ceil(C / cols)]`` (DeepSeek's and compressed-tensors'
+    ``FP8_BLOCK`` layout: a partial block has a scale of its own). Files store the multiplicative ``1 / s``
+    (:func:`~.format.reciprocal`), as for per-tensor FP8.
+
+    Raises:
+        ValueError: ``w`` is not 2-D or holds NaN (``name`` says which tensor).
+    """
+    if w.dim() != 2:
+        raise ValueError(f"{name}: FP8 block export takes a 2-D weight, got shape {tuple(w.shape)}")
+    check_finite_weight(w, name)
+    qx = E4M3.quantize(w, None, tuple(block))
+    codes = from_blocks(qx.values, block_dims(tuple(block)), qx.length).to(E4M3.element_dtype)
+    return codes, qx.scale[:, 0, :, 0]
 
 
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,8 @@ MXFP4_DEFAULT_CFG = load_config(preset_path("mxfp4_default.yaml")).model_dump()
 MXFP8_DEFAULT_CFG = load_config(preset_path("mxfp8_default.yaml")).model_dump()
 INT8_DEFAULT_CFG = load_config(preset_path("int8_default.yaml")).model_dump()
 INT4_BLOCKWISE_WEIGHT_ONLY_CFG = load_config(preset_path("int4_blockwise_weight_only.yaml")).model_dump()
+FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG = load_config(preset_path("fp8_block_weight_only.yaml")).model_dump()
+FP8_BLOCKWISE_W8A8_CFG = load_config(preset_path("fp8_block_w8a8.yaml")).model_dump()
 
 __all__ = [
     "quantize", "calibrate", "print_quant_summary", "enable_quantizer", "disable_quantizer", "fold_weight",
@@ -57,5 +59,5 @@ __all__ = [
     "reuse_quantized_weights", "fake_quant", "update_weight_amax", "autoswitch_step", "autoswitch_summary",
     "FORMATS", "QuantModuleRegistry", "named_quantizers", "sync_amax", "FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG",
     "MXFP4_DEFAULT_CFG", "MXFP8_DEFAULT_CFG",
-    "INT8_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
+    "INT8_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "FP8_BLOCKWISE_W8A8_CFG",
 ]

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..numerics import UnsupportedSetting, format_from_num_bits, format_of, get_format
+from ..numerics import ScaleLayout, UnsupportedSetting, format_from_num_bits, format_of, get_format
 from .modelopt_shapes import UNSUPPORTED_ALGORITHMS, normalize_quant_cfg, unsupported
 from .modelopt_shapes import parent_class_name as _modelopt_parent_class
 
@@ -42,6 +42,12 @@ def _check_effective_bits(v: float | None) -> float | None:
     return v
 
 
+def _block_axes_hint(spec) -> str:
+    if ScaleLayout.BLOCKS_2D in spec.scale_layouts:
+        return "blocks along the last dim (key -1) or 2-D blocks of the last two dims (keys -1 and -2)"
+    return f"{spec.label}: blocks along the last dim only: a single key -1"
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True)
 
@@ -59,7 +65,9 @@ class QuantizerAttributeConfig(_Strict):
             (static) per-block amaxes, ``"type": "dynamic"`` for block amaxes taken from the data at every call;
             ``{-1: None}`` with ``type: dynamic``: one amax per token.
             Without ``"type"`` int blocks are static (Model Optimizer's default) and NVFP4 blocks dynamic (the only
-            NVFP4 this package has). A last dim that is not a multiple of an int block is zero-padded.
+            NVFP4 this package has). A last dim that is not a multiple of an int block is zero-padded. FP8:
+            ``{-1: 128, -2: 128}`` for 2-D weight blocks (scales always from the data), ``{-1: 128}`` with ``type:
+            dynamic`` for per-token groups of 128 (a dynamic quantizer's blocks are dynamic blocks).
         enable: whether the quantizer is on.
         narrow_range: int formats: levels ``[-B, B]`` (True) or ``[-B-1, B]`` (False, Model Optimizer's default).
         unsigned: int formats: levels ``[0, 2**b - 1]``.
@@ -158,11 +166,15 @@ class QuantizerAttributeConfig(_Strict):
                 raise ValueError(f"block_sizes: unsupported keys {sorted(unknown)}; expected -1 (last-dim block "
                                  "size), 'type', 'scale_bits'")
             axes = [k for k in bs if not isinstance(k, str)]
-            if axes != [-1]:
-                raise ValueError(unsupported("block_sizes", bs, "blocks along the last dim only: a single key -1")
+            two_d = sorted(axes) == [-2, -1] and ScaleLayout.BLOCKS_2D in spec.scale_layouts
+            if axes != [-1] and not two_d:
+                raise ValueError(unsupported("block_sizes", bs, _block_axes_hint(spec))
                                  if axes and all(isinstance(k, int) for k in axes) else
                                  f"block_sizes: unsupported keys {sorted(map(str, axes))}; expected -1 (last-dim "
                                  "block size), 'type', 'scale_bits'")
+            if two_d and not all(isinstance(bs[k], int) and not isinstance(bs[k], bool) and bs[k] > 0
+                                 for k in (-1, -2)):
+                raise ValueError(f"block_sizes: 2-D blocks need positive ints for -1 and -2, got {bs!r}")
             if bs.get("type", "static") not in ("static", "dynamic"):
                 raise ValueError(f"block_sizes.type={bs.get('type')!r}: expected 'static' or 'dynamic'")
             if bs[-1] is not None and (isinstance(bs[-1], bool) or not isinstance(bs[-1], int) or bs[-1] <= 0):
@@ -196,16 +208,33 @@ class QuantizerAttributeConfig(_Strict):
         return self.block_sizes[-1]
 
     @property
-    def block_size(self) -> int | None:
-        """Last-dim block size of int blocks whose amax comes from the data (dynamic); None otherwise (NVFP4's 16 is
-        implied). What the kernels and ``formats.fake_quant`` take as ``block_size``."""
+    def block_2d(self) -> tuple[int, int] | None:
+        """``(rows, cols)`` of 2-D blocks (``block_sizes: {-1: cols, -2: rows}``), whose scales always come from the
+        data; None otherwise."""
+        if self.block_sizes is None or self.block_sizes.get(-2) is None:
+            return None
+        return self.block_sizes[-2], self.block_sizes[-1]
+
+    @property
+    def _dynamic_blocks(self) -> bool:
+        # Block amaxes from the data: ``block_sizes.type: dynamic``, or a dynamic quantizer (``type: dynamic``, Model
+        # Optimizer's spelling of 1x128 per-token FP8 groups), whose amaxes are never calibrated.
+        return self.block_sizes.get("type") == "dynamic" or self.type == "dynamic"
+
+    @property
+    def block_size(self) -> int | tuple[int, int] | None:
+        """Last-dim block size of blocks whose amax comes from the data (dynamic), or ``(rows, cols)`` of 2-D blocks;
+        None otherwise (NVFP4's 16 is implied). What the kernels and ``formats.fake_quant`` take as ``block_size``."""
+        if self.block_2d is not None:
+            return self.block_2d
         b = self._int_block
-        return b if b and self.block_sizes.get("type") == "dynamic" else None
+        return b if b and self._dynamic_blocks else None
 
     @property
     def static_block_size(self) -> int | None:
         """Last-dim block size of int blocks with calibrated (static) per-block amaxes; None otherwise."""
-        return self._int_block if self._int_block and self.block_sizes.get("type", "static") == "static" else None
+        b = self._int_block
+        return b if b and self.block_2d is None and not self._dynamic_blocks else None
 
     @property
     def per_token(self) -> bool:

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..numerics import get_format
 from . import nn as framework_free
+from .block_checks import block_2d_problems
 from .config import ConfigError, QuantCfgEntry, QuantizeConfig, QuantizerAttributeConfig
 from .quant_module import (  # noqa: F401  _rebuild_quantized: the name pickles of quantized modules reference
     QuantModuleMixin,
@@ -254,18 +255,26 @@ def report_unmatched_entries(entries: list[QuantCfgEntry], found, strict: bool) 
     return messages
 
 
-def _shape_targets(name: str, module: nn.Module) -> list[tuple[str, nn.Module, tuple[int, ...], int]]:
-    """``(quantizer prefix, holder of the quantizers, weight shape, tensor-parallel parts of its input dim)`` of a
-    quantized module's GEMMs."""
+def _shape_targets(name: str, module: nn.Module) -> list[tuple[str, nn.Module, tuple[int, ...], tuple | None]]:
+    """``(quantizer prefix, holder of the quantizers, weight shape, (split axis, TP size) or None)`` of a quantized
+    module's GEMMs."""
     gemms = module.expert_gemms()
     if gemms:
         etp = module.expert_grid().etp_size
-        return [(".".join(p for p in (name, g.name) if p), g.quantizers, tuple(g.weight_shape),
-                 etp if g.sharded_axis == len(g.weight_shape) - 1 else 1) for g in gemms if g.weight_shape]
+        return [(".".join(p for p in (name, g.name) if p), g.quantizers, tuple(g.weight_shape), (g.sharded_axis, etp))
+                for g in gemms if g.weight_shape]
     weight = getattr(module, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() >= 1 and "weight_quantizer" in module._modules:
-        return [(name, module, tuple(weight.shape), module.input_dim_parts())]
+        return [(name, module, tuple(weight.shape), module.tensor_split())]
     return []
+
+
+def _input_dim_parts(split: tuple[int, int] | None, wshape: tuple[int, ...]) -> int:
+    """Into how many tensor-parallel parts the weight's input dim (its last) is split: the TP size where the module
+    is row-parallel, else 1."""
+    if split is None or split[0] % len(wshape) != len(wshape) - 1:
+        return 1
+    return split[1]
 
 
 def _cut_blocks(full: str, spec, dim: int, parts: int, wshape) -> list[str]:
@@ -293,7 +302,7 @@ def check_quantizer_shapes(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if not is_quantized(module):
             continue
-        for prefix, holder, wshape, parts in _shape_targets(name, module):
+        for prefix, holder, wshape, split in _shape_targets(name, module):
             # Last dims: the weight's; the input's is the weight's input features, the output's its output ones.
             last = {"weight_quantizer": wshape[-1], "input_quantizer": wshape[-1],
                     "output_quantizer": wshape[0] if len(wshape) > 1 else wshape[-1]}
@@ -308,7 +317,9 @@ def check_quantizer_shapes(model: nn.Module) -> None:
                                     f"dim, which is {dim} here (weight shape {wshape}); use another format for this "
                                     "module or disable it")
                 elif spec.pads and kind != "output_quantizer":
-                    problems += _cut_blocks(full, spec, dim, parts, wshape)
+                    problems += _cut_blocks(full, spec, dim, _input_dim_parts(split, wshape), wshape)
+                if q.cfg.block_2d is not None:
+                    problems += block_2d_problems(full, kind, q.cfg.block_2d, wshape, split)
                 axes = q.axis if isinstance(q.axis, tuple) else () if q.axis is None else (q.axis,)
                 if kind == "weight_quantizer" and any(not -len(wshape) <= a < len(wshape) for a in axes):
                     problems.append(f"{full}: axis={q.axis} is outside the weight's {len(wshape)} dims "

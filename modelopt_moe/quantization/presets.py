@@ -14,6 +14,8 @@ PRESET_FILES = {
     "MXFP8_DEFAULT_CFG": "mxfp8_default.yaml",
     "INT8_DEFAULT_CFG": "int8_default.yaml",
     "INT4_BLOCKWISE_WEIGHT_ONLY_CFG": "int4_blockwise_weight_only.yaml",
+    "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG": "fp8_block_weight_only.yaml",
+    "FP8_BLOCKWISE_W8A8_CFG": "fp8_block_w8a8.yaml",
 }
 
 

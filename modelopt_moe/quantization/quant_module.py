@@ -68,10 +68,6 @@ class QuantModuleMixin:
         ``quantizer_name`` (relative name) must max-reduce its amax. Plain modules: none."""
         return ()
 
-    def input_dim_parts(self) -> int:
-        """Into how many tensor-parallel parts the weight's input dim (its last) is split: 1 unless row-parallel."""
-        return 1
-
     def finalize_calibration(self, groups: dict) -> list[str]:
         """After the amax reduction: fix what calibration left incomplete; returns notes for one rank-0 warning."""
         return []
@@ -90,6 +86,11 @@ class QuantModuleMixin:
     def expert_grid(self) -> ExpertGrid:
         """This rank's place among the expert-parallel ranks (framework adapters answer from their groups)."""
         return ExpertGrid()
+
+    def tensor_split(self) -> tuple[int, int] | None:
+        """``(weight axis, size)`` of this module's tensor-parallel weight split, or None (not split; framework
+        adapters answer from their groups)."""
+        return None
 
     # Attributes that are caches: never pickled or deep-copied (they hold ids and derived tensors).
     _transient_attributes: tuple[str, ...] = ()

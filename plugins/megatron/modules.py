@@ -108,6 +108,10 @@ class _QuantParallelLinearMixin(QuantModuleMixin):
         # A per-channel amax along the TP-sharded axis belongs to this rank's channels only.
         return () if q.axis is not None and q.axis % 2 == self.sharded_axis else (tp,)
 
+    def tensor_split(self) -> tuple[int, int] | None:
+        """The weight axis split over this linear's tensor-parallel group, and the group's size."""
+        return self.sharded_axis, get_pg_size(self.tp_group)
+
     def calibrate_weights(self) -> None:
         if not self.is_expert_view:  # an expert's: the SequentialMLP calibrates all its experts
             super().calibrate_weights()
@@ -132,10 +136,6 @@ class QuantColumnParallelLinear(_QuantParallelLinearMixin):
 class QuantRowParallelLinear(_QuantParallelLinearMixin):
     """Quantized Megatron ``RowParallelLinear``: the weight's input channels (axis 1) are split over TP ranks."""
     sharded_axis = 1
-
-    def input_dim_parts(self) -> int:
-        """The TP size: Megatron splits the input dim into ``input_size_per_partition`` per rank."""
-        return self.input_size // self.input_size_per_partition
 
 
 class QuantSequentialMLP(QuantModuleMixin):

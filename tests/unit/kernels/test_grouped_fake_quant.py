@@ -486,7 +486,7 @@ def _w(*shape, dtype=torch.bfloat16):
         (lambda: K.grouped_weight_fake_quant([_w(2, 16)], torch.ones(1, dtype=torch.int32), "e4m3"), "floating"),
         (lambda: K.grouped_weight_fake_quant([_w(2, 24)], torch.ones(1), "nvfp4"), "multiple of the block size 16"),
         (lambda: K.grouped_weight_fake_quant([_w(2, 24)], None, "int4", 12), "power of two"),
-        (lambda: K.grouped_weight_fake_quant([_w(2, 16)], torch.ones(1), "e4m3", 16), "no block mode"),
+        (lambda: K.grouped_weight_fake_quant([_w(2, 16)], torch.ones(1), "e4m3", (2, 2, 2)), "blocks of the last dim"),
         (lambda: K.grouped_weight_fake_quant([_w(2, 16)], torch.ones(1), "nvfp4", 32), "blocks of 16"),
         (lambda: K.grouped_weight_fake_quant([_w(2, 16)], torch.ones(1), "fp6"), "unknown format"),
         (lambda: K.grouped_weight_fake_quant([_w(2, 16)], None, "e4m3"), "needs an amax"),

@@ -81,11 +81,13 @@ def test_every_format_is_one_object_that_answers_for_itself(name):
 
 
 def test_only_formats_whose_scales_all_come_from_the_data_need_no_amax():
-    # The one place of the rule: an int format with dynamic blocks needs no amax, nor does an MX format (E8M0 block
-    # scales, selected by their scale_bits); everything else does.
+    # The one place of the rule: a format with blocks of the data's own amax (int and FP8 blocks) needs no amax with
+    # a block, nor does an MX format ever (E8M0 block scales, selected by their scale_bits); everything else does.
     mx = {n for n, f in FORMATS.items() if f.scale_bits is not None}
     assert mx == {"mxfp4", "mxfp8"}
-    assert {n for n, f in FORMATS.items() if not f.needs_amax(128)} == {n for n, f in FORMATS.items() if f.integer} | mx
+    assert {n for n, f in FORMATS.items() if not f.needs_amax(128)} == {
+        n for n, f in FORMATS.items() if ScaleLayout.BLOCKS_1D in f.scale_layouts}
+    assert {n for n, f in FORMATS.items() if f.integer} < {n for n, f in FORMATS.items() if not f.needs_amax(128)}
     assert {n for n, f in FORMATS.items() if not f.needs_amax(None)} == mx
 
 

@@ -480,8 +480,9 @@ def test_output_keeps_input_dtype_and_equals_fp32_result_rounded(fmt, kwargs, dt
     (torch.ones(4, 16), "int8", {"amax": torch.ones(16, 1)}, r"does not broadcast"),
     (torch.ones(4, 24), "nvfp4", {"amax": _t(1.0)}, "multiple of block size 16"),
     (torch.ones(4, 32), "nvfp4", {"amax": _t(1.0), "block_size": 32}, "blocks of 16"),
-    (torch.ones(4, 32), "e4m3", {"amax": _t(1.0), "block_size": 16}, "no block mode"),
-    (torch.ones(4, 32), "e5m2", {"amax": _t(1.0), "block_size": 16}, "no block mode"),
+    (torch.ones(4, 32), "e4m3", {"amax": _t(1.0), "block_size": (16, 16, 16)}, "blocks of the last dim"),
+    (torch.ones(4, 32), "e5m2", {"amax": _t(1.0), "block_size": 0}, "blocks of the last dim"),
+    (torch.ones(32), "e4m3", {"block_size": (16, 16)}, "at least 2 dims"),
 ])
 def test_fake_quant_rejects_bad_arguments_with_value_error(x, fmt, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -165,7 +165,9 @@ def test_entry_that_sets_neither_cfg_nor_enable_is_rejected():
 
 
 @pytest.mark.parametrize(("attrs", "match"), [
-    ({"num_bits": (4, 3), "block_sizes": {-1: 16}}, "no block mode"),
+    ({"num_bits": (4, 3), "block_sizes": {-1: 16, -3: 16}}, "last two dims"),
+    ({"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128, "type": "static"}}, "always come from the current"),
+    ({"num_bits": 8, "block_sizes": {-1: 128, -2: 128}}, "last dim only"),
     ({"num_bits": (2, 1)}, "needs block_sizes"),
     ({"num_bits": (2, 1), "block_sizes": {-1: 32}}, "needs block_sizes"),
     ({"num_bits": (2, 1), "block_sizes": {-1: 16, "scale_bits": (5, 2)}}, "scale_bits"),
