@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..progress import progress
+from .calib.calibrator import Statistic, reduce_statistics
+from .calib.max import AMAX_REDUCE_OP
+from .calib.registry import calibrator_class
 from .config import MaxCalibConfig, normalize_algorithm
 from .conversion import is_quantized, named_quantizers, own_quantizers, rule_name
 from .modelopt_compat import COMPAT_DOC
-from .process_groups import collective_device, default_groups, register_group_provider
+from .process_groups import default_groups, register_group_provider
 from .tensor_quantizer import TensorQuantizer
 from .utils import is_rank0, warn_once
 
@@ -43,7 +47,8 @@ def amax_placeholder(q: TensorQuantizer) -> torch.Tensor:
 
 
 def sync_amax(model: nn.Module, groups: dict) -> None:
-    """Max-reduces every enabled quantizer's amax over the groups its module names.
+    """Max-reduces every enabled quantizer's amax over the groups its module names (the max rule's reduction,
+    :mod:`.calib.max`, through the calibrator seam's :func:`~.calib.calibrator.reduce_statistics`).
 
     Args:
         model: a converted model.
@@ -52,28 +57,23 @@ def sync_amax(model: nn.Module, groups: dict) -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    by_group: dict[str, list[TensorQuantizer]] = {}
+    statistics = []
     for module in model.modules():
         if not is_quantized(module):
             continue
         for rel, q in own_quantizers(module):
             if not q.is_enabled:
                 continue
-            for key in module.amax_reduction(rel):
-                if key in groups and groups[key] is not None and dist.get_world_size(groups[key]) > 1:
-                    by_group.setdefault(key, []).append(q)
-    for key in sorted(by_group):
-        quantizers = by_group[key]
-        values = [q.amax if q.amax is not None else amax_placeholder(q) for q in quantizers]
-        flat = torch.cat([v.detach().float().reshape(-1).cpu() for v in values])
-        device = collective_device(groups[key])
-        flat = flat.to(device)
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=groups[key])
-        offset = 0
-        for q, v in zip(quantizers, values, strict=True):
-            n = v.numel()
-            q.amax = flat[offset:offset + n].reshape(v.shape).to(v.device if q.amax is None else q.amax.device)
-            offset += n
+            names = tuple(key for key in module.amax_reduction(rel)
+                          if key in groups and groups[key] is not None and dist.get_world_size(groups[key]) > 1)
+            if names:
+                value = q.amax if q.amax is not None else amax_placeholder(q)
+                statistics.append(Statistic(value, AMAX_REDUCE_OP, names, partial(_store_amax, q)))
+    reduce_statistics(statistics, groups)
+
+
+def _store_amax(q: TensorQuantizer, value: torch.Tensor) -> None:
+    q.amax = value if q.amax is None else value.to(q.amax.device)
 
 
 class _ForwardCounter:
@@ -161,6 +161,7 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
     loop = as_forward_loop(forward_loop)
     if options is None:
         return model
+    calibrator = calibrator_class(options.method)(options)
     quantizers = [(name, q) for name, q, _ in named_quantizers(model) if q.is_enabled]
     saved = [(q, q.calibration_snapshot()) for _, q in quantizers]
     training = model.training
@@ -186,6 +187,7 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
     if unseen:
         warn_once("calibrate: these experts (global indices) saw no calibration tokens on any rank and use the "
                   "shared input amax (max over all experts):\n  " + "\n  ".join(unseen))
+    calibrator.refine(model, groups if options.distributed_sync is not False else {})
     return model
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .calib.max import max_over_experts, merge_max
 from .config_schema import QuantizerAttributeConfig
 from .modelopt_compat import modelopt_quantizer_state, unsupported
 from .quant_mode import QuantMode
@@ -163,7 +164,7 @@ class ExpertQuantizer(TensorQuantizer):
     def _reduced(self, value: torch.Tensor) -> torch.Tensor:
         """The layout's calibration rule applied to an ``[N, ...]`` value: ``shared`` keeps the max over experts."""
         if self.layout == "shared":
-            return value.amax(dim=0, keepdim=True).expand_as(value)
+            return max_over_experts(value).expand_as(value)
         return value
 
     @property
@@ -236,9 +237,9 @@ class ExpertQuantizer(TensorQuantizer):
         with torch.no_grad():
             new = new.to(amax.device)
             if self.layout == "shared":
-                torch.maximum(amax, new.expand_as(amax), out=amax)
+                merge_max(amax, new, out=amax)
             else:
-                amax[index] = torch.maximum(amax[index], new)
+                amax[index] = merge_max(amax[index], new)
 
     def collect(self, x: torch.Tensor) -> None:
         """Max calibration on a tensor that belongs to every expert (e.g. a GEMM output of all experts)."""
@@ -247,7 +248,7 @@ class ExpertQuantizer(TensorQuantizer):
         new = self.amax_of(x)
         amax = self._ensure_amax(new)
         with torch.no_grad():
-            torch.maximum(amax, new.to(amax.device).expand_as(amax), out=amax)
+            merge_max(amax, new.to(amax.device), out=amax)
 
     def fill_unseen_experts(self, groups: dict) -> list[int]:
         """Per-expert per-tensor amax: an expert no rank calibrated (amax 0) takes the max over all experts on all
@@ -267,7 +268,7 @@ class ExpertQuantizer(TensorQuantizer):
         else:
             everyone = local
         unseen = (everyone <= 0).nonzero().flatten().tolist()
-        shared = everyone.max().to(local.device)
+        shared = max_over_experts(everyone).reshape(()).to(local.device)
         if unseen and shared > 0:
             self.amax = torch.where(local <= 0, shared, local)
         return unseen
