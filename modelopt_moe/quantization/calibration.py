@@ -23,6 +23,7 @@ from ..progress import progress
 from .calib.calibrator import Statistic, reduce_statistics
 from .calib.max import AMAX_REDUCE_OP
 from .calib.registry import calibrator_class
+from .calib.routing import widened_routing
 from .config import MaxCalibConfig, normalize_algorithm
 from .conversion import is_quantized, named_quantizers, own_quantizers, rule_name
 from .modelopt_compat import COMPAT_DOC
@@ -204,9 +205,11 @@ def _collect(model: nn.Module, quantizers, loop, options: MaxCalibConfig) -> Non
     for name, q in quantizers:
         if _is_weight_quantizer(name):
             q.disable_calib()  # already calibrated from the weights
+            if getattr(q, "calibrated_rows", None) is not None:
+                q.calibrated_rows = None  # rows of weights: the counts are of calibration tokens
     needs_data = _needs_activation_data(quantizers)
     if loop is not None and (needs_data or not options.skip_forward_without_activation_calib):
-        with _ForwardCounter(model), torch.no_grad():
+        with _ForwardCounter(model), torch.no_grad(), widened_routing(model, options.moe_calib_experts_ratio):
             loop(model)
     elif loop is None and needs_data:
         warn_once("calibrate: no forward_loop given; activation quantizers keep no amax and will use the amax of "

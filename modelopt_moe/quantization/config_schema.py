@@ -332,7 +332,10 @@ class MaxCalibConfig(_Strict):
             ``shared`` expert weight layout.
         skip_forward_without_activation_calib: skip ``forward_loop`` when no enabled activation quantizer needs
             calibration data (weights are calibrated from themselves).
-        moe_calib_experts_ratio, layerwise, shared_states: accepted at Model Optimizer's defaults only.
+        moe_calib_experts_ratio: route each calibration token to ``max(top_k, round(ratio * num_experts))``
+            experts of every MoE layer (the model's outputs still come from its own top-k), so that seldom-picked
+            experts calibrate too; in ``(0, 1]``, None: the model's routing.
+        layerwise, shared_states: accepted at Model Optimizer's defaults only.
     """
 
     # Whether the algorithm chooses weight amaxes of its own (which weight_amax_update=dynamic would overwrite).
@@ -342,15 +345,12 @@ class MaxCalibConfig(_Strict):
     distributed_sync: bool | None = True
     sync_expert_weight_amax: bool = False
     skip_forward_without_activation_calib: bool = False
-    moe_calib_experts_ratio: float | None = None
+    moe_calib_experts_ratio: float | None = Field(None, gt=0.0, le=1.0)
     layerwise: dict | None = None
     shared_states: dict | None = None
 
     @model_validator(mode="after")
     def _defaults_only(self):
-        if self.moe_calib_experts_ratio is not None:
-            raise ValueError(unsupported("algorithm.moe_calib_experts_ratio", self.moe_calib_experts_ratio,
-                                         "calibration routes tokens as the model does"))
         if self.layerwise and (self.layerwise.get("enable") or self.layerwise.get("checkpoint_dir")):
             raise ValueError(unsupported("algorithm.layerwise", self.layerwise, "no layer-by-layer calibration"))
         if self.shared_states:

@@ -389,6 +389,18 @@ class ExpertQuantizer(TensorQuantizer):
         lo, hi = self._amax.min().item(), self._amax.max().item()
         return f"amax={hi:.4g}" if lo == hi else f"amax[{tuple(self._amax.shape)}] {lo:.4g}..{hi:.4g}"
 
+    def extra_repr(self) -> str:
+        """As :meth:`TensorQuantizer.extra_repr`, and the calibration tokens of each local expert where counted
+        (``tokens 0..128``, with the local experts that saw none)."""
+        text = super().extra_repr()
+        rows = self.calibrated_rows
+        if rows is None or not self._enabled:
+            return text
+        text += f", tokens {int(rows.min())}..{int(rows.max())}" if rows.min() != rows.max() else \
+            f", tokens {int(rows[0])}"
+        cold = (rows == 0).nonzero().flatten().tolist()
+        return text + (f" (none: local experts {cold})" if cold else "")
+
 
 class ExpertView(nn.Module):
     """Expert ``index``'s view of an :class:`ExpertQuantizer`: its amax is the owner's row ``index``; every
