@@ -136,12 +136,16 @@ def _needs_activation_data(quantizers) -> bool:
 
 def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = "max",
               forward_loop: Callable | None = None, groups: dict | None = None) -> nn.Module:
-    """Max-calibrates every enabled quantizer of a converted model.
+    """Calibrates every enabled quantizer of a converted model with a registered calibration algorithm
+    (:mod:`.calib`: ``max``, ``mse``).
 
-    Weight amaxes come from the weights themselves; activation amaxes from ``forward_loop(model)``; then amaxes are
-    max-reduced over the parallel groups (``groups``, or the registered provider's) and modules finalize
-    (e.g. experts that saw no tokens take the shared input amax). Dynamic quantizers (``type: dynamic``) are left
-    alone: their amax comes from each tensor.
+    Every algorithm starts from max calibration: weight amaxes come from the weights themselves; activation amaxes
+    from ``forward_loop(model)`` (with ``moe_calib_experts_ratio``, MoE layers route each token to more experts
+    while calibrating, :mod:`.calib.routing`); then amaxes are max-reduced over the parallel groups (``groups``, or
+    the registered provider's) and modules finalize (e.g. experts that saw no tokens take the shared input amax).
+    Then the algorithm refines (``mse``: each weight amax searched on a grid of multipliers, its errors summed
+    across the weight's shards). Dynamic quantizers (``type: dynamic``) are left alone: their amax comes from each
+    tensor.
 
     If ``forward_loop`` raises, every quantizer is put back as it was before this call (amaxes, calibration and
     quantization switches) and the exception propagates with a note saying so; the model is in eval mode or
@@ -149,13 +153,14 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
 
     Args:
         model: a model converted by :func:`mtq.quantize`.
-        algorithm: ``"max"``, ``{"method": "max", ...}`` (:class:`MaxCalibConfig`'s options: ``distributed_sync``,
-            ``skip_forward_without_activation_calib``), or None to skip calibration.
+        algorithm: ``"max"``, ``"mse"``, ``{"method": ..., ...}`` (the method's options: :class:`MaxCalibConfig`'s
+            ``distributed_sync``, ``skip_forward_without_activation_calib``, ``moe_calib_experts_ratio``; for
+            ``mse`` also :class:`~.config_schema.MseCalibConfig`'s grid), or None to skip calibration.
         forward_loop: ``forward_loop(model)`` (or ``forward_loop()``) runs calibration data through the model.
-        groups: ``{name: ProcessGroup}`` for the amax reduction.
+        groups: ``{name: ProcessGroup}`` for the reductions across ranks.
 
     Raises:
-        ValueError: an algorithm other than max (naming it).
+        ValueError: a method no calibrator is registered for, or an invalid option (naming it).
         TypeError: a ``forward_loop`` that is not callable.
     """
     options = normalize_algorithm(algorithm)

@@ -159,3 +159,13 @@ def test_every_registered_calibrator_has_its_options_and_the_reverse():
     for name, calibrator in CALIBRATORS.items():
         assert calibrator.name == name
         assert calibrator.options is CALIBRATION_OPTIONS[name]
+
+
+def test_calibrate_mse_on_a_model_with_dynamic_weight_amaxes_warns_that_they_will_be_replaced():
+    model = nn.Sequential(nn.Linear(32, 16))
+    data = torch.randn(4, 32)
+    mtq.quantize(model, copy.deepcopy(mtq.INT8_DEFAULT_CFG), lambda m: m(data))  # weight_amax_update: dynamic
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mtq.calibrate(model, {"method": "mse", "step_size": 0.5}, lambda m: m(data))
+    assert any("weight_amax_update=dynamic recomputes" in str(w.message) for w in caught), caught
