@@ -24,6 +24,7 @@ from .calib.calibrator import Statistic, reduce_statistics
 from .calib.max import AMAX_REDUCE_OP
 from .calib.registry import calibrator_class
 from .calib.routing import widened_routing
+from .calib.tokens import sum_token_counts
 from .config import MaxCalibConfig, normalize_algorithm
 from .conversion import is_quantized, named_quantizers, own_quantizers, rule_name
 from .modelopt_compat import COMPAT_DOC
@@ -186,6 +187,7 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
     groups = default_groups() if groups is None else groups
     if options.distributed_sync is not False:
         sync_amax(model, groups)
+        sum_token_counts(model, groups)
     unseen = []
     for name, module in model.named_modules():
         if is_quantized(module):

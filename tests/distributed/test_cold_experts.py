@@ -55,9 +55,30 @@ def _worker(rank, world_size, hf_dir, out_dir):
                                   "config_topk": model.config.moe_router_topk,
                                   "hooks": sum(len(m._forward_pre_hooks) + len(m._forward_hooks)
                                                for m in model.modules())}
+            if (kind, ratio) == ("sequential", 0.75):
+                from modelopt_moe.plugins.megatron import save_sharded_checkpoint
+                from modelopt_moe.quantization.calib.tokens import expert_token_counts
+
+                out["saved_tokens"] = expert_token_counts(model)  # a collective: every rank
+                save_sharded_checkpoint([model], f"{out_dir}-ckpt")
     out["export_warnings"] = _export_few_tokens(mtq, hf_dir, out_dir)
     mm.destroy_model_parallel()
+    out["restored_tokens"], out["restored_summary"] = _restore_at_tp1_ep4(mm, mtq, f"{out_dir}-ckpt")
     return out
+
+
+def _restore_at_tp1_ep4(mm, mtq, ckpt_dir):
+    """The checkpoint saved at TP=2 x EP=2 restored into a fresh model at TP=1 x EP=4: its token counts and summary."""
+    from modelopt_moe.plugins.megatron import load_sharded_checkpoint
+    from modelopt_moe.quantization.calib.tokens import expert_token_counts
+
+    mm.init_model_parallel(1, 4, seed=1)
+    model = mm.build_moe_gpt(num_experts=EXPERTS, seed=3, moe_router_enable_expert_bias=True,
+                             moe_router_score_function="sigmoid").eval()
+    load_sharded_checkpoint([model], ckpt_dir)
+    result = expert_token_counts(model), mtq.print_quant_summary(model, file=False)
+    mm.destroy_model_parallel()
+    return result
 
 
 def _export_few_tokens(mtq, hf_dir, out_dir):
@@ -91,6 +112,17 @@ def test_every_expert_calibrates_on_its_own_tokens_while_the_outputs_stay_the_mo
     Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
     ranks = spawn(_worker, 4, args=(str(tmp_path / "hf"), str(tmp_path / "out")), timeout=seconds(900))
     _check_export(ranks, tmp_path / "out")
+    saved = ranks[0]["saved_tokens"]
+    assert sorted(saved) == [f"decoder.layers.{i}.mlp.experts.{g}.input_quantizer" for i in (0, 1)
+                             for g in ("linear_fc1", "linear_fc2")]
+    assert all(sorted(cells) == list(range(EXPERTS)) and all(c > 0 for c in cells.values())  # noqa: PT018
+               for cells in saved.values()), saved
+    for r, result in enumerate(ranks):  # the checkpoint carries them: the same by global expert at TP=1 x EP=4
+        assert result["saved_tokens"] == saved, r
+        assert result["restored_tokens"] == saved, r
+    line = next(x for x in ranks[1]["restored_summary"].splitlines()
+                if x.startswith("decoder.layers.0.mlp.experts.linear_fc1.input_quantizer"))
+    assert f"tokens {saved['decoder.layers.0.mlp.experts.linear_fc1.input_quantizer'][1]}" in line, line
     for rank, result in enumerate(ranks):
         for kind in ("sequential", "grouped"):
             plain, wide, wider = result[(kind, None)], result[(kind, 0.75)], result[(kind, 1.0)]
