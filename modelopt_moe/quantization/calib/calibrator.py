@@ -51,8 +51,9 @@ class Statistic:
 def reduce_statistics(statistics: list[Statistic], groups: dict) -> None:
     """Reduces every statistic over its groups and hands each its result (:attr:`Statistic.store`).
 
-    One flattened ``all_reduce`` per (group name, op), group names in sorted order, statistics in list order: every
-    rank makes the same collectives, since which statistics exist depends on the model and config, never on data.
+    One flattened ``all_reduce`` per (group name, op, dtype: fp32 or int64), in sorted order, statistics in list
+    order: every rank makes the same collectives, since which statistics exist depends on the model and config, never
+    on data.
     Without an initialized process group, or over groups of one rank, nothing is reduced (``store`` still runs).
 
     Raises:
@@ -61,16 +62,18 @@ def reduce_statistics(statistics: list[Statistic], groups: dict) -> None:
     for s in statistics:
         if s.op not in REDUCE_OPS:
             raise ValueError(f"Statistic: reduce op {s.op!r}; expected one of {sorted(REDUCE_OPS)}")
-    values = [s.value.detach() for s in statistics]
+    # Floating statistics reduce in fp32, integer ones (counts) as int64: exact at any size.
+    values = [s.value.detach().float() if s.value.is_floating_point() else s.value.detach().long()
+              for s in statistics]
     if dist.is_available() and dist.is_initialized():
-        by_key: dict[tuple[str, str], list[int]] = {}
+        by_key: dict[tuple[str, str, str], list[int]] = {}
         for i, s in enumerate(statistics):
             for name in s.groups:
                 if groups.get(name) is not None and dist.get_world_size(groups[name]) > 1:
-                    by_key.setdefault((name, s.op), []).append(i)
-        for name, op in sorted(by_key):
-            members = by_key[(name, op)]
-            flat = torch.cat([values[i].float().reshape(-1).cpu() for i in members])
+                    by_key.setdefault((name, s.op, str(values[i].dtype)), []).append(i)
+        for name, op, dtype in sorted(by_key):
+            members = by_key[(name, op, dtype)]
+            flat = torch.cat([values[i].reshape(-1).cpu() for i in members])
             flat = flat.to(collective_device(groups[name]))
             dist.all_reduce(flat, op=REDUCE_OPS[op], group=groups[name])
             offset = 0

@@ -42,7 +42,7 @@ def sum_token_counts(model: nn.Module, groups: dict) -> None:
                                                                                              dtype=torch.int64)
 
                 def store(total, q=q):
-                    q.calibrated_rows = total.round().to(torch.int64).cpu()
+                    q.calibrated_rows = total.cpu()
 
                 statistics.append(Statistic(value, "sum", TOKEN_COUNT_GROUPS, store))
     reduce_statistics(statistics, groups)
