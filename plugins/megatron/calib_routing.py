@@ -4,8 +4,8 @@ While calibrating, every ``MoELayer`` first runs a forward of its own whose rout
 ``max(top_k, round(ratio * num_experts))`` experts per token (``router.topk`` and the config's ``moe_router_topk``,
 which the token dispatchers size their buffers by, are set for that forward and put back), its output dropped; then
 Megatron's forward with the model's own top-k runs with the layer's quantizers' calibration paused, and its output
-is what the next layers see. Both are hooks that return None. Works for every expert kind behind ``MoELayer``
-(``SequentialMLP``, ``TEGroupedMLP``, the grouped experts), whatever the token dispatcher.
+is what the next layers see. Both are hooks that return None. Every expert kind behind ``MoELayer`` takes the same
+path (``SequentialMLP`` and the grouped experts are tested on CPU with the allgather dispatcher).
 """
 
 from __future__ import annotations
