@@ -8,11 +8,12 @@ validation errors into messages: :mod:`.config_errors`; both are gathered with t
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import warnings
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from ..numerics import UnsupportedSetting, format_from_num_bits, get_format
 from .modelopt_shapes import UNSUPPORTED_ALGORITHMS, normalize_quant_cfg, unsupported
@@ -417,7 +418,24 @@ def normalize_algorithm(algorithm: Any) -> MaxCalibConfig | None:
                                                               f"{sorted(CALIBRATION_OPTIONS)} (QAT trains the rest)"))
         raise ValueError(f"algorithm: unknown calibration method {method!r}; expected one of "
                          f"{sorted(CALIBRATION_OPTIONS)} (or None)")
-    return CALIBRATION_OPTIONS[method](**algorithm)
+    options = CALIBRATION_OPTIONS[method]
+    try:
+        return options(**algorithm)
+    except ValidationError as e:
+        raise ValueError("; ".join(_option_problem(method, options, err) for err in e.errors())) from None
+
+
+def _option_problem(method: str, options: type[MaxCalibConfig], err: dict) -> str:
+    """One invalid option of calibration method ``method``, named as ``algorithm.<key>`` (with the allowed keys and a
+    suggestion for an unknown one)."""
+    key = ".".join(str(p) for p in err.get("loc", ()))
+    if err.get("type") == "extra_forbidden":
+        allowed = sorted(options.model_fields)
+        close = difflib.get_close_matches(key, allowed, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"algorithm.{key}: unknown option of method {method!r}{hint}; allowed: {', '.join(allowed)}"
+    message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    return f"algorithm.{key}={err.get('input')!r}: {message}" if key else f"algorithm: {message}"
 
 
 AUTOSWITCH_GEMMS = ("fprop", "dgrad", "wgrad")

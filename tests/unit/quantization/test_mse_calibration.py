@@ -147,7 +147,8 @@ def test_configs_name_the_method_and_refuse_what_it_cannot_do():
         to_config({"algorithm": "gptq"})
     with pytest.raises(ConfigError, match=r"'mystery'.*\['max', 'mse'\]"):
         to_config({"algorithm": {"method": "mystery"}})
-    with pytest.raises(ConfigError, match="step_sizee"):
+    with pytest.raises(ConfigError, match=r"algorithm\.step_sizee: unknown option of method 'mse' \(did you mean "
+                                          r"'step_size'\?\)"):
         to_config({"algorithm": {"method": "mse", "step_sizee": 0.2}, "weight_amax_update": "static"})
 
 
@@ -169,3 +170,10 @@ def test_calibrate_mse_on_a_model_with_dynamic_weight_amaxes_warns_that_they_wil
         warnings.simplefilter("always")
         mtq.calibrate(model, {"method": "mse", "step_size": 0.5}, lambda m: m(data))
     assert any("weight_amax_update=dynamic recomputes" in str(w.message) for w in caught), caught
+
+
+def test_mtq_calibrate_names_a_bad_option_of_the_method():
+    model = nn.Sequential(nn.Linear(8, 4))
+    mtq.quantize(model, copy.deepcopy(mtq.INT8_DEFAULT_CFG), None)
+    with pytest.raises(ValueError, match=r"algorithm\.stop_multiplierr: unknown option of method 'mse'"):
+        mtq.calibrate(model, {"method": "mse", "stop_multiplierr": 2.0})
