@@ -42,8 +42,11 @@ def mse_multipliers(config: MseCalibConfig, device: torch.device | str = "cpu") 
 def searchable(q: TensorQuantizer) -> bool:
     """Whether the search applies to weight quantizer ``q``: enabled, calibrated, and its amax is the element scale
     (not dynamic, no data-derived or two-level block scales)."""
+    # Blocks: static int blocks only (their amax is each block's scale); any other block layout takes scales
+    # from the data or under a second level.
+    blocks_ok = q.block_sizes is None or q.static_block_size is not None
     return (q.is_enabled and not q.is_dynamic and q.needs_amax and q.amax is not None and q.block_size is None
-            and get_format(q.fmt).block_scale is None)
+            and blocks_ok and get_format(q.fmt).block_scale is None)
 
 
 def _squared_error(q: TensorQuantizer, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
