@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..numerics import clip_limit, fake_quant, get_format
+from .calib.max import merge_max
 from .config_schema import WEIGHT_AMAX_UPDATES, QuantizerAttributeConfig
 from .modelopt_compat import modelopt_quantizer_state, parse_modelopt_quantizer_state, unsupported
 from .quant_mode import QuantMode, derive_mode
@@ -469,7 +470,7 @@ class TensorQuantizer(nn.Module):
         new = self.amax_of(x)
         fresh = self._amax is None or not self._calib_seen
         self._count_nonfinite(x, fresh)
-        self.amax = new if fresh else torch.maximum(self._amax, new.to(self._amax.device))
+        self.amax = new if fresh else merge_max(self._amax, new.to(self._amax.device))
         self._calib_seen = True
 
     def load_calib_amax(self, *args, strict: bool = True, **kwargs) -> None:
