@@ -28,7 +28,7 @@ from torch import nn
 from ..quantization.utils import rank
 from ..quantization.weight_amax import update_weight_amax
 from .errors import ExportError
-from .families import FAMILIES, Family, MoEArch, get_family, read_hf_config
+from .families import FAMILIES, Family, MoEArch, get_family, read_hf_config, register_family
 from .registry import ExportAdapter, adapter_for, adapter_named, register_export_adapter
 from .schemes import FORMATS
 
@@ -47,6 +47,7 @@ __all__ = [
     "Family",
     "MoEArch",
     "get_family",
+    "register_family",
 ]
 
 HF_CONFIG_FILE = "hf_config.json"

@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ExportError
+from .mapping import LLAMA_MOE, PREDICATES, MegatronTable
 
 __all__ = ["MoEArch", "Family", "FAMILIES", "get_family", "family_for_architecture", "read_hf_config",
-           "canonical_names", "canonical_shapes"]
+           "canonical_names", "canonical_shapes", "register_family"]
 
 
 @dataclass(frozen=True)
@@ -111,56 +112,90 @@ def _expect(cfg: dict, key: str, allowed: tuple, where: str, default=None) -> No
 
 
 class Family:
-    """A Hugging Face MoE family: names, config mapping. Subclasses fill the tables."""
+    """A Hugging Face MoE family: its tensor names, its Megatron table and its config mapping, as class attributes.
+
+    ``layer_tensors`` maps a layer's canonical names (``q_proj``, ``experts.{E}.gate``) to the Hugging Face tensor
+    inside ``model.layers.{L}`` (``self_attn.q_proj.weight``), in checkpoint order; ``optional`` names the
+    :data:`~.mapping.PREDICATES` some of them need; ``megatron`` is the Megatron-Core layout (:mod:`.mapping`).
+    """
 
     name: str
     architecture: str
     model_type: str
     qk_norm: bool
-    layer_modules: dict[str, str]  # canonical per-layer name -> module path inside model.layers.{L}
-    expert_prefix: str  # module path of the experts inside model.layers.{L}
-    expert_modules: dict[str, str]  # gate / up / down -> module name inside an expert
+    top_tensors: dict[str, str] = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight",
+                                   "lm_head": "lm_head.weight"}
+    layer_tensors: dict[str, str]
+    optional: dict[str, str] = {"q_norm": "qk_norm", "k_norm": "qk_norm"}
+    megatron: MegatronTable = LLAMA_MOE
 
     # --- names -----------------------------------------------------------------------------------------------------
-    def hf_module(self, canonical: str) -> str:
-        """The Hugging Face module name of a canonical name (``layers.3.experts.5.gate`` ->
-        ``model.layers.3.mlp.experts.5.gate_proj``).
+    def layer_names(self, arch: MoEArch, layer: int) -> list[str]:
+        """Layer ``layer``'s canonical names in checkpoint order (experts expanded)."""
+        present = [c for c in self.layer_tensors
+                   if c not in self.optional or PREDICATES[self.optional[c]](arch, layer)]
+        names, experts = [], [c for c in present if "{E}" in c]
+        for c in present:
+            if "{E}" not in c:
+                names.append(f"layers.{layer}.{c}")
+            elif c == experts[0]:  # expert by expert, each expert's tensors together
+                names += [f"layers.{layer}." + k.format(E=e) for e in range(arch.num_experts) for k in experts]
+        return names
+
+    def hf_tensor(self, canonical: str) -> str:
+        """The Hugging Face tensor name of a canonical name (``layers.3.experts.5.gate`` ->
+        ``model.layers.3.mlp.experts.5.gate_proj.weight``).
 
         Raises:
             ExportError: a canonical name this family does not have.
         """
-        top = {"embed_tokens": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
-        if canonical in top:
-            return top[canonical]
-        m = re.fullmatch(r"layers\.(\d+)\.experts\.(\d+)\.(\w+)", canonical)
-        if m and m.group(3) in self.expert_modules:
-            return (f"model.layers.{m.group(1)}.{self.expert_prefix}.{m.group(2)}."
-                    f"{self.expert_modules[m.group(3)]}")
-        m = re.fullmatch(r"layers\.(\d+)\.(\w+)", canonical)
-        if m and m.group(2) in self.layer_modules:
-            return f"model.layers.{m.group(1)}.{self.layer_modules[m.group(2)]}"
+        if canonical in self.top_tensors:
+            return self.top_tensors[canonical]
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", canonical)
+        if m:
+            rest = m.group(2)
+            e = re.fullmatch(r"experts\.(\d+)\.(\w+)", rest)
+            key = f"experts.{{E}}.{e.group(2)}" if e else rest
+            if key in self.layer_tensors:
+                hf = self.layer_tensors[key].format(E=e.group(1)) if e else self.layer_tensors[key]
+                return f"model.layers.{m.group(1)}.{hf}"
         raise ExportError(f"{self.architecture}: no tensor for canonical name {canonical!r}")
 
-    def canonical(self, hf_module: str) -> str | None:
-        """Inverse of :meth:`hf_module` (None: not a tensor of this family)."""
-        inverse = {"model.embed_tokens": "embed_tokens", "model.norm": "norm", "lm_head": "lm_head"}
-        if hf_module in inverse:
-            return inverse[hf_module]
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_module)
+    def hf_module(self, canonical: str) -> str:
+        """The Hugging Face module of a canonical weight (its tensor name without ``.weight``)."""
+        return self.hf_tensor(canonical).removesuffix(".weight")
+
+    def canonical_tensor(self, hf_tensor: str) -> str | None:
+        """Inverse of :meth:`hf_tensor` (None: not a tensor of this family)."""
+        for canonical, name in self.top_tensors.items():
+            if hf_tensor == name:
+                return canonical
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_tensor)
         if not m:
             return None
         layer, rest = m.groups()
-        prefix = self.expert_prefix + "."
-        if rest.startswith(prefix):
-            e = re.fullmatch(r"(\d+)\.(.+)", rest[len(prefix):])
-            for kind, module in self.expert_modules.items():
-                if e and e.group(2) == module:
-                    return f"layers.{layer}.experts.{e.group(1)}.{kind}"
-            return None
-        for kind, module in self.layer_modules.items():
-            if rest == module:
-                return f"layers.{layer}.{kind}"
+        for canonical, name in self.layer_tensors.items():
+            if "{E}" in name:
+                e = re.fullmatch(re.escape(name).replace(re.escape("{E}"), r"(\d+)"), rest)
+                if e:
+                    return f"layers.{layer}." + canonical.format(E=e.group(1))
+            elif rest == name:
+                return f"layers.{layer}.{canonical}"
         return None
+
+    def canonical(self, hf_module: str) -> str | None:
+        """The canonical name of a Hugging Face module's weight (None: not a tensor of this family)."""
+        return self.canonical_tensor(hf_module + ".weight")
+
+    def shapes(self, arch: MoEArch) -> dict[str, tuple[int, ...]]:
+        """The full Hugging Face shape of each kind of tensor (the last component of its canonical name; linears
+        ``[out, in]``)."""
+        h, d, inter = arch.hidden_size, arch.head_dim, arch.moe_ffn_hidden_size
+        return {"input_norm": (h,), "post_attn_norm": (h,), "q_proj": (arch.num_attention_heads * d, h),
+                "k_proj": (arch.num_kv_heads * d, h), "v_proj": (arch.num_kv_heads * d, h),
+                "o_proj": (h, arch.num_attention_heads * d), "q_norm": (d,), "k_norm": (d,),
+                "router": (arch.num_experts, h), "gate": (inter, h), "up": (inter, h), "down": (h, inter),
+                "embed_tokens": (arch.vocab_size, h), "norm": (h,), "lm_head": (arch.vocab_size, h)}
 
     # --- config ----------------------------------------------------------------------------------------------------
     def arch_from_hf(self, cfg: dict) -> MoEArch:
@@ -209,9 +244,9 @@ class Family:
             router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)), dtype=str(dtype).replace("torch.", ""))
 
 
-# The attention block and norms: the same module names in both families (Llama's).
-_DECODER_LAYER = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
-                  **{p: f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}}
+# The attention block and norms: the same tensor names in both families (Llama's).
+_ATTENTION = {"input_norm": "input_layernorm.weight",
+              **{p: f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}}
 
 
 class Qwen3MoeFamily(Family):
@@ -219,10 +254,9 @@ class Qwen3MoeFamily(Family):
     architecture = "Qwen3MoeForCausalLM"
     model_type = "qwen3_moe"
     qk_norm = True
-    layer_modules = {**_DECODER_LAYER, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
-                     "router": "mlp.gate"}
-    expert_prefix = "mlp.experts"
-    expert_modules = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+    layer_tensors = {**_ATTENTION, "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+                     "post_attn_norm": "post_attention_layernorm.weight", "router": "mlp.gate.weight",
+                     **{f"experts.{{E}}.{k}": f"mlp.experts.{{E}}.{k}_proj.weight" for k in ("gate", "up", "down")}}
 
     def arch_from_hf(self, cfg: dict) -> MoEArch:
         where = f"{self.architecture} config"
@@ -255,9 +289,10 @@ class MixtralFamily(Family):
     architecture = "MixtralForCausalLM"
     model_type = "mixtral"
     qk_norm = False
-    layer_modules = {**_DECODER_LAYER, "router": "block_sparse_moe.gate"}
-    expert_prefix = "block_sparse_moe.experts"
-    expert_modules = {"gate": "w1", "up": "w3", "down": "w2"}
+    layer_tensors = {**_ATTENTION, "post_attn_norm": "post_attention_layernorm.weight",
+                     "router": "block_sparse_moe.gate.weight",
+                     **{f"experts.{{E}}.{k}": f"block_sparse_moe.experts.{{E}}.{w}.weight"
+                        for k, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))}}
 
     def arch_from_hf(self, cfg: dict) -> MoEArch:
         where = f"{self.architecture} config"
@@ -286,6 +321,21 @@ class MixtralFamily(Family):
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (Qwen3MoeFamily(), MixtralFamily())}
 _ARCHITECTURES = {f.architecture: f for f in FAMILIES.values()}
+
+
+def register_family(family: Family) -> Family:
+    """Adds ``family`` (an instance of a :class:`Family` subclass) to the families import and export know, by its
+    ``name`` and ``architecture``; returns it. A family of the same name or architecture is replaced.
+
+    Raises:
+        ExportError: a family without name, architecture, model type or tensor table.
+    """
+    for attr in ("name", "architecture", "model_type", "layer_tensors"):
+        if not getattr(family, attr, None):
+            raise ExportError(f"register_family: {type(family).__name__} has no {attr}")
+    FAMILIES[family.name] = family
+    _ARCHITECTURES[family.architecture] = family
+    return family
 
 
 def get_family(name: str) -> Family:
@@ -319,14 +369,10 @@ def family_for_architecture(cfg: dict) -> Family:
 
 def canonical_names(arch: MoEArch) -> list[str]:
     """Every canonical tensor name of ``arch``, in checkpoint order (``lm_head`` absent with tied embeddings)."""
+    fam = get_family(arch.family)
     names = ["embed_tokens"]
     for layer in range(arch.num_layers):
-        p = f"layers.{layer}."
-        names += [p + n for n in ("input_norm", "q_proj", "k_proj", "v_proj", "o_proj")]
-        if arch.qk_norm:
-            names += [p + "q_norm", p + "k_norm"]
-        names += [p + "post_attn_norm", p + "router"]
-        names += [f"{p}experts.{e}.{k}" for e in range(arch.num_experts) for k in ("gate", "up", "down")]
+        names += fam.layer_names(arch, layer)
     names.append("norm")
     if not arch.tie_word_embeddings:
         names.append("lm_head")
@@ -335,10 +381,5 @@ def canonical_names(arch: MoEArch) -> list[str]:
 
 def canonical_shapes(arch: MoEArch) -> dict[str, tuple[int, ...]]:
     """The full (unsharded) Hugging Face shape of every canonical tensor of ``arch`` (linears ``[out, in]``)."""
-    h, d, inter = arch.hidden_size, arch.head_dim, arch.moe_ffn_hidden_size
-    per_layer = {"input_norm": (h,), "post_attn_norm": (h,), "q_proj": (arch.num_attention_heads * d, h),
-                 "k_proj": (arch.num_kv_heads * d, h), "v_proj": (arch.num_kv_heads * d, h),
-                 "o_proj": (h, arch.num_attention_heads * d), "q_norm": (d,), "k_norm": (d,),
-                 "router": (arch.num_experts, h), "gate": (inter, h), "up": (inter, h), "down": (h, inter)}
-    top = {"embed_tokens": (arch.vocab_size, h), "norm": (h,), "lm_head": (arch.vocab_size, h)}
-    return {name: top[name] if name in top else per_layer[name.rsplit(".", 1)[-1]] for name in canonical_names(arch)}
+    shapes = get_family(arch.family).shapes(arch)
+    return {name: shapes[name.rsplit(".", 1)[-1]] for name in canonical_names(arch)}
