@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["RULES", "PREDICATES", "Param", "MegatronTable", "LLAMA_MOE"]
+__all__ = ["RULES", "PREDICATES", "Param", "MegatronTable", "LLAMA_MOE", "DEEPSEEK_V3"]
 
 RULES = {"replicated": 1, "column": 1, "row": 1, "qkv": 3, "glu": 2}  # rule -> canonical tensors it holds
 
@@ -35,6 +35,13 @@ RULES = {"replicated": 1, "column": 1, "row": 1, "qkv": 3, "glu": 2}  # rule -> 
 PREDICATES: dict[str, Callable] = {
     "qk_norm": lambda arch, L: arch.qk_norm,
     "untied": lambda arch, L: not arch.tie_word_embeddings,
+    "q_lora": lambda arch, L: arch.q_lora_rank > 0,
+    "no_q_lora": lambda arch, L: arch.q_lora_rank == 0,
+    "dense": lambda arch, L: L is not None and L < arch.first_dense_layers,
+    "moe": lambda arch, L: L is not None and L >= arch.first_dense_layers,
+    "shared_experts": lambda arch, L: (L is not None and L >= arch.first_dense_layers
+                                       and arch.shared_expert_ffn_hidden_size > 0),
+    "expert_bias": lambda arch, L: L is not None and L >= arch.first_dense_layers and arch.router_expert_bias,
 }
 
 
@@ -131,4 +138,42 @@ LLAMA_MOE = MegatronTable(
         Param("decoder.final_layernorm.weight", "replicated", "norm"),
         Param("output_layer.weight", "column", "lm_head", linear=True, when="untied"),
     ),
+)
+
+_ATTN = _LAYER + "self_attention."
+
+# DeepSeek-V3's layer in Megatron-Core: multi-latent attention (the down projections column-parallel in Megatron's own
+# modules, duplicated in Transformer Engine's, whose up projections hold the latent norms), the first layers dense,
+# the others MoE with a sigmoid router and its expert bias, shared experts and routed ones.
+DEEPSEEK_V3 = MegatronTable(
+    embedding=LLAMA_MOE.embedding,
+    layer=(
+        Param(_LAYER + "input_layernorm.weight", "replicated", "layers.{L}.input_norm"),
+        Param(_ATTN + "linear_q_proj.weight", "column", "layers.{L}.q_proj", linear=True, when="no_q_lora"),
+        Param(_ATTN + "linear_q_down_proj.weight", "column", "layers.{L}.q_a_proj", linear=True, when="q_lora"),
+        Param((_ATTN + "linear_q_up_proj.layer_norm_weight", _ATTN + "q_layernorm.weight"), "replicated",
+              "layers.{L}.q_a_norm", when="q_lora"),
+        Param(_ATTN + "linear_q_up_proj.weight", "column", "layers.{L}.q_b_proj", linear=True, when="q_lora"),
+        Param(_ATTN + "linear_kv_down_proj.weight", "column", "layers.{L}.kv_a_proj", linear=True),
+        Param((_ATTN + "linear_kv_up_proj.layer_norm_weight", _ATTN + "kv_layernorm.weight"), "replicated",
+              "layers.{L}.kv_a_norm"),
+        Param(_ATTN + "linear_kv_up_proj.weight", "column", "layers.{L}.kv_b_proj", linear=True),
+        Param(_ATTN + "linear_proj.weight", "row", "layers.{L}.o_proj", linear=True),
+        Param((_LAYER + "mlp.linear_fc1.layer_norm_weight", _LAYER + "pre_mlp_layernorm.weight"), "replicated",
+              "layers.{L}.post_attn_norm", when="dense"),
+        Param(_LAYER + "pre_mlp_layernorm.weight", "replicated", "layers.{L}.post_attn_norm", when="moe"),
+        Param(_LAYER + "mlp.linear_fc1.weight", "glu", ("layers.{L}.mlp_gate", "layers.{L}.mlp_up"), linear=True,
+              when="dense"),
+        Param(_LAYER + "mlp.linear_fc2.weight", "row", "layers.{L}.mlp_down", linear=True, when="dense"),
+        Param(_LAYER + "mlp.router.weight", "replicated", "layers.{L}.router", linear=True, quantized=False,
+              when="moe"),
+        Param(_LAYER + "mlp.router.expert_bias", "replicated", "layers.{L}.router_bias", when="expert_bias"),
+        Param(_LAYER + "mlp.shared_experts.linear_fc1.weight", "glu",
+              ("layers.{L}.shared_gate", "layers.{L}.shared_up"), linear=True, when="shared_experts"),
+        Param(_LAYER + "mlp.shared_experts.linear_fc2.weight", "row", "layers.{L}.shared_down", linear=True,
+              when="shared_experts"),
+        *(Param(p.path, p.rule, p.canonical, p.linear, p.quantized, p.holder, "moe")
+          for p in LLAMA_MOE.layer if p.expert),
+    ),
+    final=LLAMA_MOE.final,
 )

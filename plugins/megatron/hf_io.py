@@ -161,16 +161,32 @@ def _names(param: Param, L: int | None, E: int | None = None) -> list[str]:
     return [c.format(L=L, E=E) for c in param.canonical]
 
 
-def _group(param: Param, lay: _Layout):
-    """A parameter's sharding group, size and rank: tensor-parallel, or expert-TP for an expert's."""
+def _group(param: Param, lay: _Layout, split: bool = True):
+    """A parameter's sharding group, size and rank: tensor-parallel, or expert-TP for an expert's; size 1 where the
+    parameter is whole on every rank (``split`` False)."""
+    if not split:
+        return None, 1, 0
     if param.expert:
         return lay.etp, lay.etp_size, lay.etp_rank
     return lay.tp, lay.tp_size, lay.tp_rank
 
 
-def _gather(t: torch.Tensor, param: Param, lay: _Layout, arch: MoEArch) -> list[torch.Tensor]:
+def _split(t: torch.Tensor, param: Param, arch: MoEArch) -> bool:
+    """Whether this rank holds a shard of the parameter rather than all of it (Transformer Engine keeps MLA's down
+    projections whole on every rank, Megatron's own modules split them): its shape against the canonical tensors'."""
+    if param.rule == "replicated":
+        return False
+    shapes = get_family(arch.family).shapes(arch)
+    parts = [shapes[c.rsplit(".", 1)[-1]] for c in param.canonical]
+    dim = 1 if param.rule == "row" else 0
+    full = list(parts[0])
+    full[dim] = sum(p[dim] for p in parts)
+    return tuple(t.shape) != tuple(full)
+
+
+def _gather(t: torch.Tensor, param: Param, lay: _Layout, arch: MoEArch, split: bool = True) -> list[torch.Tensor]:
     """A parameter's (or per-channel amax's) full tensor, split into its canonical parts."""
-    group, size, _ = _group(param, lay)
+    group, size, _ = _group(param, lay, split)
     if param.rule == "replicated":
         return [t.detach()]
     if param.rule == "row":
@@ -183,14 +199,15 @@ def _gather(t: torch.Tensor, param: Param, lay: _Layout, arch: MoEArch) -> list[
 
 def _dense_records(m, param: Param, L: int | None, arch: MoEArch, lay: _Layout) -> Iterator:
     _, t = _resolve(m, param, L)
-    parts, names = _gather(t, param, lay, arch), _names(param, L)
+    split = _split(t, param, arch)
+    parts, names = _gather(t, param, lay, arch, split), _names(param, L)
     if not param.linear:
         yield from (TensorRecord(n, w) for n, w in zip(names, parts, strict=True))
         return
     _, holder = _holder(m, param, L)
     w_amax = _amax(holder, "weight_quantizer")
     if w_amax is not None and w_amax.numel() > 1 and param.rule != "row":  # per channel: the output rows
-        w_amax = torch.cat(_gather(w_amax, param, lay, arch), 0)
+        w_amax = torch.cat(_gather(w_amax, param, lay, arch, split), 0)
     in_amax = _amax(holder, "input_quantizer")
     quant = _linear_quant(holder)
     amaxes = [w_amax] if len(parts) == 1 else _row_amax_split(w_amax, parts)
@@ -381,10 +398,10 @@ def import_megatron(model, hf_dir: str | os.PathLike) -> None:
     groups = [("embedding", None)] + [(L, L) for L in range(arch.num_layers)] + [("final", None)]
     for key, L in groups:
         for param in table.params(arch, key):
-            _, _, rank = _group(param, lay)
-            tp_size = _group(param, lay)[1]
+            _, tp_size, rank = _group(param, lay)
             if not param.expert:
                 target = _resolve(m, param, L)[1]
+                _, tp_size, rank = _group(param, lay, _split(target, param, arch))
                 names = _names(param, L)
                 staged.add(target, _read_slice(reader, param, target, names, rank, arch, tp_size), _label(names))
                 continue

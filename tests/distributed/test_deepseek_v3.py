@@ -1,0 +1,200 @@
+"""DeepSeek-V3 (``DeepseekV3ForCausalLM``, also Kimi-K2's architecture) end to end, as a user's script does it.
+
+A tiny random checkpoint written by ``transformers`` 5.23 with every feature of the family on: multi-latent attention
+(query and key/value LoRA ranks, decoupled RoPE, interleaved), a dense first layer (``first_k_dense_replace``), a
+shared expert, the sigmoid router with ``e_score_correction_bias`` (perturbed, so it changes the choice), group-limited
+top-k (``n_group`` / ``topk_group``) and ``routed_scaling_factor``. One spawn of 4 gloo ranks builds the Megatron
+model with ``build_megatron_model`` and loads it with ``import_hf`` at TP1 x EP1, TP2 x EP2 and TP4 x EP1:
+
+* the fp32 Megatron model's logits equal transformers' within 2e-5 of the largest logit at every layout;
+* ``export_hf(format="hf")`` gives back every tensor of the source, bit for bit, at every layout;
+* the model has the family's pieces (multi-latent attention, a dense MLP first, shared experts, the expert bias, the
+  sigmoid group-limited router), so that a plainer model cannot pass;
+* quantized to FP8 (routers and their bias left alone) and exported in compressed-tensors format at TP2 x EP2, the
+  checkpoint loads in transformers and gives the Megatron weight-only fake-quant model's logits;
+* configs the family cannot map (MTP layers, YaRN rope scaling, a group score other than the top 2) are refused
+  naming the field.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from limits import seconds  # noqa: E402
+
+from modelopt_moe.launch import spawn
+
+WORLD = 4
+LAYOUTS = ((1, 1), (2, 2), (4, 1))  # (TP, EP)
+CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+              routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
+              qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1,
+              max_position_embeddings=64, num_mtp_layers=0)
+
+
+def _save(path: Path) -> None:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**CONFIG))
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name:
+                t.add_(torch.randn_like(t) * 0.1)
+            elif "e_score_correction_bias" in name:
+                t.copy_(torch.randn_like(t) * 0.05)
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def _rank(rank, world_size, src, out):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state, tensor_parallel
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.export import build_megatron_model, export_hf, import_hf
+    from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
+
+    apply_cpu_shims()
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 128, (2, 16))
+    positions = torch.arange(16).expand(2, 16)
+    causal = torch.triu(torch.ones(16, 16, dtype=torch.bool), diagonal=1)[None, None]
+
+    def logits(m):
+        with torch.no_grad():
+            return m(tokens, positions, causal, runtime_gather_output=True).float()
+
+    res = {"tokens": tokens}
+    for tp, ep in LAYOUTS:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
+        model = build_megatron_model(src, params_dtype=torch.float32)
+        import_hf(model, src)
+        model.eval()
+        res[f"logits_tp{tp}_ep{ep}"] = logits(model)
+        export_hf(model, Path(out) / f"hf_tp{tp}_ep{ep}", format="hf", dtype=torch.bfloat16, progress=False)
+        if (tp, ep) == (2, 2):
+            layers = model.decoder.layers
+            res["pieces"] = {
+                "attention": [type(layer.self_attention).__name__ for layer in layers],
+                "core_attention": type(layers[0].self_attention.core_attention).__name__,
+                "mlp": [type(layer.mlp).__name__ for layer in layers],
+                "shared_experts": [getattr(layer.mlp, "shared_experts", None) is not None for layer in layers],
+                "expert_bias": [getattr(getattr(layer.mlp, "router", None), "expert_bias", None) is not None
+                                for layer in layers],
+                "router": (model.config.moe_router_score_function, model.config.moe_router_num_groups,
+                           model.config.moe_router_group_topk, model.config.moe_router_topk_scaling_factor),
+            }
+
+            def calibrate(m):
+                with torch.no_grad():
+                    for b in range(2):
+                        m(tokens.roll(b + 1, dims=1), positions, causal)
+
+            mtq.quantize(model, mtq.load_config("fp8_default.yaml"), calibrate)
+            export_hf(model, Path(out) / "fp8", format="compressed-tensors", dtype=torch.bfloat16, progress=False)
+            mtq.disable_quantizer(model, "*input_quantizer")  # transformers runs weight-only
+            res["logits_fp8"] = logits(model)
+        parallel_state.destroy_model_parallel()
+    return res
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("deepseek_v3")
+    _save(base / "src")
+    results = spawn(_rank, WORLD, args=(str(base / "src"), str(base / "out")), timeout=seconds(900))
+    return base, results[0]
+
+
+def _hf_logits(path, tokens, **kw):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize(("tp", "ep"), LAYOUTS)
+def test_megatron_logits_match_transformers_at_every_layout(run, tp, ep):
+    base, r = run
+    ref = _hf_logits(base / "src", r["tokens"])
+    diff = (r[f"logits_tp{tp}_ep{ep}"] - ref).abs().max().item()
+    print(f"TP{tp} x EP{ep}: logits max |Megatron - transformers| = {diff:.3g} (largest {ref.abs().max():.3g})")
+    assert diff <= 2e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize(("tp", "ep"), LAYOUTS)
+def test_hf_export_is_the_source_bit_for_bit(run, tp, ep):
+    base, _ = run
+    source, exported = _tensors(base / "src"), _tensors(base / "out" / f"hf_tp{tp}_ep{ep}")
+    assert sorted(exported) == sorted(source)
+    for name, t in source.items():
+        assert exported[name].dtype == t.dtype, name
+        assert torch.equal(exported[name], t), name
+    cfg = json.loads((base / "out" / f"hf_tp{tp}_ep{ep}" / "config.json").read_text())
+    src_cfg = json.loads((base / "src" / "config.json").read_text())
+    for key in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group",
+                "topk_group", "routed_scaling_factor", "first_k_dense_replace", "n_shared_experts",
+                "n_routed_experts", "intermediate_size", "moe_intermediate_size", "num_nextn_predict_layers"):
+        assert cfg[key] == src_cfg[key], key
+
+
+def test_the_megatron_model_has_the_family_pieces(run):
+    p = run[1]["pieces"]
+    assert p["attention"] == ["MLASelfAttention"] * 3
+    assert p["core_attention"] == "LatentDotProductAttention"
+    assert p["mlp"] == ["MLP", "MoELayer", "MoELayer"]
+    assert p["shared_experts"] == [False, True, True]
+    assert p["expert_bias"] == [False, True, True]
+    assert p["router"] == ("sigmoid", 4, 2, 2.5)
+
+
+def test_fp8_export_loads_in_transformers(run):
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    base, r = run
+    path = base / "out" / "fp8"
+    cfg = json.loads((path / "config.json").read_text())
+    ignore = cfg["quantization_config"]["ignore"]
+    assert "model.layers.1.mlp.gate" in ignore
+    assert "lm_head" in ignore
+    t = _tensors(path)
+    assert t["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.bfloat16
+    assert t["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    assert t["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
+    ref = _hf_logits(path, r["tokens"], quantization_config=CompressedTensorsConfig(dequantize=True))
+    diff = (r["logits_fp8"] - ref).abs().max().item()
+    print(f"FP8 compressed-tensors in transformers: logits max |Megatron fake quant - transformers| = {diff:.3g}")
+    assert diff <= 2e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("num_nextn_predict_layers", 1, "num_nextn_predict_layers=1"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}, "rope scaling"),
+    ("topk_group", 1, "num_experts_per_tok=4 with topk_group=1"),
+    ("rope_interleave", False, "rope_interleave=False"),
+    ("norm_topk_prob", False, "norm_topk_prob=False"),
+])
+def test_unmapped_features_are_refused_naming_the_field(key, value, match):
+    from transformers import DeepseekV3Config
+
+    from modelopt_moe.export import ExportError, get_family
+
+    cfg = DeepseekV3Config(**CONFIG).to_dict()
+    cfg[key] = value
+    with pytest.raises(ExportError, match=match):
+        get_family("deepseek_v3").arch_from_hf(cfg)
