@@ -1,20 +1,25 @@
-"""Hugging Face model families: their config (to and from the framework-free :class:`MoEArch`) and tensor names.
+"""Hugging Face model families: their config (to and from the framework-free :class:`MoEArch`), tensor names and
+Megatron table (:mod:`.mapping`).
 
 Every exported tensor has a *canonical* name that says what it is, independent of any framework::
 
     embed_tokens, norm, lm_head
     layers.{L}.input_norm, layers.{L}.post_attn_norm
     layers.{L}.q_proj, .k_proj, .v_proj, .o_proj, .q_norm, .k_norm
-    layers.{L}.router
+    layers.{L}.q_a_proj, .q_a_norm, .q_b_proj, .kv_a_proj, .kv_a_norm, .kv_b_proj    (multi-latent attention)
+    layers.{L}.mlp_gate, .mlp_up, .mlp_down                                          (a dense layer's MLP)
+    layers.{L}.router, .router_bias, .shared_gate, .shared_up, .shared_down
     layers.{L}.experts.{E}.gate, .up, .down
 
-A :class:`Family` maps canonical names to its Hugging Face module names (append ``.weight`` for the tensor) and
-back, and a Hugging Face ``config.json`` to an :class:`MoEArch` and back. Families:
+A :class:`Family` maps canonical names to its Hugging Face tensor names (``layer_tensors``) and back, a Hugging Face
+``config.json`` to an :class:`MoEArch` and back, and names its Megatron table (``megatron``). Families:
 
 * ``qwen3_moe`` (``Qwen3MoeForCausalLM``): per-head RMSNorm on queries and keys, router ``mlp.gate``, experts
   ``mlp.experts.E.{gate,up,down}_proj``; every layer MoE (``decoder_sparse_step`` 1, no ``mlp_only_layers``).
 * ``mixtral`` (``MixtralForCausalLM``): no query/key norm, router ``block_sparse_moe.gate``, experts
   ``block_sparse_moe.experts.E.{w1,w3,w2}`` (gate, up, down) as ``transformers`` saves them.
+* ``deepseek_v3`` (``DeepseekV3ForCausalLM``, Kimi-K2): multi-latent attention, dense first layers, shared experts,
+  the sigmoid router with ``e_score_correction_bias`` and group-limited top-k.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """DeepSeek-V3 (``DeepseekV3ForCausalLM``, also Kimi-K2's architecture) end to end, as a user's script does it.
 
-A tiny random checkpoint written by ``transformers`` 5.23 with every feature of the family on: multi-latent attention
+A tiny random checkpoint written by ``transformers`` 5.23 from the shipped ``configs/deepseek_v3_tiny.json``, with every
+feature of the family on: multi-latent attention
 (query and key/value LoRA ranks, decoupled RoPE, interleaved), a dense first layer (``first_k_dense_replace``), a
 shared expert, the sigmoid router with ``e_score_correction_bias`` (perturbed, so it changes the choice), group-limited
 top-k (``n_group`` / ``topk_group``) and ``routed_scaling_factor``. One spawn of 4 gloo ranks builds the Megatron
@@ -12,6 +13,7 @@ model with ``build_megatron_model`` and loads it with ``import_hf`` at TP1 x EP1
   sigmoid group-limited router), so that a plainer model cannot pass;
 * quantized to FP8 (routers and their bias left alone) and exported in compressed-tensors format at TP2 x EP2, the
   checkpoint loads in transformers and gives the Megatron weight-only fake-quant model's logits;
+* the quantized model saved with ``save_sharded_checkpoint`` at TP2 x EP2 loads at TP4 x EP1 with the same logits;
 * configs the family cannot map (MTP layers, YaRN rope scaling, a group score other than the top 2) are refused
   naming the field.
 """
@@ -24,21 +26,24 @@ import torch
 from limits import seconds  # noqa: E402
 
 from modelopt_moe.launch import spawn
+from modelopt_moe.quantization.config import preset_path
 
 WORLD = 4
 LAYOUTS = ((1, 1), (2, 2), (4, 1))  # (TP, EP)
-CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-              routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
-              qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1,
-              max_position_embeddings=64, num_mtp_layers=0)
+VOCAB = 256
+
+
+def _config() -> dict:
+    """The shipped tiny config (configs/deepseek_v3_tiny.json), without the keys only a checkpoint carries."""
+    cfg = json.loads(preset_path("deepseek_v3_tiny.json").read_text())
+    return {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
 
 
 def _save(path: Path) -> None:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**CONFIG))
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**_config()))
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name:
@@ -56,11 +61,12 @@ def _rank(rank, world_size, src, out):
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.export import build_megatron_model, export_hf, import_hf
+    from modelopt_moe.plugins.megatron import load_sharded_checkpoint, save_sharded_checkpoint
     from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
 
     apply_cpu_shims()
     torch.manual_seed(1)
-    tokens = torch.randint(0, 128, (2, 16))
+    tokens = torch.randint(0, VOCAB, (2, 16))
     positions = torch.arange(16).expand(2, 16)
     causal = torch.triu(torch.ones(16, 16, dtype=torch.bool), diagonal=1)[None, None]
 
@@ -97,8 +103,14 @@ def _rank(rank, world_size, src, out):
 
             mtq.quantize(model, mtq.load_config("fp8_default.yaml"), calibrate)
             export_hf(model, Path(out) / "fp8", format="compressed-tensors", dtype=torch.bfloat16, progress=False)
+            save_sharded_checkpoint(model, Path(out) / "ckpt")
+            res["logits_fp8_w8a8"] = logits(model)
             mtq.disable_quantizer(model, "*input_quantizer")  # transformers runs weight-only
             res["logits_fp8"] = logits(model)
+        if (tp, ep) == (4, 1):  # the TP2 x EP2 checkpoint loads at another layout
+            fresh = build_megatron_model(src, params_dtype=torch.float32)
+            load_sharded_checkpoint(fresh, Path(out) / "ckpt")
+            res["logits_fp8_resharded"] = logits(fresh.eval())
         parallel_state.destroy_model_parallel()
     return res
 
@@ -182,6 +194,13 @@ def test_fp8_export_loads_in_transformers(run):
     assert diff <= 2e-5 * ref.abs().max().item()
 
 
+def test_the_quantized_checkpoint_reshards(run):
+    r = run[1]
+    diff = (r["logits_fp8_resharded"] - r["logits_fp8_w8a8"]).abs().max().item()
+    print(f"FP8 W8A8 saved at TP2 x EP2, loaded at TP4 x EP1: logits max |diff| = {diff:.3g}")
+    assert diff <= 2e-5 * r["logits_fp8_w8a8"].abs().max().item()  # another layout sums in another order
+
+
 @pytest.mark.parametrize(("key", "value", "match"), [
     ("num_nextn_predict_layers", 1, "num_nextn_predict_layers=1"),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}, "rope scaling"),
@@ -194,7 +213,7 @@ def test_unmapped_features_are_refused_naming_the_field(key, value, match):
 
     from modelopt_moe.export import ExportError, get_family
 
-    cfg = DeepseekV3Config(**CONFIG).to_dict()
+    cfg = DeepseekV3Config(**_config()).to_dict()
     cfg[key] = value
     with pytest.raises(ExportError, match=match):
         get_family("deepseek_v3").arch_from_hf(cfg)
