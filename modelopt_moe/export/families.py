@@ -83,6 +83,14 @@ class MoEArch:
     router_num_groups: int = 0
     router_group_topk: int = 0
     routed_scaling_factor: float = 1.0
+    # YaRN rope scaling (DeepSeek's form: mscale and mscale_all_dim as Megatron applies them)
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_max_position_embeddings: int = 0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
 
 
 # MoEArch fields beyond Llama's attention with a softmax-routed MoE MLP, at their plain values: a family expresses
@@ -90,7 +98,32 @@ class MoEArch:
 _PLAIN = {f: MoEArch.__dataclass_fields__[f].default for f in (
     "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "shared_expert_ffn_hidden_size",
     "first_dense_layers", "dense_ffn_hidden_size", "router_score_function", "router_expert_bias",
-    "router_num_groups", "router_group_topk", "routed_scaling_factor")}
+    "router_num_groups", "router_group_topk", "routed_scaling_factor", "rope_type", "rope_factor",
+    "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim")}
+
+
+def _yarn(cfg: dict, where: str) -> dict[str, Any]:
+    """YaRN rope scaling as transformers applies it to multi-latent attention, in Megatron's terms (empty for plain
+    RoPE); refuses what Megatron's ``YarnRotaryEmbedding`` does not compute the same way (names the key)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return {}
+    if rope_type != "yarn":
+        raise ExportError(f"{where}: rope scaling {params} is not supported (plain RoPE or YaRN only)")
+    for key, allowed in (("attention_factor", (None,)), ("truncate", (None, True)), ("partial_rotary_factor",
+                                                                                       (None, 1.0))):
+        if params.get(key) not in allowed:
+            raise ExportError(f"{where}: rope_parameters.{key}={params[key]!r} is not supported (expected one of "
+                              f"{list(allowed)})")
+    original = int(_require(params, "original_max_position_embeddings", f"{where}: rope_parameters"))
+    factor = params.get("factor") or int(_require(cfg, "max_position_embeddings", where)) / original
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):  # transformers then scales cos/sin by get_mscale(factor) alone
+        mscale, mscale_all_dim = 1.0, 0.0
+    return dict(rope_type="yarn", rope_factor=float(factor), rope_original_max_position_embeddings=original,
+                rope_beta_fast=float(params.get("beta_fast") or 32), rope_beta_slow=float(params.get("beta_slow") or 1),
+                rope_mscale=float(mscale), rope_mscale_all_dim=float(mscale_all_dim))
 
 
 def read_hf_config(hf_dir_or_config: str | os.PathLike | dict) -> dict:
@@ -120,6 +153,14 @@ def _rope(cfg: dict, where: str) -> float:
     if rope_type != "default" or (scaling not in (None, {}) and scaling.get("rope_type", scaling.get("type"))
                                   not in (None, "default")):
         raise ExportError(f"{where}: rope scaling {params or scaling} is not supported (plain RoPE only)")
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        raise ExportError(f"{where}: no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
+    return float(theta)
+
+
+def _rope_theta(cfg: dict, where: str) -> float:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
         raise ExportError(f"{where}: no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
@@ -402,6 +443,12 @@ class DeepseekV3Family(Family):
                 "shared_gate": (shared, h), "shared_up": (shared, h), "shared_down": (h, shared),
                 "gate": (inter, h), "up": (inter, h), "down": (h, inter)}
 
+    def _common(self, cfg: dict, where: str) -> dict[str, Any]:
+        yarn = _yarn(cfg, where)
+        plain = {**cfg, "rope_parameters": {"rope_theta": _rope_theta(cfg, where), "rope_type": "default"}}
+        plain.pop("rope_scaling", None)
+        return {**super()._common(plain, where), **yarn}
+
     def arch_from_hf(self, cfg: dict) -> MoEArch:
         where = f"{self.architecture} config"
         common = self._common(cfg, where)
@@ -466,6 +513,12 @@ class DeepseekV3Family(Family):
                     "routed_scaling_factor": arch.routed_scaling_factor, "norm_topk_prob": True,
                     "rope_interleave": True, "attention_bias": False, "num_nextn_predict_layers": 0})
         cfg.pop("num_mtp_layers", None)
+        if arch.rope_type == "yarn":
+            cfg["rope_parameters"] = {
+                "rope_theta": arch.rope_theta, "rope_type": "yarn", "factor": arch.rope_factor,
+                "original_max_position_embeddings": arch.rope_original_max_position_embeddings,
+                "beta_fast": arch.rope_beta_fast, "beta_slow": arch.rope_beta_slow, "mscale": arch.rope_mscale,
+                "mscale_all_dim": arch.rope_mscale_all_dim}
         return cfg
 
 

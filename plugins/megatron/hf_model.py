@@ -121,6 +121,11 @@ def _variant_config(arch: MoEArch) -> dict[str, Any]:
                   qk_head_dim=arch.head_dim, qk_pos_emb_head_dim=arch.qk_rope_head_dim, v_head_dim=arch.v_head_dim,
                   rope_type="rope", rotary_base=arch.rope_theta, qk_layernorm=True,
                   num_query_groups=arch.num_attention_heads)
+        if arch.rope_type == "yarn":
+            kw.update(rope_type="yarn", rotary_scaling_factor=arch.rope_factor,
+                      original_max_position_embeddings=arch.rope_original_max_position_embeddings,
+                      beta_fast=arch.rope_beta_fast, beta_slow=arch.rope_beta_slow, mscale=arch.rope_mscale,
+                      mscale_all_dim=arch.rope_mscale_all_dim)
     if arch.shared_expert_ffn_hidden_size:
         kw["moe_shared_expert_intermediate_size"] = arch.shared_expert_ffn_hidden_size
     if arch.first_dense_layers:
@@ -254,7 +259,7 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
         ("rope_scaling", m.rotary_scaling, (False,)),
     ]
     if mla:
-        checks += [("rope_type", c.rope_type, ("rope",)),
+        checks += [("rope_type", c.rope_type, ("rope", "yarn")),
                    ("qk_layernorm (the latent norms of MLA)", c.qk_layernorm, (True,))]
     for what, value, allowed in checks:
         if value not in allowed:
@@ -297,9 +302,19 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
         dense_ffn_hidden_size=c.ffn_hidden_size if first_dense else 0,
         router_score_function=c.moe_router_score_function, router_expert_bias=bool(c.moe_router_enable_expert_bias),
         router_num_groups=c.moe_router_num_groups or 0, router_group_topk=c.moe_router_group_topk or 0,
-        routed_scaling_factor=float(c.moe_router_topk_scaling_factor or 1.0))
+        routed_scaling_factor=float(c.moe_router_topk_scaling_factor or 1.0), **_yarn(c, mla))
     fam.check(arch, "Megatron model")
     return arch
+
+
+def _yarn(c, mla: bool) -> dict[str, Any]:
+    """MLA's YaRN rope scaling (empty for plain RoPE)."""
+    if not mla or c.rope_type != "yarn":
+        return {}
+    return dict(rope_type="yarn", rope_factor=float(c.rotary_scaling_factor),
+                rope_original_max_position_embeddings=int(c.original_max_position_embeddings),
+                rope_beta_fast=float(c.beta_fast), rope_beta_slow=float(c.beta_slow), rope_mscale=float(c.mscale),
+                rope_mscale_all_dim=float(c.mscale_all_dim))
 
 
 def _first_dense_layers(c) -> int:

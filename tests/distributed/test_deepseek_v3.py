@@ -14,7 +14,9 @@ model with ``build_megatron_model`` and loads it with ``import_hf`` at TP1 x EP1
 * quantized to FP8 (routers and their bias left alone) and exported in compressed-tensors format at TP2 x EP2, the
   checkpoint loads in transformers and gives the Megatron weight-only fake-quant model's logits;
 * the quantized model saved with ``save_sharded_checkpoint`` at TP2 x EP2 loads at TP4 x EP1 with the same logits;
-* configs the family cannot map (MTP layers, YaRN rope scaling, a group score other than the top 2) are refused
+* a checkpoint with YaRN rope scaling (DeepSeek-V3's form, ``mscale`` and ``mscale_all_dim``) gives transformers'
+  logits at TP2 x EP2 and exports back bit for bit;
+* configs the family cannot map (MTP layers, other rope scalings, a group score other than the top 2) are refused
   naming the field.
 """
 
@@ -39,11 +41,15 @@ def _config() -> dict:
     return {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
 
 
-def _save(path: Path) -> None:
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # DeepSeek-V3's form
+
+
+def _save(path: Path, **changes) -> None:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**_config()))
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**_config(), **changes}))
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name:
@@ -107,6 +113,12 @@ def _rank(rank, world_size, src, out):
             res["logits_fp8_w8a8"] = logits(model)
             mtq.disable_quantizer(model, "*input_quantizer")  # transformers runs weight-only
             res["logits_fp8"] = logits(model)
+        if (tp, ep) == (2, 2):  # YaRN rope scaling
+            yarn = build_megatron_model(src + "_yarn", params_dtype=torch.float32)
+            import_hf(yarn, src + "_yarn")
+            res["logits_yarn"] = logits(yarn.eval())
+            res["yarn_rope"] = type(yarn.decoder.layers[0].self_attention.rotary_pos_emb).__name__
+            export_hf(yarn, Path(out) / "hf_yarn", format="hf", dtype=torch.bfloat16, progress=False)
         if (tp, ep) == (4, 1):  # the TP2 x EP2 checkpoint loads at another layout
             fresh = build_megatron_model(src, params_dtype=torch.float32)
             load_sharded_checkpoint(fresh, Path(out) / "ckpt")
@@ -119,6 +131,7 @@ def _rank(rank, world_size, src, out):
 def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("deepseek_v3")
     _save(base / "src")
+    _save(base / "src_yarn", rope_parameters=YARN, max_position_embeddings=128)
     results = spawn(_rank, WORLD, args=(str(base / "src"), str(base / "out")), timeout=seconds(900))
     return base, results[0]
 
@@ -165,6 +178,23 @@ def test_hf_export_is_the_source_bit_for_bit(run, tp, ep):
         assert cfg[key] == src_cfg[key], key
 
 
+def test_yarn_rope_scaling_matches_transformers(run):
+    base, r = run
+    assert r["yarn_rope"] == "YarnRotaryEmbedding"
+    ref = _hf_logits(base / "src_yarn", r["tokens"])
+    plain = _hf_logits(base / "src", r["tokens"])
+    assert (ref - plain).abs().max() > 1e-3  # YaRN changes the model
+    diff = (r["logits_yarn"] - ref).abs().max().item()
+    print(f"YaRN, TP2 x EP2: logits max |Megatron - transformers| = {diff:.3g}")
+    assert diff <= 2e-5 * ref.abs().max().item()
+    source, exported = _tensors(base / "src_yarn"), _tensors(base / "out" / "hf_yarn")
+    assert sorted(exported) == sorted(source)
+    for name, t in source.items():
+        assert torch.equal(exported[name], t), name
+    cfg = json.loads((base / "out" / "hf_yarn" / "config.json").read_text())
+    assert {k: cfg["rope_parameters"][k] for k in YARN} == YARN
+
+
 def test_the_megatron_model_has_the_family_pieces(run):
     p = run[1]["pieces"]
     assert p["attention"] == ["MLASelfAttention"] * 3
@@ -203,7 +233,8 @@ def test_the_quantized_checkpoint_reshards(run):
 
 @pytest.mark.parametrize(("key", "value", "match"), [
     ("num_nextn_predict_layers", 1, "num_nextn_predict_layers=1"),
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}, "rope scaling"),
+    ("rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}, "plain RoPE or YaRN only"),
+    ("rope_parameters", {**YARN, "attention_factor": 0.5}, r"rope_parameters.attention_factor=0.5"),
     ("topk_group", 1, "num_experts_per_tok=4 with topk_group=1"),
     ("rope_interleave", False, "rope_interleave=False"),
     ("norm_topk_prob", False, "norm_topk_prob=False"),
