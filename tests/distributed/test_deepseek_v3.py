@@ -13,6 +13,8 @@ model with ``build_megatron_model`` and loads it with ``import_hf`` at TP1 x EP1
   sigmoid group-limited router), so that a plainer model cannot pass;
 * quantized to FP8 (routers and their bias left alone) and exported in compressed-tensors format at TP2 x EP2, the
   checkpoint loads in transformers and gives the Megatron weight-only fake-quant model's logits;
+* quantized to NVFP4 and exported in compressed-tensors format, the checkpoint loads in transformers (with
+  ``transformers_compat.fix_nvfp4_experts()``) and gives the Megatron weight-only fake-quant model's logits;
 * the quantized model saved with ``save_sharded_checkpoint`` at TP2 x EP2 loads at TP4 x EP1 with the same logits;
 * a checkpoint with YaRN rope scaling (DeepSeek-V3's form, ``mscale`` and ``mscale_all_dim``) gives transformers'
   logits at TP2 x EP2 and exports back bit for bit;
@@ -113,6 +115,13 @@ def _rank(rank, world_size, src, out):
             res["logits_fp8_w8a8"] = logits(model)
             mtq.disable_quantizer(model, "*input_quantizer")  # transformers runs weight-only
             res["logits_fp8"] = logits(model)
+        if (tp, ep) == (2, 2):  # NVFP4 (experts, shared expert, dense MLP and attention alike)
+            nvfp4 = build_megatron_model(src, params_dtype=torch.float32)
+            import_hf(nvfp4, src)
+            mtq.quantize(nvfp4.eval(), mtq.load_config("nvfp4_default.yaml"), calibrate)
+            export_hf(nvfp4, Path(out) / "nvfp4", format="compressed-tensors", dtype=torch.bfloat16, progress=False)
+            mtq.disable_quantizer(nvfp4, "*input_quantizer")
+            res["logits_nvfp4"] = logits(nvfp4)
         if (tp, ep) == (2, 2):  # YaRN rope scaling
             yarn = build_megatron_model(src + "_yarn", params_dtype=torch.float32)
             import_hf(yarn, src + "_yarn")
@@ -221,6 +230,71 @@ def test_fp8_export_loads_in_transformers(run):
     ref = _hf_logits(path, r["tokens"], quantization_config=CompressedTensorsConfig(dequantize=True))
     diff = (r["logits_fp8"] - ref).abs().max().item()
     print(f"FP8 compressed-tensors in transformers: logits max |Megatron fake quant - transformers| = {diff:.3g}")
+    assert diff <= 2e-5 * ref.abs().max().item()
+
+
+def _nvfp4_linears(t: dict, model):
+    """(name, the transformers model's weight, the file's NVFP4 decoded in fp32 by the format's formula) per linear."""
+    from modelopt_moe.export import codecs
+
+    inter = model.config.moe_intermediate_size
+    for name in [n.removesuffix(".weight_packed") for n in t if n.endswith(".weight_packed")]:
+        w = codecs.decode_nvfp4_ct(t[name + ".weight_packed"], t[name + ".weight_scale"],
+                                   t[name + ".weight_global_scale"], torch.float32)
+        module, _, kind = name.rpartition(".")
+        if ".experts." in name and ".shared_experts." not in name:  # fused [E, 2I, H] / [E, H, I] in memory
+            experts, _, e = module.rpartition(".")
+            fused = model.get_submodule(experts)
+            rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}.get(kind, slice(None))
+            yield name, (fused.down_proj if kind == "down_proj" else fused.gate_up_proj)[int(e)][rows], w
+        else:
+            yield name, model.get_submodule(name).weight, w
+
+
+def test_nvfp4_export_loads_in_transformers(run):
+    """With the public fix for its NVFP4 expert loader, transformers reads every linear as the format's value rounded
+    once to bf16 (compressed-tensors decodes NVFP4 to bf16); the logits then differ from the fp32 fake-quant model's
+    by that rounding, which the next test removes."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from modelopt_moe.export import transformers_compat
+
+    base, r = run
+    path = base / "out" / "nvfp4"
+    t = _tensors(path)
+    for module in ("mlp.experts.3.down_proj", "mlp.shared_experts.gate_proj", "self_attn.q_b_proj"):
+        assert t[f"model.layers.1.{module}.weight_packed"].dtype == torch.uint8, module
+    assert "model.layers.0.mlp.up_proj.weight_packed" in t
+    with transformers_compat.fix_nvfp4_experts() as fix:  # transformers 5.23 mis-scales NVFP4 experts without it
+        assert fix.applied, fix.note
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=
+                                                     CompressedTensorsConfig(dequantize=True)).eval()
+    for name, got, expected in _nvfp4_linears(t, model):
+        assert torch.equal(got.detach().bfloat16(), expected.bfloat16()), name
+    with torch.no_grad():
+        ref = model(r["tokens"]).logits.float()
+    diff = (r["logits_nvfp4"] - ref).abs()
+    top1 = (r["logits_nvfp4"].argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"NVFP4 compressed-tensors in transformers (bf16 decode): logits max |diff| {diff.max():.3g}, mean "
+          f"{diff.mean():.3g}, top-1 agreement {top1:.1%}")
+    assert diff.mean() <= 5e-3 * ref.abs().max().item()  # measured 6e-4 of 0.6 (max 0.022: a near-tied expert flips)
+    assert top1 >= 0.97
+
+
+def test_nvfp4_file_decoded_in_fp32_gives_megatron_logits(run):
+    """The file's every NVFP4 linear decoded with the format's formula in fp32, put into the transformers model."""
+    from transformers import AutoModelForCausalLM
+
+    base, r = run
+    t = _tensors(base / "out" / "nvfp4")
+    model = AutoModelForCausalLM.from_pretrained(base / "src", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for _, weight, decoded in list(_nvfp4_linears(t, model)):
+            weight.copy_(decoded)
+        ref = model(r["tokens"]).logits.float()
+    diff = (r["logits_nvfp4"] - ref).abs().max().item()
+    print(f"NVFP4 file decoded in fp32 in transformers: logits max |Megatron fake quant - transformers| = {diff:.3g}")
     assert diff <= 2e-5 * ref.abs().max().item()
 
 
