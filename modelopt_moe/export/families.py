@@ -400,6 +400,76 @@ class MixtralFamily(Family):
         return cfg
 
 
+def _sigmoid_moe(cfg: dict, where: str, common: dict) -> dict[str, Any]:
+    """The MoE fields of DeepSeek-V3's layout (GLM-4.5's too): dense first layers, shared experts, the sigmoid router
+    with ``e_score_correction_bias`` and group-limited top-k; refuses MTP layers and what Megatron routes otherwise."""
+    _expect(cfg, "norm_topk_prob", (True,), where, True)  # Megatron's sigmoid router always renormalises
+    _expect(cfg, "topk_method", ("noaux_tc",), where, "noaux_tc")
+    _expect(cfg, "scoring_func", ("sigmoid",), where, "sigmoid")
+    mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)) or 0
+    if mtp:
+        raise ExportError(f"{where}: num_nextn_predict_layers={mtp} (multi-token prediction layers) is not supported "
+                          "(expected 0)")
+    experts, top_k = int(_require(cfg, "n_routed_experts", where)), common["top_k"]
+    groups, group_topk = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if experts % groups or group_topk > groups:
+        raise ExportError(f"{where}: n_group={groups}, topk_group={group_topk} do not divide n_routed_experts="
+                          f"{experts} into groups")
+    if groups > 1 and top_k != 2 * group_topk:  # each group is scored by its top 2 experts (Megatron: top k/g)
+        raise ExportError(f"{where}: num_experts_per_tok={top_k} with topk_group={group_topk} is not supported "
+                          f"(Megatron scores a group by its top num_experts_per_tok/topk_group experts, "
+                          f"transformers by its top 2: expected num_experts_per_tok=2*topk_group)")
+    shared = int(cfg.get("n_shared_experts") or 0)
+    moe_inter = int(_require(cfg, "moe_intermediate_size", where))
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    if not 0 <= first_dense < common["num_layers"]:
+        raise ExportError(f"{where}: first_k_dense_replace={first_dense}: expected 0 .. num_hidden_layers - 1")
+    return dict(num_experts=experts, moe_ffn_hidden_size=moe_inter, norm_topk_prob=True,
+                shared_expert_ffn_hidden_size=moe_inter * shared, first_dense_layers=first_dense,
+                dense_ffn_hidden_size=int(_require(cfg, "intermediate_size", where)) if first_dense else 0,
+                router_score_function="sigmoid", router_expert_bias=True,
+                router_num_groups=groups if groups > 1 else 0, router_group_topk=group_topk if groups > 1 else 0,
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
+
+
+def _sigmoid_moe_config(arch: MoEArch, architecture: str) -> dict[str, Any]:
+    """Inverse of :func:`_sigmoid_moe`: the config keys of the MoE layout."""
+    if arch.router_score_function != "sigmoid" or not arch.router_expert_bias:
+        raise ExportError(f"{architecture} has a sigmoid router with expert bias; the model has "
+                          f"router_score_function={arch.router_score_function!r}, "
+                          f"router_expert_bias={arch.router_expert_bias}")
+    shared = arch.shared_expert_ffn_hidden_size // arch.moe_ffn_hidden_size
+    if shared * arch.moe_ffn_hidden_size != arch.shared_expert_ffn_hidden_size:
+        raise ExportError(f"{architecture}: shared experts of size {arch.shared_expert_ffn_hidden_size} are not a "
+                          f"multiple of moe_intermediate_size={arch.moe_ffn_hidden_size}")
+    return {"n_routed_experts": arch.num_experts, "moe_intermediate_size": arch.moe_ffn_hidden_size,
+            "n_shared_experts": shared, "first_k_dense_replace": arch.first_dense_layers,
+            "intermediate_size": arch.dense_ffn_hidden_size or arch.moe_ffn_hidden_size,
+            "n_group": arch.router_num_groups or 1, "topk_group": arch.router_group_topk or 1,
+            "routed_scaling_factor": arch.routed_scaling_factor, "norm_topk_prob": True,
+            "num_nextn_predict_layers": 0}
+
+
+# DeepSeek-V3's MLP side (GLM-4.5's too): a dense layer's MLP, the router and its bias, shared and routed experts.
+_SIGMOID_MOE_TENSORS = {
+    "mlp_gate": "mlp.gate_proj.weight", "mlp_up": "mlp.up_proj.weight", "mlp_down": "mlp.down_proj.weight",
+    "router": "mlp.gate.weight", "router_bias": "mlp.gate.e_score_correction_bias",
+    "shared_gate": "mlp.shared_experts.gate_proj.weight", "shared_up": "mlp.shared_experts.up_proj.weight",
+    "shared_down": "mlp.shared_experts.down_proj.weight",
+    **{f"experts.{{E}}.{k}": f"mlp.experts.{{E}}.{k}_proj.weight" for k in ("gate", "up", "down")},
+}
+_SIGMOID_MOE_OPTIONAL = {
+    **{k: "dense" for k in ("mlp_gate", "mlp_up", "mlp_down")},
+    **{k: "moe" for k in ("router", "experts.{E}.gate", "experts.{E}.up", "experts.{E}.down")},
+    "router_bias": "expert_bias", **{k: "shared_experts" for k in ("shared_gate", "shared_up", "shared_down")}}
+
+
+def _sigmoid_moe_shapes(arch: MoEArch) -> dict[str, tuple[int, ...]]:
+    h, shared, dense = arch.hidden_size, arch.shared_expert_ffn_hidden_size, arch.dense_ffn_hidden_size
+    return {"mlp_gate": (dense, h), "mlp_up": (dense, h), "mlp_down": (h, dense), "router_bias": (arch.num_experts,),
+            "shared_gate": (shared, h), "shared_up": (shared, h), "shared_down": (h, shared)}
+
+
 class DeepseekV3Family(Family):
     """DeepSeek-V3 / R1 and Kimi-K2: multi-latent attention, the first ``first_k_dense_replace`` layers dense, the
     others MoE with shared experts and a sigmoid router with ``e_score_correction_bias`` and group-limited top-k."""
@@ -415,33 +485,21 @@ class DeepseekV3Family(Family):
         "q_b_proj": "self_attn.q_b_proj.weight",
         "kv_a_proj": "self_attn.kv_a_proj_with_mqa.weight", "kv_a_norm": "self_attn.kv_a_layernorm.weight",
         "kv_b_proj": "self_attn.kv_b_proj.weight", "o_proj": "self_attn.o_proj.weight",
-        "post_attn_norm": "post_attention_layernorm.weight",
-        "mlp_gate": "mlp.gate_proj.weight", "mlp_up": "mlp.up_proj.weight", "mlp_down": "mlp.down_proj.weight",
-        "router": "mlp.gate.weight", "router_bias": "mlp.gate.e_score_correction_bias",
-        "shared_gate": "mlp.shared_experts.gate_proj.weight", "shared_up": "mlp.shared_experts.up_proj.weight",
-        "shared_down": "mlp.shared_experts.down_proj.weight",
-        **{f"experts.{{E}}.{k}": f"mlp.experts.{{E}}.{k}_proj.weight" for k in ("gate", "up", "down")},
+        "post_attn_norm": "post_attention_layernorm.weight", **_SIGMOID_MOE_TENSORS,
     }
     optional = {"q_proj": "no_q_lora", "q_a_proj": "q_lora", "q_a_norm": "q_lora", "q_b_proj": "q_lora",
-                **{k: "dense" for k in ("mlp_gate", "mlp_up", "mlp_down")},
-                **{k: "moe" for k in ("router", "experts.{E}.gate", "experts.{E}.up", "experts.{E}.down")},
-                "router_bias": "expert_bias",
-                **{k: "shared_experts" for k in ("shared_gate", "shared_up", "shared_down")}}
+                **_SIGMOID_MOE_OPTIONAL}
     megatron = DEEPSEEK_V3
     features = frozenset(_PLAIN)
 
     def shapes(self, arch: MoEArch) -> dict[str, tuple[int, ...]]:
-        h, n, inter = arch.hidden_size, arch.num_attention_heads, arch.moe_ffn_hidden_size
+        h, n = arch.hidden_size, arch.num_attention_heads
         qk, rope, v = arch.head_dim + arch.qk_rope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim
-        shared, dense = arch.shared_expert_ffn_hidden_size, arch.dense_ffn_hidden_size
-        return {**super().shapes(arch), "q_proj": (n * qk, h), "q_a_proj": (arch.q_lora_rank, h),
+        return {**super().shapes(arch), **_sigmoid_moe_shapes(arch), "q_proj": (n * qk, h),
+                "q_a_proj": (arch.q_lora_rank, h),
                 "q_a_norm": (arch.q_lora_rank,), "q_b_proj": (n * qk, arch.q_lora_rank),
                 "kv_a_proj": (arch.kv_lora_rank + rope, h), "kv_a_norm": (arch.kv_lora_rank,),
-                "kv_b_proj": (n * (arch.head_dim + v), arch.kv_lora_rank), "o_proj": (h, n * v),
-                "mlp_gate": (dense, h), "mlp_up": (dense, h), "mlp_down": (h, dense),
-                "router_bias": (arch.num_experts,),
-                "shared_gate": (shared, h), "shared_up": (shared, h), "shared_down": (h, shared),
-                "gate": (inter, h), "up": (inter, h), "down": (h, inter)}
+                "kv_b_proj": (n * (arch.head_dim + v), arch.kv_lora_rank), "o_proj": (h, n * v)}
 
     def _common(self, cfg: dict, where: str) -> dict[str, Any]:
         yarn = _yarn(cfg, where)
@@ -457,61 +515,26 @@ class DeepseekV3Family(Family):
         _expect(cfg, "norm_topk_prob", (True,), where, True)  # Megatron's sigmoid router always renormalises
         _expect(cfg, "topk_method", ("noaux_tc",), where, "noaux_tc")
         _expect(cfg, "scoring_func", ("sigmoid",), where, "sigmoid")
-        mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)) or 0
-        if mtp:
-            raise ExportError(f"{where}: num_nextn_predict_layers={mtp} (multi-token prediction layers) is not "
-                              "supported (expected 0)")
         heads = common["num_attention_heads"]
         if common["num_kv_heads"] != heads:
             raise ExportError(f"{where}: num_key_value_heads={common['num_kv_heads']} is not supported (multi-latent "
                               f"attention expands keys and values per head: expected num_attention_heads={heads})")
-        experts, top_k = int(_require(cfg, "n_routed_experts", where)), common["top_k"]
-        groups, group_topk = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
-        if experts % groups or group_topk > groups:
-            raise ExportError(f"{where}: n_group={groups}, topk_group={group_topk} do not divide "
-                              f"n_routed_experts={experts} into groups")
-        if groups > 1 and top_k != 2 * group_topk:  # each group is scored by its top 2 experts (Megatron: top k/g)
-            raise ExportError(f"{where}: num_experts_per_tok={top_k} with topk_group={group_topk} is not supported "
-                              f"(Megatron scores a group by its top num_experts_per_tok/topk_group experts, "
-                              f"transformers by its top 2: expected num_experts_per_tok=2*topk_group)")
-        shared = int(cfg.get("n_shared_experts") or 0)
-        moe_inter = int(_require(cfg, "moe_intermediate_size", where))
-        first_dense = int(cfg.get("first_k_dense_replace") or 0)
-        if not 0 <= first_dense < common["num_layers"]:
-            raise ExportError(f"{where}: first_k_dense_replace={first_dense}: expected 0 .. num_hidden_layers - 1")
+        moe = _sigmoid_moe(cfg, where, common)
         common.update(head_dim=int(_require(cfg, "qk_nope_head_dim", where)))
         return MoEArch(
-            family=self.name, num_experts=experts, moe_ffn_hidden_size=moe_inter, qk_norm=False, norm_topk_prob=True,
-            kv_lora_rank=int(_require(cfg, "kv_lora_rank", where)), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+            family=self.name, qk_norm=False, kv_lora_rank=int(_require(cfg, "kv_lora_rank", where)),
+            q_lora_rank=int(cfg.get("q_lora_rank") or 0),
             qk_rope_head_dim=int(_require(cfg, "qk_rope_head_dim", where)),
-            v_head_dim=int(_require(cfg, "v_head_dim", where)), shared_expert_ffn_hidden_size=moe_inter * shared,
-            first_dense_layers=first_dense,
-            dense_ffn_hidden_size=int(_require(cfg, "intermediate_size", where)) if first_dense else 0,
-            router_score_function="sigmoid", router_expert_bias=True,
-            router_num_groups=groups if groups > 1 else 0, router_group_topk=group_topk if groups > 1 else 0,
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)), **common)
+            v_head_dim=int(_require(cfg, "v_head_dim", where)), **moe, **common)
 
     def hf_config(self, arch: MoEArch, template: dict | None = None) -> dict:
-        if arch.kv_lora_rank <= 0 or arch.router_score_function != "sigmoid" or not arch.router_expert_bias:
-            raise ExportError(f"{self.architecture} has multi-latent attention and a sigmoid router with expert bias; "
-                              f"the model has kv_lora_rank={arch.kv_lora_rank}, router_score_function="
-                              f"{arch.router_score_function!r}, router_expert_bias={arch.router_expert_bias}")
-        shared = arch.shared_expert_ffn_hidden_size // arch.moe_ffn_hidden_size
-        if shared * arch.moe_ffn_hidden_size != arch.shared_expert_ffn_hidden_size:
-            raise ExportError(f"{self.architecture}: shared experts of size {arch.shared_expert_ffn_hidden_size} are "
-                              f"not a multiple of moe_intermediate_size={arch.moe_ffn_hidden_size}")
-        cfg = super().hf_config(arch, template)
+        if arch.kv_lora_rank <= 0:
+            raise ExportError(f"{self.architecture} has multi-latent attention; the model has kv_lora_rank=0")
+        cfg = {**super().hf_config(arch, template), **_sigmoid_moe_config(arch, self.architecture)}
         cfg.update({"head_dim": arch.qk_rope_head_dim, "qk_nope_head_dim": arch.head_dim,
                     "qk_rope_head_dim": arch.qk_rope_head_dim, "qk_head_dim": arch.head_dim + arch.qk_rope_head_dim,
                     "v_head_dim": arch.v_head_dim, "kv_lora_rank": arch.kv_lora_rank,
-                    "q_lora_rank": arch.q_lora_rank or None, "n_routed_experts": arch.num_experts,
-                    "moe_intermediate_size": arch.moe_ffn_hidden_size, "n_shared_experts": shared,
-                    "first_k_dense_replace": arch.first_dense_layers,
-                    "intermediate_size": arch.dense_ffn_hidden_size or cfg.get("intermediate_size")
-                    or arch.moe_ffn_hidden_size,
-                    "n_group": arch.router_num_groups or 1, "topk_group": arch.router_group_topk or 1,
-                    "routed_scaling_factor": arch.routed_scaling_factor, "norm_topk_prob": True,
-                    "rope_interleave": True, "attention_bias": False, "num_nextn_predict_layers": 0})
+                    "q_lora_rank": arch.q_lora_rank or None, "rope_interleave": True, "attention_bias": False})
         cfg.pop("num_mtp_layers", None)
         if arch.rope_type == "yarn":
             cfg["rope_parameters"] = {
