@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ExportError
-from .mapping import DEEPSEEK_V3, LLAMA_MOE, PREDICATES, MegatronTable
+from .mapping import DEEPSEEK_V3, GLM4_MOE, LLAMA_MOE, PREDICATES, MegatronTable
 
 __all__ = ["MoEArch", "Family", "FAMILIES", "get_family", "family_for_architecture", "read_hf_config",
            "canonical_names", "canonical_shapes", "register_family"]
@@ -83,6 +83,9 @@ class MoEArch:
     router_num_groups: int = 0
     router_group_topk: int = 0
     routed_scaling_factor: float = 1.0
+    # Llama-shaped attention variants (GLM-4.5): biases on q/k/v, RoPE on the first fraction of each head
+    qkv_bias: bool = False
+    rotary_percent: float = 1.0
     # YaRN rope scaling (DeepSeek's form: mscale and mscale_all_dim as Megatron applies them)
     rope_type: str = "default"
     rope_factor: float = 1.0
@@ -98,8 +101,9 @@ class MoEArch:
 _PLAIN = {f: MoEArch.__dataclass_fields__[f].default for f in (
     "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "shared_expert_ffn_hidden_size",
     "first_dense_layers", "dense_ffn_hidden_size", "router_score_function", "router_expert_bias",
-    "router_num_groups", "router_group_topk", "routed_scaling_factor", "rope_type", "rope_factor",
-    "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim")}
+    "router_num_groups", "router_group_topk", "routed_scaling_factor", "qkv_bias", "rotary_percent", "rope_type",
+    "rope_factor", "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
+    "rope_mscale_all_dim")}
 
 
 def _yarn(cfg: dict, where: str) -> dict[str, Any]:
@@ -197,6 +201,13 @@ class Family:
     optional: dict[str, str] = {"q_norm": "qk_norm", "k_norm": "qk_norm"}
     megatron: MegatronTable = LLAMA_MOE
     features: frozenset[str] = frozenset()  # the MoEArch fields of `_PLAIN` this family expresses
+    keep_fp32: frozenset[str] = frozenset()  # tensor kinds (canonical names' last part) the family stores in fp32
+
+    def tensor_dtype(self, canonical: str, dtype):
+        """The dtype a plain tensor is written in: the export's, or float32 where the family keeps it so."""
+        import torch
+
+        return torch.float32 if canonical.rsplit(".", 1)[-1] in self.keep_fp32 else dtype
 
     def check(self, arch: MoEArch, where: str) -> None:
         """Refuses an architecture with a feature this family cannot express (names the field and value).
@@ -545,7 +556,51 @@ class DeepseekV3Family(Family):
         return cfg
 
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (Qwen3MoeFamily(), MixtralFamily(), DeepseekV3Family())}
+class Glm4MoeFamily(Family):
+    """GLM-4.5 / 4.6 / 4.7 MoE: Llama's attention with q/k/v biases, optional per-head q/k norm and partial RoPE, and
+    DeepSeek-V3's MoE side (dense first layers, shared experts, the sigmoid router with its bias kept in fp32)."""
+
+    name = "glm4_moe"
+    architecture = "Glm4MoeForCausalLM"
+    model_type = "glm4_moe"
+    qk_norm = None  # optional (use_qk_norm): the model says
+    layer_tensors = {**_ATTENTION, **{f"{p}_bias": f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")},
+                     "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+                     "post_attn_norm": "post_attention_layernorm.weight", **_SIGMOID_MOE_TENSORS}
+    optional = {"q_norm": "qk_norm", "k_norm": "qk_norm", **{f"{p}_bias": "qkv_bias" for p in ("q_proj", "k_proj",
+                                                                                                  "v_proj")},
+                **_SIGMOID_MOE_OPTIONAL}
+    megatron = GLM4_MOE
+    features = frozenset(_PLAIN) - {"kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "rope_type",
+                                    "rope_factor", "rope_original_max_position_embeddings", "rope_beta_fast",
+                                    "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim"}
+    keep_fp32 = frozenset({"router_bias"})  # transformers keeps e_score_correction_bias in fp32
+
+    def shapes(self, arch: MoEArch) -> dict[str, tuple[int, ...]]:
+        d = arch.head_dim
+        return {**super().shapes(arch), **_sigmoid_moe_shapes(arch), "q_proj_bias": (arch.num_attention_heads * d,),
+                "k_proj_bias": (arch.num_kv_heads * d,), "v_proj_bias": (arch.num_kv_heads * d,)}
+
+    def arch_from_hf(self, cfg: dict) -> MoEArch:
+        where = f"{self.architecture} config"
+        common = self._common(cfg, where)
+        params = cfg.get("rope_parameters") or {}
+        partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+        return MoEArch(family=self.name, qk_norm=bool(cfg.get("use_qk_norm", False)),
+                       qkv_bias=bool(cfg.get("attention_bias", False)), rotary_percent=partial,
+                       **_sigmoid_moe(cfg, where, common), **common)
+
+    def hf_config(self, arch: MoEArch, template: dict | None = None) -> dict:
+        cfg = {**super().hf_config(arch, template), **_sigmoid_moe_config(arch, self.architecture)}
+        cfg["rope_parameters"]["partial_rotary_factor"] = arch.rotary_percent
+        cfg.update({"use_qk_norm": arch.qk_norm, "attention_bias": arch.qkv_bias,
+                    "partial_rotary_factor": arch.rotary_percent})
+        cfg.pop("num_mtp_layers", None)
+        return cfg
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (Qwen3MoeFamily(), MixtralFamily(), DeepseekV3Family(),
+                                                   Glm4MoeFamily())}
 _ARCHITECTURES = {f.architecture: f for f in FAMILIES.values()}
 
 

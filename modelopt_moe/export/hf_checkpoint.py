@@ -221,7 +221,7 @@ def _write_record(writer: CheckpointWriter, family: Family, rec, scheme, fmt: st
             writer.add(name, tensor)
         return
     tensor = rec.weight if isinstance(rec, LinearRecord) else rec.tensor
-    writer.add(family.hf_tensor(rec.canonical), tensor.to(dtype))
+    writer.add(family.hf_tensor(rec.canonical), tensor.to(family.tensor_dtype(rec.canonical, dtype)))
 
 
 class HfCheckpointReader:

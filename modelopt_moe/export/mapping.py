@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["RULES", "PREDICATES", "Param", "MegatronTable", "LLAMA_MOE", "DEEPSEEK_V3"]
+__all__ = ["RULES", "PREDICATES", "Param", "MegatronTable", "LLAMA_MOE", "DEEPSEEK_V3", "GLM4_MOE"]
 
 RULES = {"replicated": 1, "column": 1, "row": 1, "qkv": 3, "glu": 2}  # rule -> canonical tensors it holds
 
@@ -41,6 +41,7 @@ PREDICATES: dict[str, Callable] = {
     "moe": lambda arch, L: L is not None and L >= arch.first_dense_layers,
     "shared_experts": lambda arch, L: (L is not None and L >= arch.first_dense_layers
                                        and arch.shared_expert_ffn_hidden_size > 0),
+    "qkv_bias": lambda arch, L: arch.qkv_bias,
     "expert_bias": lambda arch, L: L is not None and L >= arch.first_dense_layers and arch.router_expert_bias,
 }
 
@@ -114,39 +115,72 @@ class MegatronTable:
 _LAYER = "decoder.layers.{L}."
 _EXPERTS = _LAYER + "mlp.experts."
 
-# Megatron-Core's GPT MoE layer with Llama's attention (Qwen3-MoE, Mixtral): fused QKV, optional q/k norm, a softmax
-# router without bias, SiLU-gated experts without biases.
-LLAMA_MOE = MegatronTable(
-    embedding=(Param("embedding.word_embeddings.weight", "column", "embed_tokens"),),
-    layer=(
-        Param((_LAYER + "self_attention.linear_qkv.layer_norm_weight", _LAYER + "input_layernorm.weight"),
-              "replicated", "layers.{L}.input_norm"),
-        Param(_LAYER + "self_attention.linear_qkv.weight", "qkv",
-              ("layers.{L}.q_proj", "layers.{L}.k_proj", "layers.{L}.v_proj"), linear=True),
-        Param(_LAYER + "self_attention.linear_proj.weight", "row", "layers.{L}.o_proj", linear=True),
-        Param(_LAYER + "self_attention.q_layernorm.weight", "replicated", "layers.{L}.q_norm", when="qk_norm"),
-        Param(_LAYER + "self_attention.k_layernorm.weight", "replicated", "layers.{L}.k_norm", when="qk_norm"),
-        Param(_LAYER + "pre_mlp_layernorm.weight", "replicated", "layers.{L}.post_attn_norm"),
-        Param(_LAYER + "mlp.router.weight", "replicated", "layers.{L}.router", linear=True, quantized=False),
-        Param((_EXPERTS + "local_experts.{i}.linear_fc1.weight", _EXPERTS + "linear_fc1.weight{i}"), "glu",
-              ("layers.{L}.experts.{E}.gate", "layers.{L}.experts.{E}.up"), linear=True,
-              holder=_EXPERTS + "linear_fc1"),
-        Param((_EXPERTS + "local_experts.{i}.linear_fc2.weight", _EXPERTS + "linear_fc2.weight{i}"), "row",
-              "layers.{L}.experts.{E}.down", linear=True, holder=_EXPERTS + "linear_fc2"),
-    ),
-    final=(
-        Param("decoder.final_layernorm.weight", "replicated", "norm"),
-        Param("output_layer.weight", "column", "lm_head", linear=True, when="untied"),
-    ),
-)
-
 _ATTN = _LAYER + "self_attention."
 
+# Llama's attention in Megatron-Core: fused QKV, optional per-head q/k norm; the input norm fused into TE's QKV linear.
+_LLAMA_ATTENTION = (
+    Param((_ATTN + "linear_qkv.layer_norm_weight", _LAYER + "input_layernorm.weight"), "replicated",
+          "layers.{L}.input_norm"),
+    Param(_ATTN + "linear_qkv.weight", "qkv", ("layers.{L}.q_proj", "layers.{L}.k_proj", "layers.{L}.v_proj"),
+          linear=True),
+    Param(_ATTN + "linear_qkv.bias", "qkv", ("layers.{L}.q_proj_bias", "layers.{L}.k_proj_bias",
+                                             "layers.{L}.v_proj_bias"), when="qkv_bias"),
+    Param(_ATTN + "linear_proj.weight", "row", "layers.{L}.o_proj", linear=True),
+    Param(_ATTN + "q_layernorm.weight", "replicated", "layers.{L}.q_norm", when="qk_norm"),
+    Param(_ATTN + "k_layernorm.weight", "replicated", "layers.{L}.k_norm", when="qk_norm"),
+)
+
+# Routed experts, sequential (local_experts.{i}) or grouped (weight{i}); their quantizers on the expert block's GEMMs.
+_EXPERTS_MLP = (
+    Param((_EXPERTS + "local_experts.{i}.linear_fc1.weight", _EXPERTS + "linear_fc1.weight{i}"), "glu",
+          ("layers.{L}.experts.{E}.gate", "layers.{L}.experts.{E}.up"), linear=True,
+          holder=_EXPERTS + "linear_fc1", when="moe"),
+    Param((_EXPERTS + "local_experts.{i}.linear_fc2.weight", _EXPERTS + "linear_fc2.weight{i}"), "row",
+          "layers.{L}.experts.{E}.down", linear=True, holder=_EXPERTS + "linear_fc2", when="moe"),
+)
+
+_EMBEDDING = (Param("embedding.word_embeddings.weight", "column", "embed_tokens"),)
+_FINAL = (
+    Param("decoder.final_layernorm.weight", "replicated", "norm"),
+    Param("output_layer.weight", "column", "lm_head", linear=True, when="untied"),
+)
+
+# Megatron-Core's GPT MoE layer with Llama's attention (Qwen3-MoE, Mixtral): a softmax router without bias,
+# SiLU-gated experts without biases.
+LLAMA_MOE = MegatronTable(
+    embedding=_EMBEDDING,
+    layer=(
+        *_LLAMA_ATTENTION,
+        Param(_LAYER + "pre_mlp_layernorm.weight", "replicated", "layers.{L}.post_attn_norm"),
+        Param(_LAYER + "mlp.router.weight", "replicated", "layers.{L}.router", linear=True, quantized=False),
+        *_EXPERTS_MLP,
+    ),
+    final=_FINAL,
+)
+
+# DeepSeek-V3's MLP side (GLM-4.5's too): the first layers dense (their post-attention norm fused into TE's fc1), the
+# others MoE with a sigmoid router and its expert bias, shared experts and routed ones.
+_SIGMOID_MOE_MLP = (
+    Param((_LAYER + "mlp.linear_fc1.layer_norm_weight", _LAYER + "pre_mlp_layernorm.weight"), "replicated",
+          "layers.{L}.post_attn_norm", when="dense"),
+    Param(_LAYER + "pre_mlp_layernorm.weight", "replicated", "layers.{L}.post_attn_norm", when="moe"),
+    Param(_LAYER + "mlp.linear_fc1.weight", "glu", ("layers.{L}.mlp_gate", "layers.{L}.mlp_up"), linear=True,
+          when="dense"),
+    Param(_LAYER + "mlp.linear_fc2.weight", "row", "layers.{L}.mlp_down", linear=True, when="dense"),
+    Param(_LAYER + "mlp.router.weight", "replicated", "layers.{L}.router", linear=True, quantized=False,
+          when="moe"),
+    Param(_LAYER + "mlp.router.expert_bias", "replicated", "layers.{L}.router_bias", when="expert_bias"),
+    Param(_LAYER + "mlp.shared_experts.linear_fc1.weight", "glu",
+          ("layers.{L}.shared_gate", "layers.{L}.shared_up"), linear=True, when="shared_experts"),
+    Param(_LAYER + "mlp.shared_experts.linear_fc2.weight", "row", "layers.{L}.shared_down", linear=True,
+          when="shared_experts"),
+    *_EXPERTS_MLP,
+)
+
 # DeepSeek-V3's layer in Megatron-Core: multi-latent attention (the down projections column-parallel in Megatron's own
-# modules, duplicated in Transformer Engine's, whose up projections hold the latent norms), the first layers dense,
-# the others MoE with a sigmoid router and its expert bias, shared experts and routed ones.
+# modules, duplicated in Transformer Engine's, whose up projections hold the latent norms) and the sigmoid MoE side.
 DEEPSEEK_V3 = MegatronTable(
-    embedding=LLAMA_MOE.embedding,
+    embedding=_EMBEDDING,
     layer=(
         Param(_LAYER + "input_layernorm.weight", "replicated", "layers.{L}.input_norm"),
         Param(_ATTN + "linear_q_proj.weight", "column", "layers.{L}.q_proj", linear=True, when="no_q_lora"),
@@ -159,21 +193,10 @@ DEEPSEEK_V3 = MegatronTable(
               "layers.{L}.kv_a_norm"),
         Param(_ATTN + "linear_kv_up_proj.weight", "column", "layers.{L}.kv_b_proj", linear=True),
         Param(_ATTN + "linear_proj.weight", "row", "layers.{L}.o_proj", linear=True),
-        Param((_LAYER + "mlp.linear_fc1.layer_norm_weight", _LAYER + "pre_mlp_layernorm.weight"), "replicated",
-              "layers.{L}.post_attn_norm", when="dense"),
-        Param(_LAYER + "pre_mlp_layernorm.weight", "replicated", "layers.{L}.post_attn_norm", when="moe"),
-        Param(_LAYER + "mlp.linear_fc1.weight", "glu", ("layers.{L}.mlp_gate", "layers.{L}.mlp_up"), linear=True,
-              when="dense"),
-        Param(_LAYER + "mlp.linear_fc2.weight", "row", "layers.{L}.mlp_down", linear=True, when="dense"),
-        Param(_LAYER + "mlp.router.weight", "replicated", "layers.{L}.router", linear=True, quantized=False,
-              when="moe"),
-        Param(_LAYER + "mlp.router.expert_bias", "replicated", "layers.{L}.router_bias", when="expert_bias"),
-        Param(_LAYER + "mlp.shared_experts.linear_fc1.weight", "glu",
-              ("layers.{L}.shared_gate", "layers.{L}.shared_up"), linear=True, when="shared_experts"),
-        Param(_LAYER + "mlp.shared_experts.linear_fc2.weight", "row", "layers.{L}.shared_down", linear=True,
-              when="shared_experts"),
-        *(Param(p.path, p.rule, p.canonical, p.linear, p.quantized, p.holder, "moe")
-          for p in LLAMA_MOE.layer if p.expert),
+        *_SIGMOID_MOE_MLP,
     ),
-    final=LLAMA_MOE.final,
+    final=_FINAL,
 )
+
+# GLM-4.5's layer: Llama's attention (q/k/v biases split per query group like the weight) and DeepSeek-V3's MLP side.
+GLM4_MOE = MegatronTable(embedding=_EMBEDDING, layer=(*_LLAMA_ATTENTION, *_SIGMOID_MOE_MLP), final=_FINAL)

@@ -367,7 +367,7 @@ def _read_slice(reader: HfCheckpointReader, param: Param, target: torch.Tensor, 
         q = reader.get_rows(names[0], g0 * hpg * d, (g0 + ng_local) * hpg * d).reshape(ng_local, hpg * d, -1)
         k = reader.get_rows(names[1], g0 * d, (g0 + ng_local) * d).reshape(ng_local, d, -1)
         v = reader.get_rows(names[2], g0 * d, (g0 + ng_local) * d).reshape(ng_local, d, -1)
-        return torch.cat([q, k, v], 1).reshape(-1, q.shape[-1])
+        return torch.cat([q, k, v], 1).reshape(target.shape)
     rows = target.shape[0]
     return reader.get_rows(names[0], rank * rows, (rank + 1) * rows)
 

@@ -195,7 +195,7 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.moe_ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, qk_layernorm=arch.qk_norm,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
         num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         moe_router_topk=arch.top_k, moe_router_score_function="softmax",
         moe_router_pre_softmax=not arch.norm_topk_prob, moe_aux_loss_coeff=arch.router_aux_loss_coef,
@@ -214,7 +214,7 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
     layer_spec = _local_layer_spec(arch) if spec == "local" else _te_layer_spec(arch)
     model_kwargs: dict[str, Any] = dict(
         vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
-        position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
+        position_embedding_type="rope", rotary_percent=arch.rotary_percent, rotary_base=arch.rope_theta,
         share_embeddings_and_output_weights=arch.tie_word_embeddings, parallel_output=True,
     )
     model_kwargs.update(model_over)
@@ -232,7 +232,8 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
 
     Args:
         model: the model.
-        family: the family to name (default: ``qwen3_moe`` with query/key norm, ``mixtral`` without).
+        family: the family to name (default: ``deepseek_v3`` with multi-latent attention, ``glm4_moe`` with a
+            sigmoid router, ``qwen3_moe`` with query/key norm, ``mixtral`` otherwise).
 
     Raises:
         ExportError: not a GPTModel, pipeline parallelism, or a feature no supported family has (names it).
@@ -249,13 +250,11 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
         ("normalization", c.normalization, ("RMSNorm",)),
         ("gated_linear_unit", c.gated_linear_unit, (True,)),
         ("add_bias_linear", c.add_bias_linear, (False,)),
-        ("add_qkv_bias", c.add_qkv_bias, (False,)),
         ("moe_router_score_function", c.moe_router_score_function, ("softmax", "sigmoid")),
         ("mtp_num_layers", c.mtp_num_layers, (None, 0)),
         ("rotary_interleaved", c.rotary_interleaved, (False,)),
         ("layernorm_zero_centered_gamma", c.layernorm_zero_centered_gamma, (False,)),
         ("position_embedding_type", m.position_embedding_type, ("rope",)),
-        ("rotary_percent", m.rotary_percent, (1.0,)),
         ("rope_scaling", m.rotary_scaling, (False,)),
     ]
     if mla:
@@ -278,16 +277,17 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
     if c.softmax_scale not in (None, scale):
         raise _unsupported("softmax_scale", c.softmax_scale, "1/sqrt(query head size)")
     first_dense = _first_dense_layers(c)
-    name = family or ("deepseek_v3" if mla else "qwen3_moe" if c.qk_layernorm else "mixtral")
+    sigmoid = c.moe_router_score_function == "sigmoid"
+    name = family or ("deepseek_v3" if mla else "glm4_moe" if sigmoid else "qwen3_moe" if c.qk_layernorm
+                      else "mixtral")
     fam = get_family(name)
     qk_norm = bool(c.qk_layernorm) and not mla  # MLA's qk_layernorm are its latent norms
-    if fam.qk_norm != qk_norm:
+    if fam.qk_norm is not None and fam.qk_norm != qk_norm:
         raise ExportError(f"family {fam.name!r} {'has' if fam.qk_norm else 'has no'} query/key norm, the model has "
                           f"qk_layernorm={c.qk_layernorm}")
     aux = c.moe_aux_loss_coeff
     aux = float(aux[0] if isinstance(aux, list | tuple) else aux or 0.0)
     dtype = str(c.params_dtype).replace("torch.", "")
-    sigmoid = c.moe_router_score_function == "sigmoid"
     arch = MoEArch(
         family=fam.name, vocab_size=int(m.vocab_size), hidden_size=c.hidden_size, num_layers=c.num_layers,
         num_attention_heads=c.num_attention_heads, num_kv_heads=c.num_query_groups or c.num_attention_heads,
@@ -302,7 +302,8 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
         dense_ffn_hidden_size=c.ffn_hidden_size if first_dense else 0,
         router_score_function=c.moe_router_score_function, router_expert_bias=bool(c.moe_router_enable_expert_bias),
         router_num_groups=c.moe_router_num_groups or 0, router_group_topk=c.moe_router_group_topk or 0,
-        routed_scaling_factor=float(c.moe_router_topk_scaling_factor or 1.0), **_yarn(c, mla))
+        routed_scaling_factor=float(c.moe_router_topk_scaling_factor or 1.0), qkv_bias=bool(c.add_qkv_bias),
+        rotary_percent=float(m.rotary_percent), **_yarn(c, mla))
     fam.check(arch, "Megatron model")
     return arch
 

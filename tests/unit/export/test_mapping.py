@@ -23,11 +23,14 @@ def _table_names(family, arch: MoEArch) -> list[str]:
 def test_every_family_table_holds_exactly_its_canonical_tensors(name, tie):
     arch = MoEArch(family=name, vocab_size=96, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
                    head_dim=16, moe_ffn_hidden_size=32, num_experts=3, top_k=2, norm_eps=1e-6, rope_theta=1e6,
-                   max_position_embeddings=128, qk_norm=FAMILIES[name].qk_norm, tie_word_embeddings=tie)
+                   max_position_embeddings=128, qk_norm=FAMILIES[name].qk_norm is not False, tie_word_embeddings=tie)
     if name == "deepseek_v3":
         arch = replace(arch, num_kv_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
                        shared_expert_ffn_hidden_size=32, first_dense_layers=1, dense_ffn_hidden_size=96,
                        router_score_function="sigmoid", router_expert_bias=True)
+    if name == "glm4_moe":  # q/k/v biases, q/k norm, a dense first layer, shared experts
+        arch = replace(arch, qkv_bias=True, rotary_percent=0.5, shared_expert_ffn_hidden_size=32, first_dense_layers=1,
+                       dense_ffn_hidden_size=96, router_score_function="sigmoid", router_expert_bias=True)
     names = _table_names(FAMILIES[name], arch)
     assert len(names) == len(set(names))
     assert sorted(names) == sorted(canonical_names(arch))
