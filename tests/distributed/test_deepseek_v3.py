@@ -11,6 +11,8 @@ model with ``build_megatron_model`` and loads it with ``import_hf`` at TP1 x EP1
 * ``export_hf(format="hf")`` gives back every tensor of the source, bit for bit, at every layout;
 * the model has the family's pieces (multi-latent attention, a dense MLP first, shared experts, the expert bias, the
   sigmoid group-limited router), so that a plainer model cannot pass;
+* every shipped preset quantizes it (the default ones also MLA's, the dense and the shared MLPs' linears) and leaves
+  the routers and their expert bias alone;
 * quantized to FP8 (routers and their bias left alone) and exported in compressed-tensors format at TP2 x EP2, the
   checkpoint loads in transformers and gives the Megatron weight-only fake-quant model's logits;
 * quantized to NVFP4 and exported in compressed-tensors format, the checkpoint loads in transformers (with
@@ -35,6 +37,8 @@ from modelopt_moe.quantization.config import preset_path
 WORLD = 4
 LAYOUTS = ((1, 1), (2, 2), (4, 1))  # (TP, EP)
 VOCAB = 256
+PRESETS = ("fp8_default.yaml", "fp8_experts.yaml", "fp8_per_expert.yaml", "int4_blockwise_weight_only.yaml",
+           "int8_default.yaml", "nvfp4_default.yaml", "nvfp4_experts.yaml")
 
 
 def _config() -> dict:
@@ -90,7 +94,8 @@ def _rank(rank, world_size, src, out):
         import_hf(model, src)
         model.eval()
         res[f"logits_tp{tp}_ep{ep}"] = logits(model)
-        export_hf(model, Path(out) / f"hf_tp{tp}_ep{ep}", format="hf", dtype=torch.bfloat16, progress=False)
+        export_hf(model, Path(out) / f"hf_tp{tp}_ep{ep}", format="hf", dtype=torch.bfloat16, progress=False,
+                  hf_config=src if tp == 1 else None)  # the source's config as template: it must agree
         if (tp, ep) == (2, 2):
             layers = model.decoder.layers
             res["pieces"] = {
@@ -115,6 +120,20 @@ def _rank(rank, world_size, src, out):
             res["logits_fp8_w8a8"] = logits(model)
             mtq.disable_quantizer(model, "*input_quantizer")  # transformers runs weight-only
             res["logits_fp8"] = logits(model)
+        if (tp, ep) == (2, 2):  # every shipped preset: routers and their bias untouched, the rest as configured
+            from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
+
+            res["presets"] = {}
+            for preset in PRESETS:
+                m = build_megatron_model(src, params_dtype=torch.float32)
+                import_hf(m, src)
+                bias = m.decoder.layers[1].mlp.router.expert_bias.clone()
+                mtq.quantize(m.eval(), mtq.load_config(preset), calibrate)
+                quantizing = sorted({name.rsplit(".", 1)[0] for name, q in m.named_modules()
+                                     if isinstance(q, TensorQuantizer) and q.is_quantizing})
+                res["presets"][preset] = dict(
+                    finite=bool(logits(m).isfinite().all()), quantizing=quantizing,
+                    bias_kept=torch.equal(m.decoder.layers[1].mlp.router.expert_bias, bias))
         if (tp, ep) == (2, 2):  # NVFP4 (experts, shared expert, dense MLP and attention alike)
             nvfp4 = build_megatron_model(src, params_dtype=torch.float32)
             import_hf(nvfp4, src)
@@ -296,6 +315,20 @@ def test_nvfp4_file_decoded_in_fp32_gives_megatron_logits(run):
     diff = (r["logits_nvfp4"] - ref).abs().max().item()
     print(f"NVFP4 file decoded in fp32 in transformers: logits max |Megatron fake quant - transformers| = {diff:.3g}")
     assert diff <= 2e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_quantizes_it_and_leaves_the_routers_alone(run, preset):
+    p = run[1]["presets"][preset]
+    assert p["finite"]
+    assert p["bias_kept"]
+    assert not [m for m in p["quantizing"] if ".router" in m]
+    experts = "decoder.layers.1.mlp.experts.linear_fc1"
+    assert experts in p["quantizing"]
+    if "experts" not in preset:  # the default presets quantize every linear: MLA, dense and shared MLPs too
+        for module in ("decoder.layers.0.self_attention.linear_kv_up_proj", "decoder.layers.0.mlp.linear_fc1",
+                       "decoder.layers.1.mlp.shared_experts.linear_fc2"):
+            assert module in p["quantizing"], module
 
 
 def test_the_quantized_checkpoint_reshards(run):
