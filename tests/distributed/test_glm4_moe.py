@@ -80,7 +80,8 @@ def _rank(rank, world_size, src, out):
         import_hf(model, src)
         model.eval()
         res[f"logits_tp{tp}_ep{ep}"] = logits(model)
-        export_hf(model, Path(out) / f"hf_tp{tp}_ep{ep}", format="hf", dtype=torch.bfloat16, progress=False)
+        export_hf(model, Path(out) / f"hf_tp{tp}_ep{ep}", format="hf", dtype=torch.bfloat16, progress=False,
+                  hf_config=src if tp == 1 else None)  # the source's config as template: it must agree
         if (tp, ep) == (2, 2):
             layers = model.decoder.layers
             res["pieces"] = {
