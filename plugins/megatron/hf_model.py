@@ -79,7 +79,7 @@ def _local_layer(arch: MoEArch, dense: bool):
     attn = layer.submodules.self_attention.submodules
     if mla:
         attn.core_attention = LatentDotProductAttention
-        attn.q_layernorm = sequence_parallel_norm if arch.q_lora_rank else attn.q_layernorm
+        attn.q_layernorm = sequence_parallel_norm
         attn.kv_layernorm = sequence_parallel_norm
     elif arch.qk_norm:
         attn.q_layernorm = sequence_parallel_norm
@@ -176,6 +176,10 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
                           f"{parallel_state.get_pipeline_model_parallel_world_size()}, expected 1)")
     cfg = read_hf_config(hf_dir_or_config)
     arch = family_for_architecture(cfg).arch_from_hf(cfg)
+    if arch.kv_lora_rank and not arch.q_lora_rank:
+        raise ExportError("build_megatron_model: q_lora_rank=None (multi-latent attention with a plain query "
+                          "projection) is not supported: Megatron-Core's MLA with latent norms fuses a norm into "
+                          "linear_q_proj, which the Hugging Face model does not have (expected a q_lora_rank)")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     etp = parallel_state.get_expert_tensor_parallel_world_size()

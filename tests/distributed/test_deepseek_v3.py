@@ -18,6 +18,8 @@ model with ``build_megatron_model`` and loads it with ``import_hf`` at TP1 x EP1
 * quantized to NVFP4 and exported in compressed-tensors format, the checkpoint loads in transformers (with
   ``transformers_compat.fix_nvfp4_experts()``) and gives the Megatron weight-only fake-quant model's logits;
 * the quantized model saved with ``save_sharded_checkpoint`` at TP2 x EP2 loads at TP4 x EP1 with the same logits;
+* a checkpoint without query compression (``q_lora_rank`` None) is refused by name: Megatron-Core's MLA would add a
+  norm before its query projection;
 * a checkpoint with YaRN rope scaling (DeepSeek-V3's form, ``mscale`` and ``mscale_all_dim``) gives transformers'
   logits at TP2 x EP2 and exports back bit for bit;
 * configs the family cannot map (MTP layers, other rope scalings, a group score other than the top 2) are refused
@@ -141,6 +143,12 @@ def _rank(rank, world_size, src, out):
             export_hf(nvfp4, Path(out) / "nvfp4", format="compressed-tensors", dtype=torch.bfloat16, progress=False)
             mtq.disable_quantizer(nvfp4, "*input_quantizer")
             res["logits_nvfp4"] = logits(nvfp4)
+        if (tp, ep) == (2, 2):  # no query compression (q_lora_rank None: one q_proj, as DeepSeek-V2-Lite)
+            try:
+                build_megatron_model(src + "_no_q_lora", params_dtype=torch.float32)
+                res["no_q_lora"] = None
+            except Exception as e:  # noqa: BLE001  (the test reports any other error)
+                res["no_q_lora"] = f"{type(e).__name__}: {e}"
         if (tp, ep) == (2, 2):  # YaRN rope scaling
             yarn = build_megatron_model(src + "_yarn", params_dtype=torch.float32)
             import_hf(yarn, src + "_yarn")
@@ -160,6 +168,7 @@ def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("deepseek_v3")
     _save(base / "src")
     _save(base / "src_yarn", rope_parameters=YARN, max_position_embeddings=128)
+    _save(base / "src_no_q_lora", q_lora_rank=None)
     results = spawn(_rank, WORLD, args=(str(base / "src"), str(base / "out")), timeout=seconds(900))
     return base, results[0]
 
@@ -221,6 +230,12 @@ def test_yarn_rope_scaling_matches_transformers(run):
         assert torch.equal(exported[name], t), name
     cfg = json.loads((base / "out" / "hf_yarn" / "config.json").read_text())
     assert {k: cfg["rope_parameters"][k] for k in YARN} == YARN
+
+
+def test_a_plain_query_projection_is_refused_by_name(run):
+    """Megatron-Core 0.19's MLA with latent norms puts a norm into ``linear_q_proj`` when ``q_lora_rank`` is None
+    (DeepSeek-V2-Lite's layout), which transformers' model does not have: refused before building."""
+    assert run[1]["no_q_lora"].startswith("ExportError: build_megatron_model: q_lora_rank=None")
 
 
 def test_the_megatron_model_has_the_family_pieces(run):
