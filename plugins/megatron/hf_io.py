@@ -1,6 +1,9 @@
 """Hugging Face export and import of Megatron-Core GPT MoE models, at any tensor / expert / expert-tensor parallel
 layout (pipeline parallelism 1): the Megatron adapter of :mod:`modelopt_moe.export`.
 
+Both directions walk the family's table (:mod:`modelopt_moe.export.mapping`): every Megatron parameter by path, the
+canonical tensors it holds and its gather rule; nothing here is written per family.
+
 Export streams one layer at a time: every rank gathers the layer's tensor-parallel shards (``all_gather`` over TP,
 column-parallel along rows, row-parallel along columns) and each expert slot's weights over expert-TP and EP (local
 expert ``i`` of EP rank ``r`` is global expert ``r * N_local + i``, :class:`~modelopt_moe.quantization.ExpertGrid`'s

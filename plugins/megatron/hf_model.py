@@ -1,7 +1,7 @@
 """Megatron-Core GPT models from Hugging Face configs, and the architecture of a Megatron model (both directions of
 the config mapping that export and import need).
 
-:func:`build_megatron_model` builds the ``GPTModel`` of a Qwen3-MoE or Mixtral config at the current parallel state
+:func:`build_megatron_model` builds the ``GPTModel`` of a supported family's config at the current parallel state
 (``megatron.core.parallel_state``: TP, EP, expert-TP; pipeline parallelism 1); :func:`megatron_arch` reads the
 :class:`~modelopt_moe.export.MoEArch` back from a built model, refusing what a Hugging Face family cannot express.
 
@@ -13,7 +13,11 @@ The mapping (Hugging Face -> ``TransformerConfig``): ``hidden_size``, ``num_hidd
 then softmax, Megatron's default, equals softmax then renormalising the top k; without it ``moe_router_pre_softmax``),
 Qwen3's q/k norm -> ``qk_layernorm``, ``router_aux_loss_coef`` -> ``moe_aux_loss_coeff``; ``GPTModel``: RoPE with
 ``rotary_base = rope_theta``, ``max_sequence_length = max_position_embeddings``, ``share_embeddings_and_output_weights
-= tie_word_embeddings``.
+= tie_word_embeddings``. DeepSeek-V3 and GLM-4.5 add (:func:`_variant_config`): multi-latent attention
+(``MLATransformerConfig``: ``q_lora_rank``, ``kv_lora_rank``, ``qk_head_dim``, ``qk_pos_emb_head_dim``,
+``v_head_dim``, YaRN), q/k/v biases (``add_qkv_bias``), partial RoPE (``rotary_percent``), dense first layers
+(``moe_layer_freq``, one layer spec per layer), shared experts (``moe_shared_expert_intermediate_size``) and the
+sigmoid router with expert bias, groups and scaling (``moe_router_*``).
 """
 
 from __future__ import annotations
@@ -144,7 +148,7 @@ def _variant_config(arch: MoEArch) -> dict[str, Any]:
 
 
 def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: Any) -> GPTModel:
-    """The Megatron-Core ``GPTModel`` of a Hugging Face Qwen3-MoE / Mixtral config, at the current parallel state.
+    """The Megatron-Core ``GPTModel`` of a Hugging Face config of a supported family, at the current parallel state.
 
     Megatron's model-parallel state must be initialised (:func:`modelopt_moe.plugins.megatron.init_model_parallel`,
     which also sets Megatron up for a machine without CUDA, or ``parallel_state.initialize_model_parallel`` after
