@@ -29,7 +29,7 @@ from ..quantization.utils import rank
 from ..quantization.weight_amax import update_weight_amax
 from .calibration_coverage import DEFAULT_MIN_CALIB_TOKENS, warn_cold_experts
 from .errors import ExportError
-from .families import FAMILIES, Family, MoEArch, get_family, read_hf_config
+from .families import FAMILIES, Family, MoEArch, get_family, read_hf_config, register_family
 from .registry import ExportAdapter, adapter_for, adapter_named, register_export_adapter
 from .schemes import FORMATS
 
@@ -48,6 +48,7 @@ __all__ = [
     "Family",
     "MoEArch",
     "get_family",
+    "register_family",
 ]
 
 HF_CONFIG_FILE = "hf_config.json"

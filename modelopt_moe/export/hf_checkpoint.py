@@ -221,7 +221,7 @@ def _write_record(writer: CheckpointWriter, family: Family, rec, scheme, fmt: st
             writer.add(name, tensor)
         return
     tensor = rec.weight if isinstance(rec, LinearRecord) else rec.tensor
-    writer.add(f"{module}.weight", tensor.to(dtype))
+    writer.add(family.hf_tensor(rec.canonical), tensor.to(family.tensor_dtype(rec.canonical, dtype)))
 
 
 class HfCheckpointReader:
@@ -257,8 +257,7 @@ class HfCheckpointReader:
         expected = set(canonical_names(self.arch))
         unexpected = []
         for name, file in weight_map.items():
-            module, _, param = name.rpartition(".")
-            canonical = self.family.canonical(module) if param == "weight" else None
+            canonical = self.family.canonical_tensor(name)
             if canonical in expected:
                 self._files[canonical] = file
             elif not (canonical == "lm_head" and self.arch.tie_word_embeddings):  # tied copies are allowed
@@ -266,7 +265,7 @@ class HfCheckpointReader:
         missing = sorted(expected - set(self._files))
         if missing or unexpected:
             raise ExportError(f"{self.path}: the tensors do not match {self.family.architecture} with config "
-                              f"{self.arch}: missing {[self.family.hf_module(m) + '.weight' for m in missing[:5]]}"
+                              f"{self.arch}: missing {[self.family.hf_tensor(m) for m in missing[:5]]}"
                               f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                               f"{' ...' if len(unexpected) > 5 else ''}")
         shapes = canonical_shapes(self.arch)
@@ -285,8 +284,8 @@ class HfCheckpointReader:
             raise ExportError(f"{path}: reading tensor {name} failed: {type(e).__name__}: {e}") from e
 
     def tensor_name(self, canonical: str) -> str:
-        """The Hugging Face tensor name of the canonical module ``canonical`` (its ``.weight``)."""
-        return f"{self.family.hf_module(canonical)}.weight"
+        """The Hugging Face tensor name of the canonical tensor ``canonical``."""
+        return self.family.hf_tensor(canonical)
 
     def get(self, canonical: str) -> torch.Tensor:
         """The whole tensor."""
@@ -296,13 +295,17 @@ class HfCheckpointReader:
         """The tensor's shape, from the safetensors header (nothing is read)."""
         return self._headers[self.tensor_name(canonical)].shape
 
+    def get_slice(self, canonical: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Indices ``start:stop`` along ``dim`` (any rank of tensor), read without loading the rest."""
+        return self._read(canonical, (slice(None),) * dim + (slice(start, stop),))
+
     def get_rows(self, canonical: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` (dim 0), read without loading the rest."""
-        return self._read(canonical, (slice(start, stop),))
+        return self.get_slice(canonical, 0, start, stop)
 
     def get_cols(self, canonical: str, start: int, stop: int) -> torch.Tensor:
-        """Columns ``start:stop`` (dim 1) of a 2-D tensor."""
-        return self._read(canonical, (slice(None), slice(start, stop)))
+        """Columns ``start:stop`` (dim 1)."""
+        return self.get_slice(canonical, 1, start, stop)
 
     def names(self) -> Iterator[str]:
         """The canonical names of the checkpoint's tensors."""
