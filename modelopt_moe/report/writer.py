@@ -11,6 +11,7 @@ from pathlib import Path
 
 from . import plots
 from .outcome import mean_and_noise
+from .record import check_run_record
 
 __all__ = ["write_report", "short_gemm_name"]
 
@@ -83,7 +84,11 @@ def write_report(run: dict, out_dir: str | Path) -> list[Path]:
     ``losses`` (name -> number), ``eval`` (model -> ``{"loss": [per batch], "kl": [per batch] or None}``), ``outcome``
     (:func:`~.outcome.qad_outcome`), ``curves`` (label -> [[step, loss], ...]), ``stats``
     (:class:`~.expert_stats.ExpertStats` as a dict), ``summary`` (the quantizer summary text).
+
+    Raises:
+        RunRecordError: ``run`` is not of that shape (:func:`~.record.check_run_record`); nothing is written.
     """
+    check_run_record(run)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

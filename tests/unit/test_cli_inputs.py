@@ -1,0 +1,51 @@
+"""Bad inputs to the ``modelopt-moe`` command, run as a shell runs it (the installed console script, in a
+subprocess): each is refused before any rank starts, at once, with a message naming the flag, the value and what
+was expected; and what a shell user expects of ``module:function`` flags (the working directory is searched)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # subprocesses
+
+COMMAND = str(Path(sys.executable).parent / "modelopt-moe")  # the console script pip installed beside python
+# Pre-flight answers in well under a second on an idle machine; the bound only proves no rank was started (ranks
+# import torch and Megatron: tens of seconds) with room for a loaded machine.
+FAST_S = 10.0
+
+
+def _run(*args, cwd=None):
+    """``modelopt-moe ARGS`` from ``cwd``, as a user's shell starts it (no launcher variables); (result, seconds)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH="")
+    start = time.monotonic()
+    done = subprocess.run([COMMAND, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+    return done, time.monotonic() - start
+
+
+def test_report_refuses_a_record_of_the_wrong_shape_and_writes_nothing(tmp_path):
+    records = {
+        "no_stages.json": ({"stages": [], "losses": {"loss": 1.0}}, "stages: expected a non-empty list of lines"),
+        "losses_list.json": ({"stages": ["s"], "losses": [1.0, 2.0]}, "losses: expected an object"),
+        "curve_points.json": ({"stages": ["s"], "curves": {"QAT": [1.0, 2.0]}},
+                              "curves['QAT']: expected a list of [step, loss] pairs, found [1.0, 2.0]"),
+        "eval_batches.json": ({"stages": ["s"], "eval": {"bf16": {"loss": [1.0, 2.0]}, "PTQ": {"loss": [1.0]}}},
+                              "eval['PTQ']['loss']: 1 batches, the first model has 2"),
+        "a_list.json": ([{"stages": ["s"]}], "expected a JSON object with a 'stages' list, found list"),
+    }
+    for name, (record, expected) in records.items():
+        out = tmp_path / name.removesuffix(".json")
+        out.mkdir()
+        (out / "run.json").write_text(json.dumps(record))
+        done, _ = _run("report", "--run", out / "run.json")
+        assert done.returncode == 2, (name, done.stdout, done.stderr)
+        assert f"--run {out / 'run.json'}: not a run record" in done.stderr, (name, done.stderr)
+        assert expected in done.stderr, (name, done.stderr)
+        assert "nothing was written" in done.stderr
+        assert "Traceback" not in done.stderr
+        assert sorted(p.name for p in out.iterdir()) == ["run.json"], name
