@@ -14,6 +14,9 @@ times the LM loss). ``--load`` resumes from a checkpoint this command saved (wei
 optimizer, LR scheduler, iteration) at any TP / EP layout; ``--export`` writes the result as a Hugging Face
 checkpoint.
 
+``--model-provider`` and ``--data`` name a function as ``package.module:function``; the module is searched in the
+working directory first, then on ``sys.path`` (as ``python -m`` does), in every rank.
+
 Data: ``--data module:function`` is called as ``function(split, num_batches, batch_size, seq_len, offset)`` with
 ``split`` ``"calib"`` or ``"train"`` and returns that many batches, each a dict of ``tokens`` / ``labels`` /
 ``position_ids`` (int64 ``[batch_size, seq_len]``) and ``attention_mask`` (bool, True where masked); every rank of
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
 import sys
 from typing import Any
 
@@ -48,10 +52,17 @@ __all__ = ["main", "resolve_callable"]
 
 
 def resolve_callable(spec: str, flag: str):
-    """``"package.module:function"`` -> the function; ValueError naming ``flag`` and what is wrong."""
+    """``"package.module:function"`` -> the function; ValueError naming ``flag`` and what is wrong.
+
+    The module is searched in the working directory first, as ``python -m`` does (the ``modelopt-moe`` console
+    script alone would not look there), in every process that resolves it: the one that parses, spawned ranks and
+    the ranks of ``torchrun`` / ``srun``."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"{flag} {spec!r}: expected 'package.module:function'")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -69,7 +80,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     src = p.add_argument_group("model")
     src.add_argument("--model-provider", help="'module:function' that builds the Megatron model at the current "
                                               "parallel layout (called with pre_process/post_process if it takes "
-                                              "them)")
+                                              "them; the module searched in the working directory first)")
     src.add_argument("--hf", help="a Hugging Face Qwen3-MoE / Mixtral directory: its weights are the starting "
                                   "point (and the teacher's); builds the model itself without --model-provider")
     src.add_argument("--load", help="resume from a checkpoint saved by this command (at any layout)")
@@ -80,7 +91,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, help="with --distill: KL temperature (default: the recipe's, 1)")
     p.add_argument("--train", help="with --distill: the parameter groups that train, e.g. 'experts', "
                                    "'experts+dense', 'all' (default: the recipe's, 'experts')")
-    p.add_argument("--data", help="'module:function' giving the batches (see below; default: shipped text)")
+    p.add_argument("--data", help="'module:function' giving the batches, the module searched in the working "
+                                  "directory first (see below; default: shipped text)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: %(default)s)")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch (default: %(default)s)")

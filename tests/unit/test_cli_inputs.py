@@ -49,3 +49,15 @@ def test_report_refuses_a_record_of_the_wrong_shape_and_writes_nothing(tmp_path)
         assert "nothing was written" in done.stderr
         assert "Traceback" not in done.stderr
         assert sorted(p.name for p in out.iterdir()) == ["run.json"], name
+
+
+def test_data_and_model_provider_modules_are_found_in_the_working_directory(tmp_path):
+    (tmp_path / "my_batches.py").write_text("def model(pre_process=True, post_process=True):\n    return None\n")
+    # the module imports from the working directory; the missing function is then the only problem named
+    done, _ = _run("qat", "--config", "fp8_default.yaml", "--model-provider", "my_batches:model",
+                   "--data", "my_batches:no_such_function", "--cpu", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "--data 'my_batches:no_such_function': my_batches has no function 'no_such_function'" in done.stderr
+    assert "cannot import" not in done.stderr
+    help_text, _ = _run("qat", "--help")
+    assert "searched in the working directory first" in " ".join(help_text.stdout.split())
