@@ -13,7 +13,10 @@ the launcher's processes (``modelopt_moe.plugins.cli.ranks``). ``modelopt-moe <c
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+from modelopt_moe.interrupt import Interrupted, stop_on_signals
 
 __all__ = ["main", "COMMANDS"]
 
@@ -30,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     ``demo``; an unknown command is an error that names the commands.
 
     Each command parses its flags before it imports torch or Megatron, so ``--help`` and usage errors answer at
-    once (argparse exits with code 2 on a usage error)."""
+    once (argparse exits with code 2 on a usage error). SIGTERM or Ctrl-C stops every rank within seconds (the
+    command says where, e.g. ``qat`` names its last complete checkpoint) and the exit code is 128 + the signal: 143
+    for SIGTERM, 130 for SIGINT."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__.strip())
@@ -43,4 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     from .noise import hide_known_warnings
 
     hide_known_warnings()  # this process's own imports (the command's ranks hide them in theirs)
-    return importlib.import_module(COMMANDS[command]).main(rest)
+    with stop_on_signals(exit_after=True):
+        try:
+            return importlib.import_module(COMMANDS[command]).main(rest)
+        except Interrupted as e:  # commands that know more (qat's checkpoints) say it themselves
+            if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # once under a launcher
+                print(f"modelopt-moe {command}: {e}", file=sys.stderr, flush=True)
+            return e.exit_code

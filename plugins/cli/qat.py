@@ -36,6 +36,8 @@ import os
 import sys
 from typing import Any
 
+from modelopt_moe.interrupt import Interrupted
+
 from .noise import print_warnings
 from .ranks import (
     LayoutError,
@@ -188,6 +190,20 @@ def _batches(opts: dict[str, Any], split: str, num_batches: int, offset: int, vo
 
 
 def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """One rank of the run; a signal that stops it says where (``phase``): the step, the calibration, a save."""
+    from modelopt_moe.interrupt import Interrupted, received_signal
+
+    phase = {"now": "while starting"}
+    try:
+        return _run_rank(rank, opts, phase)
+    except BaseException as e:
+        signum = received_signal()  # an error after a signal (a peer stopped first) is the signal's doing
+        if signum is None and not isinstance(e, Interrupted):
+            raise
+        raise Interrupted(signum or e.signum, phase["now"]) from None
+
+
+def _run_rank(rank: int, opts: dict[str, Any], phase: dict[str, str]) -> dict[str, Any]:
     import modelopt_moe.quantization as mtq
     from modelopt_moe.checkpoint import restore_sharded_modelopt_state
     from modelopt_moe.export import export_hf, import_hf, save_hf_config
@@ -220,6 +236,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         restore_sharded_modelopt_state([student], opts["load"])
         say(rank, f"resuming from {opts['load']}")
     else:
+        phase["now"] = "during calibration"
         calib = _batches(opts, "calib", opts["calib_batches"], 0, vocab)
         student.eval()
         config = mtq.load_config(opts["config"])
@@ -243,6 +260,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     say(rank, summary)
 
     def save(step: int) -> None:
+        phase["now"] = f"while saving iteration {step}"
         with megatron_training_shims():
             save_sharded_checkpoint([trainer.model], opts["save"], optimizer=trainer.optimizer,
                                     opt_param_scheduler=trainer.scheduler, iteration=step)
@@ -254,6 +272,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     losses = []
     bar = progress(rank, opts["steps"], "QAD" if teacher is not None else "QAT", initial=min(start, opts["steps"]))
     for step in range(start, opts["steps"]):
+        phase["now"] = f"at step {step + 1} of {opts['steps']}"
         loss = mt.train_step(trainer, [data[(step * m + i) % len(data)] for i in range(m)], step=step)
         losses.append(loss)
         bar.set_postfix(loss=f"{loss:.4g}")
@@ -265,6 +284,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         save(opts["steps"])
         say(rank, f"saved {opts['save']} (iteration {opts['steps']})")
     if opts["export"]:
+        phase["now"] = "during the export"
         out = export_hf(trainer.model, opts["export"], format=opts["export_format"],
                         hf_config=opts["hf"], progress=rank == 0)
         say(rank, f"exported {out} ({opts['export_format']})")
@@ -272,8 +292,35 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     return {"losses": losses, "start": start}
 
 
+def _checkpoint_after_interrupt(save: str | None, load: str | None) -> str:
+    """Removes the unfinished save of an interrupted run and names the last complete checkpoint (``--save``'s, else
+    ``--load``'s) with its iteration, and how to resume from it."""
+    from modelopt_moe.checkpoint.errors import CorruptCheckpointError, IncompleteCheckpointError
+    from modelopt_moe.checkpoint.files import (
+        check_checkpoint_dir,
+        checkpoint_iteration,
+        discard_unfinished_save,
+        resolve_checkpoint_dir,
+    )
+
+    notes = []
+    if save and (removed := discard_unfinished_save(save)) is not None:
+        notes.append(f"removed the unfinished save {removed}")
+    for ckpt in dict.fromkeys(d for d in (save, load) if d):
+        try:
+            path = check_checkpoint_dir(resolve_checkpoint_dir(ckpt))
+        except (IncompleteCheckpointError, CorruptCheckpointError, OSError):
+            continue
+        iteration = checkpoint_iteration(path)
+        at = "an unrecorded iteration" if iteration is None else f"iteration {iteration}"
+        return "; ".join([f"last complete checkpoint: {at} in {path} (resume with --load {path})", *notes])
+    none = "no complete checkpoint yet" if save else "no checkpoint (--save names where to write them)"
+    return "; ".join([none, *notes])
+
+
 def main(argv: list[str]) -> int:
-    """``modelopt-moe qat``; returns the exit code (2: bad arguments, found before any process starts)."""
+    """``modelopt-moe qat``; returns the exit code (2: bad arguments, found before any process starts; 128 + the
+    signal when SIGTERM or Ctrl-C stopped it)."""
     args = _parse_args(argv)
     import modelopt_moe.quantization as mtq
 
@@ -293,6 +340,11 @@ def main(argv: list[str]) -> int:
         print(f"modelopt-moe qat: {args.layout.describe()}", flush=True)
     try:
         ran = run_ranks(_qat_rank, args.layout, args=(opts,), timeout=args.timeout)
+    except Interrupted as e:  # every rank has stopped (spawned here), or this one (under a launcher)
+        if prints_here():
+            print(f"modelopt-moe qat: {e}; {_checkpoint_after_interrupt(args.save, args.load)}", file=sys.stderr,
+                  flush=True)
+        return e.exit_code
     except LayoutError as e:
         print(f"modelopt-moe qat: {e}", file=sys.stderr)
         return 2
