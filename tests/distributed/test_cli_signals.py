@@ -68,14 +68,15 @@ def _saved_iteration(ckpt: Path) -> int | None:
         return None
 
 
-def _wait_for_checkpoint(proc, ckpt: Path, after: int, cwd: Path) -> int:
-    """Waits until ``ckpt`` holds a complete checkpoint of an iteration above ``after``; returns it."""
+def _wait_for_checkpoint(proc, ckpt: Path, cwd: Path, after: int | None = None) -> int | None:
+    """Waits until ``ckpt`` holds a complete checkpoint (of an iteration above ``after``); returns its iteration."""
     deadline = time.monotonic() + seconds(600)
     while time.monotonic() < deadline:
         assert proc.poll() is None, (cwd / "out.txt").read_text()[-2000:] + (cwd / "err.txt").read_text()[-4000:]
-        iteration = _saved_iteration(ckpt)
-        if iteration is not None and iteration > after:
-            return iteration
+        if (ckpt / "modelopt_moe_complete.json").is_file():
+            iteration = _saved_iteration(ckpt)
+            if after is None or (iteration is not None and iteration > after):
+                return iteration
         time.sleep(0.2)
     raise AssertionError(f"no checkpoint after iteration {after} in {ckpt}")
 
@@ -116,7 +117,7 @@ def test_sigterm_and_ctrl_c_stop_every_rank_name_the_checkpoint_and_resume(tmp_p
 
     # SIGTERM to the one process the user started: it passes the signal on to the ranks it spawned
     proc, files = _start(cwd, *common)
-    _wait_for_checkpoint(proc, ckpt, 0, cwd)
+    _wait_for_checkpoint(proc, ckpt, cwd)
     code, took, alive = _stop(proc, files, lambda pid: os.kill(pid, signal.SIGTERM))
     err = (cwd / "err.txt").read_text()
     assert code == 128 + signal.SIGTERM, err[-4000:]
@@ -134,7 +135,7 @@ def test_sigterm_and_ctrl_c_stop_every_rank_name_the_checkpoint_and_resume(tmp_p
 
     # resumed from the named checkpoint (the steps go on from there), then Ctrl-C: SIGINT to the whole group
     proc, files = _start(cwd, *common, "--load", ckpt)
-    later = _wait_for_checkpoint(proc, ckpt, named, cwd)
+    later = _wait_for_checkpoint(proc, ckpt, cwd, after=named)
     assert later == named + 2  # the first save after the resume: steps named+1 and named+2 ran
     code, took, alive = _stop(proc, files, lambda pid: os.killpg(pid, signal.SIGINT))
     out, err = (cwd / "out.txt").read_text(), (cwd / "err.txt").read_text()
