@@ -5,6 +5,7 @@ signal, leaves no unfinished save behind, and a run with ``--load`` resumes from
 the installed console script, started from a working directory that holds the user's data module (``--data
 my_batches:batches``, found there as ``python -m`` would find it)."""
 
+import contextlib
 import json
 import os
 import re
@@ -106,6 +107,16 @@ def _stop(proc, files, send) -> tuple[int, float, list]:
 
 
 def test_sigterm_and_ctrl_c_stop_every_rank_name_the_checkpoint_and_resume(tmp_path):
+    groups = []
+    try:
+        _signal_and_resume(tmp_path, groups)
+    finally:  # whatever a failing run left, even processes orphaned in its process group
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+
+
+def _signal_and_resume(tmp_path, groups):
     hf = _hf_checkpoint(tmp_path / "hf")
     cwd = tmp_path / "job"
     cwd.mkdir()
@@ -117,6 +128,7 @@ def test_sigterm_and_ctrl_c_stop_every_rank_name_the_checkpoint_and_resume(tmp_p
 
     # SIGTERM to the one process the user started: it passes the signal on to the ranks it spawned
     proc, files = _start(cwd, *common)
+    groups.append(proc.pid)
     _wait_for_checkpoint(proc, ckpt, cwd)
     code, took, alive = _stop(proc, files, lambda pid: os.kill(pid, signal.SIGTERM))
     err = (cwd / "err.txt").read_text()
@@ -135,6 +147,7 @@ def test_sigterm_and_ctrl_c_stop_every_rank_name_the_checkpoint_and_resume(tmp_p
 
     # resumed from the named checkpoint (the steps go on from there), then Ctrl-C: SIGINT to the whole group
     proc, files = _start(cwd, *common, "--load", ckpt)
+    groups.append(proc.pid)
     later = _wait_for_checkpoint(proc, ckpt, cwd, after=named)
     assert later == named + 2  # the first save after the resume: steps named+1 and named+2 ran
     code, took, alive = _stop(proc, files, lambda pid: os.killpg(pid, signal.SIGINT))
