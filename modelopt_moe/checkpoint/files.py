@@ -325,6 +325,11 @@ def check_checkpoint_dir(ckpt_dir: str | os.PathLike, require_state: bool = True
     elif path.name.endswith(".tmp"):  # our own save's staging directory: complete only once the marker is written
         missing.append(COMPLETE_MARKER)
     missing = list(dict.fromkeys(missing))
+    weights = [n for n in ("model.safetensors", "model.safetensors.index.json") if (path / n).is_file()]
+    if missing and weights and (path / "config.json").is_file() and not (path / _DCP_METADATA).is_file():
+        raise IncompleteCheckpointError(
+            f"{path} is a Hugging Face model (config.json, {weights[0]}), not a distributed checkpoint: read its "
+            "weights into a Megatron model with modelopt_moe.export.import_hf (modelopt-moe qat: --hf)")
     if missing:
         raise IncompleteCheckpointError(
             f"checkpoint directory {path} is incomplete (a save did not finish or files were removed): missing "

@@ -34,10 +34,12 @@ import importlib
 import inspect
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from modelopt_moe.interrupt import Interrupted
 
+from .inputs import model_sizes, read_hf_model_config, read_json_config, refuse_hf_model
 from .noise import print_warnings
 from .ranks import (
     LayoutError,
@@ -103,8 +105,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, help="peak learning rate, cosine-decayed to a tenth (default: the QAD "
                                             "recipe's with --distill, 1e-5 without)")
     p.add_argument("--save", help="checkpoint directory written at the end (and every --save-interval steps)")
-    p.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (default: 0, at the end "
-                                                                "only)")
+    p.add_argument("--save-interval", type=int, help="steps between checkpoints, >= 1 (default: at the end only)")
     p.add_argument("--export", help="write a Hugging Face checkpoint here at the end")
     p.add_argument("--export-format", choices=["compressed-tensors", "modelopt"], default="compressed-tensors",
                    help="format of --export: compressed-tensors (vLLM, transformers) or modelopt (NVIDIA Model "
@@ -120,38 +121,30 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("steps", "micro_batches", "batch_size", "seq_len", "calib_batches"):
         if getattr(args, name) < (0 if name == "steps" else 1):
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'steps' else 1}")
-    model = _hf_model_config(args.hf)
+    if args.save_interval is not None and args.save_interval < 1:
+        p.error(f"--save-interval {args.save_interval} must be >= 1 (steps between checkpoints; leave it out to save "
+                "at the end only)")
+    if args.save_interval is not None and not args.save:
+        p.error("--save-interval needs --save (the directory to write the checkpoints to)")
     # Sequence parallelism splits the sequence over TP; the heads and the vocabulary split over it too.
-    tp_divides = {"--seq-len": args.seq_len}
-    tp_divides.update({f"the model's {k}": model[k] for k in ("num_key_value_heads", "num_attention_heads",
-                                                                "vocab_size") if isinstance(model.get(k), int)})
-    experts = model.get("num_experts", model.get("num_local_experts"))
-    args.layout = check_layout(p, args, num_experts=experts if isinstance(experts, int) else None,
-                               tp_divides=tp_divides)
+    experts, tp_divides = model_sizes(read_json_config(args.hf) if args.hf else {}, seq_len=args.seq_len)
+    args.layout = check_layout(p, args, num_experts=experts, tp_divides=tp_divides)
     if not args.distill:
         for flag in ("lm_weight", "temperature", "train"):
             if getattr(args, flag) is not None:
                 p.error(f"--{flag.replace('_', '-')} needs --distill")
     try:
         args.recipe = _recipe(args) if args.distill else None
+        if args.hf:  # what the files tell, before anything heavy is imported
+            read_hf_model_config(args.hf, "--hf")
+        if args.load and not any(Path(d).exists() for d in (args.load, f"{args.load}.old")):
+            raise ValueError(f"--load {args.load}: no such directory (expected a checkpoint written by --save)")
+        if args.load:
+            refuse_hf_model(args.load, "--load", f"start from it with --hf {args.load} (--load resumes a run from "
+                                                 "its --save directory)")
     except ValueError as e:
         p.error(str(e))
     return args
-
-
-def _hf_model_config(hf: str | None) -> dict[str, Any]:
-    """``--hf``'s config.json where it can be read (its sizes constrain the layout), else {} (the run reports it)."""
-    import json
-    from pathlib import Path
-
-    if hf is None:
-        return {}
-    path = Path(hf) / "config.json" if Path(hf).is_dir() else Path(hf)
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
 
 
 def _recipe(args: argparse.Namespace):
@@ -323,7 +316,14 @@ def main(argv: list[str]) -> int:
     signal when SIGTERM or Ctrl-C stopped it)."""
     args = _parse_args(argv)
     import modelopt_moe.quantization as mtq
+    from modelopt_moe.export.hf_checkpoint import HfCheckpointReader
 
+    try:  # --hf's model as import_hf reads it: architecture, every tensor's shape and dtype, from the headers alone
+        if args.hf:
+            HfCheckpointReader(args.hf)
+    except ValueError as e:
+        print(f"modelopt-moe qat: --hf {args.hf}: {e}", file=sys.stderr)
+        return 2
     try:  # fail fast, before starting processes
         mtq.load_config(args.config)
         for flag, spec in (("--model-provider", args.model_provider), ("--data", args.data)):

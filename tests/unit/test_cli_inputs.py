@@ -61,3 +61,53 @@ def test_data_and_model_provider_modules_are_found_in_the_working_directory(tmp_
     assert "cannot import" not in done.stderr
     help_text, _ = _run("qat", "--help")
     assert "searched in the working directory first" in " ".join(help_text.stdout.split())
+
+
+def _hf_model_dir(path):
+    """What the files of a Hugging Face model directory look like to the pre-flight (its weights are not read)."""
+    from modelopt_moe.quantization.config import preset_path
+
+    path.mkdir()
+    (path / "config.json").write_text(preset_path("qwen3_moe_tiny.json").read_text())
+    (path / "model.safetensors").write_bytes(b"\0" * 8)
+    return path
+
+
+def test_bad_model_and_checkpoint_paths_are_refused_before_any_rank_starts(tmp_path):
+    hf = _hf_model_dir(tmp_path / "hf")
+    out = tmp_path / "out"
+    cases = [  # (argv, what the message must say)
+        (["qat", "--config", "fp8_default.yaml", "--hf", tmp_path / "nonexistent"],
+         f"--hf {tmp_path / 'nonexistent'}: no such directory; expected a Hugging Face model directory"),
+        (["qat", "--config", "fp8_default.yaml", "--hf", tmp_path],
+         f"--hf {tmp_path}: no config.json; expected a Hugging Face model directory"),
+        (["qat", "--config", "fp8_default.yaml", "--hf", hf, "--load", hf],
+         f"--load {hf} is a Hugging Face model (config.json, model.safetensors), not a distributed checkpoint saved "
+         f"by modelopt-moe qat (--save) or save_sharded_checkpoint: start from it with --hf {hf}"),
+        (["qat", "--config", "fp8_default.yaml", "--hf", hf, "--load", tmp_path / "no_ckpt"],
+         f"--load {tmp_path / 'no_ckpt'}: no such directory"),
+        (["qat", "--config", "fp8_default.yaml", "--hf", hf, "--save", out, "--save-interval", "-3"],
+         "--save-interval -3 must be >= 1"),
+        (["qat", "--config", "fp8_default.yaml", "--hf", hf, "--save", out, "--save-interval", "0"],
+         "--save-interval 0 must be >= 1"),
+        (["qat", "--config", "fp8_default.yaml", "--hf", hf, "--save-interval", "10"],
+         "--save-interval needs --save"),
+        (["export", "--checkpoint", hf, "--format", "modelopt", "--out", out],
+         f"--checkpoint {hf} is a Hugging Face model (config.json, model.safetensors), not a distributed checkpoint"
+         f" saved by modelopt-moe qat (--save) or save_sharded_checkpoint: quantize and export it with modelopt-moe "
+         f"qat --hf {hf}"),
+        (["export", "--checkpoint", tmp_path / "ckpt", "--hf-config", hf, "--format", "modelopt", "--out", out,
+          "--world-size", "3", "--tp", "3", "--cpu"],
+         "the model's num_attention_heads 4 must be a multiple of --tp 3"),
+        (["export", "--checkpoint", tmp_path / "ckpt", "--hf-config", hf, "--format", "modelopt", "--out", out,
+          "--world-size", "3", "--ep", "3", "--cpu"],
+         "--ep 3 must divide the model's 8 experts"),
+    ]
+    for argv, expected in cases:
+        done, took = _run(*argv)
+        assert done.returncode == 2, (argv, done.stdout[-2000:], done.stderr[-2000:])
+        assert expected in " ".join(done.stderr.split()), (argv, done.stderr)
+        assert "Traceback" not in done.stderr, argv
+        assert "process" not in done.stdout, (argv, done.stdout)  # no layout line: no rank was started
+        assert took < FAST_S, (argv, took)
+    assert not out.exists()

@@ -1,9 +1,9 @@
 """The package's import graph, counting imports inside functions (the kernels' lazy imports of their ``@triton.jit``
 modules among them): imports point down the layers of docs/architecture.md (``plugins -> report -> export,
 checkpoint, distill -> quantization -> kernels -> numerics``, with ``launch``, ``interrupt`` and ``progress`` beside
-``numerics``; inside ``plugins``, ``cli`` above ``megatron`` above ``megatron_cpu``), the kernels import ``numerics`` alone of the
-project, the core never imports ``modelopt_moe.plugins``, every imported project module exists, and no module
-imports itself back through others."""
+``numerics``; inside ``plugins``, ``cli`` above ``megatron`` above ``megatron_cpu``), the kernels import
+``numerics`` alone of the project, the core never imports ``modelopt_moe.plugins``, every imported project module
+exists, and no module imports itself back through others."""
 
 import ast
 from pathlib import Path
