@@ -7,7 +7,9 @@
 
 Every command runs its ranks on this machine (one process per visible GPU, or CPU processes with gloo: the layout is
 chosen to fit the machine, ``modelopt_moe.plugins.cli.layout``) or, started by ``torchrun`` or SLURM's ``srun``, in
-the launcher's processes (``modelopt_moe.plugins.cli.ranks``). ``modelopt-moe <command> --help`` for its flags.
+the launcher's processes (``modelopt_moe.plugins.cli.ranks``). SIGTERM or Ctrl-C stops every rank within seconds
+and exits with 128 + the signal (``qat`` names its last complete checkpoint). ``modelopt-moe <command> --help`` for
+its flags.
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ a data-parallel replica must get the same batches. Without it, the byte-level En
 (a smoke test for models with a vocabulary of at least 256).
 
 Runs under ``torchrun`` / ``srun`` in the launcher's processes (one per GPU), or spawns ``--world-size`` processes
-on this machine.
+on this machine. SIGTERM (a scheduler's preemption: SLURM sends it before its SIGKILL) or Ctrl-C stops every rank
+within seconds: the command says at which step, removes a save it did not finish and names the last complete
+checkpoint (``--load`` it to resume), then exits with 128 + the signal (143, or 130 for Ctrl-C).
 """
 
 from __future__ import annotations
