@@ -2,10 +2,10 @@
 
 Python's default for SIGTERM ends the process at once: no ``finally`` block runs, processes it started are orphaned
 and a half-written file stays. Within :func:`stop_on_signals`, the first SIGTERM or SIGINT raises
-:class:`Interrupted` in the main thread instead (a ``BaseException``, like ``KeyboardInterrupt``: ``except
-Exception`` lets it through); later ones are ignored until the block ends, so the cleanup it starts runs to its end
-(whatever does not stop in time, the launcher or the scheduler kills). Standard library only: the commands install
-it before they import torch.
+:class:`Interrupted` in the main thread instead (a ``KeyboardInterrupt``: ``except Exception`` lets it through, and
+code that handles Ctrl-C handles it); later ones are ignored until the block ends, so the cleanup it starts runs to
+its end (whatever does not stop in time, the launcher or the scheduler kills). Standard library only: the commands
+install it before they import torch.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ _received: list[int] = []  # the signal the innermost active block turned into I
 _active = [0]  # nesting depth of stop_on_signals blocks that installed their handlers
 
 
-class Interrupted(BaseException):  # noqa: N818 (named like KeyboardInterrupt, which it stands beside)
-    """A signal stopped the run.
+class Interrupted(KeyboardInterrupt):  # noqa: N818 (named like the KeyboardInterrupt it is)
+    """A signal stopped the run: SIGINT (Ctrl-C) as Python reports it, and SIGTERM likewise.
 
     Attributes:
         signum: the signal (``signal.SIGTERM``, ``signal.SIGINT``).
