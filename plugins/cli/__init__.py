@@ -14,9 +14,11 @@ its flags.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
+from collections.abc import Callable
 
 from modelopt_moe.interrupt import Interrupted, stop_on_signals
 
@@ -30,6 +32,25 @@ COMMANDS = {
 }
 
 
+def _stopped_by_signals(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """``main`` run with SIGTERM and Ctrl-C turned into :class:`~modelopt_moe.interrupt.Interrupted` (every rank's
+    cleanup runs; commands that know more, like qat's checkpoints, say it themselves) and into the exit code 128 +
+    the signal."""
+
+    @functools.wraps(main)
+    def run(argv: list[str] | None = None) -> int:
+        with stop_on_signals(exit_after=True):
+            try:
+                return main(argv)
+            except Interrupted as e:
+                if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # once under a launcher
+                    print(f"modelopt-moe: {e}", file=sys.stderr, flush=True)
+                return e.exit_code
+
+    return run
+
+
+@_stopped_by_signals
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit code. Flags without a command (``modelopt-moe --steps 5``) run
     ``demo``; an unknown command is an error that names the commands.
@@ -50,10 +71,4 @@ def main(argv: list[str] | None = None) -> int:
     from .noise import hide_known_warnings
 
     hide_known_warnings()  # this process's own imports (the command's ranks hide them in theirs)
-    with stop_on_signals(exit_after=True):
-        try:
-            return importlib.import_module(COMMANDS[command]).main(rest)
-        except Interrupted as e:  # commands that know more (qat's checkpoints) say it themselves
-            if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # once under a launcher
-                print(f"modelopt-moe {command}: {e}", file=sys.stderr, flush=True)
-            return e.exit_code
+    return importlib.import_module(COMMANDS[command]).main(rest)
