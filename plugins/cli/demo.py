@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .inputs import model_sizes
 from .noise import print_warnings
 from .ranks import (
     LayoutError,
@@ -93,11 +94,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("steps", "train_steps", "batch_size", "seq_len", "num_calib_batches", "num_eval_batches"):
         if getattr(args, name) < (0 if name in ("steps", "train_steps") else 1):
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name in ('steps', 'train_steps') else 1}")
-    model = _model_config()
     # Sequence parallelism splits the sequence over TP; attention heads, KV heads and the vocabulary split over it too.
-    args.layout = check_layout(p, args, num_experts=model["num_experts"], tp_divides={
-        "--seq-len": args.seq_len, "the model's num_key_value_heads": model["num_key_value_heads"],
-        "the model's num_attention_heads": model["num_attention_heads"], "the model's vocab_size": model["vocab_size"]})
+    experts, tp_divides = model_sizes(_model_config(), seq_len=args.seq_len)
+    args.layout = check_layout(p, args, num_experts=experts, tp_divides=tp_divides)
     return args
 
 

@@ -132,7 +132,7 @@ def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     failure = None
     try:  # rank 0's writes: every rank must learn of their failure rather than wait for it
         save_sharded_modelopt_state(models, tmp, tokens)
-        commit_checkpoint_dir(tmp, ckpt_dir)
+        commit_checkpoint_dir(tmp, ckpt_dir, iteration)
     except Exception as e:  # noqa: BLE001 - re-raised on this rank, reported to the others
         failure = e
     raise_agreed(failure, "save_sharded_checkpoint")
