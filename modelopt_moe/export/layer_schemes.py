@@ -71,10 +71,10 @@ def resolve_schemes(linears: Mapping[str, LinearQuant], fmt: str) -> dict[str, S
     if fmt == "modelopt":
         for name in quantized:
             if schemes[name].modelopt_algo is None:
-                raise ExportError(f"format='modelopt': {name} ({linears[name]}) is scheme {schemes[name].name}, "
-                                  "which has no Model Optimizer quant_algo; export it with "
-                                  "format='compressed-tensors', or quantize that linear with a scheme Model "
-                                  "Optimizer names")
+                raise ExportError(f"format='modelopt': scheme {schemes[name].name} ({name}: {linears[name]}) has no "
+                                  "Model Optimizer quant_algo; export it with format='compressed-tensors', or give "
+                                  "that linear a scheme Model Optimizer names (FP8 with per-tensor inputs, NVFP4, "
+                                  "W4A16_NVFP4)")
     return schemes
 
 

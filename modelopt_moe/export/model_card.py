@@ -103,16 +103,27 @@ def _mixed_card(architecture: str, fmt: str, schemes: dict[str, Scheme | None], 
     others = _patterns(other_modules)
     if others:
         lines += ["", f"Not quantized, stored in {dtype}: " + ", ".join(f"`{p}`" for p in others) + "."]
+    notes = []  # each scheme's tensors, then the notes they share (once)
     for k in kinds:
-        lines += ["", f"{k.name}: " + _tensors_sentence(fmt, k)[0], *_tensors_sentence(fmt, k)[1:]]
-    readers = [line for k in kinds for line in _readers(fmt, k, nvfp4_experts)]
+        first, *rest = _tensors_sentence(fmt, k)
+        lines += ["", f"{k.name} linears: {first}"]
+        notes += [n for n in rest if n]
+    lines += [x for n in dict.fromkeys(notes) for x in ("", n)]
+    by_line: dict[str, list[str]] = {}  # a reader's line -> the schemes it holds for
+    for k in kinds:
+        for line in _readers(fmt, k, nvfp4_experts):
+            by_line.setdefault(line, []).append(k.name)
+    readers = [line if len(ks) == len(kinds) else f"- {' and '.join(ks)} layers: {line[2:]}"
+               for line, ks in by_line.items()]
     if fmt == "compressed-tensors":
         readers.append("- transformers 5.23 reads one scheme for all MoE experts (the group whose `re:` target "
                        "names `experts`) and one for every other linear (the first other group).")
     else:
-        readers.append("- vLLM reads `quant_algo: MIXED_PRECISION` with `ModelOptMixedPrecisionConfig` (FP8, NVFP4, "
-                       "W4A16_NVFP4 and MXFP8 layers).")
-    lines += ["", "## Readers", "", *dict.fromkeys(readers)]
+        readers = [r for r in readers if not r.startswith("- vLLM (`quant_method: modelopt`)")]
+        readers.insert(0, "- vLLM (`quant_algo: MIXED_PRECISION`: `ModelOptMixedPrecisionConfig`, FP8, NVFP4, "
+                       "W4A16_NVFP4 and MXFP8 layers): the layout its loader reads (checked against its source, not "
+                       "run). SGLang and TensorRT-LLM: not checked for per-layer schemes.")
+    lines += ["", "## Readers", "", *readers]
     return "\n".join(lines) + "\n"
 
 

@@ -54,8 +54,8 @@ def test_resolve_schemes_gives_each_linear_its_own_and_names_what_a_format_refus
     assert schemes["model.layers.2.mlp.experts.3.down_proj"].name == "NVFP4"
     assert schemes["model.layers.0.mlp.gate"] is None
     assert schemes["lm_head"] is None
-    with pytest.raises(ExportError, match=r"format='modelopt': model.layers.0.self_attn.q_proj .* FP8_CHANNEL, which "
-                                          "has no Model Optimizer quant_algo"):
+    with pytest.raises(ExportError, match=r"format='modelopt': scheme FP8_CHANNEL \(model.layers.0.self_attn.q_proj: "
+                                          "weight e4m3 axis=0.*\\) has no Model Optimizer quant_algo"):
         resolve_schemes(_model(attention=FP8_CH), "modelopt")
     assert resolve_schemes(_model(attention=FP8_CH), "compressed-tensors")["lm_head"] is None
     with pytest.raises(ExportError, match="format='hf' writes unquantized weights"):
