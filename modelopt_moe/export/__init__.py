@@ -14,7 +14,8 @@ Formats: ``compressed-tensors`` (FP8 E4M3 per tensor / per channel, NVFP4; read 
 compressed-tensors package; NVFP4 MoE experts through transformers only with :mod:`.transformers_compat`'s fix),
 ``modelopt`` (NVIDIA Model Optimizer's unified HF format: FP8, NVFP4, W4A16_NVFP4; read by vLLM, SGLang,
 TensorRT-LLM) and ``hf`` (unquantized). Families: Qwen3-MoE (``Qwen3MoeForCausalLM``) and Mixtral
-(``MixtralForCausalLM``). See docs/export.md.
+(``MixtralForCausalLM``). Linears quantized in different schemes (NVFP4 experts, FP8 attention) export as one
+checkpoint with a scheme per layer (:mod:`.layer_schemes`). See docs/export.md.
 """
 
 from __future__ import annotations

@@ -26,9 +26,10 @@ from ..quantization.utils import warn_once
 from . import transformers_compat
 from .errors import ExportError
 from .families import Family, MoEArch, canonical_names, read_hf_config
+from .layer_schemes import layers_hf_quant_config, layers_quantization_config, resolve_schemes
 from .model_card import CARD_FILE, model_card
 from .safetensors_files import check_tensors, read_weight_map
-from .schemes import LinearQuant, encode_linear, hf_quant_config, quantization_config, resolve_scheme, scheme_of
+from .schemes import LinearQuant, encode_linear, scheme_of
 from .writer import CheckpointWriter, check_out_dir
 
 __all__ = ["TensorRecord", "LinearRecord", "write_hf_checkpoint", "HfCheckpointReader", "DTYPES"]
@@ -105,7 +106,7 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
     """
     error = None
     try:
-        arch, dtype, config, scheme, ignore = _plan(arch, family, fmt, linear_quants, dtype, template)
+        arch, dtype, config, schemes, ignore = _plan(arch, family, fmt, linear_quants, dtype, template)
         card = model_card(architecture=family.architecture, fmt=fmt,
                           linears={family.hf_module(c): q for c, q in linear_quants.items()},
                           other_modules=[family.hf_module(c) for c in canonical_names(arch) if c not in linear_quants],
@@ -132,7 +133,7 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
             for rec in records:  # every rank iterates: the adapter's collectives run here
                 if writer is not None and error is None:
                     try:
-                        _write_record(writer, family, rec, scheme, fmt, dtype, expected, seen)
+                        _write_record(writer, family, rec, schemes, fmt, dtype, expected, seen)
                     except Exception as e:  # noqa: BLE001  (every rank must learn of it, whatever it is)
                         error = f"{label}: {e}" if isinstance(e, ExportError) else f"{label}: {type(e).__name__}: {e}"
             _raise_agreed(error)
@@ -143,13 +144,13 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
             bar.close()
         error = None
         if writer is not None:
-            error = _commit(writer, config, scheme, ignore, fmt, sorted(expected - seen), family, card)
+            error = _commit(writer, config, schemes, ignore, fmt, sorted(expected - seen), family, card)
         _raise_agreed(error)
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
-    if fmt == "compressed-tensors" and _has_nvfp4_experts(scheme, linear_quants):
+    if fmt == "compressed-tensors" and _has_nvfp4_experts(schemes):
         warn_once(NVFP4_EXPERTS_WARNING)
     return Path(out_dir)
 
@@ -162,32 +163,38 @@ NVFP4_EXPERTS_WARNING = (
     "'Which readers are exact'.")
 
 
-def _has_nvfp4_experts(scheme, linear_quants: dict[str, LinearQuant]) -> bool:
-    return scheme is not None and scheme.ct_format == transformers_compat.AFFECTED_FORMAT and any(
-        ".experts." in name and q.is_quantized for name, q in linear_quants.items())
+def _has_nvfp4_experts(schemes: dict) -> bool:
+    return any(".experts." in name and s is not None and s.ct_format == transformers_compat.AFFECTED_FORMAT
+               for name, s in schemes.items())
 
 
 def _plan(arch: MoEArch, family: Family, fmt: str, linear_quants: dict[str, LinearQuant], dtype, template):
-    """Everything known before any tensor: the export dtype, ``config.json``, the scheme and the excluded linears."""
+    """Everything known before any tensor: the export dtype, ``config.json``, each linear's scheme (by Hugging Face
+    name) and the excluded linears."""
     if dtype is not None:
         arch = replace(arch, dtype=str(dtype).replace("torch.", ""))
     if arch.dtype not in DTYPES:
         raise ExportError(f"dtype {arch.dtype!r}: expected one of {sorted(DTYPES)}")
     config = family.hf_config(arch, template)
     hf_quants = {family.hf_module(c): q for c, q in linear_quants.items()}
-    scheme = resolve_scheme(hf_quants, fmt)
-    ignore = [name for name, q in hf_quants.items() if scheme_of(q, name) is None]
-    if scheme is not None:
-        config["quantization_config"] = quantization_config(scheme, fmt, ignore)
-    return arch, DTYPES[arch.dtype], config, scheme, ignore
+    schemes = resolve_schemes(hf_quants, fmt)
+    ignore = [name for name, s in schemes.items() if s is None]
+    if fmt != "hf":
+        config["quantization_config"] = layers_quantization_config(_quantized(schemes), fmt, ignore)
+    return arch, DTYPES[arch.dtype], config, schemes, ignore
 
 
-def _commit(writer: CheckpointWriter, config: dict, scheme, ignore: list[str], fmt: str, missing: list[str],
+def _quantized(schemes: dict) -> dict:
+    return {name: s for name, s in schemes.items() if s is not None}
+
+
+def _commit(writer: CheckpointWriter, config: dict, schemes: dict, ignore: list[str], fmt: str, missing: list[str],
             family: Family, card: str) -> str | None:
     """Writer rank: the final files and the rename; returns an error to agree on (or None)."""
     if missing:
         return f"the adapter gave no tensor for {len(missing)} names of {family.architecture}, e.g. {missing[:3]}"
-    extra = {"hf_quant_config.json": hf_quant_config(scheme, ignore)} if fmt == "modelopt" else None
+    extra = {"hf_quant_config.json": layers_hf_quant_config(_quantized(schemes), ignore)} if fmt == "modelopt" \
+        else None
     try:
         writer.commit(config, extra, {CARD_FILE: card})
     except OSError as e:
@@ -208,7 +215,7 @@ def _progress(total: int, enabled: bool):
     return progress(total, "export", unit="layers", enabled=enabled)
 
 
-def _write_record(writer: CheckpointWriter, family: Family, rec, scheme, fmt: str, dtype, expected: set,
+def _write_record(writer: CheckpointWriter, family: Family, rec, schemes: dict, fmt: str, dtype, expected: set,
                   seen: set) -> None:
     if rec.canonical not in expected:
         raise ExportError(f"{rec.canonical} is not a tensor of this {family.architecture} model")
@@ -216,7 +223,10 @@ def _write_record(writer: CheckpointWriter, family: Family, rec, scheme, fmt: st
         raise ExportError(f"{rec.canonical} given twice")
     seen.add(rec.canonical)
     module = family.hf_module(rec.canonical)
-    if isinstance(rec, LinearRecord) and scheme is not None and scheme_of(rec.quant, module) is not None:
+    scheme = schemes.get(module)
+    if isinstance(rec, LinearRecord) and scheme is not None:
+        if scheme_of(rec.quant, module) != scheme:  # the records must be quantized as the plan (and config) says
+            raise ExportError(f"{module}: the adapter gave quantizers {rec.quant}, planned as {scheme.name}")
         for name, tensor in encode_linear(module, rec.weight, rec.weight_amax, rec.input_amax, scheme, fmt).items():
             writer.add(name, tensor)
         return
