@@ -160,14 +160,15 @@ def refuse_meta(model: nn.Module, call: str) -> None:
 def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = "max",
               forward_loop: Callable | None = None, groups: dict | None = None) -> nn.Module:
     """Calibrates every enabled quantizer of a converted model with a registered calibration algorithm
-    (:mod:`.calib`: ``max``, ``mse``).
+    (:mod:`.calib`: ``max``, ``mse``, ``histogram``).
 
     Every algorithm starts from max calibration: weight amaxes come from the weights themselves; activation amaxes
     from ``forward_loop(model)`` (with ``moe_calib_experts_ratio``, MoE layers route each token to more experts
     while calibrating, :mod:`.calib.routing`); then amaxes are max-reduced over the parallel groups (``groups``, or
     the registered provider's) and modules finalize (e.g. experts that saw no tokens take the shared input amax).
     Then the algorithm refines (``mse``: each weight amax searched on a grid of multipliers, its errors summed
-    across the weight's shards). Dynamic quantizers (``type: dynamic``) are left alone: their amax comes from each
+    across the weight's shards; ``histogram``: activation amaxes from histograms of a second ``forward_loop`` pass,
+    summed across ranks). Dynamic quantizers (``type: dynamic``) are left alone: their amax comes from each
     tensor.
 
     If ``forward_loop`` raises, every quantizer is put back as it was before this call (amaxes, calibration and
@@ -226,7 +227,13 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
         for q, snapshot in saved:
             q.restore_calibration_snapshot(snapshot)
         raise
-    calibrator.refine(model, groups if sync else {})
+    try:
+        calibrator.refine(model, groups if sync else {}, loop,
+                          lambda: widened_routing(model, options.moe_calib_experts_ratio))
+    except BaseException:
+        for q, snapshot in saved:
+            q.restore_calibration_snapshot(snapshot)
+        raise
     return model
 
 

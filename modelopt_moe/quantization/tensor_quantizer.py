@@ -114,6 +114,9 @@ class TensorQuantizer(nn.Module):
         self._if_calib = bool(if_calib)
         self._if_quant = bool(if_quant)
         self._calib_seen = False
+        # Set by a calibrator that collects its own statistics of the activations (calib/histogram.py): while
+        # set, calibration hands each tensor to it instead of merging its max.
+        self.calib_observer = None
         self._calib_nonfinite: torch.Tensor | None = None  # [NaN, Inf] counts of this calibration pass
         self.ste = "pass_through"
         self.amax_update = "static"
@@ -466,6 +469,9 @@ class TensorQuantizer(nn.Module):
         """Max calibration: ``amax = max(amax, amax_of(x))``; the first tensor of a calibration pass (after
         :meth:`enable_calib` or :meth:`reset_amax`) replaces any earlier amax. Dynamic quantizers collect nothing."""
         if self.is_dynamic:
+            return
+        if self.calib_observer is not None:
+            self.calib_observer(x, None)
             return
         new = self.amax_of(x)
         fresh = self._amax is None or not self._calib_seen
