@@ -136,7 +136,8 @@ class QuantizerAttributeConfig(_Strict):
         checks = [
             ("fake_quant", self.fake_quant is True, "real quantization: modelopt_moe only fake-quantizes"),
             ("learn_amax", self.learn_amax is False, "deprecated in Model Optimizer as well"),
-            ("calibrator", self.calibrator == "max", "only max calibration"),
+            ("calibrator", self.calibrator == "max", "the calibrator is chosen for the whole model by 'algorithm'; "
+                                                      "histograms: algorithm {'method': 'histogram', ...}"),
             ("bias", self.bias is None, "no affine (biased) quantization"),
             ("rotate", not (self.rotate is True or (isinstance(self.rotate, dict) and self.rotate.get("enable"))),
              "no Hadamard rotation"),

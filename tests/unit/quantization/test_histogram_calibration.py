@@ -101,7 +101,8 @@ def test_an_expert_without_tokens_keeps_its_amax_and_nan_is_skipped():
     amax = experts.input_quantizer.amax.reshape(-1)
     assert torch.isfinite(amax).all()
     assert amax[1] == tokens.nan_to_num(0).abs().max()  # the unseen expert: the shared (max) amax, untouched
-    assert amax[0] < tokens[:3].nan_to_num(0).abs().max() and amax[2] < tokens[3:].abs().max()
+    assert amax[0] < tokens[:3].nan_to_num(0).abs().max()
+    assert amax[2] < tokens[3:].abs().max()
 
 
 def test_mse_picks_the_bin_center_of_least_weighted_error():
@@ -142,6 +143,8 @@ def test_configs_name_the_method_and_refuse_what_it_cannot_do():
         to_config({"algorithm": {"method": "histogram", "histogram_method": "mse", "num_bins": 64}})
     with pytest.raises(ConfigError, match=r"algorithm\.percentile=101"):
         to_config({"algorithm": {"method": "histogram", "percentile": 101}})
+    with pytest.raises(ConfigError, match=r"calibrator='histogram'.*algorithm \{'method': 'histogram'"):
+        to_config({"quant_cfg": [{"quantizer_name": "*input_quantizer", "cfg": {"calibrator": "histogram"}}]})
 
 
 def test_a_failing_second_pass_puts_every_quantizer_back():
