@@ -177,9 +177,11 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
 
     Args:
         model: a model converted by :func:`mtq.quantize`.
-        algorithm: ``"max"``, ``"mse"``, ``{"method": ..., ...}`` (the method's options: :class:`MaxCalibConfig`'s
-            ``distributed_sync``, ``skip_forward_without_activation_calib``, ``moe_calib_experts_ratio``; for
-            ``mse`` also :class:`~.config_schema.MseCalibConfig`'s grid), or None to skip calibration.
+        algorithm: ``"max"``, ``"mse"``, ``"histogram"``, ``{"method": ..., ...}`` (the method's options:
+            :class:`MaxCalibConfig`'s ``distributed_sync``, ``skip_forward_without_activation_calib``,
+            ``moe_calib_experts_ratio``; for ``mse`` also :class:`~.config_schema.MseCalibConfig`'s grid, for
+            ``histogram`` :class:`~.config_schema.HistogramCalibConfig`'s rule and bins), or None to skip
+            calibration.
         forward_loop: ``forward_loop(model)`` (or ``forward_loop()``) runs calibration data through the model.
         groups: ``{name: ProcessGroup}`` for the reductions across ranks.
 
