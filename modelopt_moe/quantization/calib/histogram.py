@@ -70,9 +70,11 @@ def mse_amax(hist: torch.Tensor, amax: torch.Tensor, fmt: str, int_kwargs: dict,
     edges = _edges(amax, hist.numel())
     centers = (edges[1:] + edges[:-1]) / 2
     counts = hist.float()
-    candidates = range(start_bin, centers.numel(), stride)
-    errors = torch.stack([((fake_quant(centers, fmt, centers[i], None, **int_kwargs) - centers) ** 2 * counts).mean()
-                          for i in candidates])
+    candidates = torch.arange(start_bin, centers.numel(), stride)
+    # Every candidate at once (in chunks), elementwise as one at a time: the same errors bit for bit.
+    errors = torch.cat([((fake_quant(centers.expand(len(chunk), -1), fmt, centers[chunk].unsqueeze(1), None,
+                                     **int_kwargs) - centers) ** 2 * counts).mean(dim=1)
+                        for chunk in candidates.split(256)])
     return centers[candidates[int(torch.argmin(errors))]]
 
 
