@@ -481,8 +481,8 @@ class TensorQuantizer(nn.Module):
 
     def load_calib_amax(self, *args, strict: bool = True, **kwargs) -> None:
         """Model Optimizer's step after calibration. Max calibration writes the amax as it collects, so this only
-        checks that the pass saw a tensor (extra arguments are the histogram calibrators', which this package does
-        not have).
+        checks that the pass saw a tensor (extra arguments are those of Model Optimizer's per-quantizer histogram
+        calibrator; here histogram calibration is the model's ``algorithm: {"method": "histogram", ...}``).
 
         Raises:
             RuntimeError: nothing was collected and ``strict`` (``strict=False`` warns and sets the amax to NaN).

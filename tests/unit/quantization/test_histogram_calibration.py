@@ -136,6 +136,8 @@ def test_weights_and_blocked_activations_keep_max_calibration():
 def test_configs_name_the_method_and_refuse_what_it_cannot_do():
     cfg = to_config({"algorithm": {"method": "histogram", "histogram_method": "mse", "num_bins": 512}})
     assert (cfg.algorithm, cfg.max_calib.histogram_method, cfg.max_calib.num_bins) == ("histogram", "mse", 512)
+    again = to_config(cfg.model_dump())  # a dumped config keeps the method's options
+    assert (again.algorithm, again.max_calib.histogram_method, again.max_calib.num_bins) == ("histogram", "mse", 512)
     assert to_config({"algorithm": "histogram"}).max_calib.percentile == 99.99  # Model Optimizer's defaults
     with pytest.raises(ConfigError, match=r"algorithm\.histogram_method='entropy' is not supported"):
         to_config({"algorithm": {"method": "histogram", "histogram_method": "entropy"}})
