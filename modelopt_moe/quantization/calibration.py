@@ -160,14 +160,15 @@ def refuse_meta(model: nn.Module, call: str) -> None:
 def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = "max",
               forward_loop: Callable | None = None, groups: dict | None = None) -> nn.Module:
     """Calibrates every enabled quantizer of a converted model with a registered calibration algorithm
-    (:mod:`.calib`: ``max``, ``mse``).
+    (:mod:`.calib`: ``max``, ``mse``, ``histogram``).
 
     Every algorithm starts from max calibration: weight amaxes come from the weights themselves; activation amaxes
     from ``forward_loop(model)`` (with ``moe_calib_experts_ratio``, MoE layers route each token to more experts
     while calibrating, :mod:`.calib.routing`); then amaxes are max-reduced over the parallel groups (``groups``, or
     the registered provider's) and modules finalize (e.g. experts that saw no tokens take the shared input amax).
     Then the algorithm refines (``mse``: each weight amax searched on a grid of multipliers, its errors summed
-    across the weight's shards). Dynamic quantizers (``type: dynamic``) are left alone: their amax comes from each
+    across the weight's shards; ``histogram``: activation amaxes from histograms of a second ``forward_loop`` pass,
+    summed across ranks). Dynamic quantizers (``type: dynamic``) are left alone: their amax comes from each
     tensor.
 
     If ``forward_loop`` raises, every quantizer is put back as it was before this call (amaxes, calibration and
@@ -176,9 +177,11 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
 
     Args:
         model: a model converted by :func:`mtq.quantize`.
-        algorithm: ``"max"``, ``"mse"``, ``{"method": ..., ...}`` (the method's options: :class:`MaxCalibConfig`'s
-            ``distributed_sync``, ``skip_forward_without_activation_calib``, ``moe_calib_experts_ratio``; for
-            ``mse`` also :class:`~.config_schema.MseCalibConfig`'s grid), or None to skip calibration.
+        algorithm: ``"max"``, ``"mse"``, ``"histogram"``, ``{"method": ..., ...}`` (the method's options:
+            :class:`MaxCalibConfig`'s ``distributed_sync``, ``skip_forward_without_activation_calib``,
+            ``moe_calib_experts_ratio``; for ``mse`` also :class:`~.config_schema.MseCalibConfig`'s grid, for
+            ``histogram`` :class:`~.config_schema.HistogramCalibConfig`'s rule and bins), or None to skip
+            calibration.
         forward_loop: ``forward_loop(model)`` (or ``forward_loop()``) runs calibration data through the model.
         groups: ``{name: ProcessGroup}`` for the reductions across ranks.
 
@@ -226,7 +229,13 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
         for q, snapshot in saved:
             q.restore_calibration_snapshot(snapshot)
         raise
-    calibrator.refine(model, groups if sync else {})
+    try:
+        calibrator.refine(model, groups if sync else {}, loop,
+                          lambda: widened_routing(model, options.moe_calib_experts_ratio))
+    except BaseException:
+        for q, snapshot in saved:
+            q.restore_calibration_snapshot(snapshot)
+        raise
     return model
 
 

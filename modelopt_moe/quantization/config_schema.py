@@ -25,6 +25,7 @@ __all__ = [
     "ExpertsConfig",
     "BackwardConfig",
     "MaxCalibConfig",
+    "HistogramCalibConfig",
     "MseCalibConfig",
     "CALIBRATION_OPTIONS",
     "AutoswitchConfig",
@@ -135,7 +136,8 @@ class QuantizerAttributeConfig(_Strict):
         checks = [
             ("fake_quant", self.fake_quant is True, "real quantization: modelopt_moe only fake-quantizes"),
             ("learn_amax", self.learn_amax is False, "deprecated in Model Optimizer as well"),
-            ("calibrator", self.calibrator == "max", "only max calibration"),
+            ("calibrator", self.calibrator == "max", "the calibrator is chosen for the whole model by 'algorithm'; "
+                                                      "histograms: algorithm {'method': 'histogram', ...}"),
             ("bias", self.bias is None, "no affine (biased) quantization"),
             ("rotate", not (self.rotate is True or (isinstance(self.rotate, dict) and self.rotate.get("enable"))),
              "no Hadamard rotation"),
@@ -421,8 +423,44 @@ class MseCalibConfig(MaxCalibConfig):
         return self
 
 
+class HistogramCalibConfig(MaxCalibConfig):
+    """Options of activation calibration over histograms (:mod:`.calib.histogram`): Model Optimizer 0.47's
+    ``HistogramCalibrator`` (``num_bins``) and its ``compute_amax(method, stride=, start_bin=, percentile=)``, plus
+    max calibration's options (the histograms' common range is max calibration's amax).
+
+    Attributes:
+        histogram_method: ``"percentile"`` (the amax clips ``100 - percentile`` percent of the values) or ``"mse"``
+            (the bin center of least squared quantization error); Model Optimizer's ``"entropy"`` is refused.
+        num_bins: bins of each histogram over ``[0, amax]``.
+        percentile: in ``[0, 100]`` (``percentile`` only).
+        start_bin, stride: the candidate bin centers ``start_bin, start_bin + stride, ...`` (``mse`` only).
+    """
+
+    method: Literal["histogram"] = "histogram"
+    histogram_method: Literal["percentile", "mse"] = "percentile"
+    num_bins: int = Field(2048, ge=1)
+    percentile: float = Field(99.99, ge=0.0, le=100.0)
+    start_bin: int = Field(128, ge=0)
+    stride: int = Field(1, ge=1)
+
+    @field_validator("histogram_method", mode="before")
+    @classmethod
+    def _no_entropy(cls, v):
+        if v == "entropy":
+            raise ValueError(unsupported("algorithm.histogram_method", v, "percentile and mse"))
+        return v
+
+    @model_validator(mode="after")
+    def _candidates(self):
+        if self.histogram_method == "mse" and self.start_bin >= self.num_bins:
+            raise ValueError(f"algorithm.start_bin={self.start_bin} leaves no candidate among num_bins="
+                             f"{self.num_bins} bins; expected start_bin < num_bins")
+        return self
+
+
 # The options of each calibration method, by name; the calibrators themselves: calib/registry.py (same names).
-CALIBRATION_OPTIONS: dict[str, type[MaxCalibConfig]] = {"max": MaxCalibConfig, "mse": MseCalibConfig}
+CALIBRATION_OPTIONS: dict[str, type[MaxCalibConfig]] = {"max": MaxCalibConfig, "mse": MseCalibConfig,
+                                                        "histogram": HistogramCalibConfig}
 
 
 def normalize_algorithm(algorithm: Any) -> MaxCalibConfig | None:

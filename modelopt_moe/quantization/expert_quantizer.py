@@ -228,6 +228,9 @@ class ExpertQuantizer(TensorQuantizer):
         Dynamic quantizers collect nothing."""
         if self.is_dynamic:
             return
+        if self.calib_observer is not None:
+            self.calib_observer(x, index)
+            return
         if self.layout != "shared":
             if self.calibrated_rows is None:
                 self.calibrated_rows = torch.zeros(self.num_experts, dtype=torch.int64)
@@ -245,6 +248,9 @@ class ExpertQuantizer(TensorQuantizer):
     def collect(self, x: torch.Tensor) -> None:
         """Max calibration on a tensor that belongs to every expert (e.g. a GEMM output of all experts)."""
         if self.is_dynamic:
+            return
+        if self.calib_observer is not None:
+            self.calib_observer(x, None)
             return
         self._count_nonfinite(x, fresh=False)
         new = self.amax_of(x)

@@ -114,6 +114,9 @@ class TensorQuantizer(nn.Module):
         self._if_calib = bool(if_calib)
         self._if_quant = bool(if_quant)
         self._calib_seen = False
+        # Set by a calibrator that collects its own statistics of the activations (calib/histogram.py): while
+        # set, calibration hands each tensor to it instead of merging its max.
+        self.calib_observer = None
         self._calib_nonfinite: torch.Tensor | None = None  # [NaN, Inf] counts of this calibration pass
         self.ste = "pass_through"
         self.amax_update = "static"
@@ -467,6 +470,9 @@ class TensorQuantizer(nn.Module):
         :meth:`enable_calib` or :meth:`reset_amax`) replaces any earlier amax. Dynamic quantizers collect nothing."""
         if self.is_dynamic:
             return
+        if self.calib_observer is not None:
+            self.calib_observer(x, None)
+            return
         new = self.amax_of(x)
         fresh = self._amax is None or not self._calib_seen
         self._count_nonfinite(x, fresh)
@@ -475,8 +481,8 @@ class TensorQuantizer(nn.Module):
 
     def load_calib_amax(self, *args, strict: bool = True, **kwargs) -> None:
         """Model Optimizer's step after calibration. Max calibration writes the amax as it collects, so this only
-        checks that the pass saw a tensor (extra arguments are the histogram calibrators', which this package does
-        not have).
+        checks that the pass saw a tensor (extra arguments are those of Model Optimizer's per-quantizer histogram
+        calibrator; here histogram calibration is the model's ``algorithm: {"method": "histogram", ...}``).
 
         Raises:
             RuntimeError: nothing was collected and ``strict`` (``strict=False`` warns and sets the amax to NaN).

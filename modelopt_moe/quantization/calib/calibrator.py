@@ -99,6 +99,14 @@ class Calibrator:
     def __init__(self, config):
         self.config = config
 
-    def refine(self, model: torch.nn.Module, groups: dict) -> None:
+    def refine(self, model: torch.nn.Module, groups: dict, forward_loop: Callable | None = None,
+               routing: Callable | None = None) -> None:
         """After max calibration and its reduction across ranks: the algorithm's own statistics, their reduction
-        (:func:`reduce_statistics`) and the amaxes computed from them. Max calibration: nothing."""
+        (:func:`reduce_statistics`) and the amaxes computed from them. Max calibration: nothing.
+
+        Args:
+            model: the calibrated model.
+            groups: ``{name: ProcessGroup}`` for the reductions (empty without ``distributed_sync``).
+            forward_loop: ``forward_loop(model)``, for an algorithm that needs a second pass over the data.
+            routing: ``routing()``, the context manager the first pass ran the loop in (wider MoE routing).
+        """

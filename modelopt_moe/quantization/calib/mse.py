@@ -94,7 +94,7 @@ class MseCalibrator(Calibrator):
     name = "mse"
     options = MseCalibConfig
 
-    def refine(self, model: torch.nn.Module, groups: dict) -> None:
+    def refine(self, model: torch.nn.Module, groups: dict, forward_loop=None, routing=None) -> None:
         """Searches every searchable weight amax: local errors per candidate, summed across the weight's shards
         (one collective per group name, the same on every rank), then the amax of the least error."""
         multipliers = mse_multipliers(self.config)

@@ -8,6 +8,7 @@ here.
 from __future__ import annotations
 
 from .calibrator import Calibrator
+from .histogram import HistogramCalibrator
 from .max import MaxCalibrator
 from .mse import MseCalibrator
 
@@ -16,6 +17,7 @@ __all__ = ["CALIBRATORS", "calibrator_class"]
 CALIBRATORS: dict[str, type[Calibrator]] = {
     MaxCalibrator.name: MaxCalibrator,
     MseCalibrator.name: MseCalibrator,
+    HistogramCalibrator.name: HistogramCalibrator,
 }
 
 

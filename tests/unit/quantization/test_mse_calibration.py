@@ -143,9 +143,9 @@ def test_configs_name_the_method_and_refuse_what_it_cannot_do():
     with pytest.raises(ConfigError, match="stop_multiplier"):
         to_config({"algorithm": {"method": "mse", "start_multiplier": 2.0, "stop_multiplier": 1.0},
                    "weight_amax_update": "static"})
-    with pytest.raises(ConfigError, match=r"'gptq'.*\['max', 'mse'\]"):
+    with pytest.raises(ConfigError, match=r"'gptq'.*\['histogram', 'max', 'mse'\]"):
         to_config({"algorithm": "gptq"})
-    with pytest.raises(ConfigError, match=r"'mystery'.*\['max', 'mse'\]"):
+    with pytest.raises(ConfigError, match=r"'mystery'.*\['histogram', 'max', 'mse'\]"):
         to_config({"algorithm": {"method": "mystery"}})
     with pytest.raises(ConfigError, match=r"algorithm\.step_sizee: unknown option of method 'mse' \(did you mean "
                                           r"'step_size'\?\)"):
