@@ -27,6 +27,7 @@ from torch import nn
 
 from ..quantization.utils import rank
 from ..quantization.weight_amax import update_weight_amax
+from .check import CheckReport, check_checkpoint
 from .errors import ExportError
 from .families import FAMILIES, Family, MoEArch, get_family, read_hf_config
 from .registry import ExportAdapter, adapter_for, adapter_named, register_export_adapter
@@ -47,6 +48,8 @@ __all__ = [
     "Family",
     "MoEArch",
     "get_family",
+    "check_checkpoint",
+    "CheckReport",
 ]
 
 HF_CONFIG_FILE = "hf_config.json"
