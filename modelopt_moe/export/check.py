@@ -38,7 +38,7 @@ from .errors import ExportError
 from .families import canonical_shapes, family_for_architecture, read_hf_config
 from .safetensors_files import TensorHeader, read_header, read_weight_map
 
-__all__ = ["check_checkpoint", "CheckReport", "Finding", "InputScaleSpread"]
+__all__ = ["check_checkpoint", "check_all_engines", "CheckReport", "Finding", "InputScaleSpread"]
 
 _TINY = torch.finfo(torch.float32).tiny
 _MODELOPT_ALGOS = {"FP8": ("fp8", True), "NVFP4": ("nvfp4", True), "W4A16_NVFP4": ("nvfp4", False)}
@@ -161,6 +161,25 @@ def check_checkpoint(path: str | os.PathLike, engine: str = "vllm") -> CheckRepo
                                        report)
     _check_experts(arch, family, assign, values, report)
     return report
+
+
+def check_all_engines(path: str | os.PathLike, engines=ENGINES) -> tuple[bool, str]:
+    """Checks ``path`` against every engine of ``engines``; returns whether all pass and one line saying so
+    (``check vllm PASS, sglang PASS, trtllm FAIL (...): <first error>``), for the end of an export.
+
+    Raises:
+        ExportError: as :func:`check_checkpoint`.
+    """
+    reports = [check_checkpoint(path, engine=e) for e in engines]
+    first = reports[0]
+    schemes = ", ".join(f"{n} {s}" for s, n in sorted(first.schemes.items())) or "no quantized linear"
+    warnings = sum(len(r.warnings) for r in reports)
+    verdicts = ", ".join(f"{r.engine} {'PASS' if r.ok else 'FAIL'}" for r in reports)
+    line = f"check {verdicts} ({first.format}: {schemes}; {warnings} warning{'' if warnings == 1 else 's'})"
+    failed = next((r for r in reports if not r.ok), None)
+    if failed is not None:
+        line += f": {failed.engine}: {failed.errors[0]} (modelopt-moe check {path} --details)"
+    return failed is None, line
 
 
 # ------------------------------------------------------------------------------------------------ config
