@@ -38,7 +38,8 @@ from .errors import ExportError
 from .families import canonical_shapes, family_for_architecture, read_hf_config
 from .safetensors_files import TensorHeader, read_header, read_weight_map
 
-__all__ = ["check_checkpoint", "check_all_engines", "CheckReport", "Finding", "InputScaleSpread"]
+__all__ = ["check_checkpoint", "check_all_engines", "checkpoint_layout", "CheckpointLayout", "CheckReport", "Finding",
+           "InputScaleSpread"]
 
 _TINY = torch.finfo(torch.float32).tiny
 _MODELOPT_ALGOS = {"FP8": ("fp8", True), "NVFP4": ("nvfp4", True), "W4A16_NVFP4": ("nvfp4", False)}
@@ -81,6 +82,7 @@ class CheckReport:
     findings: list[Finding] = field(default_factory=list)
     spreads: list[InputScaleSpread] = field(default_factory=list)
     collapse: str | None = None
+    kl: list[float] | None = None
 
     @property
     def errors(self) -> list[Finding]:
@@ -106,6 +108,8 @@ class CheckReport:
             worst = max(self.spreads, key=lambda s: s.worst_ratio)
             head += (f"; input scales: the engine's is up to {worst.worst_ratio:.3g}x an expert's own, layer "
                      f"{worst.layer} {worst.gemm} expert {worst.worst_expert}")
+        if self.kl:
+            head += f"; engine-order forward KL to the reference {max(self.kl):.3g} (max of {len(self.kl)} batches)"
         head += ")"
         return head + (f": {self.errors[0]}" if self.errors else "")
 
@@ -120,12 +124,16 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def check_checkpoint(path: str | os.PathLike, engine: str = "vllm") -> CheckReport:
+def check_checkpoint(path: str | os.PathLike, engine: str = "vllm", reference=None) -> CheckReport:
     """Checks the Hugging Face checkpoint at ``path`` against ``engine``'s loader (no GPU, scales only read).
 
     Args:
         path: a checkpoint directory (``config.json``, safetensors shards, ``hf_quant_config.json`` if any).
         engine: ``vllm``, ``sglang`` or ``trtllm``.
+        reference: optional ``[(tokens [B, S], logits [B, S, V]), ...]`` of a model (the fake-quant model the
+            checkpoint was exported from): the report's ``kl`` then holds, per batch, the mean over tokens of
+            KL(reference || engine-order forward of the files with the scales this engine uses)
+            (:mod:`.engine_forward`; needs ``transformers``). Run only when no error was found.
 
     Returns:
         The report: ``ok``, ``verdict()``, ``details()``, ``findings``, ``spreads``.
@@ -137,17 +145,11 @@ def check_checkpoint(path: str | os.PathLike, engine: str = "vllm") -> CheckRepo
     if engine not in ENGINES:
         raise ExportError(f"engine={engine!r}: expected one of {list(ENGINES)}")
     path = Path(path)
-    cfg = read_hf_config(path)
-    family = family_for_architecture(cfg)
-    arch = family.arch_from_hf(cfg)
     report = CheckReport(str(path), engine)
-    qcfg, report.format = _quant_config(path, cfg, report)
-    if report.format is None:
+    layout = checkpoint_layout(path, report)
+    if layout is None:
         return report
-    headers = _headers(path, report)
-    shapes = {family.hf_module(name): shape for name, shape in canonical_shapes(arch).items()
-              if len(shape) == 2 and name != "embed_tokens"}
-    assign = _schemes_per_module(report.format, qcfg, shapes, headers, report)
+    family, arch, shapes, assign, headers = layout.family, layout.arch, layout.shapes, layout.schemes, layout.headers
     values = {}
     for module, shape in shapes.items():
         scheme = assign.get(module)
@@ -160,7 +162,49 @@ def check_checkpoint(path: str | os.PathLike, engine: str = "vllm") -> CheckRepo
         values[module] = _check_linear(path, module, shape, FORMAT_RULES[(report.format, key)], inputs, headers,
                                        report)
     _check_experts(arch, family, assign, values, report)
+    if reference is not None and report.ok:
+        from .engine_forward import engine_order_kl
+
+        report.kl = engine_order_kl(path, reference, engine=engine)
+        if not all(math.isfinite(k) for k in report.kl):
+            report.findings.append(Finding("error", "forward", str(path), f"the engine-order forward's KL to the "
+                                           f"reference is not finite: {report.kl}"))
     return report
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """What the files and config say: the family and architecture, every linear's ``[R, C]`` shape by Hugging Face
+    module name, its (rule key, inputs quantized) scheme (absent: unquantized), each tensor's (file, header)."""
+
+    family: object
+    arch: object
+    format: str
+    shapes: dict
+    schemes: dict
+    headers: dict
+
+
+def checkpoint_layout(path: str | os.PathLike, report: CheckReport | None = None) -> CheckpointLayout | None:
+    """The :class:`CheckpointLayout` of a checkpoint (None: not a quantized checkpoint the rules know; why is in
+    ``report``'s findings).
+
+    Raises:
+        ExportError: no readable ``config.json``, or a family the checker does not know.
+    """
+    path = Path(path)
+    report = report if report is not None else CheckReport(str(path), "vllm")
+    cfg = read_hf_config(path)
+    family = family_for_architecture(cfg)
+    arch = family.arch_from_hf(cfg)
+    qcfg, report.format = _quant_config(path, cfg, report)
+    if report.format is None:
+        return None
+    headers = _headers(path, report)
+    shapes = {family.hf_module(name): shape for name, shape in canonical_shapes(arch).items()
+              if len(shape) == 2 and name != "embed_tokens"}
+    schemes = _schemes_per_module(report.format, qcfg, shapes, headers, report)
+    return CheckpointLayout(family, arch, report.format, shapes, schemes, headers)
 
 
 def check_all_engines(path: str | os.PathLike, engines=ENGINES) -> tuple[bool, str]:
