@@ -103,11 +103,13 @@ class CheckReport:
         """One line: PASS or FAIL for the engine, the format and schemes, counts, the first error."""
         schemes = ", ".join(f"{n} {s}" for s, n in sorted(self.schemes.items())) or "no quantized linear"
         head = (f"check {self.engine}: {'PASS' if self.ok else 'FAIL'} ({self.format or 'unknown format'}: "
-                f"{schemes}; {len(self.errors)} errors, {len(self.warnings)} warnings")
-        if self.spreads:
-            worst = max(self.spreads, key=lambda s: s.worst_ratio)
+                f"{schemes}; {_count(self.errors, 'error')}, {_count(self.warnings, 'warning')}")
+        worst = max(self.spreads, key=lambda s: s.worst_ratio, default=None)
+        if worst is not None and worst.worst_ratio > 1.0:
             head += (f"; input scales: the engine's is up to {worst.worst_ratio:.3g}x an expert's own, layer "
                      f"{worst.layer} {worst.gemm} expert {worst.worst_expert}")
+        elif worst is not None:
+            head += "; input scales: every expert keeps its own"
         if self.kl:
             head += f"; engine-order forward KL to the reference {max(self.kl):.3g} (max of {len(self.kl)} batches)"
         head += ")"
@@ -122,6 +124,10 @@ class CheckReport:
             lines += [f"    layer {s.layer} {s.gemm}: worst {s.worst_ratio:.4g} (expert {s.worst_expert}), median "
                       f"{s.median_ratio:.4g}" for s in self.spreads]
         return "\n".join(lines)
+
+
+def _count(items, noun: str) -> str:
+    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
 
 
 def check_checkpoint(path: str | os.PathLike, engine: str = "vllm", reference=None) -> CheckReport:
@@ -219,7 +225,7 @@ def check_all_engines(path: str | os.PathLike, engines=ENGINES) -> tuple[bool, s
     schemes = ", ".join(f"{n} {s}" for s, n in sorted(first.schemes.items())) or "no quantized linear"
     warnings = sum(len(r.warnings) for r in reports)
     verdicts = ", ".join(f"{r.engine} {'PASS' if r.ok else 'FAIL'}" for r in reports)
-    line = f"check {verdicts} ({first.format}: {schemes}; {warnings} warning{'' if warnings == 1 else 's'})"
+    line = f"check {verdicts} ({first.format}: {schemes}; {_count(range(warnings), 'warning')})"
     failed = next((r for r in reports if not r.ok), None)
     if failed is not None:
         line += f": {failed.engine}: {failed.errors[0]} (modelopt-moe check {path} --details)"

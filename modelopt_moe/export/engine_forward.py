@@ -224,7 +224,7 @@ def engine_order_kl(path: str | os.PathLike, reference, engine: str | None = Non
     out = []
     with torch.no_grad():
         for tokens, logits in reference:
-            mine = model(tokens).logits.float().log_softmax(-1)
-            ref = logits.float().log_softmax(-1)
+            mine = model(tokens).logits.double().log_softmax(-1)  # in float64: no negative KL from rounding
+            ref = logits.double().log_softmax(-1)
             out.append((ref.exp() * (ref - mine)).sum(-1).mean().item())
     return out

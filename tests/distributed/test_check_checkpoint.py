@@ -62,13 +62,17 @@ def _export(rank, world, paths: dict) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 128, (2, 16), generator=g) for _ in range(2)]
+    held_out, reference = [torch.randint(0, 128, (2, 16), generator=g) for _ in range(2)], {}
 
-    def calibrate(m):
-        seq = 16
+    def logits(m, b):
+        seq = b.shape[1]
         mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
         with torch.no_grad():
-            for b in batches:
-                m(b, torch.arange(seq).expand_as(b), mask)
+            return m(b, torch.arange(seq).expand_as(b), mask, runtime_gather_output=True).float()
+
+    def calibrate(m):
+        for b in batches:
+            logits(m, b)
 
     for name, (family, config, fmt) in EXPORTS.items():
         m = build_megatron_model(paths[family], perform_initialization=False, params_dtype=torch.float32)
@@ -77,6 +81,8 @@ def _export(rank, world, paths: dict) -> None:
         cfg.experts.input_amax = "per_expert"
         mtq.quantize(m.eval(), cfg, calibrate)
         export_hf(m, Path(paths["out"]) / name, format=fmt, progress=False)
+        reference[name] = [(b, logits(m, b)) for b in held_out]
+    return reference
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +92,8 @@ def exports(tmp_path_factory):
     for family in ("qwen3_moe", "mixtral"):
         paths[family] = str(base / family)
         _make_hf(base / family, family)
-    spawn(_export, 1, args=(paths,), timeout=seconds(600))
-    return {"base": base, "out": base / "out", "hf": paths}
+    (reference,) = spawn(_export, 1, args=(paths,), timeout=seconds(600))
+    return {"base": base, "out": base / "out", "hf": paths, "reference": reference}
 
 
 def _planted(exports, name: str, edit, config_edit=None) -> Path:
@@ -135,6 +141,25 @@ def test_our_exports_pass_every_engine(exports, name, engine):
         assert all(s.worst_ratio >= 1.0 for s in report.spreads)
         if report.collapse == "layer":  # one input amax per expert in training, one per layer in the engine
             assert max(s.worst_ratio for s in report.spreads) > 1.0
+
+
+@pytest.mark.parametrize("name", ["qwen3_fp8_ct", "qwen3_nvfp4_modelopt", "mixtral_nvfp4_modelopt"])
+def test_engine_order_forward_from_the_files_matches_the_fake_quant_model(exports, name):
+    """With each expert's own input scale, the files run in engine order give the fake-quant model's distribution
+    (fp32 rounding only); with an engine's collapsed scales the KL says what serving it there costs."""
+    from modelopt_moe.export.engine_forward import engine_order_kl
+
+    reference = exports["reference"][name]
+    own = engine_order_kl(exports["out"] / name, reference)
+    assert max(own) < 1e-6, own
+    for engine in ENGINES:
+        report = check_checkpoint(exports["out"] / name, engine=engine, reference=reference)
+        print(report.verdict())
+        assert report.ok, report.details()
+        assert len(report.kl) == 2, report.kl
+        assert min(report.kl) >= -1e-12, report.kl
+        assert max(report.kl) < 0.05, report.kl
+        assert "engine-order forward KL to the reference" in report.verdict()
 
 
 def test_deleted_expert_input_scale_is_an_error_naming_it(exports):
