@@ -55,8 +55,8 @@ def _export(rank, world, paths: dict) -> None:
     from megatron.core import tensor_parallel
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.export import build_megatron_model, export_hf, import_hf
-    from modelopt_moe.plugins.megatron import init_model_parallel
+    from modelopt_moe.export import build_megatron_model, export_hf, import_hf, save_hf_config
+    from modelopt_moe.plugins.megatron import init_model_parallel, save_sharded_checkpoint
 
     init_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
@@ -82,18 +82,21 @@ def _export(rank, world, paths: dict) -> None:
         mtq.quantize(m.eval(), cfg, calibrate)
         export_hf(m, Path(paths["out"]) / name, format=fmt, progress=False)
         reference[name] = [(b, logits(m, b)) for b in held_out]
+        if name == "qwen3_nvfp4_modelopt":  # what `modelopt-moe export` starts from
+            save_sharded_checkpoint(m, paths["ckpt"])
+            save_hf_config(paths[family], paths["ckpt"])
     return reference
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     base = tmp_path_factory.mktemp("check")
-    paths = {"out": str(base / "out")}
+    paths = {"out": str(base / "out"), "ckpt": str(base / "ckpt")}
     for family in ("qwen3_moe", "mixtral"):
         paths[family] = str(base / family)
         _make_hf(base / family, family)
     (reference,) = spawn(_export, 1, args=(paths,), timeout=seconds(600))
-    return {"base": base, "out": base / "out", "hf": paths, "reference": reference}
+    return {"base": base, "out": base / "out", "hf": paths, "reference": reference, "ckpt": base / "ckpt"}
 
 
 def _planted(exports, name: str, edit, config_edit=None) -> Path:
@@ -251,6 +254,16 @@ def test_cli_prints_the_verdict_and_exits_1_on_a_defect(exports):
                            timeout=120)
     assert usage.returncode == 2, usage.stderr
     assert "config" in usage.stderr
+
+
+def test_modelopt_moe_export_ends_with_the_check_verdict(exports):
+    out = exports["base"] / "cli_export"
+    done = subprocess.run([sys.executable, "-m", "modelopt_moe.plugins.cli", "export", "--checkpoint",
+                           str(exports["ckpt"]), "--format", "modelopt", "--out", str(out), "--dtype", "float32"],
+                          capture_output=True, text=True, timeout=seconds(300))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last == "check vllm PASS, sglang PASS, trtllm PASS (modelopt: 32 nvfp4; 0 warnings)", done.stdout
 
 
 def _ct_compressed(hf_dir: Path, out: Path, scheme_name: str, fuse_gate_up: bool) -> None:
