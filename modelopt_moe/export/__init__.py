@@ -29,6 +29,7 @@ from torch import nn
 from ..quantization.utils import rank
 from ..quantization.weight_amax import update_weight_amax
 from .calibration_coverage import DEFAULT_MIN_CALIB_TOKENS, warn_cold_experts
+from .check import CheckReport, check_checkpoint
 from .errors import ExportError
 from .families import FAMILIES, Family, MoEArch, get_family, read_hf_config, register_family
 from .registry import ExportAdapter, adapter_for, adapter_named, register_export_adapter
@@ -50,6 +51,8 @@ __all__ = [
     "MoEArch",
     "get_family",
     "register_family",
+    "check_checkpoint",
+    "CheckReport",
 ]
 
 HF_CONFIG_FILE = "hf_config.json"

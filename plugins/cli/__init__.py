@@ -4,6 +4,7 @@
     modelopt-moe export [flags]    a distributed checkpoint -> a servable Hugging Face checkpoint
     modelopt-moe report [flags]    render a run's report again from its run.json
     modelopt-moe qat [flags]       QAT / QAD of your own Megatron model (a model provider and a YAML config)
+    modelopt-moe check <dir>       an exported checkpoint against the serving engines' loaders (no GPU)
 
 Every command runs its ranks on this machine (one process per visible GPU, or CPU processes with gloo: the layout is
 chosen to fit the machine, ``modelopt_moe.plugins.cli.layout``) or, started by ``torchrun`` or SLURM's ``srun``, in
@@ -29,6 +30,7 @@ COMMANDS = {
     "export": "modelopt_moe.plugins.cli.export",
     "report": "modelopt_moe.plugins.cli.report",
     "qat": "modelopt_moe.plugins.cli.qat",
+    "check": "modelopt_moe.plugins.cli.check",
 }
 
 

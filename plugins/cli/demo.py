@@ -188,6 +188,7 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     from modelopt_moe.checkpoint import iter_expert_quantizers
     from modelopt_moe.distill import QADRecipe
     from modelopt_moe.export import build_megatron_model, export_hf, import_hf, save_hf_config
+    from modelopt_moe.export.check import check_all_engines
     from modelopt_moe.export.families import read_hf_config
     from modelopt_moe.plugins.megatron import (
         destroy_model_parallel,
@@ -393,9 +394,12 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
             ", with modelopt_moe.export.transformers_compat.fix_nvfp4_experts() applied (transformers 5.13+ "
             "mis-scales NVFP4 experts without it)" if fix.applied else
             f", modelopt_moe.export.transformers_compat.fix_nvfp4_experts() not needed ({fix.note})")
+        checked = [check_all_engines(d) for d in (ct, mo)] if rank == 0 else [(True, "n/a on this rank")]
+        ok &= agree(all(passed for passed, _ in checked))
         stage(f"export: {ct} (compressed-tensors) and {mo} (Model Optimizer) written from TP={other_tp} "
               f"EP={other_ep}; transformers loads the first{how}; it dequantizes the weights and ignores input "
-              f"scales, so it is compared with our weight-only forward: {text}")
+              f"scales, so it is compared with our weight-only forward: {text}; "
+              f"{'; '.join(line for _, line in checked)}")
 
     # 6. report -------------------------------------------------------------------------------------------------
     report = None

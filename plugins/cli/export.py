@@ -101,7 +101,12 @@ def main(argv: list[str]) -> int:
     except (RuntimeError, TimeoutError) as e:
         print(f"modelopt-moe export: failed: {e}", file=sys.stderr)
         return 1
-    if prints_here():
-        print(f"wrote {ran.results[0]}", flush=True)
-        print_warnings(ran.warnings)
-    return 0
+    if not prints_here():
+        return 0
+    print(f"wrote {ran.results[0]}", flush=True)
+    print_warnings(ran.warnings)
+    from modelopt_moe.export.check import check_all_engines
+
+    passed, verdict = check_all_engines(ran.results[0])  # the engines' loader contracts, from the files
+    print(verdict, flush=True)
+    return 0 if passed else 1
