@@ -49,6 +49,7 @@ from .checkpoint import (
 from .distill import (
     distillation_loss_func,
     distillation_model,
+    distillation_tensor_shapes_fn,
     get_qad_optimizer,
     qad_lr_scheduler,
     qad_optimizer_config,
@@ -81,6 +82,7 @@ __all__ = [
     "load_modelopt_checkpoint",
     "is_modelopt_checkpoint",
     "distillation_model",
+    "distillation_tensor_shapes_fn",
     "distillation_loss_func",
     "select_trainable",
     "qad_optimizer_config",

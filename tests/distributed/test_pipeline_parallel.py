@@ -1,0 +1,101 @@
+"""Pipeline parallelism on 4 gloo ranks (one spawn): PP=2 x TP=2 against PP=1 x TP=2 on the same weights and tokens.
+
+* Calibration through Megatron's pipeline schedule (forward only): every stage's expert amaxes, per layer, equal
+  those of the one-stage model (layers live on one stage: no reduction over the pipeline).
+* QAD: ``distillation_model(student, teacher)`` with the teacher split on the same stages, trained by ``train`` (the
+  non-interleaved schedule; the hidden states of both models go between the stages), gives the losses of PP=1, and
+  the KL is computed on the last stage only.
+"""
+
+import math
+import re
+
+import pytest
+import torch
+from limits import seconds  # noqa: E402
+
+from modelopt_moe.launch import spawn
+
+WORLD, SEED = 4, 1234
+
+
+def _global_layer(name: str, offset: int) -> str:
+    return re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+
+
+def _layout(mm, mt, pp: int) -> dict:
+    import warnings
+
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron_harness.configs import expert_quant_config
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.plugins.megatron import distillation_model, lm_forward_step
+    from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
+    from modelopt_moe.quantization.quant_module import named_quantizers
+
+    mm.init_model_parallel(2, 1, pp=pp, seed=SEED)
+    calib = mm.text_batches(2, 32, 2, offset=100)
+    batches = mm.text_batches(2, 32, 4)
+
+    def forward_loop(model):
+        with megatron_training_shims(), torch.no_grad():
+            get_forward_backward_func()(forward_step_func=lm_forward_step, data_iterator=iter(calib), model=[model],
+                                        num_microbatches=len(calib), seq_length=32, micro_batch_size=2,
+                                        forward_only=True)
+
+    student = mm.build_moe_gpt(seed=SEED, num_layers=4, params_dtype=torch.bfloat16)
+    teacher = mm.build_moe_gpt(seed=SEED + 1, num_layers=4, params_dtype=torch.bfloat16).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(student, expert_quant_config("fp8", "static"), forward_loop)
+    offset = get_transformer_layer_offset(student.config) if pp > 1 else 0
+    amax = {_global_layer(n, offset): q.amax.detach().clone() for n, q, _ in named_quantizers(student)
+            if getattr(q, "amax", None) is not None}
+    model = distillation_model(student, teacher)
+    trainer = mt.setup_training(model, lr=1e-3)
+    losses = mt.train(trainer, batches, steps=2, num_microbatches=2)
+    return {"amax": amax, "losses": losses, "kind": type(model).__name__,
+            "last_stage": parallel_state.is_pipeline_last_stage(), "layers": len(student.decoder.layers)}
+
+
+def _worker(rank, world_size):
+    import megatron_harness.models as mm
+
+    from modelopt_moe.plugins.megatron import training as mt
+
+    return {"pp2": _layout(mm, mt, 2), "pp1": _layout(mm, mt, 1)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn(_worker, WORLD, timeout=seconds(600))
+
+
+def test_amaxes_at_pp2_equal_pp1_and_cover_every_stage(results):
+    pp1 = results[0]["pp1"]["amax"]
+    assert pp1
+    assert all(".experts." in n for n in pp1)
+    merged = {}
+    for r in results:
+        assert r["pp2"]["layers"] == 2  # 4 layers on 2 stages
+        for n, a in r["pp2"]["amax"].items():
+            assert n not in merged or torch.equal(merged[n], a), n  # TP ranks of one stage agree
+            merged[n] = a
+    assert sorted(merged) == sorted(pp1)  # every stage's layers, under their global names
+    for n, a in pp1.items():
+        assert torch.equal(merged[n], a), n
+
+
+def test_qad_loss_at_pp2_equals_pp1_on_the_same_weights_and_tokens(results):
+    pp1 = results[0]["pp1"]["losses"]
+    assert len(pp1) == 2
+    assert all(math.isfinite(x) and x > 1e-3 for x in pp1)  # two different models: a real KL
+    assert pp1[1] != pp1[0]  # the first step trained the student
+    for r in results:
+        assert r["pp2"]["kind"] == "PipelineDistillationModel"
+        assert r["pp2"]["losses"] == pytest.approx(pp1, rel=1e-5, abs=1e-6), (r["pp2"]["losses"], pp1)
+        assert r["pp1"]["losses"] == pp1
+    assert sum(r["pp2"]["last_stage"] for r in results) == 2  # the KL is computed on the 2 last-stage TP ranks
