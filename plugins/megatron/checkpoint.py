@@ -80,6 +80,17 @@ def model_sharded_state_dict(model_list, metadata: dict | None = None) -> dict:
             for k, m in zip(_model_keys(models), models, strict=True)}
 
 
+def _refuse_pipeline(call: str) -> None:
+    """Pipeline stages name their layers from 0 each, and the quantization state is written by one rank: a
+    checkpoint would hold the first stage's quantizers alone. The same answer on every rank (no collective)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError(f"{call}: pipeline parallelism is not supported (pipeline size "
+                         f"{parallel_state.get_pipeline_model_parallel_world_size()}, expected 1); save and load at "
+                         "pipeline size 1 (any TP / EP)")
+
+
 def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimizer=None, opt_param_scheduler=None,
                             iteration: int | None = None, extra_state: dict | None = None) -> None:
     """Saves weights, amaxes, quantization state and (optionally) the training state, all or nothing.
@@ -103,7 +114,9 @@ def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     Raises:
         FileExistsError: (every rank, nothing written) ``ckpt_dir`` is not empty and is not a checkpoint of ours, e.g.
             a Hugging Face model directory; names it and what it holds.
+        ValueError: (every rank, nothing written) pipeline parallelism is on (not supported yet).
     """
+    _refuse_pipeline("save_sharded_checkpoint")
     models = _models(model_list)
     refusal = None
     if rank() == 0:  # one rank decides (a shared directory), every rank raises
@@ -236,7 +249,9 @@ def load_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
             optimizer (names the call that restores it first); an optimizer of another kind (distributed or not)
             than the one whose state the checkpoint holds (names both). Nothing is changed when these are raised.
         KeyError: an optimizer or scheduler was given but the checkpoint has no state for it.
+        ValueError: pipeline parallelism is on (not supported yet; nothing is read).
     """
+    _refuse_pipeline("load_sharded_checkpoint")
     models = _models(model_list)
     path = resolve_checkpoint_dir(ckpt_dir)
     if is_modelopt_checkpoint(path) and not (path / STATE_FILE).is_file():

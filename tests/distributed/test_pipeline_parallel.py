@@ -5,9 +5,11 @@
 * QAD: ``distillation_model(student, teacher)`` with the teacher split on the same stages, trained by ``train`` (the
   non-interleaved schedule; the hidden states of both models go between the stages), gives the losses of PP=1, and
   the KL is computed on the last stage only.
+* Checkpoints at pipeline parallelism are refused by name, before anything is written.
 """
 
 import math
+import os
 import re
 
 import pytest
@@ -23,7 +25,7 @@ def _global_layer(name: str, offset: int) -> str:
     return re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
 
 
-def _layout(mm, mt, pp: int) -> dict:
+def _layout(mm, mt, pp: int, ckpt_root: str) -> dict:
     import warnings
 
     from megatron.core import parallel_state
@@ -57,21 +59,31 @@ def _layout(mm, mt, pp: int) -> dict:
     model = distillation_model(student, teacher)
     trainer = mt.setup_training(model, lr=1e-3)
     losses = mt.train(trainer, batches, steps=2, num_microbatches=2)
-    return {"amax": amax, "losses": losses, "kind": type(model).__name__,
+    refusals = {}
+    if pp > 1:  # every rank alike: checkpoints at pipeline parallelism are refused before anything is written
+        from modelopt_moe.plugins.megatron import load_sharded_checkpoint, save_sharded_checkpoint
+
+        for name, call in (("save", save_sharded_checkpoint), ("load", load_sharded_checkpoint)):
+            try:
+                call(student, f"{ckpt_root}/{name}")
+            except ValueError as e:
+                refusals[name] = str(e)
+        refusals["written"] = os.path.exists(f"{ckpt_root}/save") or os.path.exists(f"{ckpt_root}/save.tmp")
+    return {"refusals": refusals,"amax": amax, "losses": losses, "kind": type(model).__name__,
             "last_stage": parallel_state.is_pipeline_last_stage(), "layers": len(student.decoder.layers)}
 
 
-def _worker(rank, world_size):
+def _worker(rank, world_size, ckpt_root):
     import megatron_harness.models as mm
 
     from modelopt_moe.plugins.megatron import training as mt
 
-    return {"pp2": _layout(mm, mt, 2), "pp1": _layout(mm, mt, 1)}
+    return {"pp2": _layout(mm, mt, 2, ckpt_root), "pp1": _layout(mm, mt, 1, ckpt_root)}
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn(_worker, WORLD, timeout=seconds(600))
+def results(tmp_path_factory):
+    return spawn(_worker, WORLD, args=(str(tmp_path_factory.mktemp("pp")),), timeout=seconds(600))
 
 
 def test_amaxes_at_pp2_equal_pp1_and_cover_every_stage(results):
@@ -99,3 +111,11 @@ def test_qad_loss_at_pp2_equals_pp1_on_the_same_weights_and_tokens(results):
         assert r["pp2"]["losses"] == pytest.approx(pp1, rel=1e-5, abs=1e-6), (r["pp2"]["losses"], pp1)
         assert r["pp1"]["losses"] == pp1
     assert sum(r["pp2"]["last_stage"] for r in results) == 2  # the KL is computed on the 2 last-stage TP ranks
+
+
+def test_checkpoints_at_pp2_are_refused_before_anything_is_written(results):
+    for r in results:
+        refusals = r["pp2"]["refusals"]
+        assert "save_sharded_checkpoint: pipeline parallelism is not supported (pipeline size 2" in refusals["save"]
+        assert "load_sharded_checkpoint: pipeline parallelism is not supported (pipeline size 2" in refusals["load"]
+        assert not refusals["written"]
