@@ -35,6 +35,7 @@ def _layout(mm, mt, pp: int, ckpt_root: str) -> dict:
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.plugins.megatron import distillation_model, lm_forward_step
+    from modelopt_moe.plugins.megatron import get_forward_backward_func as dropin_schedule
     from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
     from modelopt_moe.quantization.quant_module import named_quantizers
 
@@ -57,8 +58,14 @@ def _layout(mm, mt, pp: int, ckpt_root: str) -> dict:
     amax = {_global_layer(n, offset): q.amax.detach().clone() for n, q, _ in named_quantizers(student)
             if getattr(q, "amax", None) is not None}
     model = distillation_model(student, teacher)
+    with megatron_training_shims(), torch.no_grad():  # the drop-in schedule passes the wider tensor shapes itself
+        reported = dropin_schedule()(forward_step_func=lm_forward_step, data_iterator=iter(batches[:2]),
+                                     model=[model], num_microbatches=2, seq_length=32, micro_batch_size=2,
+                                     forward_only=True)
+    forward_losses = [float(r["lm loss"]) for r in reported]
     trainer = mt.setup_training(model, lr=1e-3)
     losses = mt.train(trainer, batches, steps=2, num_microbatches=2)
+    last_stage = parallel_state.is_pipeline_last_stage()
     refusals = {}
     if pp > 1:  # every rank alike: checkpoints at pipeline parallelism are refused before anything is written
         from modelopt_moe.plugins.megatron import load_sharded_checkpoint, save_sharded_checkpoint
@@ -69,8 +76,16 @@ def _layout(mm, mt, pp: int, ckpt_root: str) -> dict:
             except ValueError as e:
                 refusals[name] = str(e)
         refusals["written"] = os.path.exists(f"{ckpt_root}/save") or os.path.exists(f"{ckpt_root}/save.tmp")
-    return {"refusals": refusals,"amax": amax, "losses": losses, "kind": type(model).__name__,
-            "last_stage": parallel_state.is_pipeline_last_stage(), "layers": len(student.decoder.layers)}
+    if pp > 1:  # virtual pipeline stages: Megatron's interleaved schedule cannot carry the teacher's hidden states
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                                 virtual_pipeline_model_parallel_size=2)
+        try:
+            distillation_model(student, teacher)
+        except ValueError as e:
+            refusals["virtual"] = str(e)
+    return {"refusals": refusals, "forward_losses": forward_losses, "amax": amax, "losses": losses,
+            "kind": type(model).__name__, "last_stage": last_stage, "layers": len(student.decoder.layers)}
 
 
 def _worker(rank, world_size, ckpt_root):
@@ -111,6 +126,14 @@ def test_qad_loss_at_pp2_equals_pp1_on_the_same_weights_and_tokens(results):
         assert r["pp2"]["losses"] == pytest.approx(pp1, rel=1e-5, abs=1e-6), (r["pp2"]["losses"], pp1)
         assert r["pp1"]["losses"] == pp1
     assert sum(r["pp2"]["last_stage"] for r in results) == 2  # the KL is computed on the 2 last-stage TP ranks
+    for r in results:  # modelopt_moe's get_forward_backward_func: the same losses, on the last stage alone
+        assert len(r["pp1"]["forward_losses"]) == 2
+        assert r["pp1"]["forward_losses"] == pytest.approx(results[0]["pp1"]["forward_losses"])
+        if r["pp2"]["last_stage"]:
+            assert r["pp2"]["forward_losses"] == pytest.approx(r["pp1"]["forward_losses"], rel=1e-5, abs=1e-6)
+        else:
+            assert r["pp2"]["forward_losses"] == []
+        assert sum(r["pp1"]["forward_losses"]) / 2 == pytest.approx(pp1[0], rel=1e-5)  # the first step's loss
 
 
 def test_checkpoints_at_pp2_are_refused_before_anything_is_written(results):
@@ -119,3 +142,4 @@ def test_checkpoints_at_pp2_are_refused_before_anything_is_written(results):
         assert "save_sharded_checkpoint: pipeline parallelism is not supported (pipeline size 2" in refusals["save"]
         assert "load_sharded_checkpoint: pipeline parallelism is not supported (pipeline size 2" in refusals["load"]
         assert not refusals["written"]
+        assert "virtual pipeline stages (2) are not supported" in refusals["virtual"]
