@@ -13,6 +13,7 @@ Public API::
         lm_forward_step,                                    # a forward_step_func with a plain LM loss
         check_lm_batch, BatchError,                         # ... and the batch contract it checks
         distillation_model, distillation_loss_func,         # QAD: the student beside its frozen teacher
+        distillation_tensor_shapes_fn,                      # ... its stage tensors, for Megatron's own schedule (PP)
         select_trainable, qad_optimizer_config,             # ... trained the QADRecipe's way
         get_qad_optimizer, qad_lr_scheduler,
         load_modelopt_checkpoint,                           # a checkpoint NVIDIA Model Optimizer 0.47 saved
