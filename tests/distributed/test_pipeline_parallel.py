@@ -5,11 +5,11 @@
 * QAD: ``distillation_model(student, teacher)`` with the teacher split on the same stages, trained by ``train`` (the
   non-interleaved schedule; the hidden states of both models go between the stages), gives the losses of PP=1, and
   the KL is computed on the last stage only.
-* Checkpoints at pipeline parallelism are refused by name, before anything is written.
+* ``save_sharded_checkpoint`` at PP=2 restores bit-exact at PP=1 (every stage's layers, their amaxes and quantization
+  state), and that saved again at PP=1 restores bit-exact at PP=2.
 """
 
 import math
-import os
 import re
 
 import pytest
@@ -25,6 +25,30 @@ def _global_layer(name: str, offset: int) -> str:
     return re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
 
 
+def _tensors(model) -> dict:
+    """Every tensor of the model's state dict by (TP rank, global layer name)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    offset = get_transformer_layer_offset(model.config) if pp > 1 else 0
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    return {(tp_rank, _global_layer(n, offset)): t.detach().clone() for n, t in model.state_dict().items()
+            if isinstance(t, torch.Tensor)}
+
+
+def _reload(mm, pp: int, src: str, dst: str | None) -> dict:
+    """A fresh model at pipeline size ``pp`` (TP=2) restored from ``src`` (then saved to ``dst``): its tensors."""
+    from modelopt_moe.plugins.megatron import load_sharded_checkpoint, save_sharded_checkpoint
+
+    mm.init_model_parallel(2, 1, pp=pp, seed=SEED)
+    model = mm.build_moe_gpt(seed=SEED + 7, num_layers=4, params_dtype=torch.bfloat16)  # other weights
+    load_sharded_checkpoint(model, src)
+    if dst is not None:
+        save_sharded_checkpoint(model, dst)
+    return _tensors(model)
+
+
 def _layout(mm, mt, pp: int, ckpt_root: str) -> dict:
     import warnings
 
@@ -34,7 +58,7 @@ def _layout(mm, mt, pp: int, ckpt_root: str) -> dict:
     from megatron_harness.configs import expert_quant_config
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.plugins.megatron import distillation_model, lm_forward_step
+    from modelopt_moe.plugins.megatron import distillation_model, lm_forward_step, save_sharded_checkpoint
     from modelopt_moe.plugins.megatron import get_forward_backward_func as dropin_schedule
     from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
     from modelopt_moe.quantization.quant_module import named_quantizers
@@ -67,15 +91,9 @@ def _layout(mm, mt, pp: int, ckpt_root: str) -> dict:
     losses = mt.train(trainer, batches, steps=2, num_microbatches=2)
     last_stage = parallel_state.is_pipeline_last_stage()
     refusals = {}
-    if pp > 1:  # every rank alike: checkpoints at pipeline parallelism are refused before anything is written
-        from modelopt_moe.plugins.megatron import load_sharded_checkpoint, save_sharded_checkpoint
-
-        for name, call in (("save", save_sharded_checkpoint), ("load", load_sharded_checkpoint)):
-            try:
-                call(student, f"{ckpt_root}/{name}")
-            except ValueError as e:
-                refusals[name] = str(e)
-        refusals["written"] = os.path.exists(f"{ckpt_root}/save") or os.path.exists(f"{ckpt_root}/save.tmp")
+    if pp > 1:  # the trained student, saved at PP=2
+        save_sharded_checkpoint(student, f"{ckpt_root}/pp2")
+    tensors = _tensors(student)
     if pp > 1:  # virtual pipeline stages: Megatron's interleaved schedule cannot carry the teacher's hidden states
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
@@ -84,7 +102,7 @@ def _layout(mm, mt, pp: int, ckpt_root: str) -> dict:
             distillation_model(student, teacher)
         except ValueError as e:
             refusals["virtual"] = str(e)
-    return {"refusals": refusals, "forward_losses": forward_losses, "amax": amax, "losses": losses,
+    return {"refusals": refusals, "forward_losses": forward_losses, "tensors": tensors, "amax": amax, "losses": losses,
             "kind": type(model).__name__, "last_stage": last_stage, "layers": len(student.decoder.layers)}
 
 
@@ -93,7 +111,10 @@ def _worker(rank, world_size, ckpt_root):
 
     from modelopt_moe.plugins.megatron import training as mt
 
-    return {"pp2": _layout(mm, mt, 2, ckpt_root), "pp1": _layout(mm, mt, 1, ckpt_root)}
+    out = {"pp2": _layout(mm, mt, 2, ckpt_root), "pp1": _layout(mm, mt, 1, ckpt_root)}
+    out["pp2_at_pp1"] = _reload(mm, 1, f"{ckpt_root}/pp2", f"{ckpt_root}/pp1")
+    out["back_at_pp2"] = _reload(mm, 2, f"{ckpt_root}/pp1", None)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -136,10 +157,21 @@ def test_qad_loss_at_pp2_equals_pp1_on_the_same_weights_and_tokens(results):
         assert sum(r["pp1"]["forward_losses"]) / 2 == pytest.approx(pp1[0], rel=1e-5)  # the first step's loss
 
 
-def test_checkpoints_at_pp2_are_refused_before_anything_is_written(results):
+def test_checkpoint_at_pp2_restores_bit_exact_at_pp1_and_back(results):
+    saved, at_pp1, back = {}, {}, {}
     for r in results:
-        refusals = r["pp2"]["refusals"]
-        assert "save_sharded_checkpoint: pipeline parallelism is not supported (pipeline size 2" in refusals["save"]
-        assert "load_sharded_checkpoint: pipeline parallelism is not supported (pipeline size 2" in refusals["load"]
-        assert not refusals["written"]
-        assert "virtual pipeline stages (2) are not supported" in refusals["virtual"]
+        saved.update(r["pp2"]["tensors"])
+        at_pp1.update(r["pp2_at_pp1"])
+        back.update(r["back_at_pp2"])
+    assert any("_amax" in n for _, n in saved)  # the quantizers' amaxes travel too
+    assert any(n.startswith("decoder.layers.3.") for _, n in saved)  # every stage's layers
+    assert sorted(at_pp1) == sorted(saved)
+    assert sorted(back) == sorted(saved)
+    for key, t in saved.items():
+        assert torch.equal(at_pp1[key], t), key
+        assert torch.equal(back[key], t), key
+
+
+def test_virtual_pipeline_stages_are_refused_by_name(results):
+    for r in results:
+        assert "virtual pipeline stages (2) are not supported" in r["pp2"]["refusals"]["virtual"]
