@@ -13,6 +13,7 @@ Public API::
         lm_forward_step,                                    # a forward_step_func with a plain LM loss
         check_lm_batch, BatchError,                         # ... and the batch contract it checks
         distillation_model, distillation_loss_func,         # QAD: the student beside its frozen teacher
+        distillation_tensor_shapes_fn,                      # ... its stage tensors, for Megatron's own schedule (PP)
         select_trainable, qad_optimizer_config,             # ... trained the QADRecipe's way
         get_qad_optimizer, qad_lr_scheduler,
         load_modelopt_checkpoint,                           # a checkpoint NVIDIA Model Optimizer 0.47 saved
@@ -49,6 +50,7 @@ from .checkpoint import (
 from .distill import (
     distillation_loss_func,
     distillation_model,
+    distillation_tensor_shapes_fn,
     get_qad_optimizer,
     qad_lr_scheduler,
     qad_optimizer_config,
@@ -81,6 +83,7 @@ __all__ = [
     "load_modelopt_checkpoint",
     "is_modelopt_checkpoint",
     "distillation_model",
+    "distillation_tensor_shapes_fn",
     "distillation_loss_func",
     "select_trainable",
     "qad_optimizer_config",

@@ -11,7 +11,12 @@ forward step: ``model(tokens, position_ids, attention_mask, labels=labels)`` ret
         out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
         return out, distillation_loss_func
 
-Pipeline parallelism must be 1 (the teacher runs whole beside each student stage only when both are one stage).
+With pipeline parallelism the teacher is split on the same stages as the student (build both at the same layout):
+each stage runs its part of both, the hidden states of both go to the next stage side by side (concatenated on the
+hidden axis), and the last stage computes the loss from both models' logits. Megatron's non-interleaved schedule
+carries the wider tensor when given :func:`distillation_tensor_shapes_fn` (``adjust_tensor_shapes_fn=``);
+``modelopt_moe``'s :func:`~modelopt_moe.plugins.megatron.get_forward_backward_func` and ``train_step`` pass it
+themselves. Megatron's interleaved schedule takes no such function, so virtual pipeline stages are refused.
 
 The settings of a QAD run are a :class:`~modelopt_moe.distill.QADRecipe` (the default is the measured one):
 :func:`select_trainable` freezes what the recipe keeps at the teacher's values, :func:`qad_optimizer_config` and
@@ -32,8 +37,8 @@ from megatron.core import parallel_state
 
 from modelopt_moe.distill import DistillationModel, QADRecipe, param_group
 
-__all__ = ["distillation_model", "distillation_loss_func", "select_trainable", "qad_optimizer_config",
-           "get_qad_optimizer", "qad_lr_scheduler"]
+__all__ = ["distillation_model", "distillation_tensor_shapes_fn", "distillation_loss_func", "select_trainable",
+           "qad_optimizer_config", "get_qad_optimizer", "qad_lr_scheduler"]
 
 
 def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, recipe: QADRecipe | None = None,
@@ -47,14 +52,97 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
         **kwargs: ``temperature``, ``kl_weight``, ``lm_loss_weight``, ``top_k`` (None, the default: the exact KL,
             chunked over tokens; an integer: the KL on the teacher's top k tokens, an approximation).
 
+    With pipeline parallelism (teacher and student split on the same stages) it returns a
+    :class:`PipelineDistillationModel`.
+
     Raises:
-        ValueError: pipeline parallelism is on.
+        ValueError: virtual pipeline stages (Megatron's interleaved schedule cannot carry the teacher's hidden
+            states), or at pipeline parallelism the student and teacher hold other stages (pre/post process) or
+            another number of layers.
     """
-    if parallel_state.get_pipeline_model_parallel_world_size() != 1:
-        raise ValueError("distillation_model: pipeline parallelism must be 1 (the teacher runs beside the student)")
     if recipe is not None:
         kwargs = {"temperature": recipe.temperature, "lm_loss_weight": recipe.lm_loss_weight, **kwargs}
-    return DistillationModel(student, teacher, tp_group=parallel_state.get_tensor_model_parallel_group(), **kwargs)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return DistillationModel(student, teacher, tp_group=tp_group, **kwargs)
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp not in (None, 1):
+        raise ValueError(f"distillation_model: virtual pipeline stages ({vpp}) are not supported: Megatron's "
+                         "interleaved schedule takes no adjust_tensor_shapes_fn to carry the teacher's hidden states; "
+                         "use the non-interleaved schedule (virtual pipeline size 1)")
+    for attr in ("pre_process", "post_process"):
+        if getattr(student, attr, None) != getattr(teacher, attr, None):
+            raise ValueError(f"distillation_model: student.{attr}={getattr(student, attr, None)} but teacher."
+                             f"{attr}={getattr(teacher, attr, None)}; build both at the same pipeline layout")
+    n_s, n_t = len(student.decoder.layers), len(teacher.decoder.layers)
+    if n_s != n_t:
+        raise ValueError(f"distillation_model: this pipeline stage holds {n_s} student layers but {n_t} teacher "
+                         "layers; split both on the same stages")
+    return PipelineDistillationModel(student, teacher, tp_group=tp_group, **kwargs)
+
+
+class PipelineDistillationModel(DistillationModel):
+    """:class:`~modelopt_moe.distill.DistillationModel` on one pipeline stage, the teacher split on the same stages.
+
+    ``set_input_tensor`` gives each model its half of the received hidden states; before the last stage the forward
+    returns both models' hidden states concatenated on the hidden axis (the teacher's without gradient), on the
+    last stage the per-token distillation loss.
+    """
+
+    def __init__(self, student: torch.nn.Module, teacher: torch.nn.Module, **kwargs):
+        super().__init__(student, teacher, **kwargs)
+        self.post_process = bool(student.post_process)
+        self.student_hidden = student.config.hidden_size
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Splits the previous stage's hidden states (None on the first stage) between student and teacher."""
+        x = input_tensor[0] if isinstance(input_tensor, (list, tuple)) else input_tensor
+        if x is None:
+            self.module.set_input_tensor(None)
+            self.teacher.set_input_tensor(None)
+            return
+        self.module.set_input_tensor(x[..., :self.student_hidden])
+        teacher_dtype = next(self.teacher.parameters()).dtype  # both travel in the pipeline's dtype
+        self.teacher.set_input_tensor(x[..., self.student_hidden:].to(teacher_dtype))
+
+    def forward(self, *args, labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """The per-token loss on the last stage; both models' hidden states, side by side, before it."""
+        if self.post_process:
+            return super().forward(*args, labels=labels, **kwargs)
+        hidden = self.module(*args, **kwargs)
+        with torch.no_grad():
+            teacher_hidden = self.teacher(*args, **kwargs)
+        return torch.cat([hidden, teacher_hidden.to(hidden.dtype)], dim=-1)
+
+
+def _distillation_chunk(model) -> PipelineDistillationModel | None:
+    while model is not None and not isinstance(model, PipelineDistillationModel):
+        model = getattr(model, "module", None)
+    return model
+
+
+def distillation_tensor_shapes_fn(model):
+    """Megatron's ``adjust_tensor_shapes_fn`` for a pipeline-parallel distillation model (its wrappers around it,
+    or a list of one chunk): the tensors between stages carry the teacher's hidden states beside the student's.
+    None for any other model (pass nothing to the schedule then).
+
+    Pass it to Megatron's non-interleaved schedule::
+
+        forward_backward(..., model=[model], adjust_tensor_shapes_fn=distillation_tensor_shapes_fn(model))
+    """
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    found = [_distillation_chunk(m) for m in chunks]
+    if not any(found):
+        return None
+    teacher_hidden = found[0].teacher.config.hidden_size
+
+    def adjust(recv_tensor_shapes, send_tensor_shapes):
+        def widen(shapes):
+            return [tuple(s[:-1]) + (s[-1] + teacher_hidden,) if len(s) else s for s in shapes]
+
+        return widen(recv_tensor_shapes), widen(send_tensor_shapes)
+
+    return adjust
 
 
 def select_trainable(model: torch.nn.Module, recipe: QADRecipe) -> dict[str, int]:

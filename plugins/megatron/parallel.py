@@ -21,22 +21,23 @@ from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
 __all__ = ["init_model_parallel", "destroy_model_parallel"]
 
 
-def init_model_parallel(tp: int = 1, ep: int = 1, *, seed: int = 1234) -> None:
+def init_model_parallel(tp: int = 1, ep: int = 1, *, pp: int = 1, seed: int = 1234) -> None:
     """Initialise Megatron's model-parallel groups and RNG trackers on the current process group.
 
     ``torch.distributed`` must already be initialised (``modelopt_moe.launch.spawn``, ``torchrun`` or ``srun`` with
     :func:`modelopt_moe.launch.init_from_environment`). Applies the CPU shims first when CUDA is absent. Groups that
     exist already are destroyed and built again. Expert tensor parallelism is fixed to 1 (gloo cannot all-gather
-    unequal sizes); pipeline and context parallelism are 1; the rest of the world is data parallel.
+    unequal sizes); context parallelism is 1; the rest of the world is data parallel.
 
     Args:
         tp: Tensor-model-parallel size; must divide the world size.
         ep: Expert-model-parallel size; must divide the world size.
+        pp: Pipeline-model-parallel size (non-interleaved); ``tp * pp`` and ``ep * pp`` must divide the world size.
         seed: Seed of Megatron's RNG trackers (dropout) and of torch's default generator.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
-        ValueError: ``tp`` or ``ep`` does not divide the world size.
+        ValueError: ``tp``, ``ep`` or ``pp`` (or ``tp * pp``, ``ep * pp``) does not divide the world size.
     """
     if not dist.is_initialized():
         raise RuntimeError("init_model_parallel needs torch.distributed initialised (use modelopt_moe.launch.spawn)")
@@ -44,6 +45,9 @@ def init_model_parallel(tp: int = 1, ep: int = 1, *, seed: int = 1234) -> None:
     for name, size in (("tp", tp), ("ep", ep)):
         if size < 1 or world % size:
             raise ValueError(f"{name}={size} must be >= 1 and divide the world size {world}")
+    if pp < 1 or world % (tp * pp) or world % (ep * pp):
+        raise ValueError(f"pp={pp}: must be >= 1 and tp * pp = {tp * pp} and ep * pp = {ep * pp} must divide the "
+                         f"world size {world}")
     apply_cpu_shims()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -51,6 +55,7 @@ def init_model_parallel(tp: int = 1, ep: int = 1, *, seed: int = 1234) -> None:
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
+        pipeline_model_parallel_size=pp,
     )
     torch.manual_seed(seed)
     # The inference tracker keeps plain torch generators, so no CUDA RNG state is needed (the plain call needs

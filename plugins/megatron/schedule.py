@@ -26,7 +26,8 @@ __all__ = ["get_forward_backward_func"]
 def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first_step: int = 0, **kwargs):
     """Drop-in for ``megatron.core.pipeline_parallel.get_forward_backward_func`` (same arguments, same returned
     function) whose calls reuse each module's fake-quantized weights across the call's micro-batches and each count as
-    one autoswitch step.
+    one autoswitch step. For a pipeline-parallel distillation model it passes
+    :func:`~modelopt_moe.plugins.megatron.distill.distillation_tensor_shapes_fn` (unless the caller gives one).
 
     Args:
         *args: Megatron's positional arguments.
@@ -45,6 +46,12 @@ def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first
         model = f_kwargs.get("model")
         if model is None:
             raise TypeError("forward_backward_func: pass model=... by keyword (Megatron's schedules take it so)")
+        if f_kwargs.get("adjust_tensor_shapes_fn") is None:
+            from .distill import distillation_tensor_shapes_fn  # the teacher's hidden states between stages
+
+            adjust = distillation_tensor_shapes_fn(model)
+            if adjust is not None:
+                f_kwargs = {**f_kwargs, "adjust_tensor_shapes_fn": adjust}
         reuse = reuse_scope(model) if reuse_quantized_weights else contextlib.nullcontext()
         with reuse, autoswitch_step(model, step):
             result = schedule(*f_args, **f_kwargs)

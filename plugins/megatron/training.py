@@ -38,7 +38,7 @@ from megatron.core.utils import get_model_config
 from modelopt_moe.distill import DistillationModel
 from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
 
-from .distill import get_qad_optimizer, qad_lr_scheduler, qad_optimizer_config
+from .distill import distillation_tensor_shapes_fn, get_qad_optimizer, qad_lr_scheduler, qad_optimizer_config
 from .forward_step import lm_forward_step
 from .schedule import get_forward_backward_func as reusing_forward_backward_func
 
@@ -179,6 +179,8 @@ def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]
     model, optimizer = trainer.model, trainer.optimizer
     model.train()
     seq_len = micro_batches[0]["tokens"].shape[1]
+    adjust = distillation_tensor_shapes_fn(model)  # a pipeline-parallel teacher's hidden states between stages
+    extra = {} if adjust is None else {"adjust_tensor_shapes_fn": adjust}
     with megatron_training_shims():
         model.zero_grad_buffer()
         optimizer.zero_grad()
@@ -191,6 +193,7 @@ def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]
             micro_batch_size=micro_batches[0]["tokens"].shape[0],
             decoder_seq_length=seq_len,
             forward_only=False,
+            **extra,
         )
         if after_backward is not None:  # the schedule's finalize_model_grads has reduced the gradients
             after_backward()
@@ -199,7 +202,20 @@ def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]
         raise RuntimeError("train_step: the optimizer skipped the update (non-finite gradients)")
     if trainer.scheduler is not None:
         trainer.scheduler.step(increment=1)
-    return float(torch.stack([r["lm loss"] for r in reported]).mean())
+    return _mean_reported_loss(reported)
+
+
+def _mean_reported_loss(reported: list) -> float:
+    """The mean of the micro-batches' losses; with pipeline parallelism only the last stage has them, so every
+    stage takes the last stage's value (one broadcast over the pipeline group, on every rank alike)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return float(torch.stack([r["lm loss"] for r in reported]).mean())
+    loss = torch.stack([r["lm loss"] for r in reported]).mean().reshape(1) if reported else torch.zeros(1)
+    group = parallel_state.get_pipeline_model_parallel_group()
+    torch.distributed.broadcast(loss.float(), src=parallel_state.get_pipeline_model_parallel_last_rank(), group=group)
+    return float(loss)
 
 
 def train(

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import zlib
 from typing import Any
 
@@ -48,6 +49,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
@@ -299,6 +301,8 @@ def _init_layout_independent(model: torch.nn.Module, seed: int, num_layers: int,
     etp_size = parallel_state.get_expert_tensor_parallel_world_size()
     etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
+    pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    offset = get_transformer_layer_offset(model.config) if pipelined else 0
     norm_params = {
         id(p) for m in model.modules() if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm)) for p in m.parameters()
     }
@@ -317,6 +321,9 @@ def _init_layout_independent(model: torch.nn.Module, seed: int, num_layers: int,
         if sharded:
             shape[dim] *= size
         canonical = global_param_name(name, num_local_experts, ep_rank)
+        if offset:  # the stage's local layer index -> the global one (pipeline parallelism)
+            canonical = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.",
+                               canonical)
         std = _INIT_STD
         if canonical.endswith(("linear_proj.weight", "linear_fc2.weight")):
             std = _INIT_STD / (2.0 * num_layers) ** 0.5
@@ -382,6 +389,7 @@ def build_moe_gpt(
     apply_cpu_shims()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
     if num_experts % ep:
         raise ValueError(f"num_experts={num_experts} must be a multiple of the expert-parallel size {ep}")
     cfg_over, model_over = split_gpt_overrides(overrides, "build_moe_gpt")
@@ -417,6 +425,8 @@ def build_moe_gpt(
         persist_layer_norm=False,
         apply_rope_fusion=False,
     )
+    if pp > 1:  # the layers split evenly over the stages; tensors between stages in the parameters' dtype
+        cfg_kwargs.update(pipeline_model_parallel_size=pp, pipeline_dtype=params_dtype)
     cfg_kwargs.update(cfg_over)
     config = TransformerConfig(**cfg_kwargs)
 
@@ -430,13 +440,15 @@ def build_moe_gpt(
         moe_submodules = dataclasses.replace(moe.keywords["submodules"],
                                              experts=grouped_mlp_spec(transformer_engine=experts == "te"))
         layer.submodules.mlp = functools.partial(moe.func, *moe.args, **{**moe.keywords, "submodules": moe_submodules})
-    block = TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=sequence_parallel_norm)
+    block = TransformerBlockSubmodules(layer_specs=[layer] * (num_layers // pp), layer_norm=sequence_parallel_norm)
     model_kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         max_sequence_length=seq_len,
         position_embedding_type="rope",
         parallel_output=True,
         share_embeddings_and_output_weights=False,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
     model_kwargs.update(model_over)
     model = GPTModel(config=config, transformer_layer_spec=block, **model_kwargs)

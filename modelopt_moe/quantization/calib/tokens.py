@@ -9,6 +9,8 @@ gathers them by global expert index (the summary, the export's warning and the c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -69,13 +71,18 @@ def _local_counts(model: nn.Module) -> dict[str, dict[int, int]]:
     return out
 
 
-def expert_token_counts(model: nn.Module) -> dict[str, dict[int, int]]:
+def expert_token_counts(model: nn.Module, rename: Callable[[str], str] | None = None) -> dict[str, dict[int, int]]:
     """``{input quantizer name: {global expert: calibration tokens}}`` over every rank. A collective when
-    ``torch.distributed`` is initialized with more than one rank: every rank calls it (one ``all_gather_object``)."""
-    parts = [_local_counts(model)]
+    ``torch.distributed`` is initialized with more than one rank: every rank calls it (one ``all_gather_object``).
+
+    ``rename`` maps each rank's quantizer names before they are merged (pipeline stages: to global layer names)."""
+    local = _local_counts(model)
+    if rename is not None:
+        local = {rename(name): cells for name, cells in local.items()}
+    parts = [local]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, _local_counts(model))
+        dist.all_gather_object(parts, local)
     totals: dict[str, dict[int, int]] = {}
     for part in parts:
         for name, cells in part.items():
