@@ -152,7 +152,8 @@ def _input_scales(layout, tensors: dict, engine: str | None) -> dict[str, torch.
 
 def _in_memory(family, name: str) -> str:
     """The in-memory module path (transformers') of a file name (Mixtral's ``block_sparse_moe`` is ``mlp`` there)."""
-    return name.replace(f".{family.expert_prefix.split('.')[0]}.", ".mlp.")
+    block = family.layer_tensors["experts.{E}.gate"].split(".")[0]  # the MoE block's name in the files
+    return name.replace(f".{block}.", ".mlp.")
 
 
 def engine_order_model(path: str | os.PathLike, engine: str | None = None) -> nn.Module:
@@ -205,7 +206,8 @@ def engine_order_model(path: str | os.PathLike, engine: str | None = None) -> nn
     if missing or unexpected:
         raise ExportError(f"{path}: the files do not fit {config.architectures}: missing {missing[:4]}, unexpected "
                           f"{unexpected[:4]}")
-    names = tuple(fam.expert_modules[k] for k in ("gate", "up", "down"))
+    # gate / up / down: each expert's module names in the files (``experts.{E}.gate`` -> ``...gate_proj.weight``)
+    names = tuple(fam.layer_tensors[f"experts.{{E}}.{k}"].split(".")[-2] for k in ("gate", "up", "down"))
     for layer, block in enumerate(model.model.layers):
         per_expert = [tuple(weights[fam.hf_module(f"layers.{layer}.experts.{e}.{k}")] for k in ("gate", "up", "down"))
                       for e in range(arch.num_experts)]
