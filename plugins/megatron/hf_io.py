@@ -31,7 +31,7 @@ from megatron.core.models.gpt import GPTModel
 from modelopt_moe.export.errors import ExportError
 from modelopt_moe.export.families import MoEArch, family_for_architecture, get_family, read_hf_config
 from modelopt_moe.export.hf_checkpoint import HfCheckpointReader, LinearRecord, TensorRecord, write_hf_checkpoint
-from modelopt_moe.export.mapping import Param
+from modelopt_moe.export.mapping import STACKED, Param
 from modelopt_moe.export.schemes import LinearQuant, QuantSpec
 from modelopt_moe.quantization.conversion import unwrap_model
 from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
@@ -232,11 +232,46 @@ def _gather_expert_amax(holder, kind: str, lay: _Layout, param: Param, where: st
     return _gather_cat(amax, lay.ep, lay.ep_size, 0)
 
 
-def _expert_records(m, params: list[Param], L: int, arch: MoEArch, lay: _Layout) -> Iterator[LinearRecord]:
+def _to_stacked(t: torch.Tensor, rule: str) -> torch.Tensor:
+    """One expert's Megatron tensor (``[out, in]`` weight or ``[out]`` bias) in the fused 3-D layout: transposed to
+    ``[in, out]``; a gated fc1's ``[gate; up]`` interleaved (gate even, up odd)."""
+    if rule == "stacked_glu":
+        gate, up = t.chunk(2, 0)
+        t = torch.stack([gate, up], 1).reshape(t.shape)  # rows gate0, up0, gate1, up1, ...
+    return t.t() if t.dim() == 2 else t
+
+
+def _from_stacked(t: torch.Tensor, rule: str) -> torch.Tensor:
+    """Inverse of :func:`_to_stacked`."""
+    t = t.t() if t.dim() == 2 else t
+    if rule == "stacked_glu":
+        t = torch.cat([t[0::2], t[1::2]], 0)
+    return t.contiguous()
+
+
+def _stacked_records(m, params: list[Param], L: int, arch: MoEArch, lay: _Layout, n: int) -> Iterator[TensorRecord]:
+    """A layer's experts fused into one tensor per parameter (every expert, in global order); expert-TP must be 1."""
+    for param in params:
+        if param.holder is not None:
+            holder = _get(m, param.holder.format(L=L))
+            if any(q is not None and q.is_quantizing for q in (_quantizer(holder, k) for k in _QUANTIZERS)):
+                raise ExportError(f"{param.holder.format(L=L)}: quantized experts stored fused as 3-D tensors "
+                                  f"({arch.family}) cannot be exported yet (expected unquantized experts: disable "
+                                  "their quantizers or export another family)")
+        if lay.etp_size != 1:
+            raise ExportError(f"{param.path[0].format(L=L, i=0)}: fused 3-D experts need expert tensor parallel size "
+                              f"1, got {lay.etp_size}")
+        local = torch.stack([_to_stacked(_resolve(m, param, L, i)[1].detach(), param.rule) for i in range(n)])
+        yield TensorRecord(_names(param, L)[0], torch.cat(_all_gather(local, lay.ep, lay.ep_size), 0))
+
+
+def _expert_records(m, params: list[Param], L: int, arch: MoEArch, lay: _Layout) -> Iterator:
     """The layer's experts, one local expert slot at a time over expert-TP and EP, in global expert order."""
     n = _num_local_experts(_get(m, get_family(arch.family).megatron.experts.format(L=L)))
     if n * lay.ep_size != arch.num_experts:
         raise ExportError(f"layer {L}: {n} local experts x EP {lay.ep_size} != {arch.num_experts} experts")
+    yield from _stacked_records(m, [p for p in params if p.rule in STACKED], L, arch, lay, n)
+    params = [p for p in params if p.rule not in STACKED]
     plans = []
     for param in params:
         where, holder = _holder(m, param, L)
@@ -409,6 +444,16 @@ def import_megatron(model, hf_dir: str | os.PathLike) -> None:
                 staged.add(target, _read_slice(reader, param, target, names, rank, arch, tp_size), _label(names))
                 continue
             n = _num_local_experts(_get(m, table.experts.format(L=L)))
+            if param.rule in STACKED:
+                if lay.etp_size != 1:
+                    raise ExportError(f"{param.path[0].format(L=L, i=0)}: fused 3-D experts need expert tensor "
+                                      f"parallel size 1, got {lay.etp_size}")
+                name = _names(param, L)[0]
+                for i in range(n):
+                    e = lay.ep_rank * n + i
+                    value = _from_stacked(reader.get_rows(name, e, e + 1)[0], param.rule)
+                    staged.add(_resolve(m, param, L, i)[1], value, f"{name}[{e}]")
+                continue
             for i in range(n):
                 target = _resolve(m, param, L, i)[1]
                 names = _names(param, L, lay.ep_rank * n + i)
