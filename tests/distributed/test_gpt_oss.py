@@ -176,7 +176,7 @@ def test_the_megatron_model_has_the_family_pieces(run):
     assert p["sinks"] == [True, True, True]
     assert p["softmax_type"] == "learnable"
     assert p["windows"] == [(3, 0), None, (3, 0)]  # sliding_window 4: the query and the 3 keys before it
-    assert p["qkv_bias"] and p["o_bias"] and p["router_bias"]
+    assert (p["qkv_bias"], p["o_bias"], p["router_bias"]) == (True, True, True)
     assert p["expert_bias"] == (True, True)
     assert p["glu"] == (True, "quick_gelu", 1.0, 7.0)
     assert p["rope"] == "YarnRotaryEmbedding"
