@@ -17,7 +17,10 @@ Qwen3's q/k norm -> ``qk_layernorm``, ``router_aux_loss_coef`` -> ``moe_aux_loss
 (``MLATransformerConfig``: ``q_lora_rank``, ``kv_lora_rank``, ``qk_head_dim``, ``qk_pos_emb_head_dim``,
 ``v_head_dim``, YaRN), q/k/v biases (``add_qkv_bias``), partial RoPE (``rotary_percent``), dense first layers
 (``moe_layer_freq``, one layer spec per layer), shared experts (``moe_shared_expert_intermediate_size``) and the
-sigmoid router with expert bias, groups and scaling (``moe_router_*``).
+sigmoid router with expert bias, groups and scaling (``moe_router_*``). gpt-oss adds biases on every linear
+(``add_bias_linear``), learnable attention sinks (``softmax_type="learnable"``), sliding-window layers
+(``window_size``, ``window_attn_skip_freq``), the clamped SwiGLU (``quick_gelu``, ``glu_linear_offset=1``,
+``activation_func_clamp_value``) and YaRN outside MLA (``position_embedding_type="yarn"``, :func:`_set_yarn`).
 """
 
 from __future__ import annotations
