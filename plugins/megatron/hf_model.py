@@ -41,6 +41,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from modelopt_moe.export.errors import ExportError
 from modelopt_moe.export.families import MoEArch, family_for_architecture, get_family, read_hf_config
+from modelopt_moe.plugins.megatron_cpu import cpu_sliding_window_mask
 from modelopt_moe.quantization.conversion import unwrap_model
 
 from .mla_attention import LatentDotProductAttention
@@ -245,6 +246,8 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
         use_cpu_initialization=not on_gpu, gradient_accumulation_fusion=False,
     )
     config_kwargs.update(_variant_config(arch))
+    if not on_gpu and arch.sliding_window:
+        cpu_sliding_window_mask()
     if not on_gpu:  # fused kernels that need CUDA
         config_kwargs.update(bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
                              apply_rope_fusion=False, bias_activation_fusion=False)

@@ -53,13 +53,13 @@ def _rank(rank, world_size, src, out):
     import warnings
 
     warnings.filterwarnings("ignore")
-    from modelopt_moe.plugins.megatron_cpu import enable_cpu_megatron
-
-    enable_cpu_megatron()  # Megatron builds the sliding-window mask on "cuda"
     from megatron.core import parallel_state, tensor_parallel
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.export import ExportError, build_megatron_model, export_hf, import_hf
+    from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
+
+    apply_cpu_shims()  # not enable_cpu_megatron(): the sliding-window mask must run on the CPU without its torch mode
 
     torch.manual_seed(1)
     tokens = torch.randint(0, VOCAB, (2, 16))

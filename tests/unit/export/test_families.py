@@ -101,6 +101,11 @@ def test_qwen3_router_normalisation_survives_the_round_trip():
     ("qwen3_moe", "hidden_act", "gelu", "hidden_act='gelu'"),
     ("mixtral", "sliding_window", 16, "sliding_window=16"),
     ("mixtral", "architectures", ["LlamaForCausalLM"], "expected MixtralForCausalLM"),
+    ("gpt_oss", "swiglu_alpha", 1.5, "swiglu_alpha=1.5"),
+    ("gpt_oss", "layer_types", ["chunked_attention", "full_attention"], "layer_types=.*'chunked_attention'"),
+    ("gpt_oss", "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                    "original_max_position_embeddings": 32, "attention_factor": 2.0},
+     "rope_parameters.attention_factor=2.0"),
 ])
 def test_unsupported_features_are_refused_by_name(family, key, value, match):
     cfg = get_family(family).hf_config(_arch(family))
