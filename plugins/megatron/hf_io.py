@@ -252,12 +252,6 @@ def _from_stacked(t: torch.Tensor, rule: str) -> torch.Tensor:
 def _stacked_records(m, params: list[Param], L: int, arch: MoEArch, lay: _Layout, n: int) -> Iterator[TensorRecord]:
     """A layer's experts fused into one tensor per parameter (every expert, in global order); expert-TP must be 1."""
     for param in params:
-        if param.holder is not None:
-            holder = _get(m, param.holder.format(L=L))
-            if any(q is not None and q.is_quantizing for q in (_quantizer(holder, k) for k in _QUANTIZERS)):
-                raise ExportError(f"{param.holder.format(L=L)}: quantized experts stored fused as 3-D tensors "
-                                  f"({arch.family}) cannot be exported yet (expected unquantized experts: disable "
-                                  "their quantizers or export another family)")
         if lay.etp_size != 1:
             raise ExportError(f"{param.path[0].format(L=L, i=0)}: fused 3-D experts need expert tensor parallel size "
                               f"1, got {lay.etp_size}")
@@ -307,14 +301,28 @@ def _layer_records(m, L: int, arch: MoEArch, lay: _Layout) -> Iterator:
         yield from _expert_records(m, experts, L, arch, lay)
 
 
+def _refuse_quantized_stacked(m, param: Param, L: int, arch: MoEArch) -> None:
+    """Fused 3-D experts are written unquantized: refuses experts whose quantizers are on (nothing dropped)."""
+    if param.holder is None:
+        return
+    where = param.holder.format(L=L)
+    holder = _get(m, where)
+    if any(q is not None and q.is_quantizing for q in (_quantizer(holder, k) for k in _QUANTIZERS)):
+        raise ExportError(f"{where}: quantized experts stored fused as 3-D tensors ({arch.family}) cannot be exported "
+                          "yet (expected unquantized experts: disable their quantizers, e.g. "
+                          "mtq.disable_quantizer(model, '*experts*'))")
+
+
 def _linear_quants(m: GPTModel, arch: MoEArch) -> dict[str, LinearQuant]:
     """Every exported linear's quantizers, by canonical name (local state only: no collective); refuses a quantizer
-    without amax, naming its Megatron module."""
+    without amax, and quantized fused 3-D experts, naming the Megatron module."""
     table = get_family(arch.family).megatron
     quants: dict[str, LinearQuant] = {}
     groups = [("embedding", None)] + [(L, L) for L in range(arch.num_layers)] + [("final", None)]
     for key, L in groups:
         for param in table.params(arch, key):
+            if param.rule in STACKED:
+                _refuse_quantized_stacked(m, param, L, arch)
             if not param.linear:
                 continue
             where, holder = _holder(m, param, L)
