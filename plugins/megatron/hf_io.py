@@ -11,7 +11,8 @@ rule), with every expert's weight and input amax gathered the same way; fused QK
 interleaves them per query group), fused ``fc1`` into ``gate/up`` (gate rows first; under expert-TP each rank holds
 its slice of both); experts stored fused as 3-D tensors (gpt-oss) gather every expert into one tensor per layer
 (the table's ``stacked`` rules; expert-TP 1, unquantized). Rank 0 encodes and writes through
-:func:`modelopt_moe.export.hf_checkpoint.write_hf_checkpoint`; the others drop what they gathered. At most one layer's dense weights and ``EP`` experts are in flight at a time.
+:func:`modelopt_moe.export.hf_checkpoint.write_hf_checkpoint`; the others drop what they gathered. At most one
+layer's dense weights and ``EP`` experts are in flight at a time.
 
 Import reads each rank's slices straight from the safetensors files (no collective, no full tensor in memory), after
 checking the whole checkpoint from its files' headers; it writes the parameters only once every slice is read.
