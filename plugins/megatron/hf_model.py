@@ -355,7 +355,8 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
         dense_ffn_hidden_size=c.ffn_hidden_size if first_dense else 0,
         router_score_function=c.moe_router_score_function, router_expert_bias=bool(c.moe_router_enable_expert_bias),
         router_num_groups=c.moe_router_num_groups or 0, router_group_topk=c.moe_router_group_topk or 0,
-        routed_scaling_factor=float(c.moe_router_topk_scaling_factor or 1.0), qkv_bias=bool(c.add_qkv_bias),
+        routed_scaling_factor=float(c.moe_router_topk_scaling_factor or 1.0),
+        qkv_bias=bool(c.add_qkv_bias or c.add_bias_linear),  # Megatron biases linear_qkv under either
         rotary_percent=float(m.rotary_percent), linear_bias=bool(c.add_bias_linear),
         attention_sinks=c.softmax_type == "learnable", swiglu_limit=float(c.activation_func_clamp_value or 0.0),
         **_windows(c), **(_yarn(c, mla) if mla else _gpt_yarn(m)))

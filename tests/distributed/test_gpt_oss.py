@@ -84,6 +84,10 @@ def _rank(rank, world_size, src, out):
         res[f"logits_tp{tp}_ep{ep}"] = logits(model)
         export_hf(model, Path(out) / f"hf_tp{tp}_ep{ep}", format="hf", dtype=torch.bfloat16, progress=False,
                   hf_config=src if tp == 1 else None)  # the source's config as template: it must agree
+        if (tp, ep) == (1, 1):  # add_bias_linear alone biases linear_qkv too: the same model, read as such
+            plain = build_megatron_model(src, params_dtype=torch.float32, add_qkv_bias=False)
+            import_hf(plain, src)
+            res["bias_linear_only"] = torch.equal(logits(plain.eval()), res["logits_tp1_ep1"])
         if (tp, ep) == (2, 2):
             c, layers = model.config, model.decoder.layers
             attn = [layer.self_attention for layer in layers]
@@ -186,6 +190,10 @@ def test_the_megatron_model_has_the_family_pieces(run):
     assert p["expert_bias"] == (True, True)
     assert p["glu"] == (True, "quick_gelu", 1.0, 7.0)
     assert p["rope"] == "YarnRotaryEmbedding"
+
+
+def test_a_model_built_with_add_bias_linear_alone_imports(run):
+    assert run[1]["bias_linear_only"]
 
 
 def test_expert_biases_with_expert_tp_are_refused(run):
