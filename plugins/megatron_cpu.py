@@ -27,6 +27,10 @@ What it does, each for one reason:
   with; dummy CUDA streams and events). :func:`enable_cpu_megatron` keeps them on for the whole process (in the
   thread that called it); the context manager scopes them to a block.
 
+Megatron's sliding-window mask (``get_sliding_window_causal_mask``, built on ``device="cuda"``):
+:func:`cpu_sliding_window_mask` builds it on the CPU; ``build_megatron_model`` installs it on a machine without CUDA
+for models with sliding windows (gpt-oss), whichever of the setups above ran.
+
 Not patched: the CUDA RNG (seed Megatron with ``tensor_parallel.model_parallel_cuda_manual_seed(seed,
 inference_rng_tracker=True)``, which keeps no CUDA RNG state); CUDA streams of the alltoall token dispatcher (use
 ``moe_token_dispatcher_type="allgather"``); the non-TE norm's refusal of ``sequence_parallel`` (build the norms with
@@ -263,4 +267,26 @@ def enable_cpu_megatron() -> bool:
             setattr(torch.cuda, name, value)
         _enabled_mode = _CudaAsCpuMode()
         _enabled_mode.__enter__()  # pushed for good: the process runs Megatron on CPU from here on
+    return True
+
+
+def _sliding_window_causal_mask_cpu(sq: int, skv: int, window_size) -> torch.Tensor:
+    """Megatron's ``get_sliding_window_causal_mask`` (True: masked), built on the CPU."""
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    upper = torch.triu(m, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
+
+
+def cpu_sliding_window_mask() -> bool:
+    """Makes Megatron's unfused softmax build its sliding-window mask on the CPU (Megatron-Core 0.19 builds it on
+    ``"cuda"``); a no-op where CUDA is available. Imports Megatron: call it after :func:`apply_cpu_shims`.
+
+    Returns:
+        True if the CPU mask is in place (now or before), False where CUDA is available.
+    """
+    if torch.cuda.is_available():
+        return False
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_sliding_window_causal_mask = _sliding_window_causal_mask_cpu
     return True

@@ -20,6 +20,9 @@ A :class:`Family` maps canonical names to its Hugging Face tensor names (``layer
   ``block_sparse_moe.experts.E.{w1,w3,w2}`` (gate, up, down) as ``transformers`` saves them.
 * ``deepseek_v3`` (``DeepseekV3ForCausalLM``, Kimi-K2): multi-latent attention, dense first layers, shared experts,
   the sigmoid router with ``e_score_correction_bias`` and group-limited top-k.
+* ``gpt_oss`` (``GptOssForCausalLM``): biases on every linear, attention sinks, alternating sliding-window layers,
+  clamped SwiGLU, YaRN; experts stored fused as 3-D tensors (canonical ``experts_gate_up``, ``experts_down`` and
+  their biases, one tensor per layer).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ExportError
-from .mapping import DEEPSEEK_V3, GLM4_MOE, LLAMA_MOE, PREDICATES, MegatronTable
+from .mapping import DEEPSEEK_V3, GLM4_MOE, GPT_OSS, LLAMA_MOE, PREDICATES, MegatronTable
 
 __all__ = ["MoEArch", "Family", "FAMILIES", "get_family", "family_for_architecture", "read_hf_config",
            "canonical_names", "canonical_shapes", "register_family"]
@@ -94,6 +97,14 @@ class MoEArch:
     rope_beta_slow: float = 1.0
     rope_mscale: float = 1.0
     rope_mscale_all_dim: float = 0.0
+    rope_truncate: bool = True  # YaRN's correction range rounded to whole dimensions (gpt-oss: not)
+    # gpt-oss: biases on every linear (attention, router, experts), attention sinks, sliding-window layers
+    # (window_layers[L] 1: layer L attends to the last sliding_window tokens), clamped SwiGLU (+1 on the linear half)
+    linear_bias: bool = False
+    attention_sinks: bool = False
+    sliding_window: int = 0
+    window_layers: tuple[int, ...] = ()
+    swiglu_limit: float = 0.0
 
 
 # MoEArch fields beyond Llama's attention with a softmax-routed MoE MLP, at their plain values: a family expresses
@@ -103,7 +114,11 @@ _PLAIN = {f: MoEArch.__dataclass_fields__[f].default for f in (
     "first_dense_layers", "dense_ffn_hidden_size", "router_score_function", "router_expert_bias",
     "router_num_groups", "router_group_topk", "routed_scaling_factor", "qkv_bias", "rotary_percent", "rope_type",
     "rope_factor", "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
-    "rope_mscale_all_dim")}
+    "rope_mscale_all_dim", "rope_truncate", "linear_bias", "attention_sinks", "sliding_window", "window_layers",
+    "swiglu_limit")}
+# the fields only gpt-oss expresses
+_GPT_OSS_FIELDS = frozenset({"rope_truncate", "linear_bias", "attention_sinks", "sliding_window", "window_layers",
+                             "swiglu_limit"})
 
 
 def _yarn(cfg: dict, where: str) -> dict[str, Any]:
@@ -115,8 +130,8 @@ def _yarn(cfg: dict, where: str) -> dict[str, Any]:
         return {}
     if rope_type != "yarn":
         raise ExportError(f"{where}: rope scaling {params} is not supported (plain RoPE or YaRN only)")
-    for key, allowed in (("attention_factor", (None,)), ("truncate", (None, True)), ("partial_rotary_factor",
-                                                                                       (None, 1.0))):
+    for key, allowed in (("attention_factor", (None,)), ("truncate", (None, True, False)),
+                         ("partial_rotary_factor", (None, 1.0))):
         if params.get(key) not in allowed:
             raise ExportError(f"{where}: rope_parameters.{key}={params[key]!r} is not supported (expected one of "
                               f"{list(allowed)})")
@@ -127,7 +142,8 @@ def _yarn(cfg: dict, where: str) -> dict[str, Any]:
         mscale, mscale_all_dim = 1.0, 0.0
     return dict(rope_type="yarn", rope_factor=float(factor), rope_original_max_position_embeddings=original,
                 rope_beta_fast=float(params.get("beta_fast") or 32), rope_beta_slow=float(params.get("beta_slow") or 1),
-                rope_mscale=float(mscale), rope_mscale_all_dim=float(mscale_all_dim))
+                rope_mscale=float(mscale), rope_mscale_all_dim=float(mscale_all_dim),
+                rope_truncate=params.get("truncate") is not False)
 
 
 def read_hf_config(hf_dir_or_config: str | os.PathLike | dict) -> dict:
@@ -501,7 +517,7 @@ class DeepseekV3Family(Family):
     optional = {"q_proj": "no_q_lora", "q_a_proj": "q_lora", "q_a_norm": "q_lora", "q_b_proj": "q_lora",
                 **_SIGMOID_MOE_OPTIONAL}
     megatron = DEEPSEEK_V3
-    features = frozenset(_PLAIN)
+    features = frozenset(_PLAIN) - _GPT_OSS_FIELDS
 
     def shapes(self, arch: MoEArch) -> dict[str, tuple[int, ...]]:
         h, n = arch.hidden_size, arch.num_attention_heads
@@ -571,9 +587,10 @@ class Glm4MoeFamily(Family):
                                                                                                   "v_proj")},
                 **_SIGMOID_MOE_OPTIONAL}
     megatron = GLM4_MOE
-    features = frozenset(_PLAIN) - {"kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "rope_type",
-                                    "rope_factor", "rope_original_max_position_embeddings", "rope_beta_fast",
-                                    "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim"}
+    features = frozenset(_PLAIN) - _GPT_OSS_FIELDS - {
+        "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "rope_type", "rope_factor",
+        "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
+        "rope_mscale_all_dim"}
     keep_fp32 = frozenset({"router_bias"})  # transformers keeps e_score_correction_bias in fp32
 
     def shapes(self, arch: MoEArch) -> dict[str, tuple[int, ...]]:
@@ -599,8 +616,94 @@ class Glm4MoeFamily(Family):
         return cfg
 
 
+class GptOssFamily(Family):
+    """gpt-oss: Llama's attention with biases and a learnable sink per head, alternating sliding-window and full
+    layers, YaRN; a softmax router with bias over experts with biases and a clamped SwiGLU (``swiglu_limit``, the
+    linear half offset by 1, the gate ``x * sigmoid(1.702 x)``), stored fused as 3-D tensors (``gate_up_proj``
+    ``[E, H, 2I]`` with gate and up interleaved, ``down_proj`` ``[E, I, H]``)."""
+
+    name = "gpt_oss"
+    architecture = "GptOssForCausalLM"
+    model_type = "gpt_oss"
+    qk_norm = False
+    layer_tensors = {
+        "input_norm": "input_layernorm.weight",
+        **{k: f"self_attn.{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+           for k, w in ((p, "weight"), (f"{p}_bias", "bias"))},
+        "sinks": "self_attn.sinks", "post_attn_norm": "post_attention_layernorm.weight",
+        "router": "mlp.router.weight", "router_bias": "mlp.router.bias",
+        "experts_gate_up": "mlp.experts.gate_up_proj", "experts_gate_up_bias": "mlp.experts.gate_up_proj_bias",
+        "experts_down": "mlp.experts.down_proj", "experts_down_bias": "mlp.experts.down_proj_bias",
+    }
+    optional = {**{f"{p}_bias": "linear_bias" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                "router_bias": "linear_bias", "experts_gate_up_bias": "linear_bias",
+                "experts_down_bias": "linear_bias", "sinks": "sinks"}
+    megatron = GPT_OSS
+    features = frozenset({"qkv_bias", "rope_type", "rope_factor", "rope_original_max_position_embeddings",
+                          "rope_beta_fast", "rope_beta_slow", "rope_truncate"}) | _GPT_OSS_FIELDS
+    _ALPHA = 1.702  # Megatron's quick_gelu: x * sigmoid(1.702 x)
+
+    def shapes(self, arch: MoEArch) -> dict[str, tuple[int, ...]]:
+        h, d, e, inter = arch.hidden_size, arch.head_dim, arch.num_experts, arch.moe_ffn_hidden_size
+        return {**super().shapes(arch), "q_proj_bias": (arch.num_attention_heads * d,),
+                "k_proj_bias": (arch.num_kv_heads * d,), "v_proj_bias": (arch.num_kv_heads * d,), "o_proj_bias": (h,),
+                "sinks": (arch.num_attention_heads,), "router_bias": (e,), "experts_gate_up": (e, h, 2 * inter),
+                "experts_gate_up_bias": (e, 2 * inter), "experts_down": (e, inter, h), "experts_down_bias": (e, h)}
+
+    def _common(self, cfg: dict, where: str) -> dict[str, Any]:
+        yarn = _yarn(cfg, where)
+        plain = {**cfg, "rope_parameters": {"rope_theta": _rope_theta(cfg, where), "rope_type": "default"}}
+        plain.pop("rope_scaling", None)
+        return {**super()._common(plain, where), **yarn}
+
+    def arch_from_hf(self, cfg: dict) -> MoEArch:
+        where = f"{self.architecture} config"
+        common = self._common(cfg, where)
+        if float(cfg.get("swiglu_alpha", self._ALPHA)) != self._ALPHA:
+            raise ExportError(f"{where}: swiglu_alpha={cfg['swiglu_alpha']} is not supported (Megatron's clamped "
+                              f"GLU gates with quick_gelu: expected {self._ALPHA})")
+        limit = float(_require(cfg, "swiglu_limit", where))
+        if limit <= 0:
+            raise ExportError(f"{where}: swiglu_limit={limit}: expected a positive clamp value")
+        n = common["num_layers"]
+        layer_types = list(cfg.get("layer_types") or ["full_attention"] * n)
+        bad = [t for t in layer_types if t not in ("sliding_attention", "full_attention")]
+        if len(layer_types) != n or bad:
+            raise ExportError(f"{where}: layer_types={layer_types}: expected {n} of 'sliding_attention' / "
+                              "'full_attention'")
+        windows = tuple(int(t == "sliding_attention") for t in layer_types)
+        window = int(cfg.get("sliding_window") or 0) if any(windows) else 0
+        if any(windows) and window <= 0:
+            raise ExportError(f"{where}: sliding_window={cfg.get('sliding_window')!r} with sliding_attention layers: "
+                              "expected a positive window")
+        bias = bool(cfg.get("attention_bias", False))
+        return MoEArch(
+            family=self.name, num_experts=int(_require(cfg, "num_local_experts", where)),
+            moe_ffn_hidden_size=int(_require(cfg, "intermediate_size", where)), qk_norm=False, norm_topk_prob=True,
+            qkv_bias=bias, linear_bias=bias, attention_sinks=True, sliding_window=window,
+            window_layers=windows if window else (), swiglu_limit=limit, **common)
+
+    def hf_config(self, arch: MoEArch, template: dict | None = None) -> dict:
+        if not arch.attention_sinks or arch.swiglu_limit <= 0 or arch.qkv_bias != arch.linear_bias:
+            raise ExportError(f"{self.architecture} has attention sinks, a clamped SwiGLU and biases on every linear "
+                              f"or none; the model has attention_sinks={arch.attention_sinks}, swiglu_limit="
+                              f"{arch.swiglu_limit}, qkv_bias={arch.qkv_bias}, linear_bias={arch.linear_bias}")
+        cfg = super().hf_config(arch, template)
+        cfg.update({"num_local_experts": arch.num_experts, "intermediate_size": arch.moe_ffn_hidden_size,
+                    "attention_bias": arch.linear_bias, "swiglu_limit": arch.swiglu_limit,
+                    "swiglu_alpha": self._ALPHA, "sliding_window": arch.sliding_window or None,
+                    "layer_types": [("sliding_attention" if arch.window_layers and arch.window_layers[L] else
+                                     "full_attention") for L in range(arch.num_layers)]})
+        if arch.rope_type == "yarn":
+            cfg["rope_parameters"] = {
+                "rope_theta": arch.rope_theta, "rope_type": "yarn", "factor": arch.rope_factor,
+                "original_max_position_embeddings": arch.rope_original_max_position_embeddings,
+                "beta_fast": arch.rope_beta_fast, "beta_slow": arch.rope_beta_slow, "truncate": arch.rope_truncate}
+        return cfg
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (Qwen3MoeFamily(), MixtralFamily(), DeepseekV3Family(),
-                                                   Glm4MoeFamily())}
+                                                   Glm4MoeFamily(), GptOssFamily())}
 _ARCHITECTURES = {f.architecture: f for f in FAMILIES.values()}
 
 

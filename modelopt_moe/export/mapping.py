@@ -15,8 +15,13 @@ Gather rules (the parallel group is tensor-parallel, or expert-tensor-parallel f
 * ``row``: split along dim 1 (input columns: row-parallel linears).
 * ``qkv``: column-parallel fused attention input, rows ``[q heads; k; v]`` per query group -> ``q``, ``k``, ``v``.
 * ``glu``: column-parallel gated fc1, each rank's rows ``[gate_r; up_r]`` -> ``gate``, ``up``.
+* ``stacked``: an expert's tensor, every expert's stacked into one tensor along a new dim 0, a weight transposed to
+  ``[in, out]`` (Hugging Face's fused 3-D experts: gpt-oss's ``down_proj`` ``[E, I, H]``, its bias ``[E, H]``).
+* ``stacked_glu``: the same for a gated fc1, gate and up interleaved along the output dim (gate the even, up the odd
+  columns: gpt-oss's ``gate_up_proj`` ``[E, H, 2I]``, its bias ``[E, 2I]``).
 
-An expert parameter's path holds ``{i}`` (the rank's local expert) and its canonical names ``{E}`` (the global
+A stacked parameter's canonical name has no ``{E}``: it is one tensor per layer. An expert parameter's path holds
+``{i}`` (the rank's local expert) and its canonical names ``{E}`` (the global
 expert: local expert ``i`` of expert-parallel rank ``r`` is ``r * N_local + i``); it gathers over expert-TP, then over
 expert parallelism. Alternatives in ``path`` are tried in order, the first present wins (Transformer Engine fuses the
 input norm into the QKV linear; grouped experts hold ``weight{i}`` where sequential ones hold ``local_experts.{i}``).
@@ -27,9 +32,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["RULES", "PREDICATES", "Param", "MegatronTable", "LLAMA_MOE", "DEEPSEEK_V3", "GLM4_MOE"]
+__all__ = ["RULES", "STACKED", "PREDICATES", "Param", "MegatronTable", "LLAMA_MOE", "DEEPSEEK_V3", "GLM4_MOE",
+           "GPT_OSS"]
 
-RULES = {"replicated": 1, "column": 1, "row": 1, "qkv": 3, "glu": 2}  # rule -> canonical tensors it holds
+RULES = {"replicated": 1, "column": 1, "row": 1, "qkv": 3, "glu": 2, "stacked": 1, "stacked_glu": 1}
+STACKED = ("stacked", "stacked_glu")  # the rules that fuse every expert into one tensor
 
 # when a parameter is present: a name, so that tables stay data (arch: MoEArch, L: layer index or None)
 PREDICATES: dict[str, Callable] = {
@@ -43,6 +50,8 @@ PREDICATES: dict[str, Callable] = {
                                        and arch.shared_expert_ffn_hidden_size > 0),
     "qkv_bias": lambda arch, L: arch.qkv_bias,
     "expert_bias": lambda arch, L: L is not None and L >= arch.first_dense_layers and arch.router_expert_bias,
+    "linear_bias": lambda arch, L: arch.linear_bias,
+    "sinks": lambda arch, L: arch.attention_sinks,
 }
 
 
@@ -200,3 +209,26 @@ DEEPSEEK_V3 = MegatronTable(
 
 # GLM-4.5's layer: Llama's attention (q/k/v biases split per query group like the weight) and DeepSeek-V3's MLP side.
 GLM4_MOE = MegatronTable(embedding=_EMBEDDING, layer=(*_LLAMA_ATTENTION, *_SIGMOID_MOE_MLP), final=_FINAL)
+
+# gpt-oss's layer: Llama's attention with biases on q/k/v and o_proj and a learnable sink per head (Megatron's softmax
+# offset, split over TP with the heads); a softmax router with bias; experts with biases, stored fused as 3-D tensors.
+GPT_OSS = MegatronTable(
+    embedding=_EMBEDDING,
+    layer=(
+        *_LLAMA_ATTENTION,
+        Param(_ATTN + "linear_proj.bias", "replicated", "layers.{L}.o_proj_bias", when="linear_bias"),
+        Param(_ATTN + "core_attention.softmax_offset", "column", "layers.{L}.sinks", when="sinks"),
+        Param(_LAYER + "pre_mlp_layernorm.weight", "replicated", "layers.{L}.post_attn_norm"),
+        Param(_LAYER + "mlp.router.weight", "replicated", "layers.{L}.router", linear=True, quantized=False),
+        Param(_LAYER + "mlp.router.bias", "replicated", "layers.{L}.router_bias", when="linear_bias"),
+        Param((_EXPERTS + "local_experts.{i}.linear_fc1.weight", _EXPERTS + "linear_fc1.weight{i}"),
+              "stacked_glu", "layers.{L}.experts_gate_up", holder=_EXPERTS + "linear_fc1"),
+        Param((_EXPERTS + "local_experts.{i}.linear_fc1.bias", _EXPERTS + "linear_fc1.bias{i}"),
+              "stacked_glu", "layers.{L}.experts_gate_up_bias", when="linear_bias"),
+        Param((_EXPERTS + "local_experts.{i}.linear_fc2.weight", _EXPERTS + "linear_fc2.weight{i}"),
+              "stacked", "layers.{L}.experts_down", holder=_EXPERTS + "linear_fc2"),
+        Param((_EXPERTS + "local_experts.{i}.linear_fc2.bias", _EXPERTS + "linear_fc2.bias{i}"),
+              "stacked", "layers.{L}.experts_down_bias", when="linear_bias"),
+    ),
+    final=_FINAL,
+)

@@ -9,8 +9,10 @@ column-parallel along rows, row-parallel along columns) and each expert slot's w
 expert ``i`` of EP rank ``r`` is global expert ``r * N_local + i``, :class:`~modelopt_moe.quantization.ExpertGrid`'s
 rule), with every expert's weight and input amax gathered the same way; fused QKV splits into ``q/k/v`` (Megatron
 interleaves them per query group), fused ``fc1`` into ``gate/up`` (gate rows first; under expert-TP each rank holds
-its slice of both). Rank 0 encodes and writes through :func:`modelopt_moe.export.hf_checkpoint.write_hf_checkpoint`;
-the others drop what they gathered. At most one layer's dense weights and ``EP`` experts are in flight at a time.
+its slice of both); experts stored fused as 3-D tensors (gpt-oss) gather every expert into one tensor per layer
+(the table's ``stacked`` rules; expert-TP 1, unquantized). Rank 0 encodes and writes through
+:func:`modelopt_moe.export.hf_checkpoint.write_hf_checkpoint`; the others drop what they gathered. At most one
+layer's dense weights and ``EP`` experts are in flight at a time.
 
 Import reads each rank's slices straight from the safetensors files (no collective, no full tensor in memory), after
 checking the whole checkpoint from its files' headers; it writes the parameters only once every slice is read.
@@ -31,7 +33,7 @@ from megatron.core.models.gpt import GPTModel
 from modelopt_moe.export.errors import ExportError
 from modelopt_moe.export.families import MoEArch, family_for_architecture, get_family, read_hf_config
 from modelopt_moe.export.hf_checkpoint import HfCheckpointReader, LinearRecord, TensorRecord, write_hf_checkpoint
-from modelopt_moe.export.mapping import Param
+from modelopt_moe.export.mapping import STACKED, Param
 from modelopt_moe.export.schemes import LinearQuant, QuantSpec
 from modelopt_moe.quantization.conversion import unwrap_model
 from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
@@ -232,11 +234,40 @@ def _gather_expert_amax(holder, kind: str, lay: _Layout, param: Param, where: st
     return _gather_cat(amax, lay.ep, lay.ep_size, 0)
 
 
-def _expert_records(m, params: list[Param], L: int, arch: MoEArch, lay: _Layout) -> Iterator[LinearRecord]:
+def _to_stacked(t: torch.Tensor, rule: str) -> torch.Tensor:
+    """One expert's Megatron tensor (``[out, in]`` weight or ``[out]`` bias) in the fused 3-D layout: transposed to
+    ``[in, out]``; a gated fc1's ``[gate; up]`` interleaved (gate even, up odd)."""
+    if rule == "stacked_glu":
+        gate, up = t.chunk(2, 0)
+        t = torch.stack([gate, up], 1).reshape(t.shape)  # rows gate0, up0, gate1, up1, ...
+    return t.t() if t.dim() == 2 else t
+
+
+def _from_stacked(t: torch.Tensor, rule: str) -> torch.Tensor:
+    """Inverse of :func:`_to_stacked`."""
+    t = t.t() if t.dim() == 2 else t
+    if rule == "stacked_glu":
+        t = torch.cat([t[0::2], t[1::2]], 0)
+    return t.contiguous()
+
+
+def _stacked_records(m, params: list[Param], L: int, arch: MoEArch, lay: _Layout, n: int) -> Iterator[TensorRecord]:
+    """A layer's experts fused into one tensor per parameter (every expert, in global order); expert-TP must be 1."""
+    for param in params:
+        if lay.etp_size != 1:
+            raise ExportError(f"{param.path[0].format(L=L, i=0)}: fused 3-D experts need expert tensor parallel size "
+                              f"1, got {lay.etp_size}")
+        local = torch.stack([_to_stacked(_resolve(m, param, L, i)[1].detach(), param.rule) for i in range(n)])
+        yield TensorRecord(_names(param, L)[0], torch.cat(_all_gather(local, lay.ep, lay.ep_size), 0))
+
+
+def _expert_records(m, params: list[Param], L: int, arch: MoEArch, lay: _Layout) -> Iterator:
     """The layer's experts, one local expert slot at a time over expert-TP and EP, in global expert order."""
     n = _num_local_experts(_get(m, get_family(arch.family).megatron.experts.format(L=L)))
     if n * lay.ep_size != arch.num_experts:
         raise ExportError(f"layer {L}: {n} local experts x EP {lay.ep_size} != {arch.num_experts} experts")
+    yield from _stacked_records(m, [p for p in params if p.rule in STACKED], L, arch, lay, n)
+    params = [p for p in params if p.rule not in STACKED]
     plans = []
     for param in params:
         where, holder = _holder(m, param, L)
@@ -272,14 +303,28 @@ def _layer_records(m, L: int, arch: MoEArch, lay: _Layout) -> Iterator:
         yield from _expert_records(m, experts, L, arch, lay)
 
 
+def _refuse_quantized_stacked(m, param: Param, L: int, arch: MoEArch) -> None:
+    """Fused 3-D experts are written unquantized: refuses experts whose quantizers are on (nothing dropped)."""
+    if param.holder is None:
+        return
+    where = param.holder.format(L=L)
+    holder = _get(m, where)
+    if any(q is not None and q.is_quantizing for q in (_quantizer(holder, k) for k in _QUANTIZERS)):
+        raise ExportError(f"{where}: quantized experts stored fused as 3-D tensors ({arch.family}) cannot be exported "
+                          "yet (expected unquantized experts: disable their quantizers, e.g. "
+                          "mtq.disable_quantizer(model, '*experts*'))")
+
+
 def _linear_quants(m: GPTModel, arch: MoEArch) -> dict[str, LinearQuant]:
     """Every exported linear's quantizers, by canonical name (local state only: no collective); refuses a quantizer
-    without amax, naming its Megatron module."""
+    without amax, and quantized fused 3-D experts, naming the Megatron module."""
     table = get_family(arch.family).megatron
     quants: dict[str, LinearQuant] = {}
     groups = [("embedding", None)] + [(L, L) for L in range(arch.num_layers)] + [("final", None)]
     for key, L in groups:
         for param in table.params(arch, key):
+            if param.rule in STACKED:
+                _refuse_quantized_stacked(m, param, L, arch)
             if not param.linear:
                 continue
             where, holder = _holder(m, param, L)
@@ -409,6 +454,16 @@ def import_megatron(model, hf_dir: str | os.PathLike) -> None:
                 staged.add(target, _read_slice(reader, param, target, names, rank, arch, tp_size), _label(names))
                 continue
             n = _num_local_experts(_get(m, table.experts.format(L=L)))
+            if param.rule in STACKED:
+                if lay.etp_size != 1:
+                    raise ExportError(f"{param.path[0].format(L=L, i=0)}: fused 3-D experts need expert tensor "
+                                      f"parallel size 1, got {lay.etp_size}")
+                name = _names(param, L)[0]
+                for i in range(n):
+                    e = lay.ep_rank * n + i
+                    value = _from_stacked(reader.get_rows(name, e, e + 1)[0], param.rule)
+                    staged.add(_resolve(m, param, L, i)[1], value, f"{name}[{e}]")
+                continue
             for i in range(n):
                 target = _resolve(m, param, L, i)[1]
                 names = _names(param, L, lay.ep_rank * n + i)

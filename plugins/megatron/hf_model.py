@@ -17,7 +17,10 @@ Qwen3's q/k norm -> ``qk_layernorm``, ``router_aux_loss_coef`` -> ``moe_aux_loss
 (``MLATransformerConfig``: ``q_lora_rank``, ``kv_lora_rank``, ``qk_head_dim``, ``qk_pos_emb_head_dim``,
 ``v_head_dim``, YaRN), q/k/v biases (``add_qkv_bias``), partial RoPE (``rotary_percent``), dense first layers
 (``moe_layer_freq``, one layer spec per layer), shared experts (``moe_shared_expert_intermediate_size``) and the
-sigmoid router with expert bias, groups and scaling (``moe_router_*``).
+sigmoid router with expert bias, groups and scaling (``moe_router_*``). gpt-oss adds biases on every linear
+(``add_bias_linear``), learnable attention sinks (``softmax_type="learnable"``), sliding-window layers
+(``window_size``, ``window_attn_skip_freq``), the clamped SwiGLU (``quick_gelu``, ``glu_linear_offset=1``,
+``activation_func_clamp_value``) and YaRN outside MLA (``position_embedding_type="yarn"``, :func:`_set_yarn`).
 """
 
 from __future__ import annotations
@@ -29,13 +32,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from modelopt_moe.export.errors import ExportError
 from modelopt_moe.export.families import MoEArch, family_for_architecture, get_family, read_hf_config
+from modelopt_moe.plugins.megatron_cpu import cpu_sliding_window_mask
 from modelopt_moe.quantization.conversion import unwrap_model
 
 from .mla_attention import LatentDotProductAttention
@@ -144,7 +150,29 @@ def _variant_config(arch: MoEArch) -> dict[str, Any]:
         kw.update(moe_router_num_groups=arch.router_num_groups, moe_router_group_topk=arch.router_group_topk)
     if arch.routed_scaling_factor != 1.0:
         kw["moe_router_topk_scaling_factor"] = arch.routed_scaling_factor
+    if arch.linear_bias:
+        kw.update(add_bias_linear=True, add_qkv_bias=True)
+    if arch.attention_sinks:
+        kw["softmax_type"] = "learnable"
+    if arch.sliding_window:  # Megatron's window counts the keys before the query, transformers' the query too
+        kw.update(window_size=(arch.sliding_window - 1, 0), window_attn_skip_freq=list(arch.window_layers))
+    if arch.swiglu_limit:
+        kw.update(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=arch.swiglu_limit)
     return kw
+
+
+# YaRN outside multi-latent attention: GPTModel reads these attributes of the config (not dataclass fields)
+_YARN_ATTRS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
+
+
+def _set_yarn(config, arch: MoEArch) -> None:
+    """YaRN for Llama's attention: the attention factor from the scaling factor alone (``mscale`` None), as
+    transformers computes it without ``mscale`` / ``mscale_all_dim``."""
+    values = (arch.rope_factor, arch.rope_original_max_position_embeddings, arch.rope_beta_fast, arch.rope_beta_slow,
+              None, None, arch.rope_truncate)
+    for attr, value in zip(_YARN_ATTRS, values, strict=True):
+        setattr(config, attr, value)
 
 
 def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: Any) -> GPTModel:
@@ -187,6 +215,10 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     etp = parallel_state.get_expert_tensor_parallel_world_size()
+    if arch.linear_bias and etp > 1:
+        raise ExportError(f"build_megatron_model: expert tensor parallel size {etp} with expert biases "
+                          f"({arch.family}: attention_bias=True) is not supported: Megatron-Core 0.19 keeps expert "
+                          "biases only with expert_tensor_parallel_size=1 (expected 1)")
     sizes = [("vocab_size", tp, arch.vocab_size), ("num_key_value_heads", tp, arch.num_kv_heads),
              ("num_experts", ep, arch.num_experts), ("moe_intermediate_size", etp, arch.moe_ffn_hidden_size),
              ("q_lora_rank", tp, arch.q_lora_rank), ("kv_lora_rank + qk_rope_head_dim", tp,
@@ -214,15 +246,21 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
         use_cpu_initialization=not on_gpu, gradient_accumulation_fusion=False,
     )
     config_kwargs.update(_variant_config(arch))
+    if not on_gpu and arch.sliding_window:
+        cpu_sliding_window_mask()
     if not on_gpu:  # fused kernels that need CUDA
         config_kwargs.update(bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
                              apply_rope_fusion=False, bias_activation_fusion=False)
     config_kwargs.update(cfg_over)
     config = (MLATransformerConfig if arch.kv_lora_rank else TransformerConfig)(**config_kwargs)
+    yarn = arch.rope_type == "yarn" and not arch.kv_lora_rank
+    if yarn:
+        _set_yarn(config, arch)
     layer_spec = _local_layer_spec(arch) if spec == "local" else _te_layer_spec(arch)
     model_kwargs: dict[str, Any] = dict(
         vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
-        position_embedding_type="rope", rotary_percent=arch.rotary_percent, rotary_base=arch.rope_theta,
+        position_embedding_type="yarn" if yarn else "rope", rotary_percent=arch.rotary_percent,
+        rotary_base=arch.rope_theta,
         share_embeddings_and_output_weights=arch.tie_word_embeddings, parallel_output=True,
     )
     model_kwargs.update(model_over)
@@ -257,12 +295,13 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
     checks = [
         ("normalization", c.normalization, ("RMSNorm",)),
         ("gated_linear_unit", c.gated_linear_unit, (True,)),
-        ("add_bias_linear", c.add_bias_linear, (False,)),
+        ("add_bias_linear", c.add_bias_linear, (False, True)),
+        ("softmax_type", c.softmax_type, ("vanilla", "learnable")),
         ("moe_router_score_function", c.moe_router_score_function, ("softmax", "sigmoid")),
         ("mtp_num_layers", c.mtp_num_layers, (None, 0)),
         ("rotary_interleaved", c.rotary_interleaved, (False,)),
         ("layernorm_zero_centered_gamma", c.layernorm_zero_centered_gamma, (False,)),
-        ("position_embedding_type", m.position_embedding_type, ("rope",)),
+        ("position_embedding_type", m.position_embedding_type, ("rope", "yarn")),
         ("rope_scaling", m.rotary_scaling, (False,)),
     ]
     if mla:
@@ -278,16 +317,22 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
                           "experts' input (before linear_fc1); Qwen3-MoE, Mixtral and the serving engines (vLLM, "
                           "SGLang, TensorRT-LLM, transformers) multiply it into the expert output after down_proj, so "
                           "the exported model would compute something else (expected moe_apply_probs_on_input=False)")
-    if c.activation_func is not F.silu:
-        raise _unsupported("activation_func", getattr(c.activation_func, "__name__", c.activation_func), "silu")
+    clamped = c.activation_func is quick_gelu and c.glu_linear_offset == 1.0 and c.activation_func_clamp_value
+    if c.activation_func is not F.silu and not clamped:
+        raise _unsupported("activation_func", getattr(c.activation_func, "__name__", c.activation_func),
+                           "silu, or quick_gelu with glu_linear_offset=1 and activation_func_clamp_value (gpt-oss)")
+    if c.activation_func is F.silu and (c.glu_linear_offset or c.activation_func_clamp_value is not None):
+        raise _unsupported("glu_linear_offset / activation_func_clamp_value",
+                           (c.glu_linear_offset, c.activation_func_clamp_value), "0.0 / None with silu")
     head_dim = c.qk_head_dim if mla else c.kv_channels
     scale = (head_dim + c.qk_pos_emb_head_dim) ** -0.5 if mla else head_dim ** -0.5
     if c.softmax_scale not in (None, scale):
         raise _unsupported("softmax_scale", c.softmax_scale, "1/sqrt(query head size)")
     first_dense = _first_dense_layers(c)
     sigmoid = c.moe_router_score_function == "sigmoid"
-    name = family or ("deepseek_v3" if mla else "glm4_moe" if sigmoid else "qwen3_moe" if c.qk_layernorm
-                      else "mixtral")
+    gpt_oss = c.softmax_type == "learnable"
+    name = family or ("deepseek_v3" if mla else "glm4_moe" if sigmoid else "gpt_oss" if gpt_oss
+                      else "qwen3_moe" if c.qk_layernorm else "mixtral")
     fam = get_family(name)
     qk_norm = bool(c.qk_layernorm) and not mla  # MLA's qk_layernorm are its latent norms
     if fam.qk_norm is not None and fam.qk_norm != qk_norm:
@@ -310,8 +355,11 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
         dense_ffn_hidden_size=c.ffn_hidden_size if first_dense else 0,
         router_score_function=c.moe_router_score_function, router_expert_bias=bool(c.moe_router_enable_expert_bias),
         router_num_groups=c.moe_router_num_groups or 0, router_group_topk=c.moe_router_group_topk or 0,
-        routed_scaling_factor=float(c.moe_router_topk_scaling_factor or 1.0), qkv_bias=bool(c.add_qkv_bias),
-        rotary_percent=float(m.rotary_percent), **_yarn(c, mla))
+        routed_scaling_factor=float(c.moe_router_topk_scaling_factor or 1.0),
+        qkv_bias=bool(c.add_qkv_bias or c.add_bias_linear),  # Megatron biases linear_qkv under either
+        rotary_percent=float(m.rotary_percent), linear_bias=bool(c.add_bias_linear),
+        attention_sinks=c.softmax_type == "learnable", swiglu_limit=float(c.activation_func_clamp_value or 0.0),
+        **_windows(c), **(_yarn(c, mla) if mla else _gpt_yarn(m)))
     fam.check(arch, "Megatron model")
     return arch
 
@@ -324,6 +372,31 @@ def _yarn(c, mla: bool) -> dict[str, Any]:
                 rope_original_max_position_embeddings=int(c.original_max_position_embeddings),
                 rope_beta_fast=float(c.beta_fast), rope_beta_slow=float(c.beta_slow), rope_mscale=float(c.mscale),
                 rope_mscale_all_dim=float(c.mscale_all_dim))
+
+
+def _gpt_yarn(m) -> dict[str, Any]:
+    """YaRN outside multi-latent attention (:func:`_set_yarn`'s attributes; empty for plain RoPE)."""
+    if m.position_embedding_type != "yarn":
+        return {}
+    c = m.config
+    if getattr(c, "yarn_mscale", None) is not None or getattr(c, "yarn_mscale_all_dim", None) is not None:
+        raise _unsupported("yarn_mscale / yarn_mscale_all_dim", (c.yarn_mscale, c.yarn_mscale_all_dim), "None")
+    return dict(rope_type="yarn", rope_factor=float(c.yarn_rotary_scaling_factor),
+                rope_original_max_position_embeddings=int(c.yarn_original_max_position_embeddings),
+                rope_beta_fast=float(c.yarn_beta_fast), rope_beta_slow=float(c.yarn_beta_slow),
+                rope_truncate=bool(c.yarn_correction_range_round_to_int))
+
+
+def _windows(c) -> dict[str, Any]:
+    """Sliding-window attention: the window in transformers' terms and which layers have it (empty without)."""
+    if not c.window_size:
+        return {}
+    left, right = c.window_size
+    if right != 0 or left < 0:
+        raise _unsupported("window_size", c.window_size, "(window - 1, 0): a causal sliding window")
+    layers = tuple(int(is_layer_window_attention(c.window_size, c.window_attn_skip_freq, L + 1))
+                   for L in range(c.num_layers))
+    return dict(sliding_window=left + 1, window_layers=layers)
 
 
 def _first_dense_layers(c) -> int:

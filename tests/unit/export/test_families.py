@@ -31,6 +31,10 @@ def _arch(family: str, **changes) -> MoEArch:
         base.update(qk_norm=True, qkv_bias=True, rotary_percent=0.5, shared_expert_ffn_hidden_size=32,
                     first_dense_layers=1, dense_ffn_hidden_size=96, router_score_function="sigmoid",
                     router_expert_bias=True, routed_scaling_factor=2.5)
+    if family == "gpt_oss":  # biases, sinks, alternating sliding windows, clamped SwiGLU, YaRN without truncation
+        base.update(qkv_bias=True, linear_bias=True, attention_sinks=True, sliding_window=8, window_layers=(1, 0),
+                    swiglu_limit=7.0, rope_type="yarn", rope_factor=4.0, rope_original_max_position_embeddings=32,
+                    rope_truncate=False)
     base.update(changes)
     return MoEArch(**base)
 
@@ -71,7 +75,8 @@ def test_config_round_trip_through_transformers(family):
     assert "rope_scaling" not in cfg
     hf = AutoConfig.for_model(**cfg)
     assert type(hf).__name__ == {"qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig",
-                                 "deepseek_v3": "DeepseekV3Config", "glm4_moe": "Glm4MoeConfig"}[family]
+                                 "deepseek_v3": "DeepseekV3Config", "glm4_moe": "Glm4MoeConfig",
+                                 "gpt_oss": "GptOssConfig"}[family]
     assert (hf.hidden_size, hf.num_hidden_layers, hf.num_key_value_heads, hf.num_experts_per_tok) == (64, 2, 4, 2)
     assert hf.num_local_experts == 4
     assert hf.rms_norm_eps == 1e-6
@@ -96,6 +101,11 @@ def test_qwen3_router_normalisation_survives_the_round_trip():
     ("qwen3_moe", "hidden_act", "gelu", "hidden_act='gelu'"),
     ("mixtral", "sliding_window", 16, "sliding_window=16"),
     ("mixtral", "architectures", ["LlamaForCausalLM"], "expected MixtralForCausalLM"),
+    ("gpt_oss", "swiglu_alpha", 1.5, "swiglu_alpha=1.5"),
+    ("gpt_oss", "layer_types", ["chunked_attention", "full_attention"], "layer_types=.*'chunked_attention'"),
+    ("gpt_oss", "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                    "original_max_position_embeddings": 32, "attention_factor": 2.0},
+     "rope_parameters.attention_factor=2.0"),
 ])
 def test_unsupported_features_are_refused_by_name(family, key, value, match):
     cfg = get_family(family).hf_config(_arch(family))
@@ -106,7 +116,7 @@ def test_unsupported_features_are_refused_by_name(family, key, value, match):
 
 def test_unknown_family_and_architecture():
     with pytest.raises(ExportError, match=r"family='llama' is not supported; expected one of "
-                                          r"\['deepseek_v3', 'glm4_moe', 'mixtral', 'qwen3_moe'\]"):
+                                          r"\['deepseek_v3', 'glm4_moe', 'gpt_oss', 'mixtral', 'qwen3_moe'\]"):
         get_family("llama")
     assert get_family("Qwen3MoeForCausalLM").name == "qwen3_moe"
     with pytest.raises(ExportError, match="LlamaForCausalLM.*is not supported"):

@@ -6,14 +6,14 @@ from dataclasses import replace
 import pytest
 
 from modelopt_moe.export.families import FAMILIES, MoEArch, canonical_names
-from modelopt_moe.export.mapping import Param
+from modelopt_moe.export.mapping import STACKED, Param
 
 
 def _table_names(family, arch: MoEArch) -> list[str]:
     table, names = family.megatron, []
     for key, layer in [("embedding", None), *[(L, L) for L in range(arch.num_layers)], ("final", None)]:
         for p in table.params(arch, key):
-            experts = range(arch.num_experts) if p.expert else (None,)
+            experts = range(arch.num_experts) if p.expert and p.rule not in STACKED else (None,)  # stacked: one
             names += [c.format(L=layer, E=e) for e in experts for c in p.canonical]
     return names
 
@@ -31,6 +31,9 @@ def test_every_family_table_holds_exactly_its_canonical_tensors(name, tie):
     if name == "glm4_moe":  # q/k/v biases, q/k norm, a dense first layer, shared experts
         arch = replace(arch, qkv_bias=True, rotary_percent=0.5, shared_expert_ffn_hidden_size=32, first_dense_layers=1,
                        dense_ffn_hidden_size=96, router_score_function="sigmoid", router_expert_bias=True)
+    if name == "gpt_oss":  # biases everywhere, sinks, sliding windows, clamped SwiGLU, fused 3-D experts
+        arch = replace(arch, qkv_bias=True, linear_bias=True, attention_sinks=True, sliding_window=4,
+                       window_layers=(1, 0), swiglu_limit=7.0)
     names = _table_names(FAMILIES[name], arch)
     assert len(names) == len(set(names))
     assert sorted(names) == sorted(canonical_names(arch))
