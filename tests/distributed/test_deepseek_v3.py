@@ -32,21 +32,15 @@ from pathlib import Path
 import pytest
 import torch
 from limits import seconds  # noqa: E402
+from megatron_harness.hf_families import hf_logits, import_at_layout, rank_inputs, tensors, tiny_config
 
 from modelopt_moe.launch import spawn
-from modelopt_moe.quantization.config import preset_path
 
 WORLD = 4
 LAYOUTS = ((1, 1), (2, 2), (4, 1))  # (TP, EP)
 VOCAB = 256
 PRESETS = ("fp8_default.yaml", "fp8_experts.yaml", "fp8_per_expert.yaml", "int4_blockwise_weight_only.yaml",
            "int8_default.yaml", "nvfp4_default.yaml", "nvfp4_experts.yaml")
-
-
-def _config() -> dict:
-    """The shipped tiny config (configs/deepseek_v3_tiny.json), without the keys only a checkpoint carries."""
-    cfg = json.loads(preset_path("deepseek_v3_tiny.json").read_text())
-    return {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
 
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
@@ -57,7 +51,7 @@ def _save(path: Path, **changes) -> None:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**_config(), **changes}))
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**tiny_config("deepseek_v3_tiny.json"), **changes}))
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name:
@@ -71,7 +65,7 @@ def _rank(rank, world_size, src, out):
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.export import build_megatron_model, export_hf, import_hf
@@ -79,25 +73,11 @@ def _rank(rank, world_size, src, out):
     from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
 
     apply_cpu_shims()
-    torch.manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (2, 16))
-    positions = torch.arange(16).expand(2, 16)
-    causal = torch.triu(torch.ones(16, 16, dtype=torch.bool), diagonal=1)[None, None]
-
-    def logits(m):
-        with torch.no_grad():
-            return m(tokens, positions, causal, runtime_gather_output=True).float()
+    tokens, positions, causal, logits = rank_inputs(VOCAB)
 
     res = {"tokens": tokens}
     for tp, ep in LAYOUTS:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-        tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
-        model = build_megatron_model(src, params_dtype=torch.float32)
-        import_hf(model, src)
-        model.eval()
-        res[f"logits_tp{tp}_ep{ep}"] = logits(model)
-        export_hf(model, Path(out) / f"hf_tp{tp}_ep{ep}", format="hf", dtype=torch.bfloat16, progress=False,
-                  hf_config=src if tp == 1 else None)  # the source's config as template: it must agree
+        model = import_at_layout(src, out, tp, ep, logits, res)
         if (tp, ep) == (2, 2):
             layers = model.decoder.layers
             res["pieces"] = {
@@ -173,27 +153,10 @@ def run(tmp_path_factory):
     return base, results[0]
 
 
-def _hf_logits(path, tokens, **kw):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
-    with torch.no_grad():
-        return model(tokens).logits.float()
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 @pytest.mark.parametrize(("tp", "ep"), LAYOUTS)
 def test_megatron_logits_match_transformers_at_every_layout(run, tp, ep):
     base, r = run
-    ref = _hf_logits(base / "src", r["tokens"])
+    ref = hf_logits(base / "src", r["tokens"])
     diff = (r[f"logits_tp{tp}_ep{ep}"] - ref).abs().max().item()
     print(f"TP{tp} x EP{ep}: logits max |Megatron - transformers| = {diff:.3g} (largest {ref.abs().max():.3g})")
     assert diff <= 2e-5 * ref.abs().max().item()
@@ -202,7 +165,7 @@ def test_megatron_logits_match_transformers_at_every_layout(run, tp, ep):
 @pytest.mark.parametrize(("tp", "ep"), LAYOUTS)
 def test_hf_export_is_the_source_bit_for_bit(run, tp, ep):
     base, _ = run
-    source, exported = _tensors(base / "src"), _tensors(base / "out" / f"hf_tp{tp}_ep{ep}")
+    source, exported = tensors(base / "src"), tensors(base / "out" / f"hf_tp{tp}_ep{ep}")
     assert sorted(exported) == sorted(source)
     for name, t in source.items():
         assert exported[name].dtype == t.dtype, name
@@ -218,13 +181,13 @@ def test_hf_export_is_the_source_bit_for_bit(run, tp, ep):
 def test_yarn_rope_scaling_matches_transformers(run):
     base, r = run
     assert r["yarn_rope"] == "YarnRotaryEmbedding"
-    ref = _hf_logits(base / "src_yarn", r["tokens"])
-    plain = _hf_logits(base / "src", r["tokens"])
+    ref = hf_logits(base / "src_yarn", r["tokens"])
+    plain = hf_logits(base / "src", r["tokens"])
     assert (ref - plain).abs().max() > 1e-3  # YaRN changes the model
     diff = (r["logits_yarn"] - ref).abs().max().item()
     print(f"YaRN, TP2 x EP2: logits max |Megatron - transformers| = {diff:.3g}")
     assert diff <= 2e-5 * ref.abs().max().item()
-    source, exported = _tensors(base / "src_yarn"), _tensors(base / "out" / "hf_yarn")
+    source, exported = tensors(base / "src_yarn"), tensors(base / "out" / "hf_yarn")
     assert sorted(exported) == sorted(source)
     for name, t in source.items():
         assert torch.equal(exported[name], t), name
@@ -257,11 +220,11 @@ def test_fp8_export_loads_in_transformers(run):
     ignore = cfg["quantization_config"]["ignore"]
     assert "model.layers.1.mlp.gate" in ignore
     assert "lm_head" in ignore
-    t = _tensors(path)
+    t = tensors(path)
     assert t["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.bfloat16
     assert t["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
     assert t["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
-    ref = _hf_logits(path, r["tokens"], quantization_config=CompressedTensorsConfig(dequantize=True))
+    ref = hf_logits(path, r["tokens"], quantization_config=CompressedTensorsConfig(dequantize=True))
     diff = (r["logits_fp8"] - ref).abs().max().item()
     print(f"FP8 compressed-tensors in transformers: logits max |Megatron fake quant - transformers| = {diff:.3g}")
     assert diff <= 2e-5 * ref.abs().max().item()
@@ -296,7 +259,7 @@ def test_nvfp4_export_loads_in_transformers(run):
 
     base, r = run
     path = base / "out" / "nvfp4"
-    t = _tensors(path)
+    t = tensors(path)
     for module in ("mlp.experts.3.down_proj", "mlp.shared_experts.gate_proj", "self_attn.q_b_proj"):
         assert t[f"model.layers.1.{module}.weight_packed"].dtype == torch.uint8, module
     assert "model.layers.0.mlp.up_proj.weight_packed" in t
@@ -321,7 +284,7 @@ def test_nvfp4_file_decoded_in_fp32_gives_megatron_logits(run):
     from transformers import AutoModelForCausalLM
 
     base, r = run
-    t = _tensors(base / "out" / "nvfp4")
+    t = tensors(base / "out" / "nvfp4")
     model = AutoModelForCausalLM.from_pretrained(base / "src", dtype=torch.float32).eval()
     with torch.no_grad():
         for _, weight, decoded in list(_nvfp4_linears(t, model)):
@@ -366,7 +329,7 @@ def test_unmapped_features_are_refused_naming_the_field(key, value, match):
 
     from modelopt_moe.export import ExportError, get_family
 
-    cfg = DeepseekV3Config(**_config()).to_dict()
+    cfg = DeepseekV3Config(**tiny_config("deepseek_v3_tiny.json")).to_dict()
     cfg[key] = value
     with pytest.raises(ExportError, match=match):
         get_family("deepseek_v3").arch_from_hf(cfg)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from limits import seconds  # noqa: E402
+from megatron_harness.hf_families import tensors
 
 from modelopt_moe.export.families import Qwen3MoeFamily
 from modelopt_moe.launch import spawn
@@ -97,9 +98,7 @@ def test_a_family_declared_in_one_file_round_trips_bit_exact(run):
 
     base, _ = run
     source = load_file(base / "renamed" / "model.safetensors")
-    exported = {}
-    for f in (base / "export").glob("*.safetensors"):
-        exported.update(load_file(f))
+    exported = tensors(base / "export")
     assert sorted(exported) == sorted(source)
     for name, t in source.items():
         assert torch.equal(exported[name], t.float()), name

@@ -20,26 +20,20 @@ from pathlib import Path
 import pytest
 import torch
 from limits import seconds  # noqa: E402
+from megatron_harness.hf_families import hf_logits, import_at_layout, rank_inputs, tensors, tiny_config
 
 from modelopt_moe.launch import spawn
-from modelopt_moe.quantization.config import preset_path
 
 WORLD = 4
 LAYOUTS = ((1, 1), (2, 2))  # (TP, EP)
 VOCAB = 256
 
 
-def _config() -> dict:
-    """The shipped tiny config, without the keys only a checkpoint carries."""
-    cfg = json.loads(preset_path("glm4_moe_tiny.json").read_text())
-    return {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
-
-
 def _save(path: Path) -> None:
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
     torch.manual_seed(0)
-    model = Glm4MoeForCausalLM(Glm4MoeConfig(**_config()))
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(**tiny_config("glm4_moe_tiny.json")))
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name or name.endswith(".bias"):
@@ -56,32 +50,18 @@ def _rank(rank, world_size, src, out):
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.export import build_megatron_model, export_hf, import_hf
+    from modelopt_moe.export import export_hf
     from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
 
     apply_cpu_shims()
-    torch.manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (2, 16))
-    positions = torch.arange(16).expand(2, 16)
-    causal = torch.triu(torch.ones(16, 16, dtype=torch.bool), diagonal=1)[None, None]
-
-    def logits(m):
-        with torch.no_grad():
-            return m(tokens, positions, causal, runtime_gather_output=True).float()
+    tokens, positions, causal, logits = rank_inputs(VOCAB)
 
     res = {"tokens": tokens}
     for tp, ep in LAYOUTS:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-        tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
-        model = build_megatron_model(src, params_dtype=torch.float32)
-        import_hf(model, src)
-        model.eval()
-        res[f"logits_tp{tp}_ep{ep}"] = logits(model)
-        export_hf(model, Path(out) / f"hf_tp{tp}_ep{ep}", format="hf", dtype=torch.bfloat16, progress=False,
-                  hf_config=src if tp == 1 else None)  # the source's config as template: it must agree
+        model = import_at_layout(src, out, tp, ep, logits, res)
         if (tp, ep) == (2, 2):
             layers = model.decoder.layers
             res["pieces"] = {
@@ -116,27 +96,10 @@ def run(tmp_path_factory):
     return base, results[0]
 
 
-def _hf_logits(path, tokens, **kw):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
-    with torch.no_grad():
-        return model(tokens).logits.float()
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 @pytest.mark.parametrize(("tp", "ep"), LAYOUTS)
 def test_megatron_logits_match_transformers(run, tp, ep):
     base, r = run
-    ref = _hf_logits(base / "src", r["tokens"])
+    ref = hf_logits(base / "src", r["tokens"])
     diff = (r[f"logits_tp{tp}_ep{ep}"] - ref).abs().max().item()
     print(f"TP{tp} x EP{ep}: logits max |Megatron - transformers| = {diff:.3g} (largest {ref.abs().max():.3g})")
     assert diff <= 2e-5 * ref.abs().max().item()
@@ -145,7 +108,7 @@ def test_megatron_logits_match_transformers(run, tp, ep):
 @pytest.mark.parametrize(("tp", "ep"), LAYOUTS)
 def test_hf_export_is_the_source_bit_for_bit(run, tp, ep):
     base, _ = run
-    source, exported = _tensors(base / "src"), _tensors(base / "out" / f"hf_tp{tp}_ep{ep}")
+    source, exported = tensors(base / "src"), tensors(base / "out" / f"hf_tp{tp}_ep{ep}")
     assert sorted(exported) == sorted(source)
     assert source["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     for name, t in source.items():
@@ -176,11 +139,11 @@ def test_fp8_export_loads_in_transformers(run):
 
     base, r = run
     path = base / "out" / "fp8"
-    t = _tensors(path)
+    t = tensors(path)
     assert t["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert t["model.layers.1.self_attn.q_proj.bias"].dtype == torch.bfloat16
     assert t["model.layers.1.mlp.shared_experts.up_proj.weight"].dtype == torch.float8_e4m3fn
-    ref = _hf_logits(path, r["tokens"], quantization_config=CompressedTensorsConfig(dequantize=True))
+    ref = hf_logits(path, r["tokens"], quantization_config=CompressedTensorsConfig(dequantize=True))
     diff = (r["logits_fp8"] - ref).abs().max().item()
     print(f"FP8 compressed-tensors in transformers: logits max |Megatron fake quant - transformers| = {diff:.3g}")
     assert diff <= 2e-5 * ref.abs().max().item()
@@ -191,7 +154,7 @@ def test_mtp_layers_are_refused_naming_the_field():
 
     from modelopt_moe.export import ExportError, get_family
 
-    cfg = Glm4MoeConfig(**_config()).to_dict()
+    cfg = Glm4MoeConfig(**tiny_config("glm4_moe_tiny.json")).to_dict()
     cfg["num_nextn_predict_layers"] = 1
     with pytest.raises(ExportError, match="num_nextn_predict_layers=1"):
         get_family("glm4_moe").arch_from_hf(cfg)

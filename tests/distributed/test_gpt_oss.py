@@ -21,26 +21,20 @@ from pathlib import Path
 import pytest
 import torch
 from limits import seconds  # noqa: E402
+from megatron_harness.hf_families import hf_logits, import_at_layout, rank_inputs, tensors, tiny_config
 
 from modelopt_moe.launch import spawn
-from modelopt_moe.quantization.config import preset_path
 
 WORLD = 4
 LAYOUTS = ((1, 1), (2, 2))  # (TP, EP)
 VOCAB = 256
 
 
-def _config() -> dict:
-    """The shipped tiny config, without the keys only a checkpoint carries."""
-    cfg = json.loads(preset_path("gpt_oss_tiny.json").read_text())
-    return {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
-
-
 def _save(path: Path) -> None:
     from transformers import GptOssConfig, GptOssForCausalLM
 
     torch.manual_seed(0)
-    model = GptOssForCausalLM(GptOssConfig(**_config()))
+    model = GptOssForCausalLM(GptOssConfig(**tiny_config("gpt_oss_tiny.json")))
     with torch.no_grad():
         for name, t in model.named_parameters():
             if "norm" in name or name.endswith(("bias", "sinks")):
@@ -55,7 +49,7 @@ def _rank(rank, world_size, src, out):
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.export import ExportError, build_megatron_model, export_hf, import_hf
@@ -63,27 +57,12 @@ def _rank(rank, world_size, src, out):
 
     apply_cpu_shims()  # not enable_cpu_megatron(): the sliding-window mask must run on the CPU without its torch mode
 
-    torch.manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (2, 16))
-    positions = torch.arange(16).expand(2, 16)
-    causal = torch.triu(torch.ones(16, 16, dtype=torch.bool), diagonal=1)[None, None]
-
-    def logits(m):
-        with torch.no_grad():
-            return m(tokens, positions, causal, runtime_gather_output=True).float()
+    tokens, _, _, logits = rank_inputs(VOCAB)
 
     res = {"tokens": tokens}
     for tp, ep in LAYOUTS:
         # expert biases need expert-TP 1 (Megatron's default is the TP size)
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                                 expert_tensor_parallel_size=1)
-        tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
-        model = build_megatron_model(src, params_dtype=torch.float32)
-        import_hf(model, src)
-        model.eval()
-        res[f"logits_tp{tp}_ep{ep}"] = logits(model)
-        export_hf(model, Path(out) / f"hf_tp{tp}_ep{ep}", format="hf", dtype=torch.bfloat16, progress=False,
-                  hf_config=src if tp == 1 else None)  # the source's config as template: it must agree
+        model = import_at_layout(src, out, tp, ep, logits, res, expert_tensor_parallel_size=1)
         if (tp, ep) == (1, 1):  # add_bias_linear alone biases linear_qkv too: the same model, read as such
             plain = build_megatron_model(src, params_dtype=torch.float32, add_qkv_bias=False)
             import_hf(plain, src)
@@ -130,27 +109,10 @@ def run(tmp_path_factory):
     return base, results[0]
 
 
-def _hf_logits(path, tokens, **kw):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
-    with torch.no_grad():
-        return model(tokens).logits.float()
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 @pytest.mark.parametrize(("tp", "ep"), LAYOUTS)
 def test_megatron_logits_match_transformers(run, tp, ep):
     base, r = run
-    ref = _hf_logits(base / "src", r["tokens"])
+    ref = hf_logits(base / "src", r["tokens"])
     diff = (r[f"logits_tp{tp}_ep{ep}"] - ref).abs().max().item()
     print(f"TP{tp} x EP{ep}: logits max |Megatron - transformers| = {diff:.3g} (largest {ref.abs().max():.3g})")
     assert diff <= 2e-5 * ref.abs().max().item()
@@ -159,16 +121,16 @@ def test_megatron_logits_match_transformers(run, tp, ep):
 def test_the_clamp_and_the_windows_change_the_logits(run):
     """Without the clamp or the windows transformers' logits move far beyond the tolerance: the match tests both."""
     base, r = run
-    ref = _hf_logits(base / "src", r["tokens"])
+    ref = hf_logits(base / "src", r["tokens"])
     for change in ({"swiglu_limit": 1e9}, {"layer_types": ["full_attention"] * 3}):
-        other = _hf_logits(base / "src", r["tokens"], **change)
+        other = hf_logits(base / "src", r["tokens"], **change)
         assert (other - ref).abs().max().item() > 100 * 2e-5 * ref.abs().max().item(), change
 
 
 @pytest.mark.parametrize(("tp", "ep"), LAYOUTS)
 def test_hf_export_is_the_source_bit_for_bit(run, tp, ep):
     base, _ = run
-    source, exported = _tensors(base / "src"), _tensors(base / "out" / f"hf_tp{tp}_ep{ep}")
+    source, exported = tensors(base / "src"), tensors(base / "out" / f"hf_tp{tp}_ep{ep}")
     assert sorted(exported) == sorted(source)
     assert source["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
     for name, t in source.items():
@@ -213,12 +175,12 @@ def test_fp8_attention_export_loads_in_transformers(run):
 
     base, r = run
     path = base / "out" / "fp8"
-    t = _tensors(path)
+    t = tensors(path)
     assert t["model.layers.1.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
     assert t["model.layers.1.self_attn.q_proj.bias"].dtype == torch.bfloat16
     assert t["model.layers.1.self_attn.sinks"].dtype == torch.bfloat16
     assert t["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
-    ref = _hf_logits(path, r["tokens"], quantization_config=CompressedTensorsConfig(dequantize=True))
+    ref = hf_logits(path, r["tokens"], quantization_config=CompressedTensorsConfig(dequantize=True))
     diff = (r["logits_fp8"] - ref).abs().max().item()
     print(f"FP8 compressed-tensors in transformers: logits max |Megatron fake quant - transformers| = {diff:.3g}")
     assert diff <= 2e-5 * ref.abs().max().item()

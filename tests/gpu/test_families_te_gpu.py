@@ -18,6 +18,8 @@ pytest.importorskip("transformer_engine.pytorch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from megatron_harness.hf_families import tensors  # noqa: E402
+
 from modelopt_moe.quantization.config import preset_path  # noqa: E402
 
 CONFIGS = {"deepseek_v3": "deepseek_v3_tiny.json", "glm4_moe": "glm4_moe_tiny.json"}
@@ -37,15 +39,6 @@ def _save(path, family):
             elif "e_score_correction_bias" in name:
                 t.copy_(torch.randn_like(t) * 0.05)
     model.to(torch.bfloat16).save_pretrained(path)
-
-
-def _tensors(path):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -68,7 +61,7 @@ def test_te_spec_imports_matches_transformers_and_exports_bit_exact(megatron_one
     print(f"{family}, TE spec: logits max |Megatron - transformers| = {diff:.3g} (largest {ref.abs().max():.3g})")
     assert diff <= 1e-3 * ref.abs().max().item()  # TE's kernels and cuBLAS against torch on the CPU
     export_hf(model, tmp_path / "out", format="hf", dtype=torch.bfloat16, progress=False)
-    source, exported = _tensors(tmp_path / "src"), _tensors(tmp_path / "out")
+    source, exported = tensors(tmp_path / "src"), tensors(tmp_path / "out")
     assert sorted(exported) == sorted(source)
     for name, t in source.items():
         assert torch.equal(exported[name].to(t.dtype), t), name

@@ -12,6 +12,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+from gpu_kernel_checks import _compiled_triton, assert_bits_equal  # noqa: E402, F401  (autouse)
+
 from modelopt_moe import kernels as K  # noqa: E402
 from modelopt_moe.kernels import launch  # noqa: E402
 from modelopt_moe.numerics import fake_quant, round_to_e2m1, scale_rows  # noqa: E402
@@ -19,27 +21,7 @@ from modelopt_moe.numerics import fake_quant, round_to_e2m1, scale_rows  # noqa:
 FORMATS = [("e4m3", None), ("e5m2", None), ("nvfp4", None), ("int8", None), ("int4", None), ("int8", 16),
            ("int4", 128), ("int7", None), ("int2", None), ("int3", 16), ("int5", None), ("int6", 32)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 DEV = "cuda"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _compiled_triton():
-    if not K.kernels_available(DEV):
-        pytest.fail("Triton kernels not available on CUDA (triton missing, or TRITON_INTERPRET=1 in this process)")
-
-
-def assert_bits_equal(actual, expected, what=""):
-    assert actual.dtype == expected.dtype, what
-    assert actual.shape == expected.shape, what
-    expected = expected.to(actual.device)
-    an, en = torch.isnan(actual), torch.isnan(expected)
-    assert torch.equal(an, en), f"{what}: NaN positions differ"
-    a = torch.where(an, torch.zeros_like(actual), actual).contiguous().view(_INT_VIEW[actual.dtype])
-    e = torch.where(en, torch.zeros_like(expected), expected).contiguous().view(_INT_VIEW[actual.dtype])
-    bad = (a != e).nonzero()
-    assert bad.numel() == 0, (f"{what}: {bad.shape[0]} elements differ, first at {bad[0].tolist()}: "
-                              f"{actual[tuple(bad[0])].item()!r} vs {expected[tuple(bad[0])].item()!r}")
 
 
 def expert_amax(amax, i):
