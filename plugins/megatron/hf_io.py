@@ -86,7 +86,8 @@ def _linear_quant(holder) -> LinearQuant:
     specs = []
     for kind in _QUANTIZERS:
         q = _quantizer(holder, kind)
-        specs.append(QuantSpec(q.fmt, q.axis, q.block_size) if q is not None and q.is_quantizing else None)
+        specs.append(QuantSpec(q.fmt, q.axis, q.block_size, q.per_token) if q is not None and q.is_quantizing
+                     else None)
     return LinearQuant(*specs)
 
 
@@ -149,6 +150,8 @@ def _gather_expert_amax(holder, kind: str, lay: _Layout, gemm: str, num_local: i
     if q is None or not q.is_quantizing:
         return None
     amax = q.amax.detach().float() if q.amax is not None else None
+    if amax is None and (q.is_dynamic or not q.needs_amax):
+        return None  # every scale comes from the data (the same on every rank: the config)
     if amax is None:
         raise ExportError(f"{gemm}.{kind}: no amax (calibrate the model before exporting)")
     if amax.dim() == 2 and kind == "weight_quantizer":  # per channel: output channels split over expert-TP
@@ -235,9 +238,36 @@ def _linear_quants(m: GPTModel, arch: MoEArch) -> dict[str, LinearQuant]:
     for name, holder in _dense_holders(m):
         for kind in ("weight_quantizer", "input_quantizer"):
             q = _quantizer(holder, kind)
-            if q is not None and q.is_quantizing and q.needs_amax and q.amax is None:
+            if q is not None and q.is_quantizing and q.needs_amax and not q.is_dynamic and q.amax is None:
                 raise ExportError(f"{name}.{kind}: no amax (calibrate the model before exporting)")
+    _check_weight_row_blocks(m, arch, _Layout())
     return quants
+
+
+def _check_weight_row_blocks(m: GPTModel, arch: MoEArch, lay: _Layout) -> None:
+    """2-D weight blocks (FP8 128x128) are taken over each rank's fused weight in training; the exported q/k/v, gate
+    and up are re-blocked on their own, so every place where one exported matrix ends inside a trained weight (and
+    where ranks' row shards are joined) must be a row-block boundary, or the stored scales would not be training's.
+
+    Raises:
+        ExportError: naming the module, the block and the rows that cut a block.
+    """
+    ffn_local = arch.moe_ffn_hidden_size // lay.etp_size
+    cuts = {"self_attention.linear_qkv": ("head_dim (the q / k / v rows of each query group)", arch.head_dim),
+            "mlp.experts.linear_fc1": (f"moe_ffn_hidden_size / expert-TP {lay.etp_size} (gate | up rows)", ffn_local)}
+    for name, holder in _dense_holders(m):
+        q = _quantizer(holder, "weight_quantizer")
+        if q is None or not q.is_quantizing or not isinstance(q.block_size, tuple):
+            continue
+        rows = q.block_size[0]
+        what, n = next(((w, c) for key, (w, c) in cuts.items() if name.endswith(key)), (None, None))
+        if name == "output_layer" and lay.tp_size > 1:
+            what, n = f"the vocabulary rows per TP rank (TP {lay.tp_size})", holder.weight.shape[0]
+        if n is not None and n % rows:
+            raise ExportError(f"{name}.weight_quantizer: {q.block_size} weight blocks span {what} = {n}, not a "
+                              f"multiple of {rows}: the exported matrices would be blocked differently than "
+                              "training's fused weight (their scales would not be the trained ones); use "
+                              "1-D blocks or per-channel FP8, or a model whose sizes are multiples of the block")
 
 
 def _dense_holders(m: GPTModel):

@@ -40,6 +40,22 @@ from modelopt_moe.numerics import fake_quant
 WORLD, TP, EP, LAYERS, EXPERTS, INTER = 4, 2, 2, 2, 4, 32
 FORMATS = ("compressed-tensors", "modelopt")
 BASE_MODEL = "example-org/tiny-qwen3-moe"  # what the model card names as base_model when the exporter is told
+# The formats beyond FP8 / NVFP4 (each a config written by the parent: paths[scheme]) -> the file formats written.
+TRAINED = {"fp8_dynamic": FORMATS, "w4a16_g32": ("compressed-tensors",), "mxfp4": ("compressed-tensors",),
+           "mxfp8": FORMATS}
+_MX = "{num_bits: [%s], block_sizes: {-1: 32, type: dynamic, scale_bits: [8, 0]}}"
+TRAINED_CFG = {  # weight quantizer, input quantizer (None: off)
+    "fp8_dynamic": ("{num_bits: e4m3, axis: 0}", "{num_bits: e4m3, type: dynamic, block_sizes: {-1: null}}"),
+    "w4a16_g32": ("{num_bits: 4, block_sizes: {-1: 32, type: dynamic}}", None),
+    "mxfp4": (_MX % "2, 1", _MX % "2, 1"),
+    "mxfp8": (_MX % "4, 3", _MX % "4, 3"),
+}
+
+
+def _write_config(path: Path, weight: str, inputs: str | None) -> None:
+    x = f"    cfg: {inputs}" if inputs else "    enable: false"
+    path.write_text(f'quant_cfg:\n  - quantizer_name: "*weight_quantizer"\n    cfg: {weight}\n'
+                    f'  - quantizer_name: "*input_quantizer"\n{x}\n  - $import: _default_tail.yaml\nalgorithm: max\n')
 
 
 def _make_hf(path: Path, family: str) -> None:
@@ -215,7 +231,21 @@ def _rank(rank, world, paths: dict) -> dict:
         mtq.quantize(m, mtq.load_config("nvfp4_default.yaml"), calibrate)
         export_hf(m, out / f"experts_{kind}", format="modelopt", progress=False)
 
-    m = fresh("qwen3_moe")  # INT4 blocks: no compressed-tensors / modelopt scheme of ours
+    # the other trained formats an engine reads, in the file formats whose engines read them
+    for scheme, formats in TRAINED.items():
+        m = fresh("qwen3_moe")
+        mtq.quantize(m, mtq.load_config(paths[scheme]), calibrate)
+        for fmt in formats:
+            export_hf(m, out / f"{scheme}_{fmt}", format=fmt, progress=False)
+        if "modelopt" not in formats:
+            _expect_error(errors, f"{scheme}_modelopt", lambda: export_hf(m, out / "mo", format="modelopt"), out / "mo")
+        mtq.disable_quantizer(m, "*input_quantizer")
+        res[f"logits_{scheme}"] = logits(m)
+    m = fresh("qwen3_moe")  # 128x128 FP8 blocks over a head_dim of 16: training's blocks are not the exported ones
+    mtq.quantize(m, mtq.load_config("fp8_block_w8a8.yaml"), calibrate)
+    _expect_error(errors, "fp8_block_rows", lambda: export_hf(m, out / "fpb", format="compressed-tensors"),
+                  out / "fpb")
+    m = fresh("qwen3_moe")  # INT4 in groups of 128 over an expert input dim of 32: no engine's group
     mtq.quantize(m, mtq.load_config("int4_blockwise_weight_only.yaml"))
     _expect_error(errors, "int4", lambda: export_hf(m, out / "int4", format="compressed-tensors"), out / "int4")
     m = fresh("qwen3_moe")  # FP8 per output channel: compressed-tensors yes, Model Optimizer no
@@ -242,6 +272,9 @@ def run(tmp_path_factory):
     for family in ("qwen3_moe", "mixtral"):
         paths[family] = str(base / family)
         _make_hf(base / family, family)
+    for scheme, (weight, inputs) in TRAINED_CFG.items():
+        paths[scheme] = str(base / f"{scheme}.yaml")
+        _write_config(base / f"{scheme}.yaml", weight, inputs)
     results = spawn(_rank, WORLD, args=(paths,), timeout=seconds(900))
     return {"paths": paths, "out": base / "out", "results": results, "r0": results[0]}
 
@@ -604,7 +637,12 @@ def test_bad_inputs_fail_on_every_rank_before_writing(run):
         "family_unknown": "family='llama' is not supported",
         "family_mismatch": "family 'mixtral' has no query/key norm, the model has qk_layernorm=True",
         "hf_on_quantized": "format='hf' writes unquantized weights",
-        "int4": "weight format int4 block=128 is not FP8",
+        "int4": r"down_proj.weight: INT4 group export takes 2-D weights whose input dim is a multiple of the group "
+                r"\(128\), got shape \(64, 32\)",
+        "w4a16_g32_modelopt": "W4A16_G32 .* has no Model Optimizer quant_algo that an engine reads .* FP8_PB_WO",
+        "mxfp4_modelopt": "MXFP4 .* has no Model Optimizer quant_algo that an engine reads",
+        "fp8_block_rows": r"decoder.layers.0.self_attention.linear_qkv.weight_quantizer: \(128, 128\) weight blocks "
+                          r"span head_dim .* = 16, not a multiple of 128",
         "fp8_channel_modelopt": "FP8_CHANNEL .* has no Model Optimizer quant_algo",
         "interrupted": "OSError: .*No space left on device",
     }
@@ -656,3 +694,81 @@ def test_grouped_and_sequential_experts_export_the_same_checkpoint(run):
     configs = [json.loads((run["out"] / f"experts_{k}" / "config.json").read_text()) for k in ("sequential", "grouped")]
     assert configs[0] == configs[1]
     assert configs[0]["architectures"] == ["MixtralForCausalLM"]
+
+
+def _decoded(scheme: str, t: dict, name: str) -> torch.Tensor:
+    """One exported weight decoded by compressed-tensors' own decompressor of the scheme's format."""
+    from compressed_tensors import compressors
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    local = {k.removeprefix(name + "."): v for k, v in t.items() if k.startswith(name + ".")}
+    preset, compressor = {"fp8_dynamic": ("FP8_DYNAMIC", compressors.FloatQuantizationCompressor),
+                          "w4a16_g32": ("W4A16", compressors.PackedQuantizationCompressor),
+                          "mxfp4": ("MXFP4", compressors.MXFP4PackedCompressor),
+                          "mxfp8": ("MXFP8", compressors.MXFP8QuantizationCompressor)}[scheme]
+    ct = preset_name_to_scheme(preset, ["Linear"])
+    if scheme == "w4a16_g32":
+        ct.weights.group_size = 32
+    if scheme == "fp8_dynamic" and local["weight_scale"].dim() == 1:  # Model Optimizer's [out]
+        local["weight_scale"] = local["weight_scale"].unsqueeze(1)
+    return compressor.decompress(local, ct)["weight"].float()
+
+
+def _trained(scheme: str, w: torch.Tensor) -> torch.Tensor:
+    """Training's fake quant of an imported weight (per-channel amax: the row's max, what calibration took)."""
+    w = w.float()
+    return {"fp8_dynamic": lambda: fake_quant(w, "e4m3", w.abs().amax(1, keepdim=True)),
+            "w4a16_g32": lambda: fake_quant(w, "int4", None, 32),
+            "mxfp4": lambda: fake_quant(w, "mxfp4", None, 32),
+            "mxfp8": lambda: fake_quant(w, "mxfp8", None, 32)}[scheme]()
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    a, b = a.float() + 0.0, b.float() + 0.0  # -0.0 as 0.0: an integer code has no sign of zero
+    return int((a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max())
+
+
+@pytest.mark.parametrize("scheme, fmt", [(s, f) for s, formats in TRAINED.items() for f in formats])
+def test_trained_formats_decode_to_training_fake_quant(run, scheme, fmt):
+    """FP8_DYNAMIC, INT4 W4A16 groups, MXFP4, MXFP8: every exported weight (attention and every expert of every
+    layer), decoded by compressed-tensors' own decompressor, is training's fake quant: bit for bit for MX (E8M0
+    scales are powers of two), within one fp32 ulp where the file stores the reciprocal of training's divisor (FP8,
+    INT4), whose codes are exactly training's."""
+    t = _tensors(run["out"] / f"{scheme}_{fmt}")
+    src = _source(run)
+    names = [n for n in src if ".self_attn." in n and n.endswith("_proj") or ".experts." in n]
+    assert len(names) == LAYERS * (4 + 3 * EXPERTS)
+    worst = 0
+    for name in names:
+        got, want = _decoded(scheme, t, name), _trained(scheme, src[name])
+        worst = max(worst, _ulps(got, want))
+        if scheme.startswith("mx"):
+            assert torch.equal(got, want), name
+        if scheme == "w4a16_g32":
+            from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+            from modelopt_moe.numerics.integer import encode_int4_groups
+
+            codes, _ = encode_int4_groups(src[name].float(), 32)
+            assert torch.equal(unpack_from_int32(t[name + ".weight_packed"], 4, torch.Size(codes.shape)), codes), name
+    assert worst <= (0 if scheme.startswith("mx") else 1), worst
+    cfg = json.loads((run["out"] / f"{scheme}_{fmt}" / "config.json").read_text())["quantization_config"]
+    if fmt == "modelopt":
+        assert cfg["quant_algo"] == {"fp8_dynamic": "FP8_PER_CHANNEL_PER_TOKEN", "mxfp8": "MXFP8"}[scheme]
+        assert "input_scale" not in " ".join(t)  # both quantize inputs at run time
+    else:
+        assert cfg["format"] == {"fp8_dynamic": "float-quantized", "w4a16_g32": "pack-quantized",
+                                 "mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized"}[scheme]
+
+
+@pytest.mark.parametrize("scheme", list(TRAINED))
+def test_transformers_reads_the_trained_formats(run, scheme):
+    """transformers + compressed-tensors load each compressed-tensors export; its logits match the Megatron model's
+    weight-only fake-quant forward (transformers runs weights dequantized)."""
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    model = _hf_model(run["out"] / f"{scheme}_compressed-tensors",
+                      quantization_config=CompressedTensorsConfig(dequantize=True))
+    diff = (run["r0"][f"logits_{scheme}"] - _hf_logits(model, run["r0"]["tokens"])).abs().max().item()
+    print(f"{scheme} compressed-tensors via transformers: logits max |transformers - Megatron| = {diff:.3g}")
+    assert diff <= 1e-5, diff
