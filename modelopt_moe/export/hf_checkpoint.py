@@ -151,6 +151,12 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
         raise
     if fmt == "compressed-tensors" and _has_nvfp4_experts(scheme, linear_quants):
         warn_once(NVFP4_EXPERTS_WARNING)
+    coarse = [n for n, q in linear_quants.items() if scheme is not None and scheme.dynamic_input and q.input is not None
+              and q.input.dynamic and not q.input.per_token and q.input.block_size is None]
+    if coarse:
+        warn_once(f"export_hf: {len(coarse)} linears (e.g. {coarse[0]}) trained their inputs with one dynamic amax per "
+                  f"tensor and are written as {scheme.name}, whose engines quantize inputs per token (a finer scale: "
+                  "the weights are exactly the trained ones, the input rounding is not)")
     return Path(out_dir)
 
 

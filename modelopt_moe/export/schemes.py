@@ -73,10 +73,11 @@ class QuantSpec:
     axis: int | None = None
     block_size: int | tuple[int, int] | None = None
     per_token: bool = False  # one amax per token, from the data (Model Optimizer's block_sizes {-1: None})
+    dynamic: bool = False  # the amax of each tensor (type: dynamic), never calibrated
 
     def __str__(self) -> str:
         extra = "" if self.axis is None else f" axis={self.axis}"
-        extra += " per token" if self.per_token else ""
+        extra += " per token" if self.per_token else " dynamic" if self.dynamic else ""
         return self.fmt + extra + ("" if self.block_size is None else f" block={self.block_size}")
 
 

@@ -194,6 +194,11 @@ class ExportCodec:
         weight's always, the input's where the scheme quantizes inputs with a static scale."""
         return not inputs or (scheme.input_quantized and not scheme.dynamic_input)
 
+    def describe(self, scheme, file_format: str) -> tuple[str, str, list[str]] | None:
+        """For the model card: the weights, the inputs (None: weight-only) and the stored tensors of ``scheme``;
+        None where the card's own FP8 / NVFP4 text applies."""
+        return None
+
     @staticmethod
     def scalar(t: torch.Tensor, file_format: str) -> torch.Tensor:
         """A per-tensor scale as each file format's producers store it: ``[1]`` (compressed-tensors), ``[]``

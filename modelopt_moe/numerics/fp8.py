@@ -137,9 +137,11 @@ class _FP8Codec(ExportCodec):
                 return (f"FP8 128x128 weight blocks need E4M3 inputs in dynamic groups of {FP8_INPUT_GROUP} (or none), "
                         f"got input {x}")
             return None
-        if x.per_token:
+        if x.per_token or (x.dynamic and x.axis is None and x.block_size is None):
+            # Per token, or (experts, which train no per-token amax) per tensor from each expert's tokens: served per
+            # token (FP8_DYNAMIC), a scale of each token's own, never coarser than the trained one.
             return None if weight.axis is not None else (
-                f"per-token E4M3 inputs go with per-output-channel weights (FP8_DYNAMIC), got weight {weight}")
+                f"dynamic E4M3 inputs go with per-output-channel weights (FP8_DYNAMIC), got weight {weight}")
         if x.axis is not None or x.block_size is not None:
             return f"FP8 weights need E4M3 per-tensor or per-token inputs (or none), got input {x}"
         return None
@@ -155,7 +157,7 @@ class _FP8Codec(ExportCodec):
     def scheme_name(self, weight, x) -> str:
         if weight.block_size is not None:
             return "FP8_BLOCK" if x is not None else "FP8_BLOCK_A16"
-        if x is not None and x.per_token:
+        if x is not None and (x.per_token or x.dynamic):
             return "FP8_DYNAMIC"
         return super().scheme_name(weight, x)
 
@@ -176,6 +178,19 @@ class _FP8Codec(ExportCodec):
         if inputs:
             return {**args, "strategy": "token", "dynamic": True} if scheme.dynamic_input else args
         return {**args, "strategy": "channel"} if scheme.per_channel else args
+
+    def describe(self, scheme, file_format) -> tuple[str, str, list[str]] | None:
+        if scheme.weight_block is not None:
+            shape = "`[out/128, 1, in/128, 1]`" if file_format == "modelopt" else "`[out/128, in/128]`"
+            return ("FP8 E4M3, fp32 scale per 128x128 block",
+                    "FP8 E4M3, scale per token and 128 features computed at run time" if scheme.input_quantized
+                    else None,
+                    ["`weight` float8_e4m3fn", f"`weight_scale` fp32 {shape} = block amax / 448"])
+        if scheme.dynamic_input:
+            shape = "`[out]`" if file_format == "modelopt" else "`[out, 1]`"
+            return ("FP8 E4M3, fp32 scale per output channel", "FP8 E4M3, scale per token computed at run time",
+                    ["`weight` float8_e4m3fn", f"`weight_scale` fp32 {shape} = channel amax / 448"])
+        return None
 
     def reads_amax(self, scheme, inputs: bool) -> bool:
         if not inputs and scheme.weight_block is not None:

@@ -134,6 +134,12 @@ class _Int4Codec(ExportCodec):
     def reads_amax(self, scheme, inputs: bool) -> bool:
         return False  # every group's scale comes from the weight itself
 
+    def describe(self, scheme, file_format) -> tuple[str, str, list[str]] | None:
+        g = scheme.weight_block
+        return (f"INT4, fp32 scale per group of {g} inputs", None,
+                ["`weight_packed` int32 `[out, in/8]` (eight codes + 8 per word, the first in the low bits)",
+                 f"`weight_scale` fp32 `[out, in/{g}]` = group amax / 7", "`weight_shape` int64 `[2]`"])
+
     def encode(self, module, weight, weight_amax, input_amax, scheme, file_format) -> dict[str, torch.Tensor]:
         codes, s = encode_int4_groups(weight, scheme.weight_block, f"{module}.weight")
         return {f"{module}.weight_packed": pack_int4(codes), f"{module}.weight_scale": reciprocal(s).contiguous(),

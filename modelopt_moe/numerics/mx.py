@@ -180,6 +180,15 @@ class _MXCodec(ExportCodec):
     def reads_amax(self, scheme, inputs: bool) -> bool:
         return False  # every scale comes from its block
 
+    def describe(self, scheme, file_format) -> tuple[str, str, list[str]] | None:
+        four = self._num_bits == 4
+        codes = ("`weight_packed` uint8 `[out, in/2]` (two E2M1 codes per byte, the even column in the low nibble)"
+                 if four else "`weight` float8_e4m3fn")
+        element = "E2M1" if four else "E4M3"
+        return (f"{self.label}: {element}, E8M0 scale per block of 32 inputs",
+                f"{self.label}: E8M0 scale per block of 32 computed at run time" if scheme.input_quantized else None,
+                [codes, "`weight_scale` uint8 `[out, in/32]` (E8M0: 127 + the block's exponent)"])
+
     def encode(self, module, weight, weight_amax, input_amax, scheme, file_format) -> dict[str, torch.Tensor]:
         fmt = next(f for f in MX_FORMATS if f.name == scheme.weight_fmt)
         codes, e8m0 = encode_mx(weight, fmt, f"{module}.weight")

@@ -86,8 +86,8 @@ def _linear_quant(holder) -> LinearQuant:
     specs = []
     for kind in _QUANTIZERS:
         q = _quantizer(holder, kind)
-        specs.append(QuantSpec(q.fmt, q.axis, q.block_size, q.per_token) if q is not None and q.is_quantizing
-                     else None)
+        specs.append(QuantSpec(q.fmt, q.axis, q.block_size, q.per_token, q.is_dynamic)
+                     if q is not None and q.is_quantizing else None)
     return LinearQuant(*specs)
 
 

@@ -124,7 +124,8 @@ def test_fp8_blocks_decode_with_compressed_tensors(inputs):
     (LinearQuant(QuantSpec("int4", None, 16)), "is not FP8 E4M3"),
     (LinearQuant(QuantSpec("e4m3", None, (64, 64))), "weight format e4m3 block=(64, 64)"),
     (LinearQuant(QuantSpec("e4m3", None, (128, 128)), QuantSpec("e4m3")), "dynamic groups of 128"),
-    (LinearQuant(QuantSpec("e4m3"), QuantSpec("e4m3", per_token=True)), "per-output-channel weights (FP8_DYNAMIC)"),
+    (LinearQuant(QuantSpec("e4m3"), QuantSpec("e4m3", per_token=True)),
+     "dynamic E4M3 inputs go with per-output-channel weights (FP8_DYNAMIC)"),
     (LinearQuant(QuantSpec("mxfp4", None, 32), QuantSpec("mxfp8", None, 32)), "MXFP4 weights need MXFP4 inputs"),
 ])
 def test_what_no_engine_reads_is_refused_naming_the_layer_and_the_formats(q, message):
