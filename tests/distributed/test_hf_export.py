@@ -20,8 +20,14 @@ One spawn (imports cost ~15 s) does all the Megatron work; the parent process re
 * Model Optimizer checkpoints go through compressed-tensors' ``ModelOptNvfp4Converter`` (``convert_checkpoint``),
   whose output must equal our compressed-tensors export, then ``transformers``; FP8 tensors already have
   compressed-tensors' names. A byte-level check covers the layout vLLM's ``modelopt`` loader reads;
-* bad inputs (unquantized model, INT4, per-channel FP8 to modelopt, unsupported family, non-empty output directory)
-  fail on every rank with the same message before anything is written; an export that fails midway leaves nothing.
+* FP8_DYNAMIC, INT4 W4A16 in groups of 32, MXFP4 and MXFP8 (and FP8_BLOCK on a wider model whose head_dim and expert
+  FFN size are multiples of 128), in the file formats whose engines read them: every weight decodes through
+  compressed-tensors' own decompressors to training's fake quant; transformers loads them with the Megatron model's
+  weight-only logits (MXFP8 and FP8_BLOCK experts, which transformers 5.23 cannot load: the same forward on the
+  decoded weights);
+* bad inputs (unquantized model, INT4 groups that do not tile a weight, a scheme without a Model Optimizer name,
+  per-channel FP8 to modelopt, FP8 blocks that the exported matrices would cut, unsupported family, non-empty output
+  directory) fail on every rank with the same message; an export that fails midway leaves nothing.
 """
 
 import glob
@@ -36,8 +42,10 @@ from limits import seconds  # noqa: E402
 from modelopt_moe.export import codecs
 from modelopt_moe.launch import spawn
 from modelopt_moe.numerics import fake_quant
+from modelopt_moe.numerics.fp8 import encode_fp8_blocks
 
 WORLD, TP, EP, LAYERS, EXPERTS, INTER = 4, 2, 2, 2, 4, 32
+WIDE_INTER = 128
 FORMATS = ("compressed-tensors", "modelopt")
 BASE_MODEL = "example-org/tiny-qwen3-moe"  # what the model card names as base_model when the exporter is told
 # The formats beyond FP8 / NVFP4 (each a config written by the parent: paths[scheme]) -> the file formats written.
@@ -63,10 +71,14 @@ def _make_hf(path: Path, family: str) -> None:
     """A tiny random model of ``family`` saved by transformers in bf16 (norms perturbed so their mapping shows)."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    torch.manual_seed(0 if family == "qwen3_moe" else 1)
+    torch.manual_seed({"qwen3_moe": 0, "mixtral": 1}.get(family, 2))
     common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
                   num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64)
-    if family == "qwen3_moe":  # norm_topk_prob=False: Megatron's moe_router_pre_softmax path
+    if family == "qwen3_moe_wide":  # whole 128x128 blocks in every TP shard and exported matrix (FP8_BLOCK)
+        common.update(hidden_size=256, num_attention_heads=2)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=128, num_experts=EXPERTS, moe_intermediate_size=WIDE_INTER,
+                                                   norm_topk_prob=False, **common))
+    elif family == "qwen3_moe":  # norm_topk_prob=False: Megatron's moe_router_pre_softmax path
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=16, num_experts=EXPERTS, moe_intermediate_size=INTER,
                                                    norm_topk_prob=False, **common))
     else:
@@ -243,6 +255,12 @@ def _rank(rank, world, paths: dict) -> dict:
                           out / "mo")
         mtq.disable_quantizer(m, "*input_quantizer")
         res[f"logits_{scheme}"] = logits(m)
+    m = fresh("qwen3_moe_wide")  # FP8 128x128 blocks: head_dim and the expert FFN size are multiples of 128
+    mtq.quantize(m, mtq.load_config("fp8_block_w8a8.yaml"), calibrate)
+    for fmt in FORMATS:
+        export_hf(m, out / f"fp8_block_{fmt}", format=fmt, progress=False)
+    mtq.disable_quantizer(m, "*input_quantizer")
+    res["logits_fp8_block"] = logits(m)
     m = fresh("qwen3_moe")  # 128x128 FP8 expert blocks over gate | up rows of 32: not the blocks of the exported ones
     mtq.quantize(m, mtq.load_config(paths["fp8_block_experts"]), calibrate)
     _expect_error(errors, "fp8_block_rows", lambda: export_hf(m, out / "fpb", format="compressed-tensors"),
@@ -271,7 +289,7 @@ def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("hf_export")
     paths = {"out": str(base / "out")}
     (base / "out").mkdir()
-    for family in ("qwen3_moe", "mixtral"):
+    for family in ("qwen3_moe", "mixtral", "qwen3_moe_wide"):
         paths[family] = str(base / family)
         _make_hf(base / family, family)
     for scheme, (weight, inputs) in TRAINED_CFG.items():
@@ -766,23 +784,21 @@ def test_trained_formats_decode_to_training_fake_quant(run, scheme, fmt):
                                  "mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized"}[scheme]
 
 
-def _with_decoded_weights(run, scheme: str):
-    """The unquantized transformers model with every quantized weight replaced by compressed-tensors' own decoding of
-    the export (what a loader that reads the format computes)."""
-    model = _hf_model(run["paths"]["qwen3_moe"])
-    t = _tensors(run["out"] / f"{scheme}_compressed-tensors")
+def _with_decoded_weights(source: str, decode):
+    """The unquantized transformers model of ``source`` with every quantized weight replaced by ``decode(name)``:
+    compressed-tensors' own decoding of the export (what a loader that reads the format computes)."""
+    model = _hf_model(source)
     with torch.no_grad():
         for layer in range(LAYERS):
             p = f"model.layers.{layer}."
             attn = model.model.layers[layer].self_attn
             for mod in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(attn, mod).weight.copy_(_decoded(scheme, t, p + "self_attn." + mod))
+                getattr(attn, mod).weight.copy_(decode(p + "self_attn." + mod))
             experts = model.model.layers[layer].mlp.experts
             for e in range(EXPERTS):
                 name = f"{p}mlp.experts.{e}."
-                experts.gate_up_proj[e].copy_(torch.cat([_decoded(scheme, t, name + "gate_proj"),
-                                                         _decoded(scheme, t, name + "up_proj")]))
-                experts.down_proj[e].copy_(_decoded(scheme, t, name + "down_proj"))
+                experts.gate_up_proj[e].copy_(torch.cat([decode(name + "gate_proj"), decode(name + "up_proj")]))
+                experts.down_proj[e].copy_(decode(name + "down_proj"))
     return model
 
 
@@ -801,11 +817,57 @@ def test_transformers_reads_the_trained_formats(run, scheme):
     if scheme == "mxfp8":
         with pytest.raises(RuntimeError, match="automatic conversion of the weights"):
             load()  # turns red the day transformers loads them: then compare its own load
-        model = _with_decoded_weights(run, scheme)
+        t = _tensors(run["out"] / f"{scheme}_compressed-tensors")
+        model = _with_decoded_weights(run["paths"]["qwen3_moe"], lambda name: _decoded(scheme, t, name))
     else:
         # the experts come out in bf16 (compressed-tensors' dequantized dtype; the values are exact in it): compute in
         # fp32 like the Megatron side
         model = load().float()
     diff = (run["r0"][f"logits_{scheme}"] - _hf_logits(model, run["r0"]["tokens"])).abs().max().item()
     print(f"{scheme} compressed-tensors via transformers: logits max |transformers - Megatron| = {diff:.3g}")
+    assert diff <= 1e-5, diff
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_block_export_decodes_to_training_fake_quant_and_loads(run, fmt):
+    """FP8_BLOCK (Model Optimizer FP8_PB_WO) on a model whose head_dim and expert FFN size are multiples of 128: every
+    exported weight, decoded by compressed-tensors' block decoder, is training's 128x128 fake quant within one fp32
+    ulp (the reciprocal scale; the codes are training's), and transformers' forward on those weights gives the
+    Megatron model's weight-only logits (transformers 5.23 cannot load FP8 block MoE experts itself)."""
+    from compressed_tensors import compressors
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    path = run["out"] / f"fp8_block_{fmt}"
+    t = _tensors(path)
+    src = {k.removesuffix(".weight"): v for k, v in _tensors(run["paths"]["qwen3_moe_wide"]).items()}
+    names = [n for n in src if ".self_attn." in n and n.endswith("_proj") or ".experts." in n]
+    assert len(names) == LAYERS * (4 + 3 * EXPERTS)
+    scheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+    decoded = {}
+    for name in names:
+        scale = t[name + ".weight_scale"]
+        if fmt == "modelopt":  # [out/128, 1, in/128, 1]
+            assert scale.dim() == 4, name
+            assert scale.shape[1] == scale.shape[3] == 1, name
+            scale = scale[:, 0, :, 0]
+        got = compressors.FloatQuantizationCompressor.decompress({"weight": t[name + ".weight"],
+                                                                   "weight_scale": scale}, scheme)["weight"]
+        codes, _ = encode_fp8_blocks(src[name].float())
+        assert torch.equal(t[name + ".weight"].view(torch.uint8), codes.view(torch.uint8)), name
+        assert _ulps(got, fake_quant(src[name].float(), "e4m3", None, (128, 128))) <= 1, name
+        decoded[name] = got.float()
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    if fmt == "modelopt":
+        assert cfg["quant_algo"] == "FP8_PB_WO"
+        return
+    assert cfg["config_groups"]["group_0"]["weights"]["block_structure"] == [128, 128]
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    with pytest.raises(RuntimeError, match="automatic conversion of the weights"):
+        # transformers 5.23's expert dequantize multiplies by the block scales without expanding them; turns red the
+        # day it loads them (then compare its own load)
+        _hf_model(path, quantization_config=CompressedTensorsConfig(dequantize=True))
+    model = _with_decoded_weights(run["paths"]["qwen3_moe_wide"], decoded.__getitem__)
+    diff = (run["r0"]["logits_fp8_block"] - _hf_logits(model, run["r0"]["tokens"])).abs().max().item()
+    print(f"fp8_block compressed-tensors via transformers: logits max |transformers - Megatron| = {diff:.3g}")
     assert diff <= 1e-5, diff
