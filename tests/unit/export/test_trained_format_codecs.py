@@ -143,3 +143,25 @@ def test_int4_and_mxfp4_have_no_model_optimizer_name_an_engine_reads():
         with pytest.raises(ExportError, match=f"{M}.*export it with format='compressed-tensors'"):
             resolve_scheme({M: q}, "modelopt")
     assert {s.modelopt_algo for s in SCHEMES.values()} >= {"FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MXFP8"}
+
+
+@pytest.mark.parametrize(("q", "fmt", "words"), [
+    (LinearQuant(QuantSpec("mxfp4", None, 32), QuantSpec("mxfp4", None, 32)), "compressed-tensors",
+     ["MXFP4: E2M1, E8M0 scale per block of 32 inputs", "`weight_scale` uint8 `[out, in/32]`"]),
+    (LinearQuant(QuantSpec("int4", None, 32)), "compressed-tensors",
+     ["INT4, fp32 scale per group of 32 inputs", "`weight_packed` int32 `[out, in/8]`", "not quantized (weight-only)"]),
+    (LinearQuant(QuantSpec("e4m3", 0), QuantSpec("e4m3", dynamic=True)), "modelopt",
+     ["scale per token computed at run time", "`weight_scale` fp32 `[out]`", "FP8_PER_CHANNEL_PER_TOKEN"]),
+    (LinearQuant(QuantSpec("e4m3", None, (128, 128))), "modelopt",
+     ["fp32 scale per 128x128 block", "`[out/128, 1, in/128, 1]`", "FP8_PB_WO"]),
+])
+def test_model_card_states_the_trained_formats(q, fmt, words):
+    from modelopt_moe.export.model_card import model_card
+
+    linears = {M: q, "model.layers.0.mlp.gate": LinearQuant()}
+    card = model_card(architecture="Qwen3MoeForCausalLM", fmt=fmt, linears=linears,
+                      other_modules=["model.embed_tokens"], dtype="bfloat16", name="ckpt")
+    for w in words:
+        assert w in card, w
+    assert "fix_nvfp4_experts" not in card
+    assert "NVFP4" not in card
