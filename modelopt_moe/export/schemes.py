@@ -18,10 +18,17 @@ scheme             quantizers               compressed-tensors  Model Optimizer
 ``FP8_CHANNEL_A16``  e4m3 axis 0 / none     float-quantized     --
 ``NVFP4``          nvfp4 / nvfp4            nvfp4-pack-quantized  ``NVFP4``
 ``NVFP4_A16``      nvfp4 / none             nvfp4-pack-quantized  ``W4A16_NVFP4``
+``FP8_DYNAMIC``    e4m3 axis 0 / per token  float-quantized     ``FP8_PER_CHANNEL_PER_TOKEN``
+``FP8_BLOCK``      e4m3 128x128 / 1x128     float-quantized     ``FP8_PB_WO``
+``FP8_BLOCK_A16``  e4m3 128x128 / none      float-quantized     ``FP8_PB_WO``
+``W4A16_G<g>``     int4 groups 32/64/128    pack-quantized      --
+``MXFP4(_A16)``    mxfp4 / mxfp4 or none    mxfp4-pack-quantized  --
+``MXFP8(_A16)``    mxfp8 / mxfp8 or none    mxfp8-quantized     ``MXFP8`` (with inputs)
 =================  =======================  ==================  ===================
 
-Model Optimizer's ``FP8_PER_CHANNEL_PER_TOKEN`` quantizes activations per token at run time, which is not what a
-static per-tensor input amax trained, so per-channel FP8 goes to compressed-tensors only.
+Each format's codec (its home in :mod:`modelopt_moe.numerics`) lists its schemes and writes their tensors. Model
+Optimizer's ``FP8_PER_CHANNEL_PER_TOKEN`` quantizes activations per token at run time, which is not what a static
+per-tensor input amax trained, so per-channel FP8 with static inputs goes to compressed-tensors only.
 
 Tensors per linear (``<m>`` the Hugging Face module name; scales fp32):
 
