@@ -248,8 +248,11 @@ def _rank(rank, world, paths: dict) -> dict:
     for scheme, formats in TRAINED.items():
         m = fresh("qwen3_moe")
         mtq.quantize(m, mtq.load_config(paths[scheme]), calibrate)
-        for fmt in formats:
-            export_hf(m, out / f"{scheme}_{fmt}", format=fmt, progress=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for fmt in formats:
+                export_hf(m, out / f"{scheme}_{fmt}", format=fmt, progress=False)
+        res[f"warnings_{scheme}"] = [str(w.message) for w in caught if "export_hf" in str(w.message)]
         if "modelopt" not in formats:
             _expect_error(errors, f"{scheme}_modelopt", lambda m=m: export_hf(m, out / "mo", format="modelopt"),
                           out / "mo")
@@ -871,3 +874,14 @@ def test_fp8_block_export_decodes_to_training_fake_quant_and_loads(run, fmt):
     diff = (run["r0"]["logits_fp8_block"] - _hf_logits(model, run["r0"]["tokens"])).abs().max().item()
     print(f"fp8_block compressed-tensors via transformers: logits max |transformers - Megatron| = {diff:.3g}")
     assert diff <= 1e-5, diff
+
+
+def test_fp8_dynamic_warns_once_that_expert_inputs_are_served_per_token(run):
+    """Experts train one dynamic input amax per tensor (no per-token amax); FP8_DYNAMIC engines quantize per token:
+    rank 0 says so, once per message, and no other rank does."""
+    got = run["r0"]["warnings_fp8_dynamic"]
+    assert len(got) == 1, got
+    assert "trained their inputs with one dynamic amax per tensor and are written as FP8_DYNAMIC" in got[0]
+    assert ".experts." in got[0]
+    assert all(r["warnings_fp8_dynamic"] == [] for r in run["results"][1:])
+    assert all(run["r0"][f"warnings_{s}"] == [] for s in TRAINED if s != "fp8_dynamic")
