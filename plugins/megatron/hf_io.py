@@ -266,8 +266,9 @@ def _check_weight_row_blocks(m: GPTModel, arch: MoEArch, lay: _Layout) -> None:
         if n is not None and n % rows:
             raise ExportError(f"{name}.weight_quantizer: {q.block_size} weight blocks span {what} = {n}, not a "
                               f"multiple of {rows}: the exported matrices would be blocked differently than "
-                              "training's fused weight (their scales would not be the trained ones); use "
-                              "1-D blocks or per-channel FP8, or a model whose sizes are multiples of the block")
+                              "training's fused weight (their scales would not be the trained ones); train "
+                              "per-channel FP8 weights (FP8_DYNAMIC) instead, or a model whose sizes are multiples "
+                              "of the block")
 
 
 def _dense_holders(m: GPTModel):
