@@ -12,7 +12,8 @@ Framework-free: torch only. :func:`spawn` is used by the multi-rank tests and th
 
 Every rank's return value (picklable) comes back to the parent, in rank order. An exception on any rank raises a
 ``RuntimeError`` in the parent that carries that rank's traceback; a run that does not finish in ``timeout``
-seconds raises ``TimeoutError``. In every case all child processes are gone when ``spawn`` returns or raises.
+seconds raises ``TimeoutError``; SIGTERM or Ctrl-C stops every rank and raises :class:`Interrupted`
+(:mod:`modelopt_moe.interrupt`). In every case all child processes are gone when ``spawn`` returns or raises.
 
 Under a launcher, every process runs the program itself: :func:`launched_environment` reads where this process sits
 (torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``, else SLURM's ``SLURM_PROCID`` / ``SLURM_NTASKS`` /
@@ -41,7 +42,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "free_port", "LaunchEnvironment", "launched_environment", "init_from_environment"]
+from .interrupt import STOP_SIGNALS, Interrupted, handlers_are_default, received_signal, stop_on_signals
+
+__all__ = ["spawn", "free_port", "LaunchEnvironment", "launched_environment", "init_from_environment",
+           "Interrupted"]
 
 # Seconds a rank's peers get to report their own failure after the first one: the root cause usually arrives
 # first, the others (broken connections) shortly after; waiting longer only delays the error.
@@ -50,6 +54,9 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # Seconds the ranks get to exit on their own once all results are in.
 _EXIT_GRACE_S = 30.0
 _ERROR_EXIT_GRACE_S = 10.0  # per reporting rank, once some rank failed
+# Seconds the ranks get to stop on their own once a signal stopped the run, before they are killed: a scheduler's
+# SIGKILL follows its SIGTERM after a grace of its own (SLURM's KillWait, 30 s by default).
+_INTERRUPT_GRACE_S = 10.0
 # How often spawn retries when rank 0 could not bind the port it was given (another program took it between
 # free_port() and the bind).
 _PORT_RETRIES = 3
@@ -104,6 +111,24 @@ def _worker(
     stdio: tuple[multiprocessing.connection.Connection, ...] | None,
 ) -> None:
     """Child process body: join the group, run ``fn``, send ``(status, payload)`` back through ``conn``."""
+    with stop_on_signals():  # SIGTERM / SIGINT: fn's cleanup runs, the launcher learns where it stopped
+        _worker_body(rank, world_size, port, backend, timeout, fn, args, conn, launcher_alive, stdio)
+    for s in STOP_SIGNALS:  # on the way out (finalizers: a multiprocessing manager's shutdown): a late signal,
+        signal.signal(s, signal.SIG_IGN)  # the launcher's passed on or a second Ctrl-C, would only interrupt it
+
+
+def _worker_body(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    conn: multiprocessing.connection.Connection,
+    launcher_alive: multiprocessing.connection.Connection,
+    stdio: tuple[multiprocessing.connection.Connection, ...] | None,
+) -> None:
     _die_with_parent()
     _exit_when_closed(launcher_alive)
     if stdio is not None:  # write where the launcher's stdout / stderr point now (see _launcher_stdio)
@@ -132,8 +157,11 @@ def _worker(
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=max(timeout, 1.0))
         )
-    except BaseException:
-        _send(conn, ("init_error", traceback.format_exc()))
+    except BaseException as e:
+        if isinstance(e, Interrupted) or received_signal() is not None:
+            _send(conn, ("interrupted", (received_signal(), getattr(e, "where", None))))
+        else:
+            _send(conn, ("init_error", traceback.format_exc()))
         conn.close()
         return
     try:
@@ -142,8 +170,11 @@ def _worker(
             _send(conn, ("ok", result))
         except Exception:  # pickling the result failed: report it like any other error
             _send(conn, ("error", f"return value of rank {rank} could not be sent:\n{traceback.format_exc()}"))
-    except BaseException:
-        _send(conn, ("error", traceback.format_exc()))
+    except BaseException as e:
+        if isinstance(e, Interrupted) or received_signal() is not None:  # peers' errors after a signal are part of it
+            _send(conn, ("interrupted", (received_signal(), getattr(e, "where", None))))
+        else:
+            _send(conn, ("error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -169,6 +200,47 @@ def _descendants(pid: int) -> list[int]:
         return [c.pid for c in psutil.Process(pid).children(recursive=True)]
     except Exception:  # noqa: BLE001  (no psutil, or the process is gone: nothing to find)
         return []
+
+
+def _descendant_processes(pids: Sequence[int]) -> list:
+    """The processes ``pids`` started, recursively, as ``psutil.Process`` objects (which notice a reused pid)."""
+    try:
+        import psutil
+    except ImportError:
+        return []
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            found += psutil.Process(pid).children(recursive=True)
+    return found
+
+
+def _stop_ranks(procs: list[mp.process.BaseProcess], conns: list[multiprocessing.connection.Connection],
+                signum: int, where: dict[int, str] | None = None) -> Interrupted:
+    """A signal stopped the launcher: passes it on to every rank (a scheduler signals one process), gives them
+    :data:`_INTERRUPT_GRACE_S` to stop on their own, then kills what is left, the processes the ranks started
+    included (found now: once a rank is gone, its children are no longer its). Returns what to raise, with where
+    rank 0 (else the first rank that said) stopped."""
+    where = dict(where or {})
+    alive = [p for p in procs if p.is_alive()]
+    started = _descendant_processes([p.pid for p in alive])
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signum)
+    deadline = time.monotonic() + _INTERRUPT_GRACE_S
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for r, c in enumerate(conns):
+        with contextlib.suppress(EOFError, OSError, pickle.UnpicklingError):
+            while c.poll():
+                status, payload, _ = pickle.loads(c.recv_bytes())
+                if status == "interrupted" and payload[1]:
+                    where[r] = payload[1]
+    _kill_all(procs)
+    for child in started:  # what the ranks started and did not stop (or that a killed rank left behind)
+        with contextlib.suppress(Exception):
+            child.kill()
+    return Interrupted(signum, where.get(0, next(iter(where.values()), None)))  # rank 0's, else the first's
 
 
 def _kill_all(procs: list[mp.process.BaseProcess]) -> None:
@@ -254,70 +326,86 @@ def _run_once(
             procs.append(p)
             conns.append(parent_end)
 
-        deadline = time.monotonic() + timeout
-        results: dict[int, Any] = {}
-        errors: dict[int, tuple[float, str]] = {}  # rank -> (when it was sent, traceback)
-        first_error_at: float | None = None
-        pending = set(range(world_size))
-        while pending:
-            now = time.monotonic()
-            if first_error_at is not None and now > first_error_at + _ERROR_GRACE_S:
-                break
-            if now > deadline:
-                raise TimeoutError(
-                    f"spawn: {_name(fn)} did not finish within timeout={timeout:g} s on ranks "
-                    f"{sorted(pending)} (of world_size={world_size}); all processes were killed"
-                )
-            wait_until = deadline if first_error_at is None else min(deadline, first_error_at + _ERROR_GRACE_S)
-            waitables = {}
-            for r in pending:
-                waitables[conns[r]] = r
-                waitables[procs[r].sentinel] = r
-            ready = multiprocessing.connection.wait(list(waitables), timeout=max(0.0, wait_until - now))
-            for obj in ready:
-                r = waitables[obj]
-                if r not in pending:
-                    continue
-                why = "nothing in its pipe"
-                try:
-                    # A dead child may still have left its message in the pipe: read it before judging.
-                    status, payload, sent_at = (pickle.loads(conns[r].recv_bytes()) if conns[r].poll()
-                                                else ("dead", None, time.time()))
-                except (EOFError, OSError) as e:
-                    status, payload, sent_at, why = "dead", None, time.time(), f"{type(e).__name__}: {e}"
-                if status == "dead":
-                    procs[r].join(timeout=5)
-                    status, payload = "error", (f"rank {r} exited with code {procs[r].exitcode} without a result "
-                                                f"({why})")
-                pending.discard(r)
-                if status == "ok":
-                    results[r] = payload
-                    continue
-                if status == "init_error" and "address already in use" in str(payload).lower():
-                    return "port", payload
-                errors[r] = (sent_at, payload)
-                if first_error_at is None:
-                    first_error_at = time.monotonic()
-        if errors:
-            # The ranks that reported are shutting down on their own (process group teardown, the processes they
-            # started): let them finish briefly rather than kill them mid-way.
-            for r in range(world_size):
-                if r not in pending:
-                    procs[r].join(timeout=_ERROR_EXIT_GRACE_S)
-            first, *others = sorted(errors, key=lambda r: errors[r][0])
-            msg = f"spawn: rank {first} of {world_size} failed in {_name(fn)}:\n{errors[first][1]}"
-            if others:
-                msg += f"\n(ranks {others} failed too; first of them:)\n{errors[others[0]][1]}"
-            raise RuntimeError(msg)
-        # Let the ranks finish their own shutdown (process group teardown, atexit hooks, flushing output) before
-        # the finally below kills whatever is left: a killed child leaks the resources it registered.
-        for p in procs:
-            p.join(timeout=max(1.0, min(_EXIT_GRACE_S, deadline - time.monotonic())))
-        return "ok", [results[r] for r in range(world_size)]
+        try:
+            status, payload = _collect(fn, procs, conns, world_size, timeout)
+        except (Interrupted, KeyboardInterrupt) as e:  # a signal reached the launcher
+            raise _stop_ranks(procs, conns, getattr(e, "signum", signal.SIGINT)) from None
+        if status == "interrupted":
+            r, signum, where = payload
+            raise _stop_ranks(procs, conns, signum or signal.SIGTERM, {r: where} if where else {})
+        return status, payload
     finally:
         _kill_all(procs)
         for c in (*conns, alive_r, alive_w, *(stdio or ())):
             c.close()
+
+
+def _collect(fn: Callable[..., Any], procs: list[mp.process.BaseProcess],
+             conns: list[multiprocessing.connection.Connection], world_size: int, timeout: float) -> tuple[str, Any]:
+    """Waits for every rank's message. Returns ``("ok", results)``, ``("port", message)`` or ``("interrupted",
+    (rank, signal, where))``, or raises the ranks' failure."""
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    errors: dict[int, tuple[float, str]] = {}  # rank -> (when it was sent, traceback)
+    first_error_at: float | None = None
+    pending = set(range(world_size))
+    while pending:
+        now = time.monotonic()
+        if first_error_at is not None and now > first_error_at + _ERROR_GRACE_S:
+            break
+        if now > deadline:
+            raise TimeoutError(
+                f"spawn: {_name(fn)} did not finish within timeout={timeout:g} s on ranks "
+                f"{sorted(pending)} (of world_size={world_size}); all processes were killed"
+            )
+        wait_until = deadline if first_error_at is None else min(deadline, first_error_at + _ERROR_GRACE_S)
+        waitables = {}
+        for r in pending:
+            waitables[conns[r]] = r
+            waitables[procs[r].sentinel] = r
+        ready = multiprocessing.connection.wait(list(waitables), timeout=max(0.0, wait_until - now))
+        for obj in ready:
+            r = waitables[obj]
+            if r not in pending:
+                continue
+            why = "nothing in its pipe"
+            try:
+                # A dead child may still have left its message in the pipe: read it before judging.
+                status, payload, sent_at = (pickle.loads(conns[r].recv_bytes()) if conns[r].poll()
+                                            else ("dead", None, time.time()))
+            except (EOFError, OSError) as e:
+                status, payload, sent_at, why = "dead", None, time.time(), f"{type(e).__name__}: {e}"
+            if status == "dead":
+                procs[r].join(timeout=5)
+                status, payload = "error", (f"rank {r} exited with code {procs[r].exitcode} without a result "
+                                            f"({why})")
+            pending.discard(r)
+            if status == "ok":
+                results[r] = payload
+                continue
+            if status == "init_error" and "address already in use" in str(payload).lower():
+                return "port", payload
+            if status == "interrupted":  # a signal reached this rank: the run stops
+                return "interrupted", (r, *payload)
+            errors[r] = (sent_at, payload)
+            if first_error_at is None:
+                first_error_at = time.monotonic()
+    if errors:
+        # The ranks that reported are shutting down on their own (process group teardown, the processes they
+        # started): let them finish briefly rather than kill them mid-way.
+        for r in range(world_size):
+            if r not in pending:
+                procs[r].join(timeout=_ERROR_EXIT_GRACE_S)
+        first, *others = sorted(errors, key=lambda r: errors[r][0])
+        msg = f"spawn: rank {first} of {world_size} failed in {_name(fn)}:\n{errors[first][1]}"
+        if others:
+            msg += f"\n(ranks {others} failed too; first of them:)\n{errors[others[0]][1]}"
+        raise RuntimeError(msg)
+    # Let the ranks finish their own shutdown (process group teardown, atexit hooks, flushing output) before
+    # the finally below kills whatever is left: a killed child leaks the resources it registered.
+    for p in procs:
+        p.join(timeout=max(1.0, min(_EXIT_GRACE_S, deadline - time.monotonic())))
+    return "ok", [results[r] for r in range(world_size)]
 
 
 def spawn(
@@ -350,6 +438,12 @@ def spawn(
         ValueError: ``world_size`` < 1 or ``timeout`` <= 0.
         RuntimeError: A rank raised or died; the message carries its traceback (and the first other failure).
         TimeoutError: The run took longer than ``timeout``; all processes were killed.
+        Interrupted: SIGTERM or SIGINT (Ctrl-C) reached this process or a rank. Every rank got the signal, as
+            :class:`Interrupted` in its main thread (``finally`` blocks run; ``where`` says what ``fn`` was doing if
+            it set it), and had a few seconds to stop before the ones left, and the processes the ranks started,
+            were killed. ``where`` is rank 0's; its ``exit_code`` is 128 + the signal. Where this process has its
+            own SIGTERM or SIGINT handler, spawn leaves it in place (it still stops the ranks on
+            ``KeyboardInterrupt`` or :class:`Interrupted`).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -357,11 +451,12 @@ def spawn(
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     _context(start_method)  # an unknown start method fails before anything starts
     message = ""
-    for _ in range(_PORT_RETRIES):
-        status, payload = _run_once(fn, world_size, args, timeout, backend, start_method)
-        if status == "ok":
-            return payload
-        message = payload
+    with stop_on_signals() if handlers_are_default() else contextlib.nullcontext():
+        for _ in range(_PORT_RETRIES):
+            status, payload = _run_once(fn, world_size, args, timeout, backend, start_method)
+            if status == "ok":
+                return payload
+            message = payload
     raise RuntimeError(f"spawn: could not bind a free MASTER_PORT in {_PORT_RETRIES} tries:\n{message}")
 
 

@@ -37,6 +37,8 @@ __all__ = [
     "begin_checkpoint_dir",
     "commit_checkpoint_dir",
     "check_checkpoint_dir",
+    "checkpoint_iteration",
+    "discard_unfinished_save",
     "resolve_checkpoint_dir",
     "megatron_lm_iteration_dir",
 ]
@@ -231,10 +233,12 @@ def begin_checkpoint_dir(ckpt_dir: str | os.PathLike) -> Path:
     return tmp
 
 
-def commit_checkpoint_dir(tmp_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> None:
-    """Rank 0, once every rank finished writing into ``tmp_dir``: writes the completion marker (the list of files)
-    last, then moves ``tmp_dir`` to ``ckpt_dir``. A previous ``ckpt_dir`` is moved aside first and deleted after;
-    should the process die between the two renames, :func:`resolve_checkpoint_dir` finds it as ``<ckpt_dir>.old``.
+def commit_checkpoint_dir(tmp_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, iteration: int | None = None
+                          ) -> None:
+    """Rank 0, once every rank finished writing into ``tmp_dir``: writes the completion marker (the list of files
+    and the training ``iteration``, :func:`checkpoint_iteration`) last, then moves ``tmp_dir`` to ``ckpt_dir``. A
+    previous ``ckpt_dir`` is moved aside first and deleted after; should the process die between the two renames,
+    :func:`resolve_checkpoint_dir` finds it as ``<ckpt_dir>.old``.
 
     Raises:
         FileExistsError: (rank 0) ``ckpt_dir`` or ``<ckpt_dir>.old`` is no longer a checkpoint of ours (nothing moved).
@@ -250,7 +254,7 @@ def commit_checkpoint_dir(tmp_dir: str | os.PathLike, ckpt_dir: str | os.PathLik
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     marker = tmp / COMPLETE_MARKER
     with open(marker.with_suffix(".part"), "w") as f:
-        json.dump({"files": files}, f)
+        json.dump({"files": files, "iteration": iteration}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(marker.with_suffix(".part"), marker)
@@ -262,6 +266,27 @@ def commit_checkpoint_dir(tmp_dir: str | os.PathLike, ckpt_dir: str | os.PathLik
     os.rename(tmp, final)
     if old.exists():
         shutil.rmtree(old)
+
+
+def checkpoint_iteration(ckpt_dir: str | os.PathLike) -> int | None:
+    """The training iteration a complete checkpoint of ours was saved at, read from its completion marker without
+    loading anything (None: not recorded). Call :func:`check_checkpoint_dir` first."""
+    try:
+        iteration = json.loads((Path(ckpt_dir) / COMPLETE_MARKER).read_text()).get("iteration")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return iteration if isinstance(iteration, int) else None
+
+
+def discard_unfinished_save(ckpt_dir: str | os.PathLike) -> Path | None:
+    """Removes ``<ckpt_dir>.tmp``, the staging directory of a save into ``ckpt_dir`` that did not finish, when it
+    holds nothing but what a save writes; returns its path if removed. For after an interrupted save, once no process
+    writes into it any more (the next save would remove it too)."""
+    tmp = _tmp_dir(Path(ckpt_dir))
+    if not tmp.is_dir() or _staging_problem(tmp):
+        return None
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
 
 
 def check_checkpoint_dir(ckpt_dir: str | os.PathLike, require_state: bool = True) -> Path:
@@ -302,6 +327,11 @@ def check_checkpoint_dir(ckpt_dir: str | os.PathLike, require_state: bool = True
     elif path.name.endswith(".tmp"):  # our own save's staging directory: complete only once the marker is written
         missing.append(COMPLETE_MARKER)
     missing = list(dict.fromkeys(missing))
+    weights = [n for n in ("model.safetensors", "model.safetensors.index.json") if (path / n).is_file()]
+    if missing and weights and (path / "config.json").is_file() and not (path / _DCP_METADATA).is_file():
+        raise IncompleteCheckpointError(
+            f"{path} is a Hugging Face model (config.json, {weights[0]}), not a distributed checkpoint: read its "
+            "weights into a Megatron model with modelopt_moe.export.import_hf (modelopt-moe qat: --hf)")
     if missing or resized:
         problems = ([f"missing {', '.join(missing)}"] if missing else []) + resized
         raise IncompleteCheckpointError(

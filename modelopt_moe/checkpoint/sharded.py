@@ -71,7 +71,8 @@ def _as_list(model_list) -> list[nn.Module]:
     return list(model_list) if isinstance(model_list, list | tuple) else [model_list]
 
 
-def save_sharded_modelopt_state(model_list, ckpt_dir: str | os.PathLike) -> None:
+def save_sharded_modelopt_state(model_list, ckpt_dir: str | os.PathLike,
+                                calibration_tokens: list[dict] | None = None) -> None:
     """Writes the quantization state of every model chunk to ``ckpt_dir/modelopt_moe_state.pt``.
 
     Call on every rank after the weights are saved; global rank 0 writes (atomically), no collective is made. The
@@ -80,8 +81,13 @@ def save_sharded_modelopt_state(model_list, ckpt_dir: str | os.PathLike) -> None
     Args:
         model_list: a model or a list of model chunks (virtual pipeline stages).
         ckpt_dir: the checkpoint directory (must exist).
+        calibration_tokens: per chunk, every expert's calibration tokens by global index
+            (:func:`~modelopt_moe.quantization.calib.tokens.expert_token_counts`, gathered by the caller;
+            ``save_sharded_checkpoint`` passes them), restored with the state at any layout.
     """
-    states = [modelopt_state(m) for m in _as_list(model_list)]
+    models = _as_list(model_list)
+    tokens = calibration_tokens or [None] * len(models)
+    states = [modelopt_state(m, t) for m, t in zip(models, tokens, strict=True)]
     if rank() != 0:
         return
     path = Path(ckpt_dir)

@@ -53,8 +53,12 @@ STATE_FORMAT = "modelopt_moe.quantization_state"
 STATE_VERSION = 3
 
 
-def modelopt_state(model: nn.Module) -> dict:
+def modelopt_state(model: nn.Module, calibration_tokens: dict | None = None) -> dict:
     """Everything needed to re-create ``model``'s quantization in a freshly built model (plain data, no tensors).
+
+    ``calibration_tokens``: the calibration tokens of every expert, ``{input quantizer name: {global expert:
+    tokens}}`` (:func:`~modelopt_moe.quantization.calib.tokens.expert_token_counts`, a collective, gathered by the
+    caller), kept under ``"calibration_tokens"`` and given back to each expert, at any layout, by the restore.
 
     Returns:
         ``{"format", "version", "backward", "kernel" (as versions before ``gemm`` read it), "fake_quant_kernel",
@@ -97,6 +101,7 @@ def modelopt_state(model: nn.Module) -> dict:
         "quantizers": quantizers,
         "expert_quantizers": experts,
         "expert_down_proj_input": DOWN_PROJ_INPUT,
+        **({"calibration_tokens": calibration_tokens} if calibration_tokens else {}),
     }
 
 
@@ -226,8 +231,20 @@ def _restore_quantizers(model: nn.Module, state: dict, experts, source: str) -> 
             raise CheckpointMismatchError(
                 f"{e.name}._amax: expected {e.num_global_experts} experts in checkpoint {source}, found "
                 f"{entry['num_global_experts']}")
+    _restore_calibration_tokens(model, state.get("calibration_tokens") or {})
     warn_if_down_proj_input_calibrated_otherwise(model, state.get("expert_down_proj_input"), source)
     return model
+
+
+def _restore_calibration_tokens(model: nn.Module, tokens: dict) -> None:
+    """Gives each expert input quantizer the calibration tokens of its experts, by global expert index."""
+    for e in iter_expert_quantizers(model):
+        counts = tokens.get(e.name)
+        if e.kind != "input_quantizer" or not counts:
+            continue
+        grid, n = e.owner.expert_grid(), e.gemm.num_local
+        e.quantizer.calibrated_rows = torch.tensor([int(counts[grid.global_index(n, i)]) for i in range(n)],
+                                                   dtype=torch.int64)
 
 
 def restore_from_modelopt_state(model: nn.Module, modelopt_state: dict, experts: ExpertsConfig | dict | None = None,

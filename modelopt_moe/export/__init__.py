@@ -14,7 +14,8 @@ Formats: ``compressed-tensors`` (FP8 E4M3 per tensor / per channel, NVFP4; read 
 compressed-tensors package; NVFP4 MoE experts through transformers only with :mod:`.transformers_compat`'s fix),
 ``modelopt`` (NVIDIA Model Optimizer's unified HF format: FP8, NVFP4, W4A16_NVFP4; read by vLLM, SGLang,
 TensorRT-LLM) and ``hf`` (unquantized). Families: Qwen3-MoE (``Qwen3MoeForCausalLM``) and Mixtral
-(``MixtralForCausalLM``). See docs/export.md.
+(``MixtralForCausalLM``). Linears quantized in different schemes (NVFP4 experts, FP8 attention) export as one
+checkpoint with a scheme per layer (:mod:`.layer_schemes`). See docs/export.md.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from torch import nn
 
 from ..quantization.utils import rank
 from ..quantization.weight_amax import update_weight_amax
+from .calibration_coverage import DEFAULT_MIN_CALIB_TOKENS, warn_cold_experts
+from .check import CheckReport, check_checkpoint
 from .errors import ExportError
-from .families import FAMILIES, Family, MoEArch, get_family, read_hf_config
+from .families import FAMILIES, Family, MoEArch, get_family, read_hf_config, register_family
 from .registry import ExportAdapter, adapter_for, adapter_named, register_export_adapter
 from .schemes import FORMATS
 
@@ -47,6 +50,9 @@ __all__ = [
     "Family",
     "MoEArch",
     "get_family",
+    "register_family",
+    "check_checkpoint",
+    "CheckReport",
 ]
 
 HF_CONFIG_FILE = "hf_config.json"
@@ -54,7 +60,7 @@ HF_CONFIG_FILE = "hf_config.json"
 
 def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "compressed-tensors",
               family: str | None = None, dtype=None, hf_config=None, progress: bool = True,
-              base_model: str | None = None) -> Path:
+              base_model: str | None = None, min_calib_tokens: int = DEFAULT_MIN_CALIB_TOKENS) -> Path:
     """Writes ``model`` as a Hugging Face checkpoint with its model card (``README.md``: the format, the quantization
     per layer, the readers known to be exact and the fix a reader needs); every rank calls it, global rank 0 writes.
 
@@ -72,6 +78,7 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "co
         progress: a progress bar per layer on rank 0.
         base_model: the Hugging Face id of the model it was trained from (``Qwen/Qwen3-30B-A3B``), for the model
             card's ``base_model`` (omitted when None).
+        min_calib_tokens: warn naming the experts whose input quantizer calibrated on fewer tokens.
 
     Returns:
         The output directory.
@@ -81,13 +88,16 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "co
             format cannot express, a non-empty output directory (all before writing).
 
     Warns once per process, on rank 0, when it writes NVFP4 MoE experts in compressed-tensors format: transformers
-    5.13 and later read them wrong without :func:`modelopt_moe.export.transformers_compat.fix_nvfp4_experts`.
+    5.13 and later read them wrong without :func:`modelopt_moe.export.transformers_compat.fix_nvfp4_experts`; and
+    naming the experts (global index, token count) whose input amax was calibrated on fewer than
+    ``min_calib_tokens`` tokens (:mod:`.calibration_coverage`). Every scale written is finite, positive and normal.
     """
     adapter = adapter_for(model)
     # A dynamic weight amax holds the value of the last forward; after an optimizer step, recompute it from the
     # current weights so that the exported scales are those the next forward would use (same collectives on every
     # rank, in module order).
     update_weight_amax(model)
+    warn_cold_experts(model, min_calib_tokens)  # one all_gather_object, every rank
     return adapter.export_hf(model, out_dir, format=format, family=family, dtype=dtype, hf_config=hf_config,
                              progress=progress, base_model=base_model)
 

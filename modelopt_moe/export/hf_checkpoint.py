@@ -26,9 +26,10 @@ from ..quantization.utils import warn_once
 from . import transformers_compat
 from .errors import ExportError
 from .families import Family, MoEArch, canonical_names, read_hf_config
+from .layer_schemes import layers_hf_quant_config, layers_quantization_config, resolve_schemes
 from .model_card import CARD_FILE, model_card
 from .safetensors_files import check_tensors, read_weight_map
-from .schemes import LinearQuant, encode_linear, hf_quant_config, quantization_config, resolve_scheme, scheme_of
+from .schemes import LinearQuant, encode_linear, scheme_of
 from .writer import CheckpointWriter, check_out_dir
 
 __all__ = ["TensorRecord", "LinearRecord", "write_hf_checkpoint", "HfCheckpointReader", "DTYPES"]
@@ -105,7 +106,7 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
     """
     error = None
     try:
-        arch, dtype, config, scheme, ignore = _plan(arch, family, fmt, linear_quants, dtype, template)
+        arch, dtype, config, schemes, ignore = _plan(arch, family, fmt, linear_quants, dtype, template)
         card = model_card(architecture=family.architecture, fmt=fmt,
                           linears={family.hf_module(c): q for c, q in linear_quants.items()},
                           other_modules=[family.hf_module(c) for c in canonical_names(arch) if c not in linear_quants],
@@ -132,7 +133,7 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
             for rec in records:  # every rank iterates: the adapter's collectives run here
                 if writer is not None and error is None:
                     try:
-                        _write_record(writer, family, rec, scheme, fmt, dtype, expected, seen)
+                        _write_record(writer, family, rec, schemes, fmt, dtype, expected, seen)
                     except Exception as e:  # noqa: BLE001  (every rank must learn of it, whatever it is)
                         error = f"{label}: {e}" if isinstance(e, ExportError) else f"{label}: {type(e).__name__}: {e}"
             _raise_agreed(error)
@@ -143,20 +144,21 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
             bar.close()
         error = None
         if writer is not None:
-            error = _commit(writer, config, scheme, ignore, fmt, sorted(expected - seen), family, card)
+            error = _commit(writer, config, schemes, ignore, fmt, sorted(expected - seen), family, card)
         _raise_agreed(error)
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
-    if fmt == "compressed-tensors" and _has_nvfp4_experts(scheme, linear_quants):
+    if fmt == "compressed-tensors" and _has_nvfp4_experts(schemes):
         warn_once(NVFP4_EXPERTS_WARNING)
-    coarse = [n for n, q in linear_quants.items() if scheme is not None and scheme.dynamic_input and q.input is not None
+    coarse = [n for n, q in ((family.hf_module(c), q) for c, q in linear_quants.items())
+              if schemes.get(n) is not None and schemes[n].dynamic_input and q.input is not None
               and q.input.dynamic and not q.input.per_token and q.input.block_size is None]
     if coarse:
         warn_once(f"export_hf: {len(coarse)} linears (e.g. {coarse[0]}) trained their inputs with one dynamic amax per "
-                  f"tensor and are written as {scheme.name}, whose engines quantize inputs per token (a finer scale: "
-                  "the weights are exactly the trained ones, the input rounding is not)")
+                  f"tensor and are written as {schemes[coarse[0]].name}, whose engines quantize inputs per token (a "
+                  "finer scale: the weights are exactly the trained ones, the input rounding is not)")
     return Path(out_dir)
 
 
@@ -168,32 +170,38 @@ NVFP4_EXPERTS_WARNING = (
     "'Which readers are exact'.")
 
 
-def _has_nvfp4_experts(scheme, linear_quants: dict[str, LinearQuant]) -> bool:
-    return scheme is not None and scheme.ct_format == transformers_compat.AFFECTED_FORMAT and any(
-        ".experts." in name and q.is_quantized for name, q in linear_quants.items())
+def _has_nvfp4_experts(schemes: dict) -> bool:
+    return any(".experts." in name and s is not None and s.ct_format == transformers_compat.AFFECTED_FORMAT
+               for name, s in schemes.items())
 
 
 def _plan(arch: MoEArch, family: Family, fmt: str, linear_quants: dict[str, LinearQuant], dtype, template):
-    """Everything known before any tensor: the export dtype, ``config.json``, the scheme and the excluded linears."""
+    """Everything known before any tensor: the export dtype, ``config.json``, each linear's scheme (by Hugging Face
+    name) and the excluded linears."""
     if dtype is not None:
         arch = replace(arch, dtype=str(dtype).replace("torch.", ""))
     if arch.dtype not in DTYPES:
         raise ExportError(f"dtype {arch.dtype!r}: expected one of {sorted(DTYPES)}")
     config = family.hf_config(arch, template)
     hf_quants = {family.hf_module(c): q for c, q in linear_quants.items()}
-    scheme = resolve_scheme(hf_quants, fmt)
-    ignore = [name for name, q in hf_quants.items() if scheme_of(q, name) is None]
-    if scheme is not None:
-        config["quantization_config"] = quantization_config(scheme, fmt, ignore)
-    return arch, DTYPES[arch.dtype], config, scheme, ignore
+    schemes = resolve_schemes(hf_quants, fmt)
+    ignore = [name for name, s in schemes.items() if s is None]
+    if fmt != "hf":
+        config["quantization_config"] = layers_quantization_config(_quantized(schemes), fmt, ignore)
+    return arch, DTYPES[arch.dtype], config, schemes, ignore
 
 
-def _commit(writer: CheckpointWriter, config: dict, scheme, ignore: list[str], fmt: str, missing: list[str],
+def _quantized(schemes: dict) -> dict:
+    return {name: s for name, s in schemes.items() if s is not None}
+
+
+def _commit(writer: CheckpointWriter, config: dict, schemes: dict, ignore: list[str], fmt: str, missing: list[str],
             family: Family, card: str) -> str | None:
     """Writer rank: the final files and the rename; returns an error to agree on (or None)."""
     if missing:
         return f"the adapter gave no tensor for {len(missing)} names of {family.architecture}, e.g. {missing[:3]}"
-    extra = {"hf_quant_config.json": hf_quant_config(scheme, ignore)} if fmt == "modelopt" else None
+    extra = {"hf_quant_config.json": layers_hf_quant_config(_quantized(schemes), ignore)} if fmt == "modelopt" \
+        else None
     try:
         writer.commit(config, extra, {CARD_FILE: card})
     except OSError as e:
@@ -214,7 +222,7 @@ def _progress(total: int, enabled: bool):
     return progress(total, "export", unit="layers", enabled=enabled)
 
 
-def _write_record(writer: CheckpointWriter, family: Family, rec, scheme, fmt: str, dtype, expected: set,
+def _write_record(writer: CheckpointWriter, family: Family, rec, schemes: dict, fmt: str, dtype, expected: set,
                   seen: set) -> None:
     if rec.canonical not in expected:
         raise ExportError(f"{rec.canonical} is not a tensor of this {family.architecture} model")
@@ -222,12 +230,15 @@ def _write_record(writer: CheckpointWriter, family: Family, rec, scheme, fmt: st
         raise ExportError(f"{rec.canonical} given twice")
     seen.add(rec.canonical)
     module = family.hf_module(rec.canonical)
-    if isinstance(rec, LinearRecord) and scheme is not None and scheme_of(rec.quant, module) is not None:
+    scheme = schemes.get(module)
+    if isinstance(rec, LinearRecord) and scheme is not None:
+        if scheme_of(rec.quant, module) != scheme:  # the records must be quantized as the plan (and config) says
+            raise ExportError(f"{module}: the adapter gave quantizers {rec.quant}, planned as {scheme.name}")
         for name, tensor in encode_linear(module, rec.weight, rec.weight_amax, rec.input_amax, scheme, fmt).items():
             writer.add(name, tensor)
         return
     tensor = rec.weight if isinstance(rec, LinearRecord) else rec.tensor
-    writer.add(f"{module}.weight", tensor.to(dtype))
+    writer.add(family.hf_tensor(rec.canonical), tensor.to(family.tensor_dtype(rec.canonical, dtype)))
 
 
 class HfCheckpointReader:
@@ -263,8 +274,7 @@ class HfCheckpointReader:
         expected = set(canonical_names(self.arch))
         unexpected = []
         for name, file in weight_map.items():
-            module, _, param = name.rpartition(".")
-            canonical = self.family.canonical(module) if param == "weight" else None
+            canonical = self.family.canonical_tensor(name)
             if canonical in expected:
                 self._files[canonical] = file
             elif not (canonical == "lm_head" and self.arch.tie_word_embeddings):  # tied copies are allowed
@@ -272,7 +282,7 @@ class HfCheckpointReader:
         missing = sorted(expected - set(self._files))
         if missing or unexpected:
             raise ExportError(f"{self.path}: the tensors do not match {self.family.architecture} with config "
-                              f"{self.arch}: missing {[self.family.hf_module(m) + '.weight' for m in missing[:5]]}"
+                              f"{self.arch}: missing {[self.family.hf_tensor(m) for m in missing[:5]]}"
                               f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                               f"{' ...' if len(unexpected) > 5 else ''}")
         shapes = canonical_shapes(self.arch)
@@ -291,8 +301,8 @@ class HfCheckpointReader:
             raise ExportError(f"{path}: reading tensor {name} failed: {type(e).__name__}: {e}") from e
 
     def tensor_name(self, canonical: str) -> str:
-        """The Hugging Face tensor name of the canonical module ``canonical`` (its ``.weight``)."""
-        return f"{self.family.hf_module(canonical)}.weight"
+        """The Hugging Face tensor name of the canonical tensor ``canonical``."""
+        return self.family.hf_tensor(canonical)
 
     def get(self, canonical: str) -> torch.Tensor:
         """The whole tensor."""
@@ -302,13 +312,17 @@ class HfCheckpointReader:
         """The tensor's shape, from the safetensors header (nothing is read)."""
         return self._headers[self.tensor_name(canonical)].shape
 
+    def get_slice(self, canonical: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Indices ``start:stop`` along ``dim`` (any rank of tensor), read without loading the rest."""
+        return self._read(canonical, (slice(None),) * dim + (slice(start, stop),))
+
     def get_rows(self, canonical: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` (dim 0), read without loading the rest."""
-        return self._read(canonical, (slice(start, stop),))
+        return self.get_slice(canonical, 0, start, stop)
 
     def get_cols(self, canonical: str, start: int, stop: int) -> torch.Tensor:
-        """Columns ``start:stop`` (dim 1) of a 2-D tensor."""
-        return self._read(canonical, (slice(None), slice(start, stop)))
+        """Columns ``start:stop`` (dim 1)."""
+        return self.get_slice(canonical, 1, start, stop)
 
     def names(self) -> Iterator[str]:
         """The canonical names of the checkpoint's tensors."""

@@ -15,7 +15,8 @@ from __future__ import annotations
 import re
 
 from . import transformers_compat
-from .schemes import LinearQuant, Scheme, resolve_scheme, scheme_of
+from .layer_schemes import resolve_schemes
+from .schemes import LinearQuant, Scheme
 
 __all__ = ["model_card", "CARD_FILE"]
 
@@ -42,13 +43,17 @@ def model_card(*, architecture: str, fmt: str, linears: dict[str, LinearQuant], 
         Markdown with YAML front matter.
 
     Raises:
-        ExportError: what :func:`~.schemes.resolve_scheme` raises (a format that cannot express the quantizers).
+        ExportError: what :func:`~.layer_schemes.resolve_schemes` raises (a format that cannot express the
+            quantizers).
     """
-    scheme = resolve_scheme(linears, fmt)
-    nvfp4_experts = fmt == "compressed-tensors" and scheme is not None and _nvfp4(scheme) and any(
-        ".experts." in m and q.is_quantized for m, q in linears.items())
+    schemes = resolve_schemes(linears, fmt)
+    kinds = list(dict.fromkeys(s for s in schemes.values() if s is not None))
+    if len(kinds) > 1:
+        return _mixed_card(architecture, fmt, schemes, kinds, other_modules, dtype, name, base_model)
+    scheme = kinds[0] if kinds else None
+    nvfp4_experts = _nvfp4_experts(fmt, schemes)
     title = f"{name}: {architecture}" + ("" if scheme is None else f", {scheme.name}")
-    lines = [*_front_matter(fmt, scheme, base_model), "", f"# {title} ({_FORMAT_LABELS[fmt]})", ""]
+    lines = [*_front_matter(fmt, kinds, base_model), "", f"# {title} ({_FORMAT_LABELS[fmt]})", ""]
     origin = f" from [{base_model}](https://huggingface.co/{base_model})" if base_model else ""
     lines += [f"A Mixture-of-Experts model ({architecture}){origin}, "
               + ("quantized (calibrated, and trained if QAT ran)" if scheme is not None else "trained")
@@ -56,7 +61,7 @@ def model_card(*, architecture: str, fmt: str, linears: dict[str, LinearQuant], 
     if nvfp4_experts:
         lines += _transformers_fix(name)
     lines += ["## Quantization per layer", ""]
-    lines += _scheme_table(fmt, scheme, linears, dtype)
+    lines += _scheme_table(fmt, schemes, dtype)
     others = _patterns(other_modules)
     if others:
         lines += ["", f"Not quantized, stored in {dtype}: " + ", ".join(f"`{p}`" for p in others) + "."]
@@ -75,13 +80,64 @@ def _nvfp4(scheme: Scheme) -> bool:
     return scheme.name.startswith("NVFP4")
 
 
-def _front_matter(fmt: str, scheme: Scheme | None, base_model: str | None) -> list[str]:
+def _nvfp4_experts(fmt: str, schemes: dict[str, Scheme | None]) -> bool:
+    """compressed-tensors NVFP4 MoE experts: the ones transformers reads wrong without the fix."""
+    return fmt == "compressed-tensors" and any(".experts." in m and s is not None and _nvfp4(s)
+                                               for m, s in schemes.items())
+
+
+def _mixed_card(architecture: str, fmt: str, schemes: dict[str, Scheme | None], kinds: list[Scheme],
+                other_modules: list[str], dtype: str, name: str, base_model: str | None) -> str:
+    """The card of a checkpoint whose linears carry several schemes (:mod:`.layer_schemes`)."""
+    nvfp4_experts = _nvfp4_experts(fmt, schemes)
+    title = f"{name}: {architecture}, " + " + ".join(k.name for k in kinds)
+    lines = [*_front_matter(fmt, kinds, base_model), "", f"# {title} ({_FORMAT_LABELS[fmt]})", ""]
+    origin = f" from [{base_model}](https://huggingface.co/{base_model})" if base_model else ""
+    how = ("compressed-tensors (`config.json`: `quantization_config.quant_method: compressed-tensors`, `format: "
+           "mixed-precision`, one config group per scheme with its own `format` and `targets`)."
+           if fmt == "compressed-tensors" else
+           "NVIDIA Model Optimizer's unified Hugging Face format (`config.json`: `quantization_config.quant_method: "
+           "modelopt`, `quant_algo: MIXED_PRECISION` with every quantized linear's `quant_algo` in "
+           "`quantized_layers`; the same in `hf_quant_config.json`).")
+    lines += [f"A Mixture-of-Experts model ({architecture}){origin}, quantized (calibrated, and trained if QAT ran) "
+              f"in Megatron-Core with {_PRODUCER}, each layer in its own scheme, exported as {how}", ""]
+    if nvfp4_experts:
+        lines += _transformers_fix(name)
+    lines += ["## Quantization per layer", "", *_scheme_table(fmt, schemes, dtype)]
+    others = _patterns(other_modules)
+    if others:
+        lines += ["", f"Not quantized, stored in {dtype}: " + ", ".join(f"`{p}`" for p in others) + "."]
+    notes = []  # each scheme's tensors, then the notes they share (once)
+    for k in kinds:
+        first, *rest = _tensors_sentence(fmt, k)
+        lines += ["", f"{k.name} linears: {first}"]
+        notes += [n for n in rest if n]
+    lines += [x for n in dict.fromkeys(notes) for x in ("", n)]
+    by_line: dict[str, list[str]] = {}  # a reader's line -> the schemes it holds for
+    for k in kinds:
+        for line in _readers(fmt, k, nvfp4_experts):
+            by_line.setdefault(line, []).append(k.name)
+    readers = [line if len(ks) == len(kinds) else f"- {' and '.join(ks)} layers: {line[2:]}"
+               for line, ks in by_line.items()]
+    if fmt == "compressed-tensors":
+        readers.append("- transformers 5.23 reads one scheme for all MoE experts (the group whose `re:` target "
+                       "names `experts`) and one for every other linear (the first other group).")
+    else:
+        readers = [r for r in readers if not r.startswith("- vLLM (`quant_method: modelopt`)")]
+        readers.insert(0, "- vLLM (`quant_algo: MIXED_PRECISION`: `ModelOptMixedPrecisionConfig`, FP8, NVFP4, "
+                       "W4A16_NVFP4 and MXFP8 layers): the layout its loader reads (checked against its source, not "
+                       "run). SGLang and TensorRT-LLM: not checked for per-layer schemes.")
+    lines += ["", "## Readers", "", *readers]
+    return "\n".join(lines) + "\n"
+
+
+def _front_matter(fmt: str, kinds: list[Scheme], base_model: str | None) -> list[str]:
     tags = ["moe", _PRODUCER]
-    if scheme is not None:
-        tags = ["quantized", scheme.name.split("_")[0].lower(), fmt, *tags]  # fp8 or nvfp4
+    if kinds:  # fp8 and / or nvfp4
+        tags = ["quantized", *dict.fromkeys(k.name.split("_")[0].lower() for k in kinds), fmt, *tags]
     lines = ["---", "library_name: transformers", "pipeline_tag: text-generation"]
     if base_model:
-        lines += [f"base_model: {base_model}", f"base_model_relation: {'quantized' if scheme else 'finetune'}"]
+        lines += [f"base_model: {base_model}", f"base_model_relation: {'quantized' if kinds else 'finetune'}"]
     return [*lines, "tags:", *(f"- {t}" for t in tags), "---"]
 
 
@@ -143,14 +199,14 @@ def _layers(modules: list[str]) -> str:
     return ", ".join(ranges)
 
 
-def _scheme_table(fmt: str, scheme: Scheme | None, linears: dict[str, LinearQuant], dtype: str) -> list[str]:
-    rows: dict[tuple[str, bool], list[str]] = {}
-    for module, q in linears.items():
-        rows.setdefault((_pattern(module), scheme_of(q, module) is not None), []).append(module)
+def _scheme_table(fmt: str, schemes: dict[str, Scheme | None], dtype: str) -> list[str]:
+    rows: dict[tuple[str, Scheme | None], list[str]] = {}
+    for module, s in schemes.items():
+        rows.setdefault((_pattern(module), s), []).append(module)
     lines = ["| modules (Hugging Face names) | layers | count | weights | inputs (activations) |",
              "|---|---|---|---|---|"]
-    for (pattern, quantized), modules in rows.items():
-        weight, inputs = (_weights(fmt, scheme), _inputs(fmt, scheme, dtype)) if quantized else (
+    for (pattern, scheme), modules in rows.items():
+        weight, inputs = (_weights(fmt, scheme), _inputs(fmt, scheme, dtype)) if scheme is not None else (
             f"{dtype}, not quantized", f"{dtype}, not quantized")
         lines.append(f"| `{pattern}` | {_layers(modules)} | {len(modules)} | {weight} | {inputs} |")
     return lines

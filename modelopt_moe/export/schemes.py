@@ -247,11 +247,27 @@ def encode_linear(module: str, weight: torch.Tensor, weight_amax: torch.Tensor |
     weight_amax = weight_amax.detach().cpu() if codec.reads_amax(scheme, False) else None
     input_amax = input_amax.detach().cpu() if codec.reads_amax(scheme, True) else None
     try:
-        return codec.encode(module, weight, weight_amax, input_amax, scheme, fmt)
+        tensors = codec.encode(module, weight, weight_amax, input_amax, scheme, fmt)
     except ValueError as e:
         if isinstance(e, ExportError):
             raise
         raise ExportError(str(e)) from None
+    for name, t in tensors.items():
+        _check_scale(name, t)
+    return tensors
+
+
+def _check_scale(name: str, t: torch.Tensor) -> None:
+    """Engines turn a zero, non-finite or subnormal per-tensor / per-channel scale into NaN: none is ever written
+    (the codecs apply the numeric contract's rule to invalid amaxes, so this guards that contract). Block scales
+    (stored in the element's scale format, e.g. E4M3 for NVFP4) may be zero: a block of zeros."""
+    is_scale = name.endswith(("scale", "scale_2"))
+    if not is_scale or t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return
+    bad = ~torch.isfinite(t) | (t.abs() < torch.finfo(t.dtype).tiny)
+    if bad.any():
+        raise ExportError(f"{name}: would write {int(bad.sum())} scale(s) that are zero, non-finite or subnormal "
+                          f"(e.g. {t[bad].flatten()[0].item()!r}); engines read them as NaN")
 
 
 def quantization_config(scheme: Scheme, fmt: str, ignore: list[str]) -> dict:

@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..progress import progress
+from .calib.calibrator import Statistic, reduce_statistics
+from .calib.max import AMAX_REDUCE_OP
+from .calib.registry import calibrator_class
+from .calib.routing import widened_routing
+from .calib.tokens import sum_token_counts
 from .config import MaxCalibConfig, normalize_algorithm
 from .conversion import is_quantized, named_quantizers, own_quantizers, rule_name
 from .modelopt_compat import COMPAT_DOC
@@ -48,7 +54,8 @@ def amax_placeholder(q: TensorQuantizer) -> torch.Tensor:
 
 
 def sync_amax(model: nn.Module, groups: dict) -> None:
-    """Max-reduces every enabled quantizer's amax over the groups its module names.
+    """Max-reduces every enabled quantizer's amax over the groups its module names (the max rule's reduction,
+    :mod:`.calib.max`, through the calibrator seam's :func:`~.calib.calibrator.reduce_statistics`).
 
     Args:
         model: a converted model.
@@ -57,28 +64,23 @@ def sync_amax(model: nn.Module, groups: dict) -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    by_group: dict[str, list[TensorQuantizer]] = {}
+    statistics = []
     for module in model.modules():
         if not is_quantized(module):
             continue
         for rel, q in own_quantizers(module):
             if not q.is_enabled:
                 continue
-            for key in module.amax_reduction(rel):
-                if key in groups and groups[key] is not None and dist.get_world_size(groups[key]) > 1:
-                    by_group.setdefault(key, []).append(q)
-    for key in sorted(by_group):
-        quantizers = by_group[key]
-        values = [q.amax if q.amax is not None else amax_placeholder(q) for q in quantizers]
-        flat = torch.cat([v.detach().float().reshape(-1).cpu() for v in values])
-        device = collective_device(groups[key])
-        flat = flat.to(device)
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=groups[key])
-        offset = 0
-        for q, v in zip(quantizers, values, strict=True):
-            n = v.numel()
-            q.amax = flat[offset:offset + n].reshape(v.shape).to(v.device if q.amax is None else q.amax.device)
-            offset += n
+            names = tuple(key for key in module.amax_reduction(rel)
+                          if key in groups and groups[key] is not None and dist.get_world_size(groups[key]) > 1)
+            if names:
+                value = q.amax if q.amax is not None else amax_placeholder(q)
+                statistics.append(Statistic(value, AMAX_REDUCE_OP, names, partial(_store_amax, q)))
+    reduce_statistics(statistics, groups)
+
+
+def _store_amax(q: TensorQuantizer, value: torch.Tensor) -> None:
+    q.amax = value if q.amax is None else value.to(q.amax.device)
 
 
 class _ForwardCounter:
@@ -157,12 +159,17 @@ def refuse_meta(model: nn.Module, call: str) -> None:
 
 def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = "max",
               forward_loop: Callable | None = None, groups: dict | None = None) -> nn.Module:
-    """Max-calibrates every enabled quantizer of a converted model.
+    """Calibrates every enabled quantizer of a converted model with a registered calibration algorithm
+    (:mod:`.calib`: ``max``, ``mse``, ``histogram``).
 
-    Weight amaxes come from the weights themselves; activation amaxes from ``forward_loop(model)``; then amaxes are
-    max-reduced over the parallel groups (``groups``, or the registered provider's) and modules finalize
-    (e.g. experts that saw no tokens take the shared input amax). Dynamic quantizers (``type: dynamic``) are left
-    alone: their amax comes from each tensor.
+    Every algorithm starts from max calibration: weight amaxes come from the weights themselves; activation amaxes
+    from ``forward_loop(model)`` (with ``moe_calib_experts_ratio``, MoE layers route each token to more experts
+    while calibrating, :mod:`.calib.routing`); then amaxes are max-reduced over the parallel groups (``groups``, or
+    the registered provider's) and modules finalize (e.g. experts that saw no tokens take the shared input amax).
+    Then the algorithm refines (``mse``: each weight amax searched on a grid of multipliers, its errors summed
+    across the weight's shards; ``histogram``: activation amaxes from histograms of a second ``forward_loop`` pass,
+    summed across ranks). Dynamic quantizers (``type: dynamic``) are left alone: their amax comes from each
+    tensor.
 
     If ``forward_loop`` raises, every quantizer is put back as it was before this call (amaxes, calibration and
     quantization switches) and the exception propagates with a note saying so; the model is in eval mode or
@@ -170,13 +177,17 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
 
     Args:
         model: a model converted by :func:`mtq.quantize`.
-        algorithm: ``"max"``, ``{"method": "max", ...}`` (:class:`MaxCalibConfig`'s options: ``distributed_sync``,
-            ``skip_forward_without_activation_calib``), or None to skip calibration.
+        algorithm: ``"max"``, ``"mse"``, ``"histogram"``, ``{"method": ..., ...}`` (the method's options:
+            :class:`MaxCalibConfig`'s ``distributed_sync``, ``skip_forward_without_activation_calib``,
+            ``moe_calib_experts_ratio``; for ``mse`` also :class:`~.config_schema.MseCalibConfig`'s grid, for
+            ``histogram`` :class:`~.config_schema.HistogramCalibConfig`'s rule and bins), or None to skip
+            calibration.
         forward_loop: ``forward_loop(model)`` (or ``forward_loop()``) runs calibration data through the model.
-        groups: ``{name: ProcessGroup}`` for the amax reduction.
+        groups: ``{name: ProcessGroup}`` for the reductions across ranks.
 
     Raises:
-        ValueError: an algorithm other than max (naming it); a model on the meta device (naming a tensor there).
+        ValueError: a method no calibrator is registered for, or an invalid option (naming it); a model on the
+            meta device (naming a tensor there).
         TypeError: a ``forward_loop`` that is not callable.
     """
     options = normalize_algorithm(algorithm)
@@ -184,6 +195,7 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
     if options is None:
         return model
     refuse_meta(model, "mtq.calibrate")
+    calibrator = calibrator_class(options.method)(options)
     quantizers = [(name, q) for name, q, _ in named_quantizers(model) if q.is_enabled]
     saved = [(q, q.calibration_snapshot()) for _, q in quantizers]
     training = model.training
@@ -203,6 +215,7 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
     sync = options.distributed_sync is not False
     if sync:
         sync_amax(model, groups)
+        sum_token_counts(model, groups)
     unseen = []
     for name, module in model.named_modules():
         if is_quantized(module):
@@ -213,6 +226,13 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
     try:
         _check_finite(quantizers, collective=sync and bool(groups))
     except CalibrationError:
+        for q, snapshot in saved:
+            q.restore_calibration_snapshot(snapshot)
+        raise
+    try:
+        calibrator.refine(model, groups if sync else {}, loop,
+                          lambda: widened_routing(model, options.moe_calib_experts_ratio))
+    except BaseException:
         for q, snapshot in saved:
             q.restore_calibration_snapshot(snapshot)
         raise
@@ -274,9 +294,11 @@ def _collect(model: nn.Module, quantizers, loop, options: MaxCalibConfig) -> Non
     for name, q in quantizers:
         if _is_weight_quantizer(name):
             q.disable_calib()  # already calibrated from the weights
+            if getattr(q, "calibrated_rows", None) is not None:
+                q.calibrated_rows = None  # rows of weights: the counts are of calibration tokens
     needs_data = _needs_activation_data(quantizers)
     if loop is not None and (needs_data or not options.skip_forward_without_activation_calib):
-        with _ForwardCounter(model), torch.no_grad():
+        with _ForwardCounter(model), torch.no_grad(), widened_routing(model, options.moe_calib_experts_ratio):
             loop(model)
     elif loop is None and needs_data:
         warn_once("calibrate: no forward_loop given; activation quantizers keep no amax and will use the amax of "

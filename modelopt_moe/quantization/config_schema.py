@@ -8,11 +8,12 @@ validation errors into messages: :mod:`.config_errors`; both are gathered with t
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import warnings
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from ..numerics import ScaleLayout, UnsupportedSetting, format_from_num_bits, format_of, get_format
 from .modelopt_shapes import UNSUPPORTED_ALGORITHMS, normalize_quant_cfg, unsupported
@@ -24,6 +25,9 @@ __all__ = [
     "ExpertsConfig",
     "BackwardConfig",
     "MaxCalibConfig",
+    "HistogramCalibConfig",
+    "MseCalibConfig",
+    "CALIBRATION_OPTIONS",
     "AutoswitchConfig",
     "AUTOSWITCH_GEMMS",
     "WEIGHT_AMAX_UPDATES",
@@ -132,7 +136,8 @@ class QuantizerAttributeConfig(_Strict):
         checks = [
             ("fake_quant", self.fake_quant is True, "real quantization: modelopt_moe only fake-quantizes"),
             ("learn_amax", self.learn_amax is False, "deprecated in Model Optimizer as well"),
-            ("calibrator", self.calibrator == "max", "only max calibration"),
+            ("calibrator", self.calibrator == "max", "the calibrator is chosen for the whole model by 'algorithm'; "
+                                                      "histograms: algorithm {'method': 'histogram', ...}"),
             ("bias", self.bias is None, "no affine (biased) quantization"),
             ("rotate", not (self.rotate is True or (isinstance(self.rotate, dict) and self.rotate.get("enable"))),
              "no Hadamard rotation"),
@@ -362,22 +367,25 @@ class MaxCalibConfig(_Strict):
             ``shared`` expert weight layout.
         skip_forward_without_activation_calib: skip ``forward_loop`` when no enabled activation quantizer needs
             calibration data (weights are calibrated from themselves).
-        moe_calib_experts_ratio, layerwise, shared_states: accepted at Model Optimizer's defaults only.
+        moe_calib_experts_ratio: route each calibration token to ``max(top_k, round(ratio * num_experts))``
+            experts of every MoE layer (the model's outputs still come from its own top-k), so that seldom-picked
+            experts calibrate too; in ``(0, 1]``, None: the model's routing.
+        layerwise, shared_states: accepted at Model Optimizer's defaults only.
     """
+
+    # Whether the algorithm chooses weight amaxes of its own (which weight_amax_update=dynamic would overwrite).
+    sets_weight_amax: ClassVar[bool] = False
 
     method: Literal["max"] = "max"
     distributed_sync: bool | None = True
     sync_expert_weight_amax: bool = False
     skip_forward_without_activation_calib: bool = False
-    moe_calib_experts_ratio: float | None = None
+    moe_calib_experts_ratio: float | None = Field(None, gt=0.0, le=1.0)
     layerwise: dict | None = None
     shared_states: dict | None = None
 
     @model_validator(mode="after")
     def _defaults_only(self):
-        if self.moe_calib_experts_ratio is not None:
-            raise ValueError(unsupported("algorithm.moe_calib_experts_ratio", self.moe_calib_experts_ratio,
-                                         "calibration routes tokens as the model does"))
         if self.layerwise and (self.layerwise.get("enable") or self.layerwise.get("checkpoint_dir")):
             raise ValueError(unsupported("algorithm.layerwise", self.layerwise, "no layer-by-layer calibration"))
         if self.shared_states:
@@ -385,27 +393,119 @@ class MaxCalibConfig(_Strict):
         return self
 
 
+class MseCalibConfig(MaxCalibConfig):
+    """Options of the weight MSE search (:mod:`.calib.mse`): Model Optimizer 0.47's ``{"method": "mse", ...}``,
+    plus max calibration's options (the search starts from it).
+
+    Attributes:
+        step_size, start_multiplier, stop_multiplier: the grid of multipliers of the max amax,
+            ``linspace(start, stop, ceil((stop - start) / step_size) + 1)``.
+        fp8_scale_sweep: Model Optimizer's sweep of static NVFP4 block scales; accepted as False only.
+    """
+
+    sets_weight_amax: ClassVar[bool] = True
+
+    method: Literal["mse"] = "mse"
+    step_size: float = Field(0.1, gt=0.0)
+    start_multiplier: float = Field(0.25, gt=0.0)
+    stop_multiplier: float = Field(4.0, gt=0.0)
+    fp8_scale_sweep: bool = False
+
+    @model_validator(mode="after")
+    def _grid(self):
+        if self.stop_multiplier < self.start_multiplier:
+            raise ValueError(f"algorithm.stop_multiplier={self.stop_multiplier} is below start_multiplier="
+                             f"{self.start_multiplier}; the search runs from start to stop")
+        if self.fp8_scale_sweep:
+            raise ValueError(unsupported("algorithm.fp8_scale_sweep", True, "NVFP4 block scales come from the "
+                                         "weights (no static block scales to sweep); the multiplier search applies "
+                                         "to FP8 and INT weights"))
+        return self
+
+
+class HistogramCalibConfig(MaxCalibConfig):
+    """Options of activation calibration over histograms (:mod:`.calib.histogram`): Model Optimizer 0.47's
+    ``HistogramCalibrator`` (``num_bins``) and its ``compute_amax(method, stride=, start_bin=, percentile=)``, plus
+    max calibration's options (the histograms' common range is max calibration's amax).
+
+    Attributes:
+        histogram_method: ``"percentile"`` (the amax clips ``100 - percentile`` percent of the values) or ``"mse"``
+            (the bin center of least squared quantization error); Model Optimizer's ``"entropy"`` is refused.
+        num_bins: bins of each histogram over ``[0, amax]``.
+        percentile: in ``[0, 100]`` (``percentile`` only).
+        start_bin, stride: the candidate bin centers ``start_bin, start_bin + stride, ...`` (``mse`` only).
+    """
+
+    method: Literal["histogram"] = "histogram"
+    histogram_method: Literal["percentile", "mse"] = "percentile"
+    num_bins: int = Field(2048, ge=1)
+    percentile: float = Field(99.99, ge=0.0, le=100.0)
+    start_bin: int = Field(128, ge=0)
+    stride: int = Field(1, ge=1)
+
+    @field_validator("histogram_method", mode="before")
+    @classmethod
+    def _no_entropy(cls, v):
+        if v == "entropy":
+            raise ValueError(unsupported("algorithm.histogram_method", v, "percentile and mse"))
+        return v
+
+    @model_validator(mode="after")
+    def _candidates(self):
+        if self.histogram_method == "mse" and self.start_bin >= self.num_bins:
+            raise ValueError(f"algorithm.start_bin={self.start_bin} leaves no candidate among num_bins="
+                             f"{self.num_bins} bins; expected start_bin < num_bins")
+        return self
+
+
+# The options of each calibration method, by name; the calibrators themselves: calib/registry.py (same names).
+CALIBRATION_OPTIONS: dict[str, type[MaxCalibConfig]] = {"max": MaxCalibConfig, "mse": MseCalibConfig,
+                                                        "histogram": HistogramCalibConfig}
+
+
 def normalize_algorithm(algorithm: Any) -> MaxCalibConfig | None:
-    """``algorithm`` as Model Optimizer takes it (``"max"``, ``None``, ``{"method": "max", ...}``, a
-    :class:`MaxCalibConfig`) as a :class:`MaxCalibConfig`, or None for no calibration.
+    """``algorithm`` as Model Optimizer takes it (``"max"``, ``"mse"``, ``None``, ``{"method": "mse", ...}``, an
+    options object) as the options of the registered calibrator it names (a :class:`MaxCalibConfig` or a subclass),
+    or None for no calibration.
 
     Raises:
-        ValueError: another calibration method (naming it and the supported one) or an unknown option.
+        ValueError: a method no calibrator is registered for (naming it and the registered ones) or an unknown
+            option.
     """
     if algorithm is None or isinstance(algorithm, MaxCalibConfig):
         return algorithm
     if isinstance(algorithm, str):
         algorithm = {"method": algorithm}
     if not isinstance(algorithm, dict):
-        raise ValueError(f"algorithm: expected 'max', None or a dict with 'method', got {algorithm!r}")
+        raise ValueError(f"algorithm: expected one of {sorted(CALIBRATION_OPTIONS)}, None or a dict with "
+                         f"'method', got {algorithm!r}")
     method = algorithm.get("method", "max")
     if method is None:
         return None
-    if method != "max":
+    if method not in CALIBRATION_OPTIONS:
         if method in UNSUPPORTED_ALGORITHMS:
-            raise ValueError(unsupported("algorithm", method, "max calibration only (QAT trains the rest)"))
-        raise ValueError(f"algorithm: unknown calibration method {method!r}; expected 'max' (or None)")
-    return MaxCalibConfig(**algorithm)
+            raise ValueError(unsupported("algorithm", method, f"calibration methods: "
+                                                              f"{sorted(CALIBRATION_OPTIONS)} (QAT trains the rest)"))
+        raise ValueError(f"algorithm: unknown calibration method {method!r}; expected one of "
+                         f"{sorted(CALIBRATION_OPTIONS)} (or None)")
+    options = CALIBRATION_OPTIONS[method]
+    try:
+        return options(**algorithm)
+    except ValidationError as e:
+        raise ValueError("; ".join(_option_problem(method, options, err) for err in e.errors())) from None
+
+
+def _option_problem(method: str, options: type[MaxCalibConfig], err: dict) -> str:
+    """One invalid option of calibration method ``method``, named as ``algorithm.<key>`` (with the allowed keys and a
+    suggestion for an unknown one)."""
+    key = ".".join(str(p) for p in err.get("loc", ()))
+    if err.get("type") == "extra_forbidden":
+        allowed = sorted(options.model_fields)
+        close = difflib.get_close_matches(key, allowed, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"algorithm.{key}: unknown option of method {method!r}{hint}; allowed: {', '.join(allowed)}"
+    message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    return f"algorithm.{key}={err.get('input')!r}: {message}" if key else f"algorithm: {message}"
 
 
 AUTOSWITCH_GEMMS = ("fprop", "dgrad", "wgrad")
@@ -488,8 +588,8 @@ class QuantizeConfig(_Strict):
     """
 
     quant_cfg: list[QuantCfgEntry] = Field(default_factory=list)
-    algorithm: Literal["max"] | None = "max"
-    max_calib: MaxCalibConfig = Field(default_factory=MaxCalibConfig)
+    algorithm: str | None = "max"
+    max_calib: SerializeAsAny[MaxCalibConfig] = Field(default_factory=MaxCalibConfig)  # the method's options
     effective_bits: float | None = None
     strict: bool = False
     # How expert fake quant is computed: "auto" = the one-launch Triton kernels on CUDA, the torch reference
@@ -517,6 +617,10 @@ class QuantizeConfig(_Strict):
             raise ValueError("weight_amax_update=learned with backward.mode=high_precision: that backward runs through "
                              "the unquantized weights, so a learned amax would get no gradient; use backward.mode "
                              "dequantized or quantized")
+        if self.algorithm is not None and self.max_calib.sets_weight_amax and self.weight_amax_update == "dynamic":
+            raise ValueError(f"algorithm={self.algorithm!r} chooses the weight amaxes, but weight_amax_update=dynamic "
+                             "recomputes them from the weights at every re-quantization; set weight_amax_update to "
+                             "static or learned")
         hp = sorted({"dgrad", "wgrad"} & set(self.autoswitch.gemms)) if self.autoswitch else []
         if hp and self.backward.mode == "high_precision":
             raise ValueError(f"autoswitch.gemms includes {hp} but backward.mode=high_precision already runs dgrad "
@@ -532,14 +636,19 @@ class QuantizeConfig(_Strict):
         if "quant_cfg" in values:
             values["quant_cfg"] = normalize_quant_cfg(values["quant_cfg"])
         algo = values.get("algorithm", "max")
-        if isinstance(algo, dict | MaxCalibConfig) or (isinstance(algo, str) and algo != "max"):
+        given = values.get("max_calib")
+        if isinstance(algo, dict | MaxCalibConfig) or (isinstance(algo, str) and algo != "max") or (
+                isinstance(given, dict) and given.get("method", "max") != "max"):
             calib = normalize_algorithm(algo)
-            values["algorithm"] = None if calib is None else "max"
+            values["algorithm"] = None if calib is None else calib.method
             if calib is not None:
-                given = values.get("max_calib")
                 given = given.model_dump(exclude_unset=True) if isinstance(given, MaxCalibConfig) else (given or {})
-                # Options written in the algorithm dict win over a max_calib (a dumped preset carries defaults).
-                values["max_calib"] = {**given, **calib.model_dump(exclude_unset=True)}
+                # Options written in the algorithm dict win over a max_calib (a dumped preset carries defaults);
+                # a max_calib dumped from another method's options keeps only the options the chosen one takes.
+                if given.get("method", "max") != calib.method:
+                    given = {k: v for k, v in given.items() if k in MaxCalibConfig.model_fields and k != "method"}
+                values["max_calib"] = type(calib)(**{**given, **calib.model_dump(exclude_unset=True),
+                                                     "method": calib.method})
         return values
 
     @model_validator(mode="after")

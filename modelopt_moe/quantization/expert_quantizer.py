@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .calib.max import max_over_experts, merge_max
 from .config_schema import QuantizerAttributeConfig
 from .modelopt_compat import modelopt_quantizer_state, unsupported
 from .quant_mode import QuantMode
@@ -163,7 +164,7 @@ class ExpertQuantizer(TensorQuantizer):
     def _reduced(self, value: torch.Tensor) -> torch.Tensor:
         """The layout's calibration rule applied to an ``[N, ...]`` value: ``shared`` keeps the max over experts."""
         if self.layout == "shared":
-            return value.amax(dim=0, keepdim=True).expand_as(value)
+            return max_over_experts(value).expand_as(value)
         return value
 
     @property
@@ -227,6 +228,9 @@ class ExpertQuantizer(TensorQuantizer):
         Dynamic quantizers collect nothing."""
         if self.is_dynamic:
             return
+        if self.calib_observer is not None:
+            self.calib_observer(x, index)
+            return
         if self.layout != "shared":
             if self.calibrated_rows is None:
                 self.calibrated_rows = torch.zeros(self.num_experts, dtype=torch.int64)
@@ -237,19 +241,22 @@ class ExpertQuantizer(TensorQuantizer):
         with torch.no_grad():
             new = new.to(amax.device)
             if self.layout == "shared":
-                torch.maximum(amax, new.expand_as(amax), out=amax)
+                merge_max(amax, new, out=amax)
             else:
-                amax[index] = torch.maximum(amax[index], new)
+                amax[index] = merge_max(amax[index], new)
 
     def collect(self, x: torch.Tensor) -> None:
         """Max calibration on a tensor that belongs to every expert (e.g. a GEMM output of all experts)."""
         if self.is_dynamic:
             return
+        if self.calib_observer is not None:
+            self.calib_observer(x, None)
+            return
         self._count_nonfinite(x, fresh=False)
         new = self.amax_of(x)
         amax = self._ensure_amax(new)
         with torch.no_grad():
-            torch.maximum(amax, new.to(amax.device).expand_as(amax), out=amax)
+            merge_max(amax, new.to(amax.device), out=amax)
 
     def fill_unseen_experts(self, groups: dict) -> list[int]:
         """Per-expert per-tensor amax: an expert no rank calibrated (amax 0) takes the max over all experts on all
@@ -269,7 +276,7 @@ class ExpertQuantizer(TensorQuantizer):
         else:
             everyone = local
         unseen = (everyone <= 0).nonzero().flatten().tolist()
-        shared = everyone.max().to(local.device)
+        shared = max_over_experts(everyone).reshape(()).to(local.device)
         if unseen and shared > 0:
             self.amax = torch.where(local <= 0, shared, local)
         return unseen
@@ -399,6 +406,18 @@ class ExpertQuantizer(TensorQuantizer):
             return self._describe(head, "amax=None")
         tail = tuple(self._amax.shape[1:]) if self._amax is not None else ()
         return self._describe(head, _amax_range_text(*amax_range, (num_experts, *tail)))
+
+    def extra_repr(self) -> str:
+        """As :meth:`TensorQuantizer.extra_repr`, and the calibration tokens of each local expert where counted
+        (``tokens 0..128``, with the local experts that saw none)."""
+        text = super().extra_repr()
+        rows = self.calibrated_rows
+        if rows is None or not self._enabled:
+            return text
+        text += f", tokens {int(rows.min())}..{int(rows.max())}" if rows.min() != rows.max() else \
+            f", tokens {int(rows[0])}"
+        cold = (rows == 0).nonzero().flatten().tolist()
+        return text + (f" (none: local experts {cold})" if cold else "")
 
 
 def _amax_range_text(lo: float, hi: float, shape: tuple[int, ...]) -> str:

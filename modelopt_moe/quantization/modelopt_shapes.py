@@ -27,8 +27,8 @@ __all__ = [
 # Where the table of deliberate differences lives (shipped with the sources; the error names the section).
 COMPAT_DOC = "docs/modelopt_compat.md"
 
-# Model Optimizer's calibration methods that this package does not implement (max calibration only).
-UNSUPPORTED_ALGORITHMS = ("mse", "local_hessian", "smoothquant", "awq_lite", "awq_clip", "awq_full", "svdquant",
+# Model Optimizer's calibration methods that this package does not implement (it has max and mse).
+UNSUPPORTED_ALGORITHMS = ("local_hessian", "smoothquant", "awq_lite", "awq_clip", "awq_full", "svdquant",
                           "gptq", "nvfp4_act_headroom", "lsq")
 
 # Model Optimizer's registry-key prefixes -> the framework class names they stand for.

@@ -63,6 +63,12 @@ class QuantModuleMixin:
         if self.weight_quantizer.is_enabled:
             self.weight_quantizer.collect(self.weight)
 
+    def weights_to_calibrate(self) -> list[tuple[str, TensorQuantizer, list[torch.Tensor]]]:
+        """``(relative quantizer name, weight quantizer, weights)`` for each weight quantizer this module calibrates
+        from its weights: ``[weight]`` for a plain quantizer, expert ``i``'s weight at ``i`` for an expert
+        quantizer (what weight calibration algorithms search over, :mod:`.calib`)."""
+        return [("weight_quantizer", self.weight_quantizer, [self.weight])]
+
     def amax_reduction(self, quantizer_name: str) -> tuple[str, ...]:
         """Names of the parallel groups (``"tp"``, ``"dp"``, ``"ep"``, ...) over which this module's quantizer
         ``quantizer_name`` (relative name) must max-reduce its amax. Plain modules: none."""

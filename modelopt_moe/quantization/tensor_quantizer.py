@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..numerics import clip_limit, fake_quant, get_format
+from .calib.max import merge_max
 from .config_schema import WEIGHT_AMAX_UPDATES, QuantizerAttributeConfig
 from .modelopt_compat import modelopt_quantizer_state, parse_modelopt_quantizer_state, unsupported
 from .quant_mode import QuantMode, derive_mode
@@ -113,6 +114,9 @@ class TensorQuantizer(nn.Module):
         self._if_calib = bool(if_calib)
         self._if_quant = bool(if_quant)
         self._calib_seen = False
+        # Set by a calibrator that collects its own statistics of the activations (calib/histogram.py): while
+        # set, calibration hands each tensor to it instead of merging its max.
+        self.calib_observer = None
         self._calib_nonfinite: torch.Tensor | None = None  # [NaN, Inf] counts of this calibration pass
         self.ste = "pass_through"
         self.amax_update = "static"
@@ -471,16 +475,19 @@ class TensorQuantizer(nn.Module):
         :meth:`enable_calib` or :meth:`reset_amax`) replaces any earlier amax. Dynamic quantizers collect nothing."""
         if self.is_dynamic:
             return
+        if self.calib_observer is not None:
+            self.calib_observer(x, None)
+            return
         new = self.amax_of(x)
         fresh = self._amax is None or not self._calib_seen
         self._count_nonfinite(x, fresh)
-        self.amax = new if fresh else torch.maximum(self._amax, new.to(self._amax.device))
+        self.amax = new if fresh else merge_max(self._amax, new.to(self._amax.device))
         self._calib_seen = True
 
     def load_calib_amax(self, *args, strict: bool = True, **kwargs) -> None:
         """Model Optimizer's step after calibration. Max calibration writes the amax as it collects, so this only
-        checks that the pass saw a tensor (extra arguments are the histogram calibrators', which this package does
-        not have).
+        checks that the pass saw a tensor (extra arguments are those of Model Optimizer's per-quantizer histogram
+        calibrator; here histogram calibration is the model's ``algorithm: {"method": "histogram", ...}``).
 
         Raises:
             RuntimeError: nothing was collected and ``strict`` (``strict=False`` warns and sets the amax to NaN).

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..numerics import FORMATS
 from . import plots
 from .outcome import mean_and_noise
+from .record import check_run_record
 
 __all__ = ["write_report", "short_gemm_name"]
 
@@ -107,7 +108,11 @@ def write_report(run: dict, out_dir: str | Path) -> list[Path]:
     (``prompts``, ``prompt tokens``, ``new tokens``, ``end token``, ``models``: model -> ``{"same tokens as the
     reference", "end rate", "mean length"}``), ``curves`` (label -> [[step, loss], ...]), ``stats``
     (:class:`~.expert_stats.ExpertStats` as a dict), ``summary`` (the quantizer summary text).
+
+    Raises:
+        RunRecordError: ``run`` is not of that shape (:func:`~.record.check_run_record`); nothing is written.
     """
+    check_run_record(run)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .inputs import model_sizes
 from .noise import print_warnings
 from .ranks import (
     LayoutError,
@@ -93,11 +94,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("steps", "train_steps", "batch_size", "seq_len", "num_calib_batches", "num_eval_batches"):
         if getattr(args, name) < (0 if name in ("steps", "train_steps") else 1):
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name in ('steps', 'train_steps') else 1}")
-    model = _model_config()
     # Sequence parallelism splits the sequence over TP; attention heads, KV heads and the vocabulary split over it too.
-    args.layout = check_layout(p, args, num_experts=model["num_experts"], tp_divides={
-        "--seq-len": args.seq_len, "the model's num_key_value_heads": model["num_key_value_heads"],
-        "the model's num_attention_heads": model["num_attention_heads"], "the model's vocab_size": model["vocab_size"]})
+    experts, tp_divides = model_sizes(_model_config(), seq_len=args.seq_len)
+    args.layout = check_layout(p, args, num_experts=experts, tp_divides=tp_divides)
     return args
 
 
@@ -189,6 +188,7 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     from modelopt_moe.checkpoint import iter_expert_quantizers
     from modelopt_moe.distill import QADRecipe
     from modelopt_moe.export import build_megatron_model, export_hf, import_hf, save_hf_config
+    from modelopt_moe.export.check import check_all_engines
     from modelopt_moe.export.families import read_hf_config
     from modelopt_moe.plugins.megatron import (
         destroy_model_parallel,
@@ -394,9 +394,12 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
             ", with modelopt_moe.export.transformers_compat.fix_nvfp4_experts() applied (transformers 5.13+ "
             "mis-scales NVFP4 experts without it)" if fix.applied else
             f", modelopt_moe.export.transformers_compat.fix_nvfp4_experts() not needed ({fix.note})")
+        checked = [check_all_engines(d) for d in (ct, mo)] if rank == 0 else [(True, "n/a on this rank")]
+        ok &= agree(all(passed for passed, _ in checked))
         stage(f"export: {ct} (compressed-tensors) and {mo} (Model Optimizer) written from TP={other_tp} "
               f"EP={other_ep}; transformers loads the first{how}; it dequantizes the weights and ignores input "
-              f"scales, so it is compared with our weight-only forward: {text}")
+              f"scales, so it is compared with our weight-only forward: {text}; "
+              f"{'; '.join(line for _, line in checked)}")
 
     # 6. report -------------------------------------------------------------------------------------------------
     report = None

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .inputs import model_sizes, read_json_config, refuse_hf_model
 from .noise import print_warnings
 from .ranks import LayoutError, add_layout_args, check_layout, prints_here, run_ranks
 
@@ -36,7 +37,16 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     add_layout_args(p, tp=1, ep=1, world_size=1)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run (default: %(default)s)")
     args = p.parse_args(argv)
-    args.layout = check_layout(p, args)
+    try:
+        refuse_hf_model(args.checkpoint, "--checkpoint", f"quantize and export it with modelopt-moe qat --hf "
+                        f"{args.checkpoint} --config CONFIG --steps 0 --export OUT (or modelopt_moe.export.import_hf "
+                        "into a Megatron model, then mtq.quantize and export_hf)")
+    except ValueError as e:
+        p.error(str(e))
+    # The model's sizes bound the layout (the same rule as qat's and the demo's); an unreadable config is named below.
+    config = read_json_config(args.hf_config or Path(args.checkpoint) / "hf_config.json")
+    experts, tp_divides = model_sizes(config)
+    args.layout = check_layout(p, args, num_experts=experts, tp_divides=tp_divides)
     return args
 
 
@@ -91,7 +101,12 @@ def main(argv: list[str]) -> int:
     except (RuntimeError, TimeoutError) as e:
         print(f"modelopt-moe export: failed: {e}", file=sys.stderr)
         return 1
-    if prints_here():
-        print(f"wrote {ran.results[0]}", flush=True)
-        print_warnings(ran.warnings)
-    return 0
+    if not prints_here():
+        return 0
+    print(f"wrote {ran.results[0]}", flush=True)
+    print_warnings(ran.warnings)
+    from modelopt_moe.export.check import check_all_engines
+
+    passed, verdict = check_all_engines(ran.results[0])  # the engines' loader contracts, from the files
+    print(verdict, flush=True)
+    return 0 if passed else 1

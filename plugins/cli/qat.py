@@ -14,6 +14,9 @@ times the LM loss). ``--load`` resumes from a checkpoint this command saved (wei
 optimizer, LR scheduler, iteration) at any TP / EP layout; ``--export`` writes the result as a Hugging Face
 checkpoint.
 
+``--model-provider`` and ``--data`` name a function as ``package.module:function``; the module is searched in the
+working directory first, then on ``sys.path`` (as ``python -m`` does), in every rank.
+
 Data: ``--data module:function`` is called as ``function(split, num_batches, batch_size, seq_len, offset)`` with
 ``split`` ``"calib"`` or ``"train"`` and returns that many batches, each a dict of ``tokens`` / ``labels`` /
 ``position_ids`` (int64 ``[batch_size, seq_len]``, token and label ids in ``[0, vocab_size)``), ``attention_mask``
@@ -27,7 +30,9 @@ batches, offset 0): the held-out loss and perplexity on them (and, with ``--dist
 measured before training (after calibration, or after the resume) and after it.
 
 Runs under ``torchrun`` / ``srun`` in the launcher's processes (one per GPU), or spawns ``--world-size`` processes
-on this machine.
+on this machine. SIGTERM (a scheduler's preemption: SLURM sends it before its SIGKILL) or Ctrl-C stops every rank
+within seconds: the command says at which step, removes a save it did not finish and names the last complete
+checkpoint (``--load`` it to resume), then exits with 128 + the signal (143, or 130 for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -35,10 +40,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
+from modelopt_moe.interrupt import Interrupted
+
+from .inputs import model_sizes, read_hf_model_config, read_json_config, refuse_hf_model
 from .noise import print_warnings
 from .ranks import (
     LayoutError,
@@ -55,10 +65,17 @@ __all__ = ["main", "resolve_callable"]
 
 
 def resolve_callable(spec: str, flag: str):
-    """``"package.module:function"`` -> the function; ValueError naming ``flag`` and what is wrong."""
+    """``"package.module:function"`` -> the function; ValueError naming ``flag`` and what is wrong.
+
+    The module is searched in the working directory first, as ``python -m`` does (the ``modelopt-moe`` console
+    script alone would not look there), in every process that resolves it: the one that parses, spawned ranks and
+    the ranks of ``torchrun`` / ``srun``."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"{flag} {spec!r}: expected 'package.module:function'")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -76,7 +93,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     src = p.add_argument_group("model")
     src.add_argument("--model-provider", help="'module:function' that builds the Megatron model at the current "
                                               "parallel layout (called with pre_process/post_process if it takes "
-                                              "them)")
+                                              "them; the module searched in the working directory first)")
     src.add_argument("--hf", help="a Hugging Face Qwen3-MoE / Mixtral directory: its weights are the starting "
                                   "point (and the teacher's); builds the model itself without --model-provider")
     src.add_argument("--load", help="resume from a checkpoint saved by this command (at any layout)")
@@ -87,7 +104,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, help="with --distill: KL temperature (default: the recipe's, 1)")
     p.add_argument("--train", help="with --distill: the parameter groups that train, e.g. 'experts', "
                                    "'experts+dense', 'all' (default: the recipe's, 'experts')")
-    p.add_argument("--data", help="'module:function' giving the batches (see below; default: shipped text)")
+    p.add_argument("--data", help="'module:function' giving the batches, the module searched in the working "
+                                  "directory first (see below; default: shipped text)")
     p.add_argument("--eval-data", help="'module:function' giving held-out batches (split 'eval'): loss, perplexity "
                                        "and, with --distill, KL before and after training")
     p.add_argument("--eval-batches", type=int, default=8, help="batches of --eval-data (default: %(default)s)")
@@ -99,8 +117,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, help="peak learning rate, cosine-decayed to a tenth (default: the QAD "
                                             "recipe's with --distill, 1e-5 without)")
     p.add_argument("--save", help="checkpoint directory written at the end (and every --save-interval steps)")
-    p.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (default: 0, at the end "
-                                                                "only)")
+    p.add_argument("--save-interval", type=int, help="steps between checkpoints, >= 1 (default: at the end only)")
     p.add_argument("--export", help="write a Hugging Face checkpoint here at the end")
     p.add_argument("--export-format", choices=["compressed-tensors", "modelopt"], default="compressed-tensors",
                    help="format of --export: compressed-tensors (vLLM, transformers) or modelopt (NVIDIA Model "
@@ -116,38 +133,30 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("steps", "micro_batches", "batch_size", "seq_len", "calib_batches", "eval_batches"):
         if getattr(args, name) < (0 if name == "steps" else 1):
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'steps' else 1}")
-    model = _hf_model_config(args.hf)
+    if args.save_interval is not None and args.save_interval < 1:
+        p.error(f"--save-interval {args.save_interval} must be >= 1 (steps between checkpoints; leave it out to save "
+                "at the end only)")
+    if args.save_interval is not None and not args.save:
+        p.error("--save-interval needs --save (the directory to write the checkpoints to)")
     # Sequence parallelism splits the sequence over TP; the heads and the vocabulary split over it too.
-    tp_divides = {"--seq-len": args.seq_len}
-    tp_divides.update({f"the model's {k}": model[k] for k in ("num_key_value_heads", "num_attention_heads",
-                                                                "vocab_size") if isinstance(model.get(k), int)})
-    experts = model.get("num_experts", model.get("num_local_experts"))
-    args.layout = check_layout(p, args, num_experts=experts if isinstance(experts, int) else None,
-                               tp_divides=tp_divides)
+    experts, tp_divides = model_sizes(read_json_config(args.hf) if args.hf else {}, seq_len=args.seq_len)
+    args.layout = check_layout(p, args, num_experts=experts, tp_divides=tp_divides)
     if not args.distill:
         for flag in ("lm_weight", "temperature", "train"):
             if getattr(args, flag) is not None:
                 p.error(f"--{flag.replace('_', '-')} needs --distill")
     try:
         args.recipe = _recipe(args) if args.distill else None
+        if args.hf:  # what the files tell, before anything heavy is imported
+            read_hf_model_config(args.hf, "--hf")
+        if args.load and not any(Path(d).exists() for d in (args.load, f"{args.load}.old")):
+            raise ValueError(f"--load {args.load}: no such directory (expected a checkpoint written by --save)")
+        if args.load:
+            refuse_hf_model(args.load, "--load", f"start from it with --hf {args.load} (--load resumes a run from "
+                                                 "its --save directory)")
     except ValueError as e:
         p.error(str(e))
     return args
-
-
-def _hf_model_config(hf: str | None) -> dict[str, Any]:
-    """``--hf``'s config.json where it can be read (its sizes constrain the layout), else {} (the run reports it)."""
-    import json
-    from pathlib import Path
-
-    if hf is None:
-        return {}
-    path = Path(hf) / "config.json" if Path(hf).is_dir() else Path(hf)
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
 
 
 def _recipe(args: argparse.Namespace):
@@ -204,6 +213,20 @@ def _batches(opts: dict[str, Any], split: str, num_batches: int, offset: int, vo
 
 
 def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """One rank of the run; a signal that stops it says where (``phase``): the step, the calibration, a save."""
+    from modelopt_moe.interrupt import Interrupted, received_signal
+
+    phase = {"now": "while starting"}
+    try:
+        return _run_rank(rank, opts, phase)
+    except BaseException as e:
+        signum = received_signal()  # an error after a signal (a peer stopped first) is the signal's doing
+        if signum is None and not isinstance(e, Interrupted):
+            raise
+        raise Interrupted(signum or e.signum, phase["now"]) from None
+
+
+def _run_rank(rank: int, opts: dict[str, Any], phase: dict[str, str]) -> dict[str, Any]:
     import modelopt_moe.quantization as mtq
     from modelopt_moe.checkpoint import restore_sharded_modelopt_state
     from modelopt_moe.export import export_hf, import_hf, save_hf_config
@@ -243,6 +266,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
         restore_sharded_modelopt_state([student], opts["load"])
         say(rank, f"resuming from {opts['load']}")
     else:
+        phase["now"] = "during calibration"
         student.eval()
         config = mtq.load_config(opts["config"])
         if recipe is not None and "weight_amax_update" not in config.model_fields_set:  # the YAML's own wins
@@ -263,6 +287,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     say(rank, summary)
 
     def save(step: int) -> None:
+        phase["now"] = f"while saving iteration {step}"
         with megatron_training_shims():
             save_sharded_checkpoint([trainer.model], opts["save"], optimizer=trainer.optimizer,
                                     opt_param_scheduler=trainer.scheduler, iteration=step)
@@ -273,6 +298,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     losses = []
     bar = progress(rank, opts["steps"], "QAD" if teacher is not None else "QAT", initial=min(start, opts["steps"]))
     for step in range(start, opts["steps"]):
+        phase["now"] = f"at step {step + 1} of {opts['steps']}"
         loss = mt.train_step(trainer, [data[(step * m + i) % len(data)] for i in range(m)], step=step)
         losses.append(loss)
         bar.set_postfix(loss=f"{loss:.4g}")
@@ -286,6 +312,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
     if held_out:
         evaluated.append(evaluate(student, teacher, held_out))
     if opts["export"]:
+        phase["now"] = "during the export"
         out = export_hf(trainer.model, opts["export"], format=opts["export_format"],
                         hf_config=opts["hf"], progress=rank == 0)
         say(rank, f"exported {out} ({opts['export_format']})")
@@ -315,11 +342,45 @@ def _input_error(e: Exception) -> str:
     return text
 
 
+def _checkpoint_after_interrupt(save: str | None, load: str | None) -> str:
+    """Removes the unfinished save of an interrupted run and names the last complete checkpoint (``--save``'s, else
+    ``--load``'s) with its iteration, and how to resume from it."""
+    from modelopt_moe.checkpoint.errors import CorruptCheckpointError, IncompleteCheckpointError
+    from modelopt_moe.checkpoint.files import (
+        check_checkpoint_dir,
+        checkpoint_iteration,
+        discard_unfinished_save,
+        resolve_checkpoint_dir,
+    )
+
+    notes = []
+    if save and (removed := discard_unfinished_save(save)) is not None:
+        notes.append(f"removed the unfinished save {removed}")
+    for ckpt in dict.fromkeys(d for d in (save, load) if d):
+        try:
+            path = check_checkpoint_dir(resolve_checkpoint_dir(ckpt))
+        except (IncompleteCheckpointError, CorruptCheckpointError, OSError):
+            continue
+        iteration = checkpoint_iteration(path)
+        at = "an unrecorded iteration" if iteration is None else f"iteration {iteration}"
+        return "; ".join([f"last complete checkpoint: {at} in {path} (resume with --load {path})", *notes])
+    none = "no complete checkpoint yet" if save else "no checkpoint (--save names where to write them)"
+    return "; ".join([none, *notes])
+
+
 def main(argv: list[str]) -> int:
-    """``modelopt-moe qat``; returns the exit code (2: bad arguments, found before any process starts)."""
+    """``modelopt-moe qat``; returns the exit code (2: bad arguments, found before any process starts; 128 + the
+    signal when SIGTERM or Ctrl-C stopped it)."""
     args = _parse_args(argv)
     import modelopt_moe.quantization as mtq
+    from modelopt_moe.export.hf_checkpoint import HfCheckpointReader
 
+    try:  # --hf's model as import_hf reads it: architecture, every tensor's shape and dtype, from the headers alone
+        if args.hf:
+            HfCheckpointReader(args.hf)
+    except ValueError as e:
+        print(f"modelopt-moe qat: --hf {args.hf}: {e}", file=sys.stderr)
+        return 2
     try:  # fail fast, before starting processes
         mtq.load_config(args.config)
         for flag, spec in (("--model-provider", args.model_provider), ("--data", args.data),
@@ -338,6 +399,11 @@ def main(argv: list[str]) -> int:
         print(f"modelopt-moe qat: {args.layout.describe()}", flush=True)
     try:
         ran = run_ranks(_qat_rank, args.layout, args=(opts,), timeout=args.timeout)
+    except Interrupted as e:  # every rank has stopped (spawned here), or this one (under a launcher)
+        if prints_here():
+            print(f"modelopt-moe qat: {e}; {_checkpoint_after_interrupt(args.save, args.load)}", file=sys.stderr,
+                  flush=True)
+        return e.exit_code
     except LayoutError as e:
         print(f"modelopt-moe qat: {e}", file=sys.stderr)
         return 2

@@ -32,12 +32,15 @@ def main(argv: list[str]) -> int:
     except json.JSONDecodeError as e:
         print(f"modelopt-moe report: --run {path}: not JSON ({e})", file=sys.stderr)
         return 2
-    if not isinstance(run, dict) or not isinstance(run.get("stages"), list):
-        print(f"modelopt-moe report: --run {path}: not a run record (expected a JSON object with a 'stages' list, "
-              "as `modelopt-moe demo` writes)", file=sys.stderr)
-        return 2
+    from modelopt_moe.report.record import RunRecordError, check_run_record
     from modelopt_moe.report.writer import write_report
 
+    try:  # before anything is written
+        check_run_record(run, f"--run {path}")
+    except RunRecordError as e:
+        print(f"modelopt-moe report: {e}. Expected a run.json as `modelopt-moe demo` writes it; nothing was written",
+              file=sys.stderr)
+        return 2
     written = write_report(run, Path(args.out) if args.out else path.parent)
     print(f"report: {written[0]} ({len(written) - 1} plots)")
     return 0

@@ -33,10 +33,12 @@ from megatron.core.transformer.module import Float16Module
 
 from modelopt_moe.checkpoint.sharded import register_sharded_checkpoint_check
 from modelopt_moe.export.registry import register_export_adapter
+from modelopt_moe.quantization.calib.routing import register_router_widener
 from modelopt_moe.quantization.conversion import QuantModuleRegistry, register_wrapper
 from modelopt_moe.quantization.process_groups import register_group_provider
 
 from .batches import LM_BATCH_CONTRACT, BatchError, check_lm_batch
+from .calib_routing import widen_moe_routing
 from .checkpoint import (
     check_sharded_checkpoint,
     load_sharded_checkpoint,
@@ -88,13 +90,15 @@ __all__ = [
 
 
 def register() -> None:
-    """Adds the quantized Megatron classes to the registry, Megatron's process groups to calibration, Megatron's
+    """Adds the quantized Megatron classes to the registry, Megatron's process groups and MoE router widener
+    (``moe_calib_experts_ratio``) to calibration, Megatron's
     model wrappers (DDP, ``Float16Module``, transparent in state dicts) to the quantization state's naming, the
     Megatron adapter to the Hugging Face export (:mod:`modelopt_moe.export`) and the tensor-shape check to
     ``restore_sharded_modelopt_state``."""
     for original, quantized in CLASSES.items():
         QuantModuleRegistry.register(original, quantized)
     register_group_provider(megatron_amax_groups)
+    register_router_widener(widen_moe_routing)
     for wrapper in (DistributedDataParallel, Float16Module):
         register_wrapper(wrapper)
     register_export_adapter(MegatronExportAdapter())

@@ -33,6 +33,7 @@ from modelopt_moe.checkpoint.files import (
     resolve_checkpoint_dir,
 )
 from modelopt_moe.checkpoint.sharded import restore_sharded_modelopt_state, save_sharded_modelopt_state
+from modelopt_moe.quantization.calib.tokens import expert_token_counts
 from modelopt_moe.quantization.conversion import (
     is_quantized,
     register_framework_plugins,
@@ -127,10 +128,11 @@ def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     state["modelopt_moe_training"] = {"iteration": iteration, "extra_state": extra_state}
     dist_checkpointing.save(state, str(tmp), validate_access_integrity=True)
+    tokens = [expert_token_counts(m) for m in models]  # every rank: one all_gather_object per chunk
     failure = None
     try:  # rank 0's writes: every rank must learn of their failure rather than wait for it
-        save_sharded_modelopt_state(models, tmp)
-        commit_checkpoint_dir(tmp, ckpt_dir)
+        save_sharded_modelopt_state(models, tmp, tokens)
+        commit_checkpoint_dir(tmp, ckpt_dir, iteration)
     except Exception as e:  # noqa: BLE001 - re-raised on this rank, reported to the others
         failure = e
     raise_agreed(failure, "save_sharded_checkpoint")

@@ -1,6 +1,9 @@
 """Hugging Face export and import of Megatron-Core GPT MoE models, at any tensor / expert / expert-tensor parallel
 layout (pipeline parallelism 1): the Megatron adapter of :mod:`modelopt_moe.export`.
 
+Both directions walk the family's table (:mod:`modelopt_moe.export.mapping`): every Megatron parameter by path, the
+canonical tensors it holds and its gather rule; nothing here is written per family.
+
 Export streams one layer at a time: every rank gathers the layer's tensor-parallel shards (``all_gather`` over TP,
 column-parallel along rows, row-parallel along columns) and each expert slot's weights over expert-TP and EP (local
 expert ``i`` of EP rank ``r`` is global expert ``r * N_local + i``, :class:`~modelopt_moe.quantization.ExpertGrid`'s
@@ -28,6 +31,7 @@ from megatron.core.models.gpt import GPTModel
 from modelopt_moe.export.errors import ExportError
 from modelopt_moe.export.families import MoEArch, family_for_architecture, get_family, read_hf_config
 from modelopt_moe.export.hf_checkpoint import HfCheckpointReader, LinearRecord, TensorRecord, write_hf_checkpoint
+from modelopt_moe.export.mapping import Param
 from modelopt_moe.export.schemes import LinearQuant, QuantSpec
 from modelopt_moe.quantization.conversion import unwrap_model
 from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
@@ -96,30 +100,10 @@ def _amax(holder, kind: str) -> torch.Tensor | None:
     return q.amax.detach().float() if q is not None and q.is_quantizing and q.amax is not None else None
 
 
-def _experts_holder(experts, gemm: str):
-    """Where an expert GEMM's quantizers live: ``SequentialMLP.linear_fc1`` (layer-level expert quantizers) or the
-    grouped linear ``TEGroupedMLP.linear_fc1``; None for unquantized sequential experts."""
-    return getattr(experts, gemm, None)
-
-
-def _expert_weight(experts, gemm: str, i: int) -> torch.Tensor:
-    if hasattr(experts, "local_experts"):
-        return getattr(experts.local_experts[i], gemm).weight
-    return getattr(getattr(experts, gemm), f"weight{i}")
-
-
 def _num_local_experts(experts) -> int:
     if hasattr(experts, "local_experts"):
         return len(experts.local_experts)
     return experts.num_local_experts
-
-
-def _input_norm(layer) -> torch.Tensor:
-    """The attention's input RMSNorm weight: the layer's own, or fused into TE's ``linear_qkv``."""
-    qkv = layer.self_attention.linear_qkv
-    if getattr(qkv, "layer_norm_weight", None) is not None:
-        return qkv.layer_norm_weight
-    return layer.input_layernorm.weight
 
 
 def _split_qkv(t: torch.Tensor, arch: MoEArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -144,7 +128,98 @@ def _row_amax_split(amax, rows: list[torch.Tensor]):
     return out
 
 
-def _gather_expert_amax(holder, kind: str, lay: _Layout, gemm: str, num_local: int) -> torch.Tensor | None:
+# --- the table's paths ------------------------------------------------------------------------------------------------
+def _get(root, path: str):
+    """The attribute at a dotted ``path`` (``weight3`` / ``local_experts.3`` alike), None where absent."""
+    obj = root
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() and isinstance(obj, torch.nn.ModuleList) else getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _resolve(m, param: Param, L: int | None, i: int | None = None) -> tuple[str, torch.Tensor]:
+    """A table parameter's (path, tensor): the first of its alternative paths present."""
+    for path in param.path:
+        path = path.format(L=L, i=i)
+        t = _get(m, path)
+        if isinstance(t, torch.Tensor):
+            return path, t
+    raise ExportError(f"Megatron model has no parameter {param.path[0].format(L=L, i=i)!r} "
+                      f"(nor {[p.format(L=L, i=i) for p in param.path[1:]]})")
+
+
+def _holder(m, param: Param, L: int | None):
+    """Where a linear's quantizers live, and its path (None for an unquantized one)."""
+    if not param.linear or not param.quantized:
+        return None, None
+    if param.holder is not None:
+        path = param.holder.format(L=L)
+    else:
+        path = _resolve(m, param, L, 0)[0].rpartition(".")[0]
+    return path, _get(m, path)
+
+
+def _names(param: Param, L: int | None, E: int | None = None) -> list[str]:
+    return [c.format(L=L, E=E) for c in param.canonical]
+
+
+def _group(param: Param, lay: _Layout, split: bool = True):
+    """A parameter's sharding group, size and rank: tensor-parallel, or expert-TP for an expert's; size 1 where the
+    parameter is whole on every rank (``split`` False)."""
+    if not split:
+        return None, 1, 0
+    if param.expert:
+        return lay.etp, lay.etp_size, lay.etp_rank
+    return lay.tp, lay.tp_size, lay.tp_rank
+
+
+def _split(t: torch.Tensor, param: Param, arch: MoEArch) -> bool:
+    """Whether this rank holds a shard of the parameter rather than all of it (Transformer Engine keeps MLA's down
+    projections whole on every rank, Megatron's own modules split them): its shape against the canonical tensors'."""
+    if param.rule == "replicated":
+        return False
+    shapes = get_family(arch.family).shapes(arch)
+    parts = [shapes[c.rsplit(".", 1)[-1]] for c in param.canonical]
+    dim = 1 if param.rule == "row" else 0
+    full = list(parts[0])
+    full[dim] = sum(p[dim] for p in parts)
+    return tuple(t.shape) != tuple(full)
+
+
+def _gather(t: torch.Tensor, param: Param, lay: _Layout, arch: MoEArch, split: bool = True) -> list[torch.Tensor]:
+    """A parameter's (or per-channel amax's) full tensor, split into its canonical parts."""
+    group, size, _ = _group(param, lay, split)
+    if param.rule == "replicated":
+        return [t.detach()]
+    if param.rule == "row":
+        return [_gather_cat(t, group, size, 1)]
+    if param.rule == "glu":
+        return list(_glu_gather(t, group, size))
+    full = _gather_cat(t, group, size, 0)
+    return list(_split_qkv(full, arch)) if param.rule == "qkv" else [full]
+
+
+def _dense_records(m, param: Param, L: int | None, arch: MoEArch, lay: _Layout) -> Iterator:
+    _, t = _resolve(m, param, L)
+    split = _split(t, param, arch)
+    parts, names = _gather(t, param, lay, arch, split), _names(param, L)
+    if not param.linear:
+        yield from (TensorRecord(n, w) for n, w in zip(names, parts, strict=True))
+        return
+    _, holder = _holder(m, param, L)
+    w_amax = _amax(holder, "weight_quantizer")
+    if w_amax is not None and w_amax.numel() > 1 and param.rule != "row":  # per channel: the output rows
+        w_amax = torch.cat(_gather(w_amax, param, lay, arch, split), 0)
+    in_amax = _amax(holder, "input_quantizer")
+    quant = _linear_quant(holder)
+    amaxes = [w_amax] if len(parts) == 1 else _row_amax_split(w_amax, parts)
+    for name, w, a in zip(names, parts, amaxes, strict=True):
+        yield LinearRecord(name, w, quant, a, in_amax)
+
+
+def _gather_expert_amax(holder, kind: str, lay: _Layout, param: Param, where: str) -> torch.Tensor | None:
     """All experts' amax ``[E]`` / ``[E, C]`` (C the full channel count), in global expert order."""
     q = _quantizer(holder, kind)
     if q is None or not q.is_quantizing:
@@ -153,98 +228,78 @@ def _gather_expert_amax(holder, kind: str, lay: _Layout, gemm: str, num_local: i
     if amax is None and (q.is_dynamic or not q.needs_amax):
         return None  # every scale comes from the data (the same on every rank: the config)
     if amax is None:
-        raise ExportError(f"{gemm}.{kind}: no amax (calibrate the model before exporting)")
-    if amax.dim() == 2 and kind == "weight_quantizer":  # per channel: output channels split over expert-TP
-        if gemm == "linear_fc1":
-            gate, up = _glu_gather(amax.t(), lay.etp, lay.etp_size)
-            amax = torch.cat([gate, up], 0).t()
-        # fc2's output channels are not split (row-parallel); its amax is already whole
+        raise ExportError(f"{where}.{kind}: no amax (calibrate the model before exporting)")
+    if amax.dim() == 2 and kind == "weight_quantizer" and param.rule in ("glu", "column"):
+        # per channel: output channels split over expert-TP (row-parallel ones are whole)
+        amax = torch.cat(_gather(amax.t(), param, lay, None), 0).t()
     return _gather_cat(amax, lay.ep, lay.ep_size, 0)
 
 
-def _expert_records(layer, L: int, arch: MoEArch, lay: _Layout) -> Iterator[LinearRecord]:
-    experts = layer.mlp.experts
-    n = _num_local_experts(experts)
+def _expert_records(m, params: list[Param], L: int, arch: MoEArch, lay: _Layout) -> Iterator[LinearRecord]:
+    """The layer's experts, one local expert slot at a time over expert-TP and EP, in global expert order."""
+    n = _num_local_experts(_get(m, get_family(arch.family).megatron.experts.format(L=L)))
     if n * lay.ep_size != arch.num_experts:
         raise ExportError(f"layer {L}: {n} local experts x EP {lay.ep_size} != {arch.num_experts} experts")
-    fc1, fc2 = _experts_holder(experts, "linear_fc1"), _experts_holder(experts, "linear_fc2")
-    quant1, quant2 = _linear_quant(fc1), _linear_quant(fc2)
-    amax = {(g, k): _gather_expert_amax(h, k, lay, g, n) for g, h in (("linear_fc1", fc1), ("linear_fc2", fc2))
-            for k in ("weight_quantizer", "input_quantizer")}
-    inter = arch.moe_ffn_hidden_size
+    plans = []
+    for param in params:
+        where, holder = _holder(m, param, L)
+        amax = {k: _gather_expert_amax(holder, k, lay, param, where)
+                for k in ("weight_quantizer", "input_quantizer")}
+        plans.append((param, _linear_quant(holder), amax))
     for i in range(n):
-        gate, up = _glu_gather(_expert_weight(experts, "linear_fc1", i), lay.etp, lay.etp_size)
-        down = _gather_cat(_expert_weight(experts, "linear_fc2", i), lay.etp, lay.etp_size, 1)
-        fc1_all = _all_gather(torch.cat([gate, up], 0), lay.ep, lay.ep_size)
-        down_all = _all_gather(down, lay.ep, lay.ep_size)
+        gathered = []
+        for param, _, _ in plans:
+            full = torch.cat(_gather(_resolve(m, param, L, i)[1], param, lay, arch), 0)
+            gathered.append(_all_gather(full, lay.ep, lay.ep_size))
         for r in range(lay.ep_size):
             e = r * n + i
-            w1a, i1a = amax["linear_fc1", "weight_quantizer"], amax["linear_fc1", "input_quantizer"]
-            w2a, i2a = amax["linear_fc2", "weight_quantizer"], amax["linear_fc2", "input_quantizer"]
-            # gate and up share fc1's amax (one per expert): the same NVFP4 second-level scale, as engines require
-            g_amax = u_amax = None if w1a is None else w1a[e]
-            if w1a is not None and w1a.dim() == 2:
-                g_amax, u_amax = w1a[e, :inter], w1a[e, inter:]
-            p = f"layers.{L}.experts.{e}."
-            x1 = None if i1a is None else i1a[e]
-            yield LinearRecord(p + "gate", fc1_all[r][:inter], quant1, g_amax, x1)
-            yield LinearRecord(p + "up", fc1_all[r][inter:], quant1, u_amax, x1)
-            yield LinearRecord(p + "down", down_all[r], quant2, None if w2a is None else w2a[e],
-                               None if i2a is None else i2a[e])
+            for (param, quant, amax), full in zip(plans, gathered, strict=True):
+                parts = full[r].chunk(len(param.canonical), 0)
+                w_amax, x_amax = amax["weight_quantizer"], amax["input_quantizer"]
+                # the parts share one amax per expert (the same NVFP4 second-level scale, as engines require)
+                w_amax = None if w_amax is None else w_amax[e]
+                x_amax = None if x_amax is None else x_amax[e]
+                w_amaxes = (list(w_amax.chunk(len(parts), 0)) if w_amax is not None and w_amax.dim() == 1
+                            else [w_amax] * len(parts))
+                for name, w, a in zip(_names(param, L, e), parts, w_amaxes, strict=True):
+                    yield LinearRecord(name, w, quant, a, x_amax)
 
 
-def _layer_records(layer, L: int, arch: MoEArch, lay: _Layout) -> Iterator:
-    p = f"layers.{L}."
-    attn = layer.self_attention
-    yield TensorRecord(p + "input_norm", _input_norm(layer).detach())
-    qkv = attn.linear_qkv
-    q, k, v = _split_qkv(_gather_cat(qkv.weight, lay.tp, lay.tp_size, 0), arch)
-    w_amax = _amax(qkv, "weight_quantizer")
-    if w_amax is not None and w_amax.numel() > 1:  # per channel: this rank's channels, in Megatron's row order
-        w_amax = torch.cat(_split_qkv(_gather_cat(w_amax, lay.tp, lay.tp_size, 0), arch), 0)
-    in_amax = _amax(qkv, "input_quantizer")
-    quant = _linear_quant(qkv)
-    for name, w, a in zip(("q_proj", "k_proj", "v_proj"), (q, k, v), _row_amax_split(w_amax, [q, k, v]),
-                          strict=True):
-        yield LinearRecord(p + name, w, quant, a, in_amax)
-    proj = attn.linear_proj
-    yield LinearRecord(p + "o_proj", _gather_cat(proj.weight, lay.tp, lay.tp_size, 1), _linear_quant(proj),
-                       _amax(proj, "weight_quantizer"), _amax(proj, "input_quantizer"))
-    if arch.qk_norm:
-        yield TensorRecord(p + "q_norm", attn.q_layernorm.weight.detach())
-        yield TensorRecord(p + "k_norm", attn.k_layernorm.weight.detach())
-    yield TensorRecord(p + "post_attn_norm", layer.pre_mlp_layernorm.weight.detach())
-    yield LinearRecord(p + "router", layer.mlp.router.weight.detach())
-    yield from _expert_records(layer, L, arch, lay)
+def _layer_records(m, L: int, arch: MoEArch, lay: _Layout) -> Iterator:
+    params = get_family(arch.family).megatron.params(arch, L)
+    for param in params:
+        if not param.expert:
+            yield from _dense_records(m, param, L, arch, lay)
+    experts = [p for p in params if p.expert]
+    if experts:
+        yield from _expert_records(m, experts, L, arch, lay)
 
 
 def _linear_quants(m: GPTModel, arch: MoEArch) -> dict[str, LinearQuant]:
-    """Every exported linear's quantizers, by canonical name (local state only: no collective)."""
+    """Every exported linear's quantizers, by canonical name (local state only: no collective); refuses a quantizer
+    without amax, naming its Megatron module."""
+    table = get_family(arch.family).megatron
     quants: dict[str, LinearQuant] = {}
-    for L, layer in enumerate(m.decoder.layers):
-        p = f"layers.{L}."
-        attn = layer.self_attention
-        qkv = _linear_quant(attn.linear_qkv)
-        quants.update({p + n: qkv for n in ("q_proj", "k_proj", "v_proj")})
-        quants[p + "o_proj"] = _linear_quant(attn.linear_proj)
-        quants[p + "router"] = LinearQuant()
-        experts = layer.mlp.experts
-        fc1 = _linear_quant(_experts_holder(experts, "linear_fc1"))
-        fc2 = _linear_quant(_experts_holder(experts, "linear_fc2"))
-        for e in range(arch.num_experts):
-            quants.update({f"{p}experts.{e}.gate": fc1, f"{p}experts.{e}.up": fc1, f"{p}experts.{e}.down": fc2})
-    if not arch.tie_word_embeddings:
-        quants["lm_head"] = _linear_quant(m.output_layer)
-    for name, holder in _dense_holders(m):
-        for kind in ("weight_quantizer", "input_quantizer"):
-            q = _quantizer(holder, kind)
-            if q is not None and q.is_quantizing and q.needs_amax and not q.is_dynamic and q.amax is None:
-                raise ExportError(f"{name}.{kind}: no amax (calibrate the model before exporting)")
-    _check_weight_row_blocks(m, arch, _Layout())
+    groups = [("embedding", None)] + [(L, L) for L in range(arch.num_layers)] + [("final", None)]
+    lay = _Layout()
+    for key, L in groups:
+        for param in table.params(arch, key):
+            if not param.linear:
+                continue
+            where, holder = _holder(m, param, L)
+            quant = _linear_quant(holder)
+            experts = range(arch.num_experts) if param.expert else (None,)
+            quants.update({name: quant for E in experts for name in _names(param, L, E)})
+            for kind in ("weight_quantizer", "input_quantizer"):
+                q = _quantizer(holder, kind)
+                if q is not None and q.is_quantizing and q.needs_amax and not q.is_dynamic and q.amax is None:
+                    raise ExportError(f"{where}.{kind}: no amax (calibrate the model before exporting)")
+            _check_weight_row_blocks(m, param, L, where, holder, arch, lay)
     return quants
 
 
-def _check_weight_row_blocks(m: GPTModel, arch: MoEArch, lay: _Layout) -> None:
+def _check_weight_row_blocks(m, param: Param, L: int | None, where: str | None, holder, arch: MoEArch,
+                             lay: _Layout) -> None:
     """2-D weight blocks (FP8 128x128) are taken over each rank's fused weight in training; the exported q/k/v, gate
     and up are re-blocked on their own, so every place where one exported matrix ends inside a trained weight (and
     where ranks' row shards are joined) must be a row-block boundary, or the stored scales would not be training's.
@@ -252,56 +307,39 @@ def _check_weight_row_blocks(m: GPTModel, arch: MoEArch, lay: _Layout) -> None:
     Raises:
         ExportError: naming the module, the block and the rows that cut a block.
     """
-    ffn_local = arch.moe_ffn_hidden_size // lay.etp_size
-    cuts = {"self_attention.linear_qkv": ("head_dim (the q / k / v rows of each query group)", arch.head_dim),
-            "mlp.experts.linear_fc1": (f"moe_ffn_hidden_size / expert-TP {lay.etp_size} (gate | up rows)", ffn_local)}
-    for name, holder in _dense_holders(m):
-        q = _quantizer(holder, "weight_quantizer")
-        if q is None or not q.is_quantizing or not isinstance(q.block_size, tuple):
-            continue
-        rows = q.block_size[0]
-        what, n = next(((w, c) for key, (w, c) in cuts.items() if name.endswith(key)), (None, None))
-        if name == "output_layer" and lay.tp_size > 1:
-            what, n = f"the vocabulary rows per TP rank (TP {lay.tp_size})", holder.weight.shape[0]
-        if n is not None and n % rows:
-            raise ExportError(f"{name}.weight_quantizer: {q.block_size} weight blocks span {what} = {n}, not a "
-                              f"multiple of {rows}: the exported matrices would be blocked differently than "
-                              "training's fused weight (their scales would not be the trained ones); train "
-                              "per-channel FP8 weights (FP8_DYNAMIC) instead, or a model whose sizes are multiples "
-                              "of the block")
-
-
-def _dense_holders(m: GPTModel):
-    """Every quantizer holder of the model, by Megatron module name (for the calibration check)."""
-    for L, layer in enumerate(m.decoder.layers):
-        p = f"decoder.layers.{L}."
-        yield p + "self_attention.linear_qkv", layer.self_attention.linear_qkv
-        yield p + "self_attention.linear_proj", layer.self_attention.linear_proj
-        for gemm in ("linear_fc1", "linear_fc2"):
-            yield f"{p}mlp.experts.{gemm}", _experts_holder(layer.mlp.experts, gemm)
-    yield "output_layer", m.output_layer
+    q = _quantizer(holder, "weight_quantizer")
+    if q is None or not q.is_quantizing or not isinstance(q.block_size, tuple):
+        return
+    rows = q.block_size[0]
+    _, t = _resolve(m, param, L, 0)
+    _, size, _ = _group(param, lay, _split(t, param, arch))
+    what, n = None, None
+    if param.rule == "qkv":
+        what, n = "head_dim (the q / k / v rows of each query group)", arch.head_dim
+    elif param.rule == "glu":
+        ffn, group = ("moe_ffn_hidden_size", "expert-TP") if param.expert else ("ffn_hidden_size", "TP")
+        what, n = f"{ffn} / {group} {size} (gate | up rows)", t.shape[0] // 2
+    elif param.rule == "column" and size > 1:
+        what, n = f"the rows per {'expert-TP' if param.expert else 'TP'} rank ({size})", t.shape[0]
+    if n is not None and n % rows:
+        raise ExportError(f"{where}.weight_quantizer: {q.block_size} weight blocks span {what} = {n}, not a "
+                          f"multiple of {rows}: the exported matrices would be blocked differently than "
+                          "training's fused weight (their scales would not be the trained ones); train "
+                          "per-channel FP8 weights (FP8_DYNAMIC) instead, or a model whose sizes are multiples "
+                          "of the block")
 
 
 def _groups(m: GPTModel, arch: MoEArch, lay: _Layout) -> Iterator[tuple[str, Iterator]]:
-    def embedding():
-        yield TensorRecord("embed_tokens", _gather_cat(m.embedding.word_embeddings.weight, lay.tp, lay.tp_size, 0))
+    table = get_family(arch.family).megatron
 
-    def final():
-        yield TensorRecord("norm", m.decoder.final_layernorm.weight.detach())
-        if not arch.tie_word_embeddings:
-            out = m.output_layer
-            yield LinearRecord("lm_head", _gather_cat(out.weight, lay.tp, lay.tp_size, 0), _linear_quant(out),
-                               _amax_lm_head(out, lay), _amax(out, "input_quantizer"))
+    def top(key):
+        for param in table.params(arch, key):
+            yield from _dense_records(m, param, None, arch, lay)
 
-    yield "embedding", embedding()
-    for L, layer in enumerate(m.decoder.layers):
-        yield f"layer {L}", _layer_records(layer, L, arch, lay)
-    yield "output", final()
-
-
-def _amax_lm_head(out, lay: _Layout) -> torch.Tensor | None:
-    a = _amax(out, "weight_quantizer")
-    return _gather_cat(a, lay.tp, lay.tp_size, 0) if a is not None and a.numel() > 1 else a
+    yield "embedding", top("embedding")
+    for L in range(arch.num_layers):
+        yield f"layer {L}", _layer_records(m, L, arch, lay)
+    yield "output", top("final")
 
 
 def export_megatron(model, out_dir: str | os.PathLike, *, format: str = "compressed-tensors",
@@ -350,6 +388,37 @@ class _Staged:
             param.data.copy_(value)
 
 
+def _read_slice(reader: HfCheckpointReader, param: Param, target: torch.Tensor, names: list[str],
+                rank: int, arch: MoEArch, tp_size: int) -> torch.Tensor:
+    """This rank's slice of a parameter, read from the checkpoint by the table's rule."""
+    if param.rule == "replicated":
+        return reader.get(names[0])
+    if param.rule == "row":
+        cols = target.shape[1]
+        return reader.get_cols(names[0], rank * cols, (rank + 1) * cols)
+    if param.rule == "glu":
+        rows = target.shape[0] // 2
+        return torch.cat([reader.get_rows(n, rank * rows, (rank + 1) * rows) for n in names])
+    if param.rule == "qkv":
+        ng, d, hpg = arch.num_kv_heads, arch.head_dim, arch.num_attention_heads // arch.num_kv_heads
+        ng_local = ng // tp_size
+        g0 = rank * ng_local
+        q = reader.get_rows(names[0], g0 * hpg * d, (g0 + ng_local) * hpg * d).reshape(ng_local, hpg * d, -1)
+        k = reader.get_rows(names[1], g0 * d, (g0 + ng_local) * d).reshape(ng_local, d, -1)
+        v = reader.get_rows(names[2], g0 * d, (g0 + ng_local) * d).reshape(ng_local, d, -1)
+        return torch.cat([q, k, v], 1).reshape(target.shape)
+    rows = target.shape[0]
+    return reader.get_rows(names[0], rank * rows, (rank + 1) * rows)
+
+
+def _label(names: list[str]) -> str:
+    """``layers.0.q/k/v_proj`` for the parts of one parameter."""
+    if len(names) == 1:
+        return names[0]
+    prefix = names[0].rpartition(".")[0] + "."
+    return prefix + "/".join(n.removeprefix(prefix) for n in names)
+
+
 @torch.no_grad()
 def import_megatron(model, hf_dir: str | os.PathLike) -> None:
     """:func:`modelopt_moe.export.import_hf` for a Megatron-Core GPTModel: each rank reads its own slices.
@@ -364,43 +433,22 @@ def import_megatron(model, hf_dir: str | os.PathLike) -> None:
     _check_same_arch(reader.arch, arch, f"{hf_dir}/config.json")
     lay = _Layout()
     staged = _Staged()
-    emb = m.embedding.word_embeddings
-    staged.add(emb.weight, reader.get_rows("embed_tokens", emb.vocab_start_index, emb.vocab_end_index),
-               "embed_tokens")
-    ng, d, hpg = arch.num_kv_heads, arch.head_dim, arch.num_attention_heads // arch.num_kv_heads
-    ng_local = ng // lay.tp_size
-    g0 = lay.tp_rank * ng_local
-    inter = arch.moe_ffn_hidden_size // lay.etp_size
-    heads_cols = arch.num_attention_heads * d // lay.tp_size
-    for L, layer in enumerate(m.decoder.layers):
-        p = f"layers.{L}."
-        attn = layer.self_attention
-        staged.add(_input_norm(layer), reader.get(p + "input_norm"), p + "input_norm")
-        q = reader.get_rows(p + "q_proj", g0 * hpg * d, (g0 + ng_local) * hpg * d).reshape(ng_local, hpg * d, -1)
-        k = reader.get_rows(p + "k_proj", g0 * d, (g0 + ng_local) * d).reshape(ng_local, d, -1)
-        v = reader.get_rows(p + "v_proj", g0 * d, (g0 + ng_local) * d).reshape(ng_local, d, -1)
-        staged.add(attn.linear_qkv.weight, torch.cat([q, k, v], 1).reshape(-1, q.shape[-1]), p + "q/k/v_proj")
-        c0 = lay.tp_rank * heads_cols
-        staged.add(attn.linear_proj.weight, reader.get_cols(p + "o_proj", c0, c0 + heads_cols), p + "o_proj")
-        if arch.qk_norm:
-            staged.add(attn.q_layernorm.weight, reader.get(p + "q_norm"), p + "q_norm")
-            staged.add(attn.k_layernorm.weight, reader.get(p + "k_norm"), p + "k_norm")
-        staged.add(layer.pre_mlp_layernorm.weight, reader.get(p + "post_attn_norm"), p + "post_attn_norm")
-        staged.add(layer.mlp.router.weight, reader.get(p + "router"), p + "router")
-        experts = layer.mlp.experts
-        n = _num_local_experts(experts)
-        r0 = lay.etp_rank * inter
-        for i in range(n):
-            e = f"{p}experts.{lay.ep_rank * n + i}."
-            fc1 = torch.cat([reader.get_rows(e + "gate", r0, r0 + inter), reader.get_rows(e + "up", r0, r0 + inter)])
-            staged.add(_expert_weight(experts, "linear_fc1", i), fc1, e + "gate/up")
-            staged.add(_expert_weight(experts, "linear_fc2", i), reader.get_cols(e + "down", r0, r0 + inter),
-                       e + "down")
-    staged.add(m.decoder.final_layernorm.weight, reader.get("norm"), "norm")
-    if not arch.tie_word_embeddings:
-        out = m.output_layer
-        rows = out.weight.shape[0]
-        staged.add(out.weight, reader.get_rows("lm_head", lay.tp_rank * rows, (lay.tp_rank + 1) * rows), "lm_head")
+    table = reader.family.megatron
+    groups = [("embedding", None)] + [(L, L) for L in range(arch.num_layers)] + [("final", None)]
+    for key, L in groups:
+        for param in table.params(arch, key):
+            _, tp_size, rank = _group(param, lay)
+            if not param.expert:
+                target = _resolve(m, param, L)[1]
+                _, tp_size, rank = _group(param, lay, _split(target, param, arch))
+                names = _names(param, L)
+                staged.add(target, _read_slice(reader, param, target, names, rank, arch, tp_size), _label(names))
+                continue
+            n = _num_local_experts(_get(m, table.experts.format(L=L)))
+            for i in range(n):
+                target = _resolve(m, param, L, i)[1]
+                names = _names(param, L, lay.ep_rank * n + i)
+                staged.add(target, _read_slice(reader, param, target, names, rank, arch, tp_size), _label(names))
     staged.write()
 
 

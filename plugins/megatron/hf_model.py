@@ -1,7 +1,7 @@
 """Megatron-Core GPT models from Hugging Face configs, and the architecture of a Megatron model (both directions of
 the config mapping that export and import need).
 
-:func:`build_megatron_model` builds the ``GPTModel`` of a Qwen3-MoE or Mixtral config at the current parallel state
+:func:`build_megatron_model` builds the ``GPTModel`` of a supported family's config at the current parallel state
 (``megatron.core.parallel_state``: TP, EP, expert-TP; pipeline parallelism 1); :func:`megatron_arch` reads the
 :class:`~modelopt_moe.export.MoEArch` back from a built model, refusing what a Hugging Face family cannot express.
 
@@ -13,7 +13,11 @@ The mapping (Hugging Face -> ``TransformerConfig``): ``hidden_size``, ``num_hidd
 then softmax, Megatron's default, equals softmax then renormalising the top k; without it ``moe_router_pre_softmax``),
 Qwen3's q/k norm -> ``qk_layernorm``, ``router_aux_loss_coef`` -> ``moe_aux_loss_coeff``; ``GPTModel``: RoPE with
 ``rotary_base = rope_theta``, ``max_sequence_length = max_position_embeddings``, ``share_embeddings_and_output_weights
-= tie_word_embeddings``.
+= tie_word_embeddings``. DeepSeek-V3 and GLM-4.5 add (:func:`_variant_config`): multi-latent attention
+(``MLATransformerConfig``: ``q_lora_rank``, ``kv_lora_rank``, ``qk_head_dim``, ``qk_pos_emb_head_dim``,
+``v_head_dim``, YaRN), q/k/v biases (``add_qkv_bias``), partial RoPE (``rotary_percent``), dense first layers
+(``moe_layer_freq``, one layer spec per layer), shared experts (``moe_shared_expert_intermediate_size``) and the
+sigmoid router with expert bias, groups and scaling (``moe_router_*``).
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from modelopt_moe.export.errors import ExportError
 from modelopt_moe.export.families import MoEArch, family_for_architecture, get_family, read_hf_config
 from modelopt_moe.quantization.conversion import unwrap_model
 
+from .mla_attention import LatentDotProductAttention
 from .norms import sequence_parallel_norm
 
 __all__ = ["build_megatron_model", "megatron_arch", "split_gpt_overrides", "SPECS"]
@@ -62,28 +67,88 @@ def split_gpt_overrides(overrides: dict[str, Any], caller: str) -> tuple[dict[st
     return cfg, mdl
 
 
-def _local_layer_spec(arch: MoEArch):
-    """Megatron's local layer spec with norms that support sequence parallelism (q/k norms included)."""
-    layer = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False,
-                                     qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+def _dense(arch: MoEArch, layer: int) -> bool:
+    return layer < arch.first_dense_layers
+
+
+def _local_layer(arch: MoEArch, dense: bool):
+    """Megatron's local layer spec with norms that support sequence parallelism (q/k and latent norms included); under
+    multi-latent attention, a core attention that takes differing query/key and value head sizes."""
+    mla = arch.kv_lora_rank > 0
+    layer = get_gpt_layer_local_spec(num_experts=None if dense else arch.num_experts, moe_grouped_gemm=False,
+                                     qk_layernorm=arch.qk_norm or mla, multi_latent_attention=mla,
+                                     normalization="RMSNorm")
     layer.submodules.input_layernorm = sequence_parallel_norm
     layer.submodules.pre_mlp_layernorm = sequence_parallel_norm
-    if arch.qk_norm:
-        attn = layer.submodules.self_attention.submodules
+    attn = layer.submodules.self_attention.submodules
+    if mla:
+        attn.core_attention = LatentDotProductAttention
+        attn.q_layernorm = sequence_parallel_norm
+        attn.kv_layernorm = sequence_parallel_norm
+    elif arch.qk_norm:
         attn.q_layernorm = sequence_parallel_norm
         attn.k_layernorm = sequence_parallel_norm
-    return TransformerBlockSubmodules(layer_specs=[layer] * arch.num_layers, layer_norm=sequence_parallel_norm)
+    return layer
+
+
+def _local_layer_spec(arch: MoEArch):
+    specs = {dense: _local_layer(arch, dense) for dense in (False, True)}
+    return TransformerBlockSubmodules(layer_specs=[specs[_dense(arch, L)] for L in range(arch.num_layers)],
+                                      layer_norm=sequence_parallel_norm)
 
 
 def _te_layer_spec(arch: MoEArch):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    return get_gpt_layer_with_transformer_engine_spec(num_experts=arch.num_experts, moe_grouped_gemm=True,
-                                                      qk_layernorm=arch.qk_norm)
+    mla = arch.kv_lora_rank > 0
+
+    def layer(dense: bool):
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=None if dense else arch.num_experts,
+                                                          moe_grouped_gemm=True, qk_layernorm=arch.qk_norm or mla,
+                                                          multi_latent_attention=mla)
+
+    if not arch.first_dense_layers:
+        return layer(False)
+    from megatron.core.extensions.transformer_engine import TENorm
+
+    specs = {dense: layer(dense) for dense in (False, True)}
+    return TransformerBlockSubmodules(layer_specs=[specs[_dense(arch, L)] for L in range(arch.num_layers)],
+                                      layer_norm=TENorm)
+
+
+def _variant_config(arch: MoEArch) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields of multi-latent attention, shared experts, dense first layers and the
+    sigmoid router with expert bias and group-limited top-k (empty for a plain Llama-shaped MoE)."""
+    kw: dict[str, Any] = {}
+    if arch.kv_lora_rank:
+        kw.update(multi_latent_attention=True, q_lora_rank=arch.q_lora_rank or None, kv_lora_rank=arch.kv_lora_rank,
+                  qk_head_dim=arch.head_dim, qk_pos_emb_head_dim=arch.qk_rope_head_dim, v_head_dim=arch.v_head_dim,
+                  rope_type="rope", rotary_base=arch.rope_theta, qk_layernorm=True,
+                  num_query_groups=arch.num_attention_heads)
+        if arch.rope_type == "yarn":
+            kw.update(rope_type="yarn", rotary_scaling_factor=arch.rope_factor,
+                      original_max_position_embeddings=arch.rope_original_max_position_embeddings,
+                      beta_fast=arch.rope_beta_fast, beta_slow=arch.rope_beta_slow, mscale=arch.rope_mscale,
+                      mscale_all_dim=arch.rope_mscale_all_dim)
+    if arch.shared_expert_ffn_hidden_size:
+        kw["moe_shared_expert_intermediate_size"] = arch.shared_expert_ffn_hidden_size
+    if arch.first_dense_layers:
+        kw.update(ffn_hidden_size=arch.dense_ffn_hidden_size,
+                  moe_layer_freq=[0] * arch.first_dense_layers + [1] * (arch.num_layers - arch.first_dense_layers))
+    if arch.router_score_function != "softmax":
+        kw.update(moe_router_score_function=arch.router_score_function, moe_router_pre_softmax=False,
+                  moe_router_dtype="fp32")  # transformers' router runs in fp32
+    if arch.router_expert_bias:
+        kw["moe_router_enable_expert_bias"] = True
+    if arch.router_num_groups:
+        kw.update(moe_router_num_groups=arch.router_num_groups, moe_router_group_topk=arch.router_group_topk)
+    if arch.routed_scaling_factor != 1.0:
+        kw["moe_router_topk_scaling_factor"] = arch.routed_scaling_factor
+    return kw
 
 
 def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: Any) -> GPTModel:
-    """The Megatron-Core ``GPTModel`` of a Hugging Face Qwen3-MoE / Mixtral config, at the current parallel state.
+    """The Megatron-Core ``GPTModel`` of a Hugging Face config of a supported family, at the current parallel state.
 
     Megatron's model-parallel state must be initialised (:func:`modelopt_moe.plugins.megatron.init_model_parallel`,
     which also sets Megatron up for a machine without CUDA, or ``parallel_state.initialize_model_parallel`` after
@@ -115,12 +180,20 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
                           f"{parallel_state.get_pipeline_model_parallel_world_size()}, expected 1)")
     cfg = read_hf_config(hf_dir_or_config)
     arch = family_for_architecture(cfg).arch_from_hf(cfg)
+    if arch.kv_lora_rank and not arch.q_lora_rank:
+        raise ExportError("build_megatron_model: q_lora_rank=None (multi-latent attention with a plain query "
+                          "projection) is not supported: Megatron-Core's MLA with latent norms fuses a norm into "
+                          "linear_q_proj, which the Hugging Face model does not have (expected a q_lora_rank)")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     etp = parallel_state.get_expert_tensor_parallel_world_size()
-    for what, size, total in (("vocab_size", tp, arch.vocab_size), ("num_key_value_heads", tp, arch.num_kv_heads),
-                              ("num_experts", ep, arch.num_experts), ("moe_intermediate_size", etp,
-                                                                      arch.moe_ffn_hidden_size)):
+    sizes = [("vocab_size", tp, arch.vocab_size), ("num_key_value_heads", tp, arch.num_kv_heads),
+             ("num_experts", ep, arch.num_experts), ("moe_intermediate_size", etp, arch.moe_ffn_hidden_size),
+             ("q_lora_rank", tp, arch.q_lora_rank), ("kv_lora_rank + qk_rope_head_dim", tp,
+                                                     arch.kv_lora_rank + arch.qk_rope_head_dim),
+             ("shared experts' intermediate size", tp, arch.shared_expert_ffn_hidden_size),
+             ("intermediate_size", tp, arch.dense_ffn_hidden_size)]
+    for what, size, total in sizes:
         if total % size:
             raise ExportError(f"build_megatron_model: {what}={total} is not divisible by the parallel size {size}")
     cfg_over, model_over = split_gpt_overrides(overrides, "build_megatron_model")
@@ -130,7 +203,7 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.moe_ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, qk_layernorm=arch.qk_norm,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
         num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         moe_router_topk=arch.top_k, moe_router_score_function="softmax",
         moe_router_pre_softmax=not arch.norm_topk_prob, moe_aux_loss_coeff=arch.router_aux_loss_coef,
@@ -140,15 +213,16 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
         fp16=params_dtype == torch.float16, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=not on_gpu, gradient_accumulation_fusion=False,
     )
+    config_kwargs.update(_variant_config(arch))
     if not on_gpu:  # fused kernels that need CUDA
         config_kwargs.update(bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
                              apply_rope_fusion=False, bias_activation_fusion=False)
     config_kwargs.update(cfg_over)
-    config = TransformerConfig(**config_kwargs)
+    config = (MLATransformerConfig if arch.kv_lora_rank else TransformerConfig)(**config_kwargs)
     layer_spec = _local_layer_spec(arch) if spec == "local" else _te_layer_spec(arch)
     model_kwargs: dict[str, Any] = dict(
         vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
-        position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
+        position_embedding_type="rope", rotary_percent=arch.rotary_percent, rotary_base=arch.rope_theta,
         share_embeddings_and_output_weights=arch.tie_word_embeddings, parallel_output=True,
     )
     model_kwargs.update(model_over)
@@ -157,7 +231,7 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
 
 
 def _unsupported(what: str, value, expected) -> ExportError:
-    return ExportError(f"Megatron model: {what}={value!r} has no Hugging Face Qwen3-MoE / Mixtral equivalent "
+    return ExportError(f"Megatron model: {what}={value!r} has no Hugging Face equivalent in a supported family "
                        f"(expected {expected})")
 
 
@@ -166,7 +240,8 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
 
     Args:
         model: the model.
-        family: the family to name (default: ``qwen3_moe`` with query/key norm, ``mixtral`` without).
+        family: the family to name (default: ``deepseek_v3`` with multi-latent attention, ``glm4_moe`` with a
+            sigmoid router, ``qwen3_moe`` with query/key norm, ``mixtral`` otherwise).
 
     Raises:
         ExportError: not a GPTModel, pipeline parallelism, or a feature no supported family has (names it).
@@ -178,25 +253,21 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
         raise ExportError("Hugging Face export/import: pipeline parallelism is not supported (size "
                           f"{parallel_state.get_pipeline_model_parallel_world_size()}, expected 1)")
     c = m.config
+    mla = bool(c.multi_latent_attention)
     checks = [
         ("normalization", c.normalization, ("RMSNorm",)),
         ("gated_linear_unit", c.gated_linear_unit, (True,)),
         ("add_bias_linear", c.add_bias_linear, (False,)),
-        ("add_qkv_bias", c.add_qkv_bias, (False,)),
-        ("moe_router_score_function", c.moe_router_score_function, ("softmax",)),
-        ("moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor, (None, 1.0)),
-        ("moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size, (None,)),
-        ("moe_layer_freq", c.moe_layer_freq, (1,)),
-        ("moe_router_enable_expert_bias", c.moe_router_enable_expert_bias, (False,)),
-        ("moe_router_num_groups", c.moe_router_num_groups, (None,)),
-        ("multi_latent_attention", c.multi_latent_attention, (False,)),
+        ("moe_router_score_function", c.moe_router_score_function, ("softmax", "sigmoid")),
         ("mtp_num_layers", c.mtp_num_layers, (None, 0)),
         ("rotary_interleaved", c.rotary_interleaved, (False,)),
         ("layernorm_zero_centered_gamma", c.layernorm_zero_centered_gamma, (False,)),
         ("position_embedding_type", m.position_embedding_type, ("rope",)),
-        ("rotary_percent", m.rotary_percent, (1.0,)),
         ("rope_scaling", m.rotary_scaling, (False,)),
     ]
+    if mla:
+        checks += [("rope_type", c.rope_type, ("rope", "yarn")),
+                   ("qk_layernorm (the latent norms of MLA)", c.qk_layernorm, (True,))]
     for what, value, allowed in checks:
         if value not in allowed:
             raise _unsupported(what, value, " or ".join(map(repr, allowed)))
@@ -209,21 +280,57 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
                           "the exported model would compute something else (expected moe_apply_probs_on_input=False)")
     if c.activation_func is not F.silu:
         raise _unsupported("activation_func", getattr(c.activation_func, "__name__", c.activation_func), "silu")
-    if c.softmax_scale not in (None, c.kv_channels ** -0.5):
-        raise _unsupported("softmax_scale", c.softmax_scale, "1/sqrt(head_dim)")
-    name = family or ("qwen3_moe" if c.qk_layernorm else "mixtral")
+    head_dim = c.qk_head_dim if mla else c.kv_channels
+    scale = (head_dim + c.qk_pos_emb_head_dim) ** -0.5 if mla else head_dim ** -0.5
+    if c.softmax_scale not in (None, scale):
+        raise _unsupported("softmax_scale", c.softmax_scale, "1/sqrt(query head size)")
+    first_dense = _first_dense_layers(c)
+    sigmoid = c.moe_router_score_function == "sigmoid"
+    name = family or ("deepseek_v3" if mla else "glm4_moe" if sigmoid else "qwen3_moe" if c.qk_layernorm
+                      else "mixtral")
     fam = get_family(name)
-    if fam.qk_norm != bool(c.qk_layernorm):
+    qk_norm = bool(c.qk_layernorm) and not mla  # MLA's qk_layernorm are its latent norms
+    if fam.qk_norm is not None and fam.qk_norm != qk_norm:
         raise ExportError(f"family {fam.name!r} {'has' if fam.qk_norm else 'has no'} query/key norm, the model has "
                           f"qk_layernorm={c.qk_layernorm}")
     aux = c.moe_aux_loss_coeff
     aux = float(aux[0] if isinstance(aux, list | tuple) else aux or 0.0)
     dtype = str(c.params_dtype).replace("torch.", "")
-    return MoEArch(
+    arch = MoEArch(
         family=fam.name, vocab_size=int(m.vocab_size), hidden_size=c.hidden_size, num_layers=c.num_layers,
         num_attention_heads=c.num_attention_heads, num_kv_heads=c.num_query_groups or c.num_attention_heads,
-        head_dim=c.kv_channels, moe_ffn_hidden_size=c.moe_ffn_hidden_size, num_experts=c.num_moe_experts,
+        head_dim=head_dim, moe_ffn_hidden_size=c.moe_ffn_hidden_size, num_experts=c.num_moe_experts,
         top_k=c.moe_router_topk, norm_eps=c.layernorm_epsilon, rope_theta=float(m.rotary_base),
         max_position_embeddings=int(m.max_sequence_length),
-        tie_word_embeddings=bool(m.share_embeddings_and_output_weights), qk_norm=bool(c.qk_layernorm),
-        norm_topk_prob=not c.moe_router_pre_softmax, router_aux_loss_coef=aux, dtype=dtype)
+        tie_word_embeddings=bool(m.share_embeddings_and_output_weights), qk_norm=qk_norm,
+        norm_topk_prob=sigmoid or not c.moe_router_pre_softmax, router_aux_loss_coef=aux, dtype=dtype,
+        kv_lora_rank=c.kv_lora_rank if mla else 0, q_lora_rank=(c.q_lora_rank or 0) if mla else 0,
+        qk_rope_head_dim=c.qk_pos_emb_head_dim if mla else 0, v_head_dim=c.v_head_dim if mla else 0,
+        shared_expert_ffn_hidden_size=c.moe_shared_expert_intermediate_size or 0, first_dense_layers=first_dense,
+        dense_ffn_hidden_size=c.ffn_hidden_size if first_dense else 0,
+        router_score_function=c.moe_router_score_function, router_expert_bias=bool(c.moe_router_enable_expert_bias),
+        router_num_groups=c.moe_router_num_groups or 0, router_group_topk=c.moe_router_group_topk or 0,
+        routed_scaling_factor=float(c.moe_router_topk_scaling_factor or 1.0), qkv_bias=bool(c.add_qkv_bias),
+        rotary_percent=float(m.rotary_percent), **_yarn(c, mla))
+    fam.check(arch, "Megatron model")
+    return arch
+
+
+def _yarn(c, mla: bool) -> dict[str, Any]:
+    """MLA's YaRN rope scaling (empty for plain RoPE)."""
+    if not mla or c.rope_type != "yarn":
+        return {}
+    return dict(rope_type="yarn", rope_factor=float(c.rotary_scaling_factor),
+                rope_original_max_position_embeddings=int(c.original_max_position_embeddings),
+                rope_beta_fast=float(c.beta_fast), rope_beta_slow=float(c.beta_slow), rope_mscale=float(c.mscale),
+                rope_mscale_all_dim=float(c.mscale_all_dim))
+
+
+def _first_dense_layers(c) -> int:
+    """The number of dense layers before the first MoE layer (``moe_layer_freq``), refusing any other pattern."""
+    freq = c.moe_layer_freq
+    pattern = [1] * c.num_layers if freq == 1 else list(freq) if isinstance(freq, list | tuple) else None
+    k = pattern.index(1) if pattern and 1 in pattern else -1
+    if pattern is None or k < 0 or pattern != [0] * k + [1] * (c.num_layers - k):
+        raise _unsupported("moe_layer_freq", freq, "1 or dense layers first, then MoE layers ([0, ..., 1, ...])")
+    return k

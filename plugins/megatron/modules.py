@@ -116,6 +116,9 @@ class _QuantParallelLinearMixin(QuantModuleMixin):
         if not self.is_expert_view:  # an expert's: the SequentialMLP calibrates all its experts
             super().calibrate_weights()
 
+    def weights_to_calibrate(self):
+        return [] if self.is_expert_view else super().weights_to_calibrate()
+
     def fold_weight(self) -> None:
         if not self.is_expert_view:  # an expert's: the SequentialMLP folds all its experts
             super().fold_weight()
@@ -194,6 +197,11 @@ class QuantSequentialMLP(QuantModuleMixin):
             if q.is_enabled:
                 for i, expert in enumerate(self.local_experts):
                     q.collect_expert(i, getattr(expert, name).weight)
+
+    def weights_to_calibrate(self):
+        """Both layer-level weight quantizers, each with its GEMM's local expert weights in expert order."""
+        return [(f"{name}.weight_quantizer", getattr(self, name).weight_quantizer,
+                 [getattr(expert, name).weight for expert in self.local_experts]) for name in self._SHARDED_AXIS]
 
     def fold_weight(self) -> None:
         """Replaces every local expert's weights by their fake-quantized values and disables the weight quantizers."""

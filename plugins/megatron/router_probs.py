@@ -66,6 +66,10 @@ class QuantTEGroupedMLP(QuantModuleMixin):
     def calibrate_weights(self) -> None:
         """Nothing: the grouped linears calibrate their own weights."""
 
+    def weights_to_calibrate(self):
+        """None: the grouped linears hold their own weights."""
+        return []
+
     def fold_weight(self) -> None:
         """Nothing: the grouped linears fold their own weights."""
 

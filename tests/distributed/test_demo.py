@@ -75,6 +75,10 @@ def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capf
                      r"[0-9.]+\)", qad_line), qad_line
     # transformers reads the NVFP4 experts through the public fix, and the demo says so
     assert "with modelopt_moe.export.transformers_compat.fix_nvfp4_experts() applied" in printed
+    # both exports checked against the engines' loader contracts, one verdict line each in the export stage
+    export_line = next(line for line in printed.splitlines() if line.startswith("[5/6] "))
+    for fmt in ("compressed-tensors", "modelopt"):
+        assert re.search(rf"check vllm PASS, sglang PASS, trtllm PASS \({fmt}: \d+ ", export_line), export_line
     assert "logits bit-identical" in printed
     assert "every weight and amax bit-identical" in printed
 

@@ -12,15 +12,14 @@ input amax per expert), exports compressed-tensors checkpoints and records the f
 API as a training script does (on CPU, Megatron also needs the shims of ``megatron_cpu``); it also measures the
 down_proj input amax in both orders at top-8 of 64 experts.
 
-The engine emulation in the parent process uses no modelopt_moe code: transformers loads each exported checkpoint
-(FP8 through ``CompressedTensorsConfig(dequantize=True)``; NVFP4 as the unquantized architecture with every quantized
-weight decoded here from the exported codes and scales, since transformers 5.23 mis-scales NVFP4 experts), its fused
-experts become per-expert ``nn.Linear`` modules running transformers' own expert loop (probability after
-``down_proj``), and a forward pre-hook on every quantized linear quantizes the linear's input with the exported
-static scale, the way the engines' kernels do.
+The engine emulation in the parent process is the library's engine-order reference forward
+(``modelopt_moe.export.engine_forward.engine_order_model``, which ``check_checkpoint`` also runs), built from the
+exported files alone: transformers supplies the architecture, every quantized weight is decoded from the exported
+codes and scales with the formats' documented formulas, the fused experts become per-expert ``nn.Linear`` modules
+running transformers' own expert loop (probability after ``down_proj``), and a forward pre-hook on every quantized
+linear quantizes the linear's input with the exported static scale, the way the engines' kernels do.
 """
 
-import glob
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ import torch
 from limits import seconds  # noqa: E402
 from torch import nn
 
+from modelopt_moe.export.engine_forward import engine_order_model
 from modelopt_moe.launch import spawn
 
 WORLD, LAYERS, EXPERTS, TOPK, HIDDEN, INTER = 4, 3, 8, 2, 64, 32
@@ -35,8 +35,6 @@ LAYOUTS = ((1, 4), (2, 2))  # (TP, EP)
 FAMILIES = ("qwen3_moe", "mixtral")
 SCHEMES = {"fp8": "fp8_per_expert.yaml", "nvfp4": "nvfp4_default.yaml"}
 WIDE = "qwen3_moe_top8of64"  # the amax-ratio measurement: top-8 of 64 experts
-# (gate, up, down) module names of one expert in each family's checkpoint
-EXPERT_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
 # Both sides compute the same quantized model; what differs is fp32 rounding: GEMMs in another order, the engine's
 # scales from the reciprocals the files store (x / input_scale instead of x * 448 / amax). Measured 2e-7 to 3e-7 for
 # FP8 and NVFP4 alike at every layout (a down_proj input scale calibrated on prob * act gives 2.5-4% for FP8 and
@@ -186,112 +184,12 @@ def _rank(rank, world, paths: dict) -> dict:
 # ------------------------------------------------------------------------------------------------ engine emulation
 
 
-def _tensors(path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out = {}
-    for file in sorted(glob.glob(f"{path}/*.safetensors")):
-        with safe_open(file, "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
-
-
-class PerExpertLinears(nn.Module):
-    """transformers' fused experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) as one module per expert
-    holding ``nn.Linear`` s under the checkpoint's names (``experts.3.gate_proj``), with transformers' own expert
-    loop: the router probability multiplies the expert's output after down_proj."""
-
-    def __init__(self, fused: nn.Module, names: tuple[str, str, str]):
-        super().__init__()
-        self.names, self.num_experts, inter = names, fused.num_experts, fused.intermediate_dim
-        self.__dict__["act_fn"] = fused.act_fn  # not a child: the children are the experts "0", "1", ...
-        for e in range(fused.num_experts):
-            expert = nn.Module()
-            for name, w in zip(names, (fused.gate_up_proj[e, :inter], fused.gate_up_proj[e, inter:],
-                                       fused.down_proj[e]), strict=True):
-                linear = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
-                linear.weight.data.copy_(w.detach())
-                setattr(expert, name, linear)
-            self.add_module(str(e), expert)
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        gate, up, down = self.names
-        out = torch.zeros_like(hidden_states)
-        for e in range(self.num_experts):
-            expert = getattr(self, str(e))
-            token_idx, pos = torch.where(top_k_index == e)
-            if token_idx.numel() == 0:
-                continue
-            x = hidden_states[token_idx]
-            h = self.act_fn(getattr(expert, gate)(x)) * getattr(expert, up)(x)
-            h = getattr(expert, down)(h) * top_k_weights[token_idx, pos, None]
-            out.index_add_(0, token_idx, h.to(out.dtype))
-        return out
-
-
-_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 value of ``v >= 0``, ties to the even code, saturating at 6 (the engines' cvt.rn.satfinite)."""
-    dist = (v.clamp(max=6.0).unsqueeze(-1) - _E2M1).abs() + 1e-9 * (torch.arange(8) % 2)  # ties: even code
-    return _E2M1[dist.argmin(-1)]
-
-
-def _fp8_static(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-    """A static-scale FP8 activation: ``x / input_scale`` saturated to E4M3, times the scale in the GEMM."""
-    s = input_scale.float().reshape(())
-    return (x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float().mul(s).to(x.dtype)
-
-
-def _nvfp4_static(x: torch.Tensor, input_global_scale: torch.Tensor) -> torch.Tensor:
-    """An NVFP4 activation with the static global scale ``gs``: per 16 elements an E4M3 block scale
-    ``e4m3(gs * blockmax / 6)``, values E2M1 of ``x / (block scale / gs)``, times that in the GEMM."""
-    gs = input_global_scale.float().reshape(())
-    blocks = x.float().reshape(*x.shape[:-1], -1, 16)
-    bmax = blocks.abs().amax(-1, keepdim=True)
-    sf = (gs * bmax / 6.0).clamp(max=448.0).to(torch.float8_e4m3fn).float()
-    scale = sf / gs
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = _round_e2m1(blocks.abs() / safe) * blocks.sign()
-    return torch.where(scale > 0, q * scale, torch.zeros_like(q)).reshape(x.shape).to(x.dtype)
-
-
-def _decode_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors' NVFP4 weight: two E2M1 codes per byte (even column in the low nibble; bit 3 the sign),
-    times ``weight_scale / weight_global_scale`` per 16 columns."""
-    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(packed.shape[0], -1).long()
-    values = _E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-    scale = block_scale.float() / global_scale.float().reshape(())
-    return values * scale.repeat_interleave(16, dim=1)
-
-
-def _engine_model(path: Path, source: Path, scheme: str, family: str):
-    """The ``transformers`` model of the exported checkpoint with static-scale input quantization of every quantized
-    linear (per-expert linears for the experts)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils.quantization_config import CompressedTensorsConfig
-
-    t = _tensors(path)
-    if scheme == "fp8":
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    model.eval()
-    for layer in model.model.layers:
-        layer.mlp.experts = PerExpertLinears(layer.mlp.experts, EXPERT_NAMES[family])
-    scale_key, quant = ("input_scale", _fp8_static) if scheme == "fp8" else ("input_global_scale", _nvfp4_static)
-    linears = [k.removesuffix("." + scale_key) for k in t if k.endswith("." + scale_key)]
-    assert len(linears) == LAYERS * (4 + 3 * EXPERTS)  # q, k, v, o and every expert's three
-    with torch.no_grad():
-        for name in linears:
-            linear = model.get_submodule(name.replace(".block_sparse_moe.", ".mlp."))  # Mixtral's file names
-            if scheme == "nvfp4":
-                linear.weight.copy_(_decode_nvfp4(t[name + ".weight_packed"], t[name + ".weight_scale"],
-                                                  t[name + ".weight_global_scale"]))
-            scale = t[f"{name}.{scale_key}"]
-            linear.register_forward_pre_hook(lambda module, args, s=scale: (quant(args[0], s),))
+def _engine_model(path: Path) -> nn.Module:
+    """The exported checkpoint run in engine order from its files, every quantized linear's input quantized with its
+    own exported static scale (what the fake quant trained: one input amax per expert)."""
+    model = engine_order_model(path)
+    hooked = [m for m in model.modules() if isinstance(m, nn.Linear) and m._forward_pre_hooks]
+    assert len(hooked) == LAYERS * (4 + 3 * EXPERTS)  # q, k, v, o and every expert's three
     return model
 
 
@@ -319,7 +217,7 @@ def run(tmp_path_factory):
 def test_engine_order_logits_match_the_fake_quant_model(run, scheme, family, layout):
     tp, ep = layout
     name = f"{family}_{scheme}_tp{tp}ep{ep}"
-    engine = _engine_model(run["base"] / "out" / name, Path(run["paths"][family]), scheme, family)
+    engine = _engine_model(run["base"] / "out" / name)
     with torch.no_grad():
         logits = engine(run["r0"]["tokens"]).logits.float()
     diff = _relative_max_diff(logits, run["r0"][name])

@@ -25,9 +25,13 @@ One spawn (imports cost ~15 s) does all the Megatron work; the parent process re
   compressed-tensors' own decompressors to training's fake quant; transformers loads them with the Megatron model's
   weight-only logits (MXFP8 and FP8_BLOCK experts, which transformers 5.23 cannot load: the same forward on the
   decoded weights);
+* ``mtq.NVFP4_EXPERTS_FP8_CFG`` (NVFP4 experts, FP8 attention, bf16 router and lm_head) exports one checkpoint per
+  format with a scheme per layer: transformers + compressed-tensors load each layer with its own scheme; Model
+  Optimizer's ``quantized_layers`` lists every quantized linear with its ``quant_algo``;
 * bad inputs (unquantized model, INT4 groups that do not tile a weight, a scheme without a Model Optimizer name,
   per-channel FP8 to modelopt, FP8 blocks that the exported matrices would cut, unsupported family, non-empty output
-  directory) fail on every rank with the same message; an export that fails midway leaves nothing.
+  directory) fail on every rank with the same message before anything is written; an export that fails midway leaves
+  nothing.
 """
 
 import glob
@@ -233,6 +237,15 @@ def _rank(rank, world, paths: dict) -> dict:
                     if ".experts." in name:
                         p.data.mul_(2.0)  # exact in bf16: every expert's amax doubles exactly
             export_hf(m, out / "fp8_doubled", format="compressed-tensors", dtype=torch.bfloat16, progress=False)
+
+    # NVIDIA's mixed recipe (the public preset): NVFP4 experts, FP8 attention, bf16 router and lm_head, one checkpoint
+    m = fresh("qwen3_moe")
+    mtq.quantize(m, mtq.NVFP4_EXPERTS_FP8_CFG, calibrate)
+    res["amax_mixed"] = _global_amax(m)
+    for fmt in FORMATS:
+        export_hf(m, out / f"mixed_{fmt}", format=fmt, dtype=torch.bfloat16, progress=False)
+    mtq.disable_quantizer(m, "*input_quantizer")
+    res["logits_mixed"] = logits(m)
 
     # grouped experts (TEGroupedMLP with the project's grouped linears, weight0..N) export like SequentialMLP ones
     import torch.nn.functional as F
@@ -885,3 +898,88 @@ def test_fp8_dynamic_warns_once_that_expert_inputs_are_served_per_token(run):
     assert ".experts." in got[0]
     assert all(r["warnings_fp8_dynamic"] == [] for r in run["results"][1:])
     assert all(run["r0"][f"warnings_{s}"] == [] for s in TRAINED if s != "fp8_dynamic")
+
+
+def _expert_name(name: str) -> tuple[int, int, str]:
+    """``model.layers.L.mlp.experts.E.mod`` -> (L, E, mod)."""
+    parts = name.split(".")
+    return int(parts[2]), int(parts[5]), parts[6]
+
+
+def test_mixed_precision_compressed_tensors_loads_each_layer_in_its_scheme(run, nvfp4_experts_patch):
+    """NVFP4_EXPERTS_FP8_CFG as one compressed-tensors checkpoint (``format: mixed-precision``, a config group per
+    scheme): transformers decodes every expert as NVFP4 (within one bf16 ulp of fake_quant), every attention
+    projection as FP8 (the format's formula, within one fp32 ulp of fake_quant), keeps the router and lm_head in bf16,
+    and its logits match the Megatron weight-only forward within the NVFP4 export's tolerance."""
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    path = run["out"] / "mixed_compressed-tensors"
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "mixed-precision"
+    assert sorted(g["format"] for g in cfg["config_groups"].values()) == ["float-quantized", "nvfp4-pack-quantized"]
+    model = _hf_model(path, quantization_config=CompressedTensorsConfig(dequantize=True))
+    amax, src, t = run["r0"]["amax_mixed"], _source(run), _tensors(path)
+    counts = {"nvfp4": 0, "e4m3": 0}
+    for name, w, w_amax, _ in _linears(run, amax):
+        if ".experts." in name:
+            layer, e, mod = _expert_name(name)
+            got, expected = _loaded_expert(model, layer, e)[mod], fake_quant(w.float(), "nvfp4", w_amax)
+            ulps = (got.bfloat16().view(torch.int16).int() - expected.bfloat16().view(torch.int16).int()).abs()
+            assert ulps.max() <= 1, (name, ulps.max())
+            counts["nvfp4"] += 1
+        else:
+            got = model.get_submodule(name).weight
+            assert torch.equal(got, codecs.decode_fp8_file(t[name + ".weight"], t[name + ".weight_scale"],
+                                                           torch.float32)), name
+            expected = fake_quant(w.float(), "e4m3", w_amax)
+            assert (got.view(torch.int32) - expected.view(torch.int32)).abs().max() <= 1, name
+            counts["e4m3"] += 1
+    assert counts == {"nvfp4": LAYERS * 3 * EXPERTS, "e4m3": LAYERS * 4}
+    for name in [f"model.layers.{i}.mlp.gate" for i in range(LAYERS)] + ["lm_head"]:
+        assert t[name + ".weight"].dtype == torch.bfloat16
+        assert torch.equal(model.get_submodule(name).weight.bfloat16(), src[name]), name
+    diff = (run["r0"]["logits_mixed"] - _hf_logits(model, run["r0"]["tokens"])).abs().max().item()
+    print(f"NVFP4 experts + FP8 attention, compressed-tensors via transformers: logits max diff {diff:.3g}")
+    assert diff <= 5e-3, diff  # the NVFP4 export's tolerance: compressed-tensors decodes NVFP4 to bf16
+
+
+def test_mixed_precision_modelopt_lists_every_quantized_layer_with_its_algo(run):
+    """The Model Optimizer export of NVFP4_EXPERTS_FP8_CFG: ``quant_algo: MIXED_PRECISION`` with every quantized
+    linear in ``quantized_layers`` (config.json and hf_quant_config.json, what vLLM's ModelOptMixedPrecisionConfig
+    reads), the bf16 ones in ``exclude_modules``; each linear's tensors in its own scheme's layout, decoding to
+    training's fake quant bit for bit; the model card names both schemes per group of modules."""
+    path = run["out"] / "mixed_modelopt"
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    legacy = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
+    amax, t = run["r0"]["amax_mixed"], _tensors(path)
+    expected = {name: {"quant_algo": "NVFP4", "group_size": 16} if ".experts." in name else {"quant_algo": "FP8"}
+                for name, *_ in _linears(run, amax)}
+    assert cfg["quant_method"] == "modelopt"
+    assert cfg["quant_algo"] == legacy["quant_algo"] == "MIXED_PRECISION"
+    assert cfg["quantized_layers"] == legacy["quantized_layers"] == expected
+    bf16 = sorted([f"model.layers.{i}.mlp.gate" for i in range(LAYERS)] + ["lm_head"])
+    assert sorted(cfg["ignore"]) == sorted(cfg["exclude_modules"]) == sorted(legacy["exclude_modules"]) == bf16
+    for name, w, w_amax, x_amax in _linears(run, amax):
+        if ".experts." in name:
+            got = codecs.decode_nvfp4_modelopt(t[name + ".weight"], t[name + ".weight_scale"],
+                                               t[name + ".weight_scale_2"], torch.float32)
+            expected_w = fake_quant(w.float(), "nvfp4", w_amax)
+            assert t[name + ".input_scale"] == codecs.nvfp4_global_scale(x_amax)
+        else:
+            assert t[name + ".weight"].dtype == torch.float8_e4m3fn
+            got = codecs.decode_fp8(t[name + ".weight"], codecs.fp8_scale(w_amax), torch.float32)
+            expected_w = fake_quant(w.float(), "e4m3", w_amax)
+            assert t[name + ".input_scale"].item() == codecs.reciprocal(codecs.fp8_scale(x_amax)).item()
+        assert torch.equal(got.view(torch.int32), expected_w.view(torch.int32)), name
+    for name in bf16:
+        assert t[name + ".weight"].dtype == torch.bfloat16
+    meta, card = _card(path)
+    assert {"quantized", "fp8", "nvfp4", "modelopt"} <= set(meta["tags"])
+    assert "Qwen3MoeForCausalLM, FP8 + NVFP4 (" in card
+    rows = {line.split("`")[1]: line for line in card.splitlines() if line.startswith("| `")}
+    assert "| FP8 E4M3, fp32 scale per tensor |" in rows["model.layers.*.self_attn.q_proj"]
+    assert "| NVFP4: E2M1" in rows["model.layers.*.mlp.experts.*.down_proj"]
+    assert "bfloat16, not quantized" in rows["model.layers.*.mlp.gate"]
+    assert "MIXED_PRECISION" in card
+    ct_card = _card(run["out"] / "mixed_compressed-tensors")[1]
+    assert "transformers reads the MoE experts of this checkpoint wrong without a fix" in ct_card

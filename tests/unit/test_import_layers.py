@@ -1,9 +1,9 @@
 """The package's import graph, counting imports inside functions (the kernels' lazy imports of their ``@triton.jit``
 modules among them): imports point down the layers of docs/architecture.md (``plugins -> report -> export,
-checkpoint, distill -> quantization -> kernels -> numerics``, with ``launch`` and ``progress`` beside ``numerics``;
-inside ``plugins``, ``cli`` above ``megatron`` above ``megatron_cpu``), the kernels import ``numerics`` alone of the
-project, the core never imports ``modelopt_moe.plugins``, every imported project module exists, and no module
-imports itself back through others."""
+checkpoint, distill -> quantization -> kernels -> numerics``, with ``launch``, ``interrupt`` and ``progress`` beside
+``numerics``; inside ``plugins``, ``cli`` above ``megatron`` above ``megatron_cpu``), the kernels import
+``numerics`` alone of the project, the core never imports ``modelopt_moe.plugins``, every imported project module
+exists, and no module imports itself back through others."""
 
 import ast
 from pathlib import Path
@@ -26,6 +26,7 @@ LAYERS = {  # the first matching prefix gives a module's layer; higher may impor
     "modelopt_moe.kernels": 2,
     "modelopt_moe.numerics": 1,
     "modelopt_moe.launch": 1,
+    "modelopt_moe.interrupt": 1,
     "modelopt_moe.progress": 1,
 }
 

@@ -1,6 +1,7 @@
 """modelopt_moe.launch.spawn: real processes, per-rank results, errors with tracebacks, timeouts, cleanup, under both
 start methods (the suite itself runs on ``forkserver``, see tests/conftest.py)."""
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -174,3 +175,75 @@ def test_a_failed_rank_leaves_no_process_holding_the_output_open():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)  # waits for EOF
     assert "spawn raised: RuntimeError: boom after starting a helper process" in done.stdout, done.stdout + done.stderr
     assert time.monotonic() - start < 90
+
+
+def _ready_then_sleep(path):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a multiprocessing manager's server does
+    open(path, "w").close()
+    time.sleep(600)
+
+
+def _start_a_helper_then_work(rank, world_size, folder):
+    # Like a Megatron rank that saves checkpoints: a process of its own, then work in collectives, until stopped.
+    ready = os.path.join(folder, f"helper{rank}.ready")
+    helper = multiprocessing.get_context("spawn").Process(target=_ready_then_sleep, args=(ready,), daemon=False)
+    helper.start()
+    while not os.path.exists(ready):  # started up (a Python starting up when Ctrl-C comes fails with a traceback)
+        time.sleep(0.05)
+    with open(os.path.join(folder, f"rank{rank}.pids"), "w") as f:
+        f.write(f"{os.getpid()} {helper.pid}")
+    step = 0
+    try:
+        while True:
+            step += 1
+            dist.all_reduce(torch.ones(1))
+            time.sleep(0.05)
+    except BaseException:
+        with open(os.path.join(folder, f"rank{rank}.stopped"), "w") as f:  # cleanup runs: not killed outright
+            f.write(str(step))
+        raise
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and pids as on Linux")
+@pytest.mark.timeout(_TIMEOUT + 60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_launcher_stops_every_rank_and_what_they_started(tmp_path, sig):
+    # A scheduler signals the one process it started (SIGTERM), or the user presses Ctrl-C (SIGINT to the terminal's
+    # whole process group): every rank stops, its cleanup runs, nothing is left, and spawn raises Interrupted.
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_launch import _start_a_helper_then_work
+        from modelopt_moe.launch import Interrupted, spawn
+        try:
+            spawn(_start_a_helper_then_work, 2, args=({str(tmp_path)!r},), timeout=600)
+        except Interrupted as e:
+            print("spawn raised:", e, e.exit_code, flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELOPT_MOE_")}  # as a user's script starts
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True, env=env)
+    try:
+        pid_files = [tmp_path / "rank0.pids", tmp_path / "rank1.pids"]
+        deadline = time.monotonic() + _TIMEOUT
+        while not all(f.exists() and f.read_text() for f in pid_files):
+            assert time.monotonic() < deadline, "ranks did not start"
+            assert launcher.poll() is None, launcher.communicate()
+            time.sleep(0.2)
+        pids = [int(p) for f in pid_files for p in f.read_text().split()]  # ranks and their helpers
+        if sig == signal.SIGINT:
+            os.killpg(launcher.pid, sig)
+        else:
+            launcher.send_signal(sig)
+        start = time.monotonic()
+        out, err = launcher.communicate(timeout=60)
+        while any(_alive(p) for p in pids) and time.monotonic() < start + 30:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], (out, err)
+        assert f"spawn raised: interrupted by {signal.Signals(sig).name} {128 + sig}" in out, (out, err)
+        assert all((tmp_path / f"rank{r}.stopped").is_file() for r in (0, 1)), (out, err)
+        assert "Traceback" not in err, err
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()

@@ -103,6 +103,10 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
             for i, w in enumerate(self.expert_weights()):
                 self.weight_quantizer.collect_expert(i, w)
 
+    def weights_to_calibrate(self):
+        """The weight quantizer with the N expert weights, in expert order."""
+        return [("weight_quantizer", self.weight_quantizer, self.expert_weights())]
+
     def grouped_gemm(self, x: torch.Tensor, m_splits, weights: list[torch.Tensor]):
         """The host's grouped GEMM on fake-quantized operands (with the configured backward mode)."""
         if row_scale_of(self) is not None and self.expert_biases() is not None:

@@ -22,6 +22,15 @@ def _arch(family: str, **changes) -> MoEArch:
                 head_dim=16, moe_ffn_hidden_size=32, num_experts=4, top_k=2, norm_eps=1e-6, rope_theta=1e6,
                 max_position_embeddings=128, qk_norm=family == "qwen3_moe", norm_topk_prob=True,
                 router_aux_loss_coef=0.001)
+    if family == "deepseek_v3":  # multi-latent attention, a dense first layer, shared experts, grouped sigmoid router
+        base.update(num_kv_heads=4, qk_norm=False, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
+                    shared_expert_ffn_hidden_size=32, first_dense_layers=1, dense_ffn_hidden_size=96,
+                    router_score_function="sigmoid", router_expert_bias=True, router_num_groups=2,
+                    router_group_topk=1, routed_scaling_factor=2.5)
+    if family == "glm4_moe":  # q/k/v biases, q/k norm, partial RoPE, a dense first layer, shared experts
+        base.update(qk_norm=True, qkv_bias=True, rotary_percent=0.5, shared_expert_ffn_hidden_size=32,
+                    first_dense_layers=1, dense_ffn_hidden_size=96, router_score_function="sigmoid",
+                    router_expert_bias=True, routed_scaling_factor=2.5)
     base.update(changes)
     return MoEArch(**base)
 
@@ -46,10 +55,10 @@ def test_names_are_what_transformers_saves(family, tie, tmp_path):
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         saved = set(f.keys())
     fam = get_family(family)
-    ours = {fam.hf_module(c) + ".weight" for c in canonical_names(arch)}
+    ours = {fam.hf_tensor(c) for c in canonical_names(arch)}
     assert ours == saved
     for name in saved:
-        assert fam.hf_module(fam.canonical(name.removesuffix(".weight"))) + ".weight" == name
+        assert fam.hf_tensor(fam.canonical_tensor(name)) == name
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -61,7 +70,8 @@ def test_config_round_trip_through_transformers(family):
     assert cfg["bos_token_id"] == 7
     assert "rope_scaling" not in cfg
     hf = AutoConfig.for_model(**cfg)
-    assert type(hf).__name__ == {"qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}[family]
+    assert type(hf).__name__ == {"qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig",
+                                 "deepseek_v3": "DeepseekV3Config", "glm4_moe": "Glm4MoeConfig"}[family]
     assert (hf.hidden_size, hf.num_hidden_layers, hf.num_key_value_heads, hf.num_experts_per_tok) == (64, 2, 4, 2)
     assert hf.num_local_experts == 4
     assert hf.rms_norm_eps == 1e-6
@@ -95,8 +105,8 @@ def test_unsupported_features_are_refused_by_name(family, key, value, match):
 
 
 def test_unknown_family_and_architecture():
-    with pytest.raises(ExportError,
-                       match=r"family='llama' is not supported; expected one of \['mixtral', 'qwen3_moe'\]"):
+    with pytest.raises(ExportError, match=r"family='llama' is not supported; expected one of "
+                                          r"\['deepseek_v3', 'glm4_moe', 'mixtral', 'qwen3_moe'\]"):
         get_family("llama")
     assert get_family("Qwen3MoeForCausalLM").name == "qwen3_moe"
     with pytest.raises(ExportError, match="LlamaForCausalLM.*is not supported"):

@@ -518,3 +518,21 @@ def test_dict_config_errors_name_the_source_key_and_value():
     assert "entropy" in msg
     with pytest.raises(ConfigError, match="expected a mapping"):
         to_config(["not", "a", "dict"])
+
+
+def test_nvfp4_experts_fp8_preset_gives_routed_experts_nvfp4_and_every_other_linear_fp8():
+    cfg = to_config(mtq.NVFP4_EXPERTS_FP8_CFG)
+    assert cfg == load_config("nvfp4_experts_fp8.yaml")
+    for q in ("weight_quantizer", "input_quantizer"):
+        for routed in ("decoder.layers.0.mlp.experts.linear_fc1",
+                       "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2"):
+            assert cfg.resolve(f"{routed}.{q}", "Linear").format == "nvfp4"
+        for other in ("decoder.layers.0.self_attention.linear_qkv", "decoder.layers.0.self_attention.linear_proj",
+                      "decoder.layers.0.mlp.shared_experts.linear_fc1", "decoder.layers.0.mlp.linear_fc2"):
+            r = cfg.resolve(f"{other}.{q}", "Linear")
+            assert r.enable
+            assert r.format == "e4m3"
+            assert r.axis is None
+        assert not cfg.resolve(f"decoder.layers.0.mlp.router.{q}", "TopKRouter").enable
+        assert not cfg.resolve(f"output_layer.{q}", "ColumnParallelLinear").enable
+    assert cfg.experts.weight_amax == cfg.experts.input_amax == "per_expert"

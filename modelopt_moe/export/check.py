@@ -1,0 +1,304 @@
+"""A GPU-free check of an exported checkpoint (ours or another tool's) against a serving engine's loader contract.
+
+::
+
+    from modelopt_moe.export import check_checkpoint
+
+    report = check_checkpoint("out/", engine="vllm")
+    print(report.verdict())        # one line: PASS / FAIL, the format, how many linears, the first error
+    print(report.details())        # every finding and the per-layer input-scale spread
+
+What it checks, per quantized linear of the config's model (Qwen3-MoE, Mixtral), from the rules of
+:mod:`.check_rules`: every tensor the format stores is present in the shard the index names, with the dtype and
+shape the loaders take; every per-tensor or per-channel scale is finite, positive and normal and so is its
+reciprocal (engines invert them: a missing scale loads as zero or uninitialised memory and a never-routed expert
+then gives NaN), block scales finite and non-negative; the gate and up projections of each expert share the scales
+the engine fuses; Model Optimizer ``MIXED_PRECISION`` configs list every quantized layer in ``quantized_layers``.
+It reports, per MoE layer, how far each expert's own input scale is from the one the engine uses after collapsing
+them (one per layer or per expert), as the ratio of the two amaxes (1: nothing lost).
+
+Findings are ``error`` (the engine fails to load, produces NaN, or dequantizes with a wrong scale) or ``warning``
+(the engine requantizes, losing accuracy). Only tensor data of scales is read.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .check_rules import ENGINE_RULES, ENGINES, FORMAT_RULES, EngineRule, FormatRule, TensorRule
+from .checkpoint_layout import Finding, checkpoint_layout
+from .errors import ExportError
+
+__all__ = ["check_checkpoint", "check_all_engines", "CheckReport", "Finding", "InputScaleSpread"]
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class InputScaleSpread:
+    """One MoE layer's input scales of one GEMM (``gate_up`` or ``down``) against the one the engine uses: the
+    worst expert's ratio engine amax / own amax (1.0: it keeps its own) and the median over experts."""
+
+    layer: int
+    gemm: str
+    worst_ratio: float
+    worst_expert: int
+    median_ratio: float
+
+
+@dataclass
+class CheckReport:
+    """The result of :func:`check_checkpoint`."""
+
+    path: str
+    engine: str
+    format: str | None = None
+    schemes: dict[str, int] = field(default_factory=dict)  # scheme -> number of linears
+    findings: list[Finding] = field(default_factory=list)
+    spreads: list[InputScaleSpread] = field(default_factory=list)
+    collapse: str | None = None
+    kl: list[float] | None = None
+
+    @property
+    def errors(self) -> list[Finding]:
+        """The findings of severity ``error``."""
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        """The findings of severity ``warning``."""
+        return [f for f in self.findings if f.severity == "warning"]
+
+    @property
+    def ok(self) -> bool:
+        """No errors (warnings allowed)."""
+        return not self.errors
+
+    def verdict(self) -> str:
+        """One line: PASS or FAIL for the engine, the format and schemes, counts, the first error."""
+        schemes = ", ".join(f"{n} {s}" for s, n in sorted(self.schemes.items())) or "no quantized linear"
+        head = (f"check {self.engine}: {'PASS' if self.ok else 'FAIL'} ({self.format or 'unknown format'}: "
+                f"{schemes}; {_count(self.errors, 'error')}, {_count(self.warnings, 'warning')}")
+        worst = max(self.spreads, key=lambda s: s.worst_ratio, default=None)
+        if worst is not None and worst.worst_ratio > 1.0:
+            head += (f"; input scales: the engine's is up to {worst.worst_ratio:.3g}x an expert's own, layer "
+                     f"{worst.layer} {worst.gemm} expert {worst.worst_expert}")
+        elif worst is not None:
+            head += "; input scales: every expert keeps its own"
+        if self.kl:
+            head += f"; engine-order forward KL to the reference {max(self.kl):.3g} (max of {len(self.kl)} batches)"
+        head += ")"
+        return head + (f": {self.errors[0]}" if self.errors else "")
+
+    def details(self) -> str:
+        """Every finding, then the input-scale spread per MoE layer."""
+        lines = [self.verdict()] + [f"  {f}" for f in self.findings]
+        if self.spreads:
+            lines.append(f"  input scales per MoE layer ({self.engine} uses one per {self.collapse}); engine amax / "
+                         "expert's own amax:")
+            lines += [f"    layer {s.layer} {s.gemm}: worst {s.worst_ratio:.4g} (expert {s.worst_expert}), median "
+                      f"{s.median_ratio:.4g}" for s in self.spreads]
+        return "\n".join(lines)
+
+
+def _count(items, noun: str) -> str:
+    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
+
+
+def check_checkpoint(path: str | os.PathLike, engine: str = "vllm", reference=None) -> CheckReport:
+    """Checks the Hugging Face checkpoint at ``path`` against ``engine``'s loader (no GPU, scales only read).
+
+    Args:
+        path: a checkpoint directory (``config.json``, safetensors shards, ``hf_quant_config.json`` if any).
+        engine: ``vllm``, ``sglang`` or ``trtllm``.
+        reference: optional ``[(tokens [B, S], logits [B, S, V]), ...]`` of a model (the fake-quant model the
+            checkpoint was exported from): the report's ``kl`` then holds, per batch, the mean over tokens of
+            KL(reference || engine-order forward of the files with the scales this engine uses)
+            (:mod:`.engine_forward`; needs ``transformers``). Run only when no error was found.
+
+    Returns:
+        The report: ``ok``, ``verdict()``, ``details()``, ``findings``, ``spreads``.
+
+    Raises:
+        ExportError: an unknown engine; a directory without a readable ``config.json``, or of a family the checker
+            does not know (names the file and what was expected).
+    """
+    if engine not in ENGINES:
+        raise ExportError(f"engine={engine!r}: expected one of {list(ENGINES)}")
+    path = Path(path)
+    report = CheckReport(str(path), engine)
+    layout = checkpoint_layout(path, report.findings)
+    if layout is None:
+        return report
+    report.format = layout.format
+    family, arch, shapes, assign, headers = layout.family, layout.arch, layout.shapes, layout.schemes, layout.headers
+    values = {}
+    for module, shape in shapes.items():
+        scheme = assign.get(module)
+        if scheme is None:
+            if not any(f.rule == "quantized_layers" and f.where == module for f in report.findings):
+                _check_unquantized(module, shape, headers, report)
+            continue
+        key, inputs = scheme
+        report.schemes[key + ("" if inputs else "_a16")] = report.schemes.get(key + ("" if inputs else "_a16"), 0) + 1
+        values[module] = _check_linear(path, module, shape, FORMAT_RULES[(report.format, key)], inputs, headers,
+                                       report)
+    _check_experts(arch, family, assign, values, report)
+    if reference is not None and report.ok:
+        from .engine_forward import engine_order_kl
+
+        report.kl = engine_order_kl(path, reference, engine=engine)
+        if not all(math.isfinite(k) for k in report.kl):
+            report.findings.append(Finding("error", "forward", str(path), f"the engine-order forward's KL to the "
+                                           f"reference is not finite: {report.kl}"))
+    return report
+
+
+def check_all_engines(path: str | os.PathLike, engines=ENGINES) -> tuple[bool, str]:
+    """Checks ``path`` against every engine of ``engines``; returns whether all pass and one line saying so
+    (``check vllm PASS, sglang PASS, trtllm FAIL (...): <first error>``), for the end of an export.
+
+    Raises:
+        ExportError: as :func:`check_checkpoint`.
+    """
+    reports = [check_checkpoint(path, engine=e) for e in engines]
+    first = reports[0]
+    schemes = ", ".join(f"{n} {s}" for s, n in sorted(first.schemes.items())) or "no quantized linear"
+    warnings = sum(len(r.warnings) for r in reports)
+    verdicts = ", ".join(f"{r.engine} {'PASS' if r.ok else 'FAIL'}" for r in reports)
+    line = f"check {verdicts} ({first.format}: {schemes}; {_count(range(warnings), 'warning')})"
+    failed = next((r for r in reports if not r.ok), None)
+    if failed is not None:
+        line += f": {failed.engine}: {failed.errors[0]} (modelopt-moe check {path} --details)"
+    return failed is None, line
+
+
+def _expected_shape(rule: TensorRule, r: int, c: int) -> tuple[tuple[int, ...], ...]:
+    return {"w": ((r, c),), "packed": ((r, c // 2),), "blocks16": ((r, c // 16),), "scalar": ((), (1,)),
+            "rows": ((r, 1), (r,))}[rule.shape]
+
+
+def _load(path: Path, file: str, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path / file), "pt") as f:
+        return f.get_tensor(name)
+
+
+def _check_unquantized(module: str, shape, headers: dict, report: CheckReport) -> None:
+    name = module + ".weight"
+    if name not in headers:
+        report.findings.append(Finding("error", "missing", name, f"absent (an unquantized linear of shape "
+                                       f"{list(shape)})"))
+        return
+    _, h = headers[name]
+    if h.dtype not in ("BF16", "F16", "F32"):
+        report.findings.append(Finding("error", "dtype", name, f"{h.dtype}, but the quantization config leaves "
+                                       "this linear unquantized (expected BF16, F16 or F32)"))
+
+
+def _check_linear(path: Path, module: str, shape, rule: FormatRule, inputs: bool, headers: dict,
+                  report: CheckReport) -> dict[str, float]:
+    """Checks one quantized linear's tensors; returns its per-tensor scale values by role."""
+    r, c = shape
+    values: dict[str, float] = {}
+    for t in rule.stored(inputs):
+        name = f"{module}.{t.suffix}"
+        if name not in headers:
+            why = " (engines read a missing scale as zero or uninitialised memory: NaN or inf)" if "scale" in t.role \
+                else ""
+            report.findings.append(Finding("error", "missing", name, f"absent{why}"))
+            continue
+        file, h = headers[name]
+        if h.dtype != t.dtype:
+            report.findings.append(Finding("error", "dtype", name, f"{h.dtype}, expected {t.dtype}"))
+        allowed = _expected_shape(t, r, c)
+        if h.shape not in allowed:
+            report.findings.append(Finding("error", "shape", name, f"{list(h.shape)}, expected "
+                                           f"{' or '.join(str(list(s)) for s in allowed)}"))
+            continue
+        if t.role == "weight":
+            continue
+        v = _load(path, file, name).float()
+        if t.role == "block_scale":
+            bad = ~torch.isfinite(v) | (v < 0)
+            if bad.any():
+                report.findings.append(Finding("error", "scale", name, f"{int(bad.sum())} block scales not finite "
+                                               f"or negative (first {v[bad].flatten()[0].item()})"))
+            continue
+        problem = _scale_problem(v)
+        if problem:
+            report.findings.append(Finding("error", "scale", name, problem))
+        elif v.numel() == 1:
+            values[t.role] = t.amax(v.item())
+    return values
+
+
+def _scale_problem(v: torch.Tensor) -> str | None:
+    """Why a per-tensor / per-channel scale would break an engine (None: it would not)."""
+    flat = v.flatten()
+    for what, bad in (("not finite", ~torch.isfinite(flat)), ("not positive", flat <= 0),
+                      ("subnormal", flat.abs() < _TINY), ("with a subnormal reciprocal", flat.abs() > 1 / _TINY)):
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            where = f"[{i}] " if flat.numel() > 1 else ""
+            return f"{where}{flat[i].item():.6g} is {what} (engines divide by it or by its reciprocal)"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ experts
+
+
+def _check_experts(arch, family, assign: dict, values: dict, report: CheckReport) -> None:
+    """Gate and up sharing the scales the engine fuses; the input-scale spread after the engine's collapse."""
+    for layer in range(arch.num_layers):
+        modules = {k: [family.hf_module(f"layers.{layer}.experts.{e}.{k}") for e in range(arch.num_experts)]
+                   for k in ("gate", "up", "down")}
+        scheme = assign.get(modules["gate"][0])
+        if scheme is None:
+            continue
+        engine_rule: EngineRule | None = ENGINE_RULES.get((report.engine, report.format, scheme[0]))
+        if engine_rule is None:
+            if layer == 0:
+                report.findings.append(Finding("warning", "config", f"{report.engine} x {report.format}",
+                                               f"no engine rules for {scheme[0]} experts here; gate/up and input "
+                                               "scale collapse not checked"))
+            continue
+        report.collapse = engine_rule.input_collapse
+        for role, how in engine_rule.gate_up.items():
+            for gate, up in zip(modules["gate"], modules["up"], strict=True):
+                g, u = values.get(gate, {}).get(role), values.get(up, {}).get(role)
+                if g is None or u is None or math.isclose(g, u, rel_tol=1e-5):
+                    continue
+                if how == "equal":
+                    report.findings.append(Finding(
+                        "error", "gate_up", f"{gate} / {up}",
+                        f"{role} amax {g:.6g} != {u:.6g}: {report.engine} fuses gate and up with one {role} "
+                        f"({_gate_up_effect(report.engine)})"))
+                else:
+                    report.findings.append(Finding(
+                        "warning", "gate_up", f"{gate} / {up}",
+                        f"{role} amax {g:.6g} != {u:.6g}: {report.engine} requantizes both onto the larger, a "
+                        f"{max(g, u) / min(g, u):.4g}x coarser grid for the other"))
+        if not scheme[1]:
+            continue
+        own = {"gate_up": [max(values.get(g, {}).get("input_scale", 0.0), values.get(u, {}).get("input_scale", 0.0))
+                           for g, u in zip(modules["gate"], modules["up"], strict=True)],
+               "down": [values.get(d, {}).get("input_scale", 0.0) for d in modules["down"]]}
+        for gemm, amaxes in own.items():
+            if not all(a > 0 for a in amaxes):
+                continue  # reported as missing / bad scales
+            used = [max(amaxes)] * len(amaxes) if engine_rule.input_collapse == "layer" else amaxes
+            ratios = [u / a for u, a in zip(used, amaxes, strict=True)]
+            worst = max(range(len(ratios)), key=ratios.__getitem__)
+            report.spreads.append(InputScaleSpread(layer, gemm, ratios[worst], worst, sorted(ratios)[len(ratios) // 2]))
+
+
+def _gate_up_effect(engine: str) -> str:
+    return "TensorRT-LLM refuses to load it" if engine == "trtllm" else "the up projection is dequantized with the " \
+        "gate's scale"

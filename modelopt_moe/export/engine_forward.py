@@ -1,0 +1,230 @@
+"""An engine-order reference forward of an exported checkpoint, from its files alone, on the CPU.
+
+Serving engines (vLLM, SGLang, TensorRT-LLM) run a quantized linear as: weight decoded from the stored codes and
+scales, input quantized with the stored static input scale (FP8: ``x / input_scale`` saturated to E4M3; NVFP4: per
+16 values an E4M3 block scale ``e4m3(gs * blockmax / 6)`` from the static global scale ``gs``, values rounded to
+E2M1), and the router probability multiplied into an expert's output after ``down_proj``. This module builds that
+model in fp32: ``transformers`` supplies the architecture (attention, RoPE, norms, router; built from the config,
+its weights loaded from the files), every quantized linear's weight is decoded here, the fused experts become one
+``nn.Linear`` per expert and projection running transformers' own expert loop, and a forward pre-hook quantizes
+each quantized linear's input.
+
+Which input scale each linear uses: ``engine=None`` its own stored scale; an engine name, the one that engine uses
+after collapsing an MoE layer's per-expert scales (:data:`.check_rules.ENGINE_RULES`: the largest over the layer's
+experts, or over each expert's gate and up). Gate and up are assumed to share their weight scales (the checker
+reports where they do not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .check_rules import ENGINE_RULES, FORMAT_RULES
+from .checkpoint_layout import checkpoint_layout
+from .codecs import E2M1_VALUES, decode_fp8_file, decode_nvfp4_ct, decode_nvfp4_modelopt
+from .errors import ExportError
+
+__all__ = ["engine_order_model", "engine_order_kl", "fp8_static_input", "nvfp4_static_input"]
+
+
+def fp8_static_input(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """A static-scale FP8 activation: ``x / input_scale`` saturated to E4M3, times the scale in the GEMM."""
+    s = input_scale.float().reshape(())
+    return (x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float().mul(s).to(x.dtype)
+
+
+def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 value of ``v >= 0``, ties to the even code, saturating at 6 (the engines' cvt.rn.satfinite)."""
+    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=v.device)
+    dist = (v.clamp(max=6.0).unsqueeze(-1) - grid).abs() + 1e-9 * (torch.arange(8, device=v.device) % 2)
+    return grid[dist.argmin(-1)]
+
+
+def nvfp4_static_input(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """An NVFP4 activation with the static global scale ``gs`` (the reciprocal convention, ``2688 / amax``): per 16
+    elements an E4M3 block scale ``e4m3(gs * blockmax / 6)``, values E2M1 of ``x / (block scale / gs)``, times that
+    in the GEMM."""
+    gs = global_scale.float().reshape(())
+    blocks = x.float().reshape(*x.shape[:-1], -1, 16)
+    bmax = blocks.abs().amax(-1, keepdim=True)
+    sf = (gs * bmax / 6.0).clamp(max=448.0).to(torch.float8_e4m3fn).float()
+    scale = sf / gs
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = _round_e2m1(blocks.abs() / safe) * blocks.sign()
+    return torch.where(scale > 0, q * scale, torch.zeros_like(q)).reshape(x.shape).to(x.dtype)
+
+
+# (format, rule key) -> (decoder of (weight tensor, block/tensor scale, second scale), input quantizer taking the
+# stored input scale, whether the stored NVFP4 input scale is the reciprocal of the global scale)
+_DECODE = {
+    ("compressed-tensors", "fp8"): (lambda t, m: decode_fp8_file(t[m + ".weight"], t[m + ".weight_scale"],
+                                                                 torch.float32), fp8_static_input),
+    ("compressed-tensors", "fp8_channel"): (lambda t, m: decode_fp8_file(t[m + ".weight"], t[m + ".weight_scale"],
+                                                                         torch.float32), fp8_static_input),
+    ("modelopt", "fp8"): (lambda t, m: decode_fp8_file(t[m + ".weight"], t[m + ".weight_scale"], torch.float32),
+                          fp8_static_input),
+    ("compressed-tensors", "nvfp4"): (
+        lambda t, m: decode_nvfp4_ct(t[m + ".weight_packed"], t[m + ".weight_scale"], t[m + ".weight_global_scale"],
+                                     torch.float32), nvfp4_static_input),
+    ("modelopt", "nvfp4"): (
+        lambda t, m: decode_nvfp4_modelopt(t[m + ".weight"], t[m + ".weight_scale"], t[m + ".weight_scale_2"],
+                                           torch.float32),
+        lambda x, s: nvfp4_static_input(x, 1.0 / s.float())),  # vLLM: a1_gscale = 1 / input_scale
+}
+
+
+class _PerExpertLinears(nn.Module):
+    """An MoE layer's experts as one module per expert (``"3"``) holding ``nn.Linear`` s under the checkpoint's
+    names, with transformers' expert-loop signature: the router probability multiplies after down_proj."""
+
+    def __init__(self, weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], names, act_fn):
+        super().__init__()
+        self.names = names
+        self.__dict__["act_fn"] = act_fn  # not a child: the children are the experts
+        for e, ws in enumerate(weights):
+            expert = nn.Module()
+            for name, w in zip(names, ws, strict=True):
+                linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
+                linear.weight.data.copy_(w)
+                setattr(expert, name, linear)
+            self.add_module(str(e), expert)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        gate, up, down = self.names
+        out = torch.zeros_like(hidden_states)
+        for e, expert in enumerate(self.children()):
+            token_idx, pos = torch.where(top_k_index == e)
+            if token_idx.numel() == 0:
+                continue
+            x = hidden_states[token_idx]
+            h = self.act_fn(getattr(expert, gate)(x)) * getattr(expert, up)(x)
+            h = getattr(expert, down)(h) * top_k_weights[token_idx, pos, None]
+            out.index_add_(0, token_idx, h.to(out.dtype))
+        return out
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open is not a dict)
+    return out
+
+
+def _input_scales(layout, tensors: dict, engine: str | None) -> dict[str, torch.Tensor]:
+    """Module -> the stored-convention input scale it runs with (its own, or the engine's after the collapse)."""
+    out = {}
+    for module, (key, inputs) in layout.schemes.items():
+        if inputs:
+            rule = FORMAT_RULES[(layout.format, key)].role("input_scale")
+            out[module] = tensors[f"{module}.{rule.suffix}"]
+    if engine is None:
+        return out
+    fam, arch = layout.family, layout.arch
+    for layer in range(arch.num_layers):
+        names = {k: [fam.hf_module(f"layers.{layer}.experts.{e}.{k}") for e in range(arch.num_experts)]
+                 for k in ("gate", "up", "down")}
+        scheme = layout.schemes.get(names["gate"][0])
+        engine_rule = ENGINE_RULES.get((engine, layout.format, scheme[0])) if scheme else None
+        if engine_rule is None or not scheme[1]:
+            continue
+        rule = FORMAT_RULES[(layout.format, scheme[0])].role("input_scale")
+
+        def largest(modules, rule=rule):  # the stored value that stands for the largest amax
+            return max((out[m] for m in modules), key=lambda v: rule.amax(v.float().item()))
+
+        for group in (names["gate"] + names["up"], names["down"]):
+            if engine_rule.input_collapse == "layer":
+                chosen = largest(group)
+                out.update({m: chosen for m in group})
+        if engine_rule.input_collapse == "expert":
+            for g, u in zip(names["gate"], names["up"], strict=True):
+                out[g] = out[u] = largest([g, u])
+    return out
+
+
+def _in_memory(family, name: str) -> str:
+    """The in-memory module path (transformers') of a file name (Mixtral's ``block_sparse_moe`` is ``mlp`` there)."""
+    return name.replace(f".{family.expert_prefix.split('.')[0]}.", ".mlp.")
+
+
+def engine_order_model(path: str | os.PathLike, engine: str | None = None) -> nn.Module:
+    """The ``transformers`` model of the checkpoint at ``path`` run in engine order (see the module docstring), in
+    fp32, in eval mode.
+
+    Args:
+        path: a compressed-tensors or Model Optimizer checkpoint of a known family (FP8 or NVFP4 linears).
+        engine: None: every linear quantizes its input with its own stored scale; ``vllm`` / ``sglang`` /
+            ``trtllm``: with the scale that engine uses after collapsing the experts' input scales.
+
+    Raises:
+        ExportError: a checkpoint the checker's rules do not cover, or whose tensors do not fit the model.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    layout = checkpoint_layout(path)
+    if layout is None:
+        raise ExportError(f"{path}: not a quantized checkpoint the checker knows (run check_checkpoint for why)")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    config = AutoConfig.for_model(**cfg)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tensors = _tensors(path)
+    scales = _input_scales(layout, tensors, engine)
+    weights = {}
+    for module in layout.shapes:
+        scheme = layout.schemes.get(module)
+        if scheme is None:
+            weights[module] = tensors[module + ".weight"].float()
+        else:
+            weights[module] = _DECODE[(layout.format, scheme[0])][0](tensors, module)
+    fam, arch = layout.family, layout.arch
+    state = {}
+    experts = set()
+    for layer in range(arch.num_layers):
+        for e in range(arch.num_experts):
+            experts.update(fam.hf_module(f"layers.{layer}.experts.{e}.{k}") for k in ("gate", "up", "down"))
+    for name, t in tensors.items():
+        module = name.rsplit(".", 1)[0]
+        if module in experts or (module in layout.schemes):
+            continue
+        if name.endswith(".weight") and t.is_floating_point():
+            state[_in_memory(fam, name)] = t.float()
+    state.update({_in_memory(fam, m) + ".weight": w for m, w in weights.items() if m not in experts})
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if ".experts." not in k]
+    if missing or unexpected:
+        raise ExportError(f"{path}: the files do not fit {config.architectures}: missing {missing[:4]}, unexpected "
+                          f"{unexpected[:4]}")
+    names = tuple(fam.expert_modules[k] for k in ("gate", "up", "down"))
+    for layer, block in enumerate(model.model.layers):
+        per_expert = [tuple(weights[fam.hf_module(f"layers.{layer}.experts.{e}.{k}")] for k in ("gate", "up", "down"))
+                      for e in range(arch.num_experts)]
+        block.mlp.experts = _PerExpertLinears(per_expert, names, block.mlp.experts.act_fn)
+    for module, scale in scales.items():
+        quant = _DECODE[(layout.format, layout.schemes[module][0])][1]
+        linear = model.get_submodule(_in_memory(fam, module))
+        linear.register_forward_pre_hook(lambda mod, args, s=scale, q=quant: (q(args[0], s),))
+    return model
+
+
+def engine_order_kl(path: str | os.PathLike, reference, engine: str | None = None) -> list[float]:
+    """Per batch of ``reference`` (``[(tokens [B, S], logits [B, S, V]), ...]``), the mean over tokens of
+    KL(softmax(reference logits) || softmax(engine-order logits)) of the checkpoint at ``path``."""
+    model = engine_order_model(path, engine)
+    out = []
+    with torch.no_grad():
+        for tokens, logits in reference:
+            mine = model(tokens).logits.double().log_softmax(-1)  # in float64: no negative KL from rounding
+            ref = logits.double().log_softmax(-1)
+            out.append((ref.exp() * (ref - mine)).sum(-1).mean().item())
+    return out
