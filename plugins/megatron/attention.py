@@ -5,20 +5,23 @@ Megatron's ``Attention.forward`` applies RoPE to the query and key, then calls `
 value, ...)``: the core attention's inputs are the K and V that serving engines write to their KV cache (vLLM and
 TensorRT-LLM quantize the cache right after RoPE). :class:`QuantCoreAttentionMixin` fake-quantizes them there, for
 any core attention with that call (Megatron's ``DotProductAttention`` here; Transformer Engine's
-``TEDotProductAttention`` in :mod:`.te_experts`), with a straight-through gradient. The amax is one scalar per layer: the KV heads are
-split over TP, so calibration max-reduces it over TP (and DP), and checkpoints carry it replicated under the layer
-axis (:func:`.sharded_state_dict.per_layer_quantizers_sharded_state_dict`).
+``TEDotProductAttention`` in :mod:`.te_experts`), with a straight-through gradient. The amax is one scalar per
+layer: the KV heads are split over TP, so calibration max-reduces it over TP (and DP), and checkpoints carry it
+replicated under the layer axis (:func:`.sharded_state_dict.per_layer_quantizers_sharded_state_dict`).
+:func:`kv_cache_quants` hands them to the Hugging Face export (:mod:`modelopt_moe.export.kv_cache`).
 """
 
 from __future__ import annotations
 
+from modelopt_moe.export.errors import ExportError
+from modelopt_moe.export.kv_cache import KvCacheQuant
 from modelopt_moe.quantization.config import ConfigError
 from modelopt_moe.quantization.conversion import QuantModuleMixin
 from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
 
 from .sharded_state_dict import per_layer_quantizers_sharded_state_dict
 
-__all__ = ["BMM_QUANTIZERS", "QuantCoreAttentionMixin"]
+__all__ = ["BMM_QUANTIZERS", "QuantCoreAttentionMixin", "kv_cache_quants"]
 
 BMM_QUANTIZERS = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer")
 
@@ -70,3 +73,25 @@ class QuantCoreAttentionMixin(QuantModuleMixin):
         sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         sd.update(per_layer_quantizers_sharded_state_dict(self, BMM_QUANTIZERS, prefix, sharded_offsets, metadata))
         return sd
+
+
+def kv_cache_quants(model) -> list[KvCacheQuant]:
+    """Each decoder layer's KV-cache quantizers, for the Hugging Face export (local state only: no collective; the
+    amaxes are the same on every rank).
+
+    Raises:
+        ExportError: a quantizing ``q_bmm_quantizer`` (no engine reads a quantized query from a checkpoint).
+    """
+    out = []
+    for i, layer in enumerate(model.decoder.layers):
+        core = layer.self_attention.core_attention
+        if not isinstance(core, QuantCoreAttentionMixin):
+            out.append(KvCacheQuant())
+            continue
+        if core.q_bmm_quantizer.is_quantizing:
+            raise ExportError(f"decoder.layers.{i}.self_attention.core_attention.q_bmm_quantizer is enabled: "
+                              "checkpoints carry a quantized KV cache (k_bmm_quantizer / v_bmm_quantizer) only")
+        k, v = core.k_bmm_quantizer, core.v_bmm_quantizer
+        out.append(KvCacheQuant(k.fmt if k.is_quantizing else None, v.fmt if v.is_quantizing else None, k.amax,
+                                v.amax))
+    return out
