@@ -117,8 +117,39 @@ def _tp2_worker(rank, world_size, root):
             res["amax_after_step"] = _kv_amax(model)
             save_sharded_checkpoint([trainer.model], root / "ckpt")
         out[preset] = res
+    out["export"] = _export(root, calib)
     mm.destroy_model_parallel()
     return out
+
+
+def _export(root, calib):
+    """A Qwen3-MoE (2 KV heads: one per TP rank) with FP8 layers and an FP8 KV cache, exported in both formats at
+    TP=2; the refusals of what no checkpoint expresses."""
+    import megatron_harness.models as mm
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.export import ExportError, build_megatron_model, export_hf, import_hf
+
+    def calibrated(kv_preset):
+        m = build_megatron_model(root / "hf", perform_initialization=False, params_dtype=torch.float32)
+        import_hf(m, root / "hf")
+        m.eval()
+        small = [{k: v % 128 if k in ("tokens", "labels") else v for k, v in b.items()} for b in calib]
+        mtq.quantize(m, _config(mtq, kv_preset), lambda model: [mm.gather_logits(model, b) for b in small])
+        return m
+
+    m = calibrated("FP8_KV_CFG")
+    res = {"amax": _kv_amax(m), "errors": {}}
+    for fmt in ("compressed-tensors", "modelopt"):
+        export_hf(m, root / f"kv_{fmt}", format=fmt, progress=False)
+    mtq.enable_quantizer(m, "*q_bmm_quantizer")
+    for key, model, fmt in (("query", m, "modelopt"), ("nvfp4_ct", calibrated("NVFP4_KV_CFG"), "compressed-tensors")):
+        try:
+            export_hf(model, root / f"refused_{key}", format=fmt, progress=False)
+            res["errors"][key] = None
+        except ExportError as e:
+            res["errors"][key] = (str(e), (root / f"refused_{key}").exists())
+    return res
 
 
 def _tp1_worker(rank, world_size, root):
@@ -134,17 +165,28 @@ def _tp1_worker(rank, world_size, root):
     return out
 
 
+def _make_hf(path):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, num_experts=4, moe_intermediate_size=32,
+                         num_experts_per_tok=2, max_position_embeddings=64, norm_topk_prob=False)
+    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("kv")
+    _make_hf(root / "hf")
     tp2 = spawn(_tp2_worker, 2, args=(root,), timeout=seconds(600))
     tp1 = spawn(_tp1_worker, 1, args=(root,), timeout=seconds(600))
-    return tp2, tp1[0]
+    return tp2, tp1[0], root
 
 
 @pytest.mark.parametrize("preset", ["FP8_KV_CFG", "NVFP4_KV_CFG"])
 def test_kv_preset_merged_with_a_model_preset_quantizes_k_and_v_with_one_amax_per_layer_over_tp(runs, preset):
-    tp2, _ = runs
+    tp2 = runs[0]
     for rank in tp2:
         assert rank[preset]["enabled"] == {"q_bmm_quantizer": False, "k_bmm_quantizer": True, "v_bmm_quantizer": True}
     amax0, amax1 = tp2[0][preset]["amax"], tp2[1][preset]["amax"]
@@ -156,7 +198,7 @@ def test_kv_preset_merged_with_a_model_preset_quantizes_k_and_v_with_one_amax_pe
 
 
 def test_k_is_quantized_after_rope_and_attention_runs_on_the_reference_fake_quant(runs):
-    tp2, _ = runs
+    tp2 = runs[0]
     for rank in tp2:
         res = rank["FP8_KV_CFG"]
         for i, p in res["placement"].items():
@@ -168,7 +210,7 @@ def test_k_is_quantized_after_rope_and_attention_runs_on_the_reference_fake_quan
 
 
 def test_trains_through_megatrons_schedule_and_reshards_tp2_to_tp1_bit_exact(runs):
-    tp2, tp1 = runs
+    tp2, tp1, _ = runs
     res = tp2[0]["FP8_KV_CFG"]
     assert res["qkv_moved"]
     assert res["loss"] == res["loss"]  # finite
@@ -176,3 +218,66 @@ def test_trains_through_megatrons_schedule_and_reshards_tp2_to_tp1_bit_exact(run
     for k, v in res["amax_after_step"].items():
         assert torch.equal(v, tp1[k]), f"{k}: {v} saved at TP2, {tp1[k]} loaded at TP1"
     assert all(torch.equal(res["amax"][k], v) for k, v in res["amax_after_step"].items())  # static KV amaxes
+
+
+def _tensors(path):
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+def test_export_writes_the_kv_cache_config_and_per_layer_scales_the_engines_read(runs, fmt):
+    import json
+
+    tp2, _, root = runs
+    amax = tp2[0]["export"]["amax"]
+    path = root / f"kv_{fmt}"
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    t = _tensors(path)
+    if fmt == "compressed-tensors":
+        assert qc["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                         "symmetric": True}
+        names, shape = ("model.layers.{}.self_attn.k_scale", "model.layers.{}.self_attn.v_scale"), (1,)
+    else:
+        assert qc["kv_cache_quant_algo"] == "FP8"
+        hf_quant = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
+        assert hf_quant["kv_cache_quant_algo"] == "FP8"
+        names, shape = ("model.layers.{}.self_attn.k_proj.k_scale", "model.layers.{}.self_attn.v_proj.v_scale"), ()
+    assert sorted(k for k in t if k.endswith(("k_scale", "v_scale"))) == sorted(
+        n.format(L) for L in range(2) for n in names)
+    for L in range(2):
+        for name, kind in zip(names, ("k_bmm_quantizer", "v_bmm_quantizer"), strict=True):
+            a, scale = amax[f"{L}.{kind}"].float(), t[name.format(L)]
+            assert scale.dtype == torch.float32
+            assert tuple(scale.shape) == shape
+            # the reciprocal of training's divisor 448 / amax: amax / 448 up to one rounding
+            assert torch.equal(scale.reshape(()), 1 / (torch.tensor(448.0) / a))
+            torch.testing.assert_close(scale.reshape(()), a / 448, rtol=2**-23, atol=0)
+
+
+def test_transformers_with_compressed_tensors_loads_the_fp8_kv_cache_export(runs):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    _, _, root = runs
+    model = AutoModelForCausalLM.from_pretrained(root / "kv_compressed-tensors", dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    with torch.no_grad():
+        logits = model(torch.arange(16).reshape(1, 16)).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_export_refuses_a_quantized_query_and_an_nvfp4_kv_cache_in_compressed_tensors(runs):
+    errors = runs[0][0]["export"]["errors"]
+    msg, written = errors["query"]
+    assert "q_bmm_quantizer" in msg
+    assert not written
+    msg, written = errors["nvfp4_ct"]
+    assert "KV cache in NVFP4" in msg
+    assert "FP8 E4M3" in msg
+    assert not written
