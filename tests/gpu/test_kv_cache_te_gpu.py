@@ -24,19 +24,15 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 
-@pytest.fixture(scope="module")
-def _megatron(megatron_one_gpu):
-    yield
-
-
 def _config(mtq):
     cfg = dict(mtq.FP8_DEFAULT_CFG)
     cfg["quant_cfg"] = cfg["quant_cfg"] + mtq.FP8_KV_CFG["quant_cfg"]
     return cfg
 
 
+@pytest.mark.usefixtures("megatron_one_gpu")
 @pytest.mark.timeout(600)
-def test_te_core_attention_quantizes_k_and_v_like_the_local_one(_megatron, tmp_path):
+def test_te_core_attention_quantizes_k_and_v_like_the_local_one(tmp_path):
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
     from safetensors.torch import load_file
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
