@@ -118,6 +118,16 @@ def _tp2_worker(rank, world_size, root):
             save_sharded_checkpoint([trainer.model], root / "ckpt")
         out[preset] = res
     out["export"] = _export(root, calib)
+    per_channel = _config(mtq, "FP8_KV_CFG")
+    per_channel["quant_cfg"] = per_channel["quant_cfg"] + [
+        {"quantizer_name": "*k_bmm_quantizer", "cfg": {"num_bits": (4, 3), "axis": -1}}]
+    model = mm.build_moe_gpt(seed=SEED)
+    model.eval()
+    try:
+        mtq.quantize(model, per_channel, lambda m: [mm.lm_loss(m, b) for b in calib])
+        out["per_channel"] = None
+    except mtq.ConfigError as e:
+        out["per_channel"] = str(e)
     mm.destroy_model_parallel()
     return out
 
@@ -289,3 +299,10 @@ def test_export_refuses_a_quantized_query_and_an_nvfp4_kv_cache_in_compressed_te
     assert "KV cache in NVFP4" in msg
     assert "FP8 E4M3" in msg
     assert not written
+
+
+def test_a_per_channel_kv_amax_is_refused_naming_the_quantizer(runs):
+    msg = runs[0][0]["per_channel"]
+    assert "k_bmm_quantizer" in msg
+    assert "axis=-1" in msg
+    assert "one amax per layer" in msg
