@@ -88,16 +88,17 @@ def kv_cache_plan(layers: list[KvCacheQuant], file_format: str) -> KvCachePlan |
     """
     if not any(q.k_fmt or q.v_fmt for q in layers):
         return None
-    fmts = {q.k_fmt for q in layers} | {q.v_fmt for q in layers}
+    first = next(q.k_fmt or q.v_fmt for q in layers if q.k_fmt or q.v_fmt)
     for i, q in enumerate(layers):
-        if q.k_fmt is None or q.v_fmt is None or len(fmts) > 1:
+        if q.k_fmt != first or q.v_fmt != first:
             raise ExportError(f"layer {i}: KV cache quantized as K={q.k_fmt}, V={q.v_fmt}; a checkpoint's KV cache "
-                              f"has one format for K and V in every layer (found {sorted(map(str, fmts))})")
-    fmt = get_format(layers[0].k_fmt)
+                              f"has one format for K and V in every layer (other layers: {first})")
+    fmt = get_format(first)
     if fmt not in _KV_FORMATS or (file_format == "compressed-tensors" and _KV_FORMATS[fmt][0] is None):
         readable = [f.label for f, (ct, _) in _KV_FORMATS.items() if file_format != "compressed-tensors" or ct]
-        raise ExportError(f"layer 0: KV cache in {fmt.label}: {file_format} checkpoints express a KV cache in "
-                          f"{readable} (Model Optimizer's format also NVFP4)")
+        others = "" if file_format != "compressed-tensors" else "; format='modelopt' also takes NVFP4"
+        raise ExportError(f"KV cache in {fmt.label}: {file_format} checkpoints express a KV cache in {readable}"
+                          f"{others}")
     amax = []
     for i, q in enumerate(layers):
         for kind, a in (("k", q.k_amax), ("v", q.v_amax)):

@@ -298,6 +298,7 @@ def test_export_refuses_a_quantized_query_and_an_nvfp4_kv_cache_in_compressed_te
     msg, written = errors["nvfp4_ct"]
     assert "KV cache in NVFP4" in msg
     assert "FP8 E4M3" in msg
+    assert "format='modelopt' also takes NVFP4" in msg
     assert not written
 
 
