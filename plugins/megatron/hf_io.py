@@ -36,6 +36,7 @@ from modelopt_moe.export.schemes import LinearQuant, QuantSpec
 from modelopt_moe.quantization.conversion import unwrap_model
 from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
 
+from .attention import kv_cache_quants
 from .hf_model import build_megatron_model, megatron_arch
 
 __all__ = ["MegatronExportAdapter", "export_megatron", "import_megatron"]
@@ -357,7 +358,7 @@ def export_megatron(model, out_dir: str | os.PathLike, *, format: str = "compres
     return write_hf_checkpoint(
         out_dir, arch=arch, family=get_family(arch.family), fmt=format, linear_quants=_linear_quants(m, arch),
         groups=_groups(m, arch, lay), num_groups=arch.num_layers + 2, dtype=dtype, template=template,
-        progress=progress, base_model=base_model)
+        progress=progress, base_model=base_model, kv_cache=kv_cache_quants(m))
 
 
 _IGNORED_FIELDS = ("dtype", "router_aux_loss_coef", "family")
