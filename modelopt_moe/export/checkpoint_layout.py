@@ -109,9 +109,12 @@ def _matches(name: str, patterns) -> bool:
 
 def _ct_scheme(group: dict, where: str, findings: list) -> tuple[str, bool] | None:
     w, x = group.get("weights") or {}, group.get("input_activations")
-    if w.get("type") != "float" or w.get("num_bits") not in (4, 8):
+    # the rules know NVFP4 (4-bit tensor_group) and FP8 per tensor / channel; blocks, MX groups and ints: not yet
+    known = {4: ("tensor_group",), 8: ("tensor", "channel")}
+    if w.get("type") != "float" or w.get("strategy", "tensor") not in known.get(w.get("num_bits"), ()):
         findings.append(Finding("warning", "config", where, f"weights {w.get('type')} {w.get('num_bits')} "
-                                       "bits: no rules for it yet, its linears are not checked"))
+                                       f"bits, strategy {w.get('strategy')}: no rules for it yet, its linears are "
+                                       "not checked"))
         return None
     inputs = bool(x) and x.get("dynamic", False) is not True  # NVFP4's "local": dynamic blocks, a static global
     return rule_key(w["num_bits"], w.get("strategy") == "channel"), inputs

@@ -152,8 +152,13 @@ def _input_scales(layout, tensors: dict, engine: str | None) -> dict[str, torch.
 
 def _in_memory(family, name: str) -> str:
     """The in-memory module path (transformers') of a file name (Mixtral's ``block_sparse_moe`` is ``mlp`` there)."""
-    block = family.layer_tensors["experts.{E}.gate"].split(".")[0]  # the MoE block's name in the files
+    block = family.hf_module("layers.0.experts.0.gate").split(".layers.0.", 1)[1].split(".")[0]
     return name.replace(f".{block}.", ".mlp.")
+
+
+def _expert_linear_names(family) -> tuple[str, str, str]:
+    """The expert's gate, up and down linears' own names in the files (``gate_proj`` / Mixtral's ``w1``, ...)."""
+    return tuple(family.hf_module(f"layers.0.experts.0.{k}").rsplit(".", 1)[1] for k in ("gate", "up", "down"))
 
 
 def engine_order_model(path: str | os.PathLike, engine: str | None = None) -> nn.Module:
@@ -206,8 +211,7 @@ def engine_order_model(path: str | os.PathLike, engine: str | None = None) -> nn
     if missing or unexpected:
         raise ExportError(f"{path}: the files do not fit {config.architectures}: missing {missing[:4]}, unexpected "
                           f"{unexpected[:4]}")
-    # gate / up / down: each expert's module names in the files (``experts.{E}.gate`` -> ``...gate_proj.weight``)
-    names = tuple(fam.layer_tensors[f"experts.{{E}}.{k}"].split(".")[-2] for k in ("gate", "up", "down"))
+    names = _expert_linear_names(fam)
     for layer, block in enumerate(model.model.layers):
         per_expert = [tuple(weights[fam.hf_module(f"layers.{layer}.experts.{e}.{k}")] for k in ("gate", "up", "down"))
                       for e in range(arch.num_experts)]

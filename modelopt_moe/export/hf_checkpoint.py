@@ -26,6 +26,7 @@ from ..quantization.utils import warn_once
 from . import transformers_compat
 from .errors import ExportError
 from .families import Family, MoEArch, canonical_names, read_hf_config
+from .kv_cache import KvCachePlan, KvCacheQuant, kv_cache_plan
 from .layer_schemes import layers_hf_quant_config, layers_quantization_config, resolve_schemes
 from .model_card import CARD_FILE, model_card
 from .safetensors_files import check_tensors, read_weight_map
@@ -72,7 +73,8 @@ def _is_writer() -> bool:
 def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Family, fmt: str,
                         linear_quants: dict[str, LinearQuant], groups: Iterable[tuple[str, list]], num_groups: int,
                         dtype: torch.dtype | None = None, template: dict | None = None,
-                        progress: bool = True, base_model: str | None = None) -> Path:
+                        progress: bool = True, base_model: str | None = None,
+                        kv_cache: list[KvCacheQuant] | None = None) -> Path:
     """Writes a Hugging Face checkpoint of ``arch`` in format ``fmt``, all or nothing, with its model card
     (``README.md``: the format, the quantization per layer, the readers known to be exact and any fix they need;
     :mod:`.model_card`).
@@ -92,6 +94,8 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
         template: a Hugging Face config whose other keys (token ids, generation settings) are kept.
         progress: show a progress bar (writer rank only).
         base_model: the Hugging Face id of the model it was trained from, for the model card (when known).
+        kv_cache: each layer's KV-cache quantizers (:mod:`.kv_cache`; its ``k_scale`` / ``v_scale`` are written
+            by the writer rank, the same on every rank).
 
     Returns:
         The output directory.
@@ -107,6 +111,7 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
     error = None
     try:
         arch, dtype, config, schemes, ignore = _plan(arch, family, fmt, linear_quants, dtype, template)
+        kv = _plan_kv_cache(kv_cache, fmt, arch, family, schemes, config)
         card = model_card(architecture=family.architecture, fmt=fmt,
                           linears={family.hf_module(c): q for c, q in linear_quants.items()},
                           other_modules=[family.hf_module(c) for c in canonical_names(arch) if c not in linear_quants],
@@ -144,7 +149,7 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
             bar.close()
         error = None
         if writer is not None:
-            error = _commit(writer, config, schemes, ignore, fmt, sorted(expected - seen), family, card)
+            error = _commit(writer, config, schemes, ignore, fmt, sorted(expected - seen), family, card, kv)
         _raise_agreed(error)
     except BaseException:
         if writer is not None:
@@ -152,6 +157,13 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
         raise
     if fmt == "compressed-tensors" and _has_nvfp4_experts(schemes):
         warn_once(NVFP4_EXPERTS_WARNING)
+    coarse = [n for n, q in ((family.hf_module(c), q) for c, q in linear_quants.items())
+              if schemes.get(n) is not None and schemes[n].dynamic_input and q.input is not None
+              and q.input.dynamic and not q.input.per_token and q.input.block_size is None]
+    if coarse:
+        warn_once(f"export_hf: {len(coarse)} linears (e.g. {coarse[0]}) trained their inputs with one dynamic amax per "
+                  f"tensor and are written as {schemes[coarse[0]].name}, whose engines quantize inputs per token (a "
+                  "finer scale: the weights are exactly the trained ones, the input rounding is not)")
     return Path(out_dir)
 
 
@@ -188,13 +200,45 @@ def _quantized(schemes: dict) -> dict:
     return {name: s for name, s in schemes.items() if s is not None}
 
 
+def _plan_kv_cache(kv_cache: list[KvCacheQuant] | None, fmt: str, arch: MoEArch, family: Family, schemes: dict,
+                   config: dict) -> KvCachePlan | None:
+    """The KV cache's plan, its entries added to ``config``'s ``quantization_config`` (single-scheme and per-layer
+    configs alike; ``hf``: none, with a warning where the model quantizes its KV cache)."""
+    if fmt == "hf":
+        if any(q.k_fmt or q.v_fmt for q in kv_cache or []):
+            warn_once("export_hf(format='hf') writes no quantization: the KV cache's k_scale / v_scale are left out")
+        return None
+    kv = kv_cache_plan(kv_cache or [], fmt)
+    if kv is not None:
+        if not _quantized(schemes):
+            raise ExportError(f"format={fmt!r}: the model quantizes its KV cache but none of its linears; a KV cache "
+                              "is exported beside quantized linears")
+        names = set(canonical_names(arch))
+        if not {"layers.0.k_proj", "layers.0.v_proj"} <= names:
+            raise ExportError(f"format={fmt!r}: the model quantizes its KV cache, but {family.architecture} has no "
+                              "k_proj / v_proj to carry k_scale / v_scale (multi-latent attention caches a latent): "
+                              "KV-cache export takes grouped-query attention; disable the *[kv]_bmm_quantizer rules")
+        config["quantization_config"].update(kv.config_entries(fmt))
+    return kv
+
+
 def _commit(writer: CheckpointWriter, config: dict, schemes: dict, ignore: list[str], fmt: str, missing: list[str],
-            family: Family, card: str) -> str | None:
+            family: Family, card: str, kv: KvCachePlan | None = None) -> str | None:
     """Writer rank: the final files and the rename; returns an error to agree on (or None)."""
     if missing:
         return f"the adapter gave no tensor for {len(missing)} names of {family.architecture}, e.g. {missing[:3]}"
     extra = {"hf_quant_config.json": layers_hf_quant_config(_quantized(schemes), ignore)} if fmt == "modelopt" \
         else None
+    if kv is not None:
+        if extra is not None:
+            extra["hf_quant_config.json"]["quantization"].update(kv.config_entries(fmt))
+        try:
+            for L in range(len(kv.amax)):
+                for name, tensor in kv.tensors(L, family.hf_module(f"layers.{L}.k_proj"),
+                                               family.hf_module(f"layers.{L}.v_proj"), fmt).items():
+                    writer.add(name, tensor)
+        except ExportError as e:
+            return f"KV cache scales: {e}"
     try:
         writer.commit(config, extra, {CARD_FILE: card})
     except OSError as e:

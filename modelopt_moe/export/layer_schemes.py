@@ -33,7 +33,7 @@ import re
 from collections.abc import Mapping
 
 from .errors import ExportError
-from .schemes import FORMATS, LinearQuant, Scheme, hf_quant_config, quantization_config, scheme_of
+from .schemes import FORMATS, SCHEMES, LinearQuant, Scheme, hf_quant_config, quantization_config, scheme_of
 
 __all__ = ["MIXED_ALGO", "CT_MIXED_FORMAT", "resolve_schemes", "layers_quantization_config",
            "layers_hf_quant_config", "ct_targets"]
@@ -71,10 +71,11 @@ def resolve_schemes(linears: Mapping[str, LinearQuant], fmt: str) -> dict[str, S
     if fmt == "modelopt":
         for name in quantized:
             if schemes[name].modelopt_algo is None:
+                algos = sorted({s.modelopt_algo for s in SCHEMES.values() if s.modelopt_algo is not None})
                 raise ExportError(f"format='modelopt': scheme {schemes[name].name} ({name}: {linears[name]}) has no "
-                                  "Model Optimizer quant_algo; export it with format='compressed-tensors', or give "
-                                  "that linear a scheme Model Optimizer names (FP8 with per-tensor inputs, NVFP4, "
-                                  "W4A16_NVFP4)")
+                                  f"Model Optimizer quant_algo that an engine reads (those are {', '.join(algos)}); "
+                                  "export it with format='compressed-tensors', or give that linear a scheme Model "
+                                  "Optimizer names")
     return schemes
 
 

@@ -72,13 +72,17 @@ def model_card(*, architecture: str, fmt: str, linears: dict[str, LinearQuant], 
 
 
 def _fp8(scheme: Scheme) -> bool:
-    """FP8 (E4M3) weights; the export's other schemes are NVFP4 (:data:`~.schemes.SCHEMES`)."""
+    """FP8 (E4M3) weights per tensor or channel with static input scales (the card's own text)."""
     return scheme.name.startswith("FP8")
+
+
+def _nvfp4(scheme: Scheme) -> bool:
+    return scheme.name.startswith("NVFP4")
 
 
 def _nvfp4_experts(fmt: str, schemes: dict[str, Scheme | None]) -> bool:
     """compressed-tensors NVFP4 MoE experts: the ones transformers reads wrong without the fix."""
-    return fmt == "compressed-tensors" and any(".experts." in m and s is not None and not _fp8(s)
+    return fmt == "compressed-tensors" and any(".experts." in m and s is not None and _nvfp4(s)
                                                for m, s in schemes.items())
 
 
@@ -209,6 +213,9 @@ def _scheme_table(fmt: str, schemes: dict[str, Scheme | None], dtype: str) -> li
 
 
 def _weights(fmt: str, scheme: Scheme) -> str:
+    described = scheme.codec.describe(scheme, fmt)
+    if described is not None:
+        return described[0]
     if _fp8(scheme):
         return f"FP8 E4M3, fp32 scale per {'output channel' if scheme.per_channel else 'tensor'}"
     return "NVFP4: E2M1, E4M3 scale per block of 16 inputs, fp32 global scale"
@@ -217,6 +224,9 @@ def _weights(fmt: str, scheme: Scheme) -> str:
 def _inputs(fmt: str, scheme: Scheme, dtype: str) -> str:
     if not scheme.input_quantized:
         return f"{dtype}, not quantized (weight-only)"
+    described = scheme.codec.describe(scheme, fmt)
+    if described is not None:
+        return described[1]
     if _fp8(scheme):
         return "FP8 E4M3, static fp32 scale per tensor"
     return "NVFP4: E4M3 scale per block of 16 computed at run time, static fp32 global scale"
@@ -225,6 +235,10 @@ def _inputs(fmt: str, scheme: Scheme, dtype: str) -> str:
 def _tensors_sentence(fmt: str, scheme: Scheme) -> list[str]:
     """The stored tensors of a quantized linear ``<m>`` and what their values are (amax: the value training used,
     each expert its own)."""
+    described = scheme.codec.describe(scheme, fmt)
+    if described is not None:
+        return [f"Tensors of each quantized linear: {', '.join(described[2])} (the codes training rounded to). "
+                "Scales that come from the data: no input scale is stored."]
     if _fp8(scheme):
         shape = "`[out, 1]`" if scheme.per_channel else ("`[1]`" if fmt == "compressed-tensors" else "`[]`")
         names = ["`weight` float8_e4m3fn", f"`weight_scale` fp32 {shape} = amax / 448"]
@@ -252,6 +266,18 @@ def _tensors_sentence(fmt: str, scheme: Scheme) -> list[str]:
 def _readers(fmt: str, scheme: Scheme | None, nvfp4_experts: bool) -> list[str]:
     if scheme is None:
         return ["- Any reader of this architecture (`transformers`, vLLM, SGLang): nothing is quantized."]
+    if scheme.codec.describe(scheme, fmt) is not None:
+        if fmt == "compressed-tensors":
+            return ["- transformers 5.23 + compressed-tensors 0.20, `CompressedTensorsConfig(dequantize=True)`, and "
+                    "compressed-tensors' own decompressors: the codes training rounded to, decoded within 1 fp32 ulp "
+                    "of the trained fake quantization (bit-exact where the scales are powers of two). transformers "
+                    "runs the weights dequantized.",
+                    "- vLLM and SGLang (compressed-tensors scheme): the layout their loaders read (checked against "
+                    "their source, not run)."]
+        return [f"- vLLM (`quant_method: modelopt`, `quant_algo: {scheme.modelopt_algo}`): the layout its loader "
+                "reads (checked against its source, not run).",
+                "- transformers has no `modelopt` quant_method; the same tensors under compressed-tensors' config "
+                "load there (export with `format='compressed-tensors'`)."]
     if fmt == "compressed-tensors":
         if _fp8(scheme):
             tf = ("exact: every weight is `weight * weight_scale`, within 1 fp32 ulp of the trained fake "

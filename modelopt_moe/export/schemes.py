@@ -18,10 +18,17 @@ scheme             quantizers               compressed-tensors  Model Optimizer
 ``FP8_CHANNEL_A16``  e4m3 axis 0 / none     float-quantized     --
 ``NVFP4``          nvfp4 / nvfp4            nvfp4-pack-quantized  ``NVFP4``
 ``NVFP4_A16``      nvfp4 / none             nvfp4-pack-quantized  ``W4A16_NVFP4``
+``FP8_DYNAMIC``    e4m3 axis 0 / per token  float-quantized     ``FP8_PER_CHANNEL_PER_TOKEN``
+``FP8_BLOCK``      e4m3 128x128 / 1x128     float-quantized     ``FP8_PB_WO``
+``FP8_BLOCK_A16``  e4m3 128x128 / none      float-quantized     ``FP8_PB_WO``
+``W4A16_G<g>``     int4 groups 32/64/128    pack-quantized      --
+``MXFP4(_A16)``    mxfp4 / mxfp4 or none    mxfp4-pack-quantized  --
+``MXFP8(_A16)``    mxfp8 / mxfp8 or none    mxfp8-quantized     ``MXFP8`` (with inputs)
 =================  =======================  ==================  ===================
 
-Model Optimizer's ``FP8_PER_CHANNEL_PER_TOKEN`` quantizes activations per token at run time, which is not what a
-static per-tensor input amax trained, so per-channel FP8 goes to compressed-tensors only.
+Each format's codec (its home in :mod:`modelopt_moe.numerics`) lists its schemes and writes their tensors. Model
+Optimizer's ``FP8_PER_CHANNEL_PER_TOKEN`` quantizes activations per token at run time, which is not what a static
+per-tensor input amax trained, so per-channel FP8 with static inputs goes to compressed-tensors only.
 
 Tensors per linear (``<m>`` the Hugging Face module name; scales fp32):
 
@@ -71,10 +78,13 @@ class QuantSpec:
 
     fmt: str
     axis: int | None = None
-    block_size: int | None = None
+    block_size: int | tuple[int, int] | None = None
+    per_token: bool = False  # one amax per token, from the data (Model Optimizer's block_sizes {-1: None})
+    dynamic: bool = False  # the amax of each tensor (type: dynamic), never calibrated
 
     def __str__(self) -> str:
         extra = "" if self.axis is None else f" axis={self.axis}"
+        extra += " per token" if self.per_token else " dynamic" if self.dynamic else ""
         return self.fmt + extra + ("" if self.block_size is None else f" block={self.block_size}")
 
 
@@ -97,12 +107,16 @@ class LinearQuant:
 
 @dataclass(frozen=True)
 class Scheme:
-    """A checkpoint scheme: the weight format (``e4m3`` / ``nvfp4``), per-channel weights, quantized inputs."""
+    """A checkpoint scheme: the weight format (``e4m3`` / ``nvfp4`` / ...), per-channel weights, quantized inputs,
+    the weight's block (``(128, 128)``, ``32``: scales from the data) and whether the inputs' scales come from the
+    data at run time (``dynamic_input``: per token or per block; no input scale is stored)."""
 
     name: str
     weight_fmt: str
     per_channel: bool
     input_quantized: bool
+    weight_block: int | tuple[int, int] | None = None
+    dynamic_input: bool = False
 
     @property
     def codec(self) -> ExportCodec:
@@ -112,7 +126,7 @@ class Scheme:
     @property
     def modelopt_algo(self) -> str | None:
         """Model Optimizer's ``quant_algo`` for this scheme (``hf_quant_config.json``), or None where it has none."""
-        return self.codec.modelopt_algo(self.per_channel, self.input_quantized)
+        return self.codec.modelopt_algo(self)
 
     @property
     def ct_format(self) -> str:
@@ -121,11 +135,8 @@ class Scheme:
 
 
 def _schemes(fmt) -> list[Scheme]:
-    """The schemes of one exportable format: per tensor (and per channel where its codec takes it), with quantized
-    inputs or weight-only (``_A16``)."""
-    layouts = [(False, "")] + ([(True, "_CHANNEL")] if fmt.export.per_channel else [])
-    return [Scheme(fmt.export.scheme + suffix + ("" if inputs else "_A16"), fmt.name, per_channel, inputs)
-            for per_channel, suffix in layouts for inputs in (True, False)]
+    """The schemes of one exportable format, as its codec lists them."""
+    return [Scheme(weight_fmt=fmt.name, **fields) for fields in fmt.export.schemes()]
 
 
 _EXPORTABLE = [f for f in NUMBER_FORMATS.values() if f.export is not None]
@@ -157,9 +168,7 @@ def scheme_of(q: LinearQuant, where: str) -> Scheme | None:
         problem = codec.input_problem(w, x) if x is not None else None
         if problem is not None:
             raise bad(problem)
-        per_channel = codec.per_channel and w.axis is not None
-        name = codec.scheme + ("_CHANNEL" if per_channel else "")
-        return SCHEMES[name if x is not None else name + "_A16"]
+        return SCHEMES[codec.scheme_name(w, x)]
     accepted = " or ".join(f.export.weight_text for f in _EXPORTABLE)
     raise bad(f"weight format {w} is not {accepted}")
 
@@ -201,8 +210,9 @@ def resolve_scheme(linears: dict[str, LinearQuant], fmt: str) -> Scheme | None:
     scheme = SCHEMES[next(iter(kinds))]
     if fmt == "modelopt" and scheme.modelopt_algo is None:
         first = kinds[scheme.name][0]
+        algos = sorted({s.modelopt_algo for s in SCHEMES.values() if s.modelopt_algo is not None})
         raise ExportError(f"format='modelopt': scheme {scheme.name} ({first}: {linears[first]}) has no Model "
-                          "Optimizer quant_algo (it has FP8 with per-tensor inputs, NVFP4, W4A16_NVFP4); export it "
+                          f"Optimizer quant_algo that an engine reads (those are {', '.join(algos)}); export it "
                           "with format='compressed-tensors'")
     return scheme
 
@@ -215,7 +225,8 @@ def encode_linear(module: str, weight: torch.Tensor, weight_amax: torch.Tensor |
         module: the Hugging Face module name (``model.layers.0.mlp.experts.3.gate_proj``).
         weight: the 2-D weight ``[out, in]``.
         weight_amax: per tensor ``[]``; per channel ``[out]`` or ``[out, 1]``.
-        input_amax: the per-tensor input amax ``[]`` (required when the scheme quantizes inputs).
+        input_amax: the per-tensor input amax ``[]`` (required when the scheme quantizes inputs with a static
+            scale).
         scheme: the checkpoint's scheme.
         fmt: ``compressed-tensors`` or ``modelopt``.
 
@@ -224,19 +235,19 @@ def encode_linear(module: str, weight: torch.Tensor, weight_amax: torch.Tensor |
     """
     if weight.dim() != 2:
         raise ExportError(f"{module}.weight: expected a 2-D weight, got shape {tuple(weight.shape)}")
-    if weight_amax is None:
+    codec = scheme.codec
+    if weight_amax is None and codec.reads_amax(scheme, False):
         raise ExportError(f"{module}: the weight quantizer has no amax (calibrate the model before exporting)")
-    if scheme.input_quantized and input_amax is None:
+    if codec.reads_amax(scheme, True) and input_amax is None:
         raise ExportError(f"{module}: the input quantizer has no amax (calibrate with a forward_loop before "
                           "exporting)")
     # Encode on the CPU, where the writer stores the result anyway: amaxes gathered over ranks arrive there while the
     # weight may be on its GPU, and the codecs' lookup tables live there (the numerics are device-independent).
     weight = weight.detach().cpu()
-    weight_amax = weight_amax.detach().cpu()
-    input_amax = input_amax.detach().cpu() if input_amax is not None else None
+    weight_amax = weight_amax.detach().cpu() if codec.reads_amax(scheme, False) else None
+    input_amax = input_amax.detach().cpu() if codec.reads_amax(scheme, True) else None
     try:
-        tensors = scheme.codec.encode(module, weight, weight_amax, input_amax if scheme.input_quantized else None,
-                                      scheme.per_channel, fmt)
+        tensors = codec.encode(module, weight, weight_amax, input_amax, scheme, fmt)
     except ValueError as e:
         if isinstance(e, ExportError):
             raise
@@ -269,8 +280,8 @@ def quantization_config(scheme: Scheme, fmt: str, ignore: list[str]) -> dict:
     """
     if fmt == "compressed-tensors":
         args = scheme.codec.ct_args
-        group = {"targets": ["Linear"], "weights": args(scheme.per_channel, False),
-                 "input_activations": args(scheme.per_channel, True) if scheme.input_quantized else None,
+        group = {"targets": ["Linear"], "weights": args(scheme, False),
+                 "input_activations": args(scheme, True) if scheme.input_quantized else None,
                  "output_activations": None, "format": scheme.ct_format}
         return {"quant_method": "compressed-tensors", "format": scheme.ct_format, "quantization_status": "compressed",
                 "config_groups": {"group_0": group}, "ignore": list(ignore), "kv_cache_scheme": None,

@@ -164,17 +164,40 @@ class ExportCodec:
         raise NotImplementedError
 
     def input_problem(self, weight, x) -> str | None:
-        """Why the input quantizer ``x`` (fmt, axis, block_size) cannot go with weight quantizer ``weight``; None
-        where it can."""
+        """Why the input quantizer ``x`` (fmt, axis, block_size, per_token) cannot go with weight quantizer
+        ``weight``; None where it can."""
         raise NotImplementedError
 
-    def modelopt_algo(self, per_channel: bool, input_quantized: bool) -> str | None:
-        """Model Optimizer's ``quant_algo`` for the scheme, or None where it has none."""
+    def schemes(self) -> list[dict]:
+        """The checkpoint schemes of the format, each a dict of the fields of
+        :class:`~modelopt_moe.export.schemes.Scheme` but ``weight_fmt``. Default: per tensor (and per channel where
+        ``per_channel``), with quantized inputs or weight-only (``_A16``)."""
+        layouts = [(False, "")] + ([(True, "_CHANNEL")] if self.per_channel else [])
+        return [{"name": self.scheme + suffix + ("" if inputs else "_A16"), "per_channel": per_channel,
+                 "input_quantized": inputs} for per_channel, suffix in layouts for inputs in (True, False)]
+
+    def scheme_name(self, weight, x) -> str:
+        """The name of the scheme (one of :meth:`schemes`) of an accepted weight and input quantizer pair."""
+        name = self.scheme + ("_CHANNEL" if self.per_channel and weight.axis is not None else "")
+        return name if x is not None else name + "_A16"
+
+    def modelopt_algo(self, scheme) -> str | None:
+        """Model Optimizer's ``quant_algo`` for ``scheme``, or None where it has none."""
         raise NotImplementedError
 
-    def ct_args(self, per_channel: bool, inputs: bool) -> dict:
-        """compressed-tensors' quantization arguments of the weights (``inputs=False``) or the inputs."""
+    def ct_args(self, scheme, inputs: bool) -> dict:
+        """compressed-tensors' quantization arguments of ``scheme``'s weights (``inputs=False``) or inputs."""
         raise NotImplementedError
+
+    def reads_amax(self, scheme, inputs: bool) -> bool:
+        """Whether encoding reads the weight's (``inputs=False``) or the input's calibrated amax. Default: the
+        weight's always, the input's where the scheme quantizes inputs with a static scale."""
+        return not inputs or (scheme.input_quantized and not scheme.dynamic_input)
+
+    def describe(self, scheme, file_format: str) -> tuple[str, str, list[str]] | None:
+        """For the model card: the weights, the inputs (None: weight-only) and the stored tensors of ``scheme``;
+        None where the card's own FP8 / NVFP4 text applies."""
+        return None
 
     @staticmethod
     def scalar(t: torch.Tensor, file_format: str) -> torch.Tensor:
@@ -183,9 +206,9 @@ class ExportCodec:
         t = t.float().reshape(())
         return t.reshape(1).contiguous() if file_format == "compressed-tensors" else t.contiguous()
 
-    def encode(self, module: str, weight: torch.Tensor, weight_amax: torch.Tensor, input_amax: torch.Tensor | None,
-               per_channel: bool, file_format: str) -> dict[str, torch.Tensor]:
-        """The tensors of one linear in ``file_format`` (``compressed-tensors`` or ``modelopt``).
+    def encode(self, module: str, weight: torch.Tensor, weight_amax: torch.Tensor | None,
+               input_amax: torch.Tensor | None, scheme, file_format: str) -> dict[str, torch.Tensor]:
+        """The tensors of one linear of ``scheme`` in ``file_format`` (``compressed-tensors`` or ``modelopt``).
 
         Raises:
             ValueError: a weight the format cannot hold (naming ``module``).

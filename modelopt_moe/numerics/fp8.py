@@ -20,9 +20,11 @@ token and group of 128 features, at any token count) or ``(rows, cols)`` for 2-D
 * bf16, fp16 or fp32 in, the same dtype out (the arithmetic is fp32).
 
 Export (E4M3 only): codes in ``float8_e4m3fn`` and the multiplicative ``weight_scale = 1 / s`` (compressed-tensors
-``float-quantized``, Model Optimizer ``FP8``); per output channel (axis 0) to compressed-tensors only. 2-D blocks:
-:func:`encode_fp8_blocks` gives the codes and one divisor per block (compressed-tensors ``FP8_BLOCK`` reads the
-codes with ``1 / s`` within one fp32 ulp); the exporters do not write block checkpoints yet.
+``float-quantized``): per tensor with a static per-tensor input scale (Model Optimizer ``FP8``) or weight-only; per
+output channel (axis 0) with a static input scale (compressed-tensors only) or per-token dynamic inputs
+(``FP8_DYNAMIC``, Model Optimizer ``FP8_PER_CHANNEL_PER_TOKEN``); in 128 x 128 blocks with 1 x 128 dynamic input
+groups or weight-only (``FP8_BLOCK``, Model Optimizer ``FP8_PB_WO``): :func:`encode_fp8_blocks` gives the codes and
+one divisor per block (compressed-tensors' block decoder reads the codes with ``1 / s`` within one fp32 ulp).
 """
 
 from __future__ import annotations
@@ -107,34 +109,107 @@ class FP8Format(Format):
         return from_blocks(true_div(qx.values, qx.scale), block_dims(qx.block_size), qx.length)
 
 
+FP8_WEIGHT_BLOCK = (128, 128)  # the weight block every engine's block-FP8 path reads (DeepSeek's layout)
+FP8_INPUT_GROUP = 128  # ... with its activations per token in groups of 128 features, scales from the data
+
+
 class _FP8Codec(ExportCodec):
     scheme = "FP8"
     label = "FP8"
-    expressible = "FP8 E4M3 weights per tensor or per output channel (axis 0) with E4M3 per-tensor inputs or none"
-    weight_text = "FP8 E4M3 (per tensor or axis 0)"
+    expressible = ("FP8 E4M3 weights per tensor or per output channel (axis 0) with E4M3 per-tensor inputs or none, "
+                   "per output channel with per-token inputs (FP8_DYNAMIC), in 128x128 blocks with 1x128 "
+                   "dynamic input groups or none (FP8_BLOCK)")
+    weight_text = "FP8 E4M3 (per tensor, axis 0, or 128x128 blocks)"
     per_channel = True
     ct_format = "float-quantized"
 
     def accepts_weight(self, axis, block_size) -> bool:
-        return block_size is None and axis in (None, 0)
+        if block_size is not None:
+            return tuple(block_size) == FP8_WEIGHT_BLOCK if isinstance(block_size, tuple | list) else False
+        return axis in (None, 0)
 
     def input_problem(self, weight, x) -> str | None:
-        if x.fmt != weight.fmt or x.axis is not None or x.block_size is not None:
-            return f"FP8 weights need E4M3 per-tensor inputs (or none), got input {x}"
+        if x.fmt != weight.fmt:
+            return (f"FP8 weights need E4M3 per-tensor inputs (per token with per-channel weights, 1x128 groups "
+                    f"with 128x128 blocks) or none, got input {x}")
+        if weight.block_size is not None:
+            if x.block_size != FP8_INPUT_GROUP or x.axis is not None:
+                return (f"FP8 128x128 weight blocks need E4M3 inputs in dynamic groups of {FP8_INPUT_GROUP} (or none), "
+                        f"got input {x}")
+            return None
+        if x.per_token or (x.dynamic and x.axis is None and x.block_size is None):
+            # Per token, or (experts, which train no per-token amax) per tensor from each expert's tokens: served per
+            # token (FP8_DYNAMIC), a scale of each token's own, never coarser than the trained one.
+            return None if weight.axis is not None else (
+                f"dynamic E4M3 inputs go with per-output-channel weights (FP8_DYNAMIC), got weight {weight}")
+        if x.axis is not None or x.block_size is not None:
+            return f"FP8 weights need E4M3 per-tensor or per-token inputs (or none), got input {x}"
         return None
 
-    def modelopt_algo(self, per_channel: bool, input_quantized: bool) -> str | None:
-        # Model Optimizer's per-channel FP8 quantizes inputs per token at run time: not what a static amax trained.
-        return "FP8" if input_quantized and not per_channel else None
+    def schemes(self) -> list[dict]:
+        return [*super().schemes(),
+                {"name": "FP8_DYNAMIC", "per_channel": True, "input_quantized": True, "dynamic_input": True},
+                {"name": "FP8_BLOCK", "per_channel": False, "input_quantized": True,
+                 "weight_block": FP8_WEIGHT_BLOCK, "dynamic_input": True},
+                {"name": "FP8_BLOCK_A16", "per_channel": False, "input_quantized": False,
+                 "weight_block": FP8_WEIGHT_BLOCK}]
 
-    def ct_args(self, per_channel: bool, inputs: bool) -> dict:
-        strategy = "channel" if per_channel and not inputs else "tensor"
-        return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False}
+    def scheme_name(self, weight, x) -> str:
+        if weight.block_size is not None:
+            return "FP8_BLOCK" if x is not None else "FP8_BLOCK_A16"
+        if x is not None and (x.per_token or x.dynamic):
+            return "FP8_DYNAMIC"
+        return super().scheme_name(weight, x)
 
-    def encode(self, module, weight, weight_amax, input_amax, per_channel, file_format) -> dict[str, torch.Tensor]:
+    def modelopt_algo(self, scheme) -> str | None:
+        if scheme.weight_block is not None:
+            # Model Optimizer's block-wise weights; vLLM runs them with 1x128 dynamic input groups.
+            return "FP8_PB_WO"
+        if scheme.dynamic_input:
+            return "FP8_PER_CHANNEL_PER_TOKEN"
+        # Per-channel weights with a static per-tensor input scale: no Model Optimizer name.
+        return "FP8" if scheme.input_quantized and not scheme.per_channel else None
+
+    def ct_args(self, scheme, inputs: bool) -> dict:
+        args = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+        if scheme.weight_block is not None:
+            return {**args, "strategy": "group", "group_size": FP8_INPUT_GROUP, "dynamic": True} if inputs else {
+                **args, "strategy": "block", "block_structure": list(scheme.weight_block)}
+        if inputs:
+            return {**args, "strategy": "token", "dynamic": True} if scheme.dynamic_input else args
+        return {**args, "strategy": "channel"} if scheme.per_channel else args
+
+    def describe(self, scheme, file_format) -> tuple[str, str, list[str]] | None:
+        if scheme.weight_block is not None:
+            shape = "`[out/128, 1, in/128, 1]`" if file_format == "modelopt" else "`[out/128, in/128]`"
+            return ("FP8 E4M3, fp32 scale per 128x128 block",
+                    "FP8 E4M3, scale per token and 128 features computed at run time" if scheme.input_quantized
+                    else None,
+                    ["`weight` float8_e4m3fn", f"`weight_scale` fp32 {shape} = block amax / 448"])
+        if scheme.dynamic_input:
+            shape = "`[out]`" if file_format == "modelopt" else "`[out, 1]`"
+            return ("FP8 E4M3, fp32 scale per output channel", "FP8 E4M3, scale per token computed at run time",
+                    ["`weight` float8_e4m3fn", f"`weight_scale` fp32 {shape} = channel amax / 448"])
+        return None
+
+    def reads_amax(self, scheme, inputs: bool) -> bool:
+        if not inputs and scheme.weight_block is not None:
+            return False  # every block's scale comes from the weight itself
+        return super().reads_amax(scheme, inputs)
+
+    def encode(self, module, weight, weight_amax, input_amax, scheme, file_format) -> dict[str, torch.Tensor]:
+        if scheme.weight_block is not None:
+            codes, s = encode_fp8_blocks(weight, scheme.weight_block, f"{module}.weight")
+            ws = reciprocal(s)
+            # Model Optimizer writes its block scales [out_blocks, 1, in_blocks, 1] (what vLLM's FP8_PB_WO reads).
+            ws = ws[:, None, :, None] if file_format == "modelopt" else ws
+            return {f"{module}.weight": codes, f"{module}.weight_scale": ws.contiguous()}
+        per_channel = scheme.per_channel
         amax = weight_amax.float().reshape(-1, 1) if per_channel else weight_amax.float().reshape(())
         codes, s = encode_fp8(weight, amax, f"{module}.weight")
         ws = reciprocal(s)
+        if per_channel and scheme.dynamic_input and file_format == "modelopt":
+            ws = ws.reshape(-1)  # FP8_PER_CHANNEL_PER_TOKEN: one scale per output channel, [out]
         out = {f"{module}.weight": codes,
                f"{module}.weight_scale": ws.contiguous() if per_channel else self.scalar(ws, file_format)}
         if input_amax is not None:

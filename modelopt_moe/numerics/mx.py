@@ -38,7 +38,7 @@ Edge rules:
   two, such as a block maximum of exactly ``3 * 2**k``; data below 2**-126); the GPU comparison against the installed
   package runs away from them. This reference uses IEEE arithmetic throughout.
 
-Encoding (the export codec's half; writing checkpoints is not wired yet): :func:`encode_mx` gives the codes and the
+Encoding (the export codec, ``_MXCodec``): :func:`encode_mx` gives the codes and the
 E8M0 scales (uint8 ``127 + e``) of exactly what the fake quant rounded to (MXFP4: two E2M1 codes per byte as NVFP4
 packs them; MXFP8: ``float8_e4m3fn``), as compressed-tensors' ``mxfp4-pack-quantized`` / ``mxfp8-quantized`` store
 and decode them.
@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from .format import (
+    ExportCodec,
     Format,
     KernelRoutine,
     KernelSpec,
@@ -143,14 +144,69 @@ def _round_e4m3(v: torch.Tensor) -> torch.Tensor:
     return torch.clamp(v, -E4M3_MAX, E4M3_MAX).to(E4M3.element_dtype).float()
 
 
+class _MXCodec(ExportCodec):
+    """MX weights (and MX inputs of the same format, their scales from the data at run time, or none): codes and
+    E8M0 scales from :func:`encode_mx`. compressed-tensors ``mxfp4-pack-quantized`` / ``mxfp8-quantized``; Model
+    Optimizer ``MXFP8`` (weights and inputs, what vLLM's ``ModelOptMxFp8`` methods read); MXFP4 has no Model
+    Optimizer name an engine reads."""
+
+    group_size = MX_BLOCK_SIZE
+
+    def __init__(self, name: str, ct_format: str, num_bits: int, modelopt: str | None):
+        self.scheme = self.label = name
+        self.expressible = f"{name} weights with {name} inputs or none"
+        self.weight_text = name
+        self.ct_format = ct_format
+        self._num_bits, self._modelopt = num_bits, modelopt
+
+    def accepts_weight(self, axis, block_size) -> bool:
+        return axis is None
+
+    def input_problem(self, weight, x) -> str | None:
+        if x.fmt == weight.fmt:
+            return None
+        return f"{self.label} weights need {self.label} inputs (or none), got input {x}"
+
+    def schemes(self) -> list[dict]:
+        return [{**s, "weight_block": MX_BLOCK_SIZE, "dynamic_input": s["input_quantized"]} for s in super().schemes()]
+
+    def modelopt_algo(self, scheme) -> str | None:
+        return self._modelopt if scheme.input_quantized else None
+
+    def ct_args(self, scheme, inputs: bool) -> dict:
+        return {"num_bits": self._num_bits, "type": "float", "symmetric": True, "group_size": MX_BLOCK_SIZE,
+                "strategy": "group", "dynamic": inputs, "scale_dtype": "torch.uint8"}
+
+    def reads_amax(self, scheme, inputs: bool) -> bool:
+        return False  # every scale comes from its block
+
+    def describe(self, scheme, file_format) -> tuple[str, str, list[str]] | None:
+        four = self._num_bits == 4
+        codes = ("`weight_packed` uint8 `[out, in/2]` (two E2M1 codes per byte, the even column in the low nibble)"
+                 if four else "`weight` float8_e4m3fn")
+        element = "E2M1" if four else "E4M3"
+        return (f"{self.label}: {element}, E8M0 scale per block of 32 inputs",
+                f"{self.label}: E8M0 scale per block of 32 computed at run time" if scheme.input_quantized else None,
+                [codes, "`weight_scale` uint8 `[out, in/32]` (E8M0: 127 + the block's exponent)"])
+
+    def encode(self, module, weight, weight_amax, input_amax, scheme, file_format) -> dict[str, torch.Tensor]:
+        fmt = next(f for f in MX_FORMATS if f.name == scheme.weight_fmt)
+        codes, e8m0 = encode_mx(weight, fmt, f"{module}.weight")
+        packed = fmt.element_dtype is None and file_format == "compressed-tensors"
+        return {f"{module}.weight_packed" if packed else f"{module}.weight": codes,
+                f"{module}.weight_scale": e8m0}
+
+
 _MX = {"scale_layouts": frozenset({ScaleLayout.BLOCKS_1D}), "block": (MX_BLOCK_SIZE,), "block_scale": "e8m0",
        "pads": True, "scale_bits": E8M0_BITS}
 MXFP4 = MXFormat("mxfp4", (2, 1), E2M1_MAX, E2M1_MAX, "MXFP4",
                  kernel=KernelSpec(KernelRoutine.POWER_OF_TWO_BLOCKS, E2M1_MAX, mant=1, emin=0, emax=2),
-                 aliases=("mxfp4",), round_elements=round_to_e2m1, **_MX)
+                 aliases=("mxfp4",), round_elements=round_to_e2m1,
+                 export=_MXCodec("MXFP4", "mxfp4-pack-quantized", 4, None), **_MX)
 MXFP8 = MXFormat("mxfp8", (4, 3), E4M3_MAX, E4M3_MAX, "MXFP8",
                  kernel=KernelSpec(KernelRoutine.POWER_OF_TWO_BLOCKS, E4M3_MAX, mant=3, emin=-6, emax=8),
-                 element_dtype=E4M3.element_dtype, aliases=("mxfp8",), round_elements=_round_e4m3, **_MX)
+                 element_dtype=E4M3.element_dtype, aliases=("mxfp8",), round_elements=_round_e4m3,
+                 export=_MXCodec("MXFP8", "mxfp8-quantized", 8, "MXFP8"), **_MX)
 MX_FORMATS = (MXFP4, MXFP8)
 
 

@@ -106,15 +106,15 @@ class _NVFP4Codec(ExportCodec):
     def input_problem(self, weight, x) -> str | None:
         return None if x.fmt == weight.fmt else f"NVFP4 weights need NVFP4 inputs (or none), got input {x}"
 
-    def modelopt_algo(self, per_channel: bool, input_quantized: bool) -> str | None:
-        return "NVFP4" if input_quantized else "W4A16_NVFP4"
+    def modelopt_algo(self, scheme) -> str | None:
+        return "NVFP4" if scheme.input_quantized else "W4A16_NVFP4"
 
-    def ct_args(self, per_channel: bool, inputs: bool) -> dict:
+    def ct_args(self, scheme, inputs: bool) -> dict:
         return {"num_bits": 4, "type": "float", "symmetric": True, "group_size": NVFP4_BLOCK_SIZE,
                 "strategy": "tensor_group", "dynamic": "local" if inputs else False,
                 "scale_dtype": "torch.float8_e4m3fn"}
 
-    def encode(self, module, weight, weight_amax, input_amax, per_channel, file_format) -> dict[str, torch.Tensor]:
+    def encode(self, module, weight, weight_amax, input_amax, scheme, file_format) -> dict[str, torch.Tensor]:
         if weight.shape[1] % NVFP4_BLOCK_SIZE:
             raise ValueError(f"{module}.weight: NVFP4 needs the input dim to be a multiple of {NVFP4_BLOCK_SIZE}, "
                              f"got shape {tuple(weight.shape)}")

@@ -330,6 +330,11 @@ class TensorQuantizer(nn.Module):
         return self._enabled and self._if_quant
 
     @property
+    def per_token(self) -> bool:
+        """One amax per token, from the data (``block_sizes: {-1: None}``, Model Optimizer's per-token spelling)."""
+        return self._cfg.per_token
+
+    @property
     def needs_amax(self) -> bool:
         """Whether ``formats.fake_quant`` takes an amax: False where the format takes every scale from the data
         (int formats with dynamic block scales)."""

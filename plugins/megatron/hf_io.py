@@ -38,6 +38,7 @@ from modelopt_moe.export.schemes import LinearQuant, QuantSpec
 from modelopt_moe.quantization.conversion import unwrap_model
 from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
 
+from .attention import kv_cache_quants
 from .hf_model import build_megatron_model, megatron_arch
 
 __all__ = ["MegatronExportAdapter", "export_megatron", "import_megatron"]
@@ -92,7 +93,8 @@ def _linear_quant(holder) -> LinearQuant:
     specs = []
     for kind in _QUANTIZERS:
         q = _quantizer(holder, kind)
-        specs.append(QuantSpec(q.fmt, q.axis, q.block_size) if q is not None and q.is_quantizing else None)
+        specs.append(QuantSpec(q.fmt, q.axis, q.block_size, q.per_token, q.is_dynamic)
+                     if q is not None and q.is_quantizing else None)
     return LinearQuant(*specs)
 
 
@@ -226,6 +228,8 @@ def _gather_expert_amax(holder, kind: str, lay: _Layout, param: Param, where: st
     if q is None or not q.is_quantizing:
         return None
     amax = q.amax.detach().float() if q.amax is not None else None
+    if amax is None and (q.is_dynamic or not q.needs_amax):
+        return None  # every scale comes from the data (the same on every rank: the config)
     if amax is None:
         raise ExportError(f"{where}.{kind}: no amax (calibrate the model before exporting)")
     if amax.dim() == 2 and kind == "weight_quantizer" and param.rule in ("glu", "column"):
@@ -321,6 +325,7 @@ def _linear_quants(m: GPTModel, arch: MoEArch) -> dict[str, LinearQuant]:
     table = get_family(arch.family).megatron
     quants: dict[str, LinearQuant] = {}
     groups = [("embedding", None)] + [(L, L) for L in range(arch.num_layers)] + [("final", None)]
+    lay = _Layout()
     for key, L in groups:
         for param in table.params(arch, key):
             if param.rule in STACKED:
@@ -333,9 +338,41 @@ def _linear_quants(m: GPTModel, arch: MoEArch) -> dict[str, LinearQuant]:
             quants.update({name: quant for E in experts for name in _names(param, L, E)})
             for kind in ("weight_quantizer", "input_quantizer"):
                 q = _quantizer(holder, kind)
-                if q is not None and q.is_quantizing and q.needs_amax and q.amax is None:
+                if q is not None and q.is_quantizing and q.needs_amax and not q.is_dynamic and q.amax is None:
                     raise ExportError(f"{where}.{kind}: no amax (calibrate the model before exporting)")
+            _check_weight_row_blocks(m, param, L, where, holder, arch, lay)
     return quants
+
+
+def _check_weight_row_blocks(m, param: Param, L: int | None, where: str | None, holder, arch: MoEArch,
+                             lay: _Layout) -> None:
+    """2-D weight blocks (FP8 128x128) are taken over each rank's fused weight in training; the exported q/k/v, gate
+    and up are re-blocked on their own, so every place where one exported matrix ends inside a trained weight (and
+    where ranks' row shards are joined) must be a row-block boundary, or the stored scales would not be training's.
+
+    Raises:
+        ExportError: naming the module, the block and the rows that cut a block.
+    """
+    q = _quantizer(holder, "weight_quantizer")
+    if q is None or not q.is_quantizing or not isinstance(q.block_size, tuple):
+        return
+    rows = q.block_size[0]
+    _, t = _resolve(m, param, L, 0)
+    _, size, _ = _group(param, lay, _split(t, param, arch))
+    what, n = None, None
+    if param.rule == "qkv":
+        what, n = "head_dim (the q / k / v rows of each query group)", arch.head_dim
+    elif param.rule == "glu":
+        ffn, group = ("moe_ffn_hidden_size", "expert-TP") if param.expert else ("ffn_hidden_size", "TP")
+        what, n = f"{ffn} / {group} {size} (gate | up rows)", t.shape[0] // 2
+    elif param.rule == "column" and size > 1:
+        what, n = f"the rows per {'expert-TP' if param.expert else 'TP'} rank ({size})", t.shape[0]
+    if n is not None and n % rows:
+        raise ExportError(f"{where}.weight_quantizer: {q.block_size} weight blocks span {what} = {n}, not a "
+                          f"multiple of {rows}: the exported matrices would be blocked differently than "
+                          "training's fused weight (their scales would not be the trained ones); train "
+                          "per-channel FP8 weights (FP8_DYNAMIC) instead, or a model whose sizes are multiples "
+                          "of the block")
 
 
 def _groups(m: GPTModel, arch: MoEArch, lay: _Layout) -> Iterator[tuple[str, Iterator]]:
@@ -366,7 +403,7 @@ def export_megatron(model, out_dir: str | os.PathLike, *, format: str = "compres
     return write_hf_checkpoint(
         out_dir, arch=arch, family=get_family(arch.family), fmt=format, linear_quants=_linear_quants(m, arch),
         groups=_groups(m, arch, lay), num_groups=arch.num_layers + 2, dtype=dtype, template=template,
-        progress=progress, base_model=base_model)
+        progress=progress, base_model=base_model, kv_cache=kv_cache_quants(m))
 
 
 _IGNORED_FIELDS = ("dtype", "router_aux_loss_coef", "family")

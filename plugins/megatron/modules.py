@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.utils import get_pg_rank, get_pg_size
 
@@ -24,6 +25,7 @@ from modelopt_moe.quantization.nn.row_scale import add_row_scaled_bias, row_scal
 from modelopt_moe.quantization.quant_mode import QuantMode
 from modelopt_moe.quantization.weight_amax import refresh_weight_amax
 
+from .attention import QuantCoreAttentionMixin
 from .router_probs import CLASSES as ROUTER_PROBS_CLASSES
 from .router_probs import probs_after_down_proj, sequential_experts_forward
 from .sharded_state_dict import expert_quantizers_sharded_state_dict, parallel_linear_quantizers_sharded_state_dict
@@ -311,5 +313,6 @@ CLASSES = {
     ColumnParallelLinear: QuantColumnParallelLinear,
     RowParallelLinear: QuantRowParallelLinear,
     SequentialMLP: QuantSequentialMLP,
+    DotProductAttention: QuantCoreAttentionMixin,  # the KV cache's quantizers
     **ROUTER_PROBS_CLASSES,
 }

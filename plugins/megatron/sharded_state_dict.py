@@ -47,6 +47,7 @@ __all__ = [
     "METADATA_KEY",
     "checkpoint_load_metadata",
     "parallel_linear_quantizers_sharded_state_dict",
+    "per_layer_quantizers_sharded_state_dict",
     "expert_quantizers_sharded_state_dict",
 ]
 
@@ -134,19 +135,54 @@ def parallel_linear_quantizers_sharded_state_dict(module: nn.Module, prefix: str
         tp_offsets = ((len(offsets) + q.axis % 2, tp_rank, tp_size),) if sharded else ()
         replica_id = (0, 0 if sharded else tp_rank, dp_rank)
         key = f"{prefix}{kind}._amax"
+        out[key] = _dense_amax_entry(key, data, offsets, tp_offsets, replica_id, loading)
+    return out
 
-        def build(key, data, replica_id, flattened_range, tp_offsets=tp_offsets):
-            st = ShardedTensor.from_rank_offsets(key, data, *offsets, *tp_offsets, replica_id=replica_id,
-                                                 prepend_axis_num=len(offsets))
-            if loading is not None:
-                found = loading["amax_shapes"].get(key)
-                if found is None or tuple(found) != st.global_shape:
-                    raise CheckpointMismatchError(
-                        f"{key}: amax shape mismatch in checkpoint {loading['ckpt_dir']}: expected global shape "
-                        f"{st.global_shape}, found {None if found is None else tuple(found)}")
-            return st
 
-        out[key] = ShardedTensorFactory(key, data, build, lambda loaded: loaded, replica_id)
+def _dense_amax_entry(key: str, data: torch.Tensor, offsets: tuple, tp_offsets: tuple, replica_id: tuple,
+                      loading: dict | None) -> ShardedTensorFactory:
+    """One dense amax entry: the ShardedTensor at ``offsets`` (+ a TP split), checked against the checkpoint's
+    global shape when loading."""
+
+    def build(key, data, replica_id, flattened_range):
+        st = ShardedTensor.from_rank_offsets(key, data, *offsets, *tp_offsets, replica_id=replica_id,
+                                             prepend_axis_num=len(offsets))
+        if loading is not None:
+            found = loading["amax_shapes"].get(key)
+            if found is None or tuple(found) != st.global_shape:
+                raise CheckpointMismatchError(
+                    f"{key}: amax shape mismatch in checkpoint {loading['ckpt_dir']}: expected global shape "
+                    f"{st.global_shape}, found {None if found is None else tuple(found)}")
+        return st
+
+    return ShardedTensorFactory(key, data, build, lambda loaded: loaded, replica_id)
+
+
+def per_layer_quantizers_sharded_state_dict(module: nn.Module, kinds: tuple[str, ...], prefix: str,
+                                            sharded_offsets=(), metadata: dict | None = None) -> dict:
+    """Sharded entries of quantizers whose amax is one scalar per layer, the same on every TP and DP rank (the KV
+    cache's ``k_bmm_quantizer`` / ``v_bmm_quantizer`` of a core attention, max-reduced over TP and DP): keys
+    ``<prefix><kind>._amax`` of global shape ``[L]`` under Megatron's layer axis, replica_id ``(0, tp_rank,
+    dp_rank)``, so they load at any TP / EP.
+
+    Raises:
+        NotImplementedError: an amax that is not a scalar (per channel or per static block: heads are split over TP).
+    """
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    loading = _loading(metadata)
+    tp_group = getattr(module, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+    replica_id = (0, get_pg_rank(tp_group), get_pg_rank(metadata["dp_cp_group"]))
+    out = {}
+    for kind in kinds:
+        q = module._modules.get(kind)
+        if not isinstance(q, TensorQuantizer) or not _is_saved(q):
+            continue
+        if q.amax is not None and q.amax.numel() != 1:
+            raise NotImplementedError(f"{prefix}{kind}: amax of shape {tuple(q.amax.shape)}; checkpoints carry one "
+                                      "amax per layer for this quantizer (axis: null)")
+        data = q.amax.detach() if q.amax is not None else torch.zeros((), device=_module_device(module))
+        key = f"{prefix}{kind}._amax"
+        out[key] = _dense_amax_entry(key, data, tuple(sharded_offsets), (), replica_id, loading)
     return out
 
 

@@ -63,7 +63,7 @@ def test_resolve_schemes_gives_each_linear_its_own_and_names_what_a_format_refus
     with pytest.raises(ExportError, match="not quantized"):
         resolve_schemes({"a": OFF}, "modelopt")
     with pytest.raises(ExportError, match=r"b: quantization .* cannot be exported"):
-        resolve_schemes({"a": FP8, "b": LinearQuant(QuantSpec("int4", block_size=128))}, "compressed-tensors")
+        resolve_schemes({"a": FP8, "b": LinearQuant(QuantSpec("int4", block_size=16))}, "compressed-tensors")
 
 
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])

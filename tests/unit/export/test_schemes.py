@@ -40,7 +40,7 @@ def test_scheme_of(quant, name):
 
 
 @pytest.mark.parametrize(("quant", "match"), [
-    (LinearQuant(QuantSpec("int4", block_size=128)), "weight format int4 block=128 is not FP8"),
+    (LinearQuant(QuantSpec("int4", block_size=16)), "weight format int4 block=16 is not FP8"),
     (LinearQuant(QuantSpec("int8", axis=0), QuantSpec("int8")), "is not FP8 E4M3"),
     (LinearQuant(QuantSpec("e5m2"), QuantSpec("e5m2")), "weight format e5m2"),
     (LinearQuant(FP8, NVFP4), "FP8 weights need E4M3 per-tensor inputs"),
@@ -67,7 +67,7 @@ def test_resolve_scheme_errors_name_the_linear_and_the_allowed_set():
     with pytest.raises(ExportError, match="FP8_CHANNEL .* has no Model Optimizer quant_algo"):
         resolve_scheme({"a": LinearQuant(FP8_CH, FP8)}, "modelopt")
     with pytest.raises(ExportError, match="b: quantization .* cannot be exported"):
-        resolve_scheme({"a": LinearQuant(), "b": LinearQuant(QuantSpec("int4", block_size=128))}, "compressed-tensors")
+        resolve_scheme({"a": LinearQuant(), "b": LinearQuant(QuantSpec("int4", block_size=16))}, "compressed-tensors")
     assert resolve_scheme({"a": LinearQuant(), "b": LinearQuant(NVFP4)}, "modelopt").modelopt_algo == "W4A16_NVFP4"
     assert resolve_scheme({"a": LinearQuant()}, "hf") is None
 
@@ -137,9 +137,11 @@ def test_compressed_tensors_config_is_valid_for_compressed_tensors(name):
                                                                                           "sparsity_config")})
     group = parsed.config_groups["group_0"]
     assert group.weights.num_bits == (8 if "FP8" in name else 4)
-    assert group.weights.strategy == ("channel" if "CHANNEL" in name else "tensor" if "FP8" in name
-                                      else "tensor_group")
-    assert (group.input_activations is None) == name.endswith("A16")
+    expected = {"FP8_DYNAMIC": "channel", "FP8_BLOCK": "block", "FP8_BLOCK_A16": "block"}.get(name) or (
+        "group" if name.startswith(("W4A16", "MX")) else "channel" if "CHANNEL" in name else "tensor" if "FP8" in name
+        else "tensor_group")
+    assert group.weights.strategy == expected
+    assert (group.input_activations is None) == ("A16" in name)
     assert parsed.ignore == ["lm_head", "model.layers.0.mlp.gate"]
 
 

@@ -87,7 +87,8 @@ def test_each_expert_takes_the_amax_of_its_own_tokens_and_shared_of_all(layout, 
     assert len(set(amax.reshape(-1).tolist())) == (4 if layout == "per_expert" else 1)
 
 
-def test_an_expert_without_tokens_keeps_its_amax_and_nan_is_skipped():
+def test_an_expert_without_tokens_keeps_its_amax_and_nan_is_skipped(monkeypatch):
+    monkeypatch.setattr("modelopt_moe.quantization.utils._warned", set())  # warn_once remembers messages per process
     torch.manual_seed(0)
     experts = GroupedLinear(num_gemms=3, in_features=16, out_features=8)
     tokens = torch.randn(6, 16)
