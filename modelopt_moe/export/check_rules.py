@@ -59,7 +59,7 @@ class TensorRule:
 
 @dataclass(frozen=True)
 class FormatRule:
-    """A format's tensors for one scheme (``fp8`` per tensor, ``fp8_channel``, ``nvfp4``)."""
+    """A format's tensors for one scheme (``fp8_tensor``, ``fp8_channel``, ``nvfp4_blocks``)."""
 
     tensors: tuple[TensorRule, ...]
 
@@ -92,20 +92,20 @@ _FP8_W = TensorRule("weight", "F8_E4M3", "w", "weight")
 _NVFP4_BLOCKS = TensorRule("weight_scale", "F8_E4M3", "blocks16", "block_scale")
 
 FORMAT_RULES: dict[tuple[str, str], FormatRule] = {
-    ("compressed-tensors", "fp8"): FormatRule((
+    ("compressed-tensors", "fp8_tensor"): FormatRule((
         _FP8_W, TensorRule("weight_scale", "F32", "scalar", "weight_scale", FP8_MAX),
         TensorRule("input_scale", "F32", "scalar", "input_scale", FP8_MAX, inputs_only=True))),
     ("compressed-tensors", "fp8_channel"): FormatRule((
         _FP8_W, TensorRule("weight_scale", "F32", "rows", "weight_scale", FP8_MAX),
         TensorRule("input_scale", "F32", "scalar", "input_scale", FP8_MAX, inputs_only=True))),
-    ("compressed-tensors", "nvfp4"): FormatRule((
+    ("compressed-tensors", "nvfp4_blocks"): FormatRule((
         TensorRule("weight_packed", "U8", "packed", "weight"), _NVFP4_BLOCKS,
         TensorRule("weight_global_scale", "F32", "scalar", "weight_scale", -FP8_MAX * FP4_MAX),
         TensorRule("input_global_scale", "F32", "scalar", "input_scale", -FP8_MAX * FP4_MAX, inputs_only=True))),
-    ("modelopt", "fp8"): FormatRule((
+    ("modelopt", "fp8_tensor"): FormatRule((
         _FP8_W, TensorRule("weight_scale", "F32", "scalar", "weight_scale", FP8_MAX),
         TensorRule("input_scale", "F32", "scalar", "input_scale", FP8_MAX, inputs_only=True))),
-    ("modelopt", "nvfp4"): FormatRule((
+    ("modelopt", "nvfp4_blocks"): FormatRule((
         TensorRule("weight", "U8", "packed", "weight"), _NVFP4_BLOCKS,
         TensorRule("weight_scale_2", "F32", "scalar", "weight_scale", FP8_MAX * FP4_MAX),
         TensorRule("input_scale", "F32", "scalar", "input_scale", FP8_MAX * FP4_MAX, inputs_only=True))),
@@ -128,7 +128,7 @@ ENGINE_RULES: dict[tuple[str, str, str], EngineRule] = {
     (engine, fmt, scheme): rule
     for engine, nvfp4 in (("vllm", _NVFP4_VLLM), ("sglang", _NVFP4_SGLANG), ("trtllm", _NVFP4_TRTLLM))
     for fmt in ("compressed-tensors", "modelopt")
-    for scheme, rule in (("fp8", _FP8_MOE), ("nvfp4", nvfp4), ("fp8_channel", EngineRule({}, "layer", "")))
+    for scheme, rule in (("fp8_tensor", _FP8_MOE), ("nvfp4_blocks", nvfp4), ("fp8_channel", EngineRule({}, "layer", "")))
     if (fmt, scheme) in FORMAT_RULES and not (engine == "trtllm" and fmt == "compressed-tensors")
 }
 
@@ -136,5 +136,5 @@ ENGINE_RULES: dict[tuple[str, str, str], EngineRule] = {
 def rule_key(weight_bits: int, per_channel: bool) -> str:
     """The scheme key of :data:`FORMAT_RULES` for a float weight of ``weight_bits`` bits."""
     if weight_bits == 4:
-        return "nvfp4"
-    return "fp8_channel" if per_channel else "fp8"
+        return "nvfp4_blocks"
+    return "fp8_channel" if per_channel else "fp8_tensor"

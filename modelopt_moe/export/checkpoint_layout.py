@@ -21,7 +21,7 @@ from .safetensors_files import TensorHeader, read_header, read_weight_map
 
 __all__ = ["Finding", "CheckpointLayout", "checkpoint_layout"]
 
-_MODELOPT_ALGOS = {"FP8": ("fp8", True), "NVFP4": ("nvfp4", True), "W4A16_NVFP4": ("nvfp4", False)}
+_MODELOPT_ALGOS = {"FP8": ("fp8_tensor", True), "NVFP4": ("nvfp4_blocks", True), "W4A16_NVFP4": ("nvfp4_blocks", False)}
 
 
 @dataclass(frozen=True)

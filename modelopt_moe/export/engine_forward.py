@@ -62,16 +62,16 @@ def nvfp4_static_input(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Ten
 # (format, rule key) -> (decoder of (weight tensor, block/tensor scale, second scale), input quantizer taking the
 # stored input scale, whether the stored NVFP4 input scale is the reciprocal of the global scale)
 _DECODE = {
-    ("compressed-tensors", "fp8"): (lambda t, m: decode_fp8_file(t[m + ".weight"], t[m + ".weight_scale"],
+    ("compressed-tensors", "fp8_tensor"): (lambda t, m: decode_fp8_file(t[m + ".weight"], t[m + ".weight_scale"],
                                                                  torch.float32), fp8_static_input),
     ("compressed-tensors", "fp8_channel"): (lambda t, m: decode_fp8_file(t[m + ".weight"], t[m + ".weight_scale"],
                                                                          torch.float32), fp8_static_input),
-    ("modelopt", "fp8"): (lambda t, m: decode_fp8_file(t[m + ".weight"], t[m + ".weight_scale"], torch.float32),
+    ("modelopt", "fp8_tensor"): (lambda t, m: decode_fp8_file(t[m + ".weight"], t[m + ".weight_scale"], torch.float32),
                           fp8_static_input),
-    ("compressed-tensors", "nvfp4"): (
+    ("compressed-tensors", "nvfp4_blocks"): (
         lambda t, m: decode_nvfp4_ct(t[m + ".weight_packed"], t[m + ".weight_scale"], t[m + ".weight_global_scale"],
                                      torch.float32), nvfp4_static_input),
-    ("modelopt", "nvfp4"): (
+    ("modelopt", "nvfp4_blocks"): (
         lambda t, m: decode_nvfp4_modelopt(t[m + ".weight"], t[m + ".weight_scale"], t[m + ".weight_scale_2"],
                                            torch.float32),
         lambda x, s: nvfp4_static_input(x, 1.0 / s.float())),  # vLLM: a1_gscale = 1 / input_scale

@@ -241,7 +241,7 @@ def test_cli_prints_the_verdict_and_exits_1_on_a_defect(exports):
     good = subprocess.run(cli + [str(exports["out"] / "qwen3_nvfp4_ct"), "--engine", "vllm"], capture_output=True,
                           text=True, timeout=120)
     assert good.returncode == 0, good.stderr
-    assert good.stdout.startswith("check vllm: PASS (compressed-tensors: 32 nvfp4;"), good.stdout
+    assert good.stdout.startswith("check vllm: PASS (compressed-tensors: 32 nvfp4_blocks;"), good.stdout
     name = f"{EXPERT}.gate_proj.input_global_scale"
     bad_dir = _planted(exports, "qwen3_nvfp4_ct", lambda t: t[name].fill_(float("inf")))
     bad = subprocess.run(cli + [str(bad_dir), "--details"], capture_output=True, text=True, timeout=120)
@@ -263,7 +263,7 @@ def test_modelopt_moe_export_ends_with_the_check_verdict(exports):
                           capture_output=True, text=True, timeout=seconds(300))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
-    assert last == "check vllm PASS, sglang PASS, trtllm PASS (modelopt: 32 nvfp4; 0 warnings)", done.stdout
+    assert last == "check vllm PASS, sglang PASS, trtllm PASS (modelopt: 32 nvfp4_blocks; 0 warnings)", done.stdout
 
 
 def _ct_compressed(hf_dir: Path, out: Path, scheme_name: str, fuse_gate_up: bool) -> None:
