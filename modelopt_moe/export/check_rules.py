@@ -128,7 +128,8 @@ ENGINE_RULES: dict[tuple[str, str, str], EngineRule] = {
     (engine, fmt, scheme): rule
     for engine, nvfp4 in (("vllm", _NVFP4_VLLM), ("sglang", _NVFP4_SGLANG), ("trtllm", _NVFP4_TRTLLM))
     for fmt in ("compressed-tensors", "modelopt")
-    for scheme, rule in (("fp8_tensor", _FP8_MOE), ("nvfp4_blocks", nvfp4), ("fp8_channel", EngineRule({}, "layer", "")))
+    for scheme, rule in (("fp8_tensor", _FP8_MOE), ("nvfp4_blocks", nvfp4),
+                         ("fp8_channel", EngineRule({}, "layer", "")))
     if (fmt, scheme) in FORMAT_RULES and not (engine == "trtllm" and fmt == "compressed-tensors")
 }
 
