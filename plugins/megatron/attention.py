@@ -46,6 +46,10 @@ class QuantCoreAttentionMixin(QuantModuleMixin):
     def calibrate_weights(self) -> None:
         """No weights."""
 
+    def weights_to_calibrate(self) -> list:
+        """No weights: weight calibration algorithms (``mse``) have nothing to search here."""
+        return []
+
     def fold_weight(self) -> None:
         """No weights."""
 
