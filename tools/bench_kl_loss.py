@@ -23,32 +23,12 @@ import time
 import torch
 
 from modelopt_moe.distill import logits_kl_loss
+from modelopt_moe.distill.losses import whole_tensor_kl
 
 GiB = 1 << 30
 
 
-class _WholeTensorKL(torch.autograd.Function):
-    """The KL on whole tensors, as it was computed before it was chunked (the reference of memory and time)."""
-
-    @staticmethod
-    def forward(ctx, student, teacher, temperature):
-        s = student.float() / temperature
-        t = teacher.float() / temperature
-        s = s - s.amax(-1, keepdim=True)
-        t = t - t.amax(-1, keepdim=True)
-        es, et = s.exp(), t.exp()
-        zs, zt, cross = es.sum(-1), et.sum(-1), (et * (t - s)).sum(-1)
-        ctx.save_for_backward(es.div_(zs.unsqueeze(-1)), et.div_(zt.unsqueeze(-1)))
-        ctx.temperature, ctx.dtype = temperature, student.dtype
-        return (cross / zt - zt.log() + zs.log()) * (temperature * temperature)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ps, pt = ctx.saved_tensors
-        return ((ps - pt) * (grad.float().unsqueeze(-1) * ctx.temperature)).to(ctx.dtype), None, None
-
-
-IMPLS = {"whole-tensor": lambda s, t: _WholeTensorKL.apply(s, t, 1.0), "chunked": lambda s, t: logits_kl_loss(s, t)}
+IMPLS = {"whole-tensor": lambda s, t: whole_tensor_kl(s, t), "chunked": lambda s, t: logits_kl_loss(s, t)}
 
 
 def _step(impl, student, teacher):

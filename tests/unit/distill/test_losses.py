@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import modelopt_moe.quantization as mtq
 from modelopt_moe.distill import DistillationModel, logits_kl_loss, vocab_parallel_cross_entropy
+from modelopt_moe.distill.losses import whole_tensor_kl
 from modelopt_moe.quantization.conversion import unwrap_model
 
 
@@ -46,28 +47,6 @@ def test_kl_of_equal_logits_is_zero_and_teacher_gets_no_gradient():
     assert t.grad is None
 
 
-class _WholeTensorKL(torch.autograd.Function):
-    """The KL as it was computed on whole tensors (fp32 softmaxes saved for the backward): the reference of the
-    chunked one (one TP rank)."""
-
-    @staticmethod
-    def forward(ctx, student, teacher, temperature):
-        s = student.float() / temperature
-        t = teacher.float() / temperature
-        s = s - s.amax(-1, keepdim=True)
-        t = t - t.amax(-1, keepdim=True)
-        es, et = s.exp(), t.exp()
-        zs, zt, cross = es.sum(-1), et.sum(-1), (et * (t - s)).sum(-1)
-        ctx.save_for_backward(es.div_(zs.unsqueeze(-1)), et.div_(zt.unsqueeze(-1)))
-        ctx.temperature, ctx.dtype = temperature, student.dtype
-        return (cross / zt - zt.log() + zs.log()) * (temperature * temperature)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ps, pt = ctx.saved_tensors
-        return ((ps - pt) * (grad.float().unsqueeze(-1) * ctx.temperature)).to(ctx.dtype), None, None
-
-
 @pytest.mark.parametrize(("shape", "chunk_tokens"), [((3, 5, 64), None), ((3, 5, 64), 2), ((7, 1000), 3),
                                                      ((40, 120_000), None)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -78,7 +57,7 @@ def test_chunked_kl_equals_the_whole_tensor_kl_and_its_gradient(shape, chunk_tok
     s, t = _logits(seed=3, shape=shape, dtype=dtype)
     a, b = s.clone().requires_grad_(True), s.clone().requires_grad_(True)
     got = logits_kl_loss(a, t, temperature=temperature, chunk_tokens=chunk_tokens)
-    want = _WholeTensorKL.apply(b, t, temperature)
+    want = whole_tensor_kl(b, t, temperature)
     g = torch.randn(got.shape, generator=torch.Generator().manual_seed(4))
     got.backward(g)
     want.backward(g)
