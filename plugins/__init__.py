@@ -24,6 +24,7 @@ _PLUGINS = {
     "megatron": ("megatron.core",),
     "transformer_engine": ("transformer_engine.pytorch",),
     "megatron.te_experts": ("megatron.core", "transformer_engine.pytorch"),  # Megatron's TE grouped linears
+    "megatron.te_linears": ("megatron.core", "transformer_engine.pytorch"),  # Megatron's TE dense linears
 }
 _registered: set[str] = set()
 
