@@ -56,6 +56,9 @@ class QuantTELinear(_QuantParallelLinearMixin):
 
     _fake_quant_weight = None
     sharded_axis = None
+    # Megatron's TE linears do not keep ``is_expert``. Dense TE linears are not experts; an expert's TE linear
+    # (SequentialMLP built with TE linears) holds views of the layer's quantizers, which the layer reduces.
+    is_expert = False
 
     def _setup_quantizers(self, config):
         name = type(self).__name__
@@ -85,11 +88,11 @@ class QuantTELinear(_QuantParallelLinearMixin):
     def _te_gemm(self, *args, **kwargs):
         """``gemm(x, w)``: the layer's own forward on input ``x`` with weight ``w`` (through the weight hook)."""
         def gemm(x, w):
-            self._fake_quant_weight = w
+            self.__dict__["_fake_quant_weight"] = w  # not nn.Module's setattr: w may be the Parameter itself
             try:
                 return _QuantParallelLinearMixin.forward(self, x, *args, **kwargs)
             finally:
-                self._fake_quant_weight = None
+                self.__dict__["_fake_quant_weight"] = None
         return gemm
 
     def forward(self, x, *args, **kwargs):

@@ -1,11 +1,12 @@
 """Transformer Engine dense linears (``build_megatron_model(spec="te")``: ``TELayerNormColumnParallelLinear`` for
 QKV, ``TERowParallelLinear`` for the attention output) are quantized like Megatron's local linears, on one GPU.
 
-The same Hugging Face weights go into a TE-spec and a local-spec model, each quantized with the same calibration:
+The same Hugging Face weights go into (fp32) a TE-spec and a local-spec model, each quantized with the same calibration:
 
 * every quantizer the local model enables, the TE model enables under the same name (attention included);
 * weight amaxes are equal; input amaxes close (TE's fused norm and torch's round differently);
-* the quantized logits agree and differ from the unquantized ones (the quantizers act in the forward);
+* the quantized logits of the two agree far better than either agrees with its unquantized logits, and disabling
+  the TE model's attention quantizers changes its logits (they act in the forward);
 * a training step reaches every quantized weight and the fused norm's weight;
 * the NVFP4 export of both has the same tensors, the weights byte for byte.
 
@@ -74,7 +75,7 @@ def test_te_dense_linears_quantized_like_local(megatron_one_gpu, hf_dir, tmp_pat
     results = {}
     for spec in ("te", "local"):
         torch.manual_seed(0)
-        model = build_megatron_model(hf_dir, spec=spec)
+        model = build_megatron_model(hf_dir, spec=spec, params_dtype=torch.float32)
         import_hf(model, hf_dir)
         model.eval()
         with torch.no_grad():
@@ -88,6 +89,11 @@ def test_te_dense_linears_quantized_like_local(megatron_one_gpu, hf_dir, tmp_pat
         if preset == "nvfp4_default.yaml":
             export_hf(model, tmp_path / spec, format="modelopt", progress=False)
         results[spec] = (plain, quantized, _amaxes(model), grads)
+        if spec == "te":  # the attention's quantizers act in the TE forward
+            model.eval()
+            with torch.no_grad():
+                assert mtq.disable_quantizer(model, "*self_attention.linear_*") > 0
+                assert not torch.equal(model(tokens, positions, None).float(), quantized)
 
     te_plain, te_q, te_amax, te_grads = results["te"]
     local_plain, local_q, local_amax, _ = results["local"]
@@ -99,9 +105,12 @@ def test_te_dense_linears_quantized_like_local(megatron_one_gpu, hf_dir, tmp_pat
             assert torch.equal(te_amax[name], a), name
         else:
             assert torch.allclose(te_amax[name], a, rtol=2e-2), (name, te_amax[name], a)
-    scale = local_q.abs().max()
-    assert (te_q - local_q).abs().max() <= 0.05 * scale, ((te_q - local_q).abs().max(), scale)
-    assert not torch.equal(te_q, te_plain)
+    # TE's GEMMs and fused norm round differently from torch's, which flips a few quantized codes and routing
+    # choices: the two quantized models must agree far better than either agrees with its unquantized self.
+    gap, effect = (te_q - local_q).abs().mean(), (local_q - local_plain).abs().mean()
+    plain_gap = (te_plain - local_plain).abs().mean()
+    assert gap <= 0.2 * effect, (gap, effect, plain_gap)
+    assert plain_gap <= 0.2 * effect, (gap, effect, plain_gap)
     for name, p in te_grads.items():
         if "linear_qkv" in name or "linear_proj" in name:
             assert p is not None, name
