@@ -8,7 +8,11 @@ sets) and compares with the measured device copy bandwidth (bytes read + written
   (device time only);
 * ``torch loop``: :func:`formats.fake_quant` per expert (what a Python loop over experts costs);
 * ``compiled``: ``torch.compile(formats.fake_quant)`` on weights stacked beforehand ([N, R, K], amax [N, 1, 1]),
-  the best a single generic fused kernel does (the stacking copy itself is not timed).
+  the best a single generic fused kernel does (the stacking copy itself is not timed; formats with a calibrated
+  amax only);
+* ``Model Optimizer 0.47 loop`` (where ``modelopt`` imports): its own ``TensorQuantizer`` per expert for MXFP4,
+  MXFP8 and FP8 128x128 blocks (its MX presets run its CUDA extension; static blocks are max-calibrated first), with
+  the number of values that differ from ours.
 
 Then the tokens of N experts (``input`` rows): :func:`modelopt_moe.kernels.grouped_input_fake_quant` on one
 ``[T, K]`` matrix split unevenly over N experts, each expert's rows with its own amax, eager (host included) and
@@ -26,18 +30,73 @@ import statistics
 import torch
 
 GiB = 1 << 30
-CONFIGS = [  # (format, N, rows, cols)
-    ("e4m3", 32, 1536, 2048),
-    ("e4m3", 128, 1536, 2048),
-    ("e4m3", 8, 28672, 4096),
-    ("e4m3", 256, 512, 1024),
-    ("nvfp4", 128, 1536, 2048),
+CONFIGS = [  # (format, N, rows, cols, block size: None for the format's own scale layout)
+    ("e4m3", 32, 1536, 2048, None),
+    ("e4m3", 128, 1536, 2048, None),
+    ("e4m3", 8, 28672, 4096, None),
+    ("e4m3", 256, 512, 1024, None),
+    ("nvfp4", 128, 1536, 2048, None),
+    ("mxfp4", 128, 1536, 2048, None),
+    ("mxfp8", 128, 1536, 2048, None),
+    ("e4m3", 128, 1536, 2048, (128, 128)),
+    ("e4m3", 8, 28672, 4096, (128, 128)),
 ]
-INPUT_CONFIGS = [  # (format, N, tokens, features)
-    ("e4m3", 128, 32768, 2048),
-    ("e4m3", 128, 4096, 2048),
-    ("nvfp4", 128, 32768, 2048),
+INPUT_CONFIGS = [  # (format, N, tokens, features, block size)
+    ("e4m3", 128, 32768, 2048, None),
+    ("e4m3", 128, 4096, 2048, None),
+    ("nvfp4", 128, 32768, 2048, None),
+    ("mxfp4", 128, 32768, 2048, None),
+    ("mxfp8", 128, 32768, 2048, None),
+    ("e4m3", 128, 32768, 2048, 128),
 ]
+# Formats whose scales come from the data (no calibrated amax): MX, and FP8 with a block size.
+DYNAMIC = ("mxfp4", "mxfp8")
+# Model Optimizer 0.47's quantizer attributes for the same formats (its presets' shapes), for its per-expert loop.
+MODELOPT_ATTRS = {
+    ("mxfp4", None): {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},
+    ("mxfp8", None): {"num_bits": (4, 3), "block_sizes": {-1: 32, "type": "dynamic", "scale_bits": (8, 0)}},
+    ("e4m3", (128, 128)): {"num_bits": (4, 3), "block_sizes": {-1: 128, -2: 128}},
+}
+
+
+def label(fmt: str, block) -> str:
+    """A configuration's format as the table names it (``e4m3 128x128``: FP8 in 2-D blocks)."""
+    if block is None:
+        return fmt
+    return f"{fmt} " + ("x".join(map(str, block)) if isinstance(block, tuple) else f"1x{block}")
+
+
+def data_scaled(fmt: str, block) -> bool:
+    """Whether the format takes no amax (its scales come from each block of the data)."""
+    return fmt in DYNAMIC or block is not None
+
+
+def modelopt_loop(fmt: str, block, weights):
+    """Model Optimizer 0.47's fake quant of each expert with its own ``TensorQuantizer`` (static blocks calibrated
+    first, by its max calibrator), as a no-argument call; None where it is not importable or has no such format."""
+    attrs = MODELOPT_ATTRS.get((fmt, block))
+    if attrs is None:
+        return None
+    try:
+        from modelopt.torch.quantization.config import QuantizerAttributeConfig
+        from modelopt.torch.quantization.nn import TensorQuantizer
+    except ImportError:
+        return None
+    quantizers = [TensorQuantizer(QuantizerAttributeConfig(**attrs)).cuda() for _ in weights]
+    with torch.no_grad():
+        if "type" not in attrs["block_sizes"]:  # static blocks: max-calibrate each expert's block amaxes
+            for q, w in zip(quantizers, weights, strict=True):
+                q.disable_quant()
+                q.enable_calib()
+                q(w)
+                q.load_calib_amax()
+                q.enable_quant()
+                q.disable_calib()
+
+    def call(ws):
+        with torch.no_grad():
+            return [q(w) for q, w in zip(quantizers, ws, strict=True)]
+    return call
 
 
 def bench(fn, rep_ms: int = 200) -> float:
@@ -109,27 +168,30 @@ def bench_inputs(bw: float, quick: bool) -> list[tuple]:
     from modelopt_moe.numerics import fake_quant
 
     rows_out = []
-    for fmt, n, t, k in INPUT_CONFIGS:
+    for fmt, n, t, k, block in INPUT_CONFIGS:
         splits = uneven_splits(n, t)
         m = torch.tensor(splits, device="cuda")
         xs = [torch.randn(t, k, device="cuda", dtype=torch.bfloat16) * (1 + s) for s in range(3)]
-        amax = torch.stack([c.float().abs().amax() if c.numel() else torch.ones((), device="cuda")
-                            for c in xs[0].split(splits)])
+        if data_scaled(fmt, block):
+            amax = [None] * n
+        else:
+            amax = torch.stack([c.float().abs().amax() if c.numel() else torch.ones((), device="cuda")
+                                for c in xs[0].split(splits)])
         nbytes = 2 * t * k * 2
-        name = f"input {fmt} N={n} [{t}x{k}]"
+        name = f"input {label(fmt, block)} N={n} [{t}x{k}]"
 
-        def grouped(x, fmt=fmt, m=m, amax=amax):
-            return grouped_input_fake_quant(x, m, amax, fmt)
+        def grouped(x, fmt=fmt, m=m, amax=amax, block=block):
+            return grouped_input_fake_quant(x, m, None if isinstance(amax, list) else amax, fmt, block)
 
         out = grouped(xs[0])
         for i in (0, n - 1):
             lo = sum(splits[:i])
             chunk = xs[0][lo:lo + splits[i]]
-            assert torch.equal(out[lo:lo + splits[i]], fake_quant(chunk, fmt, amax[i])), f"{name}: expert {i}"
+            assert torch.equal(out[lo:lo + splits[i]], fake_quant(chunk, fmt, amax[i], block)), f"{name}: expert {i}"
         results = eager_and_graph(grouped, xs)
         if not quick:
-            def loop(x, fmt=fmt, splits=splits, amax=amax):
-                return torch.cat([fake_quant(c, fmt, amax[i]) for i, c in enumerate(x.split(splits))])
+            def loop(x, fmt=fmt, splits=splits, amax=amax, block=block):
+                return torch.cat([fake_quant(c, fmt, amax[i], block) for i, c in enumerate(x.split(splits))])
 
             results["torch loop"] = bench(rotating(loop, xs), rep_ms=100)
         for method, ms in results.items():
@@ -158,18 +220,20 @@ def main() -> None:
     compiled = torch.compile(fake_quant, dynamic=True)
 
     rows_out = []
-    for fmt, n, r, k in CONFIGS:
+    for fmt, n, r, k, block in CONFIGS:
         sets, amax = make_sets(n, r, k)
+        amax_i = [None] * n if data_scaled(fmt, block) else amax
+        amax_all = None if data_scaled(fmt, block) else amax
         nbytes = 2 * n * r * k * 2  # bf16 read + write
-        name = f"{fmt} N={n} [{r}x{k}]"
+        name = f"{label(fmt, block)} N={n} [{r}x{k}]"
 
-        def grouped(ws, fmt=fmt, amax=amax):
-            return grouped_weight_fake_quant(ws, amax, fmt)
+        def grouped(ws, fmt=fmt, amax=amax_all, block=block):
+            return grouped_weight_fake_quant(ws, amax, fmt, block)
 
         # Correctness spot check against the reference before timing.
         out = grouped(sets[0])
         for i in (0, n - 1):
-            assert torch.equal(out[i], fake_quant(sets[0][i], fmt, amax[i])), f"{name}: expert {i} mismatch"
+            assert torch.equal(out[i], fake_quant(sets[0][i], fmt, amax_i[i], block)), f"{name}: expert {i} mismatch"
         results = eager_and_graph(grouped, sets)
         if args.sweep:
             best = None
@@ -185,30 +249,36 @@ def main() -> None:
             clear_table_cache()
             print(f"    best: tile {best[1]} warps {best[2]}: {best[0]:.3f} ms")
         if not args.quick:
-            def loop(ws, fmt=fmt, amax=amax):
-                return [fake_quant(w, fmt, amax[i]) for i, w in enumerate(ws)]
-
-            stacked = [torch.stack(ws) for ws in sets[:1]]  # one stacked set (memory); L2 is flushed anyway
-            amax3 = amax.view(-1, 1, 1)
-
-            def comp(ws, fmt=fmt, amax3=amax3):
-                return compiled(ws, fmt, amax3)
+            def loop(ws, fmt=fmt, amax=amax_i, block=block):
+                return [fake_quant(w, fmt, amax[i], block) for i, w in enumerate(ws)]
 
             results["torch loop"] = bench(rotating(loop, sets), rep_ms=100)
-            got = comp(stacked[0])  # compiles outside the timing
-            # Inductor does not promise formats.py's bits (it may fuse or reorder): report, do not assert.
-            mismatch = (got != torch.stack(out)).float().mean().item()
-            results[f"compiled (pre-stacked) [{mismatch:.1e} bits differ]"] = bench(rotating(comp, stacked))
-            del stacked
+            theirs = modelopt_loop(fmt, block, sets[0])
+            if theirs is not None:
+                differ = sum(int((a != b).sum()) for a, b in zip(theirs(sets[0]), out, strict=True))
+                results[f"Model Optimizer 0.47 loop [{differ} values differ]"] = bench(rotating(theirs, sets[:1]),
+                                                                                       rep_ms=100)
+            if not data_scaled(fmt, block):
+                stacked = [torch.stack(ws) for ws in sets[:1]]  # one stacked set (memory); L2 is flushed anyway
+                amax3 = amax.view(-1, 1, 1)
+
+                def comp(ws, fmt=fmt, amax3=amax3):
+                    return compiled(ws, fmt, amax3)
+
+                got = comp(stacked[0])  # compiles outside the timing
+                # Inductor does not promise formats.py's bits (it may fuse or reorder): report, do not assert.
+                mismatch = (got != torch.stack(out)).float().mean().item()
+                results[f"compiled (pre-stacked) [{mismatch:.1e} bits differ]"] = bench(rotating(comp, stacked))
+                del stacked
         for method, ms in results.items():
             rows_out.append((name, method, ms, nbytes / (ms * 1e-3) / 1e9, nbytes / (ms * 1e-3) / bw))
         del sets, out
         torch.cuda.empty_cache()
 
     input_rows = bench_inputs(bw, args.quick)
-    print(f"\n{'config':<34} {'method':<44} {'median ms':>10} {'GB/s':>8} {'of copy':>8}")
+    print(f"\n{'config':<40} {'method':<48} {'median ms':>10} {'GB/s':>8} {'of copy':>8}")
     for name, method, ms, gbs, frac in rows_out + input_rows:
-        print(f"{name:<34} {method:<44} {ms:>10.3f} {gbs:>8.0f} {frac:>8.2f}")
+        print(f"{name:<40} {method:<48} {ms:>10.3f} {gbs:>8.0f} {frac:>8.2f}")
     for what, rows in (("weight", rows_out), ("input", input_rows)):
         for kind in ("eager", "CUDA graph"):
             fracs = [f for _, m, _, _, f in rows if m.startswith("grouped") and kind in m]

@@ -16,6 +16,13 @@ Variants:
                         loop costs; NVIDIA Model Optimizer 0.47's layout)
   TE fp8 delayed /      Transformer Engine's own FP8 training of the same layer (``fp8_autocast`` with its delayed or
   TE fp8 current        current scaling recipe; FP8 forward, dgrad and wgrad GEMMs): the anchor for ``te_fp8``
+  fp8 block re-quantize FP8 in blocks (``fp8_block_w8a8.yaml``: 128x128 weight blocks, 1x128 token groups, scales
+                        from the data) on the one-launch kernels, weights fake-quantized on every forward
+  fp8 block torch       the same with the torch reference, one expert at a time (the per-expert loop)
+  TE fp8 block          Transformer Engine's own ``Float8BlockScaling`` training of the same layer (real FP8 GEMMs
+                        on 128x128 / 1x128 blocks; runs on Hopper): the anchor for FP8 blocks
+  mxfp8 / mxfp4         ``mxfp8_default.yaml`` / ``mxfp4_default.yaml`` fake quant on the one-launch kernels (TE's
+    re-quantize         ``MXFP8BlockScaling`` needs a Blackwell GPU's MX GEMMs, so it has no row on Hopper)
 
 ``--backward quantized`` sets ``backward.mode: quantized`` for every quantized variant: the output gradient is
 fake-quantized (E5M2, per tensor), and ``te_fp8`` then runs dgrad and wgrad as FP8 GEMMs too.
@@ -58,7 +65,8 @@ def _time_ms(fn, warmup=5, iters=20) -> float:
 
 
 VARIANTS = ("bf16", "fp8 reuse", "fp8 re-quantize", "fp8 re-q, keep", "te_fp8 reuse", "te_fp8 re-quantize",
-            "fp8 torch loop", "TE fp8 delayed", "TE fp8 current")
+            "fp8 torch loop", "TE fp8 delayed", "TE fp8 current", "fp8 block re-quantize", "fp8 block torch",
+            "TE fp8 block", "mxfp8 re-quantize", "mxfp4 re-quantize")
 
 
 def _time_back_to_back_ms(fn, steps=10, repeats=3) -> float:
@@ -83,10 +91,12 @@ def _variants(base, x, splits, backward: str, names):
 
     import modelopt_moe.quantization as mtq
 
-    def quantized(layout, kernel, weight_operands="recompute"):
+    def quantized(layout, kernel, weight_operands="recompute", preset="fp8_default.yaml"):
         layer = copy.deepcopy(base)
-        cfg = mtq.load_config("fp8_default.yaml")
-        cfg.experts.weight_amax, cfg.backward.weight_operands = layout, weight_operands
+        cfg = mtq.load_config(preset)
+        if layout is not None:
+            cfg.experts.weight_amax = layout
+        cfg.backward.weight_operands = weight_operands
         cfg.backward.mode = backward
         cfg.kernel, cfg.gemm = ("auto", "te_fp8") if kernel == "te_fp8" else (kernel, "fake_quant")
         with warnings.catch_warnings():
@@ -111,6 +121,11 @@ def _variants(base, x, splits, backward: str, names):
         "fp8 torch loop": lambda: (quantized("per_expert", "torch"), None),
         "TE fp8 delayed": lambda: te_own(recipe.DelayedScaling),
         "TE fp8 current": lambda: te_own(recipe.Float8CurrentScaling),
+        "fp8 block re-quantize": lambda: (quantized(None, "auto", preset="fp8_block_w8a8.yaml"), None),
+        "fp8 block torch": lambda: (quantized(None, "torch", preset="fp8_block_w8a8.yaml"), None),
+        "TE fp8 block": lambda: te_own(recipe.Float8BlockScaling),
+        "mxfp8 re-quantize": lambda: (quantized(None, "auto", preset="mxfp8_default.yaml"), None),
+        "mxfp4 re-quantize": lambda: (quantized(None, "auto", preset="mxfp4_default.yaml"), None),
     }
     return {name: build[name]() for name in VARIANTS if name == "bf16" or name in names}
 
