@@ -119,9 +119,10 @@ def parse_variant(spec: str, base: dict | None = None):
 
     head, _, changes = spec.partition(":")
     fmt, _, method = head.partition("/")
-    if fmt.split("-")[0] not in ("nvfp4", "fp8") or fmt.partition("-")[2] not in ("", "w", "a") or (
+    formats = ("nvfp4", "fp8", "mxfp4", "mxfp8", "fp8_block")
+    if fmt.split("-")[0] not in formats or fmt.partition("-")[2] not in ("", "w", "a") or (
             method not in ("qad", "qat")):
-        raise ValueError(f"variant {spec!r}: expected '<nvfp4|fp8>[-w|-a]/<qad|qat>[:field=value,...]'")
+        raise ValueError(f"variant {spec!r}: expected '<{'|'.join(formats)}>[-w|-a]/<qad|qat>[:field=value,...]'")
     fields = {f.name: f for f in dataclasses.fields(QADRecipe)}
     kwargs = dict(base or {})
     for item in filter(None, changes.split(",")):
