@@ -33,8 +33,10 @@ from .launch import (
     cdiv,
     input_tiling,
     launch_kwargs,
+    rounding_options,
     signature,
 )
+from .tuning import weight_kernel_config
 
 __all__ = ["takes_weights", "takes_tokens", "weight_blocks_fake_quant", "token_groups_fake_quant",
            "clear_block_tables"]
@@ -91,10 +93,13 @@ def _table(weights: Sequence[torch.Tensor], br: int, bc: int, sig: Signature | N
     esize = weights[0].element_size()
     base = min(range(len(ptrs)), key=ptrs.__getitem__)
     rows, n_blocks, out_off = [], 0, 0
+    vec = 16 // esize  # elements per 16-byte vector, promised to the kernel only if every expert allows it
     for w, p in zip(weights, ptrs, strict=True):
         r, c = w.shape
         if (p - ptrs[base]) % esize:
             raise ValueError("grouped fake quant: tensor addresses are not aligned to their element size")
+        if p % 16 or c % vec or out_off % vec:
+            vec = 1
         row = [0] * NCOL
         ctiles = cdiv(c, bc)
         row[COL_IN], row[COL_OUT], row[COL_ROWS], row[COL_COLS] = (p - ptrs[base]) // esize, out_off, r, c
@@ -109,7 +114,7 @@ def _table(weights: Sequence[torch.Tensor], br: int, bc: int, sig: Signature | N
         table = host.to(device, non_blocking=True)
     else:
         table = host
-    entry = (table, host, base, n_blocks, out_off)
+    entry = (table, host, base, n_blocks, out_off, vec)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         _captured[key] = entry
     else:
@@ -129,14 +134,16 @@ def weight_blocks_fake_quant(weights: Sequence[torch.Tensor], fmt: str, block_si
     """The N fake-quantized experts, concatenated flat (the grouped op's output buffer); inputs already checked
     by the grouped op and taken by :func:`takes_weights`."""
     br, bc = block_size
-    table, _, base, n_blocks, total = _table(weights, br, bc, sig)
+    table, _, base, n_blocks, total, vec = _table(weights, br, bc, sig)
     out = torch.empty(total, dtype=weights[0].dtype, device=weights[0].device)
     if n_blocks == 0:
         return out
     kwargs = launch_kwargs(out.device)
+    hw_cvt = rounding_options(weight_kernel_config(fmt), out.device)["HW_CVT"]
     _kernels().grouped_weight_block2d_kernel[(n_blocks,)](
         weights[base], out, table, len(weights), **_constexprs(fmt), BR=br, BC=bc, CHUNK=min(br, _CHUNK_ROWS),
-        SEARCH_STEPS=max(0, (len(weights) - 1).bit_length()), **kwargs)
+        SEARCH_STEPS=max(0, (len(weights) - 1).bit_length()), VEC=vec if bc % vec == 0 else 1, HW_CVT=hw_cvt,
+        **kwargs)
     return out
 
 
