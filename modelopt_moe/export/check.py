@@ -30,11 +30,12 @@ from pathlib import Path
 
 import torch
 
+from .calibration_coverage import CALIBRATION_TOKENS_FILE, read_calibration_tokens
 from .check_rules import ENGINE_RULES, ENGINES, FORMAT_RULES, KV_RULES, EngineRule, FormatRule, TensorRule
 from .checkpoint_layout import Finding, LinearScheme, checkpoint_layout
 from .errors import ExportError
 
-__all__ = ["check_checkpoint", "check_all_engines", "CheckReport", "Finding", "InputScaleSpread"]
+__all__ = ["check_checkpoint", "check_all_engines", "CheckReport", "Finding", "InputScaleSpread", "CalibrationTokens"]
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -51,6 +52,20 @@ class InputScaleSpread:
     median_ratio: float
 
 
+@dataclass(frozen=True)
+class CalibrationTokens:
+    """One MoE layer's calibration tokens per expert for one GEMM (``gate_up`` or ``down``), from the checkpoint's
+    ``calibration_tokens.json``: the fewest (and which expert), the median, and the experts below the threshold the
+    export warned at (``{expert: tokens}``)."""
+
+    layer: int
+    gemm: str
+    min_tokens: int
+    min_expert: int
+    median_tokens: float
+    cold: dict[int, int]
+
+
 @dataclass
 class CheckReport:
     """The result of :func:`check_checkpoint`."""
@@ -64,6 +79,8 @@ class CheckReport:
     collapse: str | None = None
     kl: list[float] | None = None
     kv_cache: str | None = None  # the KV cache's quantization (FP8, NVFP4) where the config has one
+    calibration: list[CalibrationTokens] = field(default_factory=list)
+    calibration_threshold: int | None = None
     shapes: dict = field(default_factory=dict, repr=False)  # every linear's [R, C] by Hugging Face module
 
     @property
@@ -92,6 +109,11 @@ class CheckReport:
                      f"{worst.layer} {worst.gemm} expert {worst.worst_expert}")
         elif worst is not None:
             head += "; input scales: every expert keeps its own"
+        if self.calibration:
+            low = min(self.calibration, key=lambda c: c.min_tokens)
+            cold = sum(len(c.cold) for c in self.calibration)
+            head += (f"; calibration tokens per expert: min {low.min_tokens} (layer {low.layer} {low.gemm} expert "
+                     f"{low.min_expert}), {cold} below {self.calibration_threshold}")
         if self.kl:
             head += f"; engine-order forward KL to the reference {max(self.kl):.3g} (max of {len(self.kl)} batches)"
         head += ")"
@@ -105,6 +127,12 @@ class CheckReport:
                          "expert's own amax:")
             lines += [f"    layer {s.layer} {s.gemm}: worst {s.worst_ratio:.4g} (expert {s.worst_expert}), median "
                       f"{s.median_ratio:.4g}" for s in self.spreads]
+        if self.calibration:
+            lines.append(f"  calibration tokens per expert (calibration_tokens.json; export warned below "
+                         f"{self.calibration_threshold}):")
+            lines += [f"    layer {c.layer} {c.gemm}: min {c.min_tokens} (expert {c.min_expert}), median "
+                      f"{c.median_tokens:g}" + (f", below {self.calibration_threshold}: {c.cold}" if c.cold else "")
+                      for c in self.calibration]
         return "\n".join(lines)
 
 
@@ -153,6 +181,7 @@ def check_checkpoint(path: str | os.PathLike, engine: str = "vllm", reference=No
     _check_refusals(assign, report)
     _check_experts(arch, family, assign, values, report)
     _check_kv_cache(path, layout, report)
+    _report_calibration_tokens(path, arch, family, report)
     if reference is not None and report.ok:
         from .engine_forward import engine_order_kl
 
@@ -373,6 +402,38 @@ def _check_kv_cache(path: Path, layout, report: CheckReport) -> None:
     report.kv_cache = layout.kv_cache
     for name in names:
         _check_tensor(path, name, rule.scale, (0, 0), None, layout.headers, report)
+
+
+def _report_calibration_tokens(path: Path, arch, family, report: CheckReport) -> None:
+    """Per MoE layer and GEMM, the min / median calibration tokens over experts and the experts below the export's
+    threshold (a warning each), from ``calibration_tokens.json`` where the checkpoint has one."""
+    try:
+        recorded = read_calibration_tokens(path)
+    except ExportError as e:
+        report.findings.append(Finding("error", "calibration", CALIBRATION_TOKENS_FILE, str(e)))
+        return
+    if recorded is None:
+        return
+    tokens, threshold = recorded
+    report.calibration_threshold = threshold
+    for layer in range(arch.num_layers):
+        for gemm, linear in (("gate_up", "gate"), ("down", "down")):
+            counts = {e: tokens.get(family.hf_module(f"layers.{layer}.experts.{e}.{linear}"))
+                      for e in range(arch.num_experts)}
+            counts = {e: n for e, n in counts.items() if n is not None}
+            if not counts:
+                continue
+            low = min(counts, key=counts.__getitem__)
+            ordered = sorted(counts.values())
+            mid = len(ordered) // 2
+            median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+            cold = {e: n for e, n in counts.items() if n < threshold}
+            report.calibration.append(CalibrationTokens(layer, gemm, counts[low], low, median, cold))
+            if cold:
+                report.findings.append(Finding(
+                    "warning", "calibration", f"layer {layer} {gemm} experts", f"{len(cold)} experts calibrated "
+                    f"their input scale on fewer than {threshold} tokens {cold} (0: the layer's shared input amax): "
+                    "their scales rest on little data"))
 
 
 def _gate_up_effect(engine: str) -> str:
