@@ -244,8 +244,9 @@ def _check_linear(path: Path, module: str, shape, rule: FormatRule, scheme: Line
 def _check_tensor(path: Path, name: str, t: TensorRule, shape, group, headers: dict,
                   report: CheckReport) -> torch.Tensor | None:
     """Checks one stored tensor against its rule (presence, dtype, shape, values); returns a scale's values when
-    they are sound (None otherwise, and for weights)."""
-    r, c = shape
+    they are sound (None otherwise, and for weights). ``shape``: the linear's ``[R, C]`` (None: a scalar of no
+    linear, a KV-cache scale)."""
+    r, c = shape or (0, 0)
     if name not in headers:
         why = " (engines read a missing scale as zero, one or uninitialised memory: NaN, inf or a wrong scale)" \
             if "scale" in t.role else ""
@@ -257,8 +258,8 @@ def _check_tensor(path: Path, name: str, t: TensorRule, shape, group, headers: d
     allowed, why = t.expected_shapes(r, c, group)
     if h.shape not in allowed:
         expected = why or "expected " + " or ".join(str(list(s)) for s in allowed)
-        report.findings.append(Finding("error", "shape", name, f"{list(h.shape)} for a [{r}, {c}] weight"
-                                       f"{'' if group is None else f' in groups of {group}'}: {expected}"))
+        of = "" if shape is None else f" for a [{r}, {c}] weight" + ("" if group is None else f" in groups of {group}")
+        report.findings.append(Finding("error", "shape", name, f"{list(h.shape)}{of}: {expected}"))
         return None
     if t.role == "weight":
         return None
@@ -401,7 +402,7 @@ def _check_kv_cache(path: Path, layout, report: CheckReport) -> None:
         return
     report.kv_cache = layout.kv_cache
     for name in names:
-        _check_tensor(path, name, rule.scale, (0, 0), None, layout.headers, report)
+        _check_tensor(path, name, rule.scale, None, None, layout.headers, report)
 
 
 def _report_calibration_tokens(path: Path, arch, family, report: CheckReport) -> None:
