@@ -9,13 +9,17 @@
     print(report.details())        # every finding and the per-layer input-scale spread
 
 What it checks, per quantized linear of the config's model (Qwen3-MoE, Mixtral), from the rules of
-:mod:`.check_rules`: every tensor the format stores is present in the shard the index names, with the dtype and
-shape the loaders take; every per-tensor or per-channel scale is finite, positive and normal and so is its
-reciprocal (engines invert them: a missing scale loads as zero or uninitialised memory and a never-routed expert
-then gives NaN), block scales finite and non-negative; the gate and up projections of each expert share the scales
-the engine fuses; Model Optimizer ``MIXED_PRECISION`` configs list every quantized layer in ``quantized_layers``.
-It reports, per MoE layer, how far each expert's own input scale is from the one the engine uses after collapsing
-them (one per layer or per expert), as the ratio of the two amaxes (1: nothing lost).
+:mod:`.check_rules` (FP8 per tensor / channel / 128x128 blocks, NVFP4, INT4 W4A16 groups, MXFP4, MXFP8, in
+compressed-tensors and Model Optimizer checkpoints): every tensor the format stores is present in the shard the index
+names, with the dtype and shape the loaders take; every per-tensor, per-channel, per-group or per-block float scale is
+finite, positive and normal and so is its reciprocal (engines invert them: a missing scale loads as zero or
+uninitialised memory and a never-routed expert then gives NaN), E4M3 block scales finite and non-negative, E8M0 scales
+not NaN; the gate and up projections of each expert share the scales the engine fuses; what the engine's MoE loader
+refuses; Model Optimizer ``MIXED_PRECISION`` configs list every quantized layer in ``quantized_layers``; every
+attention layer's KV-cache ``k_scale`` / ``v_scale`` where the config quantizes the KV cache. It reports, per MoE
+layer, how far each expert's own input scale is from the one the engine uses after collapsing them (one per layer or
+per expert), as the ratio of the two amaxes (1: nothing lost), and, from ``calibration_tokens.json`` where the export
+wrote one, the fewest and median calibration tokens per expert, flagging those below the export's threshold.
 
 Findings are ``error`` (the engine fails to load, produces NaN, or dequantizes with a wrong scale) or ``warning``
 (the engine requantizes, losing accuracy). Only tensor data of scales is read.
@@ -129,10 +133,11 @@ class CheckReport:
                       f"{s.median_ratio:.4g}" for s in self.spreads]
         if self.calibration:
             lines.append(f"  calibration tokens per expert (calibration_tokens.json; export warned below "
-                         f"{self.calibration_threshold}):")
+                         f"{self.calibration_threshold}; flagged experts as expert: tokens, 0: the layer's shared "
+                         "input amax):")
             lines += [f"    layer {c.layer} {c.gemm}: min {c.min_tokens} (expert {c.min_expert}), median "
-                      f"{c.median_tokens:g}" + (f", below {self.calibration_threshold}: {c.cold}" if c.cold else "")
-                      for c in self.calibration]
+                      f"{c.median_tokens:g}" + (f"; FLAGGED, below {self.calibration_threshold}: {c.cold}" if c.cold
+                                                else "") for c in self.calibration]
         return "\n".join(lines)
 
 
@@ -407,7 +412,8 @@ def _check_kv_cache(path: Path, layout, report: CheckReport) -> None:
 
 def _report_calibration_tokens(path: Path, arch, family, report: CheckReport) -> None:
     """Per MoE layer and GEMM, the min / median calibration tokens over experts and the experts below the export's
-    threshold (a warning each), from ``calibration_tokens.json`` where the checkpoint has one."""
+    threshold, from ``calibration_tokens.json`` where the checkpoint has one. They are flagged in the verdict and
+    the details, not as findings: the engines load such scales, and the export already warned."""
     try:
         recorded = read_calibration_tokens(path)
     except ExportError as e:
@@ -430,11 +436,6 @@ def _report_calibration_tokens(path: Path, arch, family, report: CheckReport) ->
             median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
             cold = {e: n for e, n in counts.items() if n < threshold}
             report.calibration.append(CalibrationTokens(layer, gemm, counts[low], low, median, cold))
-            if cold:
-                report.findings.append(Finding(
-                    "warning", "calibration", f"layer {layer} {gemm} experts", f"{len(cold)} experts calibrated "
-                    f"their input scale on fewer than {threshold} tokens {cold} (0: the layer's shared input amax): "
-                    "their scales rest on little data"))
 
 
 def _gate_up_effect(engine: str) -> str:
