@@ -85,7 +85,6 @@ class CheckReport:
     kv_cache: str | None = None  # the KV cache's quantization (FP8, NVFP4) where the config has one
     calibration: list[CalibrationTokens] = field(default_factory=list)
     calibration_threshold: int | None = None
-    shapes: dict = field(default_factory=dict, repr=False)  # every linear's [R, C] by Hugging Face module
 
     @property
     def errors(self) -> list[Finding]:
@@ -182,9 +181,8 @@ def check_checkpoint(path: str | os.PathLike, engine: str = "vllm", reference=No
         report.schemes[scheme.label] = report.schemes.get(scheme.label, 0) + 1
         values[module] = _check_linear(path, module, shape, FORMAT_RULES[(report.format, scheme.key)], scheme,
                                        headers, report)
-    report.shapes = shapes
     _check_refusals(assign, report)
-    _check_experts(arch, family, assign, values, report)
+    _check_experts(arch, family, assign, values, shapes, report)
     _check_kv_cache(path, layout, report)
     _report_calibration_tokens(path, arch, family, report)
     if reference is not None and report.ok:
@@ -309,7 +307,7 @@ def _scale_problem(v: torch.Tensor) -> str | None:
 # ------------------------------------------------------------------------------------------------ experts
 
 
-def _check_experts(arch, family, assign: dict, values: dict, report: CheckReport) -> None:
+def _check_experts(arch, family, assign: dict, values: dict, shapes: dict, report: CheckReport) -> None:
     """Gate and up sharing the scales the engine fuses; the input-scale spread after the engine's collapse."""
     for layer in range(arch.num_layers):
         modules = {k: [family.hf_module(f"layers.{layer}.experts.{e}.{k}") for e in range(arch.num_experts)]
@@ -326,7 +324,7 @@ def _check_experts(arch, family, assign: dict, values: dict, report: CheckReport
             continue
         if engine_rule.refuses:
             continue  # one error for the whole checkpoint (check_checkpoint)
-        _check_expert_layout(layer, modules, assign, engine_rule, report)
+        _check_expert_layout(layer, modules, assign, shapes, engine_rule, report)
         if engine_rule.input_collapse != "none":
             report.collapse = engine_rule.input_collapse
         for role, how in engine_rule.gate_up.items():
@@ -358,7 +356,8 @@ def _check_experts(arch, family, assign: dict, values: dict, report: CheckReport
             report.spreads.append(InputScaleSpread(layer, gemm, ratios[worst], worst, sorted(ratios)[len(ratios) // 2]))
 
 
-def _check_expert_layout(layer: int, modules: dict, assign: dict, rule: EngineRule, report: CheckReport) -> None:
+def _check_expert_layout(layer: int, modules: dict, assign: dict, shapes: dict, rule: EngineRule,
+                         report: CheckReport) -> None:
     """What the engine's MoE loader refuses in one layer's experts: static input scales where it takes dynamic
     inputs only; 2-D weight blocks that would straddle the fused gate and up."""
     scheme = assign[modules["gate"][0]]
@@ -368,7 +367,7 @@ def _check_expert_layout(layer: int, modules: dict, assign: dict, rule: EngineRu
             f"{report.engine}'s MoE method takes them only with dynamic per-token inputs ({rule.source}); export "
             "them with dynamic inputs (FP8_DYNAMIC)"))
     if rule.whole_row_blocks and isinstance(scheme.group, tuple):
-        rows = report.shapes.get(modules["gate"][0], (0, 0))[0]
+        rows = shapes[modules["gate"][0]][0]
         if rows % scheme.group[0]:
             report.findings.append(Finding(
                 "error", "shape", f"layer {layer} experts", f"expert FFN size {rows} is not a multiple of the "

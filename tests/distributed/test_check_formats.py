@@ -333,3 +333,16 @@ def test_calibration_tokens_are_written_per_expert_and_reported_by_the_cli(expor
     assert "2: 0" in line, details.stdout
     # export without per-expert token counts (MX inputs are dynamic): no file, nothing reported
     assert not (exports["out"] / "mxfp4_ct" / "calibration_tokens.json").exists()
+
+
+def test_weight_blocks_across_the_fused_gate_and_up_are_an_error(exports):
+    """Blocks of 256 rows over experts whose gate and up have 128 rows each: vLLM and SGLang stack gate and up into
+    one weight and refuse a block that straddles them."""
+    def tall_blocks(cfg):
+        cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["block_structure"] = [256, 128]
+
+    path = _planted(exports, "fp8_block_ct", lambda t: None, tall_blocks)
+    for engine in ("vllm", "sglang"):
+        report = check_checkpoint(path, engine=engine)
+        layers = {f.where for f in report.errors if "not a multiple of the 256-row weight block" in f.message}
+        assert layers == {"layer 0 experts", "layer 1 experts"}, report.details()
