@@ -26,6 +26,7 @@ from pathlib import Path
 
 from torch import nn
 
+from ..quantization.calib.tokens import expert_token_counts
 from ..quantization.utils import rank
 from ..quantization.weight_amax import update_weight_amax
 from .calibration_coverage import DEFAULT_MIN_CALIB_TOKENS, warn_cold_experts
@@ -91,15 +92,19 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "co
     5.13 and later read them wrong without :func:`modelopt_moe.export.transformers_compat.fix_nvfp4_experts`; and
     naming the experts (global index, token count) whose input amax was calibrated on fewer than
     ``min_calib_tokens`` tokens (:mod:`.calibration_coverage`). Every scale written is finite, positive and normal.
+    Where calibration counted each expert's tokens, ``calibration_tokens.json`` records them per expert linear, with
+    ``min_calib_tokens`` (``modelopt-moe check`` reports them per layer).
     """
     adapter = adapter_for(model)
     # A dynamic weight amax holds the value of the last forward; after an optimizer step, recompute it from the
     # current weights so that the exported scales are those the next forward would use (same collectives on every
     # rank, in module order).
     update_weight_amax(model)
-    warn_cold_experts(model, min_calib_tokens)  # one all_gather_object, every rank
+    tokens = expert_token_counts(model)  # one all_gather_object, every rank
+    warn_cold_experts(model, min_calib_tokens, tokens)
     return adapter.export_hf(model, out_dir, format=format, family=family, dtype=dtype, hf_config=hf_config,
-                             progress=progress, base_model=base_model)
+                             progress=progress, base_model=base_model, calibration_tokens=tokens,
+                             min_calib_tokens=min_calib_tokens)
 
 
 def import_hf(model: nn.Module, hf_dir: str | os.PathLike) -> None:

@@ -9,13 +9,17 @@
     print(report.details())        # every finding and the per-layer input-scale spread
 
 What it checks, per quantized linear of the config's model (Qwen3-MoE, Mixtral), from the rules of
-:mod:`.check_rules`: every tensor the format stores is present in the shard the index names, with the dtype and
-shape the loaders take; every per-tensor or per-channel scale is finite, positive and normal and so is its
-reciprocal (engines invert them: a missing scale loads as zero or uninitialised memory and a never-routed expert
-then gives NaN), block scales finite and non-negative; the gate and up projections of each expert share the scales
-the engine fuses; Model Optimizer ``MIXED_PRECISION`` configs list every quantized layer in ``quantized_layers``.
-It reports, per MoE layer, how far each expert's own input scale is from the one the engine uses after collapsing
-them (one per layer or per expert), as the ratio of the two amaxes (1: nothing lost).
+:mod:`.check_rules` (FP8 per tensor / channel / 128x128 blocks, NVFP4, INT4 W4A16 groups, MXFP4, MXFP8, in
+compressed-tensors and Model Optimizer checkpoints): every tensor the format stores is present in the shard the index
+names, with the dtype and shape the loaders take; every per-tensor, per-channel, per-group or per-block float scale is
+finite, positive and normal and so is its reciprocal (engines invert them: a missing scale loads as zero or
+uninitialised memory and a never-routed expert then gives NaN), E4M3 block scales finite and non-negative, E8M0 scales
+not NaN; the gate and up projections of each expert share the scales the engine fuses; what the engine's MoE loader
+refuses; Model Optimizer ``MIXED_PRECISION`` configs list every quantized layer in ``quantized_layers``; every
+attention layer's KV-cache ``k_scale`` / ``v_scale`` where the config quantizes the KV cache. It reports, per MoE
+layer, how far each expert's own input scale is from the one the engine uses after collapsing them (one per layer or
+per expert), as the ratio of the two amaxes (1: nothing lost), and, from ``calibration_tokens.json`` where the export
+wrote one, the fewest and median calibration tokens per expert, flagging those below the export's threshold.
 
 Findings are ``error`` (the engine fails to load, produces NaN, or dequantizes with a wrong scale) or ``warning``
 (the engine requantizes, losing accuracy). Only tensor data of scales is read.
@@ -30,11 +34,12 @@ from pathlib import Path
 
 import torch
 
-from .check_rules import ENGINE_RULES, ENGINES, FORMAT_RULES, EngineRule, FormatRule, TensorRule
-from .checkpoint_layout import Finding, checkpoint_layout
+from .calibration_coverage import CALIBRATION_TOKENS_FILE, read_calibration_tokens
+from .check_rules import ENGINE_RULES, ENGINES, FORMAT_RULES, KV_RULES, EngineRule, FormatRule, TensorRule
+from .checkpoint_layout import Finding, LinearScheme, checkpoint_layout
 from .errors import ExportError
 
-__all__ = ["check_checkpoint", "check_all_engines", "CheckReport", "Finding", "InputScaleSpread"]
+__all__ = ["check_checkpoint", "check_all_engines", "CheckReport", "Finding", "InputScaleSpread", "CalibrationTokens"]
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -51,6 +56,20 @@ class InputScaleSpread:
     median_ratio: float
 
 
+@dataclass(frozen=True)
+class CalibrationTokens:
+    """One MoE layer's calibration tokens per expert for one GEMM (``gate_up`` or ``down``), from the checkpoint's
+    ``calibration_tokens.json``: the fewest (and which expert), the median, and the experts below the threshold the
+    export warned at (``{expert: tokens}``)."""
+
+    layer: int
+    gemm: str
+    min_tokens: int
+    min_expert: int
+    median_tokens: float
+    cold: dict[int, int]
+
+
 @dataclass
 class CheckReport:
     """The result of :func:`check_checkpoint`."""
@@ -63,6 +82,9 @@ class CheckReport:
     spreads: list[InputScaleSpread] = field(default_factory=list)
     collapse: str | None = None
     kl: list[float] | None = None
+    kv_cache: str | None = None  # the KV cache's quantization (FP8, NVFP4) where the config has one
+    calibration: list[CalibrationTokens] = field(default_factory=list)
+    calibration_threshold: int | None = None
 
     @property
     def errors(self) -> list[Finding]:
@@ -90,6 +112,11 @@ class CheckReport:
                      f"{worst.layer} {worst.gemm} expert {worst.worst_expert}")
         elif worst is not None:
             head += "; input scales: every expert keeps its own"
+        if self.calibration:
+            low = min(self.calibration, key=lambda c: c.min_tokens)
+            cold = sum(len(c.cold) for c in self.calibration)
+            head += (f"; calibration tokens per expert: min {low.min_tokens} (layer {low.layer} {low.gemm} expert "
+                     f"{low.min_expert}), {cold} below {self.calibration_threshold}")
         if self.kl:
             head += f"; engine-order forward KL to the reference {max(self.kl):.3g} (max of {len(self.kl)} batches)"
         head += ")"
@@ -103,6 +130,13 @@ class CheckReport:
                          "expert's own amax:")
             lines += [f"    layer {s.layer} {s.gemm}: worst {s.worst_ratio:.4g} (expert {s.worst_expert}), median "
                       f"{s.median_ratio:.4g}" for s in self.spreads]
+        if self.calibration:
+            lines.append(f"  calibration tokens per expert (calibration_tokens.json; export warned below "
+                         f"{self.calibration_threshold}; flagged experts as expert: tokens, 0: the layer's shared "
+                         "input amax):")
+            lines += [f"    layer {c.layer} {c.gemm}: min {c.min_tokens} (expert {c.min_expert}), median "
+                      f"{c.median_tokens:g}" + (f"; FLAGGED, below {self.calibration_threshold}: {c.cold}" if c.cold
+                                                else "") for c in self.calibration]
         return "\n".join(lines)
 
 
@@ -144,11 +178,13 @@ def check_checkpoint(path: str | os.PathLike, engine: str = "vllm", reference=No
             if not any(f.rule == "quantized_layers" and f.where == module for f in report.findings):
                 _check_unquantized(module, shape, headers, report)
             continue
-        key, inputs = scheme
-        report.schemes[key + ("" if inputs else "_a16")] = report.schemes.get(key + ("" if inputs else "_a16"), 0) + 1
-        values[module] = _check_linear(path, module, shape, FORMAT_RULES[(report.format, key)], inputs, headers,
-                                       report)
-    _check_experts(arch, family, assign, values, report)
+        report.schemes[scheme.label] = report.schemes.get(scheme.label, 0) + 1
+        values[module] = _check_linear(path, module, shape, FORMAT_RULES[(report.format, scheme.key)], scheme,
+                                       headers, report)
+    _check_refusals(assign, report)
+    _check_experts(arch, family, assign, values, shapes, report)
+    _check_kv_cache(path, layout, report)
+    _report_calibration_tokens(path, arch, family, report)
     if reference is not None and report.ok:
         from .engine_forward import engine_order_kl
 
@@ -178,11 +214,6 @@ def check_all_engines(path: str | os.PathLike, engines=ENGINES) -> tuple[bool, s
     return failed is None, line
 
 
-def _expected_shape(rule: TensorRule, r: int, c: int) -> tuple[tuple[int, ...], ...]:
-    return {"w": ((r, c),), "packed": ((r, c // 2),), "blocks16": ((r, c // 16),), "scalar": ((), (1,)),
-            "rows": ((r, 1), (r,))}[rule.shape]
-
-
 def _load(path: Path, file: str, name: str) -> torch.Tensor:
     from safetensors import safe_open
 
@@ -202,41 +233,63 @@ def _check_unquantized(module: str, shape, headers: dict, report: CheckReport) -
                                        "this linear unquantized (expected BF16, F16 or F32)"))
 
 
-def _check_linear(path: Path, module: str, shape, rule: FormatRule, inputs: bool, headers: dict,
+def _check_linear(path: Path, module: str, shape, rule: FormatRule, scheme: LinearScheme, headers: dict,
                   report: CheckReport) -> dict[str, float]:
     """Checks one quantized linear's tensors; returns its per-tensor scale values by role."""
-    r, c = shape
     values: dict[str, float] = {}
-    for t in rule.stored(inputs):
-        name = f"{module}.{t.suffix}"
-        if name not in headers:
-            why = " (engines read a missing scale as zero or uninitialised memory: NaN or inf)" if "scale" in t.role \
-                else ""
-            report.findings.append(Finding("error", "missing", name, f"absent{why}"))
-            continue
-        file, h = headers[name]
-        if h.dtype != t.dtype:
-            report.findings.append(Finding("error", "dtype", name, f"{h.dtype}, expected {t.dtype}"))
-        allowed = _expected_shape(t, r, c)
-        if h.shape not in allowed:
-            report.findings.append(Finding("error", "shape", name, f"{list(h.shape)}, expected "
-                                           f"{' or '.join(str(list(s)) for s in allowed)}"))
-            continue
-        if t.role == "weight":
-            continue
-        v = _load(path, file, name).float()
-        if t.role == "block_scale":
-            bad = ~torch.isfinite(v) | (v < 0)
-            if bad.any():
-                report.findings.append(Finding("error", "scale", name, f"{int(bad.sum())} block scales not finite "
-                                               f"or negative (first {v[bad].flatten()[0].item()})"))
-            continue
-        problem = _scale_problem(v)
-        if problem:
-            report.findings.append(Finding("error", "scale", name, problem))
-        elif v.numel() == 1:
-            values[t.role] = t.amax(v.item())
+    for t in rule.stored(scheme.inputs):
+        value = _check_tensor(path, f"{module}.{t.suffix}", t, shape, scheme.group, headers, report)
+        if value is not None and value.numel() == 1 and t.role in ("weight_scale", "input_scale"):
+            values[t.role] = t.amax(value.item())
     return values
+
+
+def _check_tensor(path: Path, name: str, t: TensorRule, shape, group, headers: dict,
+                  report: CheckReport) -> torch.Tensor | None:
+    """Checks one stored tensor against its rule (presence, dtype, shape, values); returns a scale's values when
+    they are sound (None otherwise, and for weights). ``shape``: the linear's ``[R, C]`` (None: a scalar of no
+    linear, a KV-cache scale)."""
+    r, c = shape or (0, 0)
+    if name not in headers:
+        why = " (engines read a missing scale as zero, one or uninitialised memory: NaN, inf or a wrong scale)" \
+            if "scale" in t.role else ""
+        report.findings.append(Finding("error", "missing", name, f"absent{why}"))
+        return None
+    file, h = headers[name]
+    if h.dtype not in t.dtypes:
+        report.findings.append(Finding("error", "dtype", name, f"{h.dtype}, expected {' or '.join(t.dtypes)}"))
+    allowed, why = t.expected_shapes(r, c, group)
+    if h.shape not in allowed:
+        expected = why or "expected " + " or ".join(str(list(s)) for s in allowed)
+        of = "" if shape is None else f" for a [{r}, {c}] weight" + ("" if group is None else f" in groups of {group}")
+        report.findings.append(Finding("error", "shape", name, f"{list(h.shape)}{of}: {expected}"))
+        return None
+    if t.role == "weight":
+        return None
+    v = _load(path, file, name)
+    if t.role == "weight_shape":
+        if v.tolist() != [r, c]:
+            report.findings.append(Finding("error", "shape", name, f"{v.tolist()}, expected the weight's [{r}, {c}]"))
+        return None
+    if t.role == "e8m0_scale":
+        bad = v == 255
+        if bad.any():
+            i = int(bad.flatten().nonzero()[0])
+            report.findings.append(Finding("error", "scale", name, f"{int(bad.sum())} E8M0 scales are 255, which "
+                                           f"encodes NaN (first at flat index {i})"))
+        return None
+    v = v.float()
+    if t.role == "block_scale":
+        bad = ~torch.isfinite(v) | (v < 0)
+        if bad.any():
+            report.findings.append(Finding("error", "scale", name, f"{int(bad.sum())} block scales not finite "
+                                           f"or negative (first {v[bad].flatten()[0].item()})"))
+        return None
+    problem = _scale_problem(v)
+    if problem:
+        report.findings.append(Finding("error", "scale", name, problem))
+        return None
+    return v
 
 
 def _scale_problem(v: torch.Tensor) -> str | None:
@@ -254,7 +307,7 @@ def _scale_problem(v: torch.Tensor) -> str | None:
 # ------------------------------------------------------------------------------------------------ experts
 
 
-def _check_experts(arch, family, assign: dict, values: dict, report: CheckReport) -> None:
+def _check_experts(arch, family, assign: dict, values: dict, shapes: dict, report: CheckReport) -> None:
     """Gate and up sharing the scales the engine fuses; the input-scale spread after the engine's collapse."""
     for layer in range(arch.num_layers):
         modules = {k: [family.hf_module(f"layers.{layer}.experts.{e}.{k}") for e in range(arch.num_experts)]
@@ -262,14 +315,18 @@ def _check_experts(arch, family, assign: dict, values: dict, report: CheckReport
         scheme = assign.get(modules["gate"][0])
         if scheme is None:
             continue
-        engine_rule: EngineRule | None = ENGINE_RULES.get((report.engine, report.format, scheme[0]))
+        engine_rule: EngineRule | None = ENGINE_RULES.get((report.engine, report.format, scheme.key))
         if engine_rule is None:
             if layer == 0:
                 report.findings.append(Finding("warning", "config", f"{report.engine} x {report.format}",
-                                               f"no engine rules for {scheme[0]} experts here; gate/up and input "
+                                               f"no engine rules for {scheme.key} experts here; gate/up and input "
                                                "scale collapse not checked"))
             continue
-        report.collapse = engine_rule.input_collapse
+        if engine_rule.refuses:
+            continue  # one error for the whole checkpoint (check_checkpoint)
+        _check_expert_layout(layer, modules, assign, shapes, engine_rule, report)
+        if engine_rule.input_collapse != "none":
+            report.collapse = engine_rule.input_collapse
         for role, how in engine_rule.gate_up.items():
             for gate, up in zip(modules["gate"], modules["up"], strict=True):
                 g, u = values.get(gate, {}).get(role), values.get(up, {}).get(role)
@@ -285,7 +342,7 @@ def _check_experts(arch, family, assign: dict, values: dict, report: CheckReport
                         "warning", "gate_up", f"{gate} / {up}",
                         f"{role} amax {g:.6g} != {u:.6g}: {report.engine} requantizes both onto the larger, a "
                         f"{max(g, u) / min(g, u):.4g}x coarser grid for the other"))
-        if not scheme[1]:
+        if not scheme.inputs or engine_rule.input_collapse == "none":
             continue
         own = {"gate_up": [max(values.get(g, {}).get("input_scale", 0.0), values.get(u, {}).get("input_scale", 0.0))
                            for g, u in zip(modules["gate"], modules["up"], strict=True)],
@@ -297,6 +354,87 @@ def _check_experts(arch, family, assign: dict, values: dict, report: CheckReport
             ratios = [u / a for u, a in zip(used, amaxes, strict=True)]
             worst = max(range(len(ratios)), key=ratios.__getitem__)
             report.spreads.append(InputScaleSpread(layer, gemm, ratios[worst], worst, sorted(ratios)[len(ratios) // 2]))
+
+
+def _check_expert_layout(layer: int, modules: dict, assign: dict, shapes: dict, rule: EngineRule,
+                         report: CheckReport) -> None:
+    """What the engine's MoE loader refuses in one layer's experts: static input scales where it takes dynamic
+    inputs only; 2-D weight blocks that would straddle the fused gate and up."""
+    scheme = assign[modules["gate"][0]]
+    if rule.dynamic_expert_inputs and scheme.inputs:
+        report.findings.append(Finding(
+            "error", "scheme", f"layer {layer} experts", f"{scheme.key} experts with static input scales: "
+            f"{report.engine}'s MoE method takes them only with dynamic per-token inputs ({rule.source}); export "
+            "them with dynamic inputs (FP8_DYNAMIC)"))
+    if rule.whole_row_blocks and isinstance(scheme.group, tuple):
+        rows = shapes[modules["gate"][0]][0]
+        if rows % scheme.group[0]:
+            report.findings.append(Finding(
+                "error", "shape", f"layer {layer} experts", f"expert FFN size {rows} is not a multiple of the "
+                f"{scheme.group[0]}-row weight block: {report.engine} stacks gate and up into one weight and refuses "
+                f"blocks across them ({rule.source})"))
+
+
+def _check_refusals(assign: dict, report: CheckReport) -> None:
+    """One error per scheme this engine has no loader for."""
+    for key in sorted({s.key for s in assign.values()}):
+        rule = ENGINE_RULES.get((report.engine, report.format, key))
+        if rule is not None and rule.refuses:
+            n = sum(s.key == key for s in assign.values())
+            report.findings.append(Finding("error", "scheme", f"{report.engine} x {report.format}",
+                                           f"{n} linears in {key}: {rule.refuses}"))
+
+
+def _check_kv_cache(path: Path, layout, report: CheckReport) -> None:
+    """Every attention layer's ``k_scale`` / ``v_scale`` present where the config quantizes the KV cache: the scalar
+    fp32 the engines read, finite, positive and normal; scales without a quantized KV cache are a warning (the
+    engines leave them unused)."""
+    rule = KV_RULES[layout.format]
+    names = []
+    for layer in range(layout.arch.num_layers):
+        try:
+            k, v = (layout.family.hf_module(f"layers.{layer}.{p}") for p in ("k_proj", "v_proj"))
+        except ExportError:
+            return  # no k_proj / v_proj (multi-latent attention): no per-layer KV scales to check
+        names += [f"{k}.k_scale", f"{v}.v_scale"] if rule.on == "projection" else \
+            [f"{k.rpartition('.')[0]}.{s}" for s in ("k_scale", "v_scale")]
+    if layout.kv_cache is None:
+        stored = [n for n in names if n in layout.headers]
+        if stored:
+            report.findings.append(Finding("warning", "kv_cache", stored[0], f"{len(stored)} KV-cache scales stored "
+                                           "but the config quantizes no KV cache: the engines leave them unused"))
+        return
+    report.kv_cache = layout.kv_cache
+    for name in names:
+        _check_tensor(path, name, rule.scale, None, None, layout.headers, report)
+
+
+def _report_calibration_tokens(path: Path, arch, family, report: CheckReport) -> None:
+    """Per MoE layer and GEMM, the min / median calibration tokens over experts and the experts below the export's
+    threshold, from ``calibration_tokens.json`` where the checkpoint has one. They are flagged in the verdict and
+    the details, not as findings: the engines load such scales, and the export already warned."""
+    try:
+        recorded = read_calibration_tokens(path)
+    except ExportError as e:
+        report.findings.append(Finding("error", "calibration", CALIBRATION_TOKENS_FILE, str(e)))
+        return
+    if recorded is None:
+        return
+    tokens, threshold = recorded
+    report.calibration_threshold = threshold
+    for layer in range(arch.num_layers):
+        for gemm, linear in (("gate_up", "gate"), ("down", "down")):
+            counts = {e: tokens.get(family.hf_module(f"layers.{layer}.experts.{e}.{linear}"))
+                      for e in range(arch.num_experts)}
+            counts = {e: n for e, n in counts.items() if n is not None}
+            if not counts:
+                continue
+            low = min(counts, key=counts.__getitem__)
+            ordered = sorted(counts.values())
+            mid = len(ordered) // 2
+            median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+            cold = {e: n for e, n in counts.items() if n < threshold}
+            report.calibration.append(CalibrationTokens(layer, gemm, counts[low], low, median, cold))
 
 
 def _gate_up_effect(engine: str) -> str:

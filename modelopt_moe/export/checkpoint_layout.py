@@ -1,8 +1,8 @@
 """What a Hugging Face checkpoint holds, read from its config and the shards' headers: the family and
 architecture, every linear's shape, the quantization scheme each linear gets from the config (compressed-tensors
-``config_groups`` / ``ignore``; Model Optimizer ``quant_algo`` / ``exclude_modules`` / ``quantized_layers``), and each
-tensor's file and header entry. Shared by the engine-contract checker (:mod:`.check`) and the engine-order forward
-(:mod:`.engine_forward`); what cannot be read becomes a :class:`Finding`.
+``config_groups`` / ``ignore``; Model Optimizer ``quant_algo`` / ``exclude_modules`` / ``quantized_layers``), the KV
+cache's quantization, and each tensor's file and header entry. Shared by the engine-contract checker (:mod:`.check`)
+and the engine-order forward (:mod:`.engine_forward`); what cannot be read becomes a :class:`Finding`.
 """
 
 from __future__ import annotations
@@ -13,21 +13,48 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from .check_rules import rule_key
 from .errors import ExportError
 from .families import canonical_shapes, family_for_architecture, read_hf_config
 from .safetensors_files import TensorHeader, read_header, read_weight_map
 
-__all__ = ["Finding", "CheckpointLayout", "checkpoint_layout"]
+__all__ = ["Finding", "LinearScheme", "CheckpointLayout", "checkpoint_layout"]
 
-_MODELOPT_ALGOS = {"FP8": ("fp8_tensor", True), "NVFP4": ("nvfp4_blocks", True), "W4A16_NVFP4": ("nvfp4_blocks", False)}
+
+class LinearScheme(NamedTuple):
+    """One quantized linear's scheme as the config states it: the rule key of
+    :data:`~.check_rules.FORMAT_RULES`, whether a static input scale is stored, the weight's group (an int) or 2-D
+    block (``(rows, cols)``) where the format has one, and whether inputs are quantized with scales from the data at
+    run time (no stored input scale)."""
+
+    key: str
+    inputs: bool
+    group: int | tuple[int, int] | None = None
+    dynamic: bool = False
+
+    @property
+    def label(self) -> str:
+        """The key with how inputs are quantized (``fp8_channel_dyn``: dynamic, ``_a16``: not at all)."""
+        return self.key + ("" if self.inputs else "_dyn" if self.dynamic else "_a16")
+
+
+_FP8_BLOCK = (128, 128)  # Model Optimizer's FP8_PB_WO block (its group_size, where given, is both sides)
+_MODELOPT_ALGOS = {  # quant_algo -> (rule key, static input scale, group, dynamic inputs)
+    "FP8": ("fp8_tensor", True, None, False), "NVFP4": ("nvfp4_blocks", True, 16, False),
+    "W4A16_NVFP4": ("nvfp4_blocks", False, 16, False),
+    "FP8_PER_CHANNEL_PER_TOKEN": ("fp8_channel", False, None, True),
+    "FP8_PB_WO": ("fp8_block", False, _FP8_BLOCK, True),  # vLLM runs its inputs in dynamic 1x128 groups
+    "MXFP8": ("mxfp8_blocks", False, 32, True),
+}
 
 
 @dataclass(frozen=True)
 class Finding:
     """One problem: ``severity`` (``error`` / ``warning``), a rule id (``missing``, ``dtype``, ``shape``, ``scale``,
-    ``gate_up``, ``quantized_layers``, ``config``), the tensor or module, and what was found and expected."""
+    ``gate_up``, ``quantized_layers``, ``config``, ``kv_cache``, ``calibration``), the tensor or module, and what
+    was found and expected."""
 
     severity: str
     rule: str
@@ -41,7 +68,8 @@ class Finding:
 @dataclass(frozen=True)
 class CheckpointLayout:
     """What the files and config say: the family and architecture, every linear's ``[R, C]`` shape by Hugging Face
-    module name, its (rule key, inputs quantized) scheme (absent: unquantized), each tensor's (file, header)."""
+    module name, its :class:`LinearScheme` (absent: unquantized), each tensor's (file, header), and the KV cache's
+    quantization as the config names it (``FP8``, ``NVFP4``; None: not quantized)."""
 
     family: object
     arch: object
@@ -49,6 +77,7 @@ class CheckpointLayout:
     shapes: dict
     schemes: dict
     headers: dict
+    kv_cache: str | None = None
 
 
 def checkpoint_layout(path: str | os.PathLike, findings: list | None = None) -> CheckpointLayout | None:
@@ -70,8 +99,7 @@ def checkpoint_layout(path: str | os.PathLike, findings: list | None = None) -> 
     shapes = {family.hf_module(name): shape for name, shape in canonical_shapes(arch).items()
               if len(shape) == 2 and name != "embed_tokens"}
     schemes = _schemes_per_module(fmt, qcfg, shapes, headers, findings)
-    return CheckpointLayout(family, arch, fmt, shapes, schemes, headers)
-
+    return CheckpointLayout(family, arch, fmt, shapes, schemes, headers, _kv_cache(fmt, qcfg, findings))
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -107,22 +135,47 @@ def _matches(name: str, patterns) -> bool:
     return False
 
 
-def _ct_scheme(group: dict, where: str, findings: list) -> tuple[str, bool] | None:
+def _ct_scheme(group: dict, where: str, findings: list) -> LinearScheme | None:
     w, x = group.get("weights") or {}, group.get("input_activations")
-    # the rules know NVFP4 (4-bit tensor_group) and FP8 per tensor / channel; blocks, MX groups and ints: not yet
-    known = {4: ("tensor_group",), 8: ("tensor", "channel")}
-    if w.get("type") != "float" or w.get("strategy", "tensor") not in known.get(w.get("num_bits"), ()):
-        findings.append(Finding("warning", "config", where, f"weights {w.get('type')} {w.get('num_bits')} "
-                                       f"bits, strategy {w.get('strategy')}: no rules for it yet, its linears are "
-                                       "not checked"))
+    kind, bits, strategy = w.get("type"), w.get("num_bits"), w.get("strategy", "tensor")
+    key, size = None, None
+    if kind == "float" and bits == 8 and strategy in ("tensor", "channel"):
+        key = rule_key(8, strategy == "channel")
+    elif kind == "float" and bits == 4 and strategy == "tensor_group":
+        key, size = rule_key(4, False), w.get("group_size")
+    elif kind == "float" and bits == 8 and strategy == "block" and len(w.get("block_structure") or ()) == 2:
+        key, size = "fp8_block", tuple(w["block_structure"])
+    elif kind == "float" and bits in (4, 8) and strategy == "group" and w.get("group_size"):
+        key, size = ("mxfp4_blocks" if bits == 4 else "mxfp8_blocks"), w["group_size"]
+    elif kind == "int" and bits == 4 and strategy == "group" and w.get("group_size"):
+        key, size = "int4_groups", w["group_size"]
+    if key is None:
+        findings.append(Finding("warning", "config", where, f"weights {kind} {bits} bits, strategy {strategy}: no "
+                                "rules for it yet, its linears are not checked"))
         return None
-    inputs = bool(x) and x.get("dynamic", False) is not True  # NVFP4's "local": dynamic blocks, a static global
-    return rule_key(w["num_bits"], w.get("strategy") == "channel"), inputs
+    # NVFP4's "local" inputs: dynamic blocks under a static global scale, which is stored
+    dynamic = bool(x) and x.get("dynamic", False) is True
+    return LinearScheme(key, bool(x) and not dynamic, size, dynamic)
+
+
+def _kv_cache(fmt: str, q: dict, findings: list) -> str | None:
+    """The KV cache's quantization the config states (``FP8``, ``NVFP4``, ...; None: none)."""
+    if fmt == "modelopt":
+        return q.get("kv_cache_quant_algo") or None
+    scheme = q.get("kv_cache_scheme")
+    if not scheme:
+        return None
+    if scheme.get("type") == "float" and scheme.get("num_bits") == 8 and scheme.get("strategy", "tensor") == "tensor" \
+            and not scheme.get("dynamic"):
+        return "FP8"
+    findings.append(Finding("warning", "config", "quantization_config.kv_cache_scheme", f"{scheme}: no rules for it "
+                            "yet (known: FP8 E4M3 per tensor, static); its scales are not checked"))
+    return None
 
 
 def _schemes_per_module(fmt: str, q: dict, shapes: dict, headers: dict, findings: list) -> dict:
     """Module -> (rule key, inputs quantized) for every quantized linear the config assigns a scheme."""
-    out: dict[str, tuple[str, bool]] = {}
+    out: dict[str, LinearScheme] = {}
     if fmt == "compressed-tensors":
         groups = [(name, g, _ct_scheme(g, f"quantization_config.config_groups.{name}", findings))
                   for name, g in (q.get("config_groups") or {}).items()]
@@ -147,19 +200,28 @@ def _schemes_per_module(fmt: str, q: dict, shapes: dict, headers: dict, findings
                         "stores quantized tensors but quantization_config.quantized_layers has no entry for it: the "
                         "engines load it as unquantized"))
                 continue
-            scheme = _MODELOPT_ALGOS.get(entry.get("quant_algo"))
+            scheme = _modelopt_scheme(entry.get("quant_algo"), entry.get("group_size"))
             if scheme is None:
                 findings.append(Finding("warning", "config", f"quantized_layers.{module}",
                                                f"quant_algo {entry.get('quant_algo')!r}: no rules for it yet"))
             else:
                 out[module] = scheme
         return out
-    scheme = _MODELOPT_ALGOS.get(algo)
+    scheme = _modelopt_scheme(algo, q.get("group_size"))
     if scheme is None:
         findings.append(Finding("warning", "config", "quant_algo", f"{algo!r}: no rules for it yet (known: "
                                        f"{sorted(_MODELOPT_ALGOS)}, MIXED_PRECISION)"))
         return out
     return {m: scheme for m in shapes if not _matches(m, excluded)}
+
+
+def _modelopt_scheme(algo, group_size) -> LinearScheme | None:
+    if algo not in _MODELOPT_ALGOS:
+        return None
+    key, inputs, group, dynamic = _MODELOPT_ALGOS[algo]
+    if key == "fp8_block" and group_size:
+        group = (int(group_size), int(group_size))
+    return LinearScheme(key, inputs, group, dynamic)
 
 
 # ------------------------------------------------------------------------------------------------ tensors

@@ -121,9 +121,9 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 def _input_scales(layout, tensors: dict, engine: str | None) -> dict[str, torch.Tensor]:
     """Module -> the stored-convention input scale it runs with (its own, or the engine's after the collapse)."""
     out = {}
-    for module, (key, inputs) in layout.schemes.items():
-        if inputs:
-            rule = FORMAT_RULES[(layout.format, key)].role("input_scale")
+    for module, scheme in layout.schemes.items():
+        if scheme.inputs:
+            rule = FORMAT_RULES[(layout.format, scheme.key)].role("input_scale")
             out[module] = tensors[f"{module}.{rule.suffix}"]
     if engine is None:
         return out
@@ -179,6 +179,11 @@ def engine_order_model(path: str | os.PathLike, engine: str | None = None) -> nn
     layout = checkpoint_layout(path)
     if layout is None:
         raise ExportError(f"{path}: not a quantized checkpoint the checker knows (run check_checkpoint for why)")
+    undecoded = sorted({s.key for s in layout.schemes.values() if (layout.format, s.key) not in _DECODE})
+    if undecoded:
+        known = sorted(k for f, k in _DECODE if f == layout.format)
+        raise ExportError(f"{path}: the engine-order forward decodes {known} linears of {layout.format} checkpoints, "
+                          f"not {undecoded}")
     cfg = json.loads((path / "config.json").read_text())
     cfg.pop("quantization_config", None)
     config = AutoConfig.for_model(**cfg)

@@ -24,13 +24,14 @@ import torch.distributed as dist
 
 from ..quantization.utils import warn_once
 from . import transformers_compat
+from .calibration_coverage import CALIBRATION_TOKENS_FILE, DEFAULT_MIN_CALIB_TOKENS, calibration_tokens_json
 from .errors import ExportError
 from .families import Family, MoEArch, canonical_names, read_hf_config
 from .kv_cache import KvCachePlan, KvCacheQuant, kv_cache_plan
 from .layer_schemes import layers_hf_quant_config, layers_quantization_config, resolve_schemes
 from .model_card import CARD_FILE, model_card
 from .safetensors_files import check_tensors, read_weight_map
-from .schemes import LinearQuant, encode_linear, scheme_of
+from .schemes import PRODUCER, LinearQuant, encode_linear, scheme_of
 from .writer import CheckpointWriter, check_out_dir
 
 __all__ = ["TensorRecord", "LinearRecord", "write_hf_checkpoint", "HfCheckpointReader", "DTYPES"]
@@ -74,7 +75,8 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
                         linear_quants: dict[str, LinearQuant], groups: Iterable[tuple[str, list]], num_groups: int,
                         dtype: torch.dtype | None = None, template: dict | None = None,
                         progress: bool = True, base_model: str | None = None,
-                        kv_cache: list[KvCacheQuant] | None = None) -> Path:
+                        kv_cache: list[KvCacheQuant] | None = None,
+                        calibration_tokens: dict[str, int] | None = None, min_calib_tokens: int | None = None) -> Path:
     """Writes a Hugging Face checkpoint of ``arch`` in format ``fmt``, all or nothing, with its model card
     (``README.md``: the format, the quantization per layer, the readers known to be exact and any fix they need;
     :mod:`.model_card`).
@@ -96,6 +98,10 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
         base_model: the Hugging Face id of the model it was trained from, for the model card (when known).
         kv_cache: each layer's KV-cache quantizers (:mod:`.kv_cache`; its ``k_scale`` / ``v_scale`` are written
             by the writer rank, the same on every rank).
+        calibration_tokens: canonical expert linear -> the calibration tokens of its input (the same on every
+            rank); written as ``calibration_tokens.json`` by Hugging Face name, with ``min_calib_tokens``
+            (:mod:`.calibration_coverage`), in quantized formats.
+        min_calib_tokens: the token count below which the export warned (default: the export's default).
 
     Returns:
         The output directory.
@@ -149,7 +155,11 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
             bar.close()
         error = None
         if writer is not None:
-            error = _commit(writer, config, schemes, ignore, fmt, sorted(expected - seen), family, card, kv)
+            tokens = {family.hf_module(c): n for c, n in (calibration_tokens or {}).items()}
+            extra = {CALIBRATION_TOKENS_FILE: calibration_tokens_json(
+                tokens, DEFAULT_MIN_CALIB_TOKENS if min_calib_tokens is None else min_calib_tokens, PRODUCER)} \
+                if tokens and fmt != "hf" else {}
+            error = _commit(writer, config, schemes, ignore, fmt, sorted(expected - seen), family, card, kv, extra)
         _raise_agreed(error)
     except BaseException:
         if writer is not None:
@@ -223,14 +233,16 @@ def _plan_kv_cache(kv_cache: list[KvCacheQuant] | None, fmt: str, arch: MoEArch,
 
 
 def _commit(writer: CheckpointWriter, config: dict, schemes: dict, ignore: list[str], fmt: str, missing: list[str],
-            family: Family, card: str, kv: KvCachePlan | None = None) -> str | None:
-    """Writer rank: the final files and the rename; returns an error to agree on (or None)."""
+            family: Family, card: str, kv: KvCachePlan | None = None, more: dict | None = None) -> str | None:
+    """Writer rank: the final files (``more``: other JSON files by name) and the rename; returns an error to agree
+    on (or None)."""
     if missing:
         return f"the adapter gave no tensor for {len(missing)} names of {family.architecture}, e.g. {missing[:3]}"
     extra = {"hf_quant_config.json": layers_hf_quant_config(_quantized(schemes), ignore)} if fmt == "modelopt" \
-        else None
+        else {}
+    extra.update(more or {})
     if kv is not None:
-        if extra is not None:
+        if "hf_quant_config.json" in extra:
             extra["hf_quant_config.json"]["quantization"].update(kv.config_entries(fmt))
         try:
             for L in range(len(kv.amax)):

@@ -21,6 +21,7 @@ checking the whole checkpoint from its files' headers; it writes the parameters 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -390,8 +391,12 @@ def _groups(m: GPTModel, arch: MoEArch, lay: _Layout) -> Iterator[tuple[str, Ite
 
 def export_megatron(model, out_dir: str | os.PathLike, *, format: str = "compressed-tensors",
                     family: str | None = None, dtype: torch.dtype | None = None, hf_config=None,
-                    progress: bool = True, base_model: str | None = None) -> Path:
-    """:func:`modelopt_moe.export.export_hf` for a Megatron-Core GPTModel (see there). Every rank calls it."""
+                    progress: bool = True, base_model: str | None = None,
+                    calibration_tokens: dict[str, dict[int, int]] | None = None,
+                    min_calib_tokens: int | None = None) -> Path:
+    """:func:`modelopt_moe.export.export_hf` for a Megatron-Core GPTModel (see there). Every rank calls it.
+    ``calibration_tokens``: ``{input quantizer name: {global expert: tokens}}`` of the whole model, written per
+    expert linear with ``min_calib_tokens``."""
     m = unwrap_model(model)
     template = read_hf_config(hf_config) if hf_config is not None else None
     if family is None and template is not None:
@@ -403,7 +408,25 @@ def export_megatron(model, out_dir: str | os.PathLike, *, format: str = "compres
     return write_hf_checkpoint(
         out_dir, arch=arch, family=get_family(arch.family), fmt=format, linear_quants=_linear_quants(m, arch),
         groups=_groups(m, arch, lay), num_groups=arch.num_layers + 2, dtype=dtype, template=template,
-        progress=progress, base_model=base_model, kv_cache=kv_cache_quants(m))
+        progress=progress, base_model=base_model, kv_cache=kv_cache_quants(m),
+        calibration_tokens=_expert_linear_tokens(calibration_tokens or {}), min_calib_tokens=min_calib_tokens)
+
+
+_EXPERT_INPUT = re.compile(r"decoder\.layers\.(\d+)\.mlp\.experts\.(linear_fc1|linear_fc2)\.input_quantizer")
+_FED_BY = {"linear_fc1": ("gate", "up"), "linear_fc2": ("down",)}  # the canonical linears each GEMM's input feeds
+
+
+def _expert_linear_tokens(counts: dict[str, dict[int, int]]) -> dict[str, int]:
+    """Calibration tokens by canonical expert linear (``layers.0.experts.3.gate``) from the expert input
+    quantizers' counts (routed experts; other names are not expert linears of the Hugging Face layout)."""
+    out = {}
+    for name, cells in counts.items():
+        m = _EXPERT_INPUT.fullmatch(name)
+        if m is None:
+            continue
+        for e, n in cells.items():
+            out.update({f"layers.{m.group(1)}.experts.{e}.{k}": n for k in _FED_BY[m.group(2)]})
+    return out
 
 
 _IGNORED_FIELDS = ("dtype", "router_aux_loss_coef", "family")
