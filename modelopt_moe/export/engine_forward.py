@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .check_rules import ENGINE_RULES, FORMAT_RULES
+from ..numerics.fp8 import E4M3
 from .checkpoint_layout import checkpoint_layout
 from .codecs import E2M1_VALUES, decode_fp8_file, decode_nvfp4_ct, decode_nvfp4_modelopt
 from .errors import ExportError
@@ -181,7 +182,7 @@ def _kv_cache_scales(path: Path, layout, qcfg: dict | None, tensors: dict
     if read is None:
         return None
     fmt, scales = read
-    if fmt.label != "FP8":
+    if fmt is not E4M3:
         raise ExportError(f"{path}: a KV cache in {fmt.label}: the engine-order forward emulates an FP8 KV cache only")
     return scales
 
