@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .check_rules import ENGINE_RULES, FORMAT_RULES
 from ..numerics.fp8 import E4M3
+from .check_rules import ENGINE_RULES, FORMAT_RULES
 from .checkpoint_layout import checkpoint_layout
 from .codecs import E2M1_VALUES, decode_fp8_file, decode_nvfp4_ct, decode_nvfp4_modelopt
 from .errors import ExportError
