@@ -7,6 +7,12 @@ the core attention computes on exactly the reference fake quant of K and V with 
 per layer, the max over the TP ranks' heads, the same on both ranks; one step of Megatron's schedule (bf16,
 distributed optimizer) trains through it (the QKV weights move); the checkpoint is saved. A second spawn of 1 rank
 at TP=1 loads it into a fresh model: every KV amax bit-exact.
+
+The export half builds a Qwen3-MoE from a transformers checkpoint at TP=2, quantizes it with FP8 layers + FP8 KV and
+with NVIDIA's recipe as one preset (``NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG``), records the fake-quant logits and exports
+both formats: the engine-order forward from the files alone (K and V stored in FP8 with the exported scales) matches
+those logits, transformers + compressed-tensors load the recipe's checkpoint, an NVFP4 KV cache is refused by the
+engine-order forward.
 """
 
 import json
