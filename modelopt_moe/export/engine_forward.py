@@ -225,8 +225,8 @@ def engine_order_model(path: str | os.PathLike, engine: str | None = None, kv_ca
             (to see what the KV cache's quantization costs).
 
     Raises:
-        ExportError: a checkpoint the checker's rules do not cover, or whose tensors do not fit the model; a KV-cache
-            scheme other than FP8, or a missing or invalid ``k_scale`` / ``v_scale``.
+        ExportError: a checkpoint the checker's rules do not cover, or whose tensors do not fit the model; with
+            ``kv_cache``, a KV-cache scheme other than FP8, or a missing or invalid ``k_scale`` / ``v_scale``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -241,7 +241,7 @@ def engine_order_model(path: str | os.PathLike, engine: str | None = None, kv_ca
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     tensors = _tensors(path)
     scales = _input_scales(layout, tensors, engine)
-    kv_scales = _kv_cache_scales(path, layout, qcfg, tensors)
+    kv_scales = _kv_cache_scales(path, layout, qcfg, tensors) if kv_cache else None
     weights = {}
     for module in layout.shapes:
         scheme = layout.schemes.get(module)
@@ -276,7 +276,7 @@ def engine_order_model(path: str | os.PathLike, engine: str | None = None, kv_ca
         quant = _DECODE[(layout.format, layout.schemes[module][0])][1]
         linear = model.get_submodule(_in_memory(fam, module))
         linear.register_forward_pre_hook(lambda mod, args, s=scale, q=quant: (q(args[0], s),))
-    if kv_cache and kv_scales is not None:
+    if kv_scales is not None:
         _use_fp8_kv_cache(model, kv_scales)
     return model
 

@@ -399,6 +399,7 @@ def test_engine_order_forward_refuses_an_nvfp4_kv_cache_naming_it(runs):
     with pytest.raises(ExportError, match="KV cache in NVFP4") as info:
         engine_order_model(root / "kv_nvfp4_modelopt")
     assert "FP8 KV cache only" in str(info.value)
+    assert engine_order_model(root / "kv_nvfp4_modelopt", kv_cache=False) is not None  # K and V left unquantized
 
 
 def _relative_max_diff(got, ref):
