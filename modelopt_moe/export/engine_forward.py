@@ -9,6 +9,12 @@ its weights loaded from the files), every quantized linear's weight is decoded h
 ``nn.Linear`` per expert and projection running transformers' own expert loop, and a forward pre-hook quantizes
 each quantized linear's input.
 
+A checkpoint with a quantized KV cache (``kv_cache_scheme`` / ``kv_cache_quant_algo: FP8``) runs its attention on K and
+V as the engines store them: after RoPE, each layer's K and V become the FP8 codes ``fp8(k / k_scale)`` (saturated to
++-448, round to nearest even: vLLM's cache writer ``__nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, E4M3)``) and
+attention reads them back as ``codes * k_scale``. The query stays in high precision. An NVFP4 KV cache is refused:
+the engine-side NVFP4 cache is not emulated here (docs/export.md, "The KV cache").
+
 Which input scale each linear uses: ``engine=None`` its own stored scale; an engine name, the one that engine uses
 after collapsing an MoE layer's per-expert scales (:data:`.check_rules.ENGINE_RULES`: the largest over the layer's
 experts, or over each expert's gate and up). Gate and up are assumed to share their weight scales (the checker
@@ -24,10 +30,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..numerics.fp8 import E4M3
 from .check_rules import ENGINE_RULES, FORMAT_RULES
 from .checkpoint_layout import checkpoint_layout
 from .codecs import E2M1_VALUES, decode_fp8_file, decode_nvfp4_ct, decode_nvfp4_modelopt
 from .errors import ExportError
+from .kv_cache import read_kv_cache_scales
 
 __all__ = ["engine_order_model", "engine_order_kl", "fp8_static_input", "nvfp4_static_input"]
 
@@ -161,7 +169,51 @@ def _expert_linear_names(family) -> tuple[str, str, str]:
     return tuple(family.hf_module(f"layers.0.experts.0.{k}").rsplit(".", 1)[1] for k in ("gate", "up", "down"))
 
 
-def engine_order_model(path: str | os.PathLike, engine: str | None = None) -> nn.Module:
+def _kv_cache_scales(path: Path, layout, qcfg: dict | None, tensors: dict
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Every layer's ``(k_scale, v_scale)`` of an FP8 KV cache (None: the KV cache is not quantized), from
+    ``config.json``'s ``quantization_config`` ``qcfg``, or ``hf_quant_config.json`` where it has none."""
+    if qcfg is None:  # Model Optimizer's hf_quant_config.json alone
+        qcfg = json.loads((path / "hf_quant_config.json").read_text()).get("quantization") or {}
+    fam = layout.family
+    kv_modules = [(fam.hf_module(f"layers.{L}.k_proj"), fam.hf_module(f"layers.{L}.v_proj"))
+                  for L in range(layout.arch.num_layers)]
+    read = read_kv_cache_scales(qcfg, layout.format, tensors, kv_modules)
+    if read is None:
+        return None
+    fmt, scales = read
+    if fmt is not E4M3:
+        raise ExportError(f"{path}: a KV cache in {fmt.label}: the engine-order forward emulates an FP8 KV cache only")
+    return scales
+
+
+_KV_ATTENTION = "modelopt_moe_fp8_kv_cache_{}"
+
+
+def _use_fp8_kv_cache(model: nn.Module, scales: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Every attention layer of ``model`` computes on K and V stored in FP8 with its layer's scales (the model's own
+    attention implementation on the dequantized codes)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    base = model.config._attn_implementation
+    name = _KV_ATTENTION.format(base)
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        def attention(module, query, key, value, attention_mask, **kwargs):
+            inner = ALL_ATTENTION_FUNCTIONS.get_interface(base, sdpa_attention_forward)
+            key, value = fp8_static_input(key, module.k_scale), fp8_static_input(value, module.v_scale)
+            return inner(module, query, key, value, attention_mask, **kwargs)
+
+        AttentionInterface.register(name, attention)
+    for layer, (k_scale, v_scale) in zip(model.model.layers, scales, strict=True):
+        # where the engines' attention layers hold them (vLLM's Attention.k_scale / v_scale)
+        layer.self_attn.register_buffer("k_scale", k_scale.clone())
+        layer.self_attn.register_buffer("v_scale", v_scale.clone())
+    model.set_attn_implementation(name)
+
+
+def engine_order_model(path: str | os.PathLike, engine: str | None = None, kv_cache: bool = True) -> nn.Module:
     """The ``transformers`` model of the checkpoint at ``path`` run in engine order (see the module docstring), in
     fp32, in eval mode.
 
@@ -169,9 +221,12 @@ def engine_order_model(path: str | os.PathLike, engine: str | None = None) -> nn
         path: a compressed-tensors or Model Optimizer checkpoint of a known family (FP8 or NVFP4 linears).
         engine: None: every linear quantizes its input with its own stored scale; ``vllm`` / ``sglang`` /
             ``trtllm``: with the scale that engine uses after collapsing the experts' input scales.
+        kv_cache: False runs attention on K and V in high precision even where the checkpoint quantizes its KV cache
+            (to see what the KV cache's quantization costs).
 
     Raises:
-        ExportError: a checkpoint the checker's rules do not cover, or whose tensors do not fit the model.
+        ExportError: a checkpoint the checker's rules do not cover, or whose tensors do not fit the model; with
+            ``kv_cache``, a KV-cache scheme other than FP8, or a missing or invalid ``k_scale`` / ``v_scale``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -185,12 +240,13 @@ def engine_order_model(path: str | os.PathLike, engine: str | None = None) -> nn
         raise ExportError(f"{path}: the engine-order forward decodes {known} linears of {layout.format} checkpoints, "
                           f"not {undecoded}")
     cfg = json.loads((path / "config.json").read_text())
-    cfg.pop("quantization_config", None)
+    qcfg = cfg.pop("quantization_config", None)
     config = AutoConfig.for_model(**cfg)
     with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     tensors = _tensors(path)
     scales = _input_scales(layout, tensors, engine)
+    kv_scales = _kv_cache_scales(path, layout, qcfg, tensors) if kv_cache else None
     weights = {}
     for module in layout.shapes:
         scheme = layout.schemes.get(module)
@@ -208,7 +264,7 @@ def engine_order_model(path: str | os.PathLike, engine: str | None = None) -> nn
         module = name.rsplit(".", 1)[0]
         if module in experts or (module in layout.schemes):
             continue
-        if name.endswith(".weight") and t.is_floating_point():
+        if name.endswith(".weight") and t.is_floating_point():  # not the KV cache's k_scale / v_scale
             state[_in_memory(fam, name)] = t.float()
     state.update({_in_memory(fam, m) + ".weight": w for m, w in weights.items() if m not in experts})
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -225,13 +281,17 @@ def engine_order_model(path: str | os.PathLike, engine: str | None = None) -> nn
         quant = _DECODE[(layout.format, layout.schemes[module][0])][1]
         linear = model.get_submodule(_in_memory(fam, module))
         linear.register_forward_pre_hook(lambda mod, args, s=scale, q=quant: (q(args[0], s),))
+    if kv_scales is not None:
+        _use_fp8_kv_cache(model, kv_scales)
     return model
 
 
-def engine_order_kl(path: str | os.PathLike, reference, engine: str | None = None) -> list[float]:
+def engine_order_kl(path: str | os.PathLike, reference, engine: str | None = None, kv_cache: bool = True
+                    ) -> list[float]:
     """Per batch of ``reference`` (``[(tokens [B, S], logits [B, S, V]), ...]``), the mean over tokens of
-    KL(softmax(reference logits) || softmax(engine-order logits)) of the checkpoint at ``path``."""
-    model = engine_order_model(path, engine)
+    KL(softmax(reference logits) || softmax(engine-order logits)) of the checkpoint at ``path``
+    (:func:`engine_order_model`'s ``engine`` and ``kv_cache``)."""
+    model = engine_order_model(path, engine, kv_cache)
     out = []
     with torch.no_grad():
         for tokens, logits in reference:

@@ -24,6 +24,7 @@ with the calibrated scale).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ from ..numerics.fp8 import E4M3, fp8_scale
 from ..numerics.nvfp4 import NVFP4
 from .errors import ExportError
 
-__all__ = ["KvCacheQuant", "KvCachePlan", "kv_cache_plan"]
+__all__ = ["KvCacheQuant", "KvCachePlan", "kv_cache_plan", "kv_scale_names", "read_kv_cache_scales"]
 
 # format -> (compressed-tensors kv_cache_scheme or None where it has none, Model Optimizer's kv_cache_quant_algo)
 _KV_FORMATS: dict[Format, tuple[dict | None, str]] = {
@@ -70,12 +71,63 @@ class KvCachePlan:
         """Layer ``layer``'s ``k_scale`` / ``v_scale``, given the Hugging Face names of its ``k_proj`` and
         ``v_proj``."""
         k_amax, v_amax = self.amax[layer]
-        if file_format == "compressed-tensors":
-            names = (f"{k_module.rpartition('.')[0]}.k_scale", f"{v_module.rpartition('.')[0]}.v_scale")
-        else:
-            names = (f"{k_module}.k_scale", f"{v_module}.v_scale")
+        names = kv_scale_names(k_module, v_module, file_format)
         return {name: E4M3.export.scalar(reciprocal(fp8_scale(amax)), file_format)
                 for name, amax in zip(names, (k_amax, v_amax), strict=True)}
+
+
+def kv_scale_names(k_module: str, v_module: str, file_format: str) -> tuple[str, str]:
+    """The names of a layer's ``k_scale`` and ``v_scale`` in ``file_format``, given the Hugging Face names of its
+    ``k_proj`` and ``v_proj`` (compressed-tensors: on the attention module; Model Optimizer: on the projections)."""
+    if file_format == "compressed-tensors":
+        return f"{k_module.rpartition('.')[0]}.k_scale", f"{v_module.rpartition('.')[0]}.v_scale"
+    return f"{k_module}.k_scale", f"{v_module}.v_scale"
+
+
+def read_kv_cache_scales(quant_config: dict, file_format: str, tensors: Mapping[str, torch.Tensor],
+                         kv_modules: list[tuple[str, str]]) -> tuple[Format, list[tuple[torch.Tensor, torch.Tensor]]] \
+        | None:
+    """A checkpoint's KV cache as the engines read it: its format and every layer's ``(k_scale, v_scale)`` (fp32
+    scalars, the dequantization scales: the engines store ``fp8(k / k_scale)``); None where the config quantizes no
+    KV cache.
+
+    Args:
+        quant_config: the ``quantization_config`` (``kv_cache_scheme``) or Model Optimizer's ``quantization``
+            (``kv_cache_quant_algo``).
+        file_format: ``compressed-tensors`` or ``modelopt``.
+        tensors: the checkpoint's tensors by name (at least the scales).
+        kv_modules: every layer's ``(k_proj, v_proj)`` Hugging Face names.
+
+    Raises:
+        ExportError: a KV-cache scheme or algorithm no engine reads as one, or a missing or invalid scale (naming it).
+    """
+    if file_format == "compressed-tensors":
+        scheme = quant_config.get("kv_cache_scheme")
+        if scheme is None:
+            return None
+        fmt = next((f for f, (ct, _) in _KV_FORMATS.items() if ct is not None and all(
+            scheme.get(k) == v for k, v in ct.items())), None)
+        found, expected = f"kv_cache_scheme {scheme}", [ct for ct, _ in _KV_FORMATS.values() if ct]
+    else:
+        algo = quant_config.get("kv_cache_quant_algo")
+        if algo is None:
+            return None
+        fmt = next((f for f, (_, a) in _KV_FORMATS.items() if a == algo), None)
+        found, expected = f"kv_cache_quant_algo {algo!r}", [a for _, a in _KV_FORMATS.values()]
+    if fmt is None:
+        raise ExportError(f"quantization_config {found}: expected one of {expected}")
+    scales = []
+    for k_module, v_module in kv_modules:
+        pair = []
+        for name in kv_scale_names(k_module, v_module, file_format):
+            t = tensors.get(name)
+            if t is None or t.numel() != 1 or not t.is_floating_point() or not bool(torch.isfinite(t).all()) \
+                    or not bool((t > 0).all()):
+                got = "absent" if t is None else f"{t.dtype} {list(t.shape)} {t.flatten()[:2].tolist()}"
+                raise ExportError(f"{name}: {got}; the {found} needs one finite positive fp32 scale per layer")
+            pair.append(t.float().reshape(()))
+        scales.append(tuple(pair))
+    return fmt, scales
 
 
 def kv_cache_plan(layers: list[KvCacheQuant], file_format: str) -> KvCachePlan | None:

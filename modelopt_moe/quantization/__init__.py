@@ -50,6 +50,8 @@ INT4_BLOCKWISE_WEIGHT_ONLY_CFG = load_config(preset_path("int4_blockwise_weight_
 FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG = load_config(preset_path("fp8_block_weight_only.yaml")).model_dump()
 FP8_BLOCKWISE_W8A8_CFG = load_config(preset_path("fp8_block_w8a8.yaml")).model_dump()
 NVFP4_EXPERTS_FP8_CFG = load_config(preset_path("nvfp4_experts_fp8.yaml")).model_dump()
+# NVIDIA's whole recipe in one: NVFP4_EXPERTS_FP8_CFG with FP8_KV_CFG's FP8 KV cache
+NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG = load_config(preset_path("nvfp4_experts_fp8_attn_fp8_kv.yaml")).model_dump()
 # KV-cache presets, Model Optimizer's shape: rules only, to append to a model preset's quant_cfg.
 FP8_KV_CFG = {"quant_cfg": load_config(preset_path("fp8_kv.yaml")).model_dump()["quant_cfg"]}
 NVFP4_KV_CFG = {"quant_cfg": load_config(preset_path("nvfp4_kv.yaml")).model_dump()["quant_cfg"]}
@@ -64,6 +66,6 @@ __all__ = [
     "FORMATS", "QuantModuleRegistry", "named_quantizers", "sync_amax", "FP8_DEFAULT_CFG", "NVFP4_DEFAULT_CFG",
     "MXFP4_DEFAULT_CFG", "MXFP8_DEFAULT_CFG",
     "INT8_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "FP8_BLOCKWISE_W8A8_CFG",
-    "NVFP4_EXPERTS_FP8_CFG",
+    "NVFP4_EXPERTS_FP8_CFG", "NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG",
     "FP8_KV_CFG", "NVFP4_KV_CFG",
 ]

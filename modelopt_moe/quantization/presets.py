@@ -17,6 +17,7 @@ PRESET_FILES = {
     "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG": "fp8_block_weight_only.yaml",
     "FP8_BLOCKWISE_W8A8_CFG": "fp8_block_w8a8.yaml",
     "NVFP4_EXPERTS_FP8_CFG": "nvfp4_experts_fp8.yaml",
+    "NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG": "nvfp4_experts_fp8_attn_fp8_kv.yaml",
     "FP8_KV_CFG": "fp8_kv.yaml",
     "NVFP4_KV_CFG": "nvfp4_kv.yaml",
 }

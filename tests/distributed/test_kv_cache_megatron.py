@@ -7,7 +7,15 @@ the core attention computes on exactly the reference fake quant of K and V with 
 per layer, the max over the TP ranks' heads, the same on both ranks; one step of Megatron's schedule (bf16,
 distributed optimizer) trains through it (the QKV weights move); the checkpoint is saved. A second spawn of 1 rank
 at TP=1 loads it into a fresh model: every KV amax bit-exact.
+
+The export half builds a Qwen3-MoE from a transformers checkpoint at TP=2, quantizes it with FP8 layers + FP8 KV and
+with NVIDIA's recipe as one preset (``NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG``), records the fake-quant logits and exports
+both formats: the engine-order forward from the files alone (K and V stored in FP8 with the exported scales) matches
+those logits, transformers + compressed-tensors load the recipe's checkpoint, an NVFP4 KV cache is refused by the
+engine-order forward.
 """
+
+import json
 
 import pytest
 import torch
@@ -145,26 +153,39 @@ def _export(root, calib):
         import_hf(m, root / "hf")
         m.eval()
         small = [{k: v % 128 if k in ("tokens", "labels") else v for k, v in b.items()} for b in calib]
-        mtq.quantize(m, _config(mtq, kv_preset, model_preset),
-                     lambda model: [mm.gather_logits(model, b) for b in small])
+        cfg = getattr(mtq, model_preset) if kv_preset is None else _config(mtq, kv_preset, model_preset)
+        mtq.quantize(m, cfg, lambda model: [mm.gather_logits(model, b) for b in small])
         return m
 
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
     m = calibrated("FP8_KV_CFG")
-    res = {"amax": _kv_amax(m), "errors": {}}
+    res = {"amax": _kv_amax(m), "errors": {}, "tokens": tokens, "logits": {"one_scheme": _logits(m, tokens)}}
     for fmt in ("compressed-tensors", "modelopt"):
         export_hf(m, root / f"kv_{fmt}", format=fmt, progress=False)
-    mixed = calibrated("FP8_KV_CFG", "NVFP4_EXPERTS_FP8_CFG")  # one scheme per layer
+    mixed = calibrated(None, "NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG")  # NVIDIA's recipe, one preset: a scheme per layer
     res["amax_mixed"] = _kv_amax(mixed)
+    res["logits"]["scheme_per_layer"] = _logits(mixed, tokens)
     for fmt in ("compressed-tensors", "modelopt"):
         export_hf(mixed, root / f"kv_mixed_{fmt}", format=fmt, progress=False)
+    nvfp4_kv = calibrated("NVFP4_KV_CFG")
+    export_hf(nvfp4_kv, root / "kv_nvfp4_modelopt", format="modelopt", progress=False)
     mtq.enable_quantizer(m, "*q_bmm_quantizer")
-    for key, model, fmt in (("query", m, "modelopt"), ("nvfp4_ct", calibrated("NVFP4_KV_CFG"), "compressed-tensors")):
+    for key, model, fmt in (("query", m, "modelopt"), ("nvfp4_ct", nvfp4_kv, "compressed-tensors")):
         try:
             export_hf(model, root / f"refused_{key}", format=fmt, progress=False)
             res["errors"][key] = None
         except ExportError as e:
             res["errors"][key] = (str(e), (root / f"refused_{key}").exists())
     return res
+
+
+def _logits(m, tokens):
+    """The Megatron fake-quant model's full-vocabulary logits (causal mask, positions 0..seq-1), on every rank."""
+    seq = tokens.shape[1]
+    positions = torch.arange(seq).expand_as(tokens)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        return m(tokens, positions, mask, runtime_gather_output=True).float()
 
 
 def _tp1_worker(rank, world_size, root):
@@ -187,7 +208,12 @@ def _make_hf(path):
     cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, num_experts=4, moe_intermediate_size=32,
                          num_experts_per_tok=2, max_position_embeddings=64, norm_topk_prob=False)
-    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # norms not all ones: no bf16 ratios that put an input exactly on an FP8 rounding midpoint
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.to(torch.bfloat16).save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
@@ -248,8 +274,8 @@ def _tensors(path):
 @pytest.mark.parametrize("mixed", [False, True], ids=["one_scheme", "scheme_per_layer"])
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
 def test_export_writes_the_kv_cache_config_and_per_layer_scales_the_engines_read(runs, fmt, mixed):
-    """FP8 layers, or NVFP4_EXPERTS_FP8_CFG's scheme per layer (compressed-tensors mixed-precision groups, Model
-    Optimizer MIXED_PRECISION): the same KV-cache entries and scales."""
+    """FP8 layers, or NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG's scheme per layer (compressed-tensors mixed-precision groups,
+    Model Optimizer MIXED_PRECISION): the same KV-cache entries and scales."""
     import json
 
     tp2, _, root = runs
@@ -318,3 +344,93 @@ def test_a_per_channel_kv_amax_is_refused_naming_the_quantizer(runs):
     assert "k_bmm_quantizer" in msg
     assert "axis=-1" in msg
     assert "one amax per layer" in msg
+
+
+# The engine-order forward and the Megatron KV-QAT forward compute the same quantized model; what differs is fp32
+# rounding (GEMMs and attention in another order, the engine dividing by the stored reciprocal scales instead of
+# multiplying by 448 / amax). Measured: relative max difference 2.4e-7 and KL 5e-16 for both recipes and formats;
+# K and V left in high precision on the engine side: 7e-2 to 9e-2. A value exactly on an FP8 rounding midpoint (bf16
+# ratios make them: with all-ones norms one input of this model scaled to exactly 100.0) rounds to even in training
+# and, divided by the stored reciprocal, one step away in the engine: that moved the logits by 1.4e-2 (KL 1e-6). The
+# tolerances leave room for such a flip per recipe (the NVFP4 one as tests/distributed/test_engine_order_export.py).
+ENGINE_TOLERANCE = {"one_scheme": 1e-3, "scheme_per_layer": 1e-2}
+KL_TOLERANCE = 1e-6
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+@pytest.mark.parametrize("recipe", ["one_scheme", "scheme_per_layer"])
+def test_engine_order_forward_with_the_fp8_kv_cache_matches_the_kv_qat_forward(runs, recipe, fmt):
+    """FP8 W8A8 + FP8 KV, and NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG (NVFP4 experts, FP8 attention, FP8 KV): the
+    engine-order forward from the exported files alone, K and V stored as ``fp8(k / k_scale)`` after RoPE, gives the
+    Megatron fake-quant model's logits; without the KV cache's quantization it does not."""
+    from torch import nn
+
+    from modelopt_moe.export.engine_forward import engine_order_kl, engine_order_model
+
+    tp2, _, root = runs
+    res = tp2[0]["export"]
+    path = root / (f"kv_mixed_{fmt}" if recipe == "scheme_per_layer" else f"kv_{fmt}")
+    tokens, ref = res["tokens"], res["logits"][recipe]
+    amax = res["amax_mixed" if recipe == "scheme_per_layer" else "amax"]
+    engine = engine_order_model(path)
+    for L, layer in enumerate(engine.model.layers):  # the scales the files hold, on the attention as engines keep them
+        for kind in "kv":
+            got = getattr(layer.self_attn, f"{kind}_scale")
+            assert torch.equal(got, 1 / (torch.tensor(448.0) / amax[f"{L}.{kind}_bmm_quantizer"].float())), (L, kind)
+    assert sum(isinstance(m, nn.Linear) and bool(m._forward_pre_hooks) for m in engine.modules()) == 2 * (4 + 3 * 4)
+    with torch.no_grad():
+        diff = _relative_max_diff(engine(tokens).logits.float(), ref)
+        without = _relative_max_diff(engine_order_model(path, kv_cache=False)(tokens).logits.float(), ref)
+    kl = engine_order_kl(path, [(tokens, ref)])[0]
+    print(f"{recipe} {fmt}: engine order with the FP8 KV cache vs Megatron KV-QAT: relative max difference "
+          f"{diff:.3g}, KL {kl:.3g}; with K and V in high precision: {without:.3g}")
+    assert diff <= ENGINE_TOLERANCE[recipe], diff
+    assert 0 <= kl <= KL_TOLERANCE, kl
+    assert without > 10 * diff, (without, diff)  # the KV cache's quantization is what the engine side adds
+
+
+def test_engine_order_forward_refuses_an_nvfp4_kv_cache_naming_it(runs):
+    from modelopt_moe.export import ExportError
+    from modelopt_moe.export.engine_forward import engine_order_model
+
+    root = runs[2]
+    assert json.loads((root / "kv_nvfp4_modelopt" / "config.json").read_text())["quantization_config"][
+        "kv_cache_quant_algo"] == "NVFP4"
+    with pytest.raises(ExportError, match="KV cache in NVFP4") as info:
+        engine_order_model(root / "kv_nvfp4_modelopt")
+    assert "FP8 KV cache only" in str(info.value)
+    assert engine_order_model(root / "kv_nvfp4_modelopt", kv_cache=False) is not None  # K and V left unquantized
+
+
+def _relative_max_diff(got, ref):
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+def test_transformers_and_compressed_tensors_load_nvidias_recipe_with_its_fp8_kv_cache(runs):
+    """NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG's compressed-tensors export: compressed-tensors parses its config (a group
+    per scheme and the FP8 ``kv_cache_scheme``), transformers loads it (with the NVFP4 experts fix), the KV scales
+    present and left to the engines, every weight loaded."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from modelopt_moe.export import transformers_compat
+
+    root = runs[2]
+    path = root / "kv_mixed_compressed-tensors"
+    qc = QuantizationConfig.model_validate(json.loads((path / "config.json").read_text())["quantization_config"])
+    assert qc.kv_cache_scheme.num_bits == 8
+    assert qc.kv_cache_scheme.type == "float"
+    assert qc.kv_cache_scheme.strategy == "tensor"
+    assert sorted(g.format for g in qc.config_groups.values()) == ["float-quantized", "nvfp4-pack-quantized"]
+    with transformers_compat.fix_nvfp4_experts():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, output_loading_info=True,
+            quantization_config=CompressedTensorsConfig(dequantize=True))
+    kv_names = {f"model.layers.{L}.self_attn.{k}_scale" for L in range(2) for k in "kv"}
+    assert kv_names <= set(_tensors(path))
+    assert kv_names <= info["unexpected_keys"]
+    assert not info["missing_keys"]
+    assert not info["error_msgs"]
+    with torch.no_grad():
+        assert torch.isfinite(model.eval()(torch.arange(16).reshape(1, 16)).logits).all()

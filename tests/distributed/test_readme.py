@@ -101,6 +101,16 @@ def test_export_snippet(tmp_path):
     written = sorted(p.name for p in (tmp_path / "tiny-qwen3-moe-nvfp4").iterdir())
     assert "config.json" in written, written
     assert any(n.endswith(".safetensors") for n in written), written
+    # NVIDIA's whole recipe: a scheme per layer and the FP8 KV cache's scales
+    import json
+
+    from modelopt_moe.export.engine_forward import engine_order_model
+
+    qc = json.loads((tmp_path / "tiny-qwen3-moe-nvfp4" / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_algo"], qc["kv_cache_quant_algo"]) == ("MIXED_PRECISION", "FP8"), qc
+    attn = engine_order_model(tmp_path / "tiny-qwen3-moe-nvfp4").model.layers[1].self_attn
+    assert attn.k_scale > 0
+    assert attn.v_scale > 0
 
 
 def _megatron_worker(rank, world_size, root):

@@ -47,3 +47,32 @@ def test_readme_merges_give_the_model_preset_plus_an_fp8_kv_cache(tmp_path):
         assert _resolved(cfg, QKV + "weight_quantizer", "ColumnParallelLinear") == _resolved(
             mtq.FP8_DEFAULT_CFG, QKV + "weight_quantizer", "ColumnParallelLinear")
     assert mtq.load_config("FP8_KV_CFG").quant_cfg == to_config(mtq.FP8_KV_CFG).quant_cfg
+
+
+def test_nvidias_whole_recipe_is_one_preset_equal_to_the_mixed_preset_plus_the_fp8_kv_cache():
+    """NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG (and its YAML by bare name) is NVFP4_EXPERTS_FP8_CFG merged with FP8_KV_CFG
+    as README.md merges presets: NVFP4 routed experts, FP8 attention and shared experts, bf16 router and output layer,
+    an FP8 KV cache; the mixed preset alone is unchanged (no KV cache)."""
+    merged = dict(mtq.NVFP4_EXPERTS_FP8_CFG)
+    merged["quant_cfg"] = mtq.NVFP4_EXPERTS_FP8_CFG["quant_cfg"] + mtq.FP8_KV_CFG["quant_cfg"]
+    one = mtq.NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG
+    assert to_config(one) == to_config(merged)
+    assert mtq.load_config("NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG") == to_config(one)
+    assert mtq.load_config("nvfp4_experts_fp8_attn_fp8_kv") == to_config(one)
+    expected = {
+        (CORE + "k_bmm_quantizer", "DotProductAttention"): ("e4m3", None, None, True),
+        (CORE + "v_bmm_quantizer", "DotProductAttention"): ("e4m3", None, None, True),
+        (QKV + "weight_quantizer", "ColumnParallelLinear"): ("e4m3", None, None, True),
+        ("decoder.layers.0.self_attention.linear_proj.input_quantizer", "RowParallelLinear"):
+            ("e4m3", None, None, True),
+        ("decoder.layers.0.mlp.shared_experts.linear_fc1.weight_quantizer", "ColumnParallelLinear"):
+            ("e4m3", None, None, True),
+        ("decoder.layers.0.mlp.experts.linear_fc1.weight_quantizer", "SequentialMLP"): ("nvfp4", None, None, True),
+        ("decoder.layers.0.mlp.experts.linear_fc2.input_quantizer", "SequentialMLP"): ("nvfp4", None, None, True),
+    }
+    for (name, cls), want in expected.items():
+        assert _resolved(one, name, cls) == want, name
+    for name in ("decoder.layers.0.mlp.router.weight_quantizer", "output_layer.weight_quantizer"):
+        assert _resolved(one, name, "Linear") in (None, ("e4m3", None, None, False)), name
+    assert to_config(one).experts == to_config(mtq.NVFP4_EXPERTS_FP8_CFG).experts
+    assert _resolved(mtq.NVFP4_EXPERTS_FP8_CFG, CORE + "k_bmm_quantizer") is None
