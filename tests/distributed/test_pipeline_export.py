@@ -139,7 +139,8 @@ def test_export_at_pp2_holds_every_layer_once(run):
             names.update(f.keys())
     layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
     assert layers == {0, 1, 2, 3}
-    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
+    assert "lm_head.weight" in names
+    assert "model.embed_tokens.weight" in names
     assert any(".mlp.experts.3." in n for n in names)  # every EP rank's experts
 
 
