@@ -24,6 +24,8 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from modelopt_moe.export.errors import ExportError
 
+from .pipeline_state import refuse_virtual_pipeline
+
 __all__ = ["Stage", "PipelineExport", "check_no_virtual_pipeline"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
@@ -35,13 +37,10 @@ def check_no_virtual_pipeline(what: str) -> None:
     Raises:
         ExportError: ``virtual_pipeline_model_parallel_size`` above 1 (names it and what to use).
     """
-    if not parallel_state.model_parallel_is_initialized():
-        return
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    if vpp is not None and vpp > 1:
-        raise ExportError(f"{what}: virtual_pipeline_model_parallel_size={vpp} is not supported (expected None or 1): "
-                          "save a distributed checkpoint and export it from a layout without virtual pipeline stages "
-                          "(modelopt-moe export loads it at any TP / EP / PP)")
+    try:
+        refuse_virtual_pipeline(what)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
 
 
 def pipeline_world() -> int:

@@ -20,7 +20,8 @@ from torch import nn
 
 from modelopt_moe.quantization.conversion import unwrap_model
 
-__all__ = ["pipeline_size", "global_layer_name", "global_state", "stage_state", "merge_stage_states", "stage_naming"]
+__all__ = ["pipeline_size", "refuse_virtual_pipeline", "global_layer_name", "global_state", "stage_state",
+           "merge_stage_states", "stage_naming"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
 
@@ -30,6 +31,24 @@ def pipeline_size() -> int:
     if not parallel_state.model_parallel_is_initialized():
         return 1
     return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def refuse_virtual_pipeline(what: str) -> None:
+    """Refuses virtual pipeline stages (Megatron's interleaved schedule: model chunks that each hold part of a
+    stage's layers), which the training, checkpoint and export paths here do not support. Local state only.
+
+    Raises:
+        ValueError: ``virtual_pipeline_model_parallel_size`` above 1 (names it, and what to use instead).
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None and vpp > 1:
+        raise ValueError(f"{what}: virtual pipeline stages ({vpp}) are not supported "
+                         f"(virtual_pipeline_model_parallel_size={vpp}, expected None or 1): Megatron's interleaved "
+                         "schedule takes no adjust_tensor_shapes_fn to carry a teacher's hidden states, and model "
+                         "chunks are not named globally here; initialise with virtual_pipeline_model_parallel_size="
+                         "None and train with the non-interleaved schedule")
 
 
 def _offset(model: nn.Module) -> tuple[int, int]:
@@ -110,8 +129,13 @@ class _StageNaming:
 
 def stage_naming(model: nn.Module) -> _StageNaming | None:
     """The naming of a Megatron GPT model's pipeline stage (registered with the core by the plugin); None at pipeline
-    size 1 or for another model. Local state only: no collective."""
+    size 1 or for another model. Local state only: no collective.
+
+    Raises:
+        ValueError: virtual pipeline stages (:func:`refuse_virtual_pipeline`).
+    """
     m = unwrap_model(model)
     if pipeline_size() == 1 or not hasattr(m, "decoder") or not hasattr(m, "config"):
         return None
+    refuse_virtual_pipeline("the global layer names of a pipeline stage")
     return _StageNaming(m)

@@ -11,7 +11,9 @@ Qwen3-MoE checkpoint (``import_hf``) and the same calibration tokens (Megatron's
 * ``print_quant_summary(gather=True)`` at PP=2 names every quantizer of every stage once, under its global layer
   name: the same lines as at PP=1;
 * ``restore_sharded_modelopt_state`` called directly at PP=2 on a checkpoint saved at PP=2 restores each stage's
-  quantizers (then Megatron's own ``dist_checkpointing.load``): the export of the restored model is the same bytes.
+  quantizers (then Megatron's own ``dist_checkpointing.load``): the export of the restored model is the same bytes;
+* at virtual pipeline size 2 (Megatron's interleaved schedule) every entry point refuses, naming the setting, before
+  it writes anything.
 """
 
 import json
@@ -91,7 +93,48 @@ def _layout(pp: int, hf_dir: str, out: Path) -> dict:
         state = model_sharded_state_dict(fresh)
         fresh.load_state_dict(dist_checkpointing.load(state, str(out / "ckpt"))["model"])
         export_hf(fresh, out / "restored" / "modelopt", format="modelopt", progress=False)
-    return result
+    return result, model
+
+
+def _virtual_pipeline_refusals(model, hf_dir: str, out: Path) -> dict:
+    """Every entry point, at virtual pipeline size 2 (Megatron's interleaved schedule): the error it raises."""
+    import io
+
+    from megatron.core import parallel_state
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.export import build_megatron_model, export_hf, import_hf
+    from modelopt_moe.plugins.megatron import (
+        distillation_model,
+        get_forward_backward_func,
+        load_sharded_checkpoint,
+        save_sharded_checkpoint,
+    )
+    from modelopt_moe.plugins.megatron.training import setup_training
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=2,
+                                             virtual_pipeline_model_parallel_size=2, expert_tensor_parallel_size=1)
+    calls = {
+        "build_megatron_model": lambda: build_megatron_model(hf_dir),
+        "import_hf": lambda: import_hf(model, hf_dir),
+        "export_hf": lambda: export_hf(model, out / "vpp_export", progress=False),
+        "distillation_model": lambda: distillation_model(model, model),
+        "get_forward_backward_func": lambda: get_forward_backward_func(),
+        "setup_training": lambda: setup_training(model),
+        "save_sharded_checkpoint": lambda: save_sharded_checkpoint(model, out / "vpp_ckpt"),
+        "load_sharded_checkpoint": lambda: load_sharded_checkpoint(model, out / "ckpt"),
+        "print_quant_summary": lambda: mtq.print_quant_summary(model, file=io.StringIO(), gather=True),
+    }
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001  (the test names any other kind)
+            errors[name] = f"{type(e).__name__}: {e}" if isinstance(e, ValueError) else f"not a ValueError: {e!r}"
+    parallel_state.destroy_model_parallel()
+    return errors
 
 
 def _user_script(rank, world_size, hf_dir, out_dir):
@@ -99,7 +142,9 @@ def _user_script(rank, world_size, hf_dir, out_dir):
 
     apply_cpu_shims()
     out = Path(out_dir)
-    return {"pp2": _layout(2, hf_dir, out), "pp1": _layout(1, hf_dir, out)}
+    pp2, _ = _layout(2, hf_dir, out)
+    pp1, model = _layout(1, hf_dir, out)
+    return {"pp2": pp2, "pp1": pp1, "virtual": _virtual_pipeline_refusals(model, hf_dir, out)}
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +201,14 @@ def test_quant_summary_gathered_at_pp2_names_every_layer_once_as_pp1(run):
 
 def test_restore_sharded_modelopt_state_at_pp2_then_export_is_the_same(run):
     assert _files(run["out"] / "restored" / "modelopt") == _files(run["out"] / "pp2" / "modelopt")
+
+
+def test_virtual_pipeline_stages_are_refused_by_name_everywhere(run):
+    for r in run["results"]:
+        for call, error in r["virtual"].items():
+            assert error is not None, f"{call} accepted virtual pipeline stages"
+            assert error.startswith(("ValueError", "ExportError")), error
+            assert "virtual_pipeline_model_parallel_size=2" in error, error
+            assert "expected None or 1" in error, error
+    assert not (run["out"] / "vpp_export").exists()
+    assert not (run["out"] / "vpp_ckpt").exists()
