@@ -3,8 +3,8 @@
 One job of 4 CPU processes (gloo; :func:`modelopt_moe.launch.spawn`) runs the same QAD twice,
 first at PP=2 x TP=2 (each stage: two of the four layers of both student and teacher), then at PP=1 x TP=2:
 
-1. a transformers-written Qwen3-MoE model (``configs/qwen3_moe_tiny.json`` with 4 layers, random weights of std 0.2, seed 0) is
-   built and imported as the bf16 teacher, and again as the student;
+1. a transformers-written Qwen3-MoE model (``configs/qwen3_moe_tiny.json`` with 4 layers, random weights of std 0.2,
+   seed 0) is built and imported as the bf16 teacher, and again as the student;
 2. the student is quantized (NVFP4 experts, ``nvfp4_experts``) and calibrated through Megatron's pipeline schedule;
 3. ``distillation_model(student, teacher)`` trains ``--steps`` steps with the default :class:`QADRecipe`
    (``training.setup_training`` / ``train``: Megatron's DDP, distributed optimizer, bf16 with fp32 main weights);

@@ -25,6 +25,7 @@ sigmoid router with expert bias, groups and scaling (``moe_router_*``). gpt-oss 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Any
@@ -42,7 +43,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from modelopt_moe.export.errors import ExportError
 from modelopt_moe.export.families import MoEArch, family_for_architecture, get_family, read_hf_config
-from modelopt_moe.plugins.megatron_cpu import cpu_sliding_window_mask
+from modelopt_moe.plugins.megatron_cpu import cpu_sliding_window_mask, megatron_training_shims
 from modelopt_moe.quantization.conversion import unwrap_model
 
 from .hf_pipeline import check_no_virtual_pipeline
@@ -276,7 +277,11 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
     )
     model_kwargs.update(model_over)
-    model = GPTModel(config=config, transformer_layer_spec=layer_spec, **model_kwargs)
+    # Tied embeddings across stages: Megatron moves the last stage's copy with .cuda() and all-reduces it from the
+    # first stage's; without CUDA that needs the CPU shims of its training machinery.
+    shims = megatron_training_shims() if pp > 1 and not on_gpu else contextlib.nullcontext()
+    with shims:
+        model = GPTModel(config=config, transformer_layer_spec=layer_spec, **model_kwargs)
     return model.cuda() if on_gpu else model
 
 

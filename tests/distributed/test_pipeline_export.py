@@ -7,7 +7,7 @@ Qwen3-MoE checkpoint (``import_hf``) and the same calibration tokens (Megatron's
 
 * ``export_hf`` writes one checkpoint per format (``hf`` of the imported model; ``compressed-tensors`` and
   ``modelopt`` once quantized to NVFP4), and the PP=2 files are the PP=1 files byte for byte (every stage's layers
-  under their global numbers);
+  under their global numbers); with tied embeddings too, whose last-stage copy ``import_hf`` loads;
 * ``print_quant_summary(gather=True)`` at PP=2 names every quantizer of every stage once, under its global layer
   name: the same lines as at PP=1;
 * ``restore_sharded_modelopt_state`` called directly at PP=2 on a checkpoint saved at PP=2 restores each stage's
@@ -26,16 +26,16 @@ from limits import seconds  # noqa: E402
 from modelopt_moe.launch import spawn
 
 WORLD, TP, EP, SEQ = 4, 2, 2, 16
-FORMATS = ("hf", "compressed-tensors", "modelopt")
+FORMATS = ("hf", "compressed-tensors", "modelopt", "tied")  # tied: the hf export of a model with tied embeddings
 
 
-def _save_qwen3_moe(path: Path) -> None:
+def _save_qwen3_moe(path: Path, tied: bool = False) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
     config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                            moe_intermediate_size=32, max_position_embeddings=64)
+                            moe_intermediate_size=32, max_position_embeddings=64, tie_word_embeddings=tied)
     Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 
@@ -68,9 +68,9 @@ def _layout(pp: int, hf_dir: str, out: Path) -> dict:
                                              pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
 
-    def build():
-        model = build_megatron_model(hf_dir, params_dtype=torch.bfloat16)
-        import_hf(model, hf_dir)
+    def build(path=hf_dir):
+        model = build_megatron_model(path, params_dtype=torch.bfloat16)
+        import_hf(model, path)
         return model.eval()
 
     def forward_loop(m):
@@ -79,13 +79,24 @@ def _layout(pp: int, hf_dir: str, out: Path) -> dict:
                                         model=[m], num_microbatches=2, seq_length=SEQ, micro_batch_size=2,
                                         forward_only=True)
 
+    tied_dir = str(Path(hf_dir).parent / "tied")
+    tied = build(tied_dir)  # tied embeddings: the last stage holds its own copy of the embedding as output layer
+    export_hf(tied, out / f"pp{pp}" / "tied", format="hf", progress=False)
+    tied_copy = None
+    if pp > 1 and parallel_state.is_pipeline_last_stage():
+        from safetensors import safe_open
+
+        with safe_open(f"{tied_dir}/model.safetensors", "pt") as f:
+            rows = f.get_tensor("model.embed_tokens.weight").chunk(TP)
+        embedding = rows[parallel_state.get_tensor_model_parallel_rank()]
+        tied_copy = torch.equal(tied.output_layer.weight, embedding.to(tied.output_layer.weight.dtype))
     model = build()
     export_hf(model, out / f"pp{pp}" / "hf", format="hf", progress=False)  # the imported bf16 model
     mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, forward_loop)
-    for fmt in FORMATS[1:]:
+    for fmt in ("compressed-tensors", "modelopt"):
         export_hf(model, out / f"pp{pp}" / fmt, format=fmt, progress=False)
     summary = mtq.print_quant_summary(model, file=io.StringIO(), gather=True)
-    result = {"summary": summary, "layers": len(model.decoder.layers)}
+    result = {"summary": summary, "layers": len(model.decoder.layers), "tied_copy": tied_copy}
     if pp > 1:  # saved at PP=2, restored into a fresh PP=2 model by the user's own calls
         save_sharded_checkpoint(model, out / "ckpt")
         fresh = build()
@@ -151,6 +162,7 @@ def _user_script(rank, world_size, hf_dir, out_dir):
 def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("pp_export")
     _save_qwen3_moe(base / "qwen3_moe")
+    _save_qwen3_moe(base / "tied", tied=True)
     (base / "out").mkdir()
     results = spawn(_user_script, WORLD, args=(str(base / "qwen3_moe"), str(base / "out")), timeout=seconds(900))
     return {"results": results, "out": base / "out"}
@@ -170,8 +182,15 @@ def test_export_at_pp2_is_the_pp1_export_byte_for_byte(run, fmt):
         assert pp2[name] == pp1[name], name
     config = json.loads(pp1["config.json"])
     assert config["num_hidden_layers"] == 4
-    if fmt != "hf":
+    if fmt not in ("hf", "tied"):
         assert "quantization_config" in config
+    assert config["tie_word_embeddings"] == (fmt == "tied")
+
+
+def test_import_at_pp2_loads_the_last_stages_copy_of_tied_embeddings(run):
+    copies = [r["pp2"]["tied_copy"] for r in run["results"]]
+    assert copies.count(True) == 2  # the last stage's two TP ranks
+    assert copies.count(None) == 2  # the first stage holds the embedding itself
 
 
 def test_export_at_pp2_holds_every_layer_once(run):
