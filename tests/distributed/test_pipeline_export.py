@@ -6,8 +6,10 @@ One spawn of 4 gloo ranks, at PP=2 x TP=2 x EP=2 and then PP=1 x TP=2 x EP=2, on
 Qwen3-MoE checkpoint (``import_hf``) and the same calibration tokens (Megatron's pipeline schedule, forward only):
 
 * ``export_hf`` writes one checkpoint per format (``hf`` of the imported model; ``compressed-tensors`` and
-  ``modelopt`` once quantized to NVFP4), and the PP=2 files are the PP=1 files byte for byte (every stage's layers
-  under their global numbers); with tied embeddings too, whose last-stage copy ``import_hf`` loads;
+  ``modelopt`` once quantized to NVFP4 with an FP8 KV cache), and the PP=2 files are the PP=1 files byte for byte
+  (every stage's layers and KV-cache scales under their global numbers); with tied embeddings too, whose last-stage
+  copy ``import_hf`` loads; the export of an uncalibrated model fails with the same error on every rank, writing
+  nothing;
 * ``print_quant_summary(gather=True)`` at PP=2 names every quantizer of every stage once, under its global layer
   name: the same lines as at PP=1;
 * ``restore_sharded_modelopt_state`` called directly at PP=2 on a checkpoint saved at PP=2 restores each stage's
@@ -92,13 +94,21 @@ def _layout(pp: int, hf_dir: str, out: Path) -> dict:
         tied_copy = torch.equal(tied.output_layer.weight, embedding.to(tied.output_layer.weight.dtype))
     model = build()
     export_hf(model, out / f"pp{pp}" / "hf", format="hf", progress=False)  # the imported bf16 model
-    mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, forward_loop)
+    config = dict(mtq.NVFP4_DEFAULT_CFG)  # with an FP8 KV cache, as Model Optimizer users merge the presets
+    config["quant_cfg"] = config["quant_cfg"] + mtq.FP8_KV_CFG["quant_cfg"]
+    mtq.quantize(model, config, forward_loop)
     for fmt in ("compressed-tensors", "modelopt"):
         export_hf(model, out / f"pp{pp}" / fmt, format=fmt, progress=False)
     summary = mtq.print_quant_summary(model, file=io.StringIO(), gather=True)
     result = {"summary": summary, "layers": len(model.decoder.layers), "tied_copy": tied_copy}
     if pp > 1:  # saved at PP=2, restored into a fresh PP=2 model by the user's own calls
         save_sharded_checkpoint(model, out / "ckpt")
+        uncalibrated = mtq.quantize(build(), config)  # no forward loop: no amax on any stage
+        try:
+            export_hf(uncalibrated, out / "uncalibrated", progress=False)
+            result["uncalibrated"] = None
+        except Exception as e:  # noqa: BLE001  (the test names any other kind)
+            result["uncalibrated"] = f"{type(e).__name__}: {e}"
         fresh = build()
         restore_sharded_modelopt_state([fresh], out / "ckpt")
         state = model_sharded_state_dict(fresh)
@@ -206,6 +216,8 @@ def test_export_at_pp2_holds_every_layer_once(run):
     assert "lm_head.weight" in names
     assert "model.embed_tokens.weight" in names
     assert any(".mlp.experts.3." in n for n in names)  # every EP rank's experts
+    assert {n for n in names if n.endswith("_proj.k_scale")} == {f"model.layers.{L}.self_attn.k_proj.k_scale"
+                                                                 for L in range(4)}  # every stage's KV-cache scales
 
 
 def test_quant_summary_gathered_at_pp2_names_every_layer_once_as_pp1(run):
@@ -231,3 +243,14 @@ def test_virtual_pipeline_stages_are_refused_by_name_everywhere(run):
             assert "expected None or 1" in error, error
     assert not (run["out"] / "vpp_export").exists()
     assert not (run["out"] / "vpp_ckpt").exists()
+
+
+def test_export_at_pp2_of_an_uncalibrated_model_fails_the_same_on_every_rank_before_writing(run):
+    errors = {r["pp2"]["uncalibrated"] for r in run["results"]}
+    assert len(errors) == 1, errors  # every rank raises, and the same error: no rank waits in a collective
+    error = errors.pop()
+    assert error is not None
+    assert error.startswith("ExportError: "), error
+    assert "layer 0" in error or "layers.0." in error, error  # the first stage's first layer, by its global number
+    assert "calibrate" in error, error
+    assert not (run["out"] / "uncalibrated").exists()
