@@ -28,6 +28,7 @@ from pathlib import Path
 
 from torch import nn
 
+from ..quantization.chunk_names import chunk_naming
 from ..quantization.config import ExpertsConfig
 from ..quantization.conversion import register_framework_plugins
 from ..quantization.utils import rank
@@ -87,10 +88,19 @@ def save_sharded_modelopt_state(model_list, ckpt_dir: str | os.PathLike,
             ``save_sharded_checkpoint`` passes them), restored with the state at any layout.
         states: the per-chunk states to write instead of the models' own (a framework plugin's, e.g. merged over
             pipeline stages under global layer names).
+
+    Raises:
+        ValueError: ``states`` not given for a pipeline stage (its own state holds its layers alone).
     """
     models = _as_list(model_list)
     tokens = calibration_tokens or [None] * len(models)
     if states is None:
+        register_framework_plugins()
+        if any(chunk_naming(m) is not None for m in models):
+            raise ValueError("save_sharded_modelopt_state: the model is one pipeline stage of a larger model; its own "
+                             "state would name its layers from 0 and leave the other stages' out: save with "
+                             "modelopt_moe.plugins.megatron.save_sharded_checkpoint, which merges every stage's state "
+                             "under global layer names (or pass states=)")
         states = [modelopt_state(m, t) for m, t in zip(models, tokens, strict=True)]
     if rank() != 0:
         return
@@ -134,6 +144,9 @@ def restore_sharded_modelopt_state(model_list, ckpt_dir: str | os.PathLike,
     Then converts each (unquantized, possibly meta-device) chunk, restores every quantizer's format, enablement and
     STE, and checks each expert quantizer's global expert count against the checkpoint's.
 
+    With pipeline parallelism each stage restores its own layers' entries of the saved state (which names layers
+    globally), through the framework plugin's naming (:mod:`modelopt_moe.quantization.chunk_names`).
+
     Call it on every rank. Collectives: the Megatron check agrees on its outcome over all ranks (one all-gather).
 
     Args:
@@ -152,12 +165,14 @@ def restore_sharded_modelopt_state(model_list, ckpt_dir: str | os.PathLike,
     states = _read_states(path)
     if len(states) != len(models):
         raise CheckpointMismatchError(f"{path}: expected {len(models)} model chunks, found {len(states)}")
+    register_framework_plugins()
     if check:
-        register_framework_plugins()
         for model_check in _MODEL_CHECKS:
             model_check(models, path)
     for model, state in zip(models, states, strict=True):
-        restore_modelopt_state(model, state, experts, source=str(path / STATE_FILE))
+        naming = chunk_naming(model)  # a pipeline stage: its layers' entries of the whole model's state
+        restore_modelopt_state(model, naming.chunk_state(state) if naming is not None else state, experts,
+                               source=str(path / STATE_FILE))
 
 
 def checkpoint_amax_shapes(ckpt_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:

@@ -67,7 +67,8 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "co
 
     Args:
         model: a (quantized) model of a framework with a registered adapter (Megatron-Core GPTModel, possibly
-            wrapped in DDP / Float16Module), at any tensor / expert parallel layout.
+            wrapped in DDP / Float16Module), at any tensor / expert / pipeline parallel layout (each pipeline stage
+            gathers its layers; the files are those of pipeline size 1).
         out_dir: the output directory; must not exist or be empty. Written to a temporary sibling and renamed when
             complete.
         format: ``compressed-tensors``, ``modelopt`` or ``hf`` (unquantized weights).
@@ -109,7 +110,8 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "co
 
 def import_hf(model: nn.Module, hf_dir: str | os.PathLike) -> None:
     """Loads an unquantized Hugging Face checkpoint (Qwen3-MoE or Mixtral, any dtype) into the already built
-    ``model``, at its tensor / expert parallel layout; each rank reads only its slices.
+    ``model``, at its tensor / expert / pipeline parallel layout; each rank reads only its slices (of its pipeline
+    stage's layers).
 
     All or nothing: before the first parameter is written, ``config.json`` is checked against the model, the index
     and the header of every shard against the config (each tensor present in the shard the index names, with the

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .calibration import as_forward_loop, calibrate, refuse_meta
+from .chunk_names import global_name_of
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig, to_config
 from .conversion import (
     _set_attributes,
@@ -303,9 +304,10 @@ def print_quant_summary(model: nn.Module, output_dir: str | None = None, file=No
         output_dir: write the summary to ``output_dir/.quant_summary.txt`` instead of printing it.
         file: where to print (``sys.stdout`` by default; ``False``: print nothing, only return the text).
         gather: a collective: every rank must call it. The summary then describes the whole model: each expert
-            quantizer's line counts every rank's experts with the range of all their amaxes, and the expert table
-            holds every expert of every rank (one ``all_gather_object``), the same at any tensor / expert parallel
-            layout.
+            quantizer's line counts every rank's experts with the range of all their amaxes, the expert table
+            holds every expert of every rank, and every stage's quantizers are listed once under the whole model's
+            names (pipeline stages: global layer numbers; two ``all_gather_object``), the same at any tensor /
+            expert / pipeline parallel layout.
 
     Returns:
         The summary text (on every rank).
@@ -313,9 +315,10 @@ def print_quant_summary(model: nn.Module, output_dir: str | None = None, file=No
     amaxes = _expert_amaxes(model)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     gathered = gather and distributed
+    whole = global_name_of(model) if gathered else (lambda name: name)  # a pipeline stage: global layer names
     if gathered:
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, amaxes)
+        dist.all_gather_object(parts, {whole(name): v for name, v in amaxes.items()})
         amaxes = {}
         for part in parts:
             for name, (on, cells) in part.items():
@@ -323,17 +326,25 @@ def print_quant_summary(model: nn.Module, output_dir: str | None = None, file=No
     lines = [] if gathered or not distributed else [
         f"rank {dist.get_rank()}'s quantizers, with its local experts (every rank's: "
         "print_quant_summary(model, gather=True), which every rank calls)"]
-    enabled = total = 0
+    entries: list[tuple[str, bool, str]] = []
     for name, q, _ in named_quantizers(model):
-        enabled += q.is_enabled
-        total += 1
+        name = whole(name)
         cells = amaxes.get(name, (False, None))[1]
         if gathered and cells is not None and isinstance(q, ExpertQuantizer):  # every rank's experts, as the table
             known = [c for c in cells.values() if c is not None]
             span = (min(c[0] for c in known), max(c[1] for c in known)) if known else None
-            lines.append(f"{name:<80} {q.describe_experts(len(cells), span)}")
+            entries.append((name, q.is_enabled, q.describe_experts(len(cells), span)))
         else:
-            lines.append(f"{name:<80} {q.extra_repr()}")
+            entries.append((name, q.is_enabled, q.extra_repr()))
+    if gathered:  # every rank's quantizers (pipeline stages hold different ones), each once: this rank's line first
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, entries)
+        own = {name: row for name, *row in entries}
+        merged = {name: (on, text) for part in parts for name, on, text in part}
+        entries = [(name, *own.get(name, row)) for name, row in merged.items()]
+    enabled = sum(on for _, on, _ in entries)
+    total = len(entries)
+    lines += [f"{name:<80} {text}" for name, _, text in entries]
     rows = {name: cells for name, (on, cells) in amaxes.items() if on}
     if rows:
         experts = sorted({g for cells in rows.values() for g in cells})

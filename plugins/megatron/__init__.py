@@ -35,6 +35,7 @@ from megatron.core.transformer.module import Float16Module
 from modelopt_moe.checkpoint.sharded import register_sharded_checkpoint_check
 from modelopt_moe.export.registry import register_export_adapter
 from modelopt_moe.quantization.calib.routing import register_router_widener
+from modelopt_moe.quantization.chunk_names import register_chunk_naming
 from modelopt_moe.quantization.conversion import QuantModuleRegistry, register_wrapper
 from modelopt_moe.quantization.process_groups import register_group_provider
 
@@ -61,6 +62,7 @@ from .hf_io import MegatronExportAdapter
 from .modelopt_checkpoint import is_modelopt_checkpoint, load_modelopt_checkpoint
 from .modules import CLASSES, megatron_amax_groups
 from .parallel import destroy_model_parallel, init_model_parallel
+from .pipeline_state import stage_naming
 from .schedule import get_forward_backward_func
 from .sharded_state_dict import checkpoint_load_metadata
 
@@ -96,8 +98,9 @@ def register() -> None:
     """Adds the quantized Megatron classes to the registry, Megatron's process groups and MoE router widener
     (``moe_calib_experts_ratio``) to calibration, Megatron's
     model wrappers (DDP, ``Float16Module``, transparent in state dicts) to the quantization state's naming, the
-    Megatron adapter to the Hugging Face export (:mod:`modelopt_moe.export`) and the tensor-shape check to
-    ``restore_sharded_modelopt_state``."""
+    Megatron adapter to the Hugging Face export (:mod:`modelopt_moe.export`), the tensor-shape check to
+    ``restore_sharded_modelopt_state`` and the global layer names of pipeline stages
+    (:mod:`modelopt_moe.quantization.chunk_names`)."""
     for original, quantized in CLASSES.items():
         QuantModuleRegistry.register(original, quantized)
     register_group_provider(megatron_amax_groups)
@@ -106,3 +109,4 @@ def register() -> None:
         register_wrapper(wrapper)
     register_export_adapter(MegatronExportAdapter())
     register_sharded_checkpoint_check(restore_check)
+    register_chunk_naming(stage_naming)

@@ -79,9 +79,10 @@ class QuantCoreAttentionMixin(QuantModuleMixin):
         return sd
 
 
-def kv_cache_quants(model) -> list[KvCacheQuant]:
+def kv_cache_quants(model, offset: int = 0) -> list[KvCacheQuant]:
     """Each decoder layer's KV-cache quantizers, for the Hugging Face export (local state only: no collective; the
-    amaxes are the same on every rank).
+    amaxes are the same on every rank). ``offset``: the global index of the model's first layer (a pipeline
+    stage's), for the names in errors.
 
     Raises:
         ExportError: a quantizing ``q_bmm_quantizer`` (no engine reads a quantized query from a checkpoint).
@@ -93,7 +94,7 @@ def kv_cache_quants(model) -> list[KvCacheQuant]:
             out.append(KvCacheQuant())
             continue
         if core.q_bmm_quantizer.is_quantizing:
-            raise ExportError(f"decoder.layers.{i}.self_attention.core_attention.q_bmm_quantizer is enabled: "
+            raise ExportError(f"decoder.layers.{i + offset}.self_attention.core_attention.q_bmm_quantizer is enabled: "
                               "checkpoints carry a quantized KV cache (k_bmm_quantizer / v_bmm_quantizer) only")
         k, v = core.k_bmm_quantizer, core.v_bmm_quantizer
         out.append(KvCacheQuant(k.fmt if k.is_quantizing else None, v.fmt if v.is_quantizing else None, k.amax,

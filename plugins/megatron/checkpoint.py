@@ -14,13 +14,11 @@ the files and every tensor's global shape against the checkpoint's metadata befo
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
 from megatron.core import dist_checkpointing
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from torch.distributed.checkpoint.api import CheckpointException
 
 from modelopt_moe.checkpoint.errors import CheckpointMismatchError, IncompleteCheckpointError
@@ -35,11 +33,10 @@ from modelopt_moe.checkpoint.files import (
     resolve_checkpoint_dir,
 )
 from modelopt_moe.checkpoint.sharded import (
-    load_sharded_modelopt_state,
     restore_sharded_modelopt_state,
     save_sharded_modelopt_state,
 )
-from modelopt_moe.checkpoint.state import modelopt_state, restore_modelopt_state
+from modelopt_moe.checkpoint.state import modelopt_state
 from modelopt_moe.quantization.calib.tokens import expert_token_counts
 from modelopt_moe.quantization.conversion import (
     is_quantized,
@@ -53,7 +50,7 @@ from modelopt_moe.quantization.weight_amax import update_weight_amax
 from .checkpoint_checks import mismatch_message, raise_agreed, sharded_state_dict_problems, translate_load_error
 from .modelopt_checkpoint import is_modelopt_checkpoint, load_modelopt_checkpoint
 from .optimizer_checkpoint import check_optimizer_fits, init_torch_adam_state, load_optimizer_state, own_steps
-from .pipeline_state import global_layer_name, global_state, merge_stage_states, pipeline_size, stage_state
+from .pipeline_state import global_state, merge_stage_states, pipeline_size, refuse_virtual_pipeline
 from .sharded_state_dict import checkpoint_load_metadata
 
 __all__ = ["model_sharded_state_dict", "save_sharded_checkpoint", "load_sharded_checkpoint",
@@ -111,7 +108,10 @@ def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     Raises:
         FileExistsError: (every rank, nothing written) ``ckpt_dir`` is not empty and is not a checkpoint of ours, e.g.
             a Hugging Face model directory; names it and what it holds.
+        ValueError: virtual pipeline stages (``virtual_pipeline_model_parallel_size`` > 1), before anything is
+            written.
     """
+    refuse_virtual_pipeline("save_sharded_checkpoint")
     models = _models(model_list)
     refusal = None
     if rank() == 0:  # one rank decides (a shared directory), every rank raises
@@ -137,15 +137,11 @@ def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     state["modelopt_moe_training"] = {"iteration": iteration, "extra_state": extra_state}
     dist_checkpointing.save(state, str(tmp), validate_access_integrity=True)
     states = None
+    tokens = [expert_token_counts(m) for m in models]  # every rank: one all_gather_object per chunk (global names)
     if pipeline_size() > 1:  # stages name their layers from 0: the state is saved under global layer names
-        tokens = [expert_token_counts(m, rename=functools.partial(global_layer_name,
-                                                                  offset=get_transformer_layer_offset(m.config)))
-                  for m in models]  # every rank: one all_gather_object per chunk
         states = [{**global_state(modelopt_state(m), m), **({"calibration_tokens": t} if t else {})}
                   for m, t in zip(models, tokens, strict=True)]
         states = merge_stage_states(states)  # every rank: one all_gather_object over the pipeline group
-    else:
-        tokens = [expert_token_counts(m) for m in models]  # every rank: one all_gather_object per chunk
     failure = None
     try:  # rank 0's writes: every rank must learn of their failure rather than wait for it
         save_sharded_modelopt_state(models, tmp, tokens, states=states)
@@ -253,7 +249,9 @@ def load_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
             optimizer (names the call that restores it first); an optimizer of another kind (distributed or not)
             than the one whose state the checkpoint holds (names both). Nothing is changed when these are raised.
         KeyError: an optimizer or scheduler was given but the checkpoint has no state for it.
+        ValueError: virtual pipeline stages (``virtual_pipeline_model_parallel_size`` > 1), before anything is read.
     """
+    refuse_virtual_pipeline("load_sharded_checkpoint")
     models = _models(model_list)
     path = resolve_checkpoint_dir(ckpt_dir)
     if is_modelopt_checkpoint(path) and not (path / STATE_FILE).is_file():
@@ -278,14 +276,8 @@ def load_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
         raise KeyError(f"load_sharded_checkpoint: {path} holds no scheduler state (it was saved without "
                        "opt_param_scheduler)")
     check_sharded_checkpoint(models, path)  # every tensor present with its shape, before the restore converts
-    if pipeline_size() > 1:  # each stage restores its own layers' entries of the global-named state
-        saved = load_sharded_modelopt_state(path)
-        if len(saved) != len(models):
-            raise CheckpointMismatchError(f"{path}: expected {len(models)} model chunks, found {len(saved)}")
-        for m, st in zip(models, saved, strict=True):
-            restore_modelopt_state(m, stage_state(st, m), experts, source=str(path / STATE_FILE))
-    else:
-        restore_sharded_modelopt_state(models, path, experts, check=False)
+    # (with pipeline stages each restores its own layers' entries of the global-named state)
+    restore_sharded_modelopt_state(models, path, experts, check=False)
     state = model_sharded_state_dict(models, checkpoint_load_metadata(path, OPTIMIZER_METADATA))
     if optimizer is not None:
         init_torch_adam_state(optimizer)  # a freshly built optimizer has no state to load into

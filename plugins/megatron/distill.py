@@ -37,6 +37,8 @@ from megatron.core import parallel_state
 
 from modelopt_moe.distill import DistillationModel, QADRecipe, param_group
 
+from .pipeline_state import refuse_virtual_pipeline
+
 __all__ = ["distillation_model", "distillation_tensor_shapes_fn", "distillation_loss_func", "select_trainable",
            "qad_optimizer_config", "get_qad_optimizer", "qad_lr_scheduler"]
 
@@ -65,11 +67,7 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
     tp_group = parallel_state.get_tensor_model_parallel_group()
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return DistillationModel(student, teacher, tp_group=tp_group, **kwargs)
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    if vpp not in (None, 1):
-        raise ValueError(f"distillation_model: virtual pipeline stages ({vpp}) are not supported: Megatron's "
-                         "interleaved schedule takes no adjust_tensor_shapes_fn to carry the teacher's hidden states; "
-                         "use the non-interleaved schedule (virtual pipeline size 1)")
+    refuse_virtual_pipeline("distillation_model")
     for attr in ("pre_process", "post_process"):
         if getattr(student, attr, None) != getattr(teacher, attr, None):
             raise ValueError(f"distillation_model: student.{attr}={getattr(student, attr, None)} but teacher."

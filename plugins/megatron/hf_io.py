@@ -1,5 +1,5 @@
-"""Hugging Face export and import of Megatron-Core GPT MoE models, at any tensor / expert / expert-tensor parallel
-layout (pipeline parallelism 1): the Megatron adapter of :mod:`modelopt_moe.export`.
+"""Hugging Face export and import of Megatron-Core GPT MoE models, at any tensor / expert / expert-tensor / pipeline
+parallel layout: the Megatron adapter of :mod:`modelopt_moe.export`.
 
 Both directions walk the family's table (:mod:`modelopt_moe.export.mapping`): every Megatron parameter by path, the
 canonical tensors it holds and its gather rule; nothing here is written per family.
@@ -12,7 +12,9 @@ interleaves them per query group), fused ``fc1`` into ``gate/up`` (gate rows fir
 its slice of both); experts stored fused as 3-D tensors (gpt-oss) gather every expert into one tensor per layer
 (the table's ``stacked`` rules; expert-TP 1, unquantized). Rank 0 encodes and writes through
 :func:`modelopt_moe.export.hf_checkpoint.write_hf_checkpoint`; the others drop what they gathered. At most one
-layer's dense weights and ``EP`` experts are in flight at a time.
+layer's dense weights and ``EP`` experts are in flight at a time. With pipeline parallelism each group (embedding,
+layer, final) is gathered on the stage that holds it and its records travel to the writer's stage one at a time
+(:mod:`.hf_pipeline`); the checkpoint is the one pipeline size 1 writes, byte for byte.
 
 Import reads each rank's slices straight from the safetensors files (no collective, no full tensor in memory), after
 checking the whole checkpoint from its files' headers; it writes the parameters only once every slice is read.
@@ -41,6 +43,7 @@ from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
 
 from .attention import kv_cache_quants
 from .hf_model import build_megatron_model, megatron_arch
+from .hf_pipeline import PipelineExport, Stage, check_no_virtual_pipeline, pipeline_world
 
 __all__ = ["MegatronExportAdapter", "export_megatron", "import_megatron"]
 
@@ -134,7 +137,10 @@ def _row_amax_split(amax, rows: list[torch.Tensor]):
 
 # --- the table's paths ------------------------------------------------------------------------------------------------
 def _get(root, path: str):
-    """The attribute at a dotted ``path`` (``weight3`` / ``local_experts.3`` alike), None where absent."""
+    """The attribute at a dotted ``path`` (``weight3`` / ``local_experts.3`` alike), None where absent; a
+    :class:`~.hf_pipeline.Stage` root is addressed by global layer index."""
+    if isinstance(root, Stage):
+        root, path = root.model, root.local_path(path)
     obj = root
     for part in path.split("."):
         obj = obj[int(part)] if part.isdigit() and isinstance(obj, torch.nn.ModuleList) else getattr(obj, part, None)
@@ -320,14 +326,20 @@ def _refuse_quantized_stacked(m, param: Param, L: int, arch: MoEArch) -> None:
                           "mtq.disable_quantizer(model, '*experts*'))")
 
 
-def _linear_quants(m: GPTModel, arch: MoEArch) -> dict[str, LinearQuant]:
-    """Every exported linear's quantizers, by canonical name (local state only: no collective); refuses a quantizer
-    without amax, and quantized fused 3-D experts, naming the Megatron module."""
+def _group_keys(arch: MoEArch) -> list[tuple]:
+    """``(key, L)`` of every group: the embedding, each layer, the final ones."""
+    return [("embedding", None)] + [(L, L) for L in range(arch.num_layers)] + [("final", None)]
+
+
+def _linear_quants(m: Stage, arch: MoEArch) -> dict[str, LinearQuant]:
+    """Every exported linear of this stage's groups: its quantizers, by canonical name (local state only: no
+    collective); refuses a quantizer without amax, and quantized fused 3-D experts, naming the Megatron module."""
     table = get_family(arch.family).megatron
     quants: dict[str, LinearQuant] = {}
-    groups = [("embedding", None)] + [(L, L) for L in range(arch.num_layers)] + [("final", None)]
     lay = _Layout()
-    for key, L in groups:
+    for key, L in _group_keys(arch):
+        if not m.owns(key):
+            continue
         for param in table.params(arch, key):
             if param.rule in STACKED:
                 _refuse_quantized_stacked(m, param, L, arch)
@@ -376,17 +388,37 @@ def _check_weight_row_blocks(m, param: Param, L: int | None, where: str | None, 
                           "of the block")
 
 
-def _groups(m: GPTModel, arch: MoEArch, lay: _Layout) -> Iterator[tuple[str, Iterator]]:
+def _groups(m: Stage, arch: MoEArch, lay: _Layout, pipe: PipelineExport | None) -> Iterator[tuple[str, Iterator]]:
+    """``(label, records)`` of every group, in checkpoint order; with pipeline stages each group is made on the stage
+    that holds it and its records reach the writer through ``pipe``."""
     table = get_family(arch.family).megatron
 
     def top(key):
         for param in table.params(arch, key):
             yield from _dense_records(m, param, None, arch, lay)
 
-    yield "embedding", top("embedding")
-    for L in range(arch.num_layers):
-        yield f"layer {L}", _layer_records(m, L, arch, lay)
-    yield "output", top("final")
+    for label, key in [("embedding", "embedding"), *((f"layer {L}", L) for L in range(arch.num_layers)),
+                       ("output", "final")]:
+        make = (lambda key=key: top(key)) if key in ("embedding", "final") else \
+            (lambda key=key: _layer_records(m, key, arch, lay))
+        yield label, make() if pipe is None else pipe.records(key, make)
+
+
+def _stage_quants(stage: Stage, arch: MoEArch) -> tuple[dict[str, LinearQuant], list, PipelineExport | None]:
+    """Every exported linear's quantizers and every layer's KV-cache quantizers, over all pipeline stages (one
+    ``all_gather_object`` over the pipeline group when there are several, made by every rank; none otherwise), and
+    the pipeline's view of the export (None without pipeline stages)."""
+    if pipeline_world() == 1:
+        return _linear_quants(stage, arch), kv_cache_quants(stage.model), None
+    pipe = PipelineExport(stage, arch.num_layers)
+    local, error = {"quants": {}, "kv": []}, None
+    try:
+        local = {"quants": _linear_quants(stage, arch), "kv": kv_cache_quants(stage.model, stage.offset)}
+    except ExportError as e:
+        error = str(e)
+    parts = pipe.agree(local, error)
+    quants = {name: q for part in parts for name, q in part["quants"].items()}
+    return quants, [kv for part in parts for kv in part["kv"]], pipe
 
 
 def export_megatron(model, out_dir: str | os.PathLike, *, format: str = "compressed-tensors",
@@ -405,10 +437,12 @@ def export_megatron(model, out_dir: str | os.PathLike, *, format: str = "compres
     if template is not None:
         _check_same_arch(get_family(arch.family).arch_from_hf(template), arch, "hf_config")
     lay = _Layout()
+    stage = Stage(m)
+    quants, kv_cache, pipe = _stage_quants(stage, arch)
     return write_hf_checkpoint(
-        out_dir, arch=arch, family=get_family(arch.family), fmt=format, linear_quants=_linear_quants(m, arch),
-        groups=_groups(m, arch, lay), num_groups=arch.num_layers + 2, dtype=dtype, template=template,
-        progress=progress, base_model=base_model, kv_cache=kv_cache_quants(m),
+        out_dir, arch=arch, family=get_family(arch.family), fmt=format, linear_quants=quants,
+        groups=_groups(stage, arch, lay, pipe), num_groups=arch.num_layers + 2, dtype=dtype, template=template,
+        progress=progress, base_model=base_model, kv_cache=kv_cache,
         calibration_tokens=_expert_linear_tokens(calibration_tokens or {}), min_calib_tokens=min_calib_tokens)
 
 
@@ -496,15 +530,23 @@ def import_megatron(model, hf_dir: str | os.PathLike) -> None:
     slice this rank needs is read and shape-checked, before the first parameter is written. The check covers the
     whole checkpoint on every rank, so every rank reaches the same verdict without a collective.
     """
-    m = unwrap_model(model)
+    check_no_virtual_pipeline("Hugging Face import")
+    m = Stage(unwrap_model(model))
     reader = HfCheckpointReader(hf_dir)
-    arch = megatron_arch(m, reader.family.name)
+    arch = megatron_arch(m.model, reader.family.name)
     _check_same_arch(reader.arch, arch, f"{hf_dir}/config.json")
     lay = _Layout()
     staged = _Staged()
     table = reader.family.megatron
-    groups = [("embedding", None)] + [(L, L) for L in range(arch.num_layers)] + [("final", None)]
-    for key, L in groups:
+    for key, L in _group_keys(arch):
+        if not m.owns(key):  # another pipeline stage's
+            continue
+        if key == "final" and arch.tie_word_embeddings and not m.first:
+            # the last stage's copy of the tied embedding (Megatron keeps it in sync through its gradients)
+            param = table.params(arch, "embedding")[0]
+            target, names = m.model.output_layer.weight, _names(param, None)
+            _, tp_size, rank = _group(param, lay)
+            staged.add(target, _read_slice(reader, param, target, names, rank, arch, tp_size), "lm_head (tied)")
         for param in table.params(arch, key):
             _, tp_size, rank = _group(param, lay)
             if not param.expert:

@@ -2,7 +2,7 @@
 the config mapping that export and import need).
 
 :func:`build_megatron_model` builds the ``GPTModel`` of a supported family's config at the current parallel state
-(``megatron.core.parallel_state``: TP, EP, expert-TP; pipeline parallelism 1); :func:`megatron_arch` reads the
+(``megatron.core.parallel_state``: TP, EP, expert-TP, PP: each stage builds its layers); :func:`megatron_arch` reads the
 :class:`~modelopt_moe.export.MoEArch` back from a built model, refusing what a Hugging Face family cannot express.
 
 The mapping (Hugging Face -> ``TransformerConfig``): ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
@@ -25,6 +25,7 @@ sigmoid router with expert bias, groups and scaling (``moe_router_*``). gpt-oss 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Any
@@ -35,15 +36,17 @@ from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from modelopt_moe.export.errors import ExportError
 from modelopt_moe.export.families import MoEArch, family_for_architecture, get_family, read_hf_config
-from modelopt_moe.plugins.megatron_cpu import cpu_sliding_window_mask
+from modelopt_moe.plugins.megatron_cpu import cpu_sliding_window_mask, megatron_training_shims
 from modelopt_moe.quantization.conversion import unwrap_model
 
+from .hf_pipeline import check_no_virtual_pipeline
 from .mla_attention import LatentDotProductAttention
 from .norms import sequence_parallel_norm
 
@@ -191,11 +194,12 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
             ``moe_token_dispatcher_type``) or ``GPTModel`` arguments.
 
     Returns:
-        The model (CPU without CUDA, the current GPU otherwise), in training mode.
+        The model (CPU without CUDA, the current GPU otherwise), in training mode; with pipeline parallelism this
+        rank's stage (its layers; the embedding on the first stage, the final norm and output layer on the last).
 
     Raises:
-        ExportError: an unsupported architecture or feature, a ``spec`` other than local / te, or a parallel layout
-            the sizes do not divide.
+        ExportError: an unsupported architecture or feature, a ``spec`` other than local / te, a parallel layout
+            the sizes do not divide, or virtual pipeline stages.
         TypeError: an unknown override.
     """
     if spec not in SPECS:
@@ -203,11 +207,13 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
     if not parallel_state.model_parallel_is_initialized():
         raise ExportError("build_megatron_model: initialise Megatron's model parallel state first "
                           "(parallel_state.initialize_model_parallel)")
-    if parallel_state.get_pipeline_model_parallel_world_size() != 1:
-        raise ExportError("build_megatron_model: pipeline parallelism is not supported (pipeline size "
-                          f"{parallel_state.get_pipeline_model_parallel_world_size()}, expected 1)")
+    check_no_virtual_pipeline("build_megatron_model")
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
     cfg = read_hf_config(hf_dir_or_config)
     arch = family_for_architecture(cfg).arch_from_hf(cfg)
+    if arch.num_layers % pp:
+        raise ExportError(f"build_megatron_model: num_hidden_layers={arch.num_layers} is not divisible by the "
+                          f"pipeline parallel size {pp} (expected the same number of layers on every stage)")
     if arch.kv_lora_rank and not arch.q_lora_rank:
         raise ExportError("build_megatron_model: q_lora_rank=None (multi-latent attention with a plain query "
                           "projection) is not supported: Megatron-Core's MLA with latent norms fuses a norm into "
@@ -245,6 +251,8 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
         fp16=params_dtype == torch.float16, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=not on_gpu, gradient_accumulation_fusion=False,
     )
+    if pp > 1:  # the dtype of the activations sent between stages
+        config_kwargs.update(pipeline_model_parallel_size=pp, pipeline_dtype=params_dtype)
     config_kwargs.update(_variant_config(arch))
     if not on_gpu and arch.sliding_window:
         cpu_sliding_window_mask()
@@ -257,14 +265,23 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
     if yarn:
         _set_yarn(config, arch)
     layer_spec = _local_layer_spec(arch) if spec == "local" else _te_layer_spec(arch)
+    if pp > 1:  # this stage's layers (Megatron's block builds one layer per spec)
+        offset = get_transformer_layer_offset(config)
+        layer_spec = dataclasses.replace(
+            layer_spec, layer_specs=layer_spec.layer_specs[offset:offset + get_num_layers_to_build(config)])
     model_kwargs: dict[str, Any] = dict(
         vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
         position_embedding_type="yarn" if yarn else "rope", rotary_percent=arch.rotary_percent,
         rotary_base=arch.rope_theta,
         share_embeddings_and_output_weights=arch.tie_word_embeddings, parallel_output=True,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
     )
     model_kwargs.update(model_over)
-    model = GPTModel(config=config, transformer_layer_spec=layer_spec, **model_kwargs)
+    # Tied embeddings across stages: Megatron moves the last stage's copy with .cuda() and all-reduces it from the
+    # first stage's; without CUDA that needs the CPU shims of its training machinery.
+    shims = megatron_training_shims() if pp > 1 and not on_gpu else contextlib.nullcontext()
+    with shims:
+        model = GPTModel(config=config, transformer_layer_spec=layer_spec, **model_kwargs)
     return model.cuda() if on_gpu else model
 
 
@@ -282,14 +299,11 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
             sigmoid router, ``qwen3_moe`` with query/key norm, ``mixtral`` otherwise).
 
     Raises:
-        ExportError: not a GPTModel, pipeline parallelism, or a feature no supported family has (names it).
+        ExportError: not a GPTModel, or a feature no supported family has (names it).
     """
     m = unwrap_model(model)
     if not isinstance(m, GPTModel):
         raise ExportError(f"expected a Megatron-Core GPTModel, got {type(m).__name__}")
-    if parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() != 1:
-        raise ExportError("Hugging Face export/import: pipeline parallelism is not supported (size "
-                          f"{parallel_state.get_pipeline_model_parallel_world_size()}, expected 1)")
     c = m.config
     mla = bool(c.multi_latent_attention)
     checks = [

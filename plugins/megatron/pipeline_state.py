@@ -5,6 +5,8 @@ layer ``offset``), while a checkpoint must name every layer once, whatever the l
 (:func:`modelopt_moe.checkpoint.state.modelopt_state`) and the calibration token counts are therefore saved under
 global layer indices, merged over the stages, and each stage restores the entries of its own layers under its local
 names. Weights and amaxes need nothing of this: Megatron's sharded state dicts name layers globally already.
+:func:`stage_naming` gives the core the same mapping (:mod:`modelopt_moe.quantization.chunk_names`): gathered
+summaries, calibration token counts and ``restore_sharded_modelopt_state`` name layers globally at any pipeline size.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from torch import nn
 
-__all__ = ["pipeline_size", "global_layer_name", "global_state", "stage_state", "merge_stage_states"]
+from modelopt_moe.quantization.conversion import unwrap_model
+
+__all__ = ["pipeline_size", "refuse_virtual_pipeline", "global_layer_name", "global_state", "stage_state",
+           "merge_stage_states", "stage_naming"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
 
@@ -26,6 +31,24 @@ def pipeline_size() -> int:
     if not parallel_state.model_parallel_is_initialized():
         return 1
     return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def refuse_virtual_pipeline(what: str) -> None:
+    """Refuses virtual pipeline stages (Megatron's interleaved schedule: model chunks that each hold part of a
+    stage's layers), which the training, checkpoint and export paths here do not support. Local state only.
+
+    Raises:
+        ValueError: ``virtual_pipeline_model_parallel_size`` above 1 (names it, and what to use instead).
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None and vpp > 1:
+        raise ValueError(f"{what}: virtual pipeline stages ({vpp}) are not supported "
+                         f"(virtual_pipeline_model_parallel_size={vpp}, expected None or 1): Megatron's interleaved "
+                         "schedule takes no adjust_tensor_shapes_fn to carry a teacher's hidden states, and model "
+                         "chunks are not named globally here; initialise with virtual_pipeline_model_parallel_size="
+                         "None and train with the non-interleaved schedule")
 
 
 def _offset(model: nn.Module) -> tuple[int, int]:
@@ -88,3 +111,31 @@ def merge_stage_states(states: list[dict]) -> list[dict]:
                 out[key] = {n: v for p in stage_parts for n, v in (p.get(key) or {}).items()}
         merged.append(out)
     return merged
+
+
+class _StageNaming:
+    """A pipeline stage's :class:`~modelopt_moe.quantization.chunk_names.ChunkNaming`."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.offset = _offset(model)[0]
+
+    def global_name(self, name: str) -> str:
+        return global_layer_name(name, self.offset)
+
+    def chunk_state(self, state: dict) -> dict:
+        return stage_state(state, self.model)
+
+
+def stage_naming(model: nn.Module) -> _StageNaming | None:
+    """The naming of a Megatron GPT model's pipeline stage (registered with the core by the plugin); None at pipeline
+    size 1 or for another model. Local state only: no collective.
+
+    Raises:
+        ValueError: virtual pipeline stages (:func:`refuse_virtual_pipeline`).
+    """
+    m = unwrap_model(model)
+    if pipeline_size() == 1 or not hasattr(m, "decoder") or not hasattr(m, "config"):
+        return None
+    refuse_virtual_pipeline("the global layer names of a pipeline stage")
+    return _StageNaming(m)

@@ -20,6 +20,8 @@ import functools
 from modelopt_moe.quantization.autoswitch import autoswitch_step
 from modelopt_moe.quantization.weight_reuse import reuse_quantized_weights as reuse_scope
 
+from .pipeline_state import refuse_virtual_pipeline
+
 __all__ = ["get_forward_backward_func"]
 
 
@@ -34,9 +36,13 @@ def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first
         **kwargs: Megatron's keyword arguments.
         reuse_quantized_weights: open the weight-reuse scope around each call.
         first_step: the autoswitch step of the first call (each later call is the next step).
+
+    Raises:
+        ValueError: virtual pipeline stages (Megatron's interleaved schedule): not supported.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_get_forward_backward_func
 
+    refuse_virtual_pipeline("modelopt_moe.plugins.megatron.get_forward_backward_func")
     schedule = megatron_get_forward_backward_func(*args, **kwargs)
     step = first_step
 

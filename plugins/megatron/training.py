@@ -40,6 +40,7 @@ from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
 
 from .distill import distillation_tensor_shapes_fn, get_qad_optimizer, qad_lr_scheduler, qad_optimizer_config
 from .forward_step import lm_forward_step
+from .pipeline_state import refuse_virtual_pipeline
 from .schedule import get_forward_backward_func as reusing_forward_backward_func
 
 __all__ = ["Trainer", "setup_training", "train", "train_step", "unwrap"]
@@ -118,7 +119,12 @@ def setup_training(
 
     Returns:
         The :class:`Trainer`.
+
+    Raises:
+        ValueError: virtual pipeline stages (``virtual_pipeline_model_parallel_size`` > 1; the interleaved schedule is
+            not supported).
     """
+    refuse_virtual_pipeline("setup_training")
     config = get_model_config(model)
     config.bf16, config.fp16 = bf16, False
     with megatron_training_shims():

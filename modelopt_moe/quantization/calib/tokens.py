@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..chunk_names import global_name_of
 from ..expert_quantizer import ExpertQuantizer
 from ..quant_module import is_quantized, unwrap_model
 from .calibrator import Statistic, reduce_statistics
@@ -75,10 +76,11 @@ def expert_token_counts(model: nn.Module, rename: Callable[[str], str] | None = 
     """``{input quantizer name: {global expert: calibration tokens}}`` over every rank. A collective when
     ``torch.distributed`` is initialized with more than one rank: every rank calls it (one ``all_gather_object``).
 
-    ``rename`` maps each rank's quantizer names before they are merged (pipeline stages: to global layer names)."""
+    ``rename`` maps each rank's quantizer names before they are merged (default: the whole model's names, so the
+    layers of pipeline stages keep their global numbers; :mod:`..chunk_names`)."""
     local = _local_counts(model)
-    if rename is not None:
-        local = {rename(name): cells for name, cells in local.items()}
+    rename = rename if rename is not None else global_name_of(model)
+    local = {rename(name): cells for name, cells in local.items()}
     parts = [local]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()

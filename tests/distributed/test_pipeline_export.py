@@ -1,0 +1,256 @@
+"""Pipeline parallelism beyond training, as a user's script does it: public API only (``transformers``, Megatron-Core's
+own parallel state and schedule, ``modelopt_moe.launch.spawn``, ``modelopt_moe.export``, ``mtq``,
+``modelopt_moe.checkpoint``, ``modelopt_moe.plugins.megatron``; on this CPU machine also the CPU shims).
+
+One spawn of 4 gloo ranks, at PP=2 x TP=2 x EP=2 and then PP=1 x TP=2 x EP=2, on the same transformers-written
+Qwen3-MoE checkpoint (``import_hf``) and the same calibration tokens (Megatron's pipeline schedule, forward only):
+
+* ``export_hf`` writes one checkpoint per format (``hf`` of the imported model; ``compressed-tensors`` and
+  ``modelopt`` once quantized to NVFP4 with an FP8 KV cache), and the PP=2 files are the PP=1 files byte for byte
+  (every stage's layers and KV-cache scales under their global numbers); with tied embeddings too, whose last-stage
+  copy ``import_hf`` loads; the export of an uncalibrated model fails with the same error on every rank, writing
+  nothing;
+* ``print_quant_summary(gather=True)`` at PP=2 names every quantizer of every stage once, under its global layer
+  name: the same lines as at PP=1;
+* ``restore_sharded_modelopt_state`` called directly at PP=2 on a checkpoint saved at PP=2 restores each stage's
+  quantizers (then Megatron's own ``dist_checkpointing.load``): the export of the restored model is the same bytes;
+* at virtual pipeline size 2 (Megatron's interleaved schedule) every entry point refuses, naming the setting, before
+  it writes anything.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from limits import seconds  # noqa: E402
+
+from modelopt_moe.launch import spawn
+
+WORLD, TP, EP, SEQ = 4, 2, 2, 16
+FORMATS = ("hf", "compressed-tensors", "modelopt", "tied")  # tied: the hf export of a model with tied embeddings
+
+
+def _save_qwen3_moe(path: Path, tied: bool = False) -> None:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, max_position_embeddings=64, tie_word_embeddings=tied)
+    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+
+
+def _batches(n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, 128, (2, SEQ), generator=g)
+        out.append({"tokens": tokens, "labels": tokens.roll(-1, 1), "position_ids": torch.arange(SEQ).expand(2, SEQ),
+                    "attention_mask": None})
+    return out
+
+
+def _layout(pp: int, hf_dir: str, out: Path) -> dict:
+    import io
+
+    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.checkpoint import restore_sharded_modelopt_state
+    from modelopt_moe.export import build_megatron_model, export_hf, import_hf
+    from modelopt_moe.plugins.megatron import lm_forward_step, model_sharded_state_dict, save_sharded_checkpoint
+    from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, expert_model_parallel_size=EP,
+                                             expert_tensor_parallel_size=1,
+                                             pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
+
+    def build(path=hf_dir):
+        model = build_megatron_model(path, params_dtype=torch.bfloat16)
+        import_hf(model, path)
+        return model.eval()
+
+    def forward_loop(m):
+        with megatron_training_shims(), torch.no_grad():
+            get_forward_backward_func()(forward_step_func=lm_forward_step, data_iterator=iter(_batches(2)),
+                                        model=[m], num_microbatches=2, seq_length=SEQ, micro_batch_size=2,
+                                        forward_only=True)
+
+    tied_dir = str(Path(hf_dir).parent / "tied")
+    tied = build(tied_dir)  # tied embeddings: the last stage holds its own copy of the embedding as output layer
+    export_hf(tied, out / f"pp{pp}" / "tied", format="hf", progress=False)
+    tied_copy = None
+    if pp > 1 and parallel_state.is_pipeline_last_stage():
+        from safetensors import safe_open
+
+        with safe_open(f"{tied_dir}/model.safetensors", "pt") as f:
+            rows = f.get_tensor("model.embed_tokens.weight").chunk(TP)
+        embedding = rows[parallel_state.get_tensor_model_parallel_rank()]
+        tied_copy = torch.equal(tied.output_layer.weight, embedding.to(tied.output_layer.weight.dtype))
+    model = build()
+    export_hf(model, out / f"pp{pp}" / "hf", format="hf", progress=False)  # the imported bf16 model
+    config = dict(mtq.NVFP4_DEFAULT_CFG)  # with an FP8 KV cache, as Model Optimizer users merge the presets
+    config["quant_cfg"] = config["quant_cfg"] + mtq.FP8_KV_CFG["quant_cfg"]
+    mtq.quantize(model, config, forward_loop)
+    for fmt in ("compressed-tensors", "modelopt"):
+        export_hf(model, out / f"pp{pp}" / fmt, format=fmt, progress=False)
+    summary = mtq.print_quant_summary(model, file=io.StringIO(), gather=True)
+    result = {"summary": summary, "layers": len(model.decoder.layers), "tied_copy": tied_copy}
+    if pp > 1:  # saved at PP=2, restored into a fresh PP=2 model by the user's own calls
+        save_sharded_checkpoint(model, out / "ckpt")
+        uncalibrated = mtq.quantize(build(), config)  # no forward loop: no amax on any stage
+        try:
+            export_hf(uncalibrated, out / "uncalibrated", progress=False)
+            result["uncalibrated"] = None
+        except Exception as e:  # noqa: BLE001  (the test names any other kind)
+            result["uncalibrated"] = f"{type(e).__name__}: {e}"
+        fresh = build()
+        restore_sharded_modelopt_state([fresh], out / "ckpt")
+        state = model_sharded_state_dict(fresh)
+        fresh.load_state_dict(dist_checkpointing.load(state, str(out / "ckpt"))["model"])
+        export_hf(fresh, out / "restored" / "modelopt", format="modelopt", progress=False)
+    return result, model
+
+
+def _virtual_pipeline_refusals(model, hf_dir: str, out: Path) -> dict:
+    """Every entry point, at virtual pipeline size 2 (Megatron's interleaved schedule): the error it raises."""
+    import io
+
+    from megatron.core import parallel_state
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.export import build_megatron_model, export_hf, import_hf
+    from modelopt_moe.plugins.megatron import (
+        distillation_model,
+        get_forward_backward_func,
+        load_sharded_checkpoint,
+        save_sharded_checkpoint,
+    )
+    from modelopt_moe.plugins.megatron.training import setup_training
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=2,
+                                             virtual_pipeline_model_parallel_size=2, expert_tensor_parallel_size=1)
+    calls = {
+        "build_megatron_model": lambda: build_megatron_model(hf_dir),
+        "import_hf": lambda: import_hf(model, hf_dir),
+        "export_hf": lambda: export_hf(model, out / "vpp_export", progress=False),
+        "distillation_model": lambda: distillation_model(model, model),
+        "get_forward_backward_func": lambda: get_forward_backward_func(),
+        "setup_training": lambda: setup_training(model),
+        "save_sharded_checkpoint": lambda: save_sharded_checkpoint(model, out / "vpp_ckpt"),
+        "load_sharded_checkpoint": lambda: load_sharded_checkpoint(model, out / "ckpt"),
+        "print_quant_summary": lambda: mtq.print_quant_summary(model, file=io.StringIO(), gather=True),
+    }
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001  (the test names any other kind)
+            errors[name] = f"{type(e).__name__}: {e}" if isinstance(e, ValueError) else f"not a ValueError: {e!r}"
+    parallel_state.destroy_model_parallel()
+    return errors
+
+
+def _user_script(rank, world_size, hf_dir, out_dir):
+    from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims  # CPU only: Megatron needs CUDA otherwise
+
+    apply_cpu_shims()
+    out = Path(out_dir)
+    pp2, _ = _layout(2, hf_dir, out)
+    pp1, model = _layout(1, hf_dir, out)
+    return {"pp2": pp2, "pp1": pp1, "virtual": _virtual_pipeline_refusals(model, hf_dir, out)}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pp_export")
+    _save_qwen3_moe(base / "qwen3_moe")
+    _save_qwen3_moe(base / "tied", tied=True)
+    (base / "out").mkdir()
+    results = spawn(_user_script, WORLD, args=(str(base / "qwen3_moe"), str(base / "out")), timeout=seconds(900))
+    return {"results": results, "out": base / "out"}
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_export_at_pp2_is_the_pp1_export_byte_for_byte(run, fmt):
+    assert all(r["pp2"]["layers"] == 2 for r in run["results"])  # 4 layers on 2 stages
+    pp1, pp2 = _files(run["out"] / "pp1" / fmt), _files(run["out"] / "pp2" / fmt)
+    assert sorted(pp2) == sorted(pp1)
+    assert any(n.endswith(".safetensors") for n in pp1)
+    for name in pp1:
+        assert pp2[name] == pp1[name], name
+    config = json.loads(pp1["config.json"])
+    assert config["num_hidden_layers"] == 4
+    if fmt not in ("hf", "tied"):
+        assert "quantization_config" in config
+    assert config["tie_word_embeddings"] == (fmt == "tied")
+
+
+def test_import_at_pp2_loads_the_last_stages_copy_of_tied_embeddings(run):
+    copies = [r["pp2"]["tied_copy"] for r in run["results"]]
+    assert copies.count(True) == 2  # the last stage's two TP ranks
+    assert copies.count(None) == 2  # the first stage holds the embedding itself
+
+
+def test_export_at_pp2_holds_every_layer_once(run):
+    from safetensors import safe_open
+
+    path = run["out"] / "pp2" / "modelopt"
+    names = set()
+    for shard in path.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            names.update(f.keys())
+    layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+    assert layers == {0, 1, 2, 3}
+    assert "lm_head.weight" in names
+    assert "model.embed_tokens.weight" in names
+    assert any(".mlp.experts.3." in n for n in names)  # every EP rank's experts
+    assert {n for n in names if n.endswith("_proj.k_scale")} == {f"model.layers.{L}.self_attn.k_proj.k_scale"
+                                                                 for L in range(4)}  # every stage's KV-cache scales
+
+
+def test_quant_summary_gathered_at_pp2_names_every_layer_once_as_pp1(run):
+    for r in run["results"]:
+        pp1, pp2 = r["pp1"]["summary"].splitlines(), r["pp2"]["summary"].splitlines()
+        quantizer_lines = [line for line in pp2 if line.startswith("decoder.layers.")]
+        names = [line.split()[0] for line in quantizer_lines]
+        assert len(names) == len(set(names)), "a layer name appears twice"
+        assert any(n.startswith("decoder.layers.3.") for n in names)
+        assert pp2 == pp1
+
+
+def test_restore_sharded_modelopt_state_at_pp2_then_export_is_the_same(run):
+    assert _files(run["out"] / "restored" / "modelopt") == _files(run["out"] / "pp2" / "modelopt")
+
+
+def test_virtual_pipeline_stages_are_refused_by_name_everywhere(run):
+    for r in run["results"]:
+        for call, error in r["virtual"].items():
+            assert error is not None, f"{call} accepted virtual pipeline stages"
+            assert error.startswith(("ValueError", "ExportError")), error
+            assert "virtual_pipeline_model_parallel_size=2" in error, error
+            assert "expected None or 1" in error, error
+    assert not (run["out"] / "vpp_export").exists()
+    assert not (run["out"] / "vpp_ckpt").exists()
+
+
+def test_export_at_pp2_of_an_uncalibrated_model_fails_the_same_on_every_rank_before_writing(run):
+    errors = {r["pp2"]["uncalibrated"] for r in run["results"]}
+    assert len(errors) == 1, errors  # every rank raises, and the same error: no rank waits in a collective
+    error = errors.pop()
+    assert error is not None
+    assert error.startswith("ExportError: "), error
+    assert "layer 0" in error or "layers.0." in error, error  # the first stage's first layer, by its global number
+    assert "calibrate" in error, error
+    assert not (run["out"] / "uncalibrated").exists()
