@@ -53,6 +53,7 @@ import torch
 from ..numerics import FORMATS as NUMBER_FORMATS
 from ..numerics import ExportCodec, get_format
 from .errors import ExportError
+from .fused_mxfp4 import FILE_FORMAT
 
 __all__ = [
     "FORMATS",
@@ -68,7 +69,7 @@ __all__ = [
     "PRODUCER",
 ]
 
-FORMATS = ("compressed-tensors", "modelopt", "hf")
+FORMATS = ("compressed-tensors", "modelopt", "hf", FILE_FORMAT)
 PRODUCER = {"name": "modelopt_moe", "version": "0.1.0"}
 
 
