@@ -15,7 +15,7 @@ NAME = "model.layers.0.mlp.experts.gate_up_proj"
 
 
 def _transformers(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """transformers' fp32 ``[E, in, out]`` weight from the files' tensors."""
+    """The fp32 ``[E, in, out]`` weight transformers decodes from the files' tensors."""
     return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
 
 
