@@ -93,7 +93,7 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
         out_dir: the output directory (must not exist, or be empty).
         arch: the model's architecture.
         family: the Hugging Face family to write.
-        fmt: ``compressed-tensors``, ``modelopt`` or ``hf`` (unquantized).
+        fmt: ``compressed-tensors``, ``modelopt``, ``hf`` (unquantized) or ``hf-mxfp4`` (MXFP4 fused experts).
         linear_quants: canonical name -> quantizers, for every linear (known before any tensor is gathered, so a
             scheme the format cannot express fails before writing).
         groups: ``(label, records)`` per layer; records are :class:`TensorRecord` / :class:`LinearRecord` (on ranks
@@ -207,6 +207,8 @@ def _plan(arch: MoEArch, family: Family, fmt: str, linear_quants: dict[str, Line
         arch = replace(arch, dtype=str(dtype).replace("torch.", ""))
     if arch.dtype not in DTYPES:
         raise ExportError(f"dtype {arch.dtype!r}: expected one of {sorted(DTYPES)}")
+    if fmt == fused_mxfp4.FILE_FORMAT:
+        _packed(arch, family)  # a family with fused 3-D experts, before its linears are judged
     config = family.hf_config(arch, template)
     hf_quants = {family.hf_module(c): q for c, q in linear_quants.items()}
     schemes = resolve_schemes(hf_quants, fmt)

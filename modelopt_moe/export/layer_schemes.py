@@ -49,7 +49,7 @@ def resolve_schemes(linears: Mapping[str, LinearQuant], fmt: str) -> dict[str, S
 
     Args:
         linears: Hugging Face module name -> its quantizers, for every exported linear.
-        fmt: ``compressed-tensors``, ``modelopt`` or ``hf`` (unquantized).
+        fmt: ``compressed-tensors``, ``modelopt``, ``hf`` (unquantized) or ``hf-mxfp4`` (MXFP4 fused experts).
 
     Returns:
         Module name -> scheme, in the order of ``linears`` (all None for ``hf``).
@@ -59,8 +59,8 @@ def resolve_schemes(linears: Mapping[str, LinearQuant], fmt: str) -> dict[str, S
             linear; a linear whose quantizers no format expresses, or whose scheme ``fmt`` cannot express (naming
             the linear and the formats that would take it).
     """
-    if fmt not in FORMATS:
-        raise ExportError(f"format={fmt!r}: expected one of {FORMATS}")
+    if fmt not in (*FORMATS, FILE_FORMAT):
+        raise ExportError(f"format={fmt!r}: expected one of {(*FORMATS, FILE_FORMAT)}")
     schemes = {name: scheme_of(q, name) for name, q in linears.items()}
     quantized = [name for name, s in schemes.items() if s is not None]
     if fmt == FILE_FORMAT and quantized:

@@ -34,7 +34,7 @@ def model_card(*, architecture: str, fmt: str, linears: dict[str, LinearQuant], 
 
     Args:
         architecture: the Hugging Face architecture (``Qwen3MoeForCausalLM``).
-        fmt: ``compressed-tensors``, ``modelopt`` or ``hf``.
+        fmt: ``compressed-tensors``, ``modelopt``, ``hf`` or ``hf-mxfp4``.
         linears: every exported linear's Hugging Face module name -> its quantizers (as the exporter resolves them).
         other_modules: the Hugging Face module names of the other tensors (embeddings, norms), stored in ``dtype``.
         dtype: the dtype of every unquantized tensor (``bfloat16``).

@@ -53,7 +53,6 @@ import torch
 from ..numerics import FORMATS as NUMBER_FORMATS
 from ..numerics import ExportCodec, get_format
 from .errors import ExportError
-from .fused_mxfp4 import FILE_FORMAT
 
 __all__ = [
     "FORMATS",
@@ -69,7 +68,7 @@ __all__ = [
     "PRODUCER",
 ]
 
-FORMATS = ("compressed-tensors", "modelopt", "hf", FILE_FORMAT)
+FORMATS = ("compressed-tensors", "modelopt", "hf")
 PRODUCER = {"name": "modelopt_moe", "version": "0.1.0"}
 
 

@@ -25,6 +25,7 @@ from limits import seconds  # noqa: E402
 from megatron_harness.hf_families import hf_logits, rank_inputs, tensors, tiny_config
 
 from modelopt_moe.launch import spawn
+from modelopt_moe.quantization.config import preset_path
 
 WORLD = 4
 LAYOUTS = ((1, 1), (2, 2))  # (TP, EP)
@@ -73,7 +74,7 @@ MXFP4_WEIGHTS = {"quant_cfg": [{"quantizer_name": "*experts*weight_quantizer",
                  "algorithm": "max"}
 
 
-def _rank(rank, world_size, src, mx_src, out):
+def _rank(rank, world_size, src, mx_src, qwen3_mx, out):
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -82,6 +83,7 @@ def _rank(rank, world_size, src, mx_src, out):
     import modelopt_moe.quantization as mtq
     from modelopt_moe.export import ExportError, build_megatron_model, export_hf, import_hf
     from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
+    from modelopt_moe.quantization.config import preset_path
 
     apply_cpu_shims()  # the sliding-window mask runs on the CPU without enable_cpu_megatron's torch mode
     tokens, _, _, logits = rank_inputs(VOCAB)
@@ -92,6 +94,8 @@ def _rank(rank, world_size, src, mx_src, out):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                                  expert_tensor_parallel_size=1)
         tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
+        if path is None:  # a tiny Qwen3-MoE, random weights
+            return build_megatron_model(preset_path("qwen3_moe_tiny.json"), params_dtype=torch.float32).eval()
         model = build_megatron_model(path, params_dtype=torch.float32)
         import_hf(model, path)
         return model.eval()
@@ -131,6 +135,15 @@ def _rank(rank, world_size, src, mx_src, out):
                  lambda m: logits(m))
     refused("fp8_attention", model)
     parallel_state.destroy_model_parallel()
+
+    model = build(None, 2, 2)  # a family whose experts are stored one by one has no such layout
+    mtq.quantize(model, MXFP4_WEIGHTS, lambda m: logits(m))
+    refused("qwen3", model)
+    try:
+        import_hf(model, qwen3_mx)
+    except ExportError as e:
+        res["errors"]["qwen3_import"] = str(e)
+    parallel_state.destroy_model_parallel()
     return res
 
 
@@ -139,8 +152,12 @@ def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     _save_bf16(base / "src")
     _save_mxfp4(base / "src", base / "mx_src")
-    results = spawn(_rank, WORLD, args=(str(base / "src"), str(base / "mx_src"), str(base / "out")),
-                    timeout=seconds(900))
+    (base / "qwen3_mx").mkdir()  # a Qwen3-MoE config that claims MXFP4 experts
+    cfg = json.loads(preset_path("qwen3_moe_tiny.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (base / "qwen3_mx" / "config.json").write_text(json.dumps(cfg))
+    results = spawn(_rank, WORLD, args=(str(base / "src"), str(base / "mx_src"), str(base / "qwen3_mx"),
+                                        str(base / "out")), timeout=seconds(900))
     return base, results[0]
 
 
@@ -227,5 +244,9 @@ def test_other_quantization_mixes_are_refused_naming_the_module(run):
     assert "model.layers.0.self_attn.q_proj is quantized" in errors["fp8_attention"]
     assert (f"{experts}: quantized experts stored fused as 3-D tensors (gpt_oss) export only as MXFP4 weights in the "
             "published layout (format='hf-mxfp4'") in errors["compressed_tensors"]
-    for key in ("unquantized", "inputs", "fp8_attention", "ct"):
+    assert ("format='hf-mxfp4' stores fused 3-D experts (gpt-oss's layout); Qwen3MoeForCausalLM stores its experts "
+            "one by one") in errors["qwen3"]
+    assert "quant_method='mxfp4'" in errors["qwen3_import"]
+    assert "not Qwen3MoeForCausalLM" in errors["qwen3_import"]
+    for key in ("unquantized", "inputs", "fp8_attention", "ct", "qwen3"):
         assert not (base / "out" / key).exists(), key  # refused before anything is written
