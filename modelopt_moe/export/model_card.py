@@ -89,10 +89,10 @@ def _fused_mxfp4_card(architecture: str, schemes: dict[str, Scheme | None], othe
               f"QAT ran) in Megatron-Core with {_PRODUCER}, exported in the layout of the published gpt-oss "
               f"checkpoints (`config.json`: `quantization_config.quant_method: {QUANT_METHOD}`).", "",
               "## Quantization per layer", "", *_scheme_table(FILE_FORMAT, schemes, dtype)]
-    for pattern in _patterns([p.removesuffix(".weight") for p in packed]):
-        count = sum(_pattern(p) == pattern for p in packed)
-        lines.append(f"| `{pattern}` | {_layers(packed)} | {count} | MXFP4: E2M1, E8M0 scale per block of 32 inputs "
-                     f"| {dtype}, not quantized |")
+    for pattern in _patterns(packed):
+        modules = [p for p in packed if _pattern(p) == pattern]
+        lines.append(f"| `{pattern}` | {_layers(modules)} | {len(modules)} | MXFP4: E2M1, E8M0 scale per block of 32 "
+                     f"inputs | {dtype}, not quantized |")
     others = _patterns([m for m in other_modules if m not in packed])
     if others:
         lines += ["", f"Not quantized, stored in {dtype}: " + ", ".join(f"`{p}`" for p in others) + "."]

@@ -222,7 +222,9 @@ def test_mxfp4_export_decodes_to_training_fake_quant_bit_for_bit(run):
     assert qc["quant_method"] == "mxfp4"
     assert set(qc["modules_to_not_convert"]) >= {"model.layers.*.self_attn.q_proj", "model.layers.*.mlp.router",
                                                  "model.embed_tokens", "lm_head"}
-    assert "MXFP4" in (base / "out" / "mx" / "README.md").read_text()
+    card = (base / "out" / "mx" / "README.md").read_text()
+    assert ("| `model.layers.*.mlp.experts.gate_up_proj` | 0-2 | 3 | MXFP4: E2M1, E8M0 scale per block of 32 inputs "
+            "| bfloat16, not quantized |") in card
 
 
 def test_mxfp4_export_loads_in_transformers_with_our_weight_only_logits(run):
