@@ -161,6 +161,8 @@ def test_a_model_built_with_add_bias_linear_alone_imports(run):
 
 def test_expert_biases_with_expert_tp_are_refused(run):
     assert "expert tensor parallel size 2 with expert biases" in run[1]["etp_error"]
+    assert "(layout TP 1 x EP 2 x expert-TP 2)" in run[1]["etp_error"]
+    assert "expert_tensor_parallel_size=1" in run[1]["etp_error"]
 
 
 def test_quantized_fused_experts_are_refused_at_export(run):
