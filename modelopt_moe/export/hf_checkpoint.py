@@ -357,10 +357,14 @@ class HfCheckpointReader:
                 self._packed.setdefault(stem, {})[suffix] = file
             elif not (canonical == "lm_head" and self.arch.tie_word_embeddings):  # tied copies are allowed
                 unexpected.append(name)
-        both = {c for c, parts in self._packed.items() if len(parts) == len(fused_mxfp4.SUFFIXES)}
-        unexpected += [self.family.hf_tensor(c) + x for c in self._packed if c not in both or c in self._files
-                       for x in self._packed[c]]
-        self._packed = {c: self._packed[c] for c in both if c not in self._files}
+        halves = [f"{self.family.hf_tensor(c)}{x} without {self.family.hf_tensor(c)}{y}" for c, parts in
+                  self._packed.items() for x, y in (fused_mxfp4.SUFFIXES, fused_mxfp4.SUFFIXES[::-1])
+                  if x in parts and y not in parts]
+        if halves:
+            raise ExportError(f"{self.path}: MXFP4 fused experts come as _blocks and _scales pairs: "
+                              f"{', '.join(halves[:3])}{' ...' if len(halves) > 3 else ''}")
+        unexpected += [self.family.hf_tensor(c) + x for c in self._packed if c in self._files for x in self._packed[c]]
+        self._packed = {c: self._packed[c] for c in self._packed if c not in self._files}
         missing = sorted(expected - set(self._files) - set(self._packed))
         if missing or unexpected:
             raise ExportError(f"{self.path}: the tensors do not match {self.family.architecture} with config "

@@ -68,13 +68,27 @@ def _save_mxfp4(bf16: Path, path: Path) -> None:
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
+def _save_broken(mx_src: Path, path: Path) -> None:
+    """Two broken copies: one ``_scales`` tensor missing, and one E8M0 scale of 255 (NaN) in the last layer."""
+    from safetensors.torch import save_file
+
+    for kind in ("no_scales", "nan_scale"):
+        shutil.copytree(mx_src, path / kind)
+        t = tensors(mx_src)
+        if kind == "no_scales":
+            del t["model.layers.1.mlp.experts.down_proj_scales"]
+        else:
+            t["model.layers.2.mlp.experts.gate_up_proj_scales"][5, 3, 1] = 255
+        save_file(t, path / kind / "model.safetensors", metadata={"format": "pt"})
+
+
 MXFP4_WEIGHTS = {"quant_cfg": [{"quantizer_name": "*experts*weight_quantizer",
                                 "cfg": {"num_bits": (2, 1), "block_sizes": {-1: 32, "type": "dynamic",
                                                                             "scale_bits": (8, 0)}}}],
                  "algorithm": "max"}
 
 
-def _rank(rank, world_size, src, mx_src, qwen3_mx, out):
+def _rank(rank, world_size, src, mx_src, qwen3_mx, broken, out):
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -87,7 +101,7 @@ def _rank(rank, world_size, src, mx_src, qwen3_mx, out):
 
     apply_cpu_shims()  # the sliding-window mask runs on the CPU without enable_cpu_megatron's torch mode
     tokens, _, _, logits = rank_inputs(VOCAB)
-    out = Path(out)
+    out, broken = Path(out), Path(broken)
     res = {"tokens": tokens, "errors": {}}
 
     def build(path, tp, ep):
@@ -108,6 +122,15 @@ def _rank(rank, world_size, src, mx_src, qwen3_mx, out):
 
     for tp, ep in LAYOUTS:  # the published MXFP4 checkpoint in
         model = build(mx_src, tp, ep)
+        if (tp, ep) == (1, 1):  # a broken one is refused before any parameter changes
+            before = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+            for key, path in (("no_scales", broken / "no_scales"), ("nan_scale", broken / "nan_scale")):
+                try:
+                    import_hf(model, path)
+                except ExportError as e:
+                    res["errors"][key] = str(e)
+            after = model.state_dict()
+            res["unchanged"] = all(torch.equal(after[k], v) for k, v in before.items())
         res[f"mx_import_tp{tp}_ep{ep}"] = logits(model)
         if (tp, ep) == (2, 2):  # MXFP4 QAT starts here: before any step, the export is the source
             mtq.quantize(model, MXFP4_WEIGHTS, lambda m: logits(m))
@@ -156,8 +179,9 @@ def run(tmp_path_factory):
     cfg = json.loads(preset_path("qwen3_moe_tiny.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4"}
     (base / "qwen3_mx" / "config.json").write_text(json.dumps(cfg))
+    _save_broken(base / "mx_src", base / "broken")
     results = spawn(_rank, WORLD, args=(str(base / "src"), str(base / "mx_src"), str(base / "qwen3_mx"),
-                                        str(base / "out")), timeout=seconds(900))
+                                        str(base / "broken"), str(base / "out")), timeout=seconds(900))
     return base, results[0]
 
 
@@ -246,6 +270,10 @@ def test_other_quantization_mixes_are_refused_naming_the_module(run):
     assert "model.layers.0.self_attn.q_proj is quantized" in errors["fp8_attention"]
     assert (f"{experts}: quantized experts stored fused as 3-D tensors (gpt_oss) export only as MXFP4 weights in the "
             "published layout (format='hf-mxfp4'") in errors["compressed_tensors"]
+    assert ("MXFP4 fused experts come as _blocks and _scales pairs: model.layers.1.mlp.experts.down_proj_blocks "
+            "without model.layers.1.mlp.experts.down_proj_scales") in errors["no_scales"]
+    assert "model.layers.2.mlp.experts.gate_up_proj_scales: holds 255, E8M0's NaN" in errors["nan_scale"]
+    assert r["unchanged"]  # all or nothing: the model is as before the refused imports
     assert ("format='hf-mxfp4' stores fused 3-D experts (gpt-oss's layout); Qwen3MoeForCausalLM stores its experts "
             "one by one") in errors["qwen3"]
     assert "quant_method='mxfp4'" in errors["qwen3_import"]
