@@ -9,10 +9,12 @@ checked against transformers' own decoder in ``tests/unit/export/test_fused_mxfp
   equal transformers' on the same files within 2e-5 of the largest logit; MXFP4 QAT of the imported experts starts
   from the same values (the export before any step decodes to the source's values, and stores the source's bytes
   wherever a block's largest code is 4 or 6);
-* export: the bf16 model at TP2 x EP2 with MXFP4 weight-only experts exports with ``format="hf-mxfp4"``; every
-  expert's codes decode (with transformers' decoder) to training's fake quant bit for bit, transformers loads it and
-  its logits equal our weight-only forward's within 2e-5 of the largest logit; non-expert layers stay bf16; MXFP4
-  inputs on the experts and an FP8 attention are refused, naming the module, before anything is written.
+* export: the bf16 model at TP2 x EP2 with MXFP4 weight-only experts, its expert weights moved by a training step's
+  fp32 update, exports with ``format="hf-mxfp4"``; every expert's codes decode (with transformers' decoder) to
+  training's fake quant of the Megatron weight bit for bit, transformers loads it and its logits equal our weight-only
+  forward's within 2e-5 of the largest logit; non-expert layers stay bf16; unquantized experts, MXFP4 inputs on the
+  experts, an FP8 attention and a family without fused experts are refused, naming the module, before anything is
+  written; broken MXFP4 checkpoints (a ``_scales`` missing, a NaN scale) are refused with the model left as it was.
 """
 
 import json
@@ -88,6 +90,21 @@ MXFP4_WEIGHTS = {"quant_cfg": [{"quantizer_name": "*experts*weight_quantizer",
                  "algorithm": "max"}
 
 
+def _train_experts(model, ep_rank: int) -> dict:
+    """A training step's fp32 update of every expert weight (the same on the ranks that hold the same experts); returns
+    this rank's experts' ``(fc1, fc2)`` weights by ``(layer, global expert)``."""
+    g = torch.Generator().manual_seed(10 + ep_rank)
+    experts = {}
+    with torch.no_grad():
+        for L, layer in enumerate(model.decoder.layers):
+            local = layer.mlp.experts.local_experts
+            for i, e in enumerate(local):
+                for fc in (e.linear_fc1, e.linear_fc2):
+                    fc.weight.add_(torch.randn(fc.weight.shape, generator=g) * 1e-3)
+                experts[(L, ep_rank * len(local) + i)] = (e.linear_fc1.weight.clone(), e.linear_fc2.weight.clone())
+    return experts
+
+
 def _rank(rank, world_size, src, mx_src, qwen3_mx, broken, out):
     import warnings
 
@@ -142,6 +159,7 @@ def _rank(rank, world_size, src, mx_src, qwen3_mx, broken, out):
     mtq.quantize(model, mtq.load_config("mxfp4_experts_only.yaml"), lambda m: logits(m))
     refused("inputs", model)
     mtq.disable_quantizer(model, "*experts*input_quantizer")
+    res["experts"] = _train_experts(model, parallel_state.get_expert_model_parallel_rank())
     refused("compressed_tensors", model)  # the old formats keep refusing quantized fused experts
     try:
         export_hf(model, out / "ct", format="compressed-tensors", progress=False)
@@ -182,6 +200,7 @@ def run(tmp_path_factory):
     _save_broken(base / "mx_src", base / "broken")
     results = spawn(_rank, WORLD, args=(str(base / "src"), str(base / "mx_src"), str(base / "qwen3_mx"),
                                         str(base / "broken"), str(base / "out")), timeout=seconds(900))
+    results[0]["experts"] = {k: v for r in results for k, v in r["experts"].items()}
     return base, results[0]
 
 
@@ -226,16 +245,20 @@ def test_mxfp4_qat_of_an_imported_checkpoint_starts_from_its_codes(run):
 def test_mxfp4_export_decodes_to_training_fake_quant_bit_for_bit(run):
     from modelopt_moe.numerics import fake_quant
 
-    base, _ = run
+    base, r = run
     source, t = tensors(base / "src"), tensors(base / "out" / "mx")
     for L in range(3):
-        for proj in EXPERTS:
+        for k, proj in enumerate(EXPERTS):
             name = f"model.layers.{L}.mlp.experts.{proj}"
             assert name not in t
             assert t[name + "_blocks"].dtype == t[name + "_scales"].dtype == torch.uint8
-            w = source[name].float().transpose(1, 2)  # each expert's [out, in]
-            trained = torch.stack([fake_quant(x, "mxfp4", None, 32) for x in w]).transpose(1, 2)
-            assert torch.equal(_decoded(t, name), trained), name
+            trained = []
+            for e in range(8):  # training's fake quant of the Megatron weight, in the file's [in, out] layout
+                q = fake_quant(r["experts"][(L, e)][k], "mxfp4", None, 32)
+                if proj == "gate_up_proj":  # Megatron's [gate; up] rows -> gate and up interleaved
+                    q = torch.stack(q.chunk(2), 1).flatten(0, 1)
+                trained.append(q.t())
+            assert torch.equal(_decoded(t, name), torch.stack(trained)), name
             assert t[name + "_bias"].dtype == torch.bfloat16
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.router.weight", "lm_head.weight",
                  "model.embed_tokens.weight", "model.layers.0.self_attn.sinks"):
