@@ -71,7 +71,8 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "co
             gathers its layers; the files are those of pipeline size 1).
         out_dir: the output directory; must not exist or be empty. Written to a temporary sibling and renamed when
             complete.
-        format: ``compressed-tensors``, ``modelopt`` or ``hf`` (unquantized weights).
+        format: ``compressed-tensors``, ``modelopt``, ``hf`` (unquantized weights) or ``hf-mxfp4`` (gpt-oss: MXFP4
+            experts in the published fused layout, ``*_blocks`` / ``*_scales``, everything else unquantized).
         family: ``qwen3_moe`` / ``mixtral`` (or the architecture name); None infers it from the model (query/key
             norm: Qwen3-MoE, none: Mixtral) or from ``hf_config``.
         dtype: dtype of the unquantized tensors (default: the parameters' own).
@@ -109,9 +110,9 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "co
 
 
 def import_hf(model: nn.Module, hf_dir: str | os.PathLike) -> None:
-    """Loads an unquantized Hugging Face checkpoint (Qwen3-MoE or Mixtral, any dtype) into the already built
-    ``model``, at its tensor / expert / pipeline parallel layout; each rank reads only its slices (of its pipeline
-    stage's layers).
+    """Loads an unquantized Hugging Face checkpoint (any dtype; gpt-oss's MXFP4 experts too, dequantized exactly)
+    into the already built ``model``, at its tensor / expert / pipeline parallel layout; each rank reads only its
+    slices (of its pipeline stage's layers).
 
     All or nothing: before the first parameter is written, ``config.json`` is checked against the model, the index
     and the header of every shard against the config (each tensor present in the shard the index names, with the

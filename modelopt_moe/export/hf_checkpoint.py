@@ -15,6 +15,7 @@ per group, so every rank raises the same :class:`~.errors.ExportError` and none 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from ..quantization.utils import warn_once
-from . import transformers_compat
+from . import fused_mxfp4, transformers_compat
 from .calibration_coverage import CALIBRATION_TOKENS_FILE, DEFAULT_MIN_CALIB_TOKENS, calibration_tokens_json
 from .errors import ExportError
-from .families import Family, MoEArch, canonical_names, read_hf_config
+from .families import Family, MoEArch, canonical_names, canonical_shapes, read_hf_config
 from .kv_cache import KvCachePlan, KvCacheQuant, kv_cache_plan
 from .layer_schemes import layers_hf_quant_config, layers_quantization_config, resolve_schemes
 from .model_card import CARD_FILE, model_card
@@ -34,7 +35,7 @@ from .safetensors_files import check_tensors, read_weight_map
 from .schemes import PRODUCER, LinearQuant, encode_linear, scheme_of
 from .writer import CheckpointWriter, check_out_dir
 
-__all__ = ["TensorRecord", "LinearRecord", "write_hf_checkpoint", "HfCheckpointReader", "DTYPES"]
+__all__ = ["TensorRecord", "LinearRecord", "FusedMxfp4Record", "write_hf_checkpoint", "HfCheckpointReader", "DTYPES"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -56,6 +57,15 @@ class LinearRecord:
     quant: LinearQuant = field(default_factory=LinearQuant)
     weight_amax: torch.Tensor | None = None  # [] per tensor, [out] per channel
     input_amax: torch.Tensor | None = None  # []
+
+
+@dataclass
+class FusedMxfp4Record:
+    """Every expert's weight of a fused 3-D expert tensor, ``[E, out, in]`` with the rows in the file's order, written
+    in MXFP4 in the published layout (:mod:`.fused_mxfp4`: ``_blocks`` and ``_scales``)."""
+
+    canonical: str
+    weights: torch.Tensor
 
 
 def _agree(error: str | None) -> str | None:
@@ -85,7 +95,7 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
         out_dir: the output directory (must not exist, or be empty).
         arch: the model's architecture.
         family: the Hugging Face family to write.
-        fmt: ``compressed-tensors``, ``modelopt`` or ``hf`` (unquantized).
+        fmt: ``compressed-tensors``, ``modelopt``, ``hf`` (unquantized) or ``hf-mxfp4`` (MXFP4 fused experts).
         linear_quants: canonical name -> quantizers, for every linear (known before any tensor is gathered, so a
             scheme the format cannot express fails before writing).
         groups: ``(label, records)`` per layer; records are :class:`TensorRecord` / :class:`LinearRecord` (on ranks
@@ -121,7 +131,8 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
         card = model_card(architecture=family.architecture, fmt=fmt,
                           linears={family.hf_module(c): q for c, q in linear_quants.items()},
                           other_modules=[family.hf_module(c) for c in canonical_names(arch) if c not in linear_quants],
-                          dtype=arch.dtype, name=Path(out_dir).name, base_model=base_model)
+                          dtype=arch.dtype, name=Path(out_dir).name, base_model=base_model,
+                          packed=_packed(arch, family) if fmt == fused_mxfp4.FILE_FORMAT else None)
         if _is_writer():
             check_out_dir(out_dir)
     except ExportError as e:
@@ -185,6 +196,15 @@ NVFP4_EXPERTS_WARNING = (
     "'Which readers are exact'.")
 
 
+def _packed(arch: MoEArch, family: Family) -> list[str]:
+    """The Hugging Face names of the tensors ``format="hf-mxfp4"`` packs (every fused expert weight)."""
+    kinds = fused_mxfp4.packed_kinds(family)
+    if not kinds:
+        raise ExportError(f"format={fused_mxfp4.FILE_FORMAT!r} stores fused 3-D experts (gpt-oss's layout); "
+                          f"{family.architecture} stores its experts one by one: use format='compressed-tensors'")
+    return [family.hf_tensor(c) for c in canonical_names(arch) if c.rsplit(".", 1)[-1] in kinds]
+
+
 def _has_nvfp4_experts(schemes: dict) -> bool:
     return any(".experts." in name and s is not None and s.ct_format == transformers_compat.AFFECTED_FORMAT
                for name, s in schemes.items())
@@ -197,11 +217,18 @@ def _plan(arch: MoEArch, family: Family, fmt: str, linear_quants: dict[str, Line
         arch = replace(arch, dtype=str(dtype).replace("torch.", ""))
     if arch.dtype not in DTYPES:
         raise ExportError(f"dtype {arch.dtype!r}: expected one of {sorted(DTYPES)}")
+    if fmt == fused_mxfp4.FILE_FORMAT:
+        _packed(arch, family)  # a family with fused 3-D experts, before its linears are judged
     config = family.hf_config(arch, template)
     hf_quants = {family.hf_module(c): q for c, q in linear_quants.items()}
     schemes = resolve_schemes(hf_quants, fmt)
     ignore = [name for name, s in schemes.items() if s is None]
-    if fmt != "hf":
+    if fmt == fused_mxfp4.FILE_FORMAT:
+        not_converted = [family.hf_module(c) for c in canonical_names(arch) if c.rsplit(".", 1)[-1] in
+                         ("embed_tokens", "lm_head")] + ignore
+        config["quantization_config"] = fused_mxfp4.quantization_config(
+            list(dict.fromkeys(re.sub(r"\.\d+(?=\.|$)", ".*", m) for m in not_converted)))
+    elif fmt != "hf":
         config["quantization_config"] = layers_quantization_config(_quantized(schemes), fmt, ignore)
     return arch, DTYPES[arch.dtype], config, schemes, ignore
 
@@ -214,9 +241,10 @@ def _plan_kv_cache(kv_cache: list[KvCacheQuant] | None, fmt: str, arch: MoEArch,
                    config: dict) -> KvCachePlan | None:
     """The KV cache's plan, its entries added to ``config``'s ``quantization_config`` (single-scheme and per-layer
     configs alike; ``hf``: none, with a warning where the model quantizes its KV cache)."""
-    if fmt == "hf":
+    if fmt in ("hf", fused_mxfp4.FILE_FORMAT):
         if any(q.k_fmt or q.v_fmt for q in kv_cache or []):
-            warn_once("export_hf(format='hf') writes no quantization: the KV cache's k_scale / v_scale are left out")
+            warn_once(f"export_hf(format={fmt!r}) writes no KV-cache quantization: the KV cache's k_scale / v_scale "
+                      "are left out")
         return None
     kv = kv_cache_plan(kv_cache or [], fmt)
     if kv is not None:
@@ -278,6 +306,14 @@ def _write_record(writer: CheckpointWriter, family: Family, rec, schemes: dict, 
     if rec.canonical in seen:
         raise ExportError(f"{rec.canonical} given twice")
     seen.add(rec.canonical)
+    if isinstance(rec, FusedMxfp4Record):
+        if fmt != fused_mxfp4.FILE_FORMAT:
+            raise ExportError(f"{family.hf_tensor(rec.canonical)}: MXFP4 fused experts are written with "
+                              f"format={fused_mxfp4.FILE_FORMAT!r}, not {fmt!r}")
+        name = family.hf_tensor(rec.canonical)
+        for suffix, tensor in zip(fused_mxfp4.SUFFIXES, fused_mxfp4.encode_experts(rec.weights, name), strict=True):
+            writer.add(name + suffix, tensor)
+        return
     module = family.hf_module(rec.canonical)
     scheme = schemes.get(module)
     if isinstance(rec, LinearRecord) and scheme is not None:
@@ -292,7 +328,9 @@ def _write_record(writer: CheckpointWriter, family: Family, rec, schemes: dict, 
 
 class HfCheckpointReader:
     """The tensors of an unquantized Hugging Face checkpoint (``model.safetensors`` or sharded with an index), read
-    by canonical name, lazily (one tensor or one slice at a time: memory stays bounded).
+    by canonical name, lazily (one tensor or one slice at a time: memory stays bounded). A checkpoint whose fused 3-D
+    experts are stored in the published MXFP4 layout (``quant_method: mxfp4``, gpt-oss; :mod:`.fused_mxfp4`) is read
+    too: those experts come dequantized, exactly, in fp32.
 
     Construction checks everything the files can tell without reading tensor data: the config, the index, and the
     header of every shard (each tensor present where the index places it, with the shape the config implies and a
@@ -302,33 +340,44 @@ class HfCheckpointReader:
         hf_dir: the model directory.
 
     Raises:
-        ExportError: no config or safetensors, an unsupported architecture, a quantized checkpoint, tensors that do
-            not match the config (names the missing and unexpected tensors), or shard files that do not hold what
-            the index and config say (names the file, the tensor, what was expected and found).
+        ExportError: no config or safetensors, an unsupported architecture, a quantized checkpoint (other than MXFP4
+            fused experts), tensors that do not match the config (names the missing and unexpected tensors), or shard
+            files that do not hold what the index and config say (names the file, the tensor, what was expected and
+            found).
     """
 
     def __init__(self, hf_dir: str | os.PathLike):
-        from .families import canonical_shapes, family_for_architecture
+        from .families import family_for_architecture
 
         self.path = Path(hf_dir)
         self.config = read_hf_config(self.path)
-        if "quantization_config" in self.config:
-            raise ExportError(f"{self.path}: a quantized checkpoint (quant_method="
-                              f"{self.config['quantization_config'].get('quant_method')!r}); import reads "
-                              "unquantized (bf16 / fp16 / fp32) checkpoints")
         self.family = family_for_architecture(self.config)
+        packable = self._packable_kinds()
         self.arch = self.family.arch_from_hf(self.config)
         weight_map = read_weight_map(self.path)
         self._files: dict[str, str] = {}
+        self._packed: dict[str, dict[str, str]] = {}  # canonical -> suffix -> file (MXFP4 fused experts)
         expected = set(canonical_names(self.arch))
         unexpected = []
         for name, file in weight_map.items():
             canonical = self.family.canonical_tensor(name)
+            suffix = next((x for x in fused_mxfp4.SUFFIXES if name.endswith(x)), None)
+            stem = self.family.canonical_tensor(name.removesuffix(suffix)) if canonical is None and suffix else None
             if canonical in expected:
                 self._files[canonical] = file
+            elif stem in expected and stem.rsplit(".", 1)[-1] in packable:
+                self._packed.setdefault(stem, {})[suffix] = file
             elif not (canonical == "lm_head" and self.arch.tie_word_embeddings):  # tied copies are allowed
                 unexpected.append(name)
-        missing = sorted(expected - set(self._files))
+        halves = [f"{self.family.hf_tensor(c)}{x} without {self.family.hf_tensor(c)}{y}" for c, parts in
+                  self._packed.items() for x, y in (fused_mxfp4.SUFFIXES, fused_mxfp4.SUFFIXES[::-1])
+                  if x in parts and y not in parts]
+        if halves:
+            raise ExportError(f"{self.path}: MXFP4 fused experts come as _blocks and _scales pairs: "
+                              f"{', '.join(halves[:3])}{' ...' if len(halves) > 3 else ''}")
+        unexpected += [self.family.hf_tensor(c) + x for c in self._packed if c in self._files for x in self._packed[c]]
+        self._packed = {c: self._packed[c] for c in self._packed if c not in self._files}
+        missing = sorted(expected - set(self._files) - set(self._packed))
         if missing or unexpected:
             raise ExportError(f"{self.path}: the tensors do not match {self.family.architecture} with config "
                               f"{self.arch}: missing {[self.family.hf_tensor(m) for m in missing[:5]]}"
@@ -337,17 +386,56 @@ class HfCheckpointReader:
         shapes = canonical_shapes(self.arch)
         self._headers = check_tensors(self.path, weight_map,
                                       {self.tensor_name(c): shapes[c] for c in self._files})
+        packed_shapes = {}
+        for c in self._packed:
+            for suffix, shape in zip(fused_mxfp4.SUFFIXES, fused_mxfp4.packed_shapes(shapes[c]), strict=True):
+                packed_shapes[self.tensor_name(c) + suffix] = shape
+        check_tensors(self.path, weight_map, packed_shapes, dtypes=("U8",))
+
+    def _packable_kinds(self) -> frozenset[str]:
+        """The tensor kinds the config says are stored packed: none for an unquantized checkpoint, the family's
+        fused expert weights for ``quant_method: mxfp4``; refuses any other quantization."""
+        qc = self.config.get("quantization_config")
+        if qc is None:
+            return frozenset()
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        kinds = fused_mxfp4.packed_kinds(self.family) if method == fused_mxfp4.QUANT_METHOD else frozenset()
+        if not kinds:
+            raise ExportError(f"{self.path}: a quantized checkpoint (quant_method={method!r}); import reads "
+                              "unquantized (bf16 / fp16 / fp32) checkpoints, and MXFP4 fused 3-D experts (quant_method "
+                              f"{fused_mxfp4.QUANT_METHOD!r}) of families that store them so (gpt-oss), not "
+                              f"{self.family.architecture}")
+        return kinds
 
     def _read(self, canonical: str, index):
         """``index`` (a slice tuple, or None for the whole tensor) of a tensor, errors naming the file and tensor."""
         from safetensors import safe_open
 
+        if canonical in self._packed:
+            return self._read_packed(canonical, index)
         path, name = self.path / self._files[canonical], self.tensor_name(canonical)
         try:
             with safe_open(str(path), "pt") as f:
                 return f.get_tensor(name) if index is None else f.get_slice(name)[index]
         except Exception as e:  # noqa: BLE001  (the safetensors error and OSError alike name no file)
             raise ExportError(f"{path}: reading tensor {name} failed: {type(e).__name__}: {e}") from e
+
+    def _read_packed(self, canonical: str, index):
+        """An MXFP4 fused expert weight, dequantized to fp32 ``[E, in, out]`` (only the experts a slice along dim 0
+        asks for are read)."""
+        from safetensors import safe_open
+
+        experts = index[0] if index is not None and len(index) == 1 else slice(None)
+        parts = []
+        for suffix in fused_mxfp4.SUFFIXES:
+            path, name = self.path / self._packed[canonical][suffix], self.tensor_name(canonical) + suffix
+            try:
+                with safe_open(str(path), "pt") as f:
+                    parts.append(f.get_slice(name)[experts])
+            except Exception as e:  # noqa: BLE001  (the safetensors error and OSError alike name no file)
+                raise ExportError(f"{path}: reading tensor {name} failed: {type(e).__name__}: {e}") from e
+        full = fused_mxfp4.decode_experts(*parts, self.tensor_name(canonical)).transpose(1, 2)
+        return full if index is None or len(index) == 1 else full[index]
 
     def tensor_name(self, canonical: str) -> str:
         """The Hugging Face tensor name of the canonical tensor ``canonical``."""
@@ -359,6 +447,8 @@ class HfCheckpointReader:
 
     def shape(self, canonical: str) -> tuple[int, ...]:
         """The tensor's shape, from the safetensors header (nothing is read)."""
+        if canonical in self._packed:
+            return canonical_shapes(self.arch)[canonical]
         return self._headers[self.tensor_name(canonical)].shape
 
     def get_slice(self, canonical: str, dim: int, start: int, stop: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ import re
 from collections.abc import Mapping
 
 from .errors import ExportError
+from .fused_mxfp4 import FILE_FORMAT
 from .schemes import FORMATS, SCHEMES, LinearQuant, Scheme, hf_quant_config, quantization_config, scheme_of
 
 __all__ = ["MIXED_ALGO", "CT_MIXED_FORMAT", "resolve_schemes", "layers_quantization_config",
@@ -48,7 +49,7 @@ def resolve_schemes(linears: Mapping[str, LinearQuant], fmt: str) -> dict[str, S
 
     Args:
         linears: Hugging Face module name -> its quantizers, for every exported linear.
-        fmt: ``compressed-tensors``, ``modelopt`` or ``hf`` (unquantized).
+        fmt: ``compressed-tensors``, ``modelopt``, ``hf`` (unquantized) or ``hf-mxfp4`` (MXFP4 fused experts).
 
     Returns:
         Module name -> scheme, in the order of ``linears`` (all None for ``hf``).
@@ -58,14 +59,19 @@ def resolve_schemes(linears: Mapping[str, LinearQuant], fmt: str) -> dict[str, S
             linear; a linear whose quantizers no format expresses, or whose scheme ``fmt`` cannot express (naming
             the linear and the formats that would take it).
     """
-    if fmt not in FORMATS:
-        raise ExportError(f"format={fmt!r}: expected one of {FORMATS}")
+    if fmt not in (*FORMATS, FILE_FORMAT):
+        raise ExportError(f"format={fmt!r}: expected one of {(*FORMATS, FILE_FORMAT)}")
     schemes = {name: scheme_of(q, name) for name, q in linears.items()}
     quantized = [name for name, s in schemes.items() if s is not None]
+    if fmt == FILE_FORMAT and quantized:
+        raise ExportError(f"format={fmt!r} stores the fused experts in MXFP4 and every other layer unquantized (as the "
+                          f"published gpt-oss checkpoints), but {quantized[0]} is quantized ({linears[quantized[0]]}); "
+                          "disable its quantizers (e.g. mtq.disable_quantizer(model, '*self_attention*')), or use "
+                          "format='compressed-tensors' for the other layers")
     if fmt == "hf" and quantized:
         raise ExportError(f"format='hf' writes unquantized weights, but the model is quantized ({quantized[0]}: "
                           f"{linears[quantized[0]]}); use format='compressed-tensors' or 'modelopt'")
-    if fmt != "hf" and not quantized:
+    if fmt not in ("hf", FILE_FORMAT) and not quantized:
         raise ExportError(f"format={fmt!r}: the model is not quantized (none of its {len(linears)} exported linears "
                           "has an enabled quantizer); run mtq.quantize first, or use format='hf'")
     if fmt == "modelopt":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 
 from . import transformers_compat
+from .fused_mxfp4 import FILE_FORMAT, QUANT_METHOD
 from .layer_schemes import resolve_schemes
 from .schemes import LinearQuant, Scheme
 
@@ -23,21 +24,23 @@ __all__ = ["model_card", "CARD_FILE"]
 CARD_FILE = "README.md"
 _PRODUCER = "modelopt_moe"
 _FORMAT_LABELS = {"compressed-tensors": "compressed-tensors", "modelopt": "NVIDIA Model Optimizer unified HF format",
-                  "hf": "unquantized Hugging Face checkpoint"}
+                  "hf": "unquantized Hugging Face checkpoint",
+                  FILE_FORMAT: "Hugging Face MXFP4 fused experts, the published gpt-oss layout"}
 
 
 def model_card(*, architecture: str, fmt: str, linears: dict[str, LinearQuant], other_modules: list[str],
-               dtype: str, name: str, base_model: str | None = None) -> str:
+               dtype: str, name: str, base_model: str | None = None, packed: list[str] | None = None) -> str:
     """The ``README.md`` text of a checkpoint.
 
     Args:
         architecture: the Hugging Face architecture (``Qwen3MoeForCausalLM``).
-        fmt: ``compressed-tensors``, ``modelopt`` or ``hf``.
+        fmt: ``compressed-tensors``, ``modelopt``, ``hf`` or ``hf-mxfp4``.
         linears: every exported linear's Hugging Face module name -> its quantizers (as the exporter resolves them).
         other_modules: the Hugging Face module names of the other tensors (embeddings, norms), stored in ``dtype``.
         dtype: the dtype of every unquantized tensor (``bfloat16``).
         name: the checkpoint's name (its directory name), used in the loading code.
         base_model: the Hugging Face id of the model it was trained from, when known.
+        packed: the fused expert weights stored in MXFP4 (``format="hf-mxfp4"``), by Hugging Face tensor name.
 
     Returns:
         Markdown with YAML front matter.
@@ -51,6 +54,8 @@ def model_card(*, architecture: str, fmt: str, linears: dict[str, LinearQuant], 
     if len(kinds) > 1:
         return _mixed_card(architecture, fmt, schemes, kinds, other_modules, dtype, name, base_model)
     scheme = kinds[0] if kinds else None
+    if packed:
+        return _fused_mxfp4_card(architecture, schemes, other_modules, packed, dtype, name, base_model)
     nvfp4_experts = _nvfp4_experts(fmt, schemes)
     title = f"{name}: {architecture}" + ("" if scheme is None else f", {scheme.name}")
     lines = [*_front_matter(fmt, kinds, base_model), "", f"# {title} ({_FORMAT_LABELS[fmt]})", ""]
@@ -68,6 +73,37 @@ def model_card(*, architecture: str, fmt: str, linears: dict[str, LinearQuant], 
     if scheme is not None:
         lines += ["", *_tensors_sentence(fmt, scheme)]
     lines += ["", "## Readers", "", *_readers(fmt, scheme, nvfp4_experts)]
+    return "\n".join(lines) + "\n"
+
+
+def _fused_mxfp4_card(architecture: str, schemes: dict[str, Scheme | None], other_modules: list[str],
+                      packed: list[str], dtype: str, name: str, base_model: str | None) -> str:
+    """The card of a ``format="hf-mxfp4"`` checkpoint: MXFP4 fused experts, everything else unquantized."""
+    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation"]
+    if base_model:
+        lines += [f"base_model: {base_model}", "base_model_relation: quantized"]
+    lines += ["tags:", *(f"- {t}" for t in ("quantized", QUANT_METHOD, "moe", _PRODUCER)), "---", "",
+              f"# {name}: {architecture}, MXFP4 experts ({_FORMAT_LABELS[FILE_FORMAT]})", ""]
+    origin = f" from [{base_model}](https://huggingface.co/{base_model})" if base_model else ""
+    lines += [f"A Mixture-of-Experts model ({architecture}){origin}, its experts quantized to MXFP4 (and trained if "
+              f"QAT ran) in Megatron-Core with {_PRODUCER}, exported in the layout of the published gpt-oss "
+              f"checkpoints (`config.json`: `quantization_config.quant_method: {QUANT_METHOD}`).", "",
+              "## Quantization per layer", "", *_scheme_table(FILE_FORMAT, schemes, dtype)]
+    for pattern in _patterns(packed):
+        modules = [p for p in packed if _pattern(p) == pattern]
+        lines.append(f"| `{pattern}` | {_layers(modules)} | {len(modules)} | MXFP4: E2M1, E8M0 scale per block of 32 "
+                     f"inputs | {dtype}, not quantized |")
+    others = _patterns([m for m in other_modules if m not in packed])
+    if others:
+        lines += ["", f"Not quantized, stored in {dtype}: " + ", ".join(f"`{p}`" for p in others) + "."]
+    lines += ["", "Tensors of each fused expert weight `[E, in, out]`: `<name>_blocks` uint8 `[E, out, in/32, 16]` "
+              "(two E2M1 codes per byte, the even input in the low nibble) and `<name>_scales` uint8 `[E, out, in/32]` "
+              "(E8M0: the value is `code * 2**(scale - 127)`), exactly the codes training's fake quantization rounded "
+              "to.", "", "## Readers", "",
+              "- transformers 5.23, `Mxfp4Config(dequantize=True)`: every expert weight exactly the trained fake "
+              "quantization (its MXFP4 kernels need a GPU or the `kernels` package).",
+              "- vLLM's gpt-oss loader (`quant_method: mxfp4`): the layout its loader reads (checked against its "
+              "source, not run)."]
     return "\n".join(lines) + "\n"
 
 

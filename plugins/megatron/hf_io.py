@@ -10,7 +10,8 @@ expert ``i`` of EP rank ``r`` is global expert ``r * N_local + i``, :class:`~mod
 rule), with every expert's weight and input amax gathered the same way; fused QKV splits into ``q/k/v`` (Megatron
 interleaves them per query group), fused ``fc1`` into ``gate/up`` (gate rows first; under expert-TP each rank holds
 its slice of both); experts stored fused as 3-D tensors (gpt-oss) gather every expert into one tensor per layer
-(the table's ``stacked`` rules; expert-TP 1, unquantized). Rank 0 encodes and writes through
+(the table's ``stacked`` rules; expert-TP 1; unquantized, or MXFP4 weights in the published layout with
+``format="hf-mxfp4"``). Rank 0 encodes and writes through
 :func:`modelopt_moe.export.hf_checkpoint.write_hf_checkpoint`; the others drop what they gathered. At most one
 layer's dense weights and ``EP`` experts are in flight at a time. With pipeline parallelism each group (embedding,
 layer, final) is gathered on the stage that holds it and its records travel to the writer's stage one at a time
@@ -33,9 +34,16 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from modelopt_moe.export import fused_mxfp4
 from modelopt_moe.export.errors import ExportError
 from modelopt_moe.export.families import MoEArch, family_for_architecture, get_family, read_hf_config
-from modelopt_moe.export.hf_checkpoint import HfCheckpointReader, LinearRecord, TensorRecord, write_hf_checkpoint
+from modelopt_moe.export.hf_checkpoint import (
+    FusedMxfp4Record,
+    HfCheckpointReader,
+    LinearRecord,
+    TensorRecord,
+    write_hf_checkpoint,
+)
 from modelopt_moe.export.mapping import STACKED, Param
 from modelopt_moe.export.schemes import LinearQuant, QuantSpec
 from modelopt_moe.quantization.conversion import unwrap_model
@@ -262,22 +270,29 @@ def _from_stacked(t: torch.Tensor, rule: str) -> torch.Tensor:
     return t.contiguous()
 
 
-def _stacked_records(m, params: list[Param], L: int, arch: MoEArch, lay: _Layout, n: int) -> Iterator[TensorRecord]:
-    """A layer's experts fused into one tensor per parameter (every expert, in global order); expert-TP must be 1."""
+def _stacked_records(m, params: list[Param], L: int, arch: MoEArch, lay: _Layout, n: int,
+                     fmt: str) -> Iterator[TensorRecord | FusedMxfp4Record]:
+    """A layer's experts fused into one tensor per parameter (every expert, in global order); expert-TP must be 1.
+    With ``format="hf-mxfp4"`` the weights go to the writer as ``[E, out, in]`` (rows in the file's order), which
+    encodes them in MXFP4."""
     for param in params:
         if lay.etp_size != 1:
             raise ExportError(f"{param.path[0].format(L=L, i=0)}: fused 3-D experts need expert tensor parallel size "
                               f"1, got {lay.etp_size}")
         local = torch.stack([_to_stacked(_resolve(m, param, L, i)[1].detach(), param.rule) for i in range(n)])
-        yield TensorRecord(_names(param, L)[0], torch.cat(_all_gather(local, lay.ep, lay.ep_size), 0))
+        full = torch.cat(_all_gather(local, lay.ep, lay.ep_size), 0)
+        if fmt == fused_mxfp4.FILE_FORMAT and param.holder is not None:
+            yield FusedMxfp4Record(_names(param, L)[0], full.transpose(1, 2).contiguous())
+        else:
+            yield TensorRecord(_names(param, L)[0], full)
 
 
-def _expert_records(m, params: list[Param], L: int, arch: MoEArch, lay: _Layout) -> Iterator:
+def _expert_records(m, params: list[Param], L: int, arch: MoEArch, lay: _Layout, fmt: str) -> Iterator:
     """The layer's experts, one local expert slot at a time over expert-TP and EP, in global expert order."""
     n = _num_local_experts(_get(m, get_family(arch.family).megatron.experts.format(L=L)))
     if n * lay.ep_size != arch.num_experts:
         raise ExportError(f"layer {L}: {n} local experts x EP {lay.ep_size} != {arch.num_experts} experts")
-    yield from _stacked_records(m, [p for p in params if p.rule in STACKED], L, arch, lay, n)
+    yield from _stacked_records(m, [p for p in params if p.rule in STACKED], L, arch, lay, n, fmt)
     params = [p for p in params if p.rule not in STACKED]
     plans = []
     for param in params:
@@ -304,26 +319,30 @@ def _expert_records(m, params: list[Param], L: int, arch: MoEArch, lay: _Layout)
                     yield LinearRecord(name, w, quant, a, x_amax)
 
 
-def _layer_records(m, L: int, arch: MoEArch, lay: _Layout) -> Iterator:
+def _layer_records(m, L: int, arch: MoEArch, lay: _Layout, fmt: str) -> Iterator:
     params = get_family(arch.family).megatron.params(arch, L)
     for param in params:
         if not param.expert:
             yield from _dense_records(m, param, L, arch, lay)
     experts = [p for p in params if p.expert]
     if experts:
-        yield from _expert_records(m, experts, L, arch, lay)
+        yield from _expert_records(m, experts, L, arch, lay, fmt)
 
 
-def _refuse_quantized_stacked(m, param: Param, L: int, arch: MoEArch) -> None:
-    """Fused 3-D experts are written unquantized: refuses experts whose quantizers are on (nothing dropped)."""
+def _check_stacked_quant(m, param: Param, L: int, arch: MoEArch, fmt: str) -> None:
+    """Fused 3-D experts are written in MXFP4 with ``format="hf-mxfp4"`` (which needs MXFP4 weight-only experts)
+    and unquantized otherwise: refuses any other quantization, naming the module (nothing dropped)."""
     if param.holder is None:
         return
     where = param.holder.format(L=L)
     holder = _get(m, where)
-    if any(q is not None and q.is_quantizing for q in (_quantizer(holder, k) for k in _QUANTIZERS)):
-        raise ExportError(f"{where}: quantized experts stored fused as 3-D tensors ({arch.family}) cannot be exported "
-                          "yet (expected unquantized experts: disable their quantizers, e.g. "
-                          "mtq.disable_quantizer(model, '*experts*'))")
+    if fmt == fused_mxfp4.FILE_FORMAT:
+        fused_mxfp4.check_expert_quant(where, _linear_quant(holder))
+    elif any(q is not None and q.is_quantizing for q in (_quantizer(holder, k) for k in _QUANTIZERS)):
+        raise ExportError(f"{where}: quantized experts stored fused as 3-D tensors ({arch.family}) export only as "
+                          f"MXFP4 weights in the published layout (format={fused_mxfp4.FILE_FORMAT!r}, got "
+                          f"format={fmt!r} and {_linear_quant(holder)}); for format={fmt!r} disable their "
+                          "quantizers, e.g. mtq.disable_quantizer(model, '*experts*')")
 
 
 def _group_keys(arch: MoEArch) -> list[tuple]:
@@ -331,7 +350,7 @@ def _group_keys(arch: MoEArch) -> list[tuple]:
     return [("embedding", None)] + [(L, L) for L in range(arch.num_layers)] + [("final", None)]
 
 
-def _linear_quants(m: Stage, arch: MoEArch) -> dict[str, LinearQuant]:
+def _linear_quants(m: Stage, arch: MoEArch, fmt: str) -> dict[str, LinearQuant]:
     """Every exported linear of this stage's groups: its quantizers, by canonical name (local state only: no
     collective); refuses a quantizer without amax, and quantized fused 3-D experts, naming the Megatron module."""
     table = get_family(arch.family).megatron
@@ -342,7 +361,7 @@ def _linear_quants(m: Stage, arch: MoEArch) -> dict[str, LinearQuant]:
             continue
         for param in table.params(arch, key):
             if param.rule in STACKED:
-                _refuse_quantized_stacked(m, param, L, arch)
+                _check_stacked_quant(m, param, L, arch, fmt)
             if not param.linear:
                 continue
             where, holder = _holder(m, param, L)
@@ -388,7 +407,8 @@ def _check_weight_row_blocks(m, param: Param, L: int | None, where: str | None, 
                           "of the block")
 
 
-def _groups(m: Stage, arch: MoEArch, lay: _Layout, pipe: PipelineExport | None) -> Iterator[tuple[str, Iterator]]:
+def _groups(m: Stage, arch: MoEArch, lay: _Layout, pipe: PipelineExport | None,
+            fmt: str) -> Iterator[tuple[str, Iterator]]:
     """``(label, records)`` of every group, in checkpoint order; with pipeline stages each group is made on the stage
     that holds it and its records reach the writer through ``pipe``."""
     table = get_family(arch.family).megatron
@@ -400,20 +420,21 @@ def _groups(m: Stage, arch: MoEArch, lay: _Layout, pipe: PipelineExport | None) 
     for label, key in [("embedding", "embedding"), *((f"layer {L}", L) for L in range(arch.num_layers)),
                        ("output", "final")]:
         make = (lambda key=key: top(key)) if key in ("embedding", "final") else \
-            (lambda key=key: _layer_records(m, key, arch, lay))
+            (lambda key=key: _layer_records(m, key, arch, lay, fmt))
         yield label, make() if pipe is None else pipe.records(key, make)
 
 
-def _stage_quants(stage: Stage, arch: MoEArch) -> tuple[dict[str, LinearQuant], list, PipelineExport | None]:
+def _stage_quants(stage: Stage, arch: MoEArch,
+                  fmt: str) -> tuple[dict[str, LinearQuant], list, PipelineExport | None]:
     """Every exported linear's quantizers and every layer's KV-cache quantizers, over all pipeline stages (one
     ``all_gather_object`` over the pipeline group when there are several, made by every rank; none otherwise), and
     the pipeline's view of the export (None without pipeline stages)."""
     if pipeline_world() == 1:
-        return _linear_quants(stage, arch), kv_cache_quants(stage.model), None
+        return _linear_quants(stage, arch, fmt), kv_cache_quants(stage.model), None
     pipe = PipelineExport(stage, arch.num_layers)
     local, error = {"quants": {}, "kv": []}, None
     try:
-        local = {"quants": _linear_quants(stage, arch), "kv": kv_cache_quants(stage.model, stage.offset)}
+        local = {"quants": _linear_quants(stage, arch, fmt), "kv": kv_cache_quants(stage.model, stage.offset)}
     except ExportError as e:
         error = str(e)
     parts = pipe.agree(local, error)
@@ -438,10 +459,10 @@ def export_megatron(model, out_dir: str | os.PathLike, *, format: str = "compres
         _check_same_arch(get_family(arch.family).arch_from_hf(template), arch, "hf_config")
     lay = _Layout()
     stage = Stage(m)
-    quants, kv_cache, pipe = _stage_quants(stage, arch)
+    quants, kv_cache, pipe = _stage_quants(stage, arch, format)
     return write_hf_checkpoint(
         out_dir, arch=arch, family=get_family(arch.family), fmt=format, linear_quants=quants,
-        groups=_groups(stage, arch, lay, pipe), num_groups=arch.num_layers + 2, dtype=dtype, template=template,
+        groups=_groups(stage, arch, lay, pipe, format), num_groups=arch.num_layers + 2, dtype=dtype, template=template,
         progress=progress, base_model=base_model, kv_cache=kv_cache,
         calibration_tokens=_expert_linear_tokens(calibration_tokens or {}), min_calib_tokens=min_calib_tokens)
 

@@ -223,8 +223,9 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
     etp = parallel_state.get_expert_tensor_parallel_world_size()
     if arch.linear_bias and etp > 1:
         raise ExportError(f"build_megatron_model: expert tensor parallel size {etp} with expert biases "
-                          f"({arch.family}: attention_bias=True) is not supported: Megatron-Core 0.19 keeps expert "
-                          "biases only with expert_tensor_parallel_size=1 (expected 1)")
+                          f"({arch.family}: attention_bias=True) is not supported (layout TP {tp} x EP {ep} x "
+                          f"expert-TP {etp}): Megatron-Core 0.19 keeps expert biases only with "
+                          "expert_tensor_parallel_size=1 (expected 1; Megatron's default is the TP size)")
     sizes = [("vocab_size", tp, arch.vocab_size), ("num_key_value_heads", tp, arch.num_kv_heads),
              ("num_experts", ep, arch.num_experts), ("moe_intermediate_size", etp, arch.moe_ffn_hidden_size),
              ("q_lora_rank", tp, arch.q_lora_rank), ("kv_lora_rank + qk_rope_head_dim", tp,

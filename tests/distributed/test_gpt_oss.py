@@ -10,9 +10,10 @@ One spawn of 4 gloo ranks builds the Megatron model and loads it at TP1 x EP1 an
   clamp and the windows change transformers' logits far beyond that, so both are exercised);
 * ``export_hf(format="hf")`` gives back every tensor of the source bit for bit, and its config;
 * the model has the family's pieces (sinks, biases, the clamped GLU with its +1 offset, the sliding windows, YaRN);
-* expert biases with expert-TP > 1 are refused naming the layout; quantized fused experts are refused at export (no
-  file written); with the experts' quantizers disabled, the FP8 compressed-tensors export (the attention's linears)
-  loads in transformers and gives the Megatron weight-only fake-quant model's logits.
+* expert biases with expert-TP > 1 are refused naming the layout; quantized fused experts are refused at export in
+  compressed-tensors (no file written; their one quantized layout is MXFP4's, ``test_gpt_oss_mxfp4.py``); with the
+  experts' quantizers disabled, the FP8 compressed-tensors export (the attention's linears) loads in transformers and
+  gives the Megatron weight-only fake-quant model's logits.
 """
 
 import json
@@ -160,12 +161,15 @@ def test_a_model_built_with_add_bias_linear_alone_imports(run):
 
 def test_expert_biases_with_expert_tp_are_refused(run):
     assert "expert tensor parallel size 2 with expert biases" in run[1]["etp_error"]
+    assert "(layout TP 1 x EP 2 x expert-TP 2)" in run[1]["etp_error"]
+    assert "expert_tensor_parallel_size=1" in run[1]["etp_error"]
 
 
 def test_quantized_fused_experts_are_refused_at_export(run):
     base, r = run
     assert ("decoder.layers.0.mlp.experts.linear_fc1: quantized experts stored fused as 3-D tensors (gpt_oss) "
-            "cannot be exported yet") in r["fp8_error"]
+            "export only as MXFP4 weights in the published layout (format='hf-mxfp4', got "
+            "format='compressed-tensors'") in r["fp8_error"]
     assert not (base / "out" / "fp8_experts").exists()  # refused before anything is written
 
 
