@@ -159,11 +159,14 @@ class _NVFP4Codec(ExportCodec):
                 "strategy": "tensor_group", "dynamic": "local" if inputs else False,
                 "scale_dtype": "torch.float8_e4m3fn"}
 
-    def encode(self, module, weight, weight_amax, input_amax, scheme, file_format) -> dict[str, torch.Tensor]:
+    def encode(self, module, weight, weight_amax, input_amax, scheme, file_format,
+               static_blocks: tuple[torch.Tensor, float] | None = None) -> dict[str, torch.Tensor]:
         if weight.shape[1] % NVFP4_BLOCK_SIZE:
             raise ValueError(f"{module}.weight: NVFP4 needs the input dim to be a multiple of {NVFP4_BLOCK_SIZE}, "
                              f"got shape {tuple(weight.shape)}")
-        packed, block_scale, sg = encode_nvfp4(weight, weight_amax.float().reshape(()), f"{module}.weight")
+        block_amax, scale_max = static_blocks if static_blocks is not None else (None, E4M3_MAX)
+        packed, block_scale, sg = encode_nvfp4(weight, weight_amax.float().reshape(()), f"{module}.weight",
+                                               block_amax, scale_max)
         sg_in = nvfp4_global_scale(input_amax) if input_amax is not None else None
         if file_format == "modelopt":
             out = {f"{module}.weight": packed, f"{module}.weight_scale": block_scale,

@@ -336,6 +336,11 @@ def _linear_quants(m: GPTModel, arch: MoEArch) -> dict[str, LinearQuant]:
             quant = _linear_quant(holder)
             experts = range(arch.num_experts) if param.expert else (None,)
             quants.update({name: quant for E in experts for name in _names(param, L, E)})
+            wq = _quantizer(holder, "weight_quantizer")
+            if wq is not None and wq.is_quantizing and wq.static_block_scales:
+                raise ExportError(f"{where}.weight_quantizer: static NVFP4 block scales (block_sizes.type: static) "
+                                  "are not exported from Megatron models yet (their block amaxes are not gathered "
+                                  "over tensor / expert parallel ranks); export with dynamic block scales")
             for kind in ("weight_quantizer", "input_quantizer"):
                 q = _quantizer(holder, kind)
                 if q is not None and q.is_quantizing and q.needs_amax and not q.is_dynamic and q.amax is None:

@@ -83,6 +83,15 @@ def _is_saved(q: TensorQuantizer) -> bool:
     return q.is_enabled or q.amax is not None
 
 
+def _refuse_static_block_scales(q: TensorQuantizer, name: str) -> None:
+    """Static NVFP4 block amaxes would need their own sharded entries (split with the weight): refused, never
+    dropped. The same answer on every rank (it follows the config)."""
+    if q.static_block_scales:
+        raise NotImplementedError(f"{name}: static NVFP4 block scales (block_sizes.type: static) are not saved in "
+                                  "Megatron distributed checkpoints yet; save with modelopt_moe.checkpoint.save "
+                                  "(one process) or use dynamic block scales")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # dense (tensor-parallel) linears
 
@@ -111,6 +120,7 @@ def parallel_linear_quantizers_sharded_state_dict(module: nn.Module, prefix: str
         q = module._modules.get(kind)
         if not isinstance(q, TensorQuantizer) or not _is_saved(q):
             continue
+        _refuse_static_block_scales(q, f"{prefix}{kind}")
         sharded = channel_is_sharded(q, kind, module.sharded_axis)
         if q.static_block_size is not None:
             # [rows * blocks, 1] interleaves this rank's blocks with the other TP ranks' along the split weight.
@@ -214,6 +224,7 @@ def expert_quantizers_sharded_state_dict(owner: nn.Module, gemm: ExpertGemm, gri
         q: ExpertQuantizer = getattr(gemm.quantizers, kind)
         if not _is_saved(q):
             continue
+        _refuse_static_block_scales(q, f"{prefix}{kind}")
         place = expert_amax_placement(q, kind, gemm, grid, len(offsets))
         if place.channel_split and place.channel_split[1] > 1 and kind == "weight_quantizer" and \
                 gemm.sharded_axis == 0 and getattr(getattr(owner, "config", None), "gated_linear_unit", False):
