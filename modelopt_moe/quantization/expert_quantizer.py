@@ -387,6 +387,11 @@ class ExpertQuantizer(TensorQuantizer):
     # --- state -----------------------------------------------------------------------------------------------------
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        blocks = state_dict.get(prefix + "_block_amax")
+        if blocks is not None:  # static block scales: every layout keeps them here, [N, rows, K // 16]
+            self.block_amax = blocks.float()
+        elif self.block_amax is not None and strict and self.layout == "per_expert":  # the others: nn.Module's
+            missing_keys.append(prefix + "_block_amax")
         key = prefix + "_amax"
         if self.layout == "per_expert":
             return  # the views load their rows, under their own keys

@@ -1,0 +1,110 @@
+"""Static NVFP4 block scales on a Megatron MoE GPT split over ranks (4 gloo ranks, one spawn): the FP8 scale sweep
+at TP=2 x EP=2, saved with ``save_sharded_checkpoint`` and loaded at TP=1 x EP=1 and TP=1 x EP=4 into a model of other
+weights, gives every block amax (dense linears split over TP, every expert by its global index) bit for bit as the
+sweep on one TP=1 x EP=1 model, and the same logits; for SequentialMLP and grouped experts."""
+
+import os
+
+import torch
+from limits import seconds  # noqa: E402
+
+from modelopt_moe.launch import spawn
+
+KINDS = ("sequential", "grouped")
+LOADS = ((1, 1), (1, 4))
+CONFIG = {"quant_cfg": [{"quantizer_name": "*", "enable": False},
+                        {"quantizer_name": "*weight_quantizer", "cfg": {
+                            "num_bits": (2, 1), "block_sizes": {-1: 16, "type": "static", "scale_bits": (4, 3)}}}],
+          "algorithm": {"method": "mse", "fp8_scale_sweep": True}, "weight_amax_update": "static"}
+
+
+def _block_amaxes(model, mm) -> dict:
+    """Every block amax of this rank, layout-free: dense ones whole (gathered over TP on their split axis), expert
+    ones by (name, global expert)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from modelopt_moe.quantization import ExpertQuantizer, named_quantizers
+
+    layout = mm.parallel_layout()
+    tp = parallel_state.get_tensor_model_parallel_group()
+    tp_size = dist.get_world_size(tp)
+    out = {}
+    for name, q, module in named_quantizers(model):
+        if not name.endswith("weight_quantizer") or q.block_amax is None:
+            continue
+        if isinstance(q, ExpertQuantizer):
+            for i in range(q.num_experts):
+                out[(name, layout["ep_rank"] * q.num_experts + i)] = q.block_amax[i].clone()
+            continue
+        parts = [torch.empty_like(q.block_amax) for _ in range(tp_size)]
+        dist.all_gather(parts, q.block_amax.contiguous(), group=tp)
+        out[name] = torch.cat(parts, dim=module.sharded_axis)
+    return out
+
+
+def _union(local: dict) -> dict:
+    import torch.distributed as dist
+
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    out = {}
+    for part in parts:
+        for k, v in part.items():
+            assert k not in out or torch.equal(out[k], v), f"ranks disagree on {k}"
+            out[k] = v
+    return out
+
+
+def _worker(rank, world_size, root):
+    import megatron_harness.models as mm
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.plugins import megatron as mc
+
+    calib, batch = mm.text_batches(2, 32, 2)[0], mm.text_batches(2, 32, 1, offset=7)[0]
+    results = {}
+    for kind in KINDS:
+        mm.init_model_parallel(1, 1, seed=1)
+        model = mm.build_moe_gpt(num_experts=4, seed=3, experts=kind).eval()
+        maxed = mm.build_moe_gpt(num_experts=4, seed=3, experts=kind).eval()
+        mtq.quantize(model, CONFIG, lambda m: mm.lm_loss(m, calib))
+        mtq.quantize(maxed, {**CONFIG, "algorithm": "max"}, lambda m: mm.lm_loss(m, calib))
+        with torch.no_grad():
+            results[(kind, "one rank")] = (_union(_block_amaxes(model, mm)), mm.gather_logits(model, batch))
+        results[(kind, "max")] = (_union(_block_amaxes(maxed, mm)), None)
+        mm.destroy_model_parallel()
+
+        mm.init_model_parallel(2, 2, seed=1)
+        model = mm.build_moe_gpt(num_experts=4, seed=3, experts=kind).eval()
+        mtq.quantize(model, CONFIG, lambda m: mm.lm_loss(m, calib))
+        results[(kind, "tp2ep2")] = (_union(_block_amaxes(model, mm)), None)
+        mc.save_sharded_checkpoint([model], os.path.join(root, kind))
+        mm.destroy_model_parallel()
+
+        for tp, ep in LOADS:
+            mm.init_model_parallel(tp, ep, seed=1)
+            fresh = mm.build_moe_gpt(num_experts=4, seed=11, experts=kind).eval()
+            mc.load_sharded_checkpoint([fresh], os.path.join(root, kind))
+            with torch.no_grad():
+                results[(kind, tp, ep)] = (_union(_block_amaxes(fresh, mm)), mm.gather_logits(fresh, batch))
+            mm.destroy_model_parallel()
+    return results
+
+
+def test_swept_block_scales_are_the_same_at_every_layout_and_reshard_bit_exact(tmp_path):
+    results = spawn(_worker, 4, args=(str(tmp_path),), timeout=seconds(900))[0]
+    for kind in KINDS:
+        one, logits = results[(kind, "one rank")]
+        assert len([k for k in one if isinstance(k, tuple)]) == 2 * 2 * 4, sorted(one, key=str)  # layers x GEMMs x E
+        assert any(isinstance(k, str) and "linear_proj" in k for k in one)  # a row-parallel dense linear
+        maxed = results[(kind, "max")][0]
+        assert any(not torch.equal(one[k], maxed[k]) for k in one)  # the sweep moved block amaxes
+        for label in ("tp2ep2", *LOADS):
+            got, got_logits = results[(kind, *label)] if isinstance(label, tuple) else results[(kind, label)]
+            assert sorted(got, key=str) == sorted(one, key=str), (kind, label)
+            for key in one:
+                assert torch.equal(got[key], one[key]), (kind, label, key)
+            if got_logits is not None:
+                assert torch.equal(got_logits, logits) if label == (1, 1) else torch.allclose(
+                    got_logits, logits, rtol=0, atol=1e-4), (kind, label)
