@@ -1,7 +1,9 @@
 """Static NVFP4 block scales on a Megatron MoE GPT split over ranks (4 gloo ranks, one spawn): the FP8 scale sweep
 at TP=2 x EP=2, saved with ``save_sharded_checkpoint`` and loaded at TP=1 x EP=1 and TP=1 x EP=4 into a model of other
 weights, gives every block amax (dense linears split over TP, every expert by its global index) bit for bit as the
-sweep on one TP=1 x EP=1 model, and the same logits; for SequentialMLP and grouped experts."""
+sweep on one TP=1 x EP=1 model, and the same logits; ``export_hf`` at TP=2 x EP=2 writes the same files as at TP=1 x
+EP=1, whose every exported weight row is a row of the fake-quantized weights (and some are not rows of dynamic
+NVFP4's); for SequentialMLP and grouped experts."""
 
 import os
 
@@ -56,35 +58,96 @@ def _union(local: dict) -> dict:
     return out
 
 
+def _fake_quant_rows(model, dynamic: bool = False) -> set:
+    """The bytes of every row of every fake-quantized weight (with dynamic NVFP4 block scales instead: the
+    weights' own block max)."""
+    from modelopt_moe.numerics import fake_quant
+    from modelopt_moe.quantization import ExpertQuantizer, named_quantizers
+    from modelopt_moe.quantization.weight_operands import weight_operands
+
+    rows = set()
+    owners = {id(module) for _, _, module in named_quantizers(model)}
+    for module in model.modules():
+        if id(module) not in owners:
+            continue
+        for _, q, weights in weight_operands(module):
+            if not q.is_enabled:
+                continue
+            for i, w in enumerate(weights):
+                with torch.no_grad():
+                    if dynamic:
+                        amax = q.row_of(q.amax, i) if isinstance(q, ExpertQuantizer) else q.amax
+                        fq = fake_quant(w.float(), "nvfp4", amax)
+                    else:
+                        fq = q.fake_quant_expert(i, w.float()) if isinstance(q, ExpertQuantizer) else q(w.float())
+                rows.update(r.numpy().tobytes() for r in fq)
+    return rows
+
+
+def _exported_rows(path) -> tuple[dict, list]:
+    """The exported tensors, and every row of every NVFP4 weight decoded with its stored scales."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    from modelopt_moe.export.codecs import decode_nvfp4_modelopt
+
+    tensors = {}
+    for file in sorted(glob.glob(f"{path}/*.safetensors")):
+        tensors.update(load_file(file))
+    rows = []
+    for name, t in tensors.items():
+        if name.endswith(".weight_scale_2"):
+            module = name[: -len(".weight_scale_2")]
+            w = decode_nvfp4_modelopt(tensors[module + ".weight"], tensors[module + ".weight_scale"], t,
+                                      torch.float32)
+            rows += [r.numpy().tobytes() for r in w]
+    return tensors, rows
+
+
+def _build(mm, kind: str, seed: int):
+    import torch.nn.functional as F
+
+    return mm.build_moe_gpt(num_layers=2, hidden=64, ffn_hidden=32, num_experts=4, vocab_size=128, seq_len=16,
+                            experts=kind, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                            seed=seed).eval()
+
+
 def _worker(rank, world_size, root):
     import megatron_harness.models as mm
 
     import modelopt_moe.quantization as mtq
+    from modelopt_moe.export import export_hf
     from modelopt_moe.plugins import megatron as mc
 
-    calib, batch = mm.text_batches(2, 32, 2)[0], mm.text_batches(2, 32, 1, offset=7)[0]
+    batches = mm.text_batches(2, 16, 3, vocab_size=128)
+    calib, batch = batches[0], batches[2]
     results = {}
     for kind in KINDS:
         mm.init_model_parallel(1, 1, seed=1)
-        model = mm.build_moe_gpt(num_experts=4, seed=3, experts=kind).eval()
-        maxed = mm.build_moe_gpt(num_experts=4, seed=3, experts=kind).eval()
+        model = _build(mm, kind, 3)
+        maxed = _build(mm, kind, 3)
         mtq.quantize(model, CONFIG, lambda m: mm.lm_loss(m, calib))
         mtq.quantize(maxed, {**CONFIG, "algorithm": "max"}, lambda m: mm.lm_loss(m, calib))
         with torch.no_grad():
             results[(kind, "one rank")] = (_union(_block_amaxes(model, mm)), mm.gather_logits(model, batch))
         results[(kind, "max")] = (_union(_block_amaxes(maxed, mm)), None)
+        export_hf(model, os.path.join(root, f"{kind}_one_rank"), format="modelopt", progress=False)
+        if rank == 0:
+            results[(kind, "rows")] = (_fake_quant_rows(model), _fake_quant_rows(model, dynamic=True))
         mm.destroy_model_parallel()
 
         mm.init_model_parallel(2, 2, seed=1)
-        model = mm.build_moe_gpt(num_experts=4, seed=3, experts=kind).eval()
+        model = _build(mm, kind, 3)
         mtq.quantize(model, CONFIG, lambda m: mm.lm_loss(m, calib))
         results[(kind, "tp2ep2")] = (_union(_block_amaxes(model, mm)), None)
         mc.save_sharded_checkpoint([model], os.path.join(root, kind))
+        export_hf(model, os.path.join(root, f"{kind}_tp2ep2"), format="modelopt", progress=False)
         mm.destroy_model_parallel()
 
         for tp, ep in LOADS:
             mm.init_model_parallel(tp, ep, seed=1)
-            fresh = mm.build_moe_gpt(num_experts=4, seed=11, experts=kind).eval()
+            fresh = _build(mm, kind, 11)
             mc.load_sharded_checkpoint([fresh], os.path.join(root, kind))
             with torch.no_grad():
                 results[(kind, tp, ep)] = (_union(_block_amaxes(fresh, mm)), mm.gather_logits(fresh, batch))
@@ -92,9 +155,18 @@ def _worker(rank, world_size, root):
     return results
 
 
-def test_swept_block_scales_are_the_same_at_every_layout_and_reshard_bit_exact(tmp_path):
+def test_swept_block_scales_are_the_same_at_every_layout_reshard_and_export_bit_exact(tmp_path):
     results = spawn(_worker, 4, args=(str(tmp_path),), timeout=seconds(900))[0]
     for kind in KINDS:
+        one_files, rows = _exported_rows(tmp_path / f"{kind}_one_rank")
+        split_files, _ = _exported_rows(tmp_path / f"{kind}_tp2ep2")
+        assert sorted(split_files) == sorted(one_files)
+        for name, t in one_files.items():
+            assert torch.equal(split_files[name], t), (kind, name)
+        static_rows, dynamic_rows = results[(kind, "rows")]
+        assert len(rows) > 2 * 4 * 3 * 32  # every expert's gate, up and down projection, and attention
+        assert all(r in static_rows for r in rows), kind
+        assert any(r not in dynamic_rows for r in rows), kind
         one, logits = results[(kind, "one rank")]
         assert len([k for k in one if isinstance(k, tuple)]) == 2 * 2 * 4, sorted(one, key=str)  # layers x GEMMs x E
         assert any(isinstance(k, str) and "linear_proj" in k for k in one)  # a row-parallel dense linear
