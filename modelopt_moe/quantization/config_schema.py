@@ -643,13 +643,11 @@ class QuantizeConfig(_Strict):
                              "static or learned")
         static_blocks = [e.quantizer_name for e in self.quant_cfg if e.cfg is not None and e.cfg.enable
                          and e.cfg.static_block_scales]
-        if static_blocks and self.weight_amax_update != "static":
+        if static_blocks and self.weight_amax_update == "dynamic":
             raise ValueError(f"quant_cfg {static_blocks[0]!r}: static NVFP4 block scales (block_sizes.type: static) "
-                             f"with weight_amax_update={self.weight_amax_update}: "
-                             + ("a dynamic update recomputes the second-level amax from the weights under block "
-                                "scales calibrated for the old one" if self.weight_amax_update == "dynamic" else
-                                "learned block scales are not implemented")
-                             + "; set weight_amax_update: static")
+                             "with weight_amax_update=dynamic, which recomputes the second-level amax from the "
+                             "weights under block scales calibrated for the old one; set weight_amax_update to "
+                             "static or learned")
         hp = sorted({"dgrad", "wgrad"} & set(self.autoswitch.gemms)) if self.autoswitch else []
         if hp and self.backward.mode == "high_precision":
             raise ValueError(f"autoswitch.gemms includes {hp} but backward.mode=high_precision already runs dgrad "

@@ -253,8 +253,9 @@ class ExpertQuantizer(TensorQuantizer):
         blocks = self.block_amax_of(x)
         old = self.block_amax
         if old is None:
-            old = torch.zeros((self.num_experts, *blocks.shape), dtype=torch.float32, device=blocks.device)
-            self._buffers["_block_amax"] = old
+            self._put_block_amax(torch.zeros((self.num_experts, *blocks.shape), dtype=torch.float32,
+                                             device=blocks.device))
+            old = self.block_amax
         if tuple(old.shape[1:]) != tuple(blocks.shape):
             raise ValueError(f"ExpertQuantizer({self.fmt}, static block scales): expert {index}'s tensor of shape "
                              f"{tuple(x.shape)} does not fit the block amaxes {tuple(old.shape)}; static block "

@@ -22,6 +22,7 @@ scales), a calibration algorithm may choose others (``calib/nvfp4_blocks.py``).
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -93,27 +94,44 @@ class FakeQuantSTE(torch.autograd.Function):
 class StaticBlocksSTE(torch.autograd.Function):
     """Fake quant with static two-level block scales (:meth:`~modelopt_moe.numerics.nvfp4.NVFP4Format.quantize_static`)
     and a straight-through estimator: pass-through, or clipped (zero gradient where ``|x|`` exceeds its block's
-    amax). ``apply(x, amax, block_amax, fmt, scale_max, clipped)``; the amaxes get no gradient."""
+    amax). ``apply(x, amax, block_amax, fmt, scale_max, clipped)``; the per-tensor amax gets no gradient.
+
+    A block amax that requires a gradient (``weight_amax_update: learned``) gets the LSQ-style one of learned amaxes
+    (:mod:`~modelopt_moe.quantization.weight_amax`) per block, straight through the E4M3 rounding of the block scale:
+    ``d q / d a = (q - x * [|x| <= a]) / a`` summed over the block, scaled by ``1 / sqrt(16 * 6)`` (the block's
+    elements times E2M1's bound); zero where ``a`` is 0 or not finite."""
 
     @staticmethod
     def forward(ctx, x, amax, block_amax, fmt, scale_max, clipped):
         """Fake-quantizes ``x`` with its per-tensor and per-block amaxes."""
         spec = get_format(fmt)
-        mask = None
-        if clipped:
-            b = spec.block_length
-            mask = (x.abs().unflatten(-1, (-1, b)) <= block_amax.to(x.device).unsqueeze(-1)).flatten(-2)
-        ctx.save_for_backward(mask if mask is not None else torch.empty(0))
-        ctx.has_mask = mask is not None
-        return spec.fake_quant_static(x, amax, block_amax, scale_max)
+        b = spec.block_length
+        blocks = block_amax.detach().to(x.device)
+        out = spec.fake_quant_static(x, amax, blocks, scale_max)
+        mask = (x.abs().unflatten(-1, (-1, b)) <= blocks.unsqueeze(-1)).flatten(-2) if clipped else None
+        ctx.learn = ctx.needs_input_grad[2]
+        saved = (x, out, blocks) if ctx.learn else ()
+        ctx.save_for_backward(mask if mask is not None else torch.empty(0), *saved)
+        ctx.has_mask, ctx.block, ctx.bound = mask is not None, b, spec.element_max
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        """The gradient of ``x``: unchanged, or zeroed where clipped."""
+        """The gradient of ``x`` (unchanged, or zeroed where clipped) and of a learned block amax."""
+        mask, *saved = ctx.saved_tensors
+        grad_blocks = None
+        if ctx.learn:
+            x, out, blocks = saved
+            xb, qb = x.float().unflatten(-1, (-1, ctx.block)), out.float().unflatten(-1, (-1, ctx.block))
+            a = blocks.float().unsqueeze(-1)
+            d = torch.where(xb.abs() <= a, qb - xb, qb)
+            valid = torch.isfinite(a) & (a > 0)
+            g = (grad.float().unflatten(-1, (-1, ctx.block)) * d / torch.where(valid, a, torch.ones_like(a)))
+            g = torch.where(valid, g, torch.zeros_like(g)).sum(-1) / math.sqrt(ctx.block * ctx.bound)
+            grad_blocks = g.reshape(blocks.shape)
         if ctx.has_mask:
-            (mask,) = ctx.saved_tensors
             grad = grad * mask
-        return grad, None, None, None, None, None
+        return grad, None, grad_blocks, None, None, None
 
 
 class TensorQuantizer(nn.Module):
@@ -216,14 +234,20 @@ class TensorQuantizer(nn.Module):
     def calibration_snapshot(self) -> tuple:
         """What a calibration pass changes (the amax tensor, the switches, its progress), for
         :meth:`restore_calibration_snapshot` after a pass that failed."""
-        return ((self._amax, self._buffers.get("_block_amax")), self.switches(), self._calib_seen,
-                self.__dict__.get("_calib_nonfinite"))
+        blocks = self.block_amax  # a learned one is trained in place: keep its values
+        blocks = (blocks, blocks.detach().clone()) if isinstance(blocks, nn.Parameter) else (blocks, None)
+        return ((self._amax, blocks), self.switches(), self._calib_seen, self.__dict__.get("_calib_nonfinite"))
 
     def restore_calibration_snapshot(self, snapshot: tuple) -> None:
         """Puts back what :meth:`calibration_snapshot` took (the amax tensor, the switches, the pass's progress)."""
-        (amax, block_amax), switches, seen, nonfinite = snapshot
+        (amax, (block_amax, values)), switches, seen, nonfinite = snapshot
         self._amax = amax
-        self._buffers["_block_amax"] = block_amax
+        if values is not None:
+            with torch.no_grad():
+                block_amax.copy_(values)
+            self._parameters["_block_amax"] = block_amax
+        else:
+            self._buffers["_block_amax"] = block_amax
         self.set_switches(**switches)
         self._calib_seen = seen
         self._calib_nonfinite = nonfinite
@@ -336,21 +360,37 @@ class TensorQuantizer(nn.Module):
     def block_amax(self) -> torch.Tensor | None:
         """Static block scales: the ``[..., K // 16]`` amax of every block (None before calibration, or without
         static block scales); setting it copies in place where the shape fits."""
-        return self._buffers.get("_block_amax")
+        learned = self._parameters.get("_block_amax")
+        return learned if learned is not None else self._buffers.get("_block_amax")
 
     @block_amax.setter
     def block_amax(self, value) -> None:
-        old = self._buffers.get("_block_amax")
+        old = self.block_amax
         if value is None:
             self._buffers["_block_amax"] = None
             return
         value = torch.as_tensor(value, dtype=torch.float32)
         if old is not None and old.shape == value.shape:
             with torch.no_grad():
-                old.copy_(value.to(old.device))  # in place: bumps the version caches watch
+                old.copy_(value.to(old.device))  # in place: bumps the version caches watch; an optimizer keeps it
         else:
             device = old.device if old is not None else value.device
-            self._buffers["_block_amax"] = value.detach().clone().to(device)
+            self._put_block_amax(value.detach().clone().to(device))
+
+    @property
+    def learns_block_amax(self) -> bool:
+        """Whether the block amaxes are a trained parameter (static block scales, ``weight_amax_update: learned``)."""
+        return self._parameters.get("_block_amax") is not None
+
+    def _put_block_amax(self, value: torch.Tensor) -> None:
+        """Stores new block amaxes: the buffer, or the learned parameter (Megatron's attributes kept)."""
+        old = self._parameters.get("_block_amax")
+        if old is None:
+            self._buffers["_block_amax"] = value
+            return
+        new = nn.Parameter(value.float(), requires_grad=True)
+        new.__dict__.update(old.__dict__)
+        self._parameters["_block_amax"] = new
 
     def block_amax_of(self, x: torch.Tensor) -> torch.Tensor:
         """Static block scales: the max of ``|x|`` over each block of the last dim, ``[..., K // 16]`` (NaN
@@ -474,10 +514,13 @@ class TensorQuantizer(nn.Module):
         """Whether the amax is a trained parameter (``weight_amax_update: learned``)."""
         return self._parameters.get("_amax") is not None
 
-    def set_amax_update(self, mode: str) -> None:
+    def set_amax_update(self, mode: str, block_shape: tuple[int, ...] | None = None) -> None:
         """How the amax follows the tensor while training: ``static`` (calibrated once), ``dynamic`` (recomputed from
         the current weights at every re-quantization) or ``learned`` (the amax becomes the parameter ``_amax``,
         trained with an LSQ-style gradient; per-tensor amax only). Set by ``mtq.quantize`` for weight quantizers.
+
+        With static block scales, ``learned`` trains the block amaxes (the parameter ``_block_amax``, of shape
+        ``block_shape`` until calibrated) and keeps the per-tensor amax static, as Model Optimizer's LSQ does.
 
         Raises:
             ValueError: an unknown mode, or ``learned`` for a per-channel amax.
@@ -485,6 +528,8 @@ class TensorQuantizer(nn.Module):
         if mode not in WEIGHT_AMAX_UPDATES:
             raise ValueError(f"{type(self).__name__}: amax update {mode!r}; expected one of {WEIGHT_AMAX_UPDATES}")
         learn = mode == "learned" and self._enabled and self.needs_amax
+        self._set_block_learning(learn and self.static_block_scales, block_shape)
+        learn = learn and not self.static_block_scales
         if learn and self.axis is not None:
             raise ValueError(f"{type(self).__name__}: weight_amax_update=learned trains a per-tensor (per-expert) "
                              f"amax; this quantizer has a per-channel amax (axis={self.axis})")
@@ -498,6 +543,19 @@ class TensorQuantizer(nn.Module):
             self._buffers["_amax"] = None if value is None else value.detach().clone()
         self.amax_update = mode
 
+    def _set_block_learning(self, learn: bool, block_shape: tuple[int, ...] | None) -> None:
+        if learn and not self.learns_block_amax:
+            value = self.block_amax
+            if value is None and block_shape is None:
+                raise ValueError(f"{type(self).__name__}: learned static block scales need the block amaxes' shape "
+                                 "(calibrate first, or give block_shape)")
+            value = value.detach().float().clone() if value is not None else torch.zeros(block_shape)
+            self._buffers.pop("_block_amax", None)
+            self._parameters["_block_amax"] = nn.Parameter(value, requires_grad=True)
+        elif not learn and self.learns_block_amax:
+            value = self._parameters.pop("_block_amax")
+            self._buffers["_block_amax"] = value.detach().clone()
+
     @property
     def amax_shape(self) -> tuple[int, ...] | None:
         """The amax's shape: ``()`` per tensor; per channel only once calibrated (None before)."""
@@ -508,7 +566,11 @@ class TensorQuantizer(nn.Module):
     def reset_amax(self) -> None:
         """Forgets the amax before a new calibration; a learned amax is zeroed in place (an optimizer may hold it)."""
         self._calib_nonfinite = None
-        self._buffers["_block_amax"] = None
+        if self.learns_block_amax:  # keep the parameter (an optimizer may hold it); calibration fills it in place
+            with torch.no_grad():
+                self._parameters["_block_amax"].zero_()
+        else:
+            self._buffers["_block_amax"] = None
         if self.learns_amax:  # keep the parameter object (an optimizer may hold it); max calibration starts at 0
             with torch.no_grad():
                 self._amax.zero_()
@@ -656,12 +718,15 @@ class TensorQuantizer(nn.Module):
         """Moves the amax with the module but keeps it fp32: ``model.bfloat16()`` (Megatron's ``Float16Module``
         does it) would otherwise round every calibrated amax to bf16."""
         amax = self._amax.data if self._amax is not None else None  # .data: a parameter is converted in place
-        block_amax = self.block_amax
+        block_amax = self.block_amax.data if self.block_amax is not None else None
         super()._apply(fn, recurse)
         new_blocks = self.block_amax
         if block_amax is not None and new_blocks is not None and new_blocks.dtype != torch.float32:
-            self._buffers["_block_amax"] = (new_blocks.float() if block_amax.is_meta
-                                            else block_amax.to(new_blocks.device))
+            kept = new_blocks.float() if block_amax.is_meta else block_amax.to(new_blocks.device)
+            if self.learns_block_amax:
+                new_blocks.data = kept
+            else:
+                self._buffers["_block_amax"] = kept
         if amax is not None and self._amax is not None and self._amax.dtype != torch.float32:
             kept = self._amax.float() if amax.is_meta else amax.to(self._amax.device)
             if self.learns_amax:
@@ -675,7 +740,7 @@ class TensorQuantizer(nn.Module):
         blocks = state_dict.get(prefix + "_block_amax")
         if blocks is not None and (self.block_amax is None or self.block_amax.shape != blocks.shape):
             device = self.block_amax.device if self.block_amax is not None else blocks.device
-            self._buffers["_block_amax"] = torch.empty(blocks.shape, dtype=torch.float32, device=device)
+            self._put_block_amax(torch.empty(blocks.shape, dtype=torch.float32, device=device))
         key = prefix + "_amax"
         if key in state_dict:
             value = state_dict[key]

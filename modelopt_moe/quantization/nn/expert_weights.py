@@ -66,7 +66,7 @@ def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], ker
     mode = q.mode
     if mode is QuantMode.OFF:
         return (weights, None) if with_stats else weights
-    if not mode.settled:
+    if not mode.settled or q.learns_block_amax:  # learned block scales: each expert's gradient, expert by expert
         out = q.forward_experts(weights)
         return (out, _weight_sums(weights, out) if q.is_quantizing else None) if with_stats else out
     device = weights[0].device

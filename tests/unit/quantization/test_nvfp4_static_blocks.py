@@ -1,7 +1,8 @@
 """Static NVFP4 block scales (``block_sizes.type: static``) through ``mtq.quantize``: max calibration gives dynamic
 NVFP4's bits, the FP8 scale sweep (``mse`` with ``fp8_scale_sweep``) and the 4-over-6 rule choose each block's
 scale as a brute-force reference does (dense and every expert layout, a distinct magnitude per expert), the state
-dict carries the block amaxes, the export writes exactly the block scales the fake quant used, and what is refused."""
+dict carries the block amaxes, the export writes exactly the block scales the fake quant used, ``weight_amax_update:
+learned`` trains them from the searched values with the LSQ-style gradient, and what is refused."""
 
 import copy
 import warnings
@@ -167,8 +168,6 @@ def test_export_writes_the_block_scales_the_fake_quant_used_and_decodes_to_its_w
 def test_configs_refuse_what_static_block_scales_cannot_do():
     with pytest.raises(ConfigError, match="weight_amax_update=dynamic"):
         to_config({**static_cfg("max"), "weight_amax_update": "dynamic"})
-    with pytest.raises(ConfigError, match="learned block scales are not implemented"):
-        to_config({**static_cfg("max"), "weight_amax_update": "learned"})
     with pytest.raises(ConfigError, match="four_over_six"):
         to_config({"quant_cfg": [{"quantizer_name": "*weight_quantizer", "cfg": {
             "num_bits": (4, 3), "block_sizes": {-1: 16, "four_over_six": True}}}]})
@@ -180,3 +179,52 @@ def test_configs_refuse_what_static_block_scales_cannot_do():
     config["quant_cfg"][1]["quantizer_name"] = "*quantizer"
     with pytest.raises(ValueError, match=r"0\.input_quantizer has static block scales"):
         quantize(model, config, lambda m: m(torch.randn(4, 64)))
+
+
+def lsq_block_grad(w: torch.Tensor, wq: torch.Tensor, grad: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The learned block amax's gradient by its formula: ``sum (q - w * [|w| <= a]) / a * g / sqrt(16 * 6)``."""
+    wb, qb, gb = (t.float().unflatten(-1, (-1, 16)) for t in (w, wq, grad))
+    a = blocks.unsqueeze(-1)
+    d = torch.where(wb.abs() <= a, qb - wb, qb)
+    return (gb * d / a).sum(-1) / (16 * 6) ** 0.5
+
+
+@pytest.mark.parametrize("layout", [None, "vectorized", "per_expert"])
+def test_learned_block_scales_start_from_the_sweep_and_train_with_the_lsq_gradient(layout):
+    data = torch.randn(6, 64)
+    if layout is None:
+        model, static = dense(), dense()
+        loop, extra = (lambda m: m(data)), {}
+    else:
+        model, static = experts_model(), experts_model()
+        loop, extra = (lambda m: m(data, [2, 2, 2])), {"experts": {"weight_amax": layout}}
+    quantize(model, {**static_cfg(SWEEP, **extra), "weight_amax_update": "learned"}, loop)
+    quantize(static, static_cfg(SWEEP, **extra), loop)
+    q = model[0].weight_quantizer if layout is None else model.weight_quantizer
+    qs = static[0].weight_quantizer if layout is None else static.weight_quantizer
+    assert isinstance(q.block_amax, nn.Parameter)
+    assert not q.learns_amax  # the second-level amax stays static
+    assert torch.equal(q.block_amax.detach(), qs.block_amax)
+    assert any(p is q.block_amax for p in model.parameters())
+    out = loop(model)
+    assert torch.equal(out, loop(static))  # the same forward as the static block scales
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    weights = [model[0].weight] if layout is None else list(model.expert_weights())
+    assert q.block_amax.grad is not None
+    for i, w in enumerate(weights):
+        w = w.detach()
+        blocks = q.block_amax.detach() if layout is None else q.block_amax.detach()[i]
+        with torch.no_grad():
+            wq = q(w) if layout is None else q.fake_quant_expert(i, w)
+        # the weight operand's incoming gradient, through the linear: x^T g (per expert's rows of the batch)
+        rows = slice(None) if layout is None else slice(2 * i, 2 * i + 2)
+        grad_w = g[rows].t() @ data[rows]
+        expected = lsq_block_grad(w, wq, grad_w, blocks)
+        got = q.block_amax.grad if layout is None else q.block_amax.grad[i]
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-7), (i, (got - expected).abs().max())
+    before = q.block_amax.detach().clone()
+    lr = 0.5 * float(before.max() / q.block_amax.grad.abs().max())  # a step that moves some block scale
+    torch.optim.SGD([q.block_amax], lr=lr).step()
+    assert not torch.equal(q.block_amax.detach(), before)
+    assert not torch.equal(loop(model), loop(static))  # the next forward uses the trained block scales
