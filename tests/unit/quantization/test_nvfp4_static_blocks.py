@@ -228,3 +228,28 @@ def test_learned_block_scales_start_from_the_sweep_and_train_with_the_lsq_gradie
     torch.optim.SGD([q.block_amax], lr=lr).step()
     assert not torch.equal(q.block_amax.detach(), before)
     assert not torch.equal(loop(model), loop(static))  # the next forward uses the trained block scales
+
+
+@pytest.mark.parametrize("update", ["static", "learned"])
+@pytest.mark.parametrize("layout", [None, "vectorized", "per_expert"])
+def test_save_and_restore_carry_the_block_amaxes_in_every_expert_layout(tmp_path, layout, update):
+    from modelopt_moe.checkpoint import restore, save
+
+    data = torch.randn(6, 64)
+    build = dense if layout is None else experts_model
+    loop = (lambda m: m(data)) if layout is None else (lambda m: m(data, [2, 2, 2]))
+    extra = {} if layout is None else {"experts": {"weight_amax": layout}}
+    model = build()
+    quantize(model, {**static_cfg(SWEEP, **extra), "weight_amax_update": update}, loop)
+    save(model, tmp_path / "ckpt.pt")
+    torch.manual_seed(5)
+    fresh = build()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(2.0)  # other weights: the checkpoint's must come back
+    restore(fresh, tmp_path / "ckpt.pt")
+    q = model[0].weight_quantizer if layout is None else model.weight_quantizer
+    r = fresh[0].weight_quantizer if layout is None else fresh.weight_quantizer
+    assert torch.equal(r.block_amax.detach(), q.block_amax.detach())
+    assert r.learns_block_amax == (update == "learned")
+    assert torch.equal(loop(fresh), loop(model))
