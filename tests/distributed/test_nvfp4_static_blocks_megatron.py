@@ -3,7 +3,8 @@ at TP=2 x EP=2, saved with ``save_sharded_checkpoint`` and loaded at TP=1 x EP=1
 weights, gives every block amax (dense linears split over TP, every expert by its global index) bit for bit as the
 sweep on one TP=1 x EP=1 model, and the same logits; ``export_hf`` at TP=2 x EP=2 writes the same files as at TP=1 x
 EP=1, whose every exported weight row is a row of the fake-quantized weights (and some are not rows of dynamic
-NVFP4's); for SequentialMLP and grouped experts."""
+NVFP4's); for SequentialMLP and grouped experts. With ``weight_amax_update: learned`` Megatron's training (bf16,
+distributed optimizer) trains every block amax, kept fp32, and a checkpoint carries the trained values."""
 
 import os
 
@@ -113,6 +114,38 @@ def _build(mm, kind: str, seed: int):
                             seed=seed).eval()
 
 
+def _learned(mm, root) -> dict:
+    """TP=2 x EP=2: learned block scales through Megatron's optimizer, then a checkpoint of the trained model."""
+    import warnings
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.plugins import megatron as mc
+    from modelopt_moe.plugins.megatron import training as mt
+
+    mm.init_model_parallel(2, 2, seed=1)
+    model = mm.build_moe_gpt(num_experts=4, seed=3, experts="grouped", params_dtype=torch.bfloat16).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(model, {**CONFIG, "weight_amax_update": "learned"},
+                     lambda m: mm.lm_loss(m, mm.text_batches(2, 32, 1)[0]))
+    blocks = {n: p for n, p in model.named_parameters() if n.endswith("_block_amax")}
+    before = {n: p.detach().clone() for n, p in blocks.items()}
+    trainer = mt.setup_training(model.train(), lr=1e-2)
+    mt.train(trainer, mm.text_batches(2, 32, 4, offset=100), steps=2, num_microbatches=2)
+    out = {"names": sorted(blocks), "changed": sum(not torch.equal(p.detach(), before[n]) for n, p in blocks.items()),
+           "dtype": {str(p.dtype) for p in blocks.values()}, "trained": _union(_block_amaxes(model, mm))}
+    mc.save_sharded_checkpoint([model], os.path.join(root, "learned"))
+    mm.destroy_model_parallel()
+    mm.init_model_parallel(1, 1, seed=1)
+    fresh = mm.build_moe_gpt(num_experts=4, seed=11, experts="grouped", params_dtype=torch.bfloat16).eval()
+    mc.load_sharded_checkpoint([fresh], os.path.join(root, "learned"))
+    out["loaded"] = _union(_block_amaxes(fresh, mm))
+    out["loaded_learns"] = all(q.learns_block_amax for n, q, _ in mtq.named_quantizers(fresh)
+                               if n.endswith("weight_quantizer") and q.is_enabled)
+    mm.destroy_model_parallel()
+    return out
+
+
 def _worker(rank, world_size, root):
     import megatron_harness.models as mm
 
@@ -180,3 +213,24 @@ def test_swept_block_scales_are_the_same_at_every_layout_reshard_and_export_bit_
             if got_logits is not None:
                 assert torch.equal(got_logits, logits) if label == (1, 1) else torch.allclose(
                     got_logits, logits, rtol=0, atol=1e-4), (kind, label)
+
+
+def test_learned_block_scales_train_in_megatron_and_checkpoint_their_trained_values(tmp_path_factory):
+    root = tmp_path_factory.mktemp("learned_blocks")
+    ranks = spawn(_learned_worker, 4, args=(str(root),), timeout=seconds(900))
+    for r in ranks:
+        assert r["names"]
+        assert all(n.endswith("weight_quantizer._block_amax") for n in r["names"])
+        assert r["changed"] == len(r["names"])  # every block amax parameter trained
+        assert r["dtype"] == {"torch.float32"}  # kept fp32 inside Float16Module
+        assert r["loaded_learns"]
+    trained, loaded = ranks[0]["trained"], ranks[0]["loaded"]
+    assert sorted(loaded, key=str) == sorted(trained, key=str)
+    for key, value in trained.items():
+        assert torch.equal(loaded[key], value), key
+
+
+def _learned_worker(rank, world_size, root):
+    import megatron_harness.models as mm
+
+    return _learned(mm, root)
