@@ -117,12 +117,14 @@ class MseCalibrator(Calibrator):
         (one collective per group name, the same on every rank), then the amax of the least error."""
         multipliers = mse_multipliers(self.config)
         statistics = []
+        swept = 0
         for module in model.modules():
             if not is_quantized(module):
                 continue
             for rel, q, weights in module.weights_to_calibrate():
                 if searchable_blocks(q):
                     _search_blocks(q, weights, self.config, multipliers)
+                    swept += 1
                     continue
                 if self.config.fp8_scale_sweep or not searchable(q):
                     continue
@@ -142,3 +144,6 @@ class MseCalibrator(Calibrator):
 
                 statistics.append(Statistic(losses, "sum", module.amax_reduction(rel), store))
         reduce_statistics(statistics, groups)
+        if self.config.fp8_scale_sweep and not swept:
+            warn_once("calibrate(mse, fp8_scale_sweep): no weight quantizer has static NVFP4 block scales "
+                      "(block_sizes.type: static), so nothing was searched; every weight keeps its max calibration")

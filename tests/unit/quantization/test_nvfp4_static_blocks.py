@@ -253,3 +253,11 @@ def test_save_and_restore_carry_the_block_amaxes_in_every_expert_layout(tmp_path
     assert torch.equal(r.block_amax.detach(), q.block_amax.detach())
     assert r.learns_block_amax == (update == "learned")
     assert torch.equal(loop(fresh), loop(model))
+
+
+def test_a_sweep_without_static_block_scales_warns_that_it_searched_nothing():
+    model = dense()
+    config = static_cfg(SWEEP)
+    config["quant_cfg"][1]["cfg"]["block_sizes"]["type"] = "dynamic"
+    with pytest.warns(UserWarning, match="no weight quantizer has static NVFP4 block scales"):
+        mtq.quantize(model, config, lambda m: m(torch.randn(4, 64)))
