@@ -35,6 +35,7 @@ from ...numerics import fake_quant, get_format, quant_error_sums
 from ..expert_quantizer import ExpertQuantizer
 from ..quant_mode import QuantMode
 from ..tensor_quantizer import clip_mask
+from ..utils import warn_once
 from ..weight_amax import LearnedAmaxSTE, learned_amax_ste, refresh_weight_amax
 from ..weight_reuse import in_reuse_scope, reused_or_computed, weight_key
 from .experts import use_kernels
@@ -72,6 +73,9 @@ def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], ker
     device = weights[0].device
     # Static block scales have no kernel yet: the reference, expert by expert.
     fast = use_kernels(kernel, device) and q.block_amax is None
+    if kernel == "triton" and q.block_amax is not None:
+        warn_once("kernel=triton: static NVFP4 block scales have no Triton kernel yet; their expert weights are "
+                  "fake-quantized by the torch reference (the same numbers)")
     untracked = owner is None or _traced(device)
     if untracked and mode is QuantMode.STATIC and not with_stats:
         return _static_ste(q, weights, fast)

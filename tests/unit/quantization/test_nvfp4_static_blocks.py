@@ -261,3 +261,14 @@ def test_a_sweep_without_static_block_scales_warns_that_it_searched_nothing():
     config["quant_cfg"][1]["cfg"]["block_sizes"]["type"] = "dynamic"
     with pytest.warns(UserWarning, match="no weight quantizer has static NVFP4 block scales"):
         mtq.quantize(model, config, lambda m: m(torch.randn(4, 64)))
+
+
+def test_kernel_triton_warns_that_static_block_scales_run_on_the_reference():
+    experts = experts_model()
+    data = torch.randn(6, 64)
+    reference = copy.deepcopy(experts)
+    quantize(reference, static_cfg(SWEEP, kernel="torch"), lambda m: m(data, [2, 2, 2]))
+    quantize(experts, static_cfg(SWEEP, kernel="triton"), lambda m: m(data, [2, 2, 2]))
+    with pytest.warns(UserWarning, match="static NVFP4 block scales have no Triton kernel yet"):
+        out = experts(data, [2, 2, 2])
+    assert torch.equal(out, reference(data, [2, 2, 2]))
