@@ -50,6 +50,8 @@ INT4_BLOCKWISE_WEIGHT_ONLY_CFG = load_config(preset_path("int4_blockwise_weight_
 FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG = load_config(preset_path("fp8_block_weight_only.yaml")).model_dump()
 FP8_BLOCKWISE_W8A8_CFG = load_config(preset_path("fp8_block_w8a8.yaml")).model_dump()
 NVFP4_EXPERTS_FP8_CFG = load_config(preset_path("nvfp4_experts_fp8.yaml")).model_dump()
+NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG = load_config(preset_path("nvfp4_w4a4_weight_mse_fp8_sweep.yaml")).model_dump()
+NVFP4_FOUR_OVER_SIX_CFG = load_config(preset_path("nvfp4_four_over_six.yaml")).model_dump()
 # KV-cache presets, Model Optimizer's shape: rules only, to append to a model preset's quant_cfg.
 FP8_KV_CFG = {"quant_cfg": load_config(preset_path("fp8_kv.yaml")).model_dump()["quant_cfg"]}
 NVFP4_KV_CFG = {"quant_cfg": load_config(preset_path("nvfp4_kv.yaml")).model_dump()["quant_cfg"]}
@@ -65,5 +67,7 @@ __all__ = [
     "MXFP4_DEFAULT_CFG", "MXFP8_DEFAULT_CFG",
     "INT8_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "FP8_BLOCKWISE_W8A8_CFG",
     "NVFP4_EXPERTS_FP8_CFG",
+    "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG",
+    "NVFP4_FOUR_OVER_SIX_CFG",
     "FP8_KV_CFG", "NVFP4_KV_CFG",
 ]

@@ -17,6 +17,8 @@ PRESET_FILES = {
     "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG": "fp8_block_weight_only.yaml",
     "FP8_BLOCKWISE_W8A8_CFG": "fp8_block_w8a8.yaml",
     "NVFP4_EXPERTS_FP8_CFG": "nvfp4_experts_fp8.yaml",
+    "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG": "nvfp4_w4a4_weight_mse_fp8_sweep.yaml",
+    "NVFP4_FOUR_OVER_SIX_CFG": "nvfp4_four_over_six.yaml",
     "FP8_KV_CFG": "fp8_kv.yaml",
     "NVFP4_KV_CFG": "nvfp4_kv.yaml",
 }

@@ -272,3 +272,21 @@ def test_kernel_triton_warns_that_static_block_scales_run_on_the_reference():
     with pytest.warns(UserWarning, match="static NVFP4 block scales have no Triton kernel yet"):
         out = experts(data, [2, 2, 2])
     assert torch.equal(out, reference(data, [2, 2, 2]))
+
+
+@pytest.mark.parametrize(("preset", "algorithm", "four_over_six"), [
+    ("NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG", SWEEP, False), ("NVFP4_FOUR_OVER_SIX_CFG", FOUR_OVER_SIX, True)])
+def test_model_optimizers_preset_names_choose_the_same_block_scales(preset, algorithm, four_over_six):
+    x = torch.randn(4, 64)
+    model, weights_only = dense(), dense()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(model, copy.deepcopy(getattr(mtq, preset)), lambda m: m(x))
+    quantize(weights_only, static_cfg(algorithm, four_over_six), lambda m: m(x))
+    q = model[0].weight_quantizer
+    assert q.static_block_scales
+    assert q.cfg.block_scale_max == (256.0 if four_over_six else 448.0)
+    assert torch.equal(q.block_amax, weights_only[0].weight_quantizer.block_amax)
+    assert model[0].input_quantizer.is_enabled  # inputs: NVFP4 with block scales from the data
+    assert not model[0].input_quantizer.static_block_scales
+    assert mtq.load_config(preset).weight_amax_update == "static"
