@@ -5,7 +5,9 @@ bell-shaped (normal, std 0.02, as Megatron initializes) or heavy-tailed (Student
 0.02: a few large weights, as trained weights have), each expert scaled by its own factor, in each weight format and
 scaling, with ``algorithm: max``, ``mse`` (Model Optimizer 0.47's default grid: 0.25 to 4 in 39 steps) and ``mse``
 on a grid that holds 1 (step 0.125); prints the relative squared error ``sum (w - Q(w))**2 / sum w**2`` over all
-experts, as a Markdown table.
+experts, as a Markdown table. A second table compares NVFP4's block scales: from the weights (max calibration),
+static ones chosen by the FP8 scale sweep (``mse`` with ``fp8_scale_sweep``), and the 4-over-6 rule
+(``four_over_six`` with the multiplier grid {1, 1.5}, Model Optimizer's ``nvfp4_four_over_six`` preset).
 
 Usage: ``python tools/calibration_weight_error.py [--seed 0]``
 """
@@ -30,6 +32,13 @@ FORMATS = {"FP8 E4M3 per expert": {"num_bits": (4, 3), "axis": None},
            "NVFP4": {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}}
 ALGORITHMS = {"max": "max", "mse (default grid)": {"method": "mse"},
               "mse (grid with 1)": {"method": "mse", "step_size": 0.125}}
+_STATIC = {-1: 16, "type": "static", "scale_bits": (4, 3)}
+NVFP4_BLOCK_SCALES = {  # column: (weight quantizer, algorithm)
+    "max (block max)": (FORMATS["NVFP4"], "max"),
+    "fp8_scale_sweep": ({"num_bits": (2, 1), "block_sizes": _STATIC}, {"method": "mse", "fp8_scale_sweep": True}),
+    "4-over-6": ({"num_bits": (2, 1), "block_sizes": {**_STATIC, "four_over_six": True}},
+                 {"method": "mse", "start_multiplier": 1.0, "stop_multiplier": 1.5, "step_size": 0.5}),
+}
 
 
 def _student_t(g: torch.Generator, shape, dof: float) -> torch.Tensor:
@@ -50,31 +59,45 @@ def relative_error(experts: GroupedLinear) -> float:
     return num / den
 
 
+def _experts(draw, seed: int) -> GroupedLinear:
+    g = torch.Generator().manual_seed(seed)
+    base = GroupedLinear(num_gemms=8, in_features=512, out_features=256)
+    with torch.no_grad():
+        for i, w in enumerate(base.expert_weights()):
+            w.copy_(draw(g, w.shape) * 0.02 * (1 + i / 4))
+    return base
+
+
+def _error(base: GroupedLinear, wcfg: dict, algorithm) -> str:
+    experts = copy.deepcopy(base)
+    config = {"quant_cfg": [{"quantizer_name": "*", "enable": False},
+                            {"quantizer_name": "*weight_quantizer", "cfg": wcfg}],
+              "algorithm": algorithm, "weight_amax_update": "static"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(experts, config, None)
+    return f"{relative_error(experts):.3e}"
+
+
 def main() -> None:
-    """Prints the table."""
+    """Prints the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     print("| weights | format | " + " | ".join(ALGORITHMS) + " |")
     print("|---|---|" + "---:|" * len(ALGORITHMS))
     for wname, draw in WEIGHTS.items():
-        g = torch.Generator().manual_seed(args.seed)
-        base = GroupedLinear(num_gemms=8, in_features=512, out_features=256)
-        with torch.no_grad():
-            for i, w in enumerate(base.expert_weights()):
-                w.copy_(draw(g, w.shape) * 0.02 * (1 + i / 4))
+        base = _experts(draw, args.seed)
         for fname, wcfg in FORMATS.items():
-            cells = []
-            for algorithm in ALGORITHMS.values():
-                experts = copy.deepcopy(base)
-                config = {"quant_cfg": [{"quantizer_name": "*", "enable": False},
-                                        {"quantizer_name": "*weight_quantizer", "cfg": wcfg}],
-                          "algorithm": algorithm, "weight_amax_update": "static"}
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    mtq.quantize(experts, config, None)
-                cells.append(f"{relative_error(experts):.3e}")
+            cells = [_error(base, wcfg, algorithm) for algorithm in ALGORITHMS.values()]
             print(f"| {wname} | {fname} | " + " | ".join(cells) + " |")
+    print()
+    print("| weights | NVFP4 " + " | NVFP4 ".join(NVFP4_BLOCK_SCALES) + " |")
+    print("|---|" + "---:|" * len(NVFP4_BLOCK_SCALES))
+    for wname, draw in WEIGHTS.items():
+        base = _experts(draw, args.seed)
+        cells = [_error(base, wcfg, algorithm) for wcfg, algorithm in NVFP4_BLOCK_SCALES.values()]
+        print(f"| {wname} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -351,10 +351,11 @@ def _expert_rows_as_views(model: nn.Module, sd: dict, path: Path) -> dict:
 
 def _load_checked(model: nn.Module, sd: dict, strict: bool, path: Path) -> None:
     """``load_state_dict`` once every key and shape is known to fit (torch's own load copies what fits before it
-    reports what does not, which would leave the model half loaded). Quantizers take an ``_amax`` of any shape, also
-    where they hold none yet."""
+    reports what does not, which would leave the model half loaded). Quantizers take an ``_amax`` (and static block
+    scales' ``_block_amax``) of any shape, also where they hold none yet."""
     own = model.state_dict()
-    amax_keys = {f"{name}._amax" for name, m in model.named_modules() if hasattr(type(m), "amax")}
+    amax_keys = {f"{name}.{key}" for name, m in model.named_modules() if hasattr(type(m), "amax")
+                 for key in ("_amax", "_block_amax")}
     missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own) - amax_keys)
     wrong = sorted(f"{k}: the model has {tuple(own[k].shape)}, the checkpoint {tuple(sd[k].shape)}"
                    for k in (own.keys() & sd.keys()) - amax_keys

@@ -57,6 +57,8 @@ class LinearRecord:
     quant: LinearQuant = field(default_factory=LinearQuant)
     weight_amax: torch.Tensor | None = None  # [] per tensor, [out] per channel
     input_amax: torch.Tensor | None = None  # []
+    # Static two-level block scales (NVFP4 block_sizes.type: static): ([out, in // 16] block amaxes, normalization).
+    weight_blocks: tuple[torch.Tensor, float] | None = None
 
 
 @dataclass
@@ -319,7 +321,8 @@ def _write_record(writer: CheckpointWriter, family: Family, rec, schemes: dict, 
     if isinstance(rec, LinearRecord) and scheme is not None:
         if scheme_of(rec.quant, module) != scheme:  # the records must be quantized as the plan (and config) says
             raise ExportError(f"{module}: the adapter gave quantizers {rec.quant}, planned as {scheme.name}")
-        for name, tensor in encode_linear(module, rec.weight, rec.weight_amax, rec.input_amax, scheme, fmt).items():
+        for name, tensor in encode_linear(module, rec.weight, rec.weight_amax, rec.input_amax, scheme, fmt,
+                                         weight_blocks=rec.weight_blocks).items():
             writer.add(name, tensor)
         return
     tensor = rec.weight if isinstance(rec, LinearRecord) else rec.tensor

@@ -218,7 +218,8 @@ def resolve_scheme(linears: dict[str, LinearQuant], fmt: str) -> Scheme | None:
 
 
 def encode_linear(module: str, weight: torch.Tensor, weight_amax: torch.Tensor | None,
-                  input_amax: torch.Tensor | None, scheme: Scheme, fmt: str) -> dict[str, torch.Tensor]:
+                  input_amax: torch.Tensor | None, scheme: Scheme, fmt: str,
+                  weight_blocks: tuple[torch.Tensor, float] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of one quantized linear in format ``fmt`` (see the module docstring for names and values).
 
     Args:
@@ -229,6 +230,8 @@ def encode_linear(module: str, weight: torch.Tensor, weight_amax: torch.Tensor |
             scale).
         scheme: the checkpoint's scheme.
         fmt: ``compressed-tensors`` or ``modelopt``.
+        weight_blocks: static two-level block scales: the ``[out, in // 16]`` block amaxes the training used and
+            their normalization (448, or 256 for 4-over-6); the block scales written are exactly the training's.
 
     Raises:
         ExportError: a missing amax, a NaN weight, or a weight shape the format cannot hold.
@@ -247,7 +250,8 @@ def encode_linear(module: str, weight: torch.Tensor, weight_amax: torch.Tensor |
     weight_amax = weight_amax.detach().cpu() if codec.reads_amax(scheme, False) else None
     input_amax = input_amax.detach().cpu() if codec.reads_amax(scheme, True) else None
     try:
-        tensors = codec.encode(module, weight, weight_amax, input_amax, scheme, fmt)
+        extra = {} if weight_blocks is None else {"static_blocks": (weight_blocks[0].detach().cpu(), weight_blocks[1])}
+        tensors = codec.encode(module, weight, weight_amax, input_amax, scheme, fmt, **extra)
     except ValueError as e:
         if isinstance(e, ExportError):
             raise

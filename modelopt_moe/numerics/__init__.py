@@ -10,6 +10,7 @@ from .formats import (
     E2M1_MAX,
     E4M3_MAX,
     FORMATS,
+    FOUR_OVER_SIX_SCALE_MAX,
     NVFP4_BLOCK_SIZE,
     TINY_AMAX,
     FormatSpec,
@@ -28,7 +29,8 @@ from .registry import format_of, scale_bits_tuple
 from .row_scale import scale_rows, scale_rows_backward
 
 __all__ = [
-    "E2M1_MAX", "E4M3_MAX", "FORMATS", "NVFP4_BLOCK_SIZE", "TINY_AMAX", "FormatSpec", "Quantized", "clip_limit",
+    "E2M1_MAX", "FOUR_OVER_SIX_SCALE_MAX",
+    "E4M3_MAX", "FORMATS", "NVFP4_BLOCK_SIZE", "TINY_AMAX", "FormatSpec", "Quantized", "clip_limit",
     "dequantize", "fake_quant", "format_from_num_bits", "get_format", "quantize", "round_to_e2m1", "safe_amax",
     "STAT_FIELDS", "quant_error_sums", "relative_mse", "underflow_pct", "scale_rows", "scale_rows_backward",
     "ExportCodec", "Format", "KernelRoutine", "KernelSpec", "ScaleLayout", "UnsupportedSetting", "format_of",

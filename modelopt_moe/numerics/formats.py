@@ -23,7 +23,7 @@ from .format import TINY_AMAX, Quantized, clip_limit, safe_amax
 from .format import Format as FormatSpec
 from .fp8 import E4M3_MAX
 from .integer import int_range
-from .nvfp4 import E2M1_MAX, NVFP4_BLOCK_SIZE, round_to_e2m1
+from .nvfp4 import E2M1_MAX, FOUR_OVER_SIX_SCALE_MAX, NVFP4_BLOCK_SIZE, round_to_e2m1
 from .registry import FORMATS, format_from_num_bits, get_format
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "NVFP4_BLOCK_SIZE",
     "E4M3_MAX",
     "E2M1_MAX",
+    "FOUR_OVER_SIX_SCALE_MAX",
     "FormatSpec",
     "get_format",
     "format_from_num_bits",

@@ -4,8 +4,14 @@ Global scale ``sg = amax / (6 * 448)``; each block of 16 along the last dim gets
 0, 448))`` and ``s = sb * sg``; values ``x / s`` round to E2M1 ``{0, .5, 1, 1.5, 2, 3, 4, 6}`` (ties to even,
 saturating at 6); output ``q * s``. Where ``s == 0`` (an all-zero block, or a block scale that underflows E4M3)
 ``x * 0`` is used instead of ``x / s``. An invalid amax (<= 2**-24, NaN, Inf) gives ``sg = 1``. Blocks are never
-padded: the last dim must be a multiple of 16. The per-tensor amax is the only calibrated number; the block scales
-come from the data (dynamic).
+padded: the last dim must be a multiple of 16. With dynamic block scales (the default) the per-tensor amax is the
+only calibrated number; the block scales come from the data.
+
+Static block scales (``block_sizes.type: static``, Model Optimizer's static NVFP4): each block has a calibrated
+amax ``a_b`` (``[..., K // 16]``) that replaces the block max: ``sb = e4m3(clamp(a_b / 6 / sg, 0, 448))``, the rest
+unchanged. With ``four_over_six`` the second-level scale normalizes the block scales to 256 instead of 448
+(``sg = amax / (6 * 256)``), as Model Optimizer's ``fp8_max_for_normalization``: a block may then take a scale of up
+to 1.5 times its max / 6 (its max maps to E2M1's 4 instead of 6) without leaving E4M3's range.
 
 Export: two E2M1 codes per byte (column ``2j`` in the low nibble of byte ``j``; code bit 3 the sign, bits 0-2 the
 index into ``0, 0.5, 1, 1.5, 2, 3, 4, 6``), the E4M3 block scales, and the second-level scale as each file format
@@ -32,12 +38,14 @@ from .format import (
 )
 from .fp8 import E4M3, E4M3_MAX
 
-__all__ = ["NVFP4_BLOCK_SIZE", "E2M1_MAX", "E2M1_VALUES", "NVFP4Format", "NVFP4", "round_to_e2m1", "e2m1_codes",
-           "e2m1_values", "pack_fp4", "unpack_fp4", "encode_nvfp4", "nvfp4_global_scale"]
+__all__ = ["NVFP4_BLOCK_SIZE", "E2M1_MAX", "E2M1_VALUES", "FOUR_OVER_SIX_SCALE_MAX", "NVFP4Format", "NVFP4",
+           "round_to_e2m1", "e2m1_codes", "e2m1_values", "pack_fp4", "unpack_fp4", "encode_nvfp4", "nvfp4_global_scale",
+           "fp8_scale_candidates"]
 
 NVFP4_BLOCK_SIZE = 16
 E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FOUR_OVER_SIX_SCALE_MAX = 256.0  # block-scale normalization of 4-over-6 (Model Optimizer's E4M3_MAX_46)
 # |value| * 2 -> code index (0, 1, 2, 3, 4, 6, 8, 12 -> 0..7); other entries are never looked up.
 _DOUBLED_TO_INDEX = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8)
 
@@ -70,9 +78,12 @@ class NVFP4Format(Format):
                else tuple(scale_bits) if isinstance(scale_bits, list) else scale_bits)
         if key not in (E4M3.num_bits, *E4M3.aliases):
             raise ValueError(f"NVFP4 block scales are E4M3: scale_bits must be (4, 3), got {scale_bits!r}")
-        if bs.get("type", "dynamic") != "dynamic":
-            raise UnsupportedSetting("block_sizes.type", bs["type"], "NVFP4 block scales always come from the data "
-                                     "(dynamic); static NVFP4 block amaxes are not implemented")
+        four_over_six = bs.get("four_over_six", False)
+        if not isinstance(four_over_six, bool):
+            raise ValueError(f"block_sizes.four_over_six must be true or false, got {four_over_six!r}")
+        if four_over_six and bs.get("type", "dynamic") != "static":
+            raise UnsupportedSetting("block_sizes.four_over_six", True, "4-over-6 chooses each block's scale when "
+                                     "calibrating: it needs static block scales (block_sizes.type: static)")
         if axis is not None:
             raise ValueError(f"NVFP4 uses a per-tensor global amax: axis must be null, got {axis}")
 
@@ -86,6 +97,40 @@ class NVFP4Format(Format):
         s = sb * sg
         v = torch.where(s > 0, true_div(blocks, s), blocks * 0.0)
         return Quantized(self.name, round_to_e2m1(v), sg, sb, b)
+
+    def quantize_static(self, x: torch.Tensor, amax: torch.Tensor, block_amax: torch.Tensor,
+                        scale_max: float = E4M3_MAX) -> Quantized:
+        """Static block scales: :meth:`quantize` with each block's calibrated amax in place of its max.
+
+        Args:
+            x: bf16, fp16 or fp32, last dim a multiple of 16.
+            amax: the per-tensor (second-level) amax, broadcasting over ``x``'s leading dims as in :meth:`quantize`.
+            block_amax: ``[..., K // 16]``, one amax per block of ``x``.
+            scale_max: the block scales' normalization: 448, or 256 for 4-over-6.
+
+        Raises:
+            ValueError: a bad input (as :meth:`quantize`) or a ``block_amax`` that does not have one entry per block.
+        """
+        self._check_inputs(x, amax, None)
+        b = self.block_length
+        if tuple(block_amax.shape) != (*x.shape[:-1], x.shape[-1] // b):
+            raise ValueError(f"NVFP4 static blocks: block amax of shape {tuple(block_amax.shape)} does not fit input "
+                             f"{tuple(x.shape)}; expected {(*x.shape[:-1], x.shape[-1] // b)}")
+        bound = E2M1_MAX * scale_max
+        sg = true_div(safe_amax(amax, bound), bound)
+        sg = sg.unsqueeze(-1) if sg.dim() > 0 else sg
+        blocks = x.float().unflatten(-1, (-1, b))
+        a = block_amax.float().unsqueeze(-1).to(blocks.device)
+        a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
+        sb = torch.clamp(true_div(true_div(a, E2M1_MAX), sg), 0.0, E4M3_MAX).to(E4M3.element_dtype).float()
+        s = sb * sg
+        v = torch.where(s > 0, true_div(blocks, s), blocks * 0.0)
+        return Quantized(self.name, round_to_e2m1(v), sg, sb, b)
+
+    def fake_quant_static(self, x: torch.Tensor, amax: torch.Tensor, block_amax: torch.Tensor,
+                          scale_max: float = E4M3_MAX) -> torch.Tensor:
+        """:meth:`quantize_static`, dequantized, in ``x``'s dtype."""
+        return self.dequantize(self.quantize_static(x, amax, block_amax, scale_max)).to(x.dtype)
 
     def dequantize(self, qx: Quantized) -> torch.Tensor:
         """``values * (sb * sg)``: one multiply by the combined scale, as the quantizer's ``s = sb * sg``."""
@@ -114,11 +159,14 @@ class _NVFP4Codec(ExportCodec):
                 "strategy": "tensor_group", "dynamic": "local" if inputs else False,
                 "scale_dtype": "torch.float8_e4m3fn"}
 
-    def encode(self, module, weight, weight_amax, input_amax, scheme, file_format) -> dict[str, torch.Tensor]:
+    def encode(self, module, weight, weight_amax, input_amax, scheme, file_format,
+               static_blocks: tuple[torch.Tensor, float] | None = None) -> dict[str, torch.Tensor]:
         if weight.shape[1] % NVFP4_BLOCK_SIZE:
             raise ValueError(f"{module}.weight: NVFP4 needs the input dim to be a multiple of {NVFP4_BLOCK_SIZE}, "
                              f"got shape {tuple(weight.shape)}")
-        packed, block_scale, sg = encode_nvfp4(weight, weight_amax.float().reshape(()), f"{module}.weight")
+        block_amax, scale_max = static_blocks if static_blocks is not None else (None, E4M3_MAX)
+        packed, block_scale, sg = encode_nvfp4(weight, weight_amax.float().reshape(()), f"{module}.weight",
+                                               block_amax, scale_max)
         sg_in = nvfp4_global_scale(input_amax) if input_amax is not None else None
         if file_format == "modelopt":
             out = {f"{module}.weight": packed, f"{module}.weight_scale": block_scale,
@@ -175,10 +223,11 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
-def encode_nvfp4(w: torch.Tensor, amax: torch.Tensor,
-                 name: str = "weight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def encode_nvfp4(w: torch.Tensor, amax: torch.Tensor, name: str = "weight", block_amax: torch.Tensor | None = None,
+                 scale_max: float = E4M3_MAX) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 codes of the 2-D ``w`` packed two per byte ``[R, K // 2]``, its E4M3 block scales ``[R, K // 16]`` and
-    the training's second-level scale ``sg = amax / 2688`` (fp32 scalar).
+    the training's second-level scale ``sg = amax / 2688`` (fp32 scalar); with ``block_amax`` (static block scales,
+    ``[R, K // 16]``) the block scales the training used from it, and ``sg = amax / (6 * scale_max)``.
 
     Raises:
         ValueError: ``w`` is not 2-D, holds NaN, or its last dim is not a multiple of 16.
@@ -186,7 +235,7 @@ def encode_nvfp4(w: torch.Tensor, amax: torch.Tensor,
     if w.dim() != 2:
         raise ValueError(f"{name}: NVFP4 export takes a 2-D weight, got shape {tuple(w.shape)}")
     check_finite_weight(w, name)
-    qx = NVFP4.quantize(w, amax)
+    qx = NVFP4.quantize(w, amax) if block_amax is None else NVFP4.quantize_static(w, amax, block_amax, scale_max)
     codes = e2m1_codes(qx.values.flatten(-2))
     block_scale = qx.block_scale.squeeze(-1)
     if bool((block_scale > E4M3_MAX).any()):  # cannot happen (quantize clamps); a guard for the cast below
@@ -197,3 +246,11 @@ def encode_nvfp4(w: torch.Tensor, amax: torch.Tensor,
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """The training's NVFP4 second-level scale ``sg = amax / 2688`` (invalid amax -> 1)."""
     return NVFP4.quantize(torch.zeros(NVFP4_BLOCK_SIZE), amax.float().reshape(())).scale.reshape(())
+
+
+def fp8_scale_candidates(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 126 finite positive E4M3 values divided by 448, ascending (fp32): Model Optimizer 0.47's candidates of
+    the FP8 scale sweep (``fp8_scale_sweep``). A block whose amax is ``global_amax * c`` gets the block scale
+    ``c * 448`` exactly, so the sweep tries every E4M3 block scale."""
+    values = torch.arange(0, 128, dtype=torch.uint8, device=device).view(E4M3.element_dtype).float()
+    return values[torch.isfinite(values) & (values > 0)] / E4M3_MAX

@@ -52,6 +52,8 @@ FP8_BLOCKWISE_W8A8_CFG = load_config(preset_path("fp8_block_w8a8.yaml")).model_d
 NVFP4_EXPERTS_FP8_CFG = load_config(preset_path("nvfp4_experts_fp8.yaml")).model_dump()
 # NVIDIA's whole recipe in one: NVFP4_EXPERTS_FP8_CFG with FP8_KV_CFG's FP8 KV cache
 NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG = load_config(preset_path("nvfp4_experts_fp8_attn_fp8_kv.yaml")).model_dump()
+NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG = load_config(preset_path("nvfp4_w4a4_weight_mse_fp8_sweep.yaml")).model_dump()
+NVFP4_FOUR_OVER_SIX_CFG = load_config(preset_path("nvfp4_four_over_six.yaml")).model_dump()
 # KV-cache presets, Model Optimizer's shape: rules only, to append to a model preset's quant_cfg.
 FP8_KV_CFG = {"quant_cfg": load_config(preset_path("fp8_kv.yaml")).model_dump()["quant_cfg"]}
 NVFP4_KV_CFG = {"quant_cfg": load_config(preset_path("nvfp4_kv.yaml")).model_dump()["quant_cfg"]}
@@ -67,5 +69,7 @@ __all__ = [
     "MXFP4_DEFAULT_CFG", "MXFP8_DEFAULT_CFG",
     "INT8_DEFAULT_CFG", "INT4_BLOCKWISE_WEIGHT_ONLY_CFG", "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "FP8_BLOCKWISE_W8A8_CFG",
     "NVFP4_EXPERTS_FP8_CFG", "NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG",
+    "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG",
+    "NVFP4_FOUR_OVER_SIX_CFG",
     "FP8_KV_CFG", "NVFP4_KV_CFG",
 ]

@@ -197,6 +197,11 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
     refuse_meta(model, "mtq.calibrate")
     calibrator = calibrator_class(options.method)(options)
     quantizers = [(name, q) for name, q, _ in named_quantizers(model) if q.is_enabled]
+    for name, q in quantizers:
+        if getattr(q, "static_block_scales", False) and not _is_weight_quantizer(name):
+            raise ValueError(f"mtq.calibrate: {name} has static block scales (block_sizes.type: static), which are "
+                             "calibrated on a weight; activations take block scales from the data "
+                             "(block_sizes.type: dynamic)")
     saved = [(q, q.calibration_snapshot()) for _, q in quantizers]
     training = model.training
     model.eval()  # as Model Optimizer calibrates: no dropout, inference-mode routing; the mode is restored after

@@ -15,7 +15,15 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
-from ..numerics import ScaleLayout, UnsupportedSetting, format_from_num_bits, format_of, get_format
+from ..numerics import (
+    E4M3_MAX,
+    FOUR_OVER_SIX_SCALE_MAX,
+    ScaleLayout,
+    UnsupportedSetting,
+    format_from_num_bits,
+    format_of,
+    get_format,
+)
 from .modelopt_shapes import UNSUPPORTED_ALGORITHMS, normalize_quant_cfg, unsupported
 from .modelopt_shapes import parent_class_name as _modelopt_parent_class
 
@@ -162,14 +170,16 @@ class QuantizerAttributeConfig(_Strict):
             if not all(isinstance(a, int) and not isinstance(a, bool) for a in self.axis) or not self.axis:
                 raise ValueError(f"axis must be None, an int or a tuple of ints, got {self.axis!r}")
         if bs is not None:
-            unknown = {k for k in bs if isinstance(k, str)} - {"type", "scale_bits"}
-            if unknown & {"scale_block_sizes", "four_over_six"}:
-                key = sorted(unknown & {"scale_block_sizes", "four_over_six"})[0]
-                raise ValueError(unsupported(f"block_sizes.{key}", bs[key], "no double-quantized or 4-over-6 block "
-                                             "scales"))
+            unknown = {k for k in bs if isinstance(k, str)} - {"type", "scale_bits", "four_over_six"}
+            if "scale_block_sizes" in unknown:
+                raise ValueError(unsupported("block_sizes.scale_block_sizes", bs["scale_block_sizes"],
+                                             "no double-quantized block scales"))
             if unknown:
                 raise ValueError(f"block_sizes: unsupported keys {sorted(unknown)}; expected -1 (last-dim block "
-                                 "size), 'type', 'scale_bits'")
+                                 "size), 'type', 'scale_bits', 'four_over_six'")
+            if "four_over_six" in bs and ScaleLayout.TWO_LEVEL not in spec.scale_layouts:
+                raise ValueError(f"block_sizes.four_over_six applies to two-level block scales (NVFP4), got "
+                                 f"num_bits={self.num_bits!r} ({fmt})")
             axes = [k for k in bs if not isinstance(k, str)]
             two_d = sorted(axes) == [-2, -1] and ScaleLayout.BLOCKS_2D in spec.scale_layouts
             if axes != [-1] and not two_d:
@@ -240,6 +250,18 @@ class QuantizerAttributeConfig(_Strict):
         """Last-dim block size of int blocks with calibrated (static) per-block amaxes; None otherwise."""
         b = self._int_block
         return b if b and self.block_2d is None and not self._dynamic_blocks else None
+
+    @property
+    def static_block_scales(self) -> bool:
+        """Two-level formats (NVFP4) with calibrated per-block amaxes (``block_sizes.type: static``) instead of block
+        scales from the data."""
+        return (self.block_sizes is not None and self.block_sizes.get("type") == "static"
+                and ScaleLayout.TWO_LEVEL in get_format(self.format).scale_layouts and self.type != "dynamic")
+
+    @property
+    def block_scale_max(self) -> float:
+        """The normalization of two-level block scales: 448 (E4M3's largest), or 256 with ``four_over_six``."""
+        return FOUR_OVER_SIX_SCALE_MAX if (self.block_sizes or {}).get("four_over_six") else E4M3_MAX
 
     @property
     def per_token(self) -> bool:
@@ -400,7 +422,9 @@ class MseCalibConfig(MaxCalibConfig):
     Attributes:
         step_size, start_multiplier, stop_multiplier: the grid of multipliers of the max amax,
             ``linspace(start, stop, ceil((stop - start) / step_size) + 1)``.
-        fp8_scale_sweep: Model Optimizer's sweep of static NVFP4 block scales; accepted as False only.
+        fp8_scale_sweep: Model Optimizer's sweep of static NVFP4 block scales: each block takes the E4M3 block
+            scale of least squared error of all 126; every other weight keeps its max calibration (the grid is
+            then unused), as in Model Optimizer.
     """
 
     sets_weight_amax: ClassVar[bool] = True
@@ -416,10 +440,6 @@ class MseCalibConfig(MaxCalibConfig):
         if self.stop_multiplier < self.start_multiplier:
             raise ValueError(f"algorithm.stop_multiplier={self.stop_multiplier} is below start_multiplier="
                              f"{self.start_multiplier}; the search runs from start to stop")
-        if self.fp8_scale_sweep:
-            raise ValueError(unsupported("algorithm.fp8_scale_sweep", True, "NVFP4 block scales come from the "
-                                         "weights (no static block scales to sweep); the multiplier search applies "
-                                         "to FP8 and INT weights"))
         return self
 
 
@@ -620,6 +640,13 @@ class QuantizeConfig(_Strict):
         if self.algorithm is not None and self.max_calib.sets_weight_amax and self.weight_amax_update == "dynamic":
             raise ValueError(f"algorithm={self.algorithm!r} chooses the weight amaxes, but weight_amax_update=dynamic "
                              "recomputes them from the weights at every re-quantization; set weight_amax_update to "
+                             "static or learned")
+        static_blocks = [e.quantizer_name for e in self.quant_cfg if e.cfg is not None and e.cfg.enable
+                         and e.cfg.static_block_scales]
+        if static_blocks and self.weight_amax_update == "dynamic":
+            raise ValueError(f"quant_cfg {static_blocks[0]!r}: static NVFP4 block scales (block_sizes.type: static) "
+                             "with weight_amax_update=dynamic, which recomputes the second-level amax from the "
+                             "weights under block scales calibrated for the old one; set weight_amax_update to "
                              "static or learned")
         hp = sorted({"dgrad", "wgrad"} & set(self.autoswitch.gemms)) if self.autoswitch else []
         if hp and self.backward.mode == "high_precision":

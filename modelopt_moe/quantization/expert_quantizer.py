@@ -28,7 +28,7 @@ from .calib.max import max_over_experts, merge_max
 from .config_schema import QuantizerAttributeConfig
 from .modelopt_compat import modelopt_quantizer_state, unsupported
 from .quant_mode import QuantMode
-from .tensor_quantizer import FakeQuantSTE, TensorQuantizer, nan_ignoring_abs_max
+from .tensor_quantizer import FakeQuantSTE, StaticBlocksSTE, TensorQuantizer, nan_ignoring_abs_max
 from .utils import warn_once
 
 __all__ = ["EXPERT_LAYOUTS", "ExpertQuantizer", "ExpertView", "ExpertGemm", "ExpertGrid"]
@@ -236,6 +236,8 @@ class ExpertQuantizer(TensorQuantizer):
                 self.calibrated_rows = torch.zeros(self.num_experts, dtype=torch.int64)
             self.calibrated_rows[index] += x.numel() // max(1, x.shape[-1]) if x.dim() else 1
         self._count_nonfinite(x, fresh=False)  # reset_amax starts the pass
+        if self.static_block_scales:
+            self._collect_expert_blocks(index, x)
         new = self.amax_of(x)
         amax = self._ensure_amax(new)
         with torch.no_grad():
@@ -244,6 +246,22 @@ class ExpertQuantizer(TensorQuantizer):
                 merge_max(amax, new, out=amax)
             else:
                 amax[index] = merge_max(amax[index], new)
+
+    def _collect_expert_blocks(self, index: int, x: torch.Tensor) -> None:
+        """Static block scales: expert ``index``'s block amaxes (each expert its own, whatever the layout: a block
+        belongs to one expert's weight) in the ``[N, ..., K // 16]`` :attr:`block_amax`."""
+        blocks = self.block_amax_of(x)
+        old = self.block_amax
+        if old is None:
+            self._put_block_amax(torch.zeros((self.num_experts, *blocks.shape), dtype=torch.float32,
+                                             device=blocks.device))
+            old = self.block_amax
+        if tuple(old.shape[1:]) != tuple(blocks.shape):
+            raise ValueError(f"ExpertQuantizer({self.fmt}, static block scales): expert {index}'s tensor of shape "
+                             f"{tuple(x.shape)} does not fit the block amaxes {tuple(old.shape)}; static block "
+                             "scales need every expert's weight of one shape")
+        with torch.no_grad():
+            old[index] = merge_max(old[index], blocks.to(old.device))
 
     def collect(self, x: torch.Tensor) -> None:
         """Max calibration on a tensor that belongs to every expert (e.g. a GEMM output of all experts)."""
@@ -325,6 +343,9 @@ class ExpertQuantizer(TensorQuantizer):
             amax = amax if self.axis is None else amax.unsqueeze(-1)
         if amax is not None:
             amax = amax.to(x.device)
+        if self.static_block_scales and self.block_amax is not None:
+            return StaticBlocksSTE.apply(x, amax, self.block_amax[index], self.fmt, self._cfg.block_scale_max,
+                                         self.ste == "clipped")
         return FakeQuantSTE.apply(x, amax if self.needs_amax else None, self.fmt, self.block_size,
                                   self.ste == "clipped", self.int_kwargs)
 
@@ -367,6 +388,11 @@ class ExpertQuantizer(TensorQuantizer):
     # --- state -----------------------------------------------------------------------------------------------------
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        blocks = state_dict.get(prefix + "_block_amax")
+        if blocks is not None:  # static block scales: every layout keeps them here, [N, rows, K // 16]
+            self.block_amax = blocks.float()
+        elif self.block_amax is not None and strict and self.layout == "per_expert":  # the others: nn.Module's
+            missing_keys.append(prefix + "_block_amax")
         key = prefix + "_amax"
         if self.layout == "per_expert":
             return  # the views load their rows, under their own keys

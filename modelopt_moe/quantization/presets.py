@@ -18,6 +18,8 @@ PRESET_FILES = {
     "FP8_BLOCKWISE_W8A8_CFG": "fp8_block_w8a8.yaml",
     "NVFP4_EXPERTS_FP8_CFG": "nvfp4_experts_fp8.yaml",
     "NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG": "nvfp4_experts_fp8_attn_fp8_kv.yaml",
+    "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG": "nvfp4_w4a4_weight_mse_fp8_sweep.yaml",
+    "NVFP4_FOUR_OVER_SIX_CFG": "nvfp4_four_over_six.yaml",
     "FP8_KV_CFG": "fp8_kv.yaml",
     "NVFP4_KV_CFG": "nvfp4_kv.yaml",
 }

@@ -13,10 +13,16 @@ Amax layouts (the same shapes as Model Optimizer's): ``[]`` per tensor; the inpu
 kept ``axis`` (per channel, e.g. ``[C, 1]``); ``[num_blocks, 1]`` for static int blocks (the input, its last dim
 zero-padded to a multiple of the block, viewed as ``[-1, block]``); none for dynamic quantizers (``type: dynamic``,
 per-token ``block_sizes: {-1: None}``, dynamic int blocks), whose amax comes from each tensor.
+
+Static two-level block scales (NVFP4 with ``block_sizes.type: static``): ``amax`` stays the per-tensor (second-level)
+amax and the buffer ``_block_amax`` holds one amax per block of 16, ``[..., K // 16]`` (the weight's shape with its
+last dim divided by 16): max calibration sets it to each block's max (the same fake quantization as dynamic block
+scales), a calibration algorithm may choose others (``calib/nvfp4_blocks.py``).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -24,13 +30,15 @@ import torch
 from torch import nn
 
 from ..numerics import clip_limit, fake_quant, get_format
+from ..numerics.format import nan_ignoring_block_max
 from .calib.max import merge_max
 from .config_schema import WEIGHT_AMAX_UPDATES, QuantizerAttributeConfig
 from .modelopt_compat import modelopt_quantizer_state, parse_modelopt_quantizer_state, unsupported
 from .quant_mode import QuantMode, derive_mode
 from .utils import warn_once
 
-__all__ = ["TensorQuantizer", "FakeQuantSTE", "nan_ignoring_abs_max", "nonfinite_counts", "clip_mask"]
+__all__ = ["TensorQuantizer", "FakeQuantSTE", "StaticBlocksSTE", "nan_ignoring_abs_max", "nonfinite_counts",
+           "clip_mask"]
 
 
 def nan_ignoring_abs_max(x: torch.Tensor, keep_dims: tuple[int, ...] = ()) -> torch.Tensor:
@@ -83,6 +91,49 @@ class FakeQuantSTE(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+class StaticBlocksSTE(torch.autograd.Function):
+    """Fake quant with static two-level block scales (:meth:`~modelopt_moe.numerics.nvfp4.NVFP4Format.quantize_static`)
+    and a straight-through estimator: pass-through, or clipped (zero gradient where ``|x|`` exceeds its block's
+    amax). ``apply(x, amax, block_amax, fmt, scale_max, clipped)``; the per-tensor amax gets no gradient.
+
+    A block amax that requires a gradient (``weight_amax_update: learned``) gets the LSQ-style one of learned amaxes
+    (:mod:`~modelopt_moe.quantization.weight_amax`) per block, straight through the E4M3 rounding of the block scale:
+    ``d q / d a = (q - x * [|x| <= a]) / a`` summed over the block, scaled by ``1 / sqrt(16 * 6)`` (the block's
+    elements times E2M1's bound); zero where ``a`` is 0 or not finite."""
+
+    @staticmethod
+    def forward(ctx, x, amax, block_amax, fmt, scale_max, clipped):
+        """Fake-quantizes ``x`` with its per-tensor and per-block amaxes."""
+        spec = get_format(fmt)
+        b = spec.block_length
+        blocks = block_amax.detach().to(x.device)
+        out = spec.fake_quant_static(x, amax, blocks, scale_max)
+        mask = (x.abs().unflatten(-1, (-1, b)) <= blocks.unsqueeze(-1)).flatten(-2) if clipped else None
+        ctx.learn = ctx.needs_input_grad[2]
+        saved = (x, out, blocks) if ctx.learn else ()
+        ctx.save_for_backward(mask if mask is not None else torch.empty(0), *saved)
+        ctx.has_mask, ctx.block, ctx.bound = mask is not None, b, spec.element_max
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        """The gradient of ``x`` (unchanged, or zeroed where clipped) and of a learned block amax."""
+        mask, *saved = ctx.saved_tensors
+        grad_blocks = None
+        if ctx.learn:
+            x, out, blocks = saved
+            xb, qb = x.float().unflatten(-1, (-1, ctx.block)), out.float().unflatten(-1, (-1, ctx.block))
+            a = blocks.float().unsqueeze(-1)
+            d = torch.where(xb.abs() <= a, qb - xb, qb)
+            valid = torch.isfinite(a) & (a > 0)
+            g = (grad.float().unflatten(-1, (-1, ctx.block)) * d / torch.where(valid, a, torch.ones_like(a)))
+            g = torch.where(valid, g, torch.zeros_like(g)).sum(-1) / math.sqrt(ctx.block * ctx.bound)
+            grad_blocks = g.reshape(blocks.shape)
+        if ctx.has_mask:
+            grad = grad * mask
+        return grad, None, grad_blocks, None, None, None
+
+
 class TensorQuantizer(nn.Module):
     """Fake-quantizes tensors in one format with a max-calibrated amax.
 
@@ -111,6 +162,7 @@ class TensorQuantizer(nn.Module):
                  if_calib: bool = False, amax: Any = None):
         super().__init__()
         self.register_buffer("_amax", None)
+        self.register_buffer("_block_amax", None)
         self._if_calib = bool(if_calib)
         self._if_quant = bool(if_quant)
         self._calib_seen = False
@@ -182,12 +234,20 @@ class TensorQuantizer(nn.Module):
     def calibration_snapshot(self) -> tuple:
         """What a calibration pass changes (the amax tensor, the switches, its progress), for
         :meth:`restore_calibration_snapshot` after a pass that failed."""
-        return self._amax, self.switches(), self._calib_seen, self.__dict__.get("_calib_nonfinite")
+        blocks = self.block_amax  # a learned one is trained in place: keep its values
+        blocks = (blocks, blocks.detach().clone()) if isinstance(blocks, nn.Parameter) else (blocks, None)
+        return ((self._amax, blocks), self.switches(), self._calib_seen, self.__dict__.get("_calib_nonfinite"))
 
     def restore_calibration_snapshot(self, snapshot: tuple) -> None:
         """Puts back what :meth:`calibration_snapshot` took (the amax tensor, the switches, the pass's progress)."""
-        amax, switches, seen, nonfinite = snapshot
+        (amax, (block_amax, values)), switches, seen, nonfinite = snapshot
         self._amax = amax
+        if values is not None:
+            with torch.no_grad():
+                block_amax.copy_(values)
+            self._parameters["_block_amax"] = block_amax
+        else:
+            self._buffers["_block_amax"] = block_amax
         self.set_switches(**switches)
         self._calib_seen = seen
         self._calib_nonfinite = nonfinite
@@ -290,6 +350,52 @@ class TensorQuantizer(nn.Module):
     def static_block_size(self) -> int | None:
         """Static int block size (calibrated ``[num_blocks, 1]`` amax); None otherwise."""
         return self._cfg.static_block_size
+
+    @property
+    def static_block_scales(self) -> bool:
+        """Two-level block scales (NVFP4) with a calibrated amax per block (:attr:`block_amax`)."""
+        return self._cfg.static_block_scales
+
+    @property
+    def block_amax(self) -> torch.Tensor | None:
+        """Static block scales: the ``[..., K // 16]`` amax of every block (None before calibration, or without
+        static block scales); setting it copies in place where the shape fits."""
+        learned = self._parameters.get("_block_amax")
+        return learned if learned is not None else self._buffers.get("_block_amax")
+
+    @block_amax.setter
+    def block_amax(self, value) -> None:
+        old = self.block_amax
+        if value is None:
+            self._buffers["_block_amax"] = None
+            return
+        value = torch.as_tensor(value, dtype=torch.float32)
+        if old is not None and old.shape == value.shape:
+            with torch.no_grad():
+                old.copy_(value.to(old.device))  # in place: bumps the version caches watch; an optimizer keeps it
+        else:
+            device = old.device if old is not None else value.device
+            self._put_block_amax(value.detach().clone().to(device))
+
+    @property
+    def learns_block_amax(self) -> bool:
+        """Whether the block amaxes are a trained parameter (static block scales, ``weight_amax_update: learned``)."""
+        return self._parameters.get("_block_amax") is not None
+
+    def _put_block_amax(self, value: torch.Tensor) -> None:
+        """Stores new block amaxes: the buffer, or the learned parameter (Megatron's attributes kept)."""
+        old = self._parameters.get("_block_amax")
+        if old is None:
+            self._buffers["_block_amax"] = value
+            return
+        new = nn.Parameter(value.float(), requires_grad=True)
+        new.__dict__.update(old.__dict__)
+        self._parameters["_block_amax"] = new
+
+    def block_amax_of(self, x: torch.Tensor) -> torch.Tensor:
+        """Static block scales: the max of ``|x|`` over each block of the last dim, ``[..., K // 16]`` (NaN
+        ignored)."""
+        return nan_ignoring_block_max(x.detach().float(), get_format(self.fmt).block_length).squeeze(-1)
 
     @property
     def is_dynamic(self) -> bool:
@@ -408,10 +514,13 @@ class TensorQuantizer(nn.Module):
         """Whether the amax is a trained parameter (``weight_amax_update: learned``)."""
         return self._parameters.get("_amax") is not None
 
-    def set_amax_update(self, mode: str) -> None:
+    def set_amax_update(self, mode: str, block_shape: tuple[int, ...] | None = None) -> None:
         """How the amax follows the tensor while training: ``static`` (calibrated once), ``dynamic`` (recomputed from
         the current weights at every re-quantization) or ``learned`` (the amax becomes the parameter ``_amax``,
         trained with an LSQ-style gradient; per-tensor amax only). Set by ``mtq.quantize`` for weight quantizers.
+
+        With static block scales, ``learned`` trains the block amaxes (the parameter ``_block_amax``, of shape
+        ``block_shape`` until calibrated) and keeps the per-tensor amax static, as Model Optimizer's LSQ does.
 
         Raises:
             ValueError: an unknown mode, or ``learned`` for a per-channel amax.
@@ -419,6 +528,8 @@ class TensorQuantizer(nn.Module):
         if mode not in WEIGHT_AMAX_UPDATES:
             raise ValueError(f"{type(self).__name__}: amax update {mode!r}; expected one of {WEIGHT_AMAX_UPDATES}")
         learn = mode == "learned" and self._enabled and self.needs_amax
+        self._set_block_learning(learn and self.static_block_scales, block_shape)
+        learn = learn and not self.static_block_scales
         if learn and self.axis is not None:
             raise ValueError(f"{type(self).__name__}: weight_amax_update=learned trains a per-tensor (per-expert) "
                              f"amax; this quantizer has a per-channel amax (axis={self.axis})")
@@ -432,6 +543,19 @@ class TensorQuantizer(nn.Module):
             self._buffers["_amax"] = None if value is None else value.detach().clone()
         self.amax_update = mode
 
+    def _set_block_learning(self, learn: bool, block_shape: tuple[int, ...] | None) -> None:
+        if learn and not self.learns_block_amax:
+            value = self.block_amax
+            if value is None and block_shape is None:
+                raise ValueError(f"{type(self).__name__}: learned static block scales need the block amaxes' shape "
+                                 "(calibrate first, or give block_shape)")
+            value = value.detach().float().clone() if value is not None else torch.zeros(block_shape)
+            self._buffers.pop("_block_amax", None)
+            self._parameters["_block_amax"] = nn.Parameter(value, requires_grad=True)
+        elif not learn and self.learns_block_amax:
+            value = self._parameters.pop("_block_amax")
+            self._buffers["_block_amax"] = value.detach().clone()
+
     @property
     def amax_shape(self) -> tuple[int, ...] | None:
         """The amax's shape: ``()`` per tensor; per channel only once calibrated (None before)."""
@@ -442,6 +566,11 @@ class TensorQuantizer(nn.Module):
     def reset_amax(self) -> None:
         """Forgets the amax before a new calibration; a learned amax is zeroed in place (an optimizer may hold it)."""
         self._calib_nonfinite = None
+        if self.learns_block_amax:  # keep the parameter (an optimizer may hold it); calibration fills it in place
+            with torch.no_grad():
+                self._parameters["_block_amax"].zero_()
+        else:
+            self._buffers["_block_amax"] = None
         if self.learns_amax:  # keep the parameter object (an optimizer may hold it); max calibration starts at 0
             with torch.no_grad():
                 self._amax.zero_()
@@ -480,9 +609,20 @@ class TensorQuantizer(nn.Module):
             return
         new = self.amax_of(x)
         fresh = self._amax is None or not self._calib_seen
+        if self.static_block_scales:
+            self._collect_blocks(x, fresh)
         self._count_nonfinite(x, fresh)
         self.amax = new if fresh else merge_max(self._amax, new.to(self._amax.device))
         self._calib_seen = True
+
+    def _collect_blocks(self, x: torch.Tensor, fresh: bool) -> None:
+        blocks = self.block_amax_of(x)
+        old = self.block_amax
+        if not fresh and old is not None and old.shape != blocks.shape:
+            raise ValueError(f"TensorQuantizer({self.fmt}, static block scales): a tensor of shape {tuple(x.shape)} "
+                             f"after one with {tuple(old.shape)} blocks; static block scales need one tensor shape "
+                             "(a weight's): use block_sizes.type: dynamic for activations")
+        self.block_amax = blocks if fresh or old is None else merge_max(old, blocks.to(old.device))
 
     def load_calib_amax(self, *args, strict: bool = True, **kwargs) -> None:
         """Model Optimizer's step after calibration. Max calibration writes the amax as it collects, so this only
@@ -520,6 +660,8 @@ class TensorQuantizer(nn.Module):
         if amax is not None:
             amax = amax.to(x.device)
         clipped = self.ste == "clipped"
+        if self.static_block_scales and self.block_amax is not None:
+            return StaticBlocksSTE.apply(x, amax, self.block_amax, self.fmt, self._cfg.block_scale_max, clipped)
         if self.static_block_size is not None:
             view = self._blocks_view(x)
             if amax.shape != (view.shape[0], 1):
@@ -576,7 +718,15 @@ class TensorQuantizer(nn.Module):
         """Moves the amax with the module but keeps it fp32: ``model.bfloat16()`` (Megatron's ``Float16Module``
         does it) would otherwise round every calibrated amax to bf16."""
         amax = self._amax.data if self._amax is not None else None  # .data: a parameter is converted in place
+        block_amax = self.block_amax.data if self.block_amax is not None else None
         super()._apply(fn, recurse)
+        new_blocks = self.block_amax
+        if block_amax is not None and new_blocks is not None and new_blocks.dtype != torch.float32:
+            kept = new_blocks.float() if block_amax.is_meta else block_amax.to(new_blocks.device)
+            if self.learns_block_amax:
+                new_blocks.data = kept
+            else:
+                self._buffers["_block_amax"] = kept
         if amax is not None and self._amax is not None and self._amax.dtype != torch.float32:
             kept = self._amax.float() if amax.is_meta else amax.to(self._amax.device)
             if self.learns_amax:
@@ -587,6 +737,10 @@ class TensorQuantizer(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        blocks = state_dict.get(prefix + "_block_amax")
+        if blocks is not None and (self.block_amax is None or self.block_amax.shape != blocks.shape):
+            device = self.block_amax.device if self.block_amax is not None else blocks.device
+            self._put_block_amax(torch.empty(blocks.shape, dtype=torch.float32, device=device))
         key = prefix + "_amax"
         if key in state_dict:
             value = state_dict[key]
@@ -622,6 +776,9 @@ class TensorQuantizer(nn.Module):
             parts.append(f"block={self.block_size}")
         if self.static_block_size is not None:
             parts.append(f"static block={self.static_block_size}")
+        if self.static_block_scales:
+            parts.append("static block scales" + (" (4-over-6)" if (self.block_sizes or {}).get("four_over_six")
+                                                  else ""))
         spec = get_format(self.fmt)
         if not self.needs_amax and self.block_size is None:  # a fixed block whose every scale comes from the data: MX
             parts.append(f"{spec.block_scale.upper()} scales per {spec.block_length} from the data")

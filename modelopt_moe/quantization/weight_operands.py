@@ -44,10 +44,21 @@ def set_weight_amax_update(name: str, q: TensorQuantizer, module: nn.Module, mod
     Raises:
         ValueError: naming the quantizer, for a mode it cannot have.
     """
+    weights = next((w for _, owner, w in weight_operands(module) if owner is q), [])
+    block_shape = None
+    if q.static_block_scales and weights:
+        w = weights[0]
+        block_shape = (*w.shape[:-1], w.shape[-1] // 16)
+        block_shape = (len(weights), *block_shape) if isinstance(q, ExpertQuantizer) else block_shape
     try:
-        q.set_amax_update(mode)
+        q.set_amax_update(mode, block_shape)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     if q.learns_amax:
         for key, value in learned_amax_attributes(module, q).items():
             setattr(q._amax, key, value)
+    if q.learns_block_amax and weights:
+        # Split like the weight (tensor-parallel) and reduced like it (data-parallel): Megatron's attributes of it.
+        for key in ("allreduce", "tensor_model_parallel", "partition_dim", "partition_stride"):
+            if hasattr(weights[0], key):
+                setattr(q.block_amax, key, getattr(weights[0], key))

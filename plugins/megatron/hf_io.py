@@ -115,6 +115,16 @@ def _amax(holder, kind: str) -> torch.Tensor | None:
     return q.amax.detach().float() if q is not None and q.is_quantizing and q.amax is not None else None
 
 
+def _block_amax(holder) -> tuple[torch.Tensor, float] | None:
+    """Static two-level block scales of the weight quantizer: its block amaxes (``[rows, K // 16]``, or ``[N, rows,
+    K // 16]`` for experts) and their normalization; None where the block scales come from the data. The same
+    answer on every rank (the config, and calibration gives every rank its blocks)."""
+    q = _quantizer(holder, "weight_quantizer")
+    if q is None or not q.is_quantizing or not q.static_block_scales or q.block_amax is None:
+        return None
+    return q.block_amax.detach().float(), q.cfg.block_scale_max
+
+
 def _num_local_experts(experts) -> int:
     if hasattr(experts, "local_experts"):
         return len(experts.local_experts)
@@ -233,8 +243,11 @@ def _dense_records(m, param: Param, L: int | None, arch: MoEArch, lay: _Layout) 
     in_amax = _amax(holder, "input_quantizer")
     quant = _linear_quant(holder)
     amaxes = [w_amax] if len(parts) == 1 else _row_amax_split(w_amax, parts)
-    for name, w, a in zip(names, parts, amaxes, strict=True):
-        yield LinearRecord(name, w, quant, a, in_amax)
+    blocks = _block_amax(holder)  # gathered like the weight: the same rows and (over 16) columns
+    block_parts = ([None] * len(parts) if blocks is None else
+                   [(b, blocks[1]) for b in _gather(blocks[0], param, lay, arch, split)])
+    for name, w, a, b in zip(names, parts, amaxes, block_parts, strict=True):
+        yield LinearRecord(name, w, quant, a, in_amax, b)
 
 
 def _gather_expert_amax(holder, kind: str, lay: _Layout, param: Param, where: str) -> torch.Tensor | None:
@@ -299,24 +312,31 @@ def _expert_records(m, params: list[Param], L: int, arch: MoEArch, lay: _Layout,
         where, holder = _holder(m, param, L)
         amax = {k: _gather_expert_amax(holder, k, lay, param, where)
                 for k in ("weight_quantizer", "input_quantizer")}
-        plans.append((param, _linear_quant(holder), amax))
+        plans.append((param, _linear_quant(holder), amax, _block_amax(holder)))
     for i in range(n):
-        gathered = []
-        for param, _, _ in plans:
+        gathered, gathered_blocks = [], []
+        for param, _, _, blocks in plans:
             full = torch.cat(_gather(_resolve(m, param, L, i)[1], param, lay, arch), 0)
             gathered.append(_all_gather(full, lay.ep, lay.ep_size))
+            if blocks is not None:  # expert i's block amaxes, gathered like its weight
+                full = torch.cat(_gather(blocks[0][i], param, lay, arch), 0)
+                gathered_blocks.append(_all_gather(full, lay.ep, lay.ep_size))
+            else:
+                gathered_blocks.append(None)
         for r in range(lay.ep_size):
             e = r * n + i
-            for (param, quant, amax), full in zip(plans, gathered, strict=True):
+            for (param, quant, amax, blocks), full, block_full in zip(plans, gathered, gathered_blocks, strict=True):
                 parts = full[r].chunk(len(param.canonical), 0)
+                block_parts = ([None] * len(parts) if block_full is None else
+                               [(b, blocks[1]) for b in block_full[r].chunk(len(param.canonical), 0)])
                 w_amax, x_amax = amax["weight_quantizer"], amax["input_quantizer"]
                 # the parts share one amax per expert (the same NVFP4 second-level scale, as engines require)
                 w_amax = None if w_amax is None else w_amax[e]
                 x_amax = None if x_amax is None else x_amax[e]
                 w_amaxes = (list(w_amax.chunk(len(parts), 0)) if w_amax is not None and w_amax.dim() == 1
                             else [w_amax] * len(parts))
-                for name, w, a in zip(_names(param, L, e), parts, w_amaxes, strict=True):
-                    yield LinearRecord(name, w, quant, a, x_amax)
+                for name, w, a, b in zip(_names(param, L, e), parts, w_amaxes, block_parts, strict=True):
+                    yield LinearRecord(name, w, quant, a, x_amax, b)
 
 
 def _layer_records(m, L: int, arch: MoEArch, lay: _Layout, fmt: str) -> Iterator:

@@ -83,6 +83,13 @@ def _is_saved(q: TensorQuantizer) -> bool:
     return q.is_enabled or q.amax is not None
 
 
+def _block_amax_data(q: TensorQuantizer, local_shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The local block amaxes to save, or zeros of their shape for a fresh model about to load."""
+    if q.block_amax is not None:
+        return q.block_amax.detach()
+    return torch.zeros(local_shape, device=device)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # dense (tensor-parallel) linears
 
@@ -111,6 +118,12 @@ def parallel_linear_quantizers_sharded_state_dict(module: nn.Module, prefix: str
         q = module._modules.get(kind)
         if not isinstance(q, TensorQuantizer) or not _is_saved(q):
             continue
+        if q.static_block_scales and kind == "weight_quantizer":
+            # [rows, K // 16] splits with the weight, on the weight's TP axis (blocks never straddle a shard).
+            key = f"{prefix}{kind}._block_amax"
+            data = _block_amax_data(q, (weight.shape[0], weight.shape[1] // 16), _module_device(module))
+            out[key] = _dense_amax_entry(key, data, offsets, ((len(offsets) + module.sharded_axis, tp_rank, tp_size),),
+                                         (0, 0, dp_rank), loading)
         sharded = channel_is_sharded(q, kind, module.sharded_axis)
         if q.static_block_size is not None:
             # [rows * blocks, 1] interleaves this rank's blocks with the other TP ranks' along the split weight.
@@ -214,6 +227,8 @@ def expert_quantizers_sharded_state_dict(owner: nn.Module, gemm: ExpertGemm, gri
         q: ExpertQuantizer = getattr(gemm.quantizers, kind)
         if not _is_saved(q):
             continue
+        if q.static_block_scales and kind == "weight_quantizer":
+            out.update(_expert_block_amax_entry(owner, q, gemm, grid, prefix, ckpt_prefix, offsets, metadata))
         place = expert_amax_placement(q, kind, gemm, grid, len(offsets))
         if place.channel_split and place.channel_split[1] > 1 and kind == "weight_quantizer" and \
                 gemm.sharded_axis == 0 and getattr(getattr(owner, "config", None), "gated_linear_unit", False):
@@ -227,6 +242,25 @@ def expert_quantizers_sharded_state_dict(owner: nn.Module, gemm: ExpertGemm, gri
         else:
             out[f"{prefix}{kind}._amax"] = spec.factory(data, expert=None)
     return out
+
+
+def _expert_block_amax_entry(owner: nn.Module, q: ExpertQuantizer, gemm: ExpertGemm, grid: ExpertGrid, prefix: str,
+                             ckpt_prefix: str, offsets: tuple, metadata: dict | None) -> dict:
+    """Static block scales of expert weights: ``[L, E, rows, K // 16]`` under the global expert axis, every expert its
+    own blocks whatever the amax layout (a block belongs to one expert's weight).
+
+    Raises:
+        NotImplementedError: expert tensor parallelism > 1 (the blocks would split with the weight over expert-TP).
+    """
+    if grid.etp_size > 1:
+        raise NotImplementedError(f"{prefix}weight_quantizer: static NVFP4 block scales with expert tensor "
+                                  f"parallelism {grid.etp_size} are not supported in checkpoints")
+    rows, k = gemm.weight_shape
+    data = _block_amax_data(q, (gemm.num_local, rows, k // 16), _module_device(owner))
+    key = f"{ckpt_prefix}weight_quantizer._block_amax"
+    expert_axis = (len(offsets), grid.ep_rank, grid.ep_size)
+    return {f"{prefix}weight_quantizer._block_amax": _dense_amax_entry(
+        key, data, offsets, (expert_axis,), (0, grid.etp_rank, grid.edp_rank), _loading(metadata))}
 
 
 class _ExpertEntry:

@@ -10,9 +10,11 @@ the amax itself is max-reduced over (tensor-parallel shards of a weight, and for
 rank), so every layout chooses what one rank holding the whole weight chooses. Activation amaxes keep their max
 calibration, as in Model Optimizer.
 
-Searched: quantizers whose amax is the element scale (FP8, INT per tensor / channel / static block). Left at max, as
-Model Optimizer leaves them: dynamic quantizers, formats whose scales come from the data (int dynamic blocks, MX) and
-two-level formats (NVFP4: the amax is the second-level scale of block scales taken from the weights).
+Searched: quantizers whose amax is the element scale (FP8, INT per tensor / channel / static block), and the block
+amaxes of static NVFP4 block scales (:mod:`.nvfp4_blocks`: the multiplier grid, or with ``fp8_scale_sweep`` every
+E4M3 block scale; with ``fp8_scale_sweep`` only those, every other weight keeping its max calibration, as in Model
+Optimizer). Left at max, as Model Optimizer leaves them: dynamic quantizers, formats whose scales come from the data
+(int dynamic blocks, MX) and the second-level amax of two-level formats (NVFP4).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..quant_module import is_quantized
 from ..tensor_quantizer import TensorQuantizer
 from ..utils import warn_once
 from .calibrator import Calibrator, Statistic, reduce_statistics
+from .nvfp4_blocks import search_block_amax, searchable_blocks
 
 __all__ = ["MseCalibrator", "mse_multipliers", "searchable"]
 
@@ -88,6 +91,21 @@ def _choose(initial: torch.Tensor, multipliers: torch.Tensor, losses: torch.Tens
     return initial * best.reshape(initial.shape)
 
 
+def _search_blocks(q: TensorQuantizer, weights: list[torch.Tensor], config: MseCalibConfig,
+                   multipliers: torch.Tensor) -> None:
+    """Static block scales: each block's amax of least error, expert by expert (local: no collective)."""
+    scale_max = q.cfg.block_scale_max
+    with torch.no_grad():
+        if isinstance(q, ExpertQuantizer):
+            chosen = torch.stack([search_block_amax(q.fmt, w, q.row_of(q.amax, i), q.block_amax[i], scale_max,
+                                                    config.fp8_scale_sweep, multipliers)
+                                  for i, w in enumerate(weights)])
+        else:
+            chosen = search_block_amax(q.fmt, weights[0], q.amax, q.block_amax, scale_max, config.fp8_scale_sweep,
+                                       multipliers)
+    q.block_amax = chosen
+
+
 class MseCalibrator(Calibrator):
     """Weight MSE search on top of max calibration (see the module docstring)."""
 
@@ -99,11 +117,16 @@ class MseCalibrator(Calibrator):
         (one collective per group name, the same on every rank), then the amax of the least error."""
         multipliers = mse_multipliers(self.config)
         statistics = []
+        swept = 0
         for module in model.modules():
             if not is_quantized(module):
                 continue
             for rel, q, weights in module.weights_to_calibrate():
-                if not searchable(q):
+                if searchable_blocks(q):
+                    _search_blocks(q, weights, self.config, multipliers)
+                    swept += 1
+                    continue
+                if self.config.fp8_scale_sweep or not searchable(q):
                     continue
                 if q.refreshes_amax:
                     warn_once("calibrate(mse): weight_amax_update=dynamic recomputes the weight amaxes from the "
@@ -121,3 +144,6 @@ class MseCalibrator(Calibrator):
 
                 statistics.append(Statistic(losses, "sum", module.amax_reduction(rel), store))
         reduce_statistics(statistics, groups)
+        if self.config.fp8_scale_sweep and not swept:
+            warn_once("calibrate(mse, fp8_scale_sweep): no weight quantizer has static NVFP4 block scales "
+                      "(block_sizes.type: static), so nothing was searched; every weight keeps its max calibration")

@@ -35,6 +35,7 @@ from ...numerics import fake_quant, get_format, quant_error_sums
 from ..expert_quantizer import ExpertQuantizer
 from ..quant_mode import QuantMode
 from ..tensor_quantizer import clip_mask
+from ..utils import warn_once
 from ..weight_amax import LearnedAmaxSTE, learned_amax_ste, refresh_weight_amax
 from ..weight_reuse import in_reuse_scope, reused_or_computed, weight_key
 from .experts import use_kernels
@@ -66,11 +67,15 @@ def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], ker
     mode = q.mode
     if mode is QuantMode.OFF:
         return (weights, None) if with_stats else weights
-    if not mode.settled:
+    if not mode.settled or q.learns_block_amax:  # learned block scales: each expert's gradient, expert by expert
         out = q.forward_experts(weights)
         return (out, _weight_sums(weights, out) if q.is_quantizing else None) if with_stats else out
     device = weights[0].device
-    fast = use_kernels(kernel, device)
+    # Static block scales have no kernel yet: the reference, expert by expert.
+    fast = use_kernels(kernel, device) and q.block_amax is None
+    if kernel == "triton" and q.block_amax is not None:
+        warn_once("kernel=triton: static NVFP4 block scales have no Triton kernel yet; their expert weights are "
+                  "fake-quantized by the torch reference (the same numbers)")
     untracked = owner is None or _traced(device)
     if untracked and mode is QuantMode.STATIC and not with_stats:
         return _static_ste(q, weights, fast)
@@ -115,8 +120,12 @@ def _launch(q: ExpertQuantizer, weights, amax: torch.Tensor | None, fast: bool, 
         return grouped_weight_fake_quant_stats(weights, amax, q.fmt, q.block_size, q.narrow_range)
     if fast:
         return grouped_weight_fake_quant(weights, amax, q.fmt, q.block_size, q.narrow_range), None
-    values = [fake_quant(w, q.fmt, None if amax is None else q.row_of(amax, i), q.block_size, **q.int_kwargs)
-              for i, w in enumerate(weights)]
+    if q.block_amax is not None:
+        spec, blocks, scale_max = get_format(q.fmt), q.block_amax.detach(), q.cfg.block_scale_max
+        values = [spec.fake_quant_static(w, q.row_of(amax, i), blocks[i], scale_max) for i, w in enumerate(weights)]
+    else:
+        values = [fake_quant(w, q.fmt, None if amax is None else q.row_of(amax, i), q.block_size, **q.int_kwargs)
+                  for i, w in enumerate(weights)]
     return values, (_weight_sums(weights, values) if with_stats else None)
 
 
@@ -161,8 +170,10 @@ def _values(q: ExpertQuantizer, mode: QuantMode, weights, fast: bool, owner, rel
     # group), so the weights' key covers it; the collective inside compute() runs on the first forward of the
     # scope on every rank alike.
     stored = None if mode is QuantMode.REFRESHED else (q.amax if q.needs_amax else None)
-    return reused_or_computed(owner, lambda: weight_key(weights, stored, q.cfg, q.ste, fast, mode, with_stats),
-                              compute)
+    blocks = q.block_amax  # static block scales: a sweep or a load changes them in place (version) or anew (id)
+    block_key = None if blocks is None else (id(blocks), blocks.data_ptr(), blocks._version)
+    return reused_or_computed(owner, lambda: weight_key(weights, stored, q.cfg, q.ste, fast, mode, with_stats,
+                                                        block_key), compute)
 
 
 def _weight_sums(weights, values) -> torch.Tensor:

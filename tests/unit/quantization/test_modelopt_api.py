@@ -194,7 +194,8 @@ def to_cfg(c):
     ({"num_bits": 8, "backend": "my_backend"}, "backend"),
     ({"num_bits": 8, "constant_amax": 448.0}, "constant_amax"),
     ({"num_bits": 4, "block_sizes": {-1: 128, -2: 128}}, "block_sizes"),
-    ({"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "static"}}, "block_sizes.type"),
+    ({"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "static", "scale_block_sizes": {-1: 16}}},
+     "block_sizes.scale_block_sizes"),
 ])
 def test_model_optimizer_features_we_do_not_have_name_the_key_and_the_doc(attrs, key):
     with pytest.raises(ConfigError) as e:
