@@ -1,7 +1,7 @@
 """Memory of the QAD teacher per GPU: bf16 weights, FP8 weights, or precomputed top-k logits streamed from disk.
 
 The teacher is a Qwen3-30B-A3B-shaped Megatron ``GPTModel`` layer stack (defaults: 2 layers of hidden 2048, 32
-attention heads in 4 KV groups, 128 experts of FFN 768, top-8, SwiGLU, RMSNorm, vocabulary 151,936), on one GPU
+attention heads of 128 in 4 KV groups, 128 experts of FFN 768, top-8, SwiGLU, RMSNorm, vocabulary 151,936), on one GPU
 (TP = EP = 1), built with Megatron's local layer spec and the project's grouped experts (``TEGroupedMLP``'s layout
 without Transformer Engine: FP8 teacher storage refuses TE modules). Variants:
 
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-TINY = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "experts": 8, "moe_ffn_hidden": 32, "topk": 2,
-        "vocab": 512, "seq": 32, "micro_batch": 2, "logits_k": 16}
+TINY = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "experts": 8, "moe_ffn_hidden": 32,
+        "topk": 2, "vocab": 512, "seq": 32, "micro_batch": 2, "logits_k": 16}
 VARIANTS = ("bf16", "fp8", "stored")
 MIB = 2.0 ** 20
 
@@ -51,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--moe-ffn-hidden", type=int, default=768)
     p.add_argument("--topk", type=int, default=8, help="experts per token")
@@ -80,8 +81,9 @@ def build_teacher(args, seed: int = 1234):
     return mm.build_moe_gpt(
         num_layers=args.layers, hidden=args.hidden, ffn_hidden=args.moe_ffn_hidden, num_experts=args.experts,
         vocab_size=args.vocab, seq_len=args.seq, moe_router_topk=args.topk, params_dtype=torch.bfloat16, seed=seed,
-        experts="grouped", num_attention_heads=args.heads, num_query_groups=args.kv_heads, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, normalization="RMSNorm", moe_router_load_balancing_type="none",
+        experts="grouped", num_attention_heads=args.heads, num_query_groups=args.kv_heads, kv_channels=args.head_dim,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm",
+        moe_router_load_balancing_type="none",
     ).eval()
 
 
@@ -166,7 +168,7 @@ def table(args, rows: list[dict]) -> str:
     for r in rows:
         ratio = r[key] / base[key] if r[key] is not None and base[key] else None
         lines.append(f"{r['variant']:<8} {_cell(r['resident_mib']):>13} {_cell(r['forward_mib']):>13} "
-                     f"{_cell(r['peak_mib']):>10} {_cell(ratio, '{:.2f}x'):>8} {_cell(r['disk_mib']):>9} "
+                     f"{_cell(r['peak_mib']):>10} {_cell(ratio, '{:.2f}x'):>8} {_cell(r['disk_mib'], '{:,.2f}'):>9} "
                      f"{_cell(r['layer_mib']):>14} {_cell(r['full_model_gib'], '{:,.2f}'):>14}")
     lines.append(f"vs bf16: of {'peak' if key == 'peak_mib' else 'resident'} memory. '{args.full_layers} layers': "
                  "the resident bytes per layer times the layers, plus embedding, final norm and output layer.")

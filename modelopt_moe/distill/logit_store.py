@@ -346,10 +346,9 @@ class StoredTeacherLogits(nn.Module):
                                   "ones (another data order or data)")
         self.position = (i + 1) % len(self.store)
         values, ids = self.store.batch(i)
-        local = ids.to(tokens.device, torch.int64) - self.vocab_first
-        inside = (local >= 0) & (local < self.vocab_slice)
-        out = torch.full((*tokens.shape, self.vocab_slice + 1), float("-inf"), dtype=values.dtype,
-                         device=tokens.device)
-        # ids of other ranks' slices go to a spare last column, dropped below
-        out.scatter_(-1, torch.where(inside, local, self.vocab_slice), values.to(tokens.device))
-        return out[..., :self.vocab_slice]
+        local = ids.to(tokens.device, torch.int64).reshape(-1, ids.shape[-1]) - self.vocab_first
+        inside = (local >= 0) & (local < self.vocab_slice)  # the ids of this rank's slice
+        rows = torch.arange(local.shape[0], device=tokens.device).unsqueeze(-1).expand_as(local)
+        out = torch.full((local.shape[0], self.vocab_slice), float("-inf"), dtype=values.dtype, device=tokens.device)
+        out[rows[inside], local[inside]] = values.to(tokens.device).reshape(local.shape)[inside]
+        return out.reshape(*tokens.shape, self.vocab_slice)
