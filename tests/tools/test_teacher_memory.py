@@ -37,3 +37,13 @@ def test_device_cuda_without_a_gpu_is_refused():
                          capture_output=True, text=True, timeout=seconds(120))
     assert res.returncode == 2
     assert "--device cuda: no CUDA device" in res.stderr
+
+
+def test_the_qad_study_takes_the_fp8_teacher_as_a_variant_field():
+    from qad_study import parse_variant
+
+    from modelopt_moe.distill import QADRecipe
+
+    assert parse_variant("nvfp4/qad:teacher_fp8=per_channel")[2] == QADRecipe(teacher_fp8="per_channel")
+    with pytest.raises(ValueError, match=r"variant 'nvfp4/qad:teacher_fp8=fp8': QADRecipe.teacher_fp8='fp8'"):
+        parse_variant("nvfp4/qad:teacher_fp8=fp8")
