@@ -86,25 +86,30 @@ def store_weights_fp8(model: nn.Module, granularity: str = "per_tensor") -> dict
                              f"({type(module).__name__}); TE reads its weights itself: build the teacher with "
                              "Megatron's local layer spec, or use TE's own FP8 weights (te.fp8_model_init)")
         plan.append((path, module, names))
-    encoded = []
+    encoded, done = [], {}
     for path, module, names in plan:  # encode everything first: a bad weight changes nothing
         for n in names:
             w = module._parameters[n].detach()
+            if id(module._parameters[n]) in done:  # a weight shared by two modules (tied): one copy of the codes
+                encoded.append((module, n, *done[id(module._parameters[n])][:3], 0))
+                continue
             rows = w.reshape(w.shape[0], -1).float()
             amax = rows.abs().amax() if granularity == "per_tensor" else rows.abs().amax(-1, keepdim=True)
             codes, scale = encode_fp8(rows, amax, name=f"{path}.{n}" if path else n)
             if granularity == "per_channel":
                 scale = scale.reshape(w.shape[0], *([1] * (w.dim() - 1)))
-            encoded.append((module, n, codes.reshape(w.shape), scale.float().contiguous(), w.dtype, w.numel()
-                            * w.element_size()))
+            codes, scale = codes.reshape(w.shape), scale.float().contiguous()
+            done[id(module._parameters[n])] = (codes, scale, w.dtype)
+            encoded.append((module, n, codes, scale, w.dtype, w.numel() * w.element_size()))
     stats = {"converted": len(encoded), "bytes_before": 0, "bytes_after": 0}
     for module, n, codes, scale, dtype, nbytes in encoded:
         del module._parameters[n]
         module.register_buffer(f"{n}_fp8", codes)
         module.register_buffer(f"{n}_fp8_scale", scale)
         module.__dict__.setdefault("_fp8_dtypes", {})[n] = dtype
-        stats["bytes_before"] += nbytes
-        stats["bytes_after"] += codes.numel() + scale.numel() * scale.element_size()
+        if nbytes:  # not a second module of a shared weight
+            stats["bytes_before"] += nbytes
+            stats["bytes_after"] += codes.numel() + scale.numel() * scale.element_size()
     for _, module, names in plan:
         module.__class__ = _fp8_class(type(module), names)
     return stats

@@ -99,3 +99,18 @@ def test_transformer_engine_modules_are_refused_by_name():
     with pytest.raises(ValueError, match=r"store_weights_fp8: 1 is a Transformer Engine module \(Linear\)"):
         store_weights_fp8(model)
     assert type(model[0]) is torch.nn.Linear  # nothing changed
+
+
+def test_a_weight_shared_by_two_modules_is_stored_once():
+    torch.manual_seed(0)
+    embedding, head = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False)
+    head.weight = embedding.weight  # tied, as a Hugging Face LM head
+    model = torch.nn.Sequential(embedding, head).bfloat16()
+    reference, before = _fake_quantized(model, "per_channel"), stored_bytes(model)
+    stats = store_weights_fp8(model, "per_channel")
+    assert stats["converted"] == 2
+    assert model[0].weight_fp8 is model[1].weight_fp8  # one copy of the codes
+    assert stored_bytes(model) < 0.6 * before
+    tokens = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), reference(tokens))
