@@ -15,6 +15,7 @@ from torch import nn
 from ..quantization.conversion import register_wrapper
 from .logit_store import StoredTeacherLogits
 from .losses import logits_kl_loss, vocab_parallel_cross_entropy
+from .recipe import TEACHER_FP8_GRANULARITIES
 from .teacher_fp8 import store_weights_fp8
 
 __all__ = ["DistillationModel"]
@@ -69,6 +70,9 @@ class DistillationModel(nn.Module):
                              f"lm_loss_weight={lm_loss_weight}")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"DistillationModel: top_k must be a positive integer or None, got {top_k!r}")
+        if teacher_fp8 is not None and teacher_fp8 not in TEACHER_FP8_GRANULARITIES:
+            raise ValueError(f"DistillationModel: teacher_fp8={teacher_fp8!r}; expected None or one of "
+                             f"{list(TEACHER_FP8_GRANULARITIES)}")
         if isinstance(teacher, StoredTeacherLogits):
             if top_k not in (None, teacher.top_k):
                 raise ValueError(f"DistillationModel: top_k={top_k} but the stored teacher logits "

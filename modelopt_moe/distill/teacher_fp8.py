@@ -43,8 +43,31 @@ def _fp8_class(cls: type, names: tuple[str, ...]) -> type:
     if key not in _CLASSES:
         props = {n: property(lambda self, n=n: _dequantized(self, n), doc=f"``{n}`` dequantized from FP8")
                  for n in names}
-        _CLASSES[key] = type(f"FP8Stored{cls.__name__}", (cls,), {**props, "__module__": cls.__module__})
+        _CLASSES[key] = type(f"FP8Stored{cls.__name__}", (cls,), {
+            **props, "__module__": cls.__module__, "__reduce_ex__": _reduce_ex, "_fp8_key": key})
     return _CLASSES[key]
+
+
+def _reduce_ex(module: nn.Module, protocol):
+    """Pickles (and deep-copies) a converted module through its original class, which pickles by name. The codes
+    travel as their bytes (uint8): torch 2.13 cannot unpickle a float8 tensor with plain ``pickle``."""
+    cls, names = type(module)._fp8_key
+    state = dict(module.__getstate__())
+    state["_buffers"] = {k: v.view(torch.uint8) if k in _codes(names) else v for k, v in state["_buffers"].items()}
+    return _restore, (cls, names, state)
+
+
+def _codes(names: tuple[str, ...]) -> set[str]:
+    return {f"{n}_fp8" for n in names}
+
+
+def _restore(cls: type, names: tuple[str, ...], state: dict) -> nn.Module:
+    state["_buffers"] = {k: v.view(torch.float8_e4m3fn) if k in _codes(names) else v
+                         for k, v in state["_buffers"].items()}
+    module = cls.__new__(cls)
+    module.__setstate__(state)
+    module.__class__ = _fp8_class(cls, names)
+    return module
 
 
 def _is_transformer_engine(module: nn.Module) -> bool:

@@ -1,6 +1,7 @@
 """The teacher's weights in FP8: real E4M3 codes and scales, read back dequantized wherever the model reads them."""
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -71,6 +72,18 @@ def test_distillation_model_stores_the_teacher_in_fp8_and_trains_the_student():
     loss.backward()
     assert all(p.grad is not None for p in student.parameters() if p.dim() == 2)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # the student's alone: the teacher is no child
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # both, like any DistillationModel
+        assert type(clone.teacher.fc1) is type(model.teacher.fc1)
+        assert torch.equal(clone.teacher.fc1.weight, model.teacher.fc1.weight)
+        assert clone.teacher.fc1.weight_fp8.data_ptr() != model.teacher.fc1.weight_fp8.data_ptr()
+
+
+def test_distillation_model_refuses_an_unknown_granularity_before_touching_the_teacher():
+    teacher = _model().train()
+    with pytest.raises(ValueError, match=r"teacher_fp8='e4m3'; expected None or one of \['per_tensor', 'per_chan"):
+        DistillationModel(_model(), teacher, teacher_fp8="e4m3")
+    assert teacher.training
+    assert type(teacher.fc1) is torch.nn.Linear
 
 
 def test_recipe_opts_in_and_checks_the_value():
