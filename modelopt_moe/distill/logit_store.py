@@ -186,6 +186,9 @@ class TeacherLogitsWriter:
         Returns:
             The store's directory on a writing rank, None on the others.
         """
+        if not self._digests:
+            self.abort()
+            raise LogitStoreError(f"teacher logits store {self.directory}: no batch was added; nothing to write")
         if not self.write:
             return None
         try:
@@ -245,6 +248,12 @@ class TeacherLogitsStore:
         for key in ("top_k", "vocab_size", "values_dtype", "batches", "tokens_sha256", "tokens_shape", "shards"):
             if key not in m:
                 raise LogitStoreError(f"teacher logits store {path}: field {key!r} is missing")
+        try:  # every shard entry readable, before any of it is used
+            m["shards"] = [{"file": str(s["file"]), "first": int(s["first"]), "count": int(s["count"]),
+                            "bytes": int(s["bytes"])} for s in m["shards"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise LogitStoreError(f"teacher logits store {path}: field 'shards' is damaged ({type(e).__name__}: "
+                                  f"{e}); expected a list of {{file, first, count, bytes}}") from e
         for key, want in (("top_k", top_k), ("vocab_size", vocab_size)):
             if want is not None and m[key] != want:
                 raise LogitStoreError(f"teacher logits store {path}: field {key!r} is {m[key]}, but the run "
@@ -325,13 +334,15 @@ class StoredTeacherLogits(nn.Module):
         store: the opened store.
         vocab_first: the first vocabulary id of this rank's slice.
         vocab_slice: the ids of this rank's slice (None: the whole vocabulary).
+        start_batch: the store's batch the first call reads (a run resumed after ``n`` micro-batches: ``n``).
     """
 
-    def __init__(self, store: TeacherLogitsStore, vocab_first: int = 0, vocab_slice: int | None = None):
+    def __init__(self, store: TeacherLogitsStore, vocab_first: int = 0, vocab_slice: int | None = None,
+                 start_batch: int = 0):
         super().__init__()
         self.store, self.vocab_first = store, vocab_first
         self.vocab_slice = store.vocab_size if vocab_slice is None else vocab_slice
-        self.top_k, self.position = store.top_k, 0
+        self.top_k, self.position = store.top_k, start_batch % len(store)
 
     def forward(self, tokens: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """The stored logits of the next batch (``tokens``: the batch's token ids, the models' first input).

@@ -177,7 +177,8 @@ def write_teacher_logits(teacher: torch.nn.Module, batches, directory, *, top_k:
     return path
 
 
-def stored_teacher_logits(directory, *, batches=None, top_k: int | None = None) -> StoredTeacherLogits:
+def stored_teacher_logits(directory, *, batches=None, top_k: int | None = None,
+                          start_batch: int = 0) -> StoredTeacherLogits:
     """The teacher's precomputed logits (:func:`write_teacher_logits`) for ``distillation_model(student, teacher)``,
     read by this rank from its data-parallel replica's store, at its tensor-parallel slice of the vocabulary.
 
@@ -186,6 +187,7 @@ def stored_teacher_logits(directory, *, batches=None, top_k: int | None = None) 
         batches: the batches this rank will train on, in order: checked against the store now, before any step
             (None: each batch is checked when it comes).
         top_k: the ``k`` the run expects (None: the store's).
+        start_batch: the batch of the store the first micro-batch reads (a resumed run: the micro-batches done).
 
     Raises:
         LogitStoreError: (a ``ValueError``) the store is missing, damaged, or does not fit (tokens, their order,
@@ -197,7 +199,7 @@ def stored_teacher_logits(directory, *, batches=None, top_k: int | None = None) 
         raise ValueError(f"stored_teacher_logits: {store.directory / 'manifest.json'} field 'vocab_size' "
                          f"{store.vocab_size} does not split over {tp} tensor-parallel ranks")
     local = store.vocab_size // tp
-    return StoredTeacherLogits(store, vocab_first=rank * local, vocab_slice=local)
+    return StoredTeacherLogits(store, vocab_first=rank * local, vocab_slice=local, start_batch=start_batch)
 
 
 class PipelineDistillationModel(DistillationModel):

@@ -53,6 +53,10 @@ def test_store_holds_the_top_k_in_shards_and_the_kl_from_it_is_the_live_top_k_kl
     assert torch.equal(values, live.topk(K).values)
     assert torch.equal(live.gather(-1, ids.long()), values)
     stored = StoredTeacherLogits(store)
+    resumed = StoredTeacherLogits(store, start_batch=7)  # 7 micro-batches done: the third of the second epoch
+    assert torch.equal(resumed(BATCHES[2]), stored(BATCHES[0]).new_full((2, 9, VOCAB), float("-inf")).scatter(
+        -1, store.batch(2)[1].long(), store.batch(2)[0]))
+    stored.position = 0
     for epoch in range(2):  # cycles: a second epoch reads the store again
         for tokens in BATCHES:
             s = torch.randn(2, 9, VOCAB, generator=torch.Generator().manual_seed(epoch)).requires_grad_(True)
@@ -133,6 +137,13 @@ def test_a_damaged_or_mismatched_store_is_refused_naming_the_file_and_field(tmp_
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(LogitStoreError, match=r"shard-00001.pt: \d+ bytes; the manifest's field 'shards' records"):
         TeacherLogitsStore(path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, "shards": [{"file": "shard-00000.pt"}]}))
+    with pytest.raises(LogitStoreError, match=r"field 'shards' is damaged \(KeyError: 'first'\)"):
+        TeacherLogitsStore(path)
+    with pytest.raises(LogitStoreError, match=r"no batch was added; nothing to write"):
+        TeacherLogitsWriter(tmp_path / "empty", top_k=K).commit()
+    assert not (tmp_path / "empty").exists()
     (path / "manifest.json").write_text(json.dumps({"format": "something else", "version": 1}))
     with pytest.raises(LogitStoreError, match=r"format/version \('something else', 1\)"):
         TeacherLogitsStore(path)
