@@ -10,10 +10,11 @@
   stored top-k logits gives exactly the losses and weights of QAD with the live teacher's top-k KL on the same
   batches, over two epochs of the data, without a single teacher forward; a store that does not fit the run
   (other tokens, another order, another k, another vocabulary) is refused before any step, naming the file and
-  the field.
+  the field. At TP=1 x DP=2 each data-parallel rank writes and reads a store of its own batches.
 """
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,6 +127,22 @@ def _stored_logits_checks(mm, mt, tmp):
     return out
 
 
+def _data_parallel_checks(mm, mt, tmp, rank):
+    """TP=1 x DP=2: each data-parallel rank writes and reads its own store (its own batches)."""
+    from megatron_harness.configs import expert_quant_config
+
+    from modelopt_moe.plugins.megatron import stored_teacher_logits, write_teacher_logits
+
+    mm.init_model_parallel(1, 1, seed=SEED)
+    batches = mm.text_batches(2, 32, 2, offset=50 * rank)
+    cfg = expert_quant_config("nvfp4", "dynamic")
+    teacher = mm.build_moe_gpt(seed=SEED + 1).eval()
+    live, _ = _train(mm, mt, teacher, batches, 2, cfg)
+    path = write_teacher_logits(teacher, batches, tmp, top_k=K, values_dtype=torch.float32)
+    stored, _ = _train(mm, mt, stored_teacher_logits(tmp, batches=batches), batches, 2, cfg)
+    return {"path": path.name, "live": live, "stored": stored, "stores": sorted(p.name for p in Path(tmp).iterdir())}
+
+
 def _worker(rank, world_size, tmp):
     import megatron_harness.models as mm
 
@@ -134,6 +151,7 @@ def _worker(rank, world_size, tmp):
     mm.init_model_parallel(2, 1, seed=SEED)
     out = {"fp8": _fp8_teacher_checks(mm, mm.text_batches(2, 32, 1, offset=300)[0])}
     out["stored"] = _stored_logits_checks(mm, mt, tmp)
+    out["data_parallel"] = _data_parallel_checks(mm, mt, f"{tmp}-dp", rank)
     return out
 
 
@@ -182,3 +200,11 @@ def test_mismatched_store_is_refused_before_any_step_naming_file_and_field(resul
                             "vocab": ("manifest.json", "'vocab_size' is 256", "512")}.items():
             assert all(w in refused[what] for w in words), (what, refused[what])
         assert "tokens_sha256[0]" in refused["streamed"], refused
+
+
+def test_each_data_parallel_rank_writes_and_reads_its_own_store(results):
+    for rank, r in enumerate(results):
+        d = r["data_parallel"]
+        assert d["path"] == f"dp{rank:05d}-of-00002"
+        assert d["stores"] == ["dp00000-of-00002", "dp00001-of-00002"]  # both written before either reads
+        assert d["stored"] == d["live"]
