@@ -8,7 +8,8 @@ On disk, a directory::
 
     manifest.json         what the store holds (format, k, vocabulary, value dtype, batches, their token hashes,
                           the shards with their batches and byte sizes)
-    shard-00000.pt ...    torch files, each a list of ``{"values": [..., k], "indices": [..., k] int32}`` per batch
+    shard-00000.pt ...    torch files, each a list of ``{"values": [..., w], "indices": [..., w] int32}`` per batch
+                          (``w = k``, or more where logits tie with the k-th largest, padded with -inf and id -1)
 
 Written all or nothing: into a temporary directory beside the target, renamed into place at the end (a store of
 ours already there is replaced only then; anything else there is refused before the teacher runs).
@@ -18,8 +19,8 @@ use, their tokens and order, before any step; :class:`StoredTeacherLogits` is a 
 stood in :class:`~modelopt_moe.distill.DistillationModel`: given a batch's tokens it checks them against the store
 and returns the teacher's logits as the top-k KL reads them (the stored values at their ids, ``-inf`` elsewhere, this
 rank's vocabulary slice), so the loss is the top-k KL of the live teacher (``logits_kl_loss(..., top_k=k)``), the
-same numbers when the values are stored in the teacher logits' dtype. Tokens tied with the ``k``-th largest logit
-beyond ``k`` are not stored (the live top-k keeps them).
+same numbers when the values are stored in the teacher logits' dtype (ties with the ``k``-th largest logit are
+stored too, as the top-k KL keeps them).
 """
 
 from __future__ import annotations
@@ -161,7 +162,16 @@ class TeacherLogitsWriter:
             raise LogitStoreError(f"teacher logits store {self.directory}: top_k={self.top_k} exceeds the "
                                   f"vocabulary ({vocab})")
         self._vocab = vocab
-        values, ids = global_top_k(teacher_logits.detach(), self.top_k, self.tp_group)
+        logits = teacher_logits.detach()
+        # The top-k KL keeps every logit tied with the k-th largest: so does the store (a batch's rows are as wide
+        # as its most tied token's; the other rows end in padding, value -inf and id -1).
+        kth = global_top_k(logits, self.top_k, self.tp_group)[0][..., -1:]
+        ties = (logits >= kth).sum(-1)
+        if _tp(self.tp_group)[1] > 1:
+            dist.all_reduce(ties, group=self.tp_group)
+        values, ids = global_top_k(logits, max(self.top_k, int(ties.max()) if ties.numel() else 0), self.tp_group)
+        beyond = values < kth
+        values, ids = values.masked_fill(beyond, float("-inf")), ids.masked_fill(beyond, -1)
         self._digests.append(token_digest(tokens))
         self._shapes.append(list(tokens.shape))
         if self.write:
@@ -301,7 +311,8 @@ class TeacherLogitsStore:
                                       f"differ from the stored ones ({where})")
 
     def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(values, indices)`` of batch ``i``: ``[*tokens.shape, k]`` in the stored dtype and int32."""
+        """``(values, indices)`` of batch ``i``: ``[*tokens.shape, w]`` in the stored dtype and int32 (``w >= k``: the
+        logits tied with the k-th largest are there too; shorter rows end in padding, -inf at id -1)."""
         if not 0 <= i < self.num_batches:
             raise IndexError(f"teacher logits store {self.directory}: batch {i} of {self.num_batches}")
         for s in self.manifest["shards"]:

@@ -97,9 +97,10 @@ def _stored_logits_checks(mm, mt, tmp):
 
     batches = mm.text_batches(2, 32, 4)
     cfg = expert_quant_config("nvfp4", "dynamic")
-    teacher = mm.build_moe_gpt(seed=SEED + 1).eval()  # fp32: the logits, and the stored values, are fp32
+    # bf16 teacher, values stored in bf16 (the default): the teacher's own logits, ties with the k-th included
+    teacher = mm.build_moe_gpt(seed=SEED + 1, params_dtype=torch.bfloat16).eval()
     live_losses, live_weights = _train(mm, mt, teacher, batches, 4, cfg)  # 2 epochs of the 4 batches
-    path = write_teacher_logits(teacher, batches, tmp, top_k=K, values_dtype=torch.float32, batches_per_shard=3)
+    path = write_teacher_logits(teacher, batches, tmp, top_k=K, batches_per_shard=3)
     forwards = []
     teacher.register_forward_pre_hook(lambda *a: forwards.append(1))
     store = stored_teacher_logits(tmp, batches=batches)
@@ -136,7 +137,7 @@ def _data_parallel_checks(mm, mt, tmp, rank):
     mm.init_model_parallel(1, 1, seed=SEED)
     batches = mm.text_batches(2, 32, 2, offset=50 * rank)
     cfg = expert_quant_config("nvfp4", "dynamic")
-    teacher = mm.build_moe_gpt(seed=SEED + 1).eval()
+    teacher = mm.build_moe_gpt(seed=SEED + 1).eval()  # fp32 logits, stored in fp32
     live, _ = _train(mm, mt, teacher, batches, 2, cfg)
     path = write_teacher_logits(teacher, batches, tmp, top_k=K, values_dtype=torch.float32)
     stored, _ = _train(mm, mt, stored_teacher_logits(tmp, batches=batches), batches, 2, cfg)

@@ -83,6 +83,25 @@ def test_distillation_model_from_the_store_equals_the_live_teacher_top_k(tmp_pat
         DistillationModel(student, StoredTeacherLogits(store), teacher_fp8="per_tensor")
 
 
+def test_logits_tied_with_the_kth_are_stored_as_the_live_top_k_keeps_them(tmp_path):
+    # bf16 logits on a coarse grid: many tokens have several logits equal to their k-th largest
+    g = torch.Generator().manual_seed(3)
+    logits = [(torch.randn(2, 9, VOCAB, generator=g) * 2).round().div(2).bfloat16() for _ in BATCHES]
+    writer = TeacherLogitsWriter(tmp_path / "store", top_k=K)  # bf16 values: the default
+    for tokens, t in zip(BATCHES, logits, strict=True):
+        writer.add(tokens, t)
+    store = TeacherLogitsStore(writer.commit())
+    assert max(store.batch(i)[0].shape[-1] for i in range(len(BATCHES))) > K  # ties widen the rows
+    stored = StoredTeacherLogits(store)
+    for tokens, t in zip(BATCHES, logits, strict=True):
+        s = torch.randn(2, 9, VOCAB, generator=g).bfloat16()
+        s1, s2 = s.clone().requires_grad_(True), s.clone().requires_grad_(True)
+        kl, kl_live = logits_kl_loss(s1, stored(tokens), top_k=K), logits_kl_loss(s2, t, top_k=K)
+        (kl.sum() + kl_live.sum()).backward()
+        assert torch.equal(kl, kl_live)
+        assert torch.equal(s1.grad, s2.grad)
+
+
 def test_bf16_values_and_int32_ids_take_6_bytes_a_token_and_a_tensor_parallel_slice_reads_its_ids(tmp_path):
     teacher = TinyLM(1)
     store = TeacherLogitsStore(_write(tmp_path / "store", teacher, dtype=torch.bfloat16, per_shard=5))
