@@ -28,6 +28,13 @@ The settings of a QAD run are a :class:`~modelopt_moe.distill.QADRecipe` (the de
     model = DDP(Float16Module(distillation_model(student, teacher, recipe=recipe)))
     optimizer = get_qad_optimizer(qad_optimizer_config(recipe, bf16=True), [model])
     scheduler = qad_lr_scheduler(optimizer, recipe, steps)      # scheduler.step(1) after every optimizer step
+
+The teacher's memory: ``QADRecipe(teacher_fp8=...)`` stores its weights in FP8 (dequantized per layer);
+:func:`write_teacher_logits` runs it once and stores its top-k logits on disk, and :func:`stored_teacher_logits` stands
+for it afterwards (no teacher forward, no teacher weights)::
+
+    write_teacher_logits(teacher, batches, "teacher_logits", top_k=4096)
+    model = distillation_model(student, stored_teacher_logits("teacher_logits", batches=batches), recipe=recipe)
 """
 
 from __future__ import annotations
