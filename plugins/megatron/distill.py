@@ -174,9 +174,12 @@ def write_teacher_logits(teacher: torch.nn.Module, batches, directory, *, top_k:
                 writer.add(tokens, logits)
         teacher.train(was_training)
         writer.commit()
-    except BaseException as e:
+    except Exception as e:
         writer.abort()
         failed = e
+    except BaseException:  # an interrupt: leave at once, nothing written
+        writer.abort()
+        raise
     if dist.is_initialized():
         dist.barrier()  # every rank, even one that failed: the others' stores are complete before anyone reads
     if failed is not None:
