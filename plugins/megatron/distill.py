@@ -161,18 +161,16 @@ def write_teacher_logits(teacher: torch.nn.Module, batches, directory, *, top_k:
         batches_per_shard=batches_per_shard, write=parallel_state.get_tensor_model_parallel_rank() == 0,
         extra={"data_parallel_rank": parallel_state.get_data_parallel_rank(),
                "data_parallel_size": parallel_state.get_data_parallel_world_size()})
-    failed = None
+    failed, was_training = None, teacher.training
+    device = next(iter([*teacher.parameters(), *teacher.buffers()])).device  # an FP8 teacher keeps buffers
     try:
-        was_training = teacher.training
         teacher.eval()
-        device = next(teacher.parameters()).device
         with torch.no_grad():
             for b in batches:
                 tokens = b["tokens"].to(device)
                 mask = b.get("attention_mask")
                 logits = teacher(tokens, b["position_ids"].to(device), None if mask is None else mask.to(device))
                 writer.add(tokens, logits)
-        teacher.train(was_training)
         writer.commit()
     except Exception as e:
         writer.abort()
@@ -180,6 +178,8 @@ def write_teacher_logits(teacher: torch.nn.Module, batches, directory, *, top_k:
     except BaseException:  # an interrupt: leave at once, nothing written
         writer.abort()
         raise
+    finally:
+        teacher.train(was_training)
     if dist.is_initialized():
         dist.barrier()  # every rank, even one that failed: the others' stores are complete before anyone reads
     if failed is not None:
