@@ -130,7 +130,7 @@ def parse_variant(spec: str, base: dict | None = None):
         if key not in fields:
             raise ValueError(f"variant {spec!r}: unknown QADRecipe field {key!r}; expected one of {sorted(fields)}")
         default = getattr(QADRecipe(), key)
-        kwargs[key] = type(default)(value) if not isinstance(default, str) else value
+        kwargs[key] = value if default is None or isinstance(default, str) else type(default)(value)
     try:
         return fmt, method, QADRecipe(**kwargs)
     except ValueError as e:

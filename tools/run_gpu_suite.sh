@@ -2,14 +2,15 @@
 # The GPU tests and benchmarks, on a machine with a CUDA GPU and the package's dependencies installed as the README
 # says ("Tests": torch with CUDA, Megatron-Core, Triton, Transformer Engine, the export and dev extras). From the
 # repository root:
-#   bash tools/run_gpu_suite.sh [tests|bench|kernels|grouped|step|profile|qad|all] [args]
+#   bash tools/run_gpu_suite.sh [tests|bench|kernels|grouped|step|profile|qad|teacher|all] [args]
 # tests: the GPU tests (marker `gpu`, in tests/gpu and tests/tools; extra args go to pytest); bench: the kernel and
 # TE GroupedLinear benchmarks (kernels: the kernel benchmark alone, extra args go to
 # tools/bench_expert_fake_quant.py); grouped: the TE GroupedLinear benchmark alone (extra args go to
 # tools/bench_te_grouped_step.py); step: the whole Megatron step benchmark (extra args go to
 # tools/bench_megatron_step.py); profile: its GPU time by kernel category (extra args go to
 # tools/profile_megatron_step.py); qad: the QAD study (extra args go to tools/bench_qat_recovery.py --gpu --study,
-# e.g. --budget 360 --json "$OUT/qad.json"); all: tests and bench.
+# e.g. --budget 360 --json "$OUT/qad.json"); teacher: the QAD teacher's memory per GPU (extra args go to
+# tools/teacher_memory.py --device cuda); all: tests and bench.
 # Installs this package (a plain copy, no dependencies) into a temporary directory and runs from outside the checkout,
 # so that the copy a user's `pip install` gives is the one imported. Logs go to $OUT when set; $PYTHON picks the
 # interpreter (default python3).
@@ -50,6 +51,10 @@ if [[ $what == step ]]; then
 fi
 if [[ $what == qad ]]; then
   "$PYTHON" "$root/tools/bench_qat_recovery.py" --gpu --study "$@" 2>&1 | tee "$out/qad_study.log" | grep -v -i warn
+  status=${PIPESTATUS[0]}
+fi
+if [[ $what == teacher ]]; then
+  "$PYTHON" "$root/tools/teacher_memory.py" --device cuda "$@" 2>&1 | tee "$out/teacher_memory.log" | grep -v -i warn
   status=${PIPESTATUS[0]}
 fi
 if [[ $what == profile ]]; then

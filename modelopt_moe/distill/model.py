@@ -13,7 +13,10 @@ import torch
 from torch import nn
 
 from ..quantization.conversion import register_wrapper
+from .logit_store import StoredTeacherLogits
 from .losses import logits_kl_loss, vocab_parallel_cross_entropy
+from .recipe import TEACHER_FP8_GRANULARITIES
+from .teacher_fp8 import store_weights_fp8
 
 __all__ = ["DistillationModel"]
 
@@ -37,20 +40,28 @@ class DistillationModel(nn.Module):
         student: the model being trained (quantized or not).
         teacher: the frozen reference (e.g. the bf16 model the student was quantized from, or another checkpoint of
             the same architecture and parallel layout). It is put in eval mode and its parameters stop requiring
-            gradients; its device and dtype stay the caller's.
+            gradients; its device and dtype stay the caller's. Or a
+            :class:`~modelopt_moe.distill.logit_store.StoredTeacherLogits`: the teacher's top-k logits precomputed
+            on disk (no teacher forward; the KL is then the top-k KL of the store's ``k``).
         temperature: softmax temperature of the KL term.
         kl_weight: weight of the KL term.
         lm_loss_weight: weight of the language-modelling cross entropy on ``labels``.
         tp_group: the tensor-parallel group the logits' vocabulary is split over (None: not split).
         top_k: None (the default): the exact KL; an integer: the KL on the teacher's ``top_k`` most likely tokens
-            (:func:`.losses.logits_kl_loss`'s ``top_k``, an approximation).
+            (:func:`.losses.logits_kl_loss`'s ``top_k``, an approximation). With stored teacher logits: None or
+            the store's ``k``.
+        teacher_fp8: None (the default): the teacher's weights stay as they are. ``"per_tensor"`` or
+            ``"per_channel"``: they are stored as FP8 E4M3 codes and scales, dequantized per layer in the
+            teacher's forward (:func:`.teacher_fp8.store_weights_fp8`, in place).
 
     Raises:
-        ValueError: the teacher is the student, a weight is negative, or ``top_k`` is not a positive integer.
+        ValueError: the teacher is the student, a weight is negative, ``top_k`` is not a positive integer or not
+            the stored logits' ``k``, or ``teacher_fp8`` is given with stored logits or is not a known granularity.
     """
 
     def __init__(self, student: nn.Module, teacher: nn.Module, *, temperature: float = 1.0, kl_weight: float = 1.0,
-                 lm_loss_weight: float = 0.0, tp_group=None, top_k: int | None = None):
+                 lm_loss_weight: float = 0.0, tp_group=None, top_k: int | None = None,
+                 teacher_fp8: str | None = None):
         super().__init__()
         if teacher is student:
             raise ValueError("DistillationModel: the teacher must be a separate model from the student")
@@ -59,10 +70,23 @@ class DistillationModel(nn.Module):
                              f"lm_loss_weight={lm_loss_weight}")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"DistillationModel: top_k must be a positive integer or None, got {top_k!r}")
+        if teacher_fp8 is not None and teacher_fp8 not in TEACHER_FP8_GRANULARITIES:
+            raise ValueError(f"DistillationModel: teacher_fp8={teacher_fp8!r}; expected None or one of "
+                             f"{list(TEACHER_FP8_GRANULARITIES)}")
+        if isinstance(teacher, StoredTeacherLogits):
+            if top_k not in (None, teacher.top_k):
+                raise ValueError(f"DistillationModel: top_k={top_k} but the stored teacher logits "
+                                 f"({teacher.store.directory}) hold the top {teacher.top_k}")
+            if teacher_fp8 is not None:
+                raise ValueError(f"DistillationModel: teacher_fp8={teacher_fp8!r} with stored teacher logits "
+                                 f"({teacher.store.directory}): there are no teacher weights to store")
+            top_k = teacher.top_k
         self.module = student
         self.top_k = top_k
         teacher.eval()
         teacher.requires_grad_(False)
+        if teacher_fp8 is not None:
+            store_weights_fp8(teacher, teacher_fp8)
         self.__dict__["_teacher"] = teacher  # not a submodule: see the module docstring
         self.temperature, self.kl_weight, self.lm_loss_weight = float(temperature), float(kl_weight), float(
             lm_loss_weight)

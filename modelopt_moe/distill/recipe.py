@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["QADRecipe", "PARAM_GROUPS", "param_group"]
+__all__ = ["QADRecipe", "PARAM_GROUPS", "TEACHER_FP8_GRANULARITIES", "param_group"]
 
 # What a Megatron GPT's parameters do, by name (see ``param_group``).
 PARAM_GROUPS = ("experts", "dense", "router", "norms", "embedding", "output")
 _DECAY_STYLES = ("cosine", "linear", "constant")
 _AMAX_UPDATES = ("static", "dynamic", "learned")
+TEACHER_FP8_GRANULARITIES = ("per_tensor", "per_channel")  # how a teacher stored in FP8 scales its weights
 
 
 def param_group(name: str) -> str:
@@ -78,6 +79,9 @@ class QADRecipe:
         lm_loss_weight: weight of the language-modelling loss added to the KL (0: pure distillation).
         weight_amax_update: ``static``, ``dynamic`` or ``learned`` (the quantization config's top-level key of the
             same name; :meth:`quant_config` sets it).
+        teacher_fp8: None (the default): the teacher keeps its weights as built. ``"per_tensor"`` or
+            ``"per_channel"``: the teacher's weight matrices are stored as FP8 E4M3 codes and scales and dequantized
+            per layer in its forward (about half the bytes of bf16; the teacher's logits move, see ``docs/qad.md``).
 
     Raises:
         ValueError: a value out of range, naming the field, the value and what is allowed.
@@ -96,6 +100,7 @@ class QADRecipe:
     temperature: float = 1.0
     lm_loss_weight: float = 0.0
     weight_amax_update: str = "dynamic"
+    teacher_fp8: str | None = None
 
     def __post_init__(self):
         def need(ok: bool, field: str, expected: str):
@@ -114,6 +119,8 @@ class QADRecipe:
         need(self.temperature > 0, "temperature", "a positive number")
         need(self.lm_loss_weight >= 0, "lm_loss_weight", "a number >= 0")
         need(self.weight_amax_update in _AMAX_UPDATES, "weight_amax_update", f"one of {list(_AMAX_UPDATES)}")
+        need(self.teacher_fp8 is None or self.teacher_fp8 in TEACHER_FP8_GRANULARITIES, "teacher_fp8",
+             f"None or one of {list(TEACHER_FP8_GRANULARITIES)}")
         _parse_train(self.train)
 
     @property

@@ -104,6 +104,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, help="with --distill: KL temperature (default: the recipe's, 1)")
     p.add_argument("--train", help="with --distill: the parameter groups that train, e.g. 'experts', "
                                    "'experts+dense', 'all' (default: the recipe's, 'experts')")
+    p.add_argument("--teacher-fp8", choices=["per_tensor", "per_channel"],
+                   help="with --distill: store the teacher's weights in FP8 E4M3 with per-tensor or per-channel "
+                        "scales, dequantized per layer (about half its memory; default: the recipe's, off)")
     p.add_argument("--data", help="'module:function' giving the batches, the module searched in the working "
                                   "directory first (see below; default: shipped text)")
     p.add_argument("--eval-data", help="'module:function' giving held-out batches (split 'eval'): loss, perplexity "
@@ -142,7 +145,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     experts, tp_divides = model_sizes(read_json_config(args.hf) if args.hf else {}, seq_len=args.seq_len)
     args.layout = check_layout(p, args, num_experts=experts, tp_divides=tp_divides)
     if not args.distill:
-        for flag in ("lm_weight", "temperature", "train"):
+        for flag in ("lm_weight", "temperature", "train", "teacher_fp8"):
             if getattr(args, flag) is not None:
                 p.error(f"--{flag.replace('_', '-')} needs --distill")
     try:
@@ -164,7 +167,7 @@ def _recipe(args: argparse.Namespace):
     from modelopt_moe.distill import QADRecipe
 
     changes = {"lr": args.lr, "lm_loss_weight": args.lm_weight, "temperature": args.temperature,
-               "train": args.train}
+               "train": args.train, "teacher_fp8": args.teacher_fp8}
     return QADRecipe(**{k: v for k, v in changes.items() if v is not None})
 
 
@@ -229,6 +232,7 @@ def _qat_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any
 def _run_rank(rank: int, opts: dict[str, Any], phase: dict[str, str]) -> dict[str, Any]:
     import modelopt_moe.quantization as mtq
     from modelopt_moe.checkpoint import restore_sharded_modelopt_state
+    from modelopt_moe.distill.teacher_fp8 import stored_bytes
     from modelopt_moe.export import export_hf, import_hf, save_hf_config
     from modelopt_moe.plugins.megatron import (
         destroy_model_parallel,
@@ -274,7 +278,11 @@ def _run_rank(rank: int, opts: dict[str, Any], phase: dict[str, str]) -> dict[st
         mtq.quantize(student, config, calibration_loop(calib))
     if recipe is not None:
         select_trainable(student, recipe)  # the rest keeps the teacher's values
+    teacher_bytes = stored_bytes(teacher) if teacher is not None else 0
     model = distillation_model(student, teacher, recipe=recipe) if teacher is not None else student
+    if teacher is not None and recipe.teacher_fp8:
+        say(rank, f"teacher weights in FP8 E4M3 ({recipe.teacher_fp8} scales): {stored_bytes(teacher) / 2**20:.2f} "
+                  f"MiB on rank 0, {teacher_bytes / 2**20:.2f} MiB before")
     trainer = mt.setup_training(model, lr=opts["lr"] or 1e-5, lr_decay_steps=max(1, opts["steps"]), recipe=recipe,
                                 reuse_quantized_weights=True)  # Megatron's distributed optimizer, as with GPUs
     if opts["load"]:

@@ -14,6 +14,7 @@ Public API::
         check_lm_batch, BatchError,                         # ... and the batch contract it checks
         distillation_model, distillation_loss_func,         # QAD: the student beside its frozen teacher
         distillation_tensor_shapes_fn,                      # ... its stage tensors, for Megatron's own schedule (PP)
+        write_teacher_logits, stored_teacher_logits,        # ... the teacher's top-k logits precomputed on disk
         select_trainable, qad_optimizer_config,             # ... trained the QADRecipe's way
         get_qad_optimizer, qad_lr_scheduler,
         load_modelopt_checkpoint,                           # a checkpoint NVIDIA Model Optimizer 0.47 saved
@@ -56,6 +57,8 @@ from .distill import (
     qad_lr_scheduler,
     qad_optimizer_config,
     select_trainable,
+    stored_teacher_logits,
+    write_teacher_logits,
 )
 from .forward_step import lm_forward_step, lm_loss_func
 from .hf_io import MegatronExportAdapter
@@ -86,6 +89,8 @@ __all__ = [
     "is_modelopt_checkpoint",
     "distillation_model",
     "distillation_tensor_shapes_fn",
+    "write_teacher_logits",
+    "stored_teacher_logits",
     "distillation_loss_func",
     "select_trainable",
     "qad_optimizer_config",

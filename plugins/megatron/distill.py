@@ -28,18 +28,29 @@ The settings of a QAD run are a :class:`~modelopt_moe.distill.QADRecipe` (the de
     model = DDP(Float16Module(distillation_model(student, teacher, recipe=recipe)))
     optimizer = get_qad_optimizer(qad_optimizer_config(recipe, bf16=True), [model])
     scheduler = qad_lr_scheduler(optimizer, recipe, steps)      # scheduler.step(1) after every optimizer step
+
+The teacher's memory: ``QADRecipe(teacher_fp8=...)`` stores its weights in FP8 (dequantized per layer);
+:func:`write_teacher_logits` runs it once and stores its top-k logits on disk, and :func:`stored_teacher_logits` stands
+for it afterwards (no teacher forward, no teacher weights)::
+
+    write_teacher_logits(teacher, batches, "teacher_logits", top_k=4096)
+    model = distillation_model(student, stored_teacher_logits("teacher_logits", batches=batches), recipe=recipe)
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from megatron.core import parallel_state
 
 from modelopt_moe.distill import DistillationModel, QADRecipe, param_group
+from modelopt_moe.distill.logit_store import StoredTeacherLogits, TeacherLogitsStore, TeacherLogitsWriter
 
 from .pipeline_state import refuse_virtual_pipeline
 
-__all__ = ["distillation_model", "distillation_tensor_shapes_fn", "distillation_loss_func", "select_trainable",
+__all__ = ["distillation_model", "write_teacher_logits", "stored_teacher_logits", "distillation_tensor_shapes_fn",
+           "distillation_loss_func", "select_trainable",
            "qad_optimizer_config", "get_qad_optimizer", "qad_lr_scheduler"]
 
 
@@ -50,9 +61,13 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
     Args:
         student: the (quantized) Megatron model to train, not wrapped yet.
         teacher: the frozen Megatron model of the same architecture and parallel layout (e.g. the bf16 model).
-        recipe: takes ``temperature`` and ``lm_loss_weight`` from it (keyword arguments still win).
+        recipe: takes ``temperature``, ``lm_loss_weight`` and ``teacher_fp8`` from it (keyword arguments still win).
         **kwargs: ``temperature``, ``kl_weight``, ``lm_loss_weight``, ``top_k`` (None, the default: the exact KL,
-            chunked over tokens; an integer: the KL on the teacher's top k tokens, an approximation).
+            chunked over tokens; an integer: the KL on the teacher's top k tokens, an approximation),
+            ``teacher_fp8`` (``"per_tensor"`` / ``"per_channel"``: the teacher's weights stored in FP8).
+
+    ``teacher`` may be :func:`stored_teacher_logits` instead of a model: the teacher's top-k logits precomputed by
+    :func:`write_teacher_logits` (pipeline parallelism 1).
 
     With pipeline parallelism (teacher and student split on the same stages) it returns a
     :class:`PipelineDistillationModel`.
@@ -64,9 +79,16 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
     """
     if recipe is not None:
         kwargs = {"temperature": recipe.temperature, "lm_loss_weight": recipe.lm_loss_weight, **kwargs}
+        if recipe.teacher_fp8 is not None:
+            kwargs.setdefault("teacher_fp8", recipe.teacher_fp8)
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    if isinstance(teacher, StoredTeacherLogits):
+        _check_stored_vocab(student, teacher)
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return DistillationModel(student, teacher, tp_group=tp_group, **kwargs)
+    if isinstance(teacher, StoredTeacherLogits):
+        raise ValueError(f"distillation_model: stored teacher logits ({teacher.store.directory}) need pipeline "
+                         "parallelism 1 (the last stage alone would read them)")
     refuse_virtual_pipeline("distillation_model")
     for attr in ("pre_process", "post_process"):
         if getattr(student, attr, None) != getattr(teacher, attr, None):
@@ -77,6 +99,115 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
         raise ValueError(f"distillation_model: this pipeline stage holds {n_s} student layers but {n_t} teacher "
                          "layers; split both on the same stages")
     return PipelineDistillationModel(student, teacher, tp_group=tp_group, **kwargs)
+
+
+def _store_of_this_rank(directory) -> Path:
+    """Each data-parallel replica reads its own batches: its own store under ``directory``."""
+    rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    return Path(directory) / f"dp{rank:05d}-of-{size:05d}"
+
+
+def _logits_vocab(model: torch.nn.Module) -> int:
+    """The vocabulary slice of this rank's output logits (Megatron's padded vocabulary / TP)."""
+    weight = model.output_layer.weight if getattr(model, "output_layer", None) is not None else None
+    if weight is None:  # tied embeddings: the output layer reads the embedding's table
+        weight = model.shared_embedding_or_output_weight()
+    return weight.shape[0]
+
+
+def _check_stored_vocab(student: torch.nn.Module, teacher: StoredTeacherLogits) -> None:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    vocab = _logits_vocab(student) * tp
+    if vocab != teacher.store.vocab_size or teacher.vocab_slice * tp != vocab:
+        raise ValueError(f"distillation_model: the student's logits cover a vocabulary of {vocab} ({vocab // tp} "
+                         f"on each of {tp} TP ranks) but the stored teacher logits "
+                         f"({teacher.store.directory / 'manifest.json'}) field 'vocab_size' is "
+                         f"{teacher.store.vocab_size} (read at a slice of {teacher.vocab_slice})")
+
+
+def write_teacher_logits(teacher: torch.nn.Module, batches, directory, *, top_k: int,
+                         values_dtype: torch.dtype = torch.bfloat16, batches_per_shard: int = 64) -> Path:
+    """Runs the teacher once over ``batches`` and writes its top-``top_k`` logits per token to disk.
+
+    Every rank calls it with its own batches (the ones it will train on, in that order): the teacher's forward and
+    the gather of the top k over the tensor-parallel group run on every rank; the first TP rank of each
+    data-parallel replica writes that replica's store, ``directory/dp<rank>-of-<size>``, all or nothing; all ranks
+    then meet in one barrier. Pipeline parallelism 1.
+
+    Args:
+        teacher: the Megatron GPT model (its forward ``teacher(tokens, position_ids, attention_mask)`` returns
+            logits).
+        batches: dicts of ``tokens``, ``position_ids``, ``attention_mask`` (the training batches' contract).
+        directory: where the stores go (absent, empty, or stores of ours, which are replaced).
+        top_k: logits kept per token.
+        values_dtype: the stored values' dtype (the teacher logits' dtype stores them exactly).
+        batches_per_shard: batches in one shard file.
+
+    Returns:
+        This rank's store directory.
+
+    Raises:
+        LogitStoreError: (a ``ValueError``) ``directory`` holds something else, a bad ``top_k``.
+    """
+    import torch.distributed as dist
+
+    if parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        raise ValueError("write_teacher_logits: pipeline parallelism 1 only (the last stage alone has the logits)")
+    path = _store_of_this_rank(directory)
+    writer = TeacherLogitsWriter(
+        path, top_k=top_k, values_dtype=values_dtype, tp_group=parallel_state.get_tensor_model_parallel_group(),
+        batches_per_shard=batches_per_shard, write=parallel_state.get_tensor_model_parallel_rank() == 0,
+        extra={"data_parallel_rank": parallel_state.get_data_parallel_rank(),
+               "data_parallel_size": parallel_state.get_data_parallel_world_size()})
+    failed, was_training = None, teacher.training
+    device = next(iter([*teacher.parameters(), *teacher.buffers()])).device  # an FP8 teacher keeps buffers
+    try:
+        teacher.eval()
+        with torch.no_grad():
+            for b in batches:
+                tokens = b["tokens"].to(device)
+                mask = b.get("attention_mask")
+                logits = teacher(tokens, b["position_ids"].to(device), None if mask is None else mask.to(device))
+                writer.add(tokens, logits)
+        writer.commit()
+    except Exception as e:
+        writer.abort()
+        failed = e
+    except BaseException:  # an interrupt: leave at once, nothing written
+        writer.abort()
+        raise
+    finally:
+        teacher.train(was_training)
+    if dist.is_initialized():
+        dist.barrier()  # every rank, even one that failed: the others' stores are complete before anyone reads
+    if failed is not None:
+        raise failed
+    return path
+
+
+def stored_teacher_logits(directory, *, batches=None, top_k: int | None = None,
+                          start_batch: int = 0) -> StoredTeacherLogits:
+    """The teacher's precomputed logits (:func:`write_teacher_logits`) for ``distillation_model(student, teacher)``,
+    read by this rank from its data-parallel replica's store, at its tensor-parallel slice of the vocabulary.
+
+    Args:
+        directory: what ``write_teacher_logits`` was given.
+        batches: the batches this rank will train on, in order: checked against the store now, before any step
+            (None: each batch is checked when it comes).
+        top_k: the ``k`` the run expects (None: the store's).
+        start_batch: the batch of the store the first micro-batch reads (a resumed run: the micro-batches done).
+
+    Raises:
+        LogitStoreError: (a ``ValueError``) the store is missing, damaged, or does not fit (tokens, their order,
+            ``k``): the message names the file and the field.
+    """
+    store = TeacherLogitsStore(_store_of_this_rank(directory), top_k=top_k, batches=batches)
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    if store.vocab_size % tp:
+        raise ValueError(f"stored_teacher_logits: {store.directory / 'manifest.json'} field 'vocab_size' "
+                         f"{store.vocab_size} does not split over {tp} tensor-parallel ranks")
+    local = store.vocab_size // tp
+    return StoredTeacherLogits(store, vocab_first=rank * local, vocab_slice=local, start_batch=start_batch)
 
 
 class PipelineDistillationModel(DistillationModel):

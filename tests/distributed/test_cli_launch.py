@@ -44,8 +44,12 @@ def test_qat_under_torchrun_saves_resumes_at_another_layout_and_exports(tmp_path
     hf = _hf_checkpoint(tmp_path / "hf")
     common = ["--hf", str(hf), "--config", "nvfp4_experts.yaml", "--distill", "--micro-batches", "2",
               "--batch-size", "2", "--seq-len", "32", "--calib-batches", "2", "--lr", "1e-4"]
-    out = _torchrun(["qat", *common, "--tp", "2", "--ep", "2", "--steps", "2", "--save", str(tmp_path / "ck")])
+    out = _torchrun(["qat", *common, "--tp", "2", "--ep", "2", "--steps", "2", "--save", str(tmp_path / "ck"),
+                     "--teacher-fp8", "per_channel"])
     assert out.count("modelopt-moe qat: steps 1..2, loss") == 1, out
+    fp8, bf16 = map(float, re.search(r"teacher weights in FP8 E4M3 \(per_channel scales\): ([\d.]+) MiB on rank 0, "
+                                     r"([\d.]+) MiB before", out).groups())
+    assert 0.2 < fp8 / bf16 < 0.6, out  # the teacher's weights, stored in FP8
     assert out.count(f"saved {tmp_path / 'ck'} (iteration 2)") == 1, out
     assert (tmp_path / "ck" / "modelopt_moe_state.pt").is_file()
     assert (tmp_path / "ck" / "hf_config.json").is_file()

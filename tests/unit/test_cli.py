@@ -157,3 +157,12 @@ def test_qat_needs_a_model_and_checks_its_imports_before_starting(capsys):
         main(["qat", "--config", "nvfp4_experts.yaml", "--model-provider", "json:loads", "--distill", "--load", "y"])
     assert info.value.code == 2
     assert "--distill with --load needs --hf" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["qat", "--config", "nvfp4_experts.yaml", "--model-provider", "json:loads", "--teacher-fp8", "per_tensor"])
+    assert info.value.code == 2
+    assert "--teacher-fp8 needs --distill" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["qat", "--config", "nvfp4_experts.yaml", "--model-provider", "json:loads", "--distill",
+              "--teacher-fp8", "fp8"])
+    assert info.value.code == 2
+    assert "--teacher-fp8: invalid choice: 'fp8'" in capsys.readouterr().err
