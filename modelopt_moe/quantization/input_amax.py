@@ -20,7 +20,8 @@ Every replica of a learned input amax gets the same gradient, the sum over every
 * ranks that see other elements of the same tensor (a row-parallel input's other channels; a column-parallel input's
   other tokens under sequence parallelism; a ``shared`` expert input's other experts on other expert-parallel ranks):
   summed in the backward over the groups the module names
-  (:meth:`~.quant_module.QuantModuleMixin.input_amax_grad_groups`), a collective every rank of those groups makes in every backward (it depends on the config and group sizes only);
+  (:meth:`~.quant_module.QuantModuleMixin.input_amax_grad_groups`), a collective every rank of those groups makes
+  in every backward (it depends on the config and group sizes only);
 * the ``[N]`` entries of a ``shared`` amax on one rank: each gets the total over the experts, so they stay one value.
 
 The forward quantizes with ``max(amax, LEARNED_INPUT_AMAX_FLOOR)`` (its gradient passes the floor straight through,
