@@ -7,6 +7,8 @@
   every replica of an amax (TP, DP, EP ranks) holds the same bits.
 * bf16 parameters, ``get_megatron_optimizer`` with the distributed optimizer: the learned input amaxes stay fp32
   parameters, the optimizer moves them, and their replicas stay equal.
+* Checkpoint: that model saved at TP=2 x EP=2 and loaded at TP=1 x EP=4 into a freshly built one: the same learned
+  amaxes by global expert, still learned.
 * Export: a Qwen3-MoE built from a transformers checkpoint at TP=2 x EP=2, its input amaxes learned for a step; the
   compressed-tensors export's ``input_scale`` of every quantized linear is the learned amax / 448.
 """
@@ -91,7 +93,10 @@ def _layouts(mm, mt, calib, train):
     return out
 
 
-def _bf16_distributed(mm, mt, calib, train):
+def _bf16_distributed(mm, mt, calib, train, ckpt):
+    from modelopt_moe.plugins import megatron as mc
+    from modelopt_moe.quantization.conversion import named_quantizers
+
     mm.init_model_parallel(2, 2, seed=SEED)
     model = _quantized(mm, "grouped", "shared", calib, torch.bfloat16)
     amaxes = {n: p for n, p in model.named_parameters() if n.endswith("input_quantizer._amax")}
@@ -99,24 +104,76 @@ def _bf16_distributed(mm, mt, calib, train):
     trainer = mt.setup_training(model, lr=1e-2, use_distributed_optimizer=True)
     losses = mt.train(trainer, train, steps=3, num_microbatches=2)
     end = _learned_inputs(model, mm, grad=False)  # asserts the replicas are equal
+    mc.save_sharded_checkpoint([trainer.model], ckpt)
+    mm.destroy_model_parallel()
+    mm.init_model_parallel(1, 4, seed=SEED)  # resharded into a freshly built model
+    fresh = mm.build_moe_gpt(num_experts=EXPERTS, seed=SEED + 1, experts="grouped", params_dtype=torch.bfloat16)
+    mc.load_sharded_checkpoint([fresh], ckpt)
+    restored = _learned_inputs(fresh, mm, grad=False)
+    learned = all(q.learns_amax for n, q, _ in named_quantizers(fresh)
+                  if n.endswith("input_quantizer") and q.is_enabled)
     mm.destroy_model_parallel()
     return {"names": sorted(amaxes), "dtype": {str(p.dtype) for p in amaxes.values()},
+            "restored_equal": set(restored) == set(end) and all(torch.equal(restored[k], end[k]) for k in end),
+            "restored_learned": learned,
             "moved": sum(not torch.equal(start[k], end[k]) for k in start), "count": len(start), "losses": losses}
 
 
-def _worker(rank, world_size):
+def _export(mm, hf_dir, out_dir):
+    """A Qwen3-MoE from a transformers checkpoint at TP=2 x EP=2, FP8 with learned per-expert input amaxes, one
+    step on them, exported: the learned amaxes (union over ranks)."""
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.export import build_megatron_model, export_hf, import_hf
+
+    mm.init_model_parallel(2, 2, seed=SEED)
+    model = build_megatron_model(hf_dir)
+    import_hf(model, hf_dir)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).expand(2, 16)
+    causal = torch.ones(16, 16, dtype=torch.bool).triu(1)[None, None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(model, _config("per_expert"), lambda m: m(tokens, positions, causal))
+    model.train()
+    model(tokens, positions, causal).float().pow(2).mean().backward()
+    with torch.no_grad():  # a step of sign descent: every learned amax moves off its calibrated value
+        for name, p in model.named_parameters():
+            if name.endswith("input_quantizer._amax"):
+                p.mul_(1 - 0.05 * torch.where(p.grad > 0, 1.0, -1.0))
+    amax = _learned_inputs(model, mm, grad=False)
+    export_hf(model.eval(), out_dir, format="compressed-tensors", progress=False)
+    mm.destroy_model_parallel()
+    return amax
+
+
+def _worker(rank, world_size, root, hf_dir):
     import megatron_harness.models as mm
 
     from modelopt_moe.plugins.megatron import training as mt
 
     calib = mm.text_batches(2, 32, 2)
     train = mm.text_batches(2, 32, 6, offset=100)
-    return {"layouts": _layouts(mm, mt, calib, train), "bf16": _bf16_distributed(mm, mt, calib, train)}
+    return {"layouts": _layouts(mm, mt, calib, train),
+            "bf16": _bf16_distributed(mm, mt, calib, train, f"{root}/ckpt"),
+            "export": _export(mm, hf_dir, f"{root}/export")}
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn(_worker, WORLD, timeout=seconds(900))
+def root(tmp_path_factory):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = tmp_path_factory.mktemp("learned_inputs")
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, num_experts=EXPERTS, num_experts_per_tok=2,
+                            moe_intermediate_size=32, max_position_embeddings=64)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(path / "hf")
+    return path
+
+
+@pytest.fixture(scope="module")
+def results(root):
+    return spawn(_worker, WORLD, args=(str(root), str(root / "hf")), timeout=seconds(900))
 
 
 @pytest.mark.parametrize("kind", [k for k, _ in CASES])
@@ -156,3 +213,31 @@ def test_bf16_distributed_optimizer_trains_fp32_learned_input_amaxes(results):
         assert b["dtype"] == {"torch.float32"}
         assert b["moved"] > b["count"] // 2
         assert all(x == x for x in b["losses"])
+        assert b["restored_equal"]  # saved at TP=2 x EP=2, loaded at TP=1 x EP=4: the same bits, by global expert
+        assert b["restored_learned"]
+
+
+def test_export_writes_the_learned_input_amax_as_input_scale(results, root):
+    from safetensors.torch import load_file
+
+    from modelopt_moe.export import codecs
+
+    amax = results[0]["export"]
+    tensors = {}
+    for f in sorted((root / "export").glob("*.safetensors")):
+        tensors.update(load_file(f))
+    checked = 0
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        dense = f"decoder.layers.{layer}.self_attention.linear_"
+        linears = [(p + "self_attn." + m, amax[dense + "qkv.input_quantizer._amax"]) for m in ("q_proj", "k_proj",
+                                                                                             "v_proj")]
+        linears.append((p + "self_attn.o_proj", amax[dense + "proj.input_quantizer._amax"]))
+        for e in range(EXPERTS):
+            linears += [(f"{p}mlp.experts.{e}.{m}", amax[(layer, "linear_fc1", e)]) for m in ("gate_proj", "up_proj")]
+            linears.append((f"{p}mlp.experts.{e}.down_proj", amax[(layer, "linear_fc2", e)]))
+        for name, a in linears:
+            assert tensors[f"{name}.input_scale"].item() == codecs.reciprocal(codecs.fp8_scale(a)).item(), name
+            checked += 1
+    assert checked == 2 * (4 + 3 * EXPERTS)
+    assert len({amax[(0, "linear_fc2", e)].item() for e in range(EXPERTS)}) > 1  # per expert, learned apart
