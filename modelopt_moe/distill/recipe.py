@@ -17,6 +17,7 @@ __all__ = ["QADRecipe", "PARAM_GROUPS", "param_group"]
 PARAM_GROUPS = ("experts", "dense", "router", "norms", "embedding", "output")
 _DECAY_STYLES = ("cosine", "linear", "constant")
 _AMAX_UPDATES = ("static", "dynamic", "learned")
+_INPUT_AMAX_UPDATES = ("static", "learned")
 
 
 def param_group(name: str) -> str:
@@ -78,6 +79,11 @@ class QADRecipe:
         lm_loss_weight: weight of the language-modelling loss added to the KL (0: pure distillation).
         weight_amax_update: ``static``, ``dynamic`` or ``learned`` (the quantization config's top-level key of the
             same name; :meth:`quant_config` sets it).
+        input_amax_update: ``static`` or ``learned``: the input (activation) amaxes train, started from the
+            calibrated values (the quantization config's key of the same name; :meth:`quant_config` sets it where
+            the config does not).
+        amax_lr_mult: the learned amaxes' learning rate as a multiple of ``lr`` (its schedule too). Adam moves a
+            parameter by about its learning rate per step, and an activation amax is hundreds of times a weight.
 
     Raises:
         ValueError: a value out of range, naming the field, the value and what is allowed.
@@ -96,6 +102,8 @@ class QADRecipe:
     temperature: float = 1.0
     lm_loss_weight: float = 0.0
     weight_amax_update: str = "dynamic"
+    input_amax_update: str = "static"
+    amax_lr_mult: float = 1.0
 
     def __post_init__(self):
         def need(ok: bool, field: str, expected: str):
@@ -114,6 +122,9 @@ class QADRecipe:
         need(self.temperature > 0, "temperature", "a positive number")
         need(self.lm_loss_weight >= 0, "lm_loss_weight", "a number >= 0")
         need(self.weight_amax_update in _AMAX_UPDATES, "weight_amax_update", f"one of {list(_AMAX_UPDATES)}")
+        need(self.input_amax_update in _INPUT_AMAX_UPDATES, "input_amax_update",
+             f"one of {list(_INPUT_AMAX_UPDATES)}")
+        need(math.isfinite(self.amax_lr_mult) and self.amax_lr_mult > 0, "amax_lr_mult", "a positive number")
         _parse_train(self.train)
 
     @property
@@ -138,10 +149,14 @@ class QADRecipe:
 
     def quant_config(self, config):
         """A copy of the quantization config ``config`` (a dict, or a ``QuantizeConfig`` from ``mtq.load_config``)
-        with this recipe's ``weight_amax_update``."""
+        with this recipe's ``weight_amax_update``, and its ``input_amax_update`` unless ``config`` sets its own."""
+        update = {"weight_amax_update": self.weight_amax_update}
+        given = config if isinstance(config, dict) else config.model_fields_set
+        if "input_amax_update" not in given:
+            update["input_amax_update"] = self.input_amax_update
         if isinstance(config, dict):
-            return {**config, "weight_amax_update": self.weight_amax_update}
-        return config.model_copy(update={"weight_amax_update": self.weight_amax_update})
+            return {**config, **update}
+        return config.model_copy(update=update)
 
     def replace(self, **changes) -> QADRecipe:
         """A copy with ``changes`` (validated)."""

@@ -121,7 +121,7 @@ class LearnedInputAmaxSTE(torch.autograd.Function):
             g_amax[seg] = contrib.sum()
         else:
             rows = torch.repeat_interleave(torch.arange(a.shape[0], device=a.device), counts, output_size=x.shape[0])
-            g_amax = torch.zeros_like(a).index_add_(0, rows, contrib.reshape(x.shape[0], -1).sum(-1))
+            g_amax = torch.zeros_like(a).index_add_(0, rows, contrib.sum(-1))  # a token matrix (2-D), maybe empty
         if ctx.tied:
             g_amax = g_amax.sum().expand_as(a).clone()
         g_amax = _all_reduce_sum(g_amax, ctx.groups).to(amax.dtype)

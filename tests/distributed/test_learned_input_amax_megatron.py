@@ -8,7 +8,8 @@
 * bf16 parameters, ``get_megatron_optimizer`` with the distributed optimizer: the learned input amaxes stay fp32
   parameters, the optimizer moves them, and their replicas stay equal.
 * Checkpoint: that model saved at TP=2 x EP=2 and loaded at TP=1 x EP=4 into a freshly built one: the same learned
-  amaxes by global expert, still learned.
+  amaxes by global expert, still learned; the QAD recipe's optimizer puts them in their own parameter groups at
+  ``amax_lr_mult`` times its learning rate and floor, without weight decay, and trains a step.
 * Export: a Qwen3-MoE built from a transformers checkpoint at TP=2 x EP=2, its input amaxes learned for a step; the
   compressed-tensors export's ``input_scale`` of every quantized linear is the learned amax / 448.
 """
@@ -94,6 +95,7 @@ def _layouts(mm, mt, calib, train):
 
 
 def _bf16_distributed(mm, mt, calib, train, ckpt):
+    from modelopt_moe.distill import QADRecipe
     from modelopt_moe.plugins import megatron as mc
     from modelopt_moe.quantization.conversion import named_quantizers
 
@@ -112,10 +114,19 @@ def _bf16_distributed(mm, mt, calib, train, ckpt):
     restored = _learned_inputs(fresh, mm, grad=False)
     learned = all(q.learns_amax for n, q, _ in named_quantizers(fresh)
                   if n.endswith("input_quantizer") and q.is_enabled)
+    # the QAD recipe's optimizer: the learned amaxes in their own groups at amax_lr_mult x the learning rate
+    recipe = QADRecipe(input_amax_update="learned", amax_lr_mult=100.0)
+    amax_ids = {id(p) for n, p in fresh.named_parameters() if n.endswith("_amax")}
+    trainer = mt.setup_training(fresh, recipe=recipe, lr_decay_steps=4, use_distributed_optimizer=False)
+    groups = [g for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+              for g in opt.param_groups]
+    lrs = {(any(id(p) in amax_ids for p in g["params"]), g["max_lr"], g["min_lr"], g.get("wd_mult", 1.0))
+           for g in groups if g["params"]}
+    mt.train(trainer, train, steps=1, num_microbatches=2)
     mm.destroy_model_parallel()
     return {"names": sorted(amaxes), "dtype": {str(p.dtype) for p in amaxes.values()},
             "restored_equal": set(restored) == set(end) and all(torch.equal(restored[k], end[k]) for k in end),
-            "restored_learned": learned,
+            "restored_learned": learned, "recipe_groups": lrs, "recipe_lr": (recipe.lr, recipe.min_lr),
             "moved": sum(not torch.equal(start[k], end[k]) for k in start), "count": len(start), "losses": losses}
 
 
@@ -215,6 +226,10 @@ def test_bf16_distributed_optimizer_trains_fp32_learned_input_amaxes(results):
         assert all(x == x for x in b["losses"])
         assert b["restored_equal"]  # saved at TP=2 x EP=2, loaded at TP=1 x EP=4: the same bits, by global expert
         assert b["restored_learned"]
+        lr, min_lr = b["recipe_lr"]
+        amax_groups = {g for g in b["recipe_groups"] if g[0]}
+        assert amax_groups == {(True, 100 * lr, 100 * min_lr, 0.0)}, b["recipe_groups"]
+        assert all(g[1:3] == (lr, min_lr) for g in b["recipe_groups"] - amax_groups), b["recipe_groups"]
 
 
 def test_export_writes_the_learned_input_amax_as_input_scale(results, root):

@@ -152,6 +152,16 @@ def test_per_expert_and_shared_gradients(kernel):
     torch.testing.assert_close(got, want.sum().expand(N), rtol=1e-5, atol=1e-7)  # one per layer: the total
 
 
+def test_a_rank_whose_experts_get_no_token_still_takes_part():
+    """An expert-parallel rank that the router sends no token (an empty token matrix) runs the backward too (every
+    rank makes the gradient's collectives), with a zero gradient."""
+    layer, _ = _grouped(input_layout="shared")
+    x = torch.zeros(0, IN, requires_grad=True)
+    layer(x, [0] * N).sum().backward()
+    assert torch.equal(layer.input_quantizer._amax.grad, torch.zeros(N))
+    assert x.grad.shape == (0, IN)
+
+
 def test_learned_inputs_train_and_beat_the_static_scale_on_a_tiny_qad_run():
     """Distillation of a float teacher into its FP8-weight, INT4-input student, calibrated on a batch with one
     outlier (so the calibrated max wastes the four bits on the data that follows): the learned input amaxes move,
