@@ -80,8 +80,8 @@ class QADRecipe:
         weight_amax_update: ``static``, ``dynamic`` or ``learned`` (the quantization config's top-level key of the
             same name; :meth:`quant_config` sets it).
         input_amax_update: ``static`` or ``learned``: the input (activation) amaxes train, started from the
-            calibrated values (the quantization config's key of the same name; :meth:`quant_config` sets it where
-            the config does not).
+            calibrated values (the quantization config's key of the same name; :meth:`quant_config` sets ``learned``
+            where the config does not set the key).
         amax_lr_mult: the learned amaxes' learning rate as a multiple of ``lr`` (its schedule too). Adam moves a
             parameter by about its learning rate per step, and an activation amax is hundreds of times a weight.
 
@@ -149,10 +149,11 @@ class QADRecipe:
 
     def quant_config(self, config):
         """A copy of the quantization config ``config`` (a dict, or a ``QuantizeConfig`` from ``mtq.load_config``)
-        with this recipe's ``weight_amax_update``, and its ``input_amax_update`` unless ``config`` sets its own."""
+        with this recipe's ``weight_amax_update``, and its ``input_amax_update: learned`` unless ``config`` sets its
+        own (``static`` is every config's default)."""
         update = {"weight_amax_update": self.weight_amax_update}
         given = config if isinstance(config, dict) else config.model_fields_set
-        if "input_amax_update" not in given:
+        if self.input_amax_update != "static" and "input_amax_update" not in given:
             update["input_amax_update"] = self.input_amax_update
         if isinstance(config, dict):
             return {**config, **update}
