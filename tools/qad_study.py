@@ -58,6 +58,7 @@ STUDY_VARIANTS = (
     f"nvfp4/qad:{LEARNED_INPUTS}",
     f"nvfp4/qad:{FORMER}",
     "fp8/qad",
+    f"fp8/qad:{LEARNED_INPUTS}",
     "nvfp4-w/qad",
     "nvfp4/qad:train=all,lr=1e-5",
     "nvfp4/qad:lr=1e-4",
