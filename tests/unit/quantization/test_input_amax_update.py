@@ -72,6 +72,14 @@ def test_config_choices_and_refusals_name_the_key():
         _quantize(torch.nn.Sequential(torch.nn.Linear(16, 8)), cfg, lambda m: m(torch.randn(4, 16)))
 
 
+def test_learned_inputs_without_calibration_are_refused_before_anything_changes():
+    lin = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    with pytest.raises(ValueError, match="input_amax_update=learned starts every input amax from its calibrated "
+                                         "value, but this call calibrates none"):
+        mtq.quantize(lin, _cfg())
+    assert type(lin[0]) is torch.nn.Linear
+
+
 def test_yaml_key_reaches_the_input_quantizers_only(tmp_path):
     path = tmp_path / "learned_inputs.yaml"
     path.write_text("$import: fp8_default.yaml\nweight_amax_update: static\ninput_amax_update: learned\n")
