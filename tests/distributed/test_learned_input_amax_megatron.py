@@ -1,6 +1,7 @@
 """``input_amax_update: learned`` in Megatron's training machinery on 4 gloo ranks (one spawn for the module).
 
-* Layout invariance: the same model (fp32, every linear FP8, attention TP-sharded, experts of both kinds) and the
+* Layout invariance: the same model (fp32, every linear FP8, attention TP-sharded; grouped experts with one input
+  amax per layer, SequentialMLP experts with one per layer and with one per expert) and the
   same micro-batches at TP=1 x EP=1 (4 data-parallel ranks) and at TP=2 x EP=2 (sequence parallel): the learned input
   amaxes' gradients after Megatron's reduction (``get_forward_backward_func``, 2 micro-batches, DDP, the clip) agree,
   entry by entry (per global expert, one per layer), at every step, and so do the amaxes the optimizer steps make;
@@ -25,7 +26,7 @@ from modelopt_moe.launch import spawn
 
 WORLD, EXPERTS, SEED = 4, 4, 1234
 LAYOUTS = ((1, 1), (2, 2))
-CASES = (("grouped", "shared"), ("sequential", "per_expert"))
+CASES = (("grouped", "shared"), ("sequential", "per_expert"), ("sequential", "shared"))
 STEPS = 2
 # Small enough that the layouts' last-bit differences (sums in other orders) flip no fake-quant bin or routing
 # decision in these steps, so each step's gradients are comparable (by a third step one per-expert fc2 gradient
@@ -89,7 +90,7 @@ def _layouts(mm, mt, calib, train):
 
             for step in range(STEPS):
                 mt.train_step(trainer, train[2 * step:2 * step + 2], step=step, after_backward=capture)
-            out[(tp, ep, kind)] = {"start": start, "grads": grads, "end": _learned_inputs(model, mm, grad=False)}
+            out[(tp, ep, kind, layout)] = {"start": start, "grads": grads, "end": _learned_inputs(model, mm, grad=False)}
         mm.destroy_model_parallel()
     return out
 
@@ -187,10 +188,10 @@ def results(root):
     return spawn(_worker, WORLD, args=(str(root), str(root / "hf")), timeout=seconds(900))
 
 
-@pytest.mark.parametrize("kind", [k for k, _ in CASES])
-def test_learned_input_amax_gradients_and_values_do_not_depend_on_the_layout(results, kind):
+@pytest.mark.parametrize(("kind", "layout"), CASES)
+def test_learned_input_amax_gradients_and_values_do_not_depend_on_the_layout(results, kind, layout):
     runs = results[0]["layouts"]
-    one, four = runs[(1, 1, kind)], runs[(2, 2, kind)]
+    one, four = runs[(1, 1, kind, layout)], runs[(2, 2, kind, layout)]
     for key, a in one["start"].items():  # calibrated alike (up to the order of the sums)
         torch.testing.assert_close(four["start"][key], a, rtol=1e-5, atol=0)
     for step in range(STEPS):  # after Megatron's reduction: every entry, every step
@@ -208,7 +209,7 @@ def test_learned_input_amax_gradients_and_values_do_not_depend_on_the_layout(res
                                    atol=0.01 * LR, msg=lambda m, key=key: f"{key}: {m}")
         moved += not torch.equal(a, one["start"][key])
     assert moved == len(one["end"])
-    if kind == "grouped":  # one per layer: every expert's entry holds the same value
+    if layout == "shared":  # one per layer: every expert's entry holds the same value
         for layer in (0, 1):
             for gemm in ("linear_fc1", "linear_fc2"):
                 values = {one["end"][(layer, gemm, e)].item() for e in range(EXPERTS)}
