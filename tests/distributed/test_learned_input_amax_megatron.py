@@ -90,7 +90,8 @@ def _layouts(mm, mt, calib, train):
 
             for step in range(STEPS):
                 mt.train_step(trainer, train[2 * step:2 * step + 2], step=step, after_backward=capture)
-            out[(tp, ep, kind, layout)] = {"start": start, "grads": grads, "end": _learned_inputs(model, mm, grad=False)}
+            end = _learned_inputs(model, mm, grad=False)
+            out[(tp, ep, kind, layout)] = {"start": start, "grads": grads, "end": end}
         mm.destroy_model_parallel()
     return out
 
