@@ -26,6 +26,10 @@ priority order), ``--budget SECONDS`` skips the variants that would end past it:
                                                          # the GPU model above, 200 steps per variant
 ``--set data=legacy`` measures the way the recovery table does (held-out text at a fixed offset of the English text,
 which a long pretraining reads too).
+``--seeds 1234,4321,777`` runs the study once per seed (its own teacher, calibration and batches; ``--json`` then
+holds ``{seed: results}``) and ends with each variant's median and range over the seeds:
+  python tools/bench_qat_recovery.py --gpu --study --seeds 1234,4321,777 --variants nvfp4/qad \
+      nvfp4/qad:input_amax_update=learned,amax_lr_mult=100 --json qad_seeds.json
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ QUICK_STUDY = {"tp": 1, "ep": 1, "experts": "sequential", "num_layers": 2, "hidd
                "num_experts": 4, "topk": 2, "seq": 32, "batch": 2, "pretrain_steps": 4, "steps": 4, "eval_batches": 2,
                "train_eval_batches": 2, "corpus": "text",
                "variants": ("nvfp4/qad", "nvfp4/qad:train=all,lr=1e-4,lr_decay_style=constant,warmup_fraction=0",
-                            "fp8/qat:weight_amax_update=learned")}
+                            "fp8/qat:weight_amax_update=learned",
+                            "nvfp4/qad:input_amax_update=learned,amax_lr_mult=100")}
 # The GPU model of the recovery benchmark, batches of 32 x 256 bytes of Python source (no byte seen twice).
 GPU_STUDY = {"tp": 1, "experts": "te", "num_layers": 4, "num_experts": 16, "topk": 2, "hidden": 512,
              "ffn_hidden": 1024, "seq": 256, "batch": 32, "pretrain_steps": 600, "pretrain_lr": 1e-3, "steps": 200,
@@ -104,12 +109,14 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, help="--cpu: gloo ranks (default: 4, or 1 with --study)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="RecoveryConfig (StudyConfig "
                                                                                   "with --study) overrides")
+    parser.add_argument("--seeds", help="--study: comma-separated seeds, one study each, then the median and range "
+                                        "of every variant over them (e.g. 1234,4321,777)")
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument("--timeout", type=float, default=3600.0)
     args = parser.parse_args(argv)
 
     import torch
-    from qad_study import StudyConfig, format_study, parse_variant
+    from qad_study import StudyConfig, format_seeds, format_study, parse_variant
 
     from modelopt_moe.launch import spawn
 
@@ -131,7 +138,17 @@ def main(argv=None) -> int:
         if args.variants:
             overrides["variants"] = tuple(args.variants)
         overrides["time_budget_s"] = args.budget
-    if args.study and args.json:
+    seeds = None
+    if args.seeds is not None:
+        if not args.study:
+            parser.error("--seeds needs --study")
+        try:
+            seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+        except ValueError:
+            parser.error(f"--seeds {args.seeds!r}: expected comma-separated integers, e.g. 1234,4321,777")
+        if not seeds or len(set(seeds)) != len(seeds):
+            parser.error(f"--seeds {args.seeds!r}: expected distinct integers, e.g. 1234,4321,777")
+    if args.study and args.json and seeds is None:
         overrides["partial_json"] = args.json  # rewritten after every variant: a run cut short keeps what it measured
     if args.study:
         try:  # a typo in a variant fails here, not after the teacher's training
@@ -148,8 +165,19 @@ def main(argv=None) -> int:
         overrides.setdefault("ep", world)
     start = time.perf_counter()
     worker = _study_worker if args.study else _worker
-    result = spawn(worker, world, args=(overrides,), timeout=args.timeout, backend=backend)[0]
-    print(format_study(result) if args.study else format_report(result))
+    if seeds is not None:
+        result = {}
+        for seed in seeds:
+            result[seed] = spawn(worker, world, args=({**overrides, "seed": seed},), timeout=args.timeout,
+                                 backend=backend)[0]
+            print(f"seed {seed}:\n{format_study(result[seed])}\n", flush=True)
+            if args.json:  # what the seeds so far measured, should a later one be cut short
+                with open(args.json, "w") as f:
+                    json.dump(result, f, indent=1, default=str)
+        print(format_seeds(result))
+    else:
+        result = spawn(worker, world, args=(overrides,), timeout=args.timeout, backend=backend)[0]
+        print(format_study(result) if args.study else format_report(result))
     print(f"({world} ranks, {backend}, {time.perf_counter() - start:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:

@@ -42,16 +42,23 @@ _TESTS = str(Path(__file__).resolve().parents[1] / "tests")
 if _TESTS not in sys.path:  # the small Megatron models (tests/megatron_harness) are not part of the package
     sys.path.insert(0, _TESTS)
 
-__all__ = ["StudyConfig", "run_study", "format_study", "parse_variant", "STUDY_VARIANTS", "FORMER", "code_corpus"]
+__all__ = ["StudyConfig", "run_study", "format_study", "format_seeds", "parse_variant", "STUDY_VARIANTS", "FORMER",
+           "LEARNED_INPUTS", "code_corpus"]
 
 # The former default recipe: every parameter at lr 1e-4, constant, no warmup.
 FORMER = "train=all,lr=1e-4,lr_decay_style=constant,warmup_fraction=0"
+# Learned input (activation) amaxes, one per layer as the study's experts keep them (experts.input_amax: shared),
+# at 100x the recipe's learning rate: Adam moves a parameter by about its learning rate per step, and an
+# activation amax is hundreds of times a weight.
+LEARNED_INPUTS = "input_amax_update=learned,amax_lr_mult=100"
 # The study's variants, the most important first (a time budget cuts the tail): the default recipe against PTQ and
 # the former recipe, the bounds (the weights' share, the inputs' share), then one change each.
 STUDY_VARIANTS = (
     "nvfp4/qad",
+    f"nvfp4/qad:{LEARNED_INPUTS}",
     f"nvfp4/qad:{FORMER}",
     "fp8/qad",
+    f"fp8/qad:{LEARNED_INPUTS}",
     "nvfp4-w/qad",
     "nvfp4/qad:train=all,lr=1e-5",
     "nvfp4/qad:lr=1e-4",
@@ -358,7 +365,7 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
                 p.copy_(teacher_weights[n])
         return model
 
-    def quantized(fmt, amax_update):
+    def quantized(fmt, amax_update, input_amax_update="static"):
         """The teacher quantized to ``fmt``: ``nvfp4`` / ``fp8`` (experts' weights and inputs), with ``-w`` the
         weights alone, with ``-a`` the inputs alone."""
         model = copy_of_teacher()
@@ -366,7 +373,7 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
         base, _, only = fmt.partition("-")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mtq.quantize(model, expert_quant_config(base, amax_update),
+            mtq.quantize(model, {**expert_quant_config(base, amax_update), "input_amax_update": input_amax_update},
                          lambda m: [forward(m, b) for b in calib])
         if only:
             mtq.disable_quantizer(model, "*experts*input_quantizer" if only == "w" else "*experts*weight_quantizer")
@@ -403,7 +410,7 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
                f"{statistics.fmean(p['loss']):.4f}")
 
     def run_variant(fmt, method, recipe) -> dict:
-        student = quantized(fmt, recipe.weight_amax_update)
+        student = quantized(fmt, recipe.weight_amax_update, recipe.input_amax_update)
         trained = select_trainable(student, recipe)
         model = distillation_model(student, teacher, recipe=recipe) if method == "qad" else student
         trainer = mt.setup_training(model, recipe=recipe, lr_decay_steps=cfg.steps, use_distributed_optimizer=False,
@@ -583,4 +590,28 @@ def format_study(out: dict) -> str:
                      f"rest's {r['kl_rest_trained_only']:.5f}")
         lines.append(f"{spec}: train {train} | held out {held}; drift {drift}; grads {grads}{extra}")
     lines.append(f"({out['seconds']:.0f} s)")
+    return "\n".join(lines)
+
+
+def format_seeds(runs: dict) -> str:
+    """Studies of the same variants under several seeds (``{seed: run_study output}``; each seed trains its own
+    teacher and draws its own batches) as text: per variant, the median and the range over the seeds of its held-out
+    KL and of its ratio to its seed's PTQ KL (``x PTQ``, as in :func:`format_study`)."""
+    seeds = list(runs)
+    lines = [f"seeds {', '.join(str(s) for s in seeds)}: median [min..max] over the seeds", "",
+             f"{'variant':<60}{'held-out KL':>28}{'x PTQ':>22}{'seeds':>7}"]
+
+    def cell(values, spec):
+        if not values:
+            return "-"
+        return f"{statistics.median(values):{spec}} [{min(values):{spec}}..{max(values):{spec}}]"
+
+    for fmt in dict.fromkeys(f for out in runs.values() for f in out["ptq"]):
+        kls = [out["ptq"][fmt]["kl_stats"]["mean"] for out in runs.values() if fmt in out["ptq"]]
+        lines.append(f"{fmt + '/ptq':<60}{cell(kls, '.4g'):>28}{'1.00':>22}{len(kls):>7}")
+    for spec in dict.fromkeys(s for out in runs.values() for s in out["variants"]):
+        done = [out["variants"][spec] for out in runs.values()
+                if spec in out["variants"] and "error" not in out["variants"][spec]]
+        kls, ratios = [r["kl_stats"]["mean"] for r in done], [r["kl_vs_ptq"] for r in done]
+        lines.append(f"{spec:<60}{cell(kls, '.4g'):>28}{cell(ratios, '.2f'):>22}{len(done):>7}")
     return "\n".join(lines)

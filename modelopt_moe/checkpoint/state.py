@@ -95,6 +95,7 @@ def modelopt_state(model: nn.Module, calibration_tokens: dict | None = None) -> 
         "fake_quant_kernel": first.quant_kernel,
         "gemm": first.quant_gemm,
         "weight_amax_update": _weight_amax_update(model),
+        "input_amax_update": _amax_update(model, "input_quantizer"),
         "autoswitch": first.quant_autoswitch.model_dump() if getattr(first, "quant_autoswitch", None) else None,
         "experts": ExpertsConfig(**layouts).model_dump(),
         "quantized_modules": [name for name, _ in modules],
@@ -119,8 +120,13 @@ def _upgrade_cfg_v2(cfg: dict) -> dict:
 
 def _weight_amax_update(model: nn.Module) -> str:
     """The model's ``weight_amax_update`` (that of its enabled weight quantizers; ``static`` when none is)."""
+    return _amax_update(model, "weight_quantizer")
+
+
+def _amax_update(model: nn.Module, kind: str) -> str:
+    """The amax update of ``model``'s enabled quantizers of ``kind`` (``static`` when none is, or they differ)."""
     modes = {q.amax_update for name, q, _ in named_quantizers(model) if q.is_enabled and
-             rule_name(name).endswith("weight_quantizer")}
+             rule_name(name).endswith(kind)}
     return modes.pop() if len(modes) == 1 else "static"
 
 
@@ -160,6 +166,7 @@ def _restore_config(state: dict, experts) -> QuantizeConfig:
     # States saved before weight_amax_update existed were static; autoswitch is optional.
     return QuantizeConfig(backward=BackwardConfig(**state["backward"]), **_compute_settings(state),
                           experts=layouts, weight_amax_update=state.get("weight_amax_update", "static"),
+                          input_amax_update=state.get("input_amax_update", "static"),
                           autoswitch=state.get("autoswitch"))
 
 

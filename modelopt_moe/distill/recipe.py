@@ -18,6 +18,7 @@ PARAM_GROUPS = ("experts", "dense", "router", "norms", "embedding", "output")
 _DECAY_STYLES = ("cosine", "linear", "constant")
 _AMAX_UPDATES = ("static", "dynamic", "learned")
 TEACHER_FP8_GRANULARITIES = ("per_tensor", "per_channel")  # how a teacher stored in FP8 scales its weights
+_INPUT_AMAX_UPDATES = ("static", "learned")
 
 
 def param_group(name: str) -> str:
@@ -82,6 +83,11 @@ class QADRecipe:
         teacher_fp8: None (the default): the teacher keeps its weights as built. ``"per_tensor"`` or
             ``"per_channel"``: the teacher's weight matrices are stored as FP8 E4M3 codes and scales and dequantized
             per layer in its forward (about half the bytes of bf16; the teacher's logits move, see ``docs/qad.md``).
+        input_amax_update: ``static`` or ``learned``: the input (activation) amaxes train, started from the
+            calibrated values (the quantization config's key of the same name; :meth:`quant_config` sets ``learned``
+            where the config does not set the key).
+        amax_lr_mult: the learned amaxes' learning rate as a multiple of ``lr`` (its schedule too). Adam moves a
+            parameter by about its learning rate per step, and an activation amax is hundreds of times a weight.
 
     Raises:
         ValueError: a value out of range, naming the field, the value and what is allowed.
@@ -101,6 +107,8 @@ class QADRecipe:
     lm_loss_weight: float = 0.0
     weight_amax_update: str = "dynamic"
     teacher_fp8: str | None = None
+    input_amax_update: str = "static"
+    amax_lr_mult: float = 1.0
 
     def __post_init__(self):
         def need(ok: bool, field: str, expected: str):
@@ -121,6 +129,9 @@ class QADRecipe:
         need(self.weight_amax_update in _AMAX_UPDATES, "weight_amax_update", f"one of {list(_AMAX_UPDATES)}")
         need(self.teacher_fp8 is None or self.teacher_fp8 in TEACHER_FP8_GRANULARITIES, "teacher_fp8",
              f"None or one of {list(TEACHER_FP8_GRANULARITIES)}")
+        need(self.input_amax_update in _INPUT_AMAX_UPDATES, "input_amax_update",
+             f"one of {list(_INPUT_AMAX_UPDATES)}")
+        need(math.isfinite(self.amax_lr_mult) and self.amax_lr_mult > 0, "amax_lr_mult", "a positive number")
         _parse_train(self.train)
 
     @property
@@ -145,10 +156,15 @@ class QADRecipe:
 
     def quant_config(self, config):
         """A copy of the quantization config ``config`` (a dict, or a ``QuantizeConfig`` from ``mtq.load_config``)
-        with this recipe's ``weight_amax_update``."""
+        with this recipe's ``weight_amax_update``, and its ``input_amax_update: learned`` unless ``config`` sets its
+        own (``static`` is every config's default)."""
+        update = {"weight_amax_update": self.weight_amax_update}
+        given = config if isinstance(config, dict) else config.model_fields_set
+        if self.input_amax_update != "static" and "input_amax_update" not in given:
+            update["input_amax_update"] = self.input_amax_update
         if isinstance(config, dict):
-            return {**config, "weight_amax_update": self.weight_amax_update}
-        return config.model_copy(update={"weight_amax_update": self.weight_amax_update})
+            return {**config, **update}
+        return config.model_copy(update=update)
 
     def replace(self, **changes) -> QADRecipe:
         """A copy with ``changes`` (validated)."""

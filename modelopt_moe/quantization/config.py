@@ -13,6 +13,7 @@ A config says *what* precision goes *where*; :mod:`tensor_quantizer` says *how*.
     kernel: auto                     # auto | triton | torch: how expert fake quant is computed
     gemm: fake_quant                 # fake_quant | te_fp8: real FP8 forward GEMMs in TE grouped linears
     weight_amax_update: dynamic      # static | dynamic | learned (docs/qad.md)
+    input_amax_update: static        # static | learned (docs/qad.md)
     autoswitch: {every: 100, underflow_pct: 5.0, mse: 0.05, gemms: [fprop, dgrad, wgrad]}   # optional
 
 ``$import: other.yaml`` at the top of a file merges that file first (its ``quant_cfg`` entries come before this
@@ -27,6 +28,7 @@ from .config_loader import load_config, to_config
 from .config_schema import (
     AUTOSWITCH_GEMMS,
     DEFAULT_WEIGHT_AMAX_UPDATE,
+    INPUT_AMAX_UPDATES,
     WEIGHT_AMAX_UPDATES,
     AutoswitchConfig,
     BackwardConfig,
@@ -49,6 +51,7 @@ __all__ = [
     "AutoswitchConfig",
     "AUTOSWITCH_GEMMS",
     "WEIGHT_AMAX_UPDATES",
+    "INPUT_AMAX_UPDATES",
     "DEFAULT_WEIGHT_AMAX_UPDATE",
     "QuantizeConfig",
     "normalize_algorithm",

@@ -39,6 +39,7 @@ __all__ = [
     "AutoswitchConfig",
     "AUTOSWITCH_GEMMS",
     "WEIGHT_AMAX_UPDATES",
+    "INPUT_AMAX_UPDATES",
     "DEFAULT_WEIGHT_AMAX_UPDATE",
     "QuantizeConfig",
     "normalize_algorithm",
@@ -565,6 +566,9 @@ class AutoswitchConfig(_Strict):
 # recomputes it from the current weights at every re-quantization, "learned" trains it (LSQ-style gradient).
 WEIGHT_AMAX_UPDATES = ("static", "dynamic", "learned")
 DEFAULT_WEIGHT_AMAX_UPDATE = "dynamic"  # chosen by measurement: docs/qad.md
+# How input (activation) amaxes follow training (docs/qad.md): "static" keeps the calibrated amax, "learned" trains it
+# from the calibrated value (one per layer or one per expert, as experts.input_amax says).
+INPUT_AMAX_UPDATES = ("static", "learned")
 
 
 # Before ``gemm`` existed, ``kernel: te_fp8`` chose the real FP8 GEMMs (and the "auto" fake quant everywhere else).
@@ -625,6 +629,8 @@ class QuantizeConfig(_Strict):
     # A property of the training run, not of one quantizer: it applies to every enabled weight quantizer (activation
     # amaxes stay calibrated), and it stays out of the per-quantizer attributes, which mirror Model Optimizer's.
     weight_amax_update: Literal["static", "dynamic", "learned"] = DEFAULT_WEIGHT_AMAX_UPDATE
+    # The same for the GEMMs' input quantizers (``input_quantizer``; output and KV-cache quantizers stay calibrated).
+    input_amax_update: Literal["static", "learned"] = "static"
     autoswitch: AutoswitchConfig | None = None
 
     @model_validator(mode="after")
@@ -637,6 +643,13 @@ class QuantizeConfig(_Strict):
             raise ValueError("weight_amax_update=learned with backward.mode=high_precision: that backward runs through "
                              "the unquantized weights, so a learned amax would get no gradient; use backward.mode "
                              "dequantized or quantized")
+        if self.input_amax_update == "learned" and self.backward.mode == "high_precision":
+            raise ValueError("input_amax_update=learned with backward.mode=high_precision: that backward runs through "
+                             "the unquantized inputs, so a learned input amax would get no gradient; use backward.mode "
+                             "dequantized or quantized")
+        if self.input_amax_update == "learned" and self.gemm == "te_fp8":
+            raise ValueError("input_amax_update=learned with gemm=te_fp8: the real FP8 GEMMs take the input scale as a "
+                             "constant, so a learned input amax would get no gradient; use gemm fake_quant")
         if self.algorithm is not None and self.max_calib.sets_weight_amax and self.weight_amax_update == "dynamic":
             raise ValueError(f"algorithm={self.algorithm!r} chooses the weight amaxes, but weight_amax_update=dynamic "
                              "recomputes them from the weights at every re-quantization; set weight_amax_update to "

@@ -177,8 +177,10 @@ def apply_quant_cfg(model: nn.Module, config: QuantizeConfig) -> None:
         _set_attributes(full_name, q, attrs if attrs is not None else QuantizerAttributeConfig(enable=False),
                         config.backward.ste)
     for full_name, q, module in found:
-        weight = rule_name(full_name).endswith("weight_quantizer")
-        set_weight_amax_update(full_name, q, module, config.weight_amax_update if weight else "static")
+        rule = rule_name(full_name)
+        mode = config.weight_amax_update if rule.endswith("weight_quantizer") else (
+            config.input_amax_update if rule.endswith("input_quantizer") else "static")
+        set_weight_amax_update(full_name, q, module, mode)
     for module in model.modules():
         if is_quantized(module):
             module.quant_backward = config.backward.model_copy()

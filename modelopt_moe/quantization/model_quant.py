@@ -82,7 +82,8 @@ def quantize(model: nn.Module, config: QuantizeConfig | dict, forward_loop: Call
         ValueError: nothing quantizable; ``model`` is already quantized (Model Optimizer reconfigures it
             silently; here: call :func:`set_quantizer_by_cfg` and :func:`calibrate`); ``model`` is already wrapped
             (torch's or Megatron's ``DistributedDataParallel``, ``Float16Module``: quantize before wrapping); or it
-            is on the meta device and the config calibrates (``algorithm`` not None). Nothing is changed then.
+            is on the meta device and the config calibrates (``algorithm`` not None); ``input_amax_update: learned``
+            without a ``forward_loop`` (or without an algorithm) to calibrate the inputs. Nothing is changed then.
     """
     cfg = to_config(config)
     as_forward_loop(forward_loop)  # a bad forward_loop fails before the model changes
@@ -96,6 +97,10 @@ def quantize(model: nn.Module, config: QuantizeConfig | dict, forward_loop: Call
             "adds, e.g. learned amaxes). Nothing was changed")
     if cfg.algorithm is not None:
         refuse_meta(model, "mtq.quantize")
+    if cfg.input_amax_update == "learned" and (forward_loop is None or cfg.algorithm is None):
+        raise ValueError("mtq.quantize: input_amax_update=learned starts every input amax from its calibrated value, "
+                         f"but this call calibrates none (forward_loop={forward_loop!r}, algorithm="
+                         f"{cfg.algorithm!r}); pass a forward_loop and a calibration algorithm. Nothing was changed")
     quantized = [name or "<model>" for name, m in model.named_modules() if is_quantized(m)]
     if quantized:
         raise ValueError(

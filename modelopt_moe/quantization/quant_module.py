@@ -74,6 +74,12 @@ class QuantModuleMixin:
         ``quantizer_name`` (relative name) must max-reduce its amax. Plain modules: none."""
         return ()
 
+    def input_amax_grad_groups(self, quantizer_name: str) -> tuple[str, ...]:
+        """Names of the groups over which the gradient of this module's learned input amax ``quantizer_name`` is
+        summed in the backward (:mod:`.input_amax`): those its amax is reduced over, less the data-parallel ones
+        (``dp``, ``edp``), which the framework's gradient reduction covers as it covers the GEMM's weights."""
+        return tuple(n for n in self.amax_reduction(quantizer_name) if n not in ("dp", "edp"))
+
     def finalize_calibration(self, groups: dict) -> list[str]:
         """After the amax reduction: fix what calibration left incomplete; returns notes for one rank-0 warning."""
         return []

@@ -531,8 +531,11 @@ class TensorQuantizer(nn.Module):
         self._set_block_learning(learn and self.static_block_scales, block_shape)
         learn = learn and not self.static_block_scales
         if learn and self.axis is not None:
-            raise ValueError(f"{type(self).__name__}: weight_amax_update=learned trains a per-tensor (per-expert) "
-                             f"amax; this quantizer has a per-channel amax (axis={self.axis})")
+            raise ValueError(f"{type(self).__name__}: a learned amax (weight_amax_update / input_amax_update) is per "
+                             f"tensor (per expert); this quantizer has a per-channel amax (axis={self.axis})")
+        if learn and self.static_block_size is not None:
+            raise ValueError(f"{type(self).__name__}: a learned amax (weight_amax_update / input_amax_update) is per "
+                             f"tensor (per expert); this quantizer has static blocks of {self.static_block_size}")
         if learn and not self.learns_amax:
             shape = self.amax_shape
             value = self._amax.detach().float() if self._amax is not None else torch.zeros(shape)

@@ -29,10 +29,16 @@ def weight_operands(module: nn.Module):
 
 
 def learned_amax_attributes(module: nn.Module, q: TensorQuantizer) -> dict:
-    """Megatron parameter attributes a learned amax copies from the weights it quantizes: ``allreduce`` (False for
-    expert parameters, which Megatron's DDP reduces over expert-data-parallel ranks only)."""
+    """Megatron parameter attributes a learned amax copies from the weights of its GEMM (the weights it quantizes, or
+    those its input meets): ``allreduce`` (False for expert parameters, which Megatron's DDP reduces over
+    expert-data-parallel ranks only)."""
+    for gemm in module.expert_gemms():  # a learned input amax of an expert GEMM lives where its weights do
+        if gemm.quantizers._modules.get("input_quantizer") is q:
+            weights = gemm.weights if gemm.weights is not None else module.expert_weights()
+            return {"allreduce": weights[0].allreduce} if weights and hasattr(weights[0], "allreduce") else {}
     for _, owner, weights in weight_operands(module):
-        if owner is q and weights and hasattr(weights[0], "allreduce"):
+        if (owner is q or module._modules.get("input_quantizer") is q) and weights and hasattr(weights[0],
+                                                                                                "allreduce"):
             return {"allreduce": weights[0].allreduce}
     return {}
 

@@ -303,14 +303,24 @@ def qad_optimizer_config(recipe: QADRecipe, **kwargs):
                            clip_grad=recipe.clip_grad, **kwargs)
 
 
-def get_qad_optimizer(config, model_chunks: list, **kwargs):
+def get_qad_optimizer(config, model_chunks: list, *, amax_lr_mult: float = 1.0, **kwargs):
     """Megatron's ``get_megatron_optimizer(config, model_chunks, **kwargs)`` without the optimizers that hold no
     parameter. With only the experts training, Megatron (0.19) still builds a dense-parameter optimizer, empty (a
     "stub"), inside its ``ChainedOptimizer``, and then fails to save the optimizer state (``_synchronize_steps`` reads
     the stub's missing ``torch.optim`` optimizer); without it the checkpoint holds the experts' optimizer alone. Every
-    rank drops the same ones (the parameter groups are agreed over all ranks)."""
-    from megatron.core.optimizer import ChainedOptimizer, get_megatron_optimizer
+    rank drops the same ones (the parameter groups are agreed over all ranks).
 
+    ``amax_lr_mult`` (``QADRecipe.amax_lr_mult``): the learned amaxes (parameters named ``*_amax``) get their own
+    parameter groups, at that multiple of the learning rate and its floor, without weight decay (Megatron's
+    ``config_overrides``, merged into its standard ones)."""
+    from megatron.core.optimizer import ChainedOptimizer, get_megatron_optimizer, get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamKey
+
+    if amax_lr_mult != 1.0:
+        overrides = kwargs.pop("config_overrides", None) or get_standard_config_overrides(config)
+        overrides[ParamKey(name="*_amax")] = {"max_lr": config.lr * amax_lr_mult,
+                                              "min_lr": config.min_lr * amax_lr_mult, "wd_mult": 0.0}
+        kwargs["config_overrides"] = overrides
     optimizer = get_megatron_optimizer(config, model_chunks, **kwargs)
     if isinstance(optimizer, ChainedOptimizer):
         kept = [o for o in optimizer.chained_optimizers if not getattr(o, "is_stub_optimizer", False)]

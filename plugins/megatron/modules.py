@@ -110,6 +110,17 @@ class _QuantParallelLinearMixin(QuantModuleMixin):
         # A per-channel amax along the TP-sharded axis belongs to this rank's channels only.
         return () if q.axis is not None and q.axis % 2 == self.sharded_axis else (tp,)
 
+    def input_amax_grad_groups(self, quantizer_name: str) -> tuple[str, ...]:
+        """A learned input amax's gradient is summed over the ranks that hold other elements of the input: the TP
+        ranks of a row-parallel input (other channels) or, under sequence parallelism, of a column-parallel one (other
+        tokens; without it every TP rank holds the same input and the same gradient); an expert's, the expert-TP
+        ranks and, for a ``shared`` (one per layer) amax, the expert-parallel ranks (other experts)."""
+        if quantizer_name != "input_quantizer":
+            return super().input_amax_grad_groups(quantizer_name)
+        if self.is_expert_view:
+            return ("etp",) + (("ep",) if self.input_quantizer.owner.layout == "shared" else ())
+        return ("tp",) if self.sharded_axis == 1 or self.sequence_parallel else ()
+
     def tensor_split(self) -> tuple[int, int] | None:
         """The weight axis split over this linear's tensor-parallel group, and the group's size."""
         return self.sharded_axis, get_pg_size(self.tp_group)

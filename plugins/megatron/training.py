@@ -152,7 +152,8 @@ def setup_training(
             )
         # With a recipe some parameters may be frozen: no empty optimizer in the chain (see get_qad_optimizer).
         build_optimizer = get_qad_optimizer if recipe is not None else get_megatron_optimizer
-        optimizer = build_optimizer(opt_config, [ddp_model])
+        extra = {"amax_lr_mult": recipe.amax_lr_mult} if recipe is not None else {}
+        optimizer = build_optimizer(opt_config, [ddp_model], **extra)
     scheduler = None
     if recipe is not None:
         if lr_decay_steps is None:

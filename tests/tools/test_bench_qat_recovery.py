@@ -60,3 +60,28 @@ def test_study_refuses_a_bad_variant_before_training():
                          capture_output=True, text=True, timeout=seconds(600))
     assert res.returncode != 0, res.stderr[-2000:]
     assert "unknown parameter group 'routers'" in res.stderr, res.stderr[-2000:]
+
+
+def test_cpu_quick_study_over_seeds_prints_medians_and_ranges(tmp_path):
+    out = tmp_path / "seeds.json"
+    learned = "nvfp4/qad:input_amax_update=learned,amax_lr_mult=100"
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_qat_recovery.py"), "--cpu", "--study", "--quick",
+                          "--seeds", "1234,4321,777", "--variants", "nvfp4/qad", learned, "--json", str(out)],
+                         capture_output=True, text=True, timeout=seconds(600))
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert list(result) == ["1234", "4321", "777"]
+    ratios = {spec: sorted(result[s]["variants"][spec]["kl_vs_ptq"] for s in result) for spec in ("nvfp4/qad", learned)}
+    summary = res.stdout[res.stdout.index("seeds 1234, 4321, 777: median [min..max] over the seeds"):]
+    for spec, (lo, mid, hi) in ratios.items():
+        row = next(line for line in summary.splitlines() if line.startswith(spec + " "))
+        assert f"{mid:.2f} [{lo:.2f}..{hi:.2f}]" in row, row
+        assert row.split()[-1] == "3"
+    assert len({tuple(result[s]["teacher"]["loss"]) for s in result}) == 3  # each seed its own teacher
+
+
+def test_seeds_are_checked_before_training():
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_qat_recovery.py"), "--cpu", "--study",
+                          "--seeds", "1234,x"], capture_output=True, text=True, timeout=seconds(600))
+    assert res.returncode != 0
+    assert "--seeds '1234,x': expected comma-separated integers" in res.stderr, res.stderr[-2000:]

@@ -21,6 +21,8 @@ from ...kernels import (
 from ...numerics import clip_limit, scale_rows
 from ..config_schema import ExpertsConfig
 from ..expert_quantizer import ExpertQuantizer
+from ..input_amax import learned_input_amax, learned_input_values
+from ..quant_mode import QuantMode
 from ..tensor_quantizer import clip_mask
 from .row_scale import rows_of
 
@@ -127,7 +129,7 @@ class DeviceSplits:
 
 def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel: str = "auto",
                            device_splits: DeviceSplits | None = None, *, with_stats: bool = False,
-                           row_scale: torch.Tensor | None = None):
+                           row_scale: torch.Tensor | None = None, owner: nn.Module | None = None):
     """Fake-quantizes (and calibrates) the token matrix ``x`` whose row blocks ``m_splits`` belong to the experts.
 
     Calibrated amax on the kernel path (per expert, or ``shared``: ``[N]`` equal entries): one launch with the
@@ -139,9 +141,18 @@ def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel
     ``row_scale`` (one value per row: an expert down projection's router probabilities, see :mod:`.row_scale`): the
     result is ``scale_rows(Q(x), row_scale)``; ``x`` itself is what the quantizer calibrates on and quantizes (and
     the statistics measure). On the kernel path the product is part of the same launch.
+
+    A learned amax (``input_amax_update: learned``): the same values, computed with the amax as a constant, put into
+    the graph with the amax's gradient (:mod:`..input_amax`), summed over the groups ``owner`` (the module holding
+    ``q`` as ``input_quantizer``; None: no reduction) names.
     """
     if row_scale is not None:
         row_scale = rows_of(row_scale, x, "quantize_expert_inputs")
+    if q.mode is QuantMode.LEARNED and x.dim() == 2:
+        y = _quantize_expert_inputs_learned(q, x, m_splits, kernel, device_splits, owner)
+        out = y if row_scale is None else scale_rows(y, row_scale)
+        return (out, expert_row_sums(x, y, (device_splits or DeviceSplits())(m_splits, x.device))) if with_stats \
+            else out
     if with_stats:
         y, sums = _quantize_expert_inputs_stats(q, x, m_splits, kernel, device_splits)
         return (y if row_scale is None else scale_rows(y, row_scale)), sums
@@ -156,6 +167,24 @@ def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel
         return grouped_input_fake_quant_ste(x, splits, amax, q.fmt, q.block_size, q.ste, q.narrow_range)
     y = _quantize_expert_inputs_reference(q, x, m_splits)
     return y if row_scale is None else scale_rows(y, row_scale)
+
+
+def _quantize_expert_inputs_learned(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel: str,
+                                    device_splits: DeviceSplits | None, owner: nn.Module | None) -> torch.Tensor:
+    """:func:`quantize_expert_inputs` of a learned amax (no row scale): the values of the static path with the
+    learned amax, and its gradient."""
+    amax = learned_input_amax(q.amax)
+    sizes = split_sizes(m_splits)
+    with torch.no_grad():
+        xd = x.detach()
+        if use_kernels(kernel, x.device):
+            splits = (device_splits or DeviceSplits())(m_splits, x.device)
+            y = grouped_input_fake_quant_ste(xd, splits, amax, q.fmt, q.block_size, q.ste, q.narrow_range)
+        elif q.layout == "shared":
+            y = q.fake_quant(xd, q.row_of(amax, 0))
+        else:
+            y = torch.cat([q.fake_quant_expert(i, c, q.row_of(amax, i)) for i, c in enumerate(torch.split(xd, sizes))])
+    return learned_input_values(owner, "input_quantizer", q, x, y, sizes)
 
 
 def _quantize_expert_inputs_stats(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel: str,

@@ -27,6 +27,7 @@ import torch
 from ...kernels import grouped_weight_amax, grouped_weight_fake_quant
 from ...numerics import fake_quant, quant_error_sums, scale_rows
 from ..autoswitch import SampledGemm, gemm_sampler, select_tensor
+from ..input_amax import quantize_input_operand
 from ..tensor_quantizer import clip_mask, nan_ignoring_abs_max
 from ..weight_amax import quantize_weight_operand
 from .experts import use_kernels
@@ -247,15 +248,19 @@ def apply_quantized_gemm(module, x: torch.Tensor, weight: torch.Tensor, gemm: Ca
     def quantize_weight(w):
         return quantize_weight_operand(module, wq, w)
 
+    def quantize_input_only(t):
+        return quantize_input_operand(module, iq, t)
+
     def quantize_input(t):
-        return operand(iq(t))
+        return operand(quantize_input_operand(module, iq, t))
 
     sampler = gemm_sampler(module)
     sample = None
     if sampler is not None and (iq.is_quantizing or wq.is_quantizing):
-        sample = SampledGemm(sampler, _with_sums(iq, iq, operand), _with_sums(wq, quantize_weight), select_tensor,
-                             select_tensor)
-    return run_quantized_gemm(module.quant_backward, x, weight, gemm, iq if row_scale is None else quantize_input,
+        sample = SampledGemm(sampler, _with_sums(iq, quantize_input_only, operand), _with_sums(wq, quantize_weight),
+                             select_tensor, select_tensor)
+    return run_quantized_gemm(module.quant_backward, x, weight, gemm,
+                              quantize_input_only if row_scale is None else quantize_input,
                               quantize_weight, lambda t: clip_mask_of(iq, t), lambda t: clip_mask_of(wq, t),
                               module.output_quantizer, sample, None if row_scale is None else operand)
 

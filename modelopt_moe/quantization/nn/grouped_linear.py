@@ -144,7 +144,8 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
 
             sample = SampledGemm(
                 sampler,
-                lambda t: quantize_expert_inputs(iq, t, m_splits, kernel, splits, with_stats=True, row_scale=scale),
+                lambda t: quantize_expert_inputs(iq, t, m_splits, kernel, splits, with_stats=True, row_scale=scale,
+                                                 owner=self),
                 lambda ws: quantize_expert_weights(wq, ws, kernel, owner=self, with_stats=True),
                 select_input, select_weight)
         # backward.weight_operands: recompute -> the recipe of the weight operands, whose GEMM saves only their place
@@ -158,7 +159,8 @@ class QuantGroupedLinearMixin(QuantModuleMixin):
 
         return run_quantized_gemm(
             self.quant_backward, x, weights, gemm=gemm_saving_recipes,
-            quantize_input=lambda t: quantize_expert_inputs(iq, t, m_splits, kernel, splits, row_scale=scale),
+            quantize_input=lambda t: quantize_expert_inputs(iq, t, m_splits, kernel, splits, row_scale=scale,
+                                                            owner=self),
             quantize_weight=lambda ws: quantize_expert_weights(wq, ws, kernel, owner=self, recompute_into=recipes),
             input_mask=lambda t: expert_input_clip_mask(iq, t, m_splits),
             weight_mask=expert_weight_clip_mask(wq, weights),

@@ -83,3 +83,18 @@ def test_warmup_steps_and_helpers():
     assert recipe.to_dict() == dataclasses.asdict(recipe)
     with pytest.raises(dataclasses.FrozenInstanceError):
         recipe.lr = 1.0
+
+
+def test_learned_input_amaxes_in_the_recipe():
+    with pytest.raises(ValueError, match=re.escape("QADRecipe.input_amax_update='dynamic': expected one of "
+                                                   "['static', 'learned']")):
+        QADRecipe(input_amax_update="dynamic")
+    with pytest.raises(ValueError, match=re.escape("QADRecipe.amax_lr_mult=0.0: expected a positive number")):
+        QADRecipe(amax_lr_mult=0.0)
+    recipe = QADRecipe(input_amax_update="learned", amax_lr_mult=100.0)
+    assert recipe.quant_config({"algorithm": "max"})["input_amax_update"] == "learned"
+    # a config that says its own keeps it (a YAML's input_amax_update: static)
+    assert recipe.quant_config({"input_amax_update": "static"})["input_amax_update"] == "static"
+    loaded = recipe.quant_config(mtq.load_config("nvfp4_experts.yaml"))
+    assert loaded.input_amax_update == "learned"
+    assert QADRecipe().quant_config(loaded).input_amax_update == "learned"  # the recipe's default changes nothing
