@@ -9,8 +9,6 @@ layernorm + QKV linear, ``TEGroupedMLP`` experts with TE's grouped linears) on 2
 Needs 2 GPUs, Transformer Engine, transformers and safetensors; skips otherwise.
 """
 
-import glob
-
 import pytest
 import torch
 
@@ -21,17 +19,9 @@ pytest.importorskip("transformer_engine.pytorch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from megatron_harness.hf_families import tensors  # noqa: E402
+
 from modelopt_moe.launch import spawn  # noqa: E402
-
-
-def _tensors(path):
-    from safetensors import safe_open
-
-    out = {}
-    for file in sorted(glob.glob(f"{path}/*.safetensors")):
-        with safe_open(file, "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 def _worker(rank, world_size, hf_dir, out):
@@ -75,13 +65,13 @@ def test_te_spec_round_trip_and_nvfp4_export(tmp_path):
                          moe_intermediate_size=64, norm_topk_prob=True, max_position_embeddings=64)
     Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
     spawn(_worker, 2, args=(str(tmp_path / "hf"), str(tmp_path)), timeout=500, backend="nccl")
-    src = _tensors(tmp_path / "hf")
+    src = tensors(tmp_path / "hf")
     for spec in ("te", "local"):
-        got = _tensors(tmp_path / f"{spec}_bf16")
+        got = tensors(tmp_path / f"{spec}_bf16")
         assert sorted(got) == sorted(src)
         for name, t in src.items():
             assert torch.equal(got[name].view(torch.int16), t.view(torch.int16)), (spec, name)
-    te, local = _tensors(tmp_path / "te_nvfp4"), _tensors(tmp_path / "local_nvfp4")
+    te, local = tensors(tmp_path / "te_nvfp4"), tensors(tmp_path / "local_nvfp4")
     assert sorted(te) == sorted(local)
     for name, t in local.items():
         if name.endswith("input_scale"):

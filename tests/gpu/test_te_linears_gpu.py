@@ -13,8 +13,6 @@ The same Hugging Face weights go into (fp32) a TE-spec and a local-spec model, e
 Needs a GPU, Transformer Engine, transformers and safetensors; skips otherwise.
 """
 
-import glob
-
 import pytest
 import torch
 
@@ -25,15 +23,7 @@ pytest.importorskip("transformer_engine.pytorch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-
-def _tensors(path):
-    from safetensors import safe_open
-
-    out = {}
-    for file in sorted(glob.glob(f"{path}/*.safetensors")):
-        with safe_open(file, "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
+from megatron_harness.hf_families import tensors  # noqa: E402
 
 
 def _amaxes(model):
@@ -117,7 +107,7 @@ def test_te_dense_linears_quantized_like_local(megatron_one_gpu, hf_dir, tmp_pat
             assert torch.isfinite(p).all(), name
             assert p.abs().sum() > 0, name
     if preset == "nvfp4_default.yaml":
-        te, local = _tensors(tmp_path / "te"), _tensors(tmp_path / "local")
+        te, local = tensors(tmp_path / "te"), tensors(tmp_path / "local")
         assert sorted(te) == sorted(local)
         assert any(k.endswith("self_attn.q_proj.input_scale") for k in te)
         for name, t in local.items():
