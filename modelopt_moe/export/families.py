@@ -167,12 +167,13 @@ def read_hf_config(hf_dir_or_config: str | os.PathLike | dict) -> dict:
 
 def _rope(cfg: dict, where: str) -> float:
     """``rope_theta`` from a config with ``rope_parameters`` (transformers 5) or top-level ``rope_theta``."""
+    for key in ("rope_parameters", "rope_scaling"):  # transformers 5's name, and the one published configs use
+        scaling = cfg.get(key) or {}
+        field = "rope_type" if "rope_type" in scaling else "type"
+        if scaling.get(field) not in (None, "default"):
+            raise ExportError(f"{where}: {key}.{field}={scaling[field]!r} (rope scaling {scaling}) is not supported "
+                              "by this family (plain RoPE only: expected 'default')")
     params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default" or (scaling not in (None, {}) and scaling.get("rope_type", scaling.get("type"))
-                                  not in (None, "default")):
-        raise ExportError(f"{where}: rope scaling {params or scaling} is not supported (plain RoPE only)")
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
         raise ExportError(f"{where}: no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
