@@ -37,7 +37,7 @@ from typing import Any
 from .errors import ExportError
 from .mapping import DEEPSEEK_V3, GLM4_MOE, GPT_OSS, LLAMA_MOE, PREDICATES, MegatronTable
 
-__all__ = ["MoEArch", "Family", "FAMILIES", "get_family", "family_for_architecture", "read_hf_config",
+__all__ = ["MoEArch", "Family", "FAMILIES", "UNMAPPED", "get_family", "family_for_architecture", "read_hf_config",
            "canonical_names", "canonical_shapes", "register_family"]
 
 
@@ -708,6 +708,19 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (Qwen3MoeFamily(), MixtralFami
 _ARCHITECTURES = {f.architecture: f for f in FAMILIES.values()}
 
 
+# Architectures known and not mapped, with the reason (docs/export.md, "Qwen3.5 MoE: not mapped, and why").
+_QWEN3_5_MOE = (
+    "Qwen3.5 MoE is not mapped: its Gated DeltaNet layers (layer_types 'linear_attention': linear_attn.in_proj_qkv, "
+    "in_proj_z, in_proj_b, in_proj_a, conv1d, A_log, dt_bias and the gated norm) have no Megatron table here. "
+    "Megatron-Core 0.19.2's GatedDeltaNet computes the same formulas, but it does not build without "
+    "flash-linear-attention (its q/k L2 norm is FLA's Triton kernel even on its torch path, so it does not run on "
+    "CPU) and it ships only a Transformer Engine layer spec, whose gated output norm takes "
+    "layernorm_zero_centered_gamma like every other norm, where Qwen3.5's gated norm is weight * x and its other "
+    "norms (1 + weight) * x; see docs/export.md, 'Qwen3.5 MoE: not mapped, and why'")
+UNMAPPED: dict[str, str] = {"Qwen3_5MoeForCausalLM": _QWEN3_5_MOE, "Qwen3_5MoeForConditionalGeneration": _QWEN3_5_MOE,
+                            "qwen3_5_moe_text": _QWEN3_5_MOE, "qwen3_5_moe": _QWEN3_5_MOE}
+
+
 def register_family(family: Family) -> Family:
     """Adds ``family`` (an instance of a :class:`Family` subclass) to the families import and export know, by its
     ``name`` and ``architecture``; returns it. A family of the same name or architecture is replaced.
@@ -741,13 +754,17 @@ def family_for_architecture(cfg: dict) -> Family:
     """The family of a Hugging Face config (by ``architectures``, else ``model_type``).
 
     Raises:
-        ExportError: an architecture no family covers.
+        ExportError: an architecture no family covers (one known and not mapped, :data:`UNMAPPED`, says why).
     """
     for arch in cfg.get("architectures") or []:
         if arch in _ARCHITECTURES:
             return _ARCHITECTURES[arch]
     if cfg.get("model_type") in FAMILIES:
         return FAMILIES[cfg["model_type"]]
+    for name in [*(cfg.get("architectures") or []), cfg.get("model_type")]:
+        if name in UNMAPPED:
+            raise ExportError(f"Hugging Face architectures={cfg.get('architectures')} (model_type="
+                              f"{cfg.get('model_type')!r}): {UNMAPPED[name]}")
     raise ExportError(f"Hugging Face architectures={cfg.get('architectures')} (model_type="
                       f"{cfg.get('model_type')!r}) is not supported; supported: {sorted(_ARCHITECTURES)}")
 
