@@ -1,18 +1,34 @@
-"""Qwen3.5 MoE (``Qwen3_5MoeForCausalLM``) is not mapped, and says why (docs/export.md, "Qwen3.5 MoE: not mapped, and
-why"): a tiny checkpoint written by ``transformers`` 5.23 (Gated DeltaNet layers interleaved with gated attention, a
-shared expert with its gate) is refused by ``build_megatron_model`` and ``import_hf`` with an error that names the
-Gated DeltaNet layers and where Megatron-Core 0.19.2's pieces fall short, before anything is built or written.
+"""Qwen3.5 MoE (``Qwen3_5MoeForCausalLM``) end to end, as a user's script does it.
+
+A tiny random checkpoint written by ``transformers`` 5.23: three Gated DeltaNet layers then a gated attention layer
+(``layer_types``), per-head q/k norm, RoPE on a quarter of each head (interleaved MRoPE, plain RoPE for text), RMSNorms
+that scale by ``1 + weight`` and the Gated DeltaNet's gated output norm that scales by ``weight`` (all perturbed), a
+shared expert with its sigmoid gate, value heads grouped on key heads (4 on 2). One spawn of 4 gloo ranks builds the
+Megatron model (Megatron-Core's ``GatedDeltaNet`` on its torch path, the local spec) and loads it at TP1 x EP1 and
+TP2 x EP2:
+
+* the fp32 Megatron model's logits equal transformers' within 2e-5 of the largest logit at both layouts, on 16 tokens
+  and on 80 (past the delta rule's 64-token chunk);
+* ``export_hf(format="hf")`` gives back every tensor of the source bit for bit, and its config;
+* the model has the family's pieces (Gated DeltaNet and gated attention layers, zero-centred norms, the plain gated
+  output norm, the shared expert's gate, partial RoPE);
+* Transformer Engine's spec and the published vision-language checkpoints are refused naming why.
 """
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from limits import seconds  # noqa: E402
+from megatron_harness.hf_families import hf_logits, import_at_layout, rank_inputs, tensors
 
 from modelopt_moe.launch import spawn
 
-TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+WORLD = 4
+LAYOUTS = ((1, 1), (2, 2))  # (TP, EP)
+VOCAB = 256
+TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
             linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
             shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
@@ -23,56 +39,122 @@ def _save(path: Path) -> None:
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     torch.manual_seed(0)
-    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TINY)).to(torch.bfloat16)
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TINY))
     assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
-    model.save_pretrained(path)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:  # zero-centred norms start at 0, the gated norm at 1
+                t.add_(torch.randn_like(t) * 0.1)
+    model.to(torch.bfloat16).save_pretrained(path)
 
 
-def _rank(rank, world_size, src):
-    from modelopt_moe.export import ExportError, build_megatron_model, import_hf
-    from modelopt_moe.plugins.megatron import destroy_model_parallel, init_model_parallel
-    from modelopt_moe.quantization.config import preset_path
+def _long_inputs():
+    torch.manual_seed(2)
+    tokens = torch.randint(0, VOCAB, (2, 80))
+    causal = torch.triu(torch.ones(80, 80, dtype=torch.bool), diagonal=1)[None, None]
+    return tokens, torch.arange(80).expand(2, 80), causal
 
-    init_model_parallel(1, 1)
-    res = {}
-    try:
-        build_megatron_model(src, params_dtype=torch.float32)
-    except ExportError as e:
-        res["build"] = str(e)
-    model = build_megatron_model(preset_path("qwen3_moe_tiny.json"), params_dtype=torch.float32)
-    before = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    try:
-        import_hf(model, src)
-    except ExportError as e:
-        res["import"] = str(e)
-    after = model.state_dict()
-    res["unchanged"] = all(torch.equal(v, after[k]) for k, v in before.items())
-    destroy_model_parallel()
+
+def _rank(rank, world_size, src, out):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    from modelopt_moe.export import ExportError, build_megatron_model
+    from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
+
+    apply_cpu_shims()
+    tokens, positions, causal, logits = rank_inputs(VOCAB)
+    long_tokens, long_positions, long_causal = _long_inputs()
+
+    res = {"tokens": tokens, "long_tokens": long_tokens}
+    for tp, ep in LAYOUTS:
+        model = import_at_layout(src, out, tp, ep, logits, res)
+        with torch.no_grad():
+            res[f"long_tp{tp}_ep{ep}"] = model(long_tokens, long_positions, long_causal,
+                                               runtime_gather_output=True).float()
+        if (tp, ep) == (2, 2):
+            layers = model.decoder.layers
+            res["pieces"] = {
+                "attention": [type(layer.self_attention).__name__ for layer in layers],
+                "output_gate": model.config.attention_output_gate,
+                "linear_qkv_rows": layers[3].self_attention.linear_qkv.weight.shape[0],
+                "norms": {type(n).__name__ for layer in layers for n in (layer.input_layernorm,
+                                                                          layer.pre_mlp_layernorm)},
+                "qk_norm": type(layers[3].self_attention.q_layernorm).__name__,
+                "gated_norm": type(layers[0].self_attention.out_norm).__name__,
+                "final_norm": type(model.decoder.final_layernorm).__name__,
+                "shared_gate": [layer.mlp.shared_experts.gate_weight.shape for layer in layers],
+                "rotary_dim": model.rotary_pos_emb.inv_freq.numel() * 2,
+            }
+            try:
+                build_megatron_model(src, spec="te")
+            except ExportError as e:
+                res["te_error"] = str(e)
+        parallel_state.destroy_model_parallel()
     return res
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    src = tmp_path_factory.mktemp("qwen3_5_moe") / "src"
-    _save(src)
-    return spawn(_rank, 1, args=(str(src),), timeout=seconds(300))[0]
+    base = tmp_path_factory.mktemp("qwen3_5_moe")
+    _save(base / "src")
+    results = spawn(_rank, WORLD, args=(str(base / "src"), str(base / "out")), timeout=seconds(900))
+    return base, results[0]
 
 
-@pytest.mark.parametrize("call", ["build", "import"])
-def test_build_and_import_refuse_qwen3_5_moe_naming_the_reason(run, call):
-    message = run[call]
-    assert "architectures=['Qwen3_5MoeForCausalLM'] (model_type='qwen3_5_moe_text'): Qwen3.5 MoE is not mapped" \
-        in message, message
-    assert "Gated DeltaNet layers (layer_types 'linear_attention'" in message, message
-    assert "flash-linear-attention" in message, message
-    assert "layernorm_zero_centered_gamma" in message, message
-    assert "docs/export.md, 'Qwen3.5 MoE: not mapped, and why'" in message, message
+@pytest.mark.parametrize(("tp", "ep"), LAYOUTS)
+def test_megatron_logits_match_transformers(run, tp, ep):
+    base, r = run
+    for tokens, key in ((r["tokens"], f"logits_tp{tp}_ep{ep}"), (r["long_tokens"], f"long_tp{tp}_ep{ep}")):
+        ref = hf_logits(base / "src", tokens)
+        diff = (r[key] - ref).abs().max().item()
+        print(f"TP{tp} x EP{ep}, {tokens.shape[1]} tokens: logits max |Megatron - transformers| = {diff:.3g} "
+              f"(largest {ref.abs().max():.3g})")
+        assert diff <= 2e-5 * ref.abs().max().item()
 
 
-def test_the_refused_import_leaves_the_model_as_it_was(run):
-    assert run["unchanged"]
+@pytest.mark.parametrize(("tp", "ep"), LAYOUTS)
+def test_hf_export_is_the_source_bit_for_bit(run, tp, ep):
+    base, _ = run
+    source, exported = tensors(base / "src"), tensors(base / "out" / f"hf_tp{tp}_ep{ep}")
+    assert sorted(exported) == sorted(source)
+    for name, t in source.items():
+        assert exported[name].dtype == t.dtype, name
+        assert torch.equal(exported[name], t), name
+    cfg = json.loads((base / "out" / f"hf_tp{tp}_ep{ep}" / "config.json").read_text())
+    src_cfg = json.loads((base / "src" / "config.json").read_text())
+    for key in ("architectures", "model_type", "layer_types", "linear_conv_kernel_dim", "linear_key_head_dim",
+                "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "num_experts",
+                "moe_intermediate_size", "shared_expert_intermediate_size", "head_dim"):
+        assert cfg[key] == src_cfg[key], key
+    assert cfg["rope_parameters"]["partial_rotary_factor"] == 0.25
 
 
-def test_the_docs_section_the_error_names_exists():
-    docs = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
-    assert "### Qwen3.5 MoE: not mapped, and why" in docs
+def test_the_megatron_model_has_the_family_pieces(run):
+    p = run[1]["pieces"]
+    assert p["attention"] == ["GatedDeltaNet"] * 3 + ["SelfAttention"]
+    assert p["output_gate"]
+    assert p["linear_qkv_rows"] == (2 * 4 + 2 * 2) * 16 // 2  # q, gate, k, v of TP 2's half of the groups
+    assert p["norms"] == {"ZeroCenteredRMSNorm"}
+    assert p["qk_norm"] == "ZeroCenteredRMSNorm"
+    assert p["gated_norm"] == "GatedOutputNorm"
+    assert p["final_norm"] == "ZeroCenteredRMSNorm"
+    assert p["shared_gate"] == [torch.Size([1, 64])] * 4
+    assert p["rotary_dim"] == 4  # a quarter of head_dim 16
+
+
+def test_transformer_engine_spec_is_refused_naming_why(run):
+    assert "spec='te' for qwen3_5_moe (Gated DeltaNet layers) is not supported" in run[1]["te_error"]
+    assert "expected spec='local'" in run[1]["te_error"]
+
+
+def test_published_vision_language_checkpoints_are_refused_naming_why():
+    from modelopt_moe.export import ExportError
+    from modelopt_moe.export.families import family_for_architecture
+
+    with pytest.raises(ExportError, match=r"architectures=\['Qwen3_5MoeForConditionalGeneration'\] "
+                                          r"\(model_type='qwen3_5_moe'\) is not supported: the published Qwen3.5 MoE "
+                                          r"checkpoints .* hold a vision tower"):
+        family_for_architecture({"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe"})
