@@ -23,6 +23,9 @@ A :class:`Family` maps canonical names to its Hugging Face tensor names (``layer
 * ``gpt_oss`` (``GptOssForCausalLM``): biases on every linear, attention sinks, alternating sliding-window layers,
   clamped SwiGLU, YaRN; experts stored fused as 3-D tensors (canonical ``experts_gate_up``, ``experts_down`` and
   their biases, one tensor per layer).
+* ``qwen3_5_moe`` (``Qwen3_5MoeForCausalLM``): Gated DeltaNet layers (``gdn_*``) among gated attention layers
+  (``q_proj`` holds each head's query and output gate), RMSNorms scaling by ``1 + weight``, a gated shared expert
+  (``shared_*``, ``shared_expert_gate``).
 """
 
 from __future__ import annotations

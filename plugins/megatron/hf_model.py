@@ -21,6 +21,10 @@ sigmoid router with expert bias, groups and scaling (``moe_router_*``). gpt-oss 
 (``add_bias_linear``), learnable attention sinks (``softmax_type="learnable"``), sliding-window layers
 (``window_size``, ``window_attn_skip_freq``), the clamped SwiGLU (``quick_gelu``, ``glu_linear_offset=1``,
 ``activation_func_clamp_value``) and YaRN outside MLA (``position_embedding_type="yarn"``, :func:`_set_yarn`).
+Qwen3.5 adds Megatron-Core's Gated DeltaNet layers (``experimental_attention_variant="gated_delta_net"``,
+``linear_attention_freq``; built in the local spec by :mod:`.gated_delta_net`), the attention's output gate
+(``attention_output_gate``), the shared expert's gate (``moe_shared_expert_gate``) and norms scaling by ``1 + weight``
+(``layernorm_zero_centered_gamma``; :class:`~.norms.ZeroCenteredRMSNorm` in the local spec).
 """
 
 from __future__ import annotations
