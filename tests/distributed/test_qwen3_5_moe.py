@@ -12,6 +12,8 @@ TP2 x EP2:
 * ``export_hf(format="hf")`` gives back every tensor of the source bit for bit, and its config;
 * the model has the family's pieces (Gated DeltaNet and gated attention layers, zero-centred norms, the plain gated
   output norm, the shared expert's gate, partial RoPE);
+* quantized to FP8 (every linear but the router and the shared expert's gate) and exported in compressed-tensors format
+  at TP2 x EP2, the checkpoint loads in transformers and gives the Megatron weight-only fake-quant model's logits;
 * Transformer Engine's spec and the published vision-language checkpoints are refused naming why.
 """
 
@@ -61,7 +63,8 @@ def _rank(rank, world_size, src, out):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
-    from modelopt_moe.export import ExportError, build_megatron_model
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.export import ExportError, build_megatron_model, export_hf
     from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
 
     apply_cpu_shims()
@@ -92,6 +95,16 @@ def _rank(rank, world_size, src, out):
                 build_megatron_model(src, spec="te")
             except ExportError as e:
                 res["te_error"] = str(e)
+
+            def calibrate(m):
+                with torch.no_grad():
+                    for b in range(2):
+                        m(tokens.roll(b + 1, dims=1), positions, causal)
+
+            mtq.quantize(model, mtq.load_config("fp8_default.yaml"), calibrate)
+            export_hf(model, Path(out) / "fp8", format="compressed-tensors", dtype=torch.bfloat16, progress=False)
+            mtq.disable_quantizer(model, "*input_quantizer")  # transformers runs weight-only
+            res["logits_fp8"] = logits(model)
         parallel_state.destroy_model_parallel()
     return res
 
@@ -143,6 +156,27 @@ def test_the_megatron_model_has_the_family_pieces(run):
     assert p["final_norm"] == "ZeroCenteredRMSNorm"
     assert p["shared_gate"] == [torch.Size([1, 64])] * 4
     assert p["rotary_dim"] == 4  # a quarter of head_dim 16
+
+
+def test_fp8_export_loads_in_transformers(run):
+    """Every linear FP8 (the Gated DeltaNet's projections and the gated attention's included; the router and the
+    shared expert's gate never), exported at TP2 x EP2: transformers reads it and gives our weight-only logits."""
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    base, r = run
+    path = base / "out" / "fp8"
+    t = tensors(path)
+    for name in ("linear_attn.in_proj_qkv", "linear_attn.in_proj_b", "linear_attn.out_proj"):
+        assert t[f"model.layers.0.{name}.weight"].dtype == torch.float8_e4m3fn, name
+    assert t["model.layers.3.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    for name in ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.conv1d"):
+        assert t[f"model.layers.0.{name}.weight"].dtype == torch.bfloat16, name
+    ignore = json.loads((path / "config.json").read_text())["quantization_config"]["ignore"]
+    assert {"model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate"} <= set(ignore)
+    ref = hf_logits(path, r["tokens"], quantization_config=CompressedTensorsConfig(dequantize=True))
+    diff = (r["logits_fp8"] - ref).abs().max().item()
+    print(f"FP8 compressed-tensors in transformers: logits max |Megatron fake quant - transformers| = {diff:.3g}")
+    assert diff <= 2e-5 * ref.abs().max().item()
 
 
 def test_transformer_engine_spec_is_refused_naming_why(run):
