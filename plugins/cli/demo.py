@@ -3,7 +3,7 @@
 ``--model`` picks the family: each shipped tiny config ``configs/<family>_tiny.json`` (``qwen3_moe`` by default,
 ``deepseek_v3``, ``glm4_moe``, ``gpt_oss``) runs the same stages:
 
-1. teacher: build the model from the family's tiny config (``configs/qwen3_moe_tiny.json``), train it briefly in bf16
+1. teacher: build the model from the family's tiny config (``configs/<family>_tiny.json``), train it briefly in bf16
    on real English text (byte tokens), save it as a Hugging Face checkpoint and import it back (the path a user with a
    published model takes);
 2. PTQ: quantize a copy with a YAML config from ``configs/`` (NVFP4 experts by default, ``--format fp8``), calibrate;
