@@ -14,6 +14,9 @@ TP2 x EP2:
   output norm, the shared expert's gate, partial RoPE);
 * quantized to FP8 (every linear but the router and the shared expert's gate) and exported in compressed-tensors format
   at TP2 x EP2, the checkpoint loads in transformers and gives the Megatron weight-only fake-quant model's logits;
+  saved with ``save_sharded_checkpoint`` at TP2 x EP2, it loads at TP1 x EP4 with the same logits;
+* every shipped preset quantizes it (the Gated DeltaNet's projections too) and leaves the router and the shared
+  expert's gate alone;
 * Transformer Engine's spec and the published vision-language checkpoints are refused naming why.
 """
 
@@ -30,6 +33,8 @@ from modelopt_moe.launch import spawn
 WORLD = 4
 LAYOUTS = ((1, 1), (2, 2))  # (TP, EP)
 VOCAB = 256
+PRESETS = ("fp8_default.yaml", "fp8_experts.yaml", "fp8_per_expert.yaml", "int4_blockwise_weight_only.yaml",
+           "int8_default.yaml", "nvfp4_default.yaml", "nvfp4_experts.yaml")
 TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
             linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
@@ -61,11 +66,13 @@ def _rank(rank, world_size, src, out):
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, tensor_parallel
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.export import ExportError, build_megatron_model, export_hf
+    from modelopt_moe.export import ExportError, build_megatron_model, export_hf, import_hf
+    from modelopt_moe.plugins.megatron import load_sharded_checkpoint, save_sharded_checkpoint
     from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
+    from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
 
     apply_cpu_shims()
     tokens, positions, causal, logits = rank_inputs(VOCAB)
@@ -103,9 +110,30 @@ def _rank(rank, world_size, src, out):
 
             mtq.quantize(model, mtq.load_config("fp8_default.yaml"), calibrate)
             export_hf(model, Path(out) / "fp8", format="compressed-tensors", dtype=torch.bfloat16, progress=False)
+            save_sharded_checkpoint(model, Path(out) / "ckpt")
+            res["logits_fp8_w8a8"] = logits(model)
             mtq.disable_quantizer(model, "*input_quantizer")  # transformers runs weight-only
             res["logits_fp8"] = logits(model)
+
+            res["presets"] = {}  # every shipped preset: the router and the shared expert's gate untouched
+            for preset in PRESETS:
+                m = build_megatron_model(src, params_dtype=torch.float32)
+                import_hf(m, src)
+                gate = m.decoder.layers[0].mlp.shared_experts.gate_weight.clone()
+                mtq.quantize(m.eval(), mtq.load_config(preset), calibrate)
+                quantizing = sorted({name.rsplit(".", 1)[0] for name, q in m.named_modules()
+                                     if isinstance(q, TensorQuantizer) and q.is_quantizing})
+                res["presets"][preset] = dict(
+                    finite=bool(logits(m).isfinite().all()), quantizing=quantizing,
+                    gate_kept=torch.equal(m.decoder.layers[0].mlp.shared_experts.gate_weight, gate))
         parallel_state.destroy_model_parallel()
+    # the TP2 x EP2 checkpoint loads at TP1 x EP4
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=4)
+    tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
+    fresh = build_megatron_model(src, params_dtype=torch.float32)
+    load_sharded_checkpoint(fresh, Path(out) / "ckpt")
+    res["logits_fp8_resharded"] = logits(fresh.eval())
+    parallel_state.destroy_model_parallel()
     return res
 
 
@@ -177,6 +205,26 @@ def test_fp8_export_loads_in_transformers(run):
     diff = (r["logits_fp8"] - ref).abs().max().item()
     print(f"FP8 compressed-tensors in transformers: logits max |Megatron fake quant - transformers| = {diff:.3g}")
     assert diff <= 2e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_quantizes_it_and_leaves_the_gates_alone(run, preset):
+    p = run[1]["presets"][preset]
+    assert p["finite"]
+    assert p["gate_kept"]
+    assert not [m for m in p["quantizing"] if ".router" in m]
+    assert "decoder.layers.0.mlp.experts.linear_fc1" in p["quantizing"]
+    if "experts" not in preset:  # the default presets quantize every linear: the Gated DeltaNet's too
+        for module in ("decoder.layers.0.self_attention.in_proj", "decoder.layers.0.self_attention.out_proj",
+                       "decoder.layers.3.self_attention.linear_qkv", "decoder.layers.0.mlp.shared_experts.linear_fc1"):
+            assert module in p["quantizing"], module
+
+
+def test_the_quantized_checkpoint_reshards(run):
+    r = run[1]
+    diff = (r["logits_fp8_resharded"] - r["logits_fp8_w8a8"]).abs().max().item()
+    print(f"FP8 W8A8 saved at TP2 x EP2, loaded at TP1 x EP4: logits max |diff| = {diff:.3g}")
+    assert diff <= 2e-5 * r["logits_fp8_w8a8"].abs().max().item()  # another layout sums in another order
 
 
 def test_transformer_engine_spec_is_refused_naming_why(run):
