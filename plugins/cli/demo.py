@@ -1,7 +1,7 @@
 """``modelopt-moe demo``: the whole pipeline on a small MoE model, one line per stage on what it proved.
 
 ``--model`` picks the family: each shipped tiny config ``configs/<family>_tiny.json`` (``qwen3_moe`` by default,
-``deepseek_v3``, ``glm4_moe``, ``gpt_oss``) runs the same stages:
+``deepseek_v3``, ``glm4_moe``, ``gpt_oss``, ``qwen3_5_moe``) runs the same stages:
 
 1. teacher: build the model from the family's tiny config (``configs/<family>_tiny.json``), train it briefly in bf16
    on real English text (byte tokens), save it as a Hugging Face checkpoint and import it back (the path a user with a

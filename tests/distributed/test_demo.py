@@ -170,9 +170,11 @@ def _demo_subprocess(args, tmp_path):
 _FAMILY_LAYOUTS = {"qwen3_moe": ["--world-size", "1", "--tp", "1", "--ep", "1"],
                    "deepseek_v3": ["--world-size", "1", "--tp", "1", "--ep", "1"],
                    "glm4_moe": ["--world-size", "1", "--tp", "1", "--ep", "1"],
-                   "gpt_oss": ["--world-size", "2", "--tp", "1", "--ep", "2"]}
+                   "gpt_oss": ["--world-size", "2", "--tp", "1", "--ep", "2"],
+                   "qwen3_5_moe": ["--world-size", "1", "--tp", "1", "--ep", "1"]}
 _ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                  "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                  "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                  "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 
 
 @pytest.mark.parametrize("model", sorted(_FAMILY_LAYOUTS))
@@ -225,4 +227,5 @@ def test_demo_lists_the_shipped_families(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "--model: invalid choice: 'llama'" in err, err
-    assert all(f"'{family}'" in err for family in ("deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_moe")), err
+    families = ("deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_5_moe", "qwen3_moe")
+    assert all(f"'{family}'" in err for family in families), err
