@@ -1,9 +1,10 @@
 """Qwen3.5 MoE (``Qwen3_5MoeForCausalLM``) end to end, as a user's script does it.
 
-A tiny random checkpoint written by ``transformers`` 5.23: three Gated DeltaNet layers then a gated attention layer
-(``layer_types``), per-head q/k norm, RoPE on a quarter of each head (interleaved MRoPE, plain RoPE for text), RMSNorms
-that scale by ``1 + weight`` and the Gated DeltaNet's gated output norm that scales by ``weight`` (all perturbed), a
-shared expert with its sigmoid gate, value heads grouped on key heads (4 on 2). One spawn of 4 gloo ranks builds the
+A tiny random checkpoint written by ``transformers`` 5.23 from the shipped ``configs/qwen3_5_moe_tiny.json``: three
+Gated DeltaNet layers then a gated attention layer (``layer_types``), per-head q/k norm, RoPE on a quarter of each head
+(interleaved MRoPE, plain RoPE for text), RMSNorms that scale by ``1 + weight`` and the Gated DeltaNet's gated output
+norm that scales by ``weight`` (all perturbed), a shared expert with its sigmoid gate, value heads grouped on key heads
+(4 on 2). One spawn of 4 gloo ranks builds the
 Megatron model (Megatron-Core's ``GatedDeltaNet`` on its torch path, the local spec) and loads it at TP1 x EP1 and
 TP2 x EP2:
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from limits import seconds  # noqa: E402
-from megatron_harness.hf_families import hf_logits, import_at_layout, rank_inputs, tensors
+from megatron_harness.hf_families import hf_logits, import_at_layout, rank_inputs, tensors, tiny_config
 
 from modelopt_moe.launch import spawn
 
@@ -35,18 +36,13 @@ LAYOUTS = ((1, 1), (2, 2))  # (TP, EP)
 VOCAB = 256
 PRESETS = ("fp8_default.yaml", "fp8_experts.yaml", "fp8_per_expert.yaml", "int4_blockwise_weight_only.yaml",
            "int8_default.yaml", "nvfp4_default.yaml", "nvfp4_experts.yaml")
-TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-            linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
-            shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
-            router_aux_loss_coef=0.0)
 
 
 def _save(path: Path) -> None:
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     torch.manual_seed(0)
-    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TINY))
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**tiny_config("qwen3_5_moe_tiny.json")))
     assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     with torch.no_grad():
         for name, t in model.named_parameters():
