@@ -237,7 +237,12 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
 
     t_start = time.perf_counter()
     out, art = Path(opts["out"]), Path(opts["out"]) / "artifacts"
-    spec = "te" if opts["gpus"] else "local"
+    model_config = _model_configs()[opts["model"]]
+    hf_config = read_hf_config(preset_path(model_config))
+    family = family_for_architecture(hf_config)
+    arch = family.arch_from_hf(hf_config)
+    # Transformer Engine's layers on GPUs; Megatron-Core's Gated DeltaNet only in the local spec (hf_model.py says why)
+    spec = "te" if opts["gpus"] and not arch.linear_attention_layers else "local"
     bs, seq, tp, ep = opts["batch_size"], opts["seq_len"], opts["tp"], opts["ep"]
     run: dict[str, Any] = {"title": "modelopt_moe demo: QAT of a MoE model, end to end", "stages": [], "losses": {},
                            "curves": {}, "format": opts["format"], "eval": {}}
@@ -257,10 +262,6 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
         return build_megatron_model(source, spec=spec, params_dtype=torch.bfloat16)
 
     init_model_parallel(tp, ep, seed=opts["seed"])
-    model_config = _model_configs()[opts["model"]]
-    hf_config = read_hf_config(preset_path(model_config))
-    family = family_for_architecture(hf_config)
-    arch = family.arch_from_hf(hf_config)
     train = text_batches(bs, seq, max(1, opts["train_steps"]), offset=_TRAIN)
     calib = text_batches(bs, seq, opts["num_calib_batches"], offset=_CALIB)
     qad = text_batches(bs, seq, max(1, opts["steps"]), offset=_QAD)
