@@ -23,6 +23,9 @@ A :class:`Family` maps canonical names to its Hugging Face tensor names (``layer
 * ``gpt_oss`` (``GptOssForCausalLM``): biases on every linear, attention sinks, alternating sliding-window layers,
   clamped SwiGLU, YaRN; experts stored fused as 3-D tensors (canonical ``experts_gate_up``, ``experts_down`` and
   their biases, one tensor per layer).
+* ``qwen3_5_moe`` (``Qwen3_5MoeForCausalLM``): Gated DeltaNet layers (``gdn_*``) among gated attention layers
+  (``q_proj`` holds each head's query and output gate), RMSNorms scaling by ``1 + weight``, a gated shared expert
+  (``shared_*``, ``shared_expert_gate``).
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ExportError
-from .mapping import DEEPSEEK_V3, GLM4_MOE, GPT_OSS, LLAMA_MOE, PREDICATES, MegatronTable
+from .mapping import DEEPSEEK_V3, GLM4_MOE, GPT_OSS, LLAMA_MOE, PREDICATES, QWEN3_5_MOE, MegatronTable
 
-__all__ = ["MoEArch", "Family", "FAMILIES", "get_family", "family_for_architecture", "read_hf_config",
+__all__ = ["MoEArch", "Family", "FAMILIES", "UNMAPPED", "get_family", "family_for_architecture", "read_hf_config",
            "canonical_names", "canonical_shapes", "register_family"]
 
 
@@ -105,6 +108,18 @@ class MoEArch:
     sliding_window: int = 0
     window_layers: tuple[int, ...] = ()
     swiglu_limit: float = 0.0
+    # Qwen3.5: Gated DeltaNet layers (linear_attention_layers[L] 1) among gated attention ones (the output multiplied
+    # by sigmoid of a gate the query projection also gives), a shared expert scaled by a sigmoid gate, and RMSNorms
+    # that scale by (1 + weight) (the Gated DeltaNet's output norm excepted)
+    linear_attention_layers: tuple[int, ...] = ()
+    linear_conv_kernel: int = 0
+    linear_num_key_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_num_value_heads: int = 0
+    linear_value_head_dim: int = 0
+    attention_output_gate: bool = False
+    shared_expert_gate: bool = False
+    zero_centered_norms: bool = False
 
 
 # MoEArch fields beyond Llama's attention with a softmax-routed MoE MLP, at their plain values: a family expresses
@@ -115,10 +130,16 @@ _PLAIN = {f: MoEArch.__dataclass_fields__[f].default for f in (
     "router_num_groups", "router_group_topk", "routed_scaling_factor", "qkv_bias", "rotary_percent", "rope_type",
     "rope_factor", "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
     "rope_mscale_all_dim", "rope_truncate", "linear_bias", "attention_sinks", "sliding_window", "window_layers",
-    "swiglu_limit")}
+    "swiglu_limit", "linear_attention_layers", "linear_conv_kernel", "linear_num_key_heads", "linear_key_head_dim",
+    "linear_num_value_heads", "linear_value_head_dim", "attention_output_gate", "shared_expert_gate",
+    "zero_centered_norms")}
 # the fields only gpt-oss expresses
 _GPT_OSS_FIELDS = frozenset({"rope_truncate", "linear_bias", "attention_sinks", "sliding_window", "window_layers",
                              "swiglu_limit"})
+# the fields only Qwen3.5 expresses
+_QWEN3_5_FIELDS = frozenset({"linear_attention_layers", "linear_conv_kernel", "linear_num_key_heads",
+                             "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
+                             "attention_output_gate", "shared_expert_gate", "zero_centered_norms"})
 
 
 def _yarn(cfg: dict, where: str) -> dict[str, Any]:
@@ -167,12 +188,13 @@ def read_hf_config(hf_dir_or_config: str | os.PathLike | dict) -> dict:
 
 def _rope(cfg: dict, where: str) -> float:
     """``rope_theta`` from a config with ``rope_parameters`` (transformers 5) or top-level ``rope_theta``."""
+    for key in ("rope_parameters", "rope_scaling"):  # transformers 5's name, and the one published configs use
+        scaling = cfg.get(key) or {}
+        field = "rope_type" if "rope_type" in scaling else "type"
+        if scaling.get(field) not in (None, "default"):
+            raise ExportError(f"{where}: {key}.{field}={scaling[field]!r} (rope scaling {scaling}) is not supported "
+                              "by this family (plain RoPE only: expected 'default')")
     params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default" or (scaling not in (None, {}) and scaling.get("rope_type", scaling.get("type"))
-                                  not in (None, "default")):
-        raise ExportError(f"{where}: rope scaling {params or scaling} is not supported (plain RoPE only)")
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
         raise ExportError(f"{where}: no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
@@ -517,7 +539,7 @@ class DeepseekV3Family(Family):
     optional = {"q_proj": "no_q_lora", "q_a_proj": "q_lora", "q_a_norm": "q_lora", "q_b_proj": "q_lora",
                 **_SIGMOID_MOE_OPTIONAL}
     megatron = DEEPSEEK_V3
-    features = frozenset(_PLAIN) - _GPT_OSS_FIELDS
+    features = frozenset(_PLAIN) - _GPT_OSS_FIELDS - _QWEN3_5_FIELDS
 
     def shapes(self, arch: MoEArch) -> dict[str, tuple[int, ...]]:
         h, n = arch.hidden_size, arch.num_attention_heads
@@ -587,7 +609,7 @@ class Glm4MoeFamily(Family):
                                                                                                   "v_proj")},
                 **_SIGMOID_MOE_OPTIONAL}
     megatron = GLM4_MOE
-    features = frozenset(_PLAIN) - _GPT_OSS_FIELDS - {
+    features = frozenset(_PLAIN) - _GPT_OSS_FIELDS - _QWEN3_5_FIELDS - {
         "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "rope_type", "rope_factor",
         "rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
         "rope_mscale_all_dim"}
@@ -702,9 +724,110 @@ class GptOssFamily(Family):
         return cfg
 
 
+class Qwen35MoeFamily(Family):
+    """Qwen3.5 MoE (text): Gated DeltaNet layers (``layer_types`` ``linear_attention``) among gated attention layers
+    (``q_proj`` gives each head's query and output gate, ``[q_h; gate_h]``), per-head q/k norm, RoPE on the first
+    ``partial_rotary_factor`` of each head, RMSNorms that scale by ``1 + weight`` (the Gated DeltaNet's gated output
+    norm by ``weight``); every layer MoE with a softmax router (top-k renormalised) and a shared expert scaled by
+    ``sigmoid(shared_expert_gate(x))``; experts per expert on disk."""
+
+    name = "qwen3_5_moe"
+    architecture = "Qwen3_5MoeForCausalLM"
+    model_type = "qwen3_5_moe_text"
+    qk_norm = True
+    layer_tensors = {
+        "input_norm": "input_layernorm.weight",
+        **{p: f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")},
+        **{f"gdn_{k}": f"linear_attn.{w}" for k, w in (
+            ("in_qkv", "in_proj_qkv.weight"), ("in_z", "in_proj_z.weight"), ("in_b", "in_proj_b.weight"),
+            ("in_a", "in_proj_a.weight"), ("conv", "conv1d.weight"), ("dt_bias", "dt_bias"), ("A_log", "A_log"),
+            ("norm", "norm.weight"), ("out", "out_proj.weight"))},
+        "post_attn_norm": "post_attention_layernorm.weight", "router": "mlp.gate.weight",
+        **{f"experts.{{E}}.{k}": f"mlp.experts.{{E}}.{k}_proj.weight" for k in ("gate", "up", "down")},
+        **{f"shared_{k}": f"mlp.shared_expert.{k}_proj.weight" for k in ("gate", "up", "down")},
+        "shared_expert_gate": "mlp.shared_expert_gate.weight",
+    }
+    optional = {**{p: "full_attention" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")},
+                **{f"gdn_{k}": "linear_attention" for k in ("in_qkv", "in_z", "in_b", "in_a", "conv", "dt_bias",
+                                                             "A_log", "norm", "out")},
+                **{f"shared_{k}": "shared_experts" for k in ("gate", "up", "down")},
+                "shared_expert_gate": "shared_expert_gate"}
+    megatron = QWEN3_5_MOE
+    features = frozenset({"shared_expert_ffn_hidden_size", "rotary_percent"}) | _QWEN3_5_FIELDS
+
+    def shapes(self, arch: MoEArch) -> dict[str, tuple[int, ...]]:
+        h, d, n = arch.hidden_size, arch.head_dim, arch.num_attention_heads
+        qk = arch.linear_num_key_heads * arch.linear_key_head_dim
+        hv, v = arch.linear_num_value_heads, arch.linear_num_value_heads * arch.linear_value_head_dim
+        shared = arch.shared_expert_ffn_hidden_size
+        return {**super().shapes(arch), "q_proj": (2 * n * d, h), "gdn_in_qkv": (2 * qk + v, h), "gdn_in_z": (v, h),
+                "gdn_in_b": (hv, h), "gdn_in_a": (hv, h), "gdn_conv": (2 * qk + v, 1, arch.linear_conv_kernel),
+                "gdn_dt_bias": (hv,), "gdn_A_log": (hv,), "gdn_norm": (arch.linear_value_head_dim,),
+                "gdn_out": (h, v), "shared_gate": (shared, h), "shared_up": (shared, h), "shared_down": (h, shared),
+                "shared_expert_gate": (1, h)}
+
+    def arch_from_hf(self, cfg: dict) -> MoEArch:
+        where = f"{self.architecture} config"
+        params = cfg.get("rope_parameters") or {}
+        partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)) or 1.0)
+        # Text tokens have the same three MRoPE position ids: plain RoPE on the rotary part, whatever mrope_section
+        common = self._common({**cfg, "rope_parameters": {k: v for k, v in params.items() if not k.startswith(
+            "mrope")}}, where)
+        _expect(cfg, "attention_bias", (False,), where, False)
+        n = common["num_layers"]
+        types = list(cfg.get("layer_types") or [])
+        if len(types) != n or any(t not in ("linear_attention", "full_attention") for t in types):
+            raise ExportError(f"{where}: layer_types={types}: expected {n} of 'linear_attention' / 'full_attention'")
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+        return MoEArch(
+            family=self.name, num_experts=int(_require(cfg, "num_experts", where)),
+            moe_ffn_hidden_size=int(_require(cfg, "moe_intermediate_size", where)), qk_norm=True,
+            norm_topk_prob=True, shared_expert_ffn_hidden_size=shared, shared_expert_gate=shared > 0,
+            rotary_percent=partial, linear_attention_layers=tuple(int(t == "linear_attention") for t in types),
+            linear_conv_kernel=int(_require(cfg, "linear_conv_kernel_dim", where)),
+            linear_num_key_heads=int(_require(cfg, "linear_num_key_heads", where)),
+            linear_key_head_dim=int(_require(cfg, "linear_key_head_dim", where)),
+            linear_num_value_heads=int(_require(cfg, "linear_num_value_heads", where)),
+            linear_value_head_dim=int(_require(cfg, "linear_value_head_dim", where)),
+            attention_output_gate=True, zero_centered_norms=True, **common)
+
+    def hf_config(self, arch: MoEArch, template: dict | None = None) -> dict:
+        if not (arch.attention_output_gate and arch.zero_centered_norms and arch.qk_norm and arch.norm_topk_prob
+                and arch.shared_expert_gate == (arch.shared_expert_ffn_hidden_size > 0)):
+            raise ExportError(f"{self.architecture} has gated attention with q/k norm, (1 + weight) RMSNorms, a "
+                              "renormalised top-k and a gated shared expert; the model has attention_output_gate="
+                              f"{arch.attention_output_gate}, zero_centered_norms={arch.zero_centered_norms}, "
+                              f"qk_norm={arch.qk_norm}, norm_topk_prob={arch.norm_topk_prob}, shared_expert_gate="
+                              f"{arch.shared_expert_gate}")
+        cfg = super().hf_config(arch, template)
+        rope = {k: v for k, v in ((template or {}).get("rope_parameters") or {}).items() if k.startswith("mrope")}
+        cfg["rope_parameters"].update(partial_rotary_factor=arch.rotary_percent, **rope)
+        for key in ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "intermediate_size",
+                    "num_local_experts"):
+            cfg.pop(key, None)
+        cfg.update({"num_experts": arch.num_experts, "moe_intermediate_size": arch.moe_ffn_hidden_size,
+                    "shared_expert_intermediate_size": arch.shared_expert_ffn_hidden_size, "attention_bias": False,
+                    "layer_types": ["linear_attention" if t else "full_attention"
+                                    for t in arch.linear_attention_layers],
+                    "linear_conv_kernel_dim": arch.linear_conv_kernel,
+                    "linear_num_key_heads": arch.linear_num_key_heads, "linear_key_head_dim": arch.linear_key_head_dim,
+                    "linear_num_value_heads": arch.linear_num_value_heads,
+                    "linear_value_head_dim": arch.linear_value_head_dim})
+        return cfg
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (Qwen3MoeFamily(), MixtralFamily(), DeepseekV3Family(),
-                                                   Glm4MoeFamily(), GptOssFamily())}
+                                                   Glm4MoeFamily(), GptOssFamily(), Qwen35MoeFamily())}
 _ARCHITECTURES = {f.architecture: f for f in FAMILIES.values()}
+
+
+# Architectures known and not mapped, with the reason.
+_QWEN3_5_MOE_VL = (
+    "the published Qwen3.5 MoE checkpoints (Qwen3_5MoeForConditionalGeneration) hold a vision tower, name the text "
+    "model's tensors model.language_model.* and carry multi-token-prediction weights (mtp.*); only the text model "
+    "Qwen3_5MoeForCausalLM (model.layers.*, no mtp.*) is mapped: save its text model with transformers' "
+    "Qwen3_5MoeForCausalLM first")
+UNMAPPED: dict[str, str] = {"Qwen3_5MoeForConditionalGeneration": _QWEN3_5_MOE_VL}
 
 
 def register_family(family: Family) -> Family:
@@ -740,11 +863,15 @@ def family_for_architecture(cfg: dict) -> Family:
     """The family of a Hugging Face config (by ``architectures``, else ``model_type``).
 
     Raises:
-        ExportError: an architecture no family covers.
+        ExportError: an architecture no family covers (one known and not mapped, in ``UNMAPPED``, says why).
     """
     for arch in cfg.get("architectures") or []:
         if arch in _ARCHITECTURES:
             return _ARCHITECTURES[arch]
+    for arch in cfg.get("architectures") or []:
+        if arch in UNMAPPED:
+            raise ExportError(f"Hugging Face architectures={cfg.get('architectures')} (model_type="
+                              f"{cfg.get('model_type')!r}) is not supported: {UNMAPPED[arch]}")
     if cfg.get("model_type") in FAMILIES:
         return FAMILIES[cfg["model_type"]]
     raise ExportError(f"Hugging Face architectures={cfg.get('architectures')} (model_type="

@@ -15,6 +15,11 @@ Gather rules (the parallel group is tensor-parallel, or expert-tensor-parallel f
 * ``row``: split along dim 1 (input columns: row-parallel linears).
 * ``qkv``: column-parallel fused attention input, rows ``[q heads; k; v]`` per query group -> ``q``, ``k``, ``v``.
 * ``glu``: column-parallel gated fc1, each rank's rows ``[gate_r; up_r]`` -> ``gate``, ``up``.
+* ``qkv_gate``: ``qkv`` with an output gate (Qwen3.5): rows ``[q heads; gate heads; k; v]`` per query group -> ``q``
+  (Hugging Face's ``q_proj``: each head's query and gate rows, ``[q_h; gate_h]``), ``k``, ``v``.
+* ``gdn_in``: a Gated DeltaNet's column-parallel input projection, each rank's rows ``[q_r; k_r; v_r; z_r; b_r; a_r]``
+  -> ``qkv`` (``[q; k; v]``), ``z``, ``b``, ``a``.
+* ``gdn_conv``: its depthwise convolution, each rank's channels ``[q_r; k_r; v_r]`` -> ``[q; k; v]``.
 * ``stacked``: an expert's tensor, every expert's stacked into one tensor along a new dim 0, a weight transposed to
   ``[in, out]`` (Hugging Face's fused 3-D experts: gpt-oss's ``down_proj`` ``[E, I, H]``, its bias ``[E, H]``).
 * ``stacked_glu``: the same for a gated fc1, gate and up interleaved along the output dim (gate the even, up the odd
@@ -33,9 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["RULES", "STACKED", "PREDICATES", "Param", "MegatronTable", "LLAMA_MOE", "DEEPSEEK_V3", "GLM4_MOE",
-           "GPT_OSS"]
+           "GPT_OSS", "QWEN3_5_MOE", "gdn_sections"]
 
-RULES = {"replicated": 1, "column": 1, "row": 1, "qkv": 3, "glu": 2, "stacked": 1, "stacked_glu": 1}
+RULES = {"replicated": 1, "column": 1, "row": 1, "qkv": 3, "glu": 2, "stacked": 1, "stacked_glu": 1, "qkv_gate": 3,
+         "gdn_in": 4, "gdn_conv": 1}
 STACKED = ("stacked", "stacked_glu")  # the rules that fuse every expert into one tensor
 
 # when a parameter is present: a name, so that tables stay data (arch: MoEArch, L: layer index or None)
@@ -52,7 +58,22 @@ PREDICATES: dict[str, Callable] = {
     "expert_bias": lambda arch, L: L is not None and L >= arch.first_dense_layers and arch.router_expert_bias,
     "linear_bias": lambda arch, L: arch.linear_bias,
     "sinks": lambda arch, L: arch.attention_sinks,
+    "linear_attention": lambda arch, L: L is not None and bool(arch.linear_attention_layers)
+    and arch.linear_attention_layers[L] == 1,
+    "full_attention": lambda arch, L: L is not None and not (arch.linear_attention_layers
+                                                             and arch.linear_attention_layers[L] == 1),
+    "shared_expert_gate": lambda arch, L: L is not None and arch.shared_expert_gate,
 }
+
+
+def gdn_sections(arch, rule: str) -> tuple[int, ...]:
+    """The full sizes of a Gated DeltaNet parameter's sections along dim 0 (each split over TP): ``gdn_in``'s q, k, v,
+    z, b, a; ``gdn_conv``'s q, k, v."""
+    qk = arch.linear_num_key_heads * arch.linear_key_head_dim
+    v = arch.linear_num_value_heads * arch.linear_value_head_dim
+    if rule == "gdn_conv":
+        return (qk, qk, v)
+    return (qk, qk, v, v, arch.linear_num_value_heads, arch.linear_num_value_heads)
 
 
 @dataclass(frozen=True)
@@ -229,6 +250,39 @@ GPT_OSS = MegatronTable(
               "stacked", "layers.{L}.experts_down", holder=_EXPERTS + "linear_fc2"),
         Param((_EXPERTS + "local_experts.{i}.linear_fc2.bias", _EXPERTS + "linear_fc2.bias{i}"),
               "stacked", "layers.{L}.experts_down_bias", when="linear_bias"),
+    ),
+    final=_FINAL,
+)
+
+# Qwen3.5's layer: gated attention (query and output gate in one projection, q/k norm) or a Gated DeltaNet
+# (Megatron-Core's GatedDeltaNet: one input projection, a depthwise convolution, the decay's A_log and dt_bias, a gated
+# output norm), then a softmax router, experts and a shared expert scaled by its sigmoid gate.
+QWEN3_5_MOE = MegatronTable(
+    embedding=_EMBEDDING,
+    layer=(
+        Param(_LAYER + "input_layernorm.weight", "replicated", "layers.{L}.input_norm"),
+        Param(_ATTN + "linear_qkv.weight", "qkv_gate", ("layers.{L}.q_proj", "layers.{L}.k_proj", "layers.{L}.v_proj"),
+              linear=True, when="full_attention"),
+        Param(_ATTN + "linear_proj.weight", "row", "layers.{L}.o_proj", linear=True, when="full_attention"),
+        Param(_ATTN + "q_layernorm.weight", "replicated", "layers.{L}.q_norm", when="full_attention"),
+        Param(_ATTN + "k_layernorm.weight", "replicated", "layers.{L}.k_norm", when="full_attention"),
+        Param(_ATTN + "in_proj.weight", "gdn_in", ("layers.{L}.gdn_in_qkv", "layers.{L}.gdn_in_z",
+                                                   "layers.{L}.gdn_in_b", "layers.{L}.gdn_in_a"),
+              linear=True, when="linear_attention"),
+        Param(_ATTN + "conv1d.weight", "gdn_conv", "layers.{L}.gdn_conv", when="linear_attention"),
+        Param(_ATTN + "dt_bias", "column", "layers.{L}.gdn_dt_bias", when="linear_attention"),
+        Param(_ATTN + "A_log", "column", "layers.{L}.gdn_A_log", when="linear_attention"),
+        Param(_ATTN + "out_norm.weight", "replicated", "layers.{L}.gdn_norm", when="linear_attention"),
+        Param(_ATTN + "out_proj.weight", "row", "layers.{L}.gdn_out", linear=True, when="linear_attention"),
+        Param(_LAYER + "pre_mlp_layernorm.weight", "replicated", "layers.{L}.post_attn_norm"),
+        Param(_LAYER + "mlp.router.weight", "replicated", "layers.{L}.router", linear=True, quantized=False),
+        Param(_LAYER + "mlp.shared_experts.linear_fc1.weight", "glu",
+              ("layers.{L}.shared_gate", "layers.{L}.shared_up"), linear=True, when="shared_experts"),
+        Param(_LAYER + "mlp.shared_experts.linear_fc2.weight", "row", "layers.{L}.shared_down", linear=True,
+              when="shared_experts"),
+        Param(_LAYER + "mlp.shared_experts.gate_weight", "replicated", "layers.{L}.shared_expert_gate", linear=True,
+              quantized=False, when="shared_expert_gate"),
+        *_EXPERTS_MLP,
     ),
     final=_FINAL,
 )

@@ -1,6 +1,9 @@
-"""``modelopt-moe demo``: the whole pipeline on a small Qwen3-MoE-shaped model, one line per stage on what it proved.
+"""``modelopt-moe demo``: the whole pipeline on a small MoE model, one line per stage on what it proved.
 
-1. teacher: build the model from the shipped tiny config (``configs/qwen3_moe_tiny.json``), train it briefly in bf16
+``--model`` picks the family: each shipped tiny config ``configs/<family>_tiny.json`` (``qwen3_moe`` by default,
+``deepseek_v3``, ``glm4_moe``, ``gpt_oss``, ``qwen3_5_moe``) runs the same stages:
+
+1. teacher: build the model from the family's tiny config (``configs/<family>_tiny.json``), train it briefly in bf16
    on real English text (byte tokens), save it as a Hugging Face checkpoint and import it back (the path a user with a
    published model takes);
 2. PTQ: quantize a copy with a YAML config from ``configs/`` (NVFP4 experts by default, ``--format fp8``), calibrate;
@@ -12,7 +15,9 @@
    and mean |diff| and top-1 agreement, with the measured source of the difference: bf16 rounding);
 5. export: compressed-tensors and NVIDIA Model Optimizer formats; ``transformers`` loads the first, with the public
    fix for its NVFP4 experts loader applied (:func:`modelopt_moe.export.transformers_compat.fix_nvfp4_experts`),
-   its logits compared in the same figures;
+   its logits compared in the same figures (a family whose experts are stored fused as 3-D tensors, gpt-oss, exports
+   them quantized only as MXFP4 weights in its published layout, ``format="hf-mxfp4"``, which the demo's presets
+   are not: the stage says so and writes nothing);
 6. report: ``<out>/report.md`` with the numbers, the quantizer summary and PNG plots.
 
 The layout fits the machine unless flags say otherwise (the first output line says which): one process per visible
@@ -48,7 +53,8 @@ from .ranks import (
 
 __all__ = ["main"]
 
-MODEL_CONFIG = "qwen3_moe_tiny.json"
+DEFAULT_MODEL = "qwen3_moe"
+_MODEL_CONFIG = "_tiny.json"  # configs/<family>_tiny.json: the model --model <family> builds
 _EXPERTS_PRESET = "_experts.yaml"  # configs/<format>_experts.yaml: the preset --format <format> runs
 DEFAULT_CONFIG = "nvfp4_experts.yaml"
 # Disjoint sample ranges of the corpus (text_batches offsets, in samples).
@@ -56,6 +62,14 @@ _TRAIN, _CALIB, _QAD, _EVAL = 0, 4000, 4500, 6000
 # Greedy generation on held-out prompts: how many, and new tokens each. The tiny config has no end-of-sequence token;
 # its byte model ends a line with "\n", which stands for one.
 _GEN_PROMPTS, _GEN_TOKENS, _LINE_END = 8, 16, 10
+
+
+def _model_configs() -> dict[str, str]:
+    """``--model`` choice -> its shipped tiny config: every ``configs/<family>_tiny.json``."""
+    from importlib import resources
+
+    files = resources.files("modelopt_moe.configs").iterdir()
+    return {f.name.removesuffix(_MODEL_CONFIG): f.name for f in files if f.name.endswith(_MODEL_CONFIG)}
 
 
 def _format_configs() -> dict[str, str]:
@@ -68,6 +82,8 @@ def _format_configs() -> dict[str, str]:
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="modelopt-moe demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=sorted(_model_configs()), default=DEFAULT_MODEL,
+                   help="model family: its shipped tiny config configs/<model>_tiny.json (default: %(default)s)")
     p.add_argument("--format", choices=sorted(_format_configs()),
                    default=DEFAULT_CONFIG.removesuffix(_EXPERTS_PRESET),
                    help="expert number format (default: %(default)s)")
@@ -95,16 +111,16 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         if getattr(args, name) < (0 if name in ("steps", "train_steps") else 1):
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name in ('steps', 'train_steps') else 1}")
     # Sequence parallelism splits the sequence over TP; attention heads, KV heads and the vocabulary split over it too.
-    experts, tp_divides = model_sizes(_model_config(), seq_len=args.seq_len)
+    experts, tp_divides = model_sizes(_model_config(args.model), seq_len=args.seq_len)
     args.layout = check_layout(p, args, num_experts=experts, tp_divides=tp_divides)
     return args
 
 
-def _model_config() -> dict[str, Any]:
-    """The shipped model's Hugging Face config (read without importing torch: the layout depends on it)."""
+def _model_config(model: str) -> dict[str, Any]:
+    """The shipped tiny model's Hugging Face config (read without importing torch: the layout depends on it)."""
     from importlib import resources
 
-    return json.loads(resources.files("modelopt_moe.configs").joinpath(MODEL_CONFIG).read_text())
+    return json.loads(resources.files("modelopt_moe.configs").joinpath(_model_configs()[model]).read_text())
 
 
 def _prepare_out(out: Path) -> str | None:
@@ -130,6 +146,17 @@ def main(argv: list[str]) -> int:
     except mtq.ConfigError as e:
         print(f"modelopt-moe demo: {e}", file=sys.stderr)
         return 2
+    from modelopt_moe.export.families import family_for_architecture
+
+    hf_config = _model_config(args.model)
+    if family_for_architecture(hf_config).arch_from_hf(hf_config).linear_bias and args.layout.ep == 1 \
+            and not args.layout.gpus:
+        print(f"modelopt-moe demo: --model {args.model} at expert-parallel size 1 on CPU is not supported: its experts "
+              "have biases, and Megatron-Core 0.19.2's SequentialMLP adds them in place to the output of a "
+              "RowParallelLinear that returns its input unchanged at expert-parallel and expert-tensor-parallel size "
+              "1, which autograd refuses in training; run with --ep 2 or more (e.g. --world-size 2 --tp 1 --ep 2)",
+              file=sys.stderr)
+        return 2
     out = Path(args.out)
     print_here = prints_here()
     if print_here:
@@ -138,8 +165,9 @@ def main(argv: list[str]) -> int:
             print(f"modelopt-moe demo: {problem}", file=sys.stderr)
             return 2
     if print_here:
-        print(f"modelopt-moe demo: {args.layout.describe()}; {args.format} experts ({config})", flush=True)
-    opts = {k: getattr(args, k) for k in ("format", "steps", "train_steps", "batch_size", "seq_len",
+        print(f"modelopt-moe demo: {args.layout.describe()}; {args.model} model ({_model_configs()[args.model]}), "
+              f"{args.format} experts ({config})", flush=True)
+    opts = {k: getattr(args, k) for k in ("model", "format", "steps", "train_steps", "batch_size", "seq_len",
                                           "num_calib_batches", "num_eval_batches", "lr", "seed", "tp", "ep",
                                           "no_export", "train_all")}
     opts.update(config=config, out=str(out), gpus=args.layout.gpus)
@@ -189,7 +217,8 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     from modelopt_moe.distill import QADRecipe
     from modelopt_moe.export import build_megatron_model, export_hf, import_hf, save_hf_config
     from modelopt_moe.export.check import check_all_engines
-    from modelopt_moe.export.families import read_hf_config
+    from modelopt_moe.export.families import family_for_architecture, read_hf_config
+    from modelopt_moe.export.mapping import STACKED
     from modelopt_moe.plugins.megatron import (
         destroy_model_parallel,
         distillation_model,
@@ -209,7 +238,12 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
 
     t_start = time.perf_counter()
     out, art = Path(opts["out"]), Path(opts["out"]) / "artifacts"
-    spec = "te" if opts["gpus"] else "local"
+    model_config = _model_configs()[opts["model"]]
+    hf_config = read_hf_config(preset_path(model_config))
+    family = family_for_architecture(hf_config)
+    arch = family.arch_from_hf(hf_config)
+    # Transformer Engine's layers on GPUs; Megatron-Core's Gated DeltaNet only in the local spec (hf_model.py says why)
+    spec = "te" if opts["gpus"] and not arch.linear_attention_layers else "local"
     bs, seq, tp, ep = opts["batch_size"], opts["seq_len"], opts["tp"], opts["ep"]
     run: dict[str, Any] = {"title": "modelopt_moe demo: QAT of a MoE model, end to end", "stages": [], "losses": {},
                            "curves": {}, "format": opts["format"], "eval": {}}
@@ -229,14 +263,12 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
         return build_megatron_model(source, spec=spec, params_dtype=torch.bfloat16)
 
     init_model_parallel(tp, ep, seed=opts["seed"])
-    hf_config = read_hf_config(preset_path(MODEL_CONFIG))
     train = text_batches(bs, seq, max(1, opts["train_steps"]), offset=_TRAIN)
     calib = text_batches(bs, seq, opts["num_calib_batches"], offset=_CALIB)
     qad = text_batches(bs, seq, max(1, opts["steps"]), offset=_QAD)
     held_out = text_batches(bs, seq, opts["num_eval_batches"], offset=_EVAL)
-    run["setup"] = [f"model: {MODEL_CONFIG} (Qwen3-MoE: {hf_config['num_hidden_layers']} layers, hidden "
-                    f"{hf_config['hidden_size']}, {hf_config['num_experts']} experts top-"
-                    f"{hf_config['num_experts_per_tok']}), Megatron-Core {spec} spec",
+    run["setup"] = [f"model: {model_config} ({family.architecture}: {arch.num_layers} layers, hidden "
+                    f"{arch.hidden_size}, {arch.num_experts} experts top-{arch.top_k}), Megatron-Core {spec} spec",
                     f"{world_size} {'GPU' if opts['gpus'] else 'CPU'} ranks, TP={tp} EP={ep}; held-out numbers: "
                     f"means over {len(held_out)} batches of {bs} x {seq} tokens, ± their standard error",
                     f"data: English text from Python's standard library, byte tokens, {bs} x {seq} per step",
@@ -346,7 +378,7 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     with torch.no_grad():
         logits_same = agree(torch.equal(gather_logits(same_layout, probe), saved_logits))
     del same_layout
-    other_tp, other_ep = 1, world_size if hf_config["num_experts"] % world_size == 0 else 1
+    other_tp, other_ep = 1, world_size if arch.num_experts % world_size == 0 else 1
     init_model_parallel(other_tp, other_ep, seed=opts["seed"])
     restored = build(teacher_hf, opts["seed"] + 4)
     load_sharded_checkpoint([restored], ckpt)
@@ -369,8 +401,14 @@ def _demo_rank(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, An
     ok &= logits_same and state_same
 
     # 5. export -------------------------------------------------------------------------------------------------
+    fused = [family.hf_tensor(p.canonical[0].format(L=0)) for p in family.megatron.layer
+             if p.rule in STACKED and p.holder]  # the quantized ones: weights, not biases
     if opts["no_export"]:
         stage("export: skipped (--no-export)")
+    elif fused and enabled:  # the same on every rank: a property of the family and the config
+        stage(f"export: not written: {family.name} stores its experts fused as 3-D tensors ({', '.join(fused)}), and "
+              "quantized fused experts export only as MXFP4 weights in the published layout (format='hf-mxfp4', "
+              "docs/export.md); the checkpoint above holds them")
     else:
         ct, mo = art / "hf_compressed_tensors", art / "hf_modelopt"
         export_hf(restored, ct, format="compressed-tensors", hf_config=hf_config, progress=False)

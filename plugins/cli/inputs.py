@@ -80,5 +80,5 @@ def model_sizes(config: dict[str, Any], seq_len: int | None = None) -> tuple[int
     tp_divides = {} if seq_len is None else {"--seq-len": seq_len}
     tp_divides.update({f"the model's {k}": config[k] for k in ("num_key_value_heads", "num_attention_heads",
                                                                  "vocab_size") if isinstance(config.get(k), int)})
-    experts = config.get("num_experts", config.get("num_local_experts"))
+    experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config), None)
     return (experts if isinstance(experts, int) else None), tp_divides

@@ -89,7 +89,7 @@ def kv_cache_quants(model, offset: int = 0) -> list[KvCacheQuant]:
     """
     out = []
     for i, layer in enumerate(model.decoder.layers):
-        core = layer.self_attention.core_attention
+        core = getattr(layer.self_attention, "core_attention", None)  # a Gated DeltaNet layer keeps no KV cache
         if not isinstance(core, QuantCoreAttentionMixin):
             out.append(KvCacheQuant())
             continue

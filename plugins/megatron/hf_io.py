@@ -44,7 +44,7 @@ from modelopt_moe.export.hf_checkpoint import (
     TensorRecord,
     write_hf_checkpoint,
 )
-from modelopt_moe.export.mapping import STACKED, Param
+from modelopt_moe.export.mapping import STACKED, Param, gdn_sections
 from modelopt_moe.export.schemes import LinearQuant, QuantSpec
 from modelopt_moe.quantization.conversion import unwrap_model
 from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
@@ -141,6 +141,26 @@ def _split_qkv(t: torch.Tensor, arch: MoEArch) -> tuple[torch.Tensor, torch.Tens
             v.reshape(ng * d, *t.shape[1:]))
 
 
+def _split_qkv_gate(t: torch.Tensor, arch: MoEArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's per-query-group ``[q heads; gate heads; k; v]`` rows -> (q_proj with each head's ``[q_h; gate_h]``
+    rows, as Qwen3.5 stores it, k, v)."""
+    ng, d, rest = arch.num_kv_heads, arch.head_dim, t.shape[1:]
+    hpg = arch.num_attention_heads // ng
+    q, gate, k, v = t.reshape(ng, (2 * hpg + 2) * d, *rest).split([hpg * d, hpg * d, d, d], dim=1)
+    per_head = torch.stack([q.reshape(ng * hpg, d, *rest), gate.reshape(ng * hpg, d, *rest)], 1)
+    return per_head.reshape(2 * ng * hpg * d, *rest), k.reshape(ng * d, *rest), v.reshape(ng * d, *rest)
+
+
+def _gdn_gather(t: torch.Tensor, group, size: int, arch: MoEArch, rule: str) -> list[torch.Tensor]:
+    """A Gated DeltaNet parameter whose every rank holds its slice of each section (``gdn_sections``) -> the
+    canonical parts: ``[q; k; v]`` and, for the input projection, z, b, a."""
+    sections = gdn_sections(arch, rule)
+    local = [n // size for n in sections]
+    per_rank = [p.split(local, 0) for p in _all_gather(t, group, size)]
+    full = [torch.cat([parts[i] for parts in per_rank], 0) for i in range(len(sections))]
+    return [torch.cat(full[:3], 0), *full[3:]]
+
+
 def _row_amax_split(amax, rows: list[torch.Tensor]):
     """A per-tensor amax for every part, or a per-channel one split like the rows."""
     if amax is None or amax.numel() == 1:
@@ -225,7 +245,11 @@ def _gather(t: torch.Tensor, param: Param, lay: _Layout, arch: MoEArch, split: b
         return [_gather_cat(t, group, size, 1)]
     if param.rule == "glu":
         return list(_glu_gather(t, group, size))
+    if param.rule in ("gdn_in", "gdn_conv"):
+        return _gdn_gather(t, group, size, arch, param.rule)
     full = _gather_cat(t, group, size, 0)
+    if param.rule == "qkv_gate":
+        return list(_split_qkv_gate(full, arch))
     return list(_split_qkv(full, arch)) if param.rule == "qkv" else [full]
 
 
@@ -412,8 +436,10 @@ def _check_weight_row_blocks(m, param: Param, L: int | None, where: str | None, 
     _, t = _resolve(m, param, L, 0)
     _, size, _ = _group(param, lay, _split(t, param, arch))
     what, n = None, None
-    if param.rule == "qkv":
+    if param.rule in ("qkv", "qkv_gate"):
         what, n = "head_dim (the q / k / v rows of each query group)", arch.head_dim
+    elif param.rule in ("gdn_in", "gdn_conv"):
+        what, n = f"the Gated DeltaNet's sections per TP rank ({size})", min(gdn_sections(arch, param.rule)) // size
     elif param.rule == "glu":
         ffn, group = ("moe_ffn_hidden_size", "expert-TP") if param.expert else ("ffn_hidden_size", "TP")
         what, n = f"{ffn} / {group} {size} (gate | up rows)", t.shape[0] // 2
@@ -551,6 +577,25 @@ def _read_slice(reader: HfCheckpointReader, param: Param, target: torch.Tensor, 
         k = reader.get_rows(names[1], g0 * d, (g0 + ng_local) * d).reshape(ng_local, d, -1)
         v = reader.get_rows(names[2], g0 * d, (g0 + ng_local) * d).reshape(ng_local, d, -1)
         return torch.cat([q, k, v], 1).reshape(target.shape)
+    if param.rule == "qkv_gate":  # q_proj holds each head's [q_h; gate_h]; Megatron each group's [q; gate; k; v]
+        ng, d, hpg = arch.num_kv_heads, arch.head_dim, arch.num_attention_heads // arch.num_kv_heads
+        ng_local = ng // tp_size
+        g0 = rank * ng_local
+        qg = reader.get_rows(names[0], g0 * hpg * 2 * d, (g0 + ng_local) * hpg * 2 * d).reshape(ng_local, hpg, 2,
+                                                                                                   d, -1)
+        k = reader.get_rows(names[1], g0 * d, (g0 + ng_local) * d).reshape(ng_local, d, -1)
+        v = reader.get_rows(names[2], g0 * d, (g0 + ng_local) * d).reshape(ng_local, d, -1)
+        q, gate = (qg[:, :, i].reshape(ng_local, hpg * d, -1) for i in (0, 1))
+        return torch.cat([q, gate, k, v], 1).reshape(target.shape)
+    if param.rule in ("gdn_in", "gdn_conv"):  # this rank's slice of every section, q / k / v from the first tensor
+        sections = gdn_sections(arch, param.rule)
+        qk = sections[0]
+        sources = [(0, 0), (0, qk), (0, 2 * qk), (1, 0), (2, 0), (3, 0)][:len(sections)]
+        parts = []
+        for (src, offset), size in zip(sources, sections, strict=True):
+            local = size // tp_size
+            parts.append(reader.get_rows(names[src], offset + rank * local, offset + (rank + 1) * local))
+        return torch.cat(parts, 0).reshape(target.shape)
     rows = target.shape[0]
     return reader.get_rows(names[0], rank * rows, (rank + 1) * rows)
 

@@ -21,6 +21,10 @@ sigmoid router with expert bias, groups and scaling (``moe_router_*``). gpt-oss 
 (``add_bias_linear``), learnable attention sinks (``softmax_type="learnable"``), sliding-window layers
 (``window_size``, ``window_attn_skip_freq``), the clamped SwiGLU (``quick_gelu``, ``glu_linear_offset=1``,
 ``activation_func_clamp_value``) and YaRN outside MLA (``position_embedding_type="yarn"``, :func:`_set_yarn`).
+Qwen3.5 adds Megatron-Core's Gated DeltaNet layers (``experimental_attention_variant="gated_delta_net"``,
+``linear_attention_freq``; built in the local spec by :mod:`.gated_delta_net`), the attention's output gate
+(``attention_output_gate``), the shared expert's gate (``moe_shared_expert_gate``) and norms scaling by ``1 + weight``
+(``layernorm_zero_centered_gamma``; :class:`~.norms.ZeroCenteredRMSNorm` in the local spec).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from modelopt_moe.quantization.conversion import unwrap_model
 
 from .hf_pipeline import check_no_virtual_pipeline
 from .mla_attention import LatentDotProductAttention
-from .norms import sequence_parallel_norm
+from .norms import sequence_parallel_norm, zero_centered_norm
 
 __all__ = ["build_megatron_model", "megatron_arch", "split_gpt_overrides", "SPECS"]
 
@@ -80,30 +84,47 @@ def _dense(arch: MoEArch, layer: int) -> bool:
     return layer < arch.first_dense_layers
 
 
-def _local_layer(arch: MoEArch, dense: bool):
+def _linear_attention(arch: MoEArch, layer: int) -> bool:
+    return bool(arch.linear_attention_layers) and arch.linear_attention_layers[layer] == 1
+
+
+def _norm(arch: MoEArch):
+    """The norm builder: sequence-parallel RMSNorm, scaling by ``1 + weight`` where the family's norms do."""
+    return zero_centered_norm if arch.zero_centered_norms else sequence_parallel_norm
+
+
+def _local_layer(arch: MoEArch, dense: bool, linear: bool = False):
     """Megatron's local layer spec with norms that support sequence parallelism (q/k and latent norms included); under
-    multi-latent attention, a core attention that takes differing query/key and value head sizes."""
+    multi-latent attention, a core attention that takes differing query/key and value head sizes; a Gated DeltaNet
+    in place of the attention of a linear-attention layer."""
     mla = arch.kv_lora_rank > 0
+    norm = _norm(arch)
     layer = get_gpt_layer_local_spec(num_experts=None if dense else arch.num_experts, moe_grouped_gemm=False,
                                      qk_layernorm=arch.qk_norm or mla, multi_latent_attention=mla,
                                      normalization="RMSNorm")
-    layer.submodules.input_layernorm = sequence_parallel_norm
-    layer.submodules.pre_mlp_layernorm = sequence_parallel_norm
+    layer.submodules.input_layernorm = norm
+    layer.submodules.pre_mlp_layernorm = norm
     attn = layer.submodules.self_attention.submodules
-    if mla:
+    if linear:
+        from .gated_delta_net import gated_delta_net_spec
+
+        layer.submodules.self_attention = gated_delta_net_spec()
+    elif mla:
         attn.core_attention = LatentDotProductAttention
-        attn.q_layernorm = sequence_parallel_norm
-        attn.kv_layernorm = sequence_parallel_norm
+        attn.q_layernorm = norm
+        attn.kv_layernorm = norm
     elif arch.qk_norm:
-        attn.q_layernorm = sequence_parallel_norm
-        attn.k_layernorm = sequence_parallel_norm
+        attn.q_layernorm = norm
+        attn.k_layernorm = norm
     return layer
 
 
 def _local_layer_spec(arch: MoEArch):
-    specs = {dense: _local_layer(arch, dense) for dense in (False, True)}
-    return TransformerBlockSubmodules(layer_specs=[specs[_dense(arch, L)] for L in range(arch.num_layers)],
-                                      layer_norm=sequence_parallel_norm)
+    kinds = {(_dense(arch, L), _linear_attention(arch, L)) for L in range(arch.num_layers)}
+    specs = {kind: _local_layer(arch, *kind) for kind in kinds}
+    return TransformerBlockSubmodules(
+        layer_specs=[specs[_dense(arch, L), _linear_attention(arch, L)] for L in range(arch.num_layers)],
+        layer_norm=_norm(arch))
 
 
 def _te_layer_spec(arch: MoEArch):
@@ -161,6 +182,18 @@ def _variant_config(arch: MoEArch) -> dict[str, Any]:
         kw.update(window_size=(arch.sliding_window - 1, 0), window_attn_skip_freq=list(arch.window_layers))
     if arch.swiglu_limit:
         kw.update(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=arch.swiglu_limit)
+    if arch.linear_attention_layers:
+        kw.update(experimental_attention_variant="gated_delta_net",
+                  linear_attention_freq=list(arch.linear_attention_layers),
+                  linear_conv_kernel_dim=arch.linear_conv_kernel, linear_key_head_dim=arch.linear_key_head_dim,
+                  linear_value_head_dim=arch.linear_value_head_dim, linear_num_key_heads=arch.linear_num_key_heads,
+                  linear_num_value_heads=arch.linear_num_value_heads)
+    if arch.attention_output_gate:
+        kw["attention_output_gate"] = True
+    if arch.shared_expert_gate:
+        kw["moe_shared_expert_gate"] = True
+    if arch.zero_centered_norms:
+        kw["layernorm_zero_centered_gamma"] = True
     return kw
 
 
@@ -218,6 +251,11 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
         raise ExportError("build_megatron_model: q_lora_rank=None (multi-latent attention with a plain query "
                           "projection) is not supported: Megatron-Core's MLA with latent norms fuses a norm into "
                           "linear_q_proj, which the Hugging Face model does not have (expected a q_lora_rank)")
+    if arch.linear_attention_layers and spec != "local":
+        raise ExportError(f"build_megatron_model: spec={spec!r} for {arch.family} (Gated DeltaNet layers) is not "
+                          "supported: Megatron-Core 0.19.2's Transformer Engine Gated DeltaNet spec builds its gated "
+                          "output norm zero-centred like the model's other norms, where the Hugging Face model's is "
+                          "not (expected spec='local')")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     etp = parallel_state.get_expert_tensor_parallel_world_size()
@@ -231,7 +269,9 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
              ("q_lora_rank", tp, arch.q_lora_rank), ("kv_lora_rank + qk_rope_head_dim", tp,
                                                      arch.kv_lora_rank + arch.qk_rope_head_dim),
              ("shared experts' intermediate size", tp, arch.shared_expert_ffn_hidden_size),
-             ("intermediate_size", tp, arch.dense_ffn_hidden_size)]
+             ("intermediate_size", tp, arch.dense_ffn_hidden_size),
+             ("linear_num_key_heads", tp, arch.linear_num_key_heads),
+             ("linear_num_value_heads", tp, arch.linear_num_value_heads)]
     for what, size, total in sizes:
         if total % size:
             raise ExportError(f"build_megatron_model: {what}={total} is not divisible by the parallel size {size}")
@@ -255,6 +295,11 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
     if pp > 1:  # the dtype of the activations sent between stages
         config_kwargs.update(pipeline_model_parallel_size=pp, pipeline_dtype=params_dtype)
     config_kwargs.update(_variant_config(arch))
+    if arch.linear_attention_layers:
+        from .gated_delta_net import torch_gated_delta_net
+
+        if torch_gated_delta_net():  # no flash-linear-attention: Megatron's torch convolution and delta rule
+            config_kwargs["deterministic_mode"] = True
     if not on_gpu and arch.sliding_window:
         cpu_sliding_window_mask()
     if not on_gpu:  # fused kernels that need CUDA
@@ -315,7 +360,8 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
         ("moe_router_score_function", c.moe_router_score_function, ("softmax", "sigmoid")),
         ("mtp_num_layers", c.mtp_num_layers, (None, 0)),
         ("rotary_interleaved", c.rotary_interleaved, (False,)),
-        ("layernorm_zero_centered_gamma", c.layernorm_zero_centered_gamma, (False,)),
+        ("layernorm_zero_centered_gamma", c.layernorm_zero_centered_gamma, (False, True)),
+        ("experimental_attention_variant", c.experimental_attention_variant, (None, "gated_delta_net")),
         ("position_embedding_type", m.position_embedding_type, ("rope", "yarn")),
         ("rope_scaling", m.rotary_scaling, (False,)),
     ]
@@ -346,8 +392,9 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
     first_dense = _first_dense_layers(c)
     sigmoid = c.moe_router_score_function == "sigmoid"
     gpt_oss = c.softmax_type == "learnable"
+    gdn = c.experimental_attention_variant == "gated_delta_net"
     name = family or ("deepseek_v3" if mla else "glm4_moe" if sigmoid else "gpt_oss" if gpt_oss
-                      else "qwen3_moe" if c.qk_layernorm else "mixtral")
+                      else "qwen3_5_moe" if gdn else "qwen3_moe" if c.qk_layernorm else "mixtral")
     fam = get_family(name)
     qk_norm = bool(c.qk_layernorm) and not mla  # MLA's qk_layernorm are its latent norms
     if fam.qk_norm is not None and fam.qk_norm != qk_norm:
@@ -374,9 +421,22 @@ def megatron_arch(model, family: str | None = None) -> MoEArch:
         qkv_bias=bool(c.add_qkv_bias or c.add_bias_linear),  # Megatron biases linear_qkv under either
         rotary_percent=float(m.rotary_percent), linear_bias=bool(c.add_bias_linear),
         attention_sinks=c.softmax_type == "learnable", swiglu_limit=float(c.activation_func_clamp_value or 0.0),
+        attention_output_gate=bool(c.attention_output_gate), shared_expert_gate=bool(c.moe_shared_expert_gate),
+        zero_centered_norms=bool(c.layernorm_zero_centered_gamma), **(_linear_attention_fields(c) if gdn else {}),
         **_windows(c), **(_yarn(c, mla) if mla else _gpt_yarn(m)))
     fam.check(arch, "Megatron model")
     return arch
+
+
+def _linear_attention_fields(c) -> dict[str, Any]:
+    """The Gated DeltaNet layers (``linear_attention_freq``: one full-attention layer every N, or the per-layer list,
+    1 a Gated DeltaNet) and their sizes."""
+    freq = c.linear_attention_freq
+    layers = (tuple(int(x) for x in freq) if isinstance(freq, list | tuple)
+              else tuple(0 if (L + 1) % freq == 0 else 1 for L in range(c.num_layers)))
+    return dict(linear_attention_layers=layers, linear_conv_kernel=c.linear_conv_kernel_dim,
+                linear_num_key_heads=c.linear_num_key_heads, linear_key_head_dim=c.linear_key_head_dim,
+                linear_num_value_heads=c.linear_num_value_heads, linear_value_head_dim=c.linear_value_head_dim)
 
 
 def _yarn(c, mla: bool) -> dict[str, Any]:

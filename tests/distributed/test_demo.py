@@ -5,9 +5,13 @@ them."""
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 
 import pytest
+from limits import seconds  # noqa: E402
 
 from modelopt_moe.plugins.cli import main
 
@@ -153,3 +157,76 @@ def test_shortened_demo_runs_every_stage_and_writes_a_sane_report(tmp_path, capf
     assert main(["report", "--run", str(out / "run.json"), "--out", str(again)]) == 0
     assert (again / "report.md").read_text() == report
     assert sorted(p.name for p in again.glob("*.png")) == pngs
+
+
+def _demo_subprocess(args, tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "modelopt_moe.plugins.cli", "demo", *args], env=env,
+                          capture_output=True, text=True, timeout=seconds(600), cwd=tmp_path)
+
+
+# The smallest run that still passes every stage: one process where Megatron allows it (gpt-oss's expert biases need
+# expert parallelism in training on CPU), two bf16 steps, one QAD step, one calibration batch, two held-out batches.
+_FAMILY_LAYOUTS = {"qwen3_moe": ["--world-size", "1", "--tp", "1", "--ep", "1"],
+                   "deepseek_v3": ["--world-size", "1", "--tp", "1", "--ep", "1"],
+                   "glm4_moe": ["--world-size", "1", "--tp", "1", "--ep", "1"],
+                   "gpt_oss": ["--world-size", "2", "--tp", "1", "--ep", "2"],
+                   "qwen3_5_moe": ["--world-size", "1", "--tp", "1", "--ep", "1"]}
+_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                  "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+
+
+@pytest.mark.parametrize("model", sorted(_FAMILY_LAYOUTS))
+def test_demo_runs_every_family_from_the_command_line(model, tmp_path):
+    out = tmp_path / "report"
+    flags = [] if model == "qwen3_moe" else ["--model", model]  # qwen3_moe is the default
+    done = _demo_subprocess([*flags, *_FAMILY_LAYOUTS[model], "--train-steps", "2", "--steps", "1", "--seq-len", "16",
+                             "--batch-size", "2", "--num-calib-batches", "1", "--num-eval-batches", "2", "--out",
+                             str(out)], tmp_path)
+    printed = done.stdout
+    assert done.returncode == 0, printed + done.stderr[-3000:]
+    assert printed.splitlines()[0].endswith(f"; {model} model ({model}_tiny.json), nvfp4 experts "
+                                            "(nvfp4_experts.yaml)"), printed
+    for i in range(1, 7):
+        assert printed.count(f"[{i}/6] ") == 1, printed
+    assert "imported back bit-exact" in printed, printed
+    assert "logits bit-identical" in printed, printed
+    assert "every weight and amax bit-identical" in printed, printed
+    run = json.loads((out / "run.json").read_text())
+    assert run["setup"][0].startswith(f"model: {model}_tiny.json ({_ARCHITECTURES[model]}: "), run["setup"]
+    assert all(math.isfinite(run["losses"][k]) for k in ("bf16 teacher (held out)", "PTQ (held out)",
+                                                         "QAD (held out)")), run["losses"]
+    export_line = next(line for line in printed.splitlines() if line.startswith("[5/6] "))
+    if model == "gpt_oss":  # its experts are stored fused: quantized, they export only as MXFP4, and it says so
+        assert export_line.startswith("[5/6] export: not written: gpt_oss stores its experts fused as 3-D tensors "
+                                      "(model.layers.0.mlp.experts.gate_up_proj, model.layers.0.mlp.experts."
+                                      "down_proj), and quantized fused experts export only as MXFP4 weights in the "
+                                      "published layout (format='hf-mxfp4'"), export_line
+        assert not (out / "artifacts" / "hf_compressed_tensors").exists()
+        return
+    for fmt in ("compressed-tensors", "modelopt"):
+        assert re.search(rf"check vllm PASS, sglang PASS, trtllm PASS \({fmt}: \d+ ", export_line), export_line
+    for name in ("hf_compressed_tensors", "hf_modelopt"):
+        cfg = json.loads((out / "artifacts" / name / "config.json").read_text())
+        assert cfg["architectures"] == [_ARCHITECTURES[model]], cfg
+    assert math.isfinite(run["losses"]["transformers vs Megatron logits (max |diff|)"]), run["losses"]
+
+
+def test_demo_refuses_gpt_oss_without_expert_parallelism_on_cpu(tmp_path, capsys):
+    assert main(["demo", "--model", "gpt_oss", "--cpu", "--world-size", "1", "--tp", "1", "--ep", "1", "--out",
+                 str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "--model gpt_oss at expert-parallel size 1 on CPU is not supported" in err, err
+    assert "run with --ep 2 or more" in err, err
+    assert not (tmp_path / "r").exists()  # refused before anything is written
+
+
+def test_demo_lists_the_shipped_families(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--model", "llama"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--model: invalid choice: 'llama'" in err, err
+    families = ("deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_5_moe", "qwen3_moe")
+    assert all(f"'{family}'" in err for family in families), err

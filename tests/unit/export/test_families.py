@@ -35,6 +35,11 @@ def _arch(family: str, **changes) -> MoEArch:
         base.update(qkv_bias=True, linear_bias=True, attention_sinks=True, sliding_window=8, window_layers=(1, 0),
                     swiglu_limit=7.0, rope_type="yarn", rope_factor=4.0, rope_original_max_position_embeddings=32,
                     rope_truncate=False)
+    if family == "qwen3_5_moe":  # a Gated DeltaNet layer then gated attention, a gated shared expert
+        base.update(qk_norm=True, rotary_percent=0.25, shared_expert_ffn_hidden_size=32, shared_expert_gate=True,
+                    linear_attention_layers=(1, 0), linear_conv_kernel=4, linear_num_key_heads=2,
+                    linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=16,
+                    attention_output_gate=True, zero_centered_norms=True)
     base.update(changes)
     return MoEArch(**base)
 
@@ -76,9 +81,9 @@ def test_config_round_trip_through_transformers(family):
     hf = AutoConfig.for_model(**cfg)
     assert type(hf).__name__ == {"qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig",
                                  "deepseek_v3": "DeepseekV3Config", "glm4_moe": "Glm4MoeConfig",
-                                 "gpt_oss": "GptOssConfig"}[family]
+                                 "gpt_oss": "GptOssConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig"}[family]
     assert (hf.hidden_size, hf.num_hidden_layers, hf.num_key_value_heads, hf.num_experts_per_tok) == (64, 2, 4, 2)
-    assert hf.num_local_experts == 4
+    assert (hf.num_experts if family == "qwen3_5_moe" else hf.num_local_experts) == 4
     assert hf.rms_norm_eps == 1e-6
     assert get_family(family).arch_from_hf(hf.to_dict()) == arch
     assert get_family(family).arch_from_hf(cfg) == arch
@@ -116,7 +121,8 @@ def test_unsupported_features_are_refused_by_name(family, key, value, match):
 
 def test_unknown_family_and_architecture():
     with pytest.raises(ExportError, match=r"family='llama' is not supported; expected one of "
-                                          r"\['deepseek_v3', 'glm4_moe', 'gpt_oss', 'mixtral', 'qwen3_moe'\]"):
+                                          r"\['deepseek_v3', 'glm4_moe', 'gpt_oss', 'mixtral', 'qwen3_5_moe', "
+                                          r"'qwen3_moe'\]"):
         get_family("llama")
     assert get_family("Qwen3MoeForCausalLM").name == "qwen3_moe"
     with pytest.raises(ExportError, match="LlamaForCausalLM.*is not supported"):
