@@ -23,8 +23,8 @@ def test_every_study_variant_parses_and_the_default_runs_first():
     assert parse_variant(f"nvfp4/qad:{FORMER}")[2] == QADRecipe(train="all", lr=1e-4, lr_decay_style="constant",
                                                                 warmup_fraction=0.0)
     assert len(set(STUDY_VARIANTS)) == len(STUDY_VARIANTS)
-    for spec, message in [("int4/qad", "expected '<nvfp4|fp8>[-w|-a]/<qad|qat>"), ("nvfp4/qad:lrr=1", "'lrr'"),
-                          ("nvfp4/qad:lr=-1", "QADRecipe.lr=-1.0")]:
+    for spec, message in [("int4/qad", "expected '<nvfp4|fp8|mxfp4|mxfp8|fp8_block>[-w|-a]/<qad|qat>"),
+                          ("nvfp4/qad:lrr=1", "'lrr'"), ("nvfp4/qad:lr=-1", "QADRecipe.lr=-1.0")]:
         with pytest.raises(ValueError, match="variant") as info:
             parse_variant(spec)
         assert message in str(info.value)
