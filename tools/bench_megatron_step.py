@@ -262,7 +262,7 @@ def build_family_gpt(args, seed: int):
 
 
 def expert_biases_trainable_at_tp1(model) -> None:
-    """Lets ``SequentialMLP`` experts with biases (gpt-oss in the local spec) train at tensor- and expert-parallel size 1.
+    """Lets ``SequentialMLP`` experts with biases (gpt-oss, local spec) train at tensor- and expert-parallel size 1.
 
     Megatron-Core 0.19.2's expert MLP adds its ``linear_fc2`` bias in place (``output += bias * prob``) to what the
     row-parallel linear returns, which at those sizes is the tensor-parallel all-reduce's input returned as is, and
@@ -373,8 +373,10 @@ def check_pieces(model, args) -> str:
     wrong = [f"{k}: expected {v!r}, built {have[k]!r}" for k, v in want.items() if have[k] != v]
     if wrong:
         raise RuntimeError(f"--model {args.model}: the built model lacks pieces of its config: " + "; ".join(wrong))
-    return ", ".join(f"{k} {v}" for k, v in have.items() if v not in (None, [], "-") and any(x is not None for x in
-                                                                                           (v if k == "windows" else [v])))
+    shown = {k: v for k, v in have.items() if v not in (None, [], "-")}
+    if all(w is None for w in shown.get("windows", [])):
+        shown.pop("windows", None)  # full attention everywhere
+    return ", ".join(f"{k} {v}" for k, v in shown.items())
 
 
 def random_batches(args, count: int, device: torch.device, seed: int) -> list[dict[str, torch.Tensor]]:
