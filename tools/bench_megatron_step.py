@@ -100,8 +100,8 @@ GEMMS = {"fp8-te_fp8": "te_fp8"}  # variants that override the preset's gemm
 MODELOPT_PRESETS = {"modelopt-fp8": "FP8_DEFAULT_CFG", "modelopt-nvfp4": "NVFP4_DEFAULT_CFG"}
 MIB = 2**20
 
-# The size options of the Qwen3-MoE-like block, and of every model with --tiny (the families' other tiny sizes come
-# from their shipped tiny configs).
+# The size options of the Qwen3-MoE-like block, and its tiny ones (--tiny); the families take theirs from their configs
+# (FAMILY_CONFIGS, or with --tiny the shipped tiny ones).
 QWEN3_SIZES = dict(layers=2, hidden=2048, experts=128, moe_ffn_hidden=768, topk=8, heads=16, kv_heads=4, vocab=32000)
 TINY_SIZES = dict(layers=1, hidden=64, experts=4, moe_ffn_hidden=32, topk=2, heads=4, kv_heads=2, vocab=256)
 
