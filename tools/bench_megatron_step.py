@@ -51,10 +51,29 @@ same mode, peak statistics reset just before it):
                     absolute peak would also count the others
 and each one's ratio to bf16 in the same mode. ``--memory-only`` measures memory and skips the timing rounds.
 
+Models (``--model``):
+  qwen3             the Qwen3-MoE-like block above (the default)
+  deepseek_v3       DeepSeek-V3 / Kimi-K2: ``build_megatron_model(config, spec="te")`` from a ``DeepseekV3ForCausalLM``
+                    config (:data:`FAMILY_CONFIGS`): the real layer shapes (hidden 7168, multi-latent attention with
+                    q/kv LoRA ranks 1536/512, qk 128+64 and v 128 head dims, YaRN; experts of FFN 2048 with one shared
+                    expert, the sigmoid router with its expert bias, 8 groups top-4, top-8, scaling 2.5; the first
+                    layer dense with FFN 18432), scaled to fit one 80 GB GPU with its optimizer: 2 layers (one dense,
+                    one MoE), 64 heads (Kimi-K2's; DeepSeek-V3 has 128), 16 routed experts (of 256), vocab 32000
+  gpt_oss           gpt-oss: the same from a ``GptOssForCausalLM`` config, gpt-oss-20b's layer shapes (hidden 2880,
+                    64 heads of 64 with 8 KV groups, biases on every linear, a learnable sink per head, a 128-token
+                    sliding window on every other layer, YaRN; 32 experts of FFN 2880, top-4, the clamped SwiGLU with
+                    its +1 offset, grouped experts) in 2 layers (one sliding, one full), vocab 32000
+The size options (``--layers``, ``--hidden``, ``--experts``, ...) override the family config's fields. The families'
+models print their pieces (attention and expert classes, MLA ranks, dense and shared-expert layers, router, sinks,
+windows, biases, activation, rope) and the run stops with an error when one the config asks for is missing, so a
+plainer model cannot be timed in its place. ``--tiny`` takes tiny sizes instead (the families' shipped tiny configs,
+``configs/<family>_tiny.json``; seq 32, the allgather dispatcher): the CPU smoke run.
+
 Usage (GPU machine, modelopt_moe and Transformer Engine installed):
-  python3 tools/bench_megatron_step.py [--rounds 5] [--steps 5] [--warmup 1] [--variants bf16 fp8 nvfp4]
+  python3 tools/bench_megatron_step.py [--model qwen3] [--rounds 5] [--steps 5] [--warmup 1] [--variants bf16 fp8]
 Any size is an option (``--help``). Without CUDA it runs on CPU (gloo) with the project's grouped experts and local
-layer spec instead of TE (what the CPU test does, at tiny sizes: the numbers mean nothing there).
+layer spec instead of TE (the families: ``spec="local"``, Megatron's ``SequentialMLP`` experts); that is what the CPU
+tests do, at tiny sizes: the numbers mean nothing there.
 """
 
 from __future__ import annotations
@@ -74,11 +93,54 @@ from pathlib import Path
 import torch
 
 VARIANTS = ("bf16", "fp8", "nvfp4", "fp8-te_fp8", "modelopt-fp8", "modelopt-nvfp4")
+MODELS = ("qwen3", "deepseek_v3", "gpt_oss")
 MODES = ("re-quantize", "reuse")
 PRESETS = {"fp8": "fp8_default.yaml", "nvfp4": "nvfp4_default.yaml", "fp8-te_fp8": "fp8_default.yaml"}
 GEMMS = {"fp8-te_fp8": "te_fp8"}  # variants that override the preset's gemm
 MODELOPT_PRESETS = {"modelopt-fp8": "FP8_DEFAULT_CFG", "modelopt-nvfp4": "NVFP4_DEFAULT_CFG"}
 MIB = 2**20
+
+# The size options of the Qwen3-MoE-like block, and its tiny ones (--tiny); the families take theirs from their configs
+# (FAMILY_CONFIGS, or with --tiny the shipped tiny ones).
+QWEN3_SIZES = dict(layers=2, hidden=2048, experts=128, moe_ffn_hidden=768, topk=8, heads=16, kv_heads=4, vocab=32000)
+TINY_SIZES = dict(layers=1, hidden=64, experts=4, moe_ffn_hidden=32, topk=2, heads=4, kv_heads=2, vocab=256)
+
+# The families' benchmark configs, as Hugging Face writes them (see the module docstring for what is scaled).
+FAMILY_CONFIGS = {
+    "deepseek_v3": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 32000,
+        "hidden_size": 7168, "num_hidden_layers": 2, "first_k_dense_replace": 1, "intermediate_size": 18432,
+        "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_interleave": True,
+        "n_routed_experts": 16, "moe_intermediate_size": 2048, "n_shared_experts": 1, "num_experts_per_tok": 8,
+        "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc", "num_nextn_predict_layers": 0, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 163840,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                            "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "mscale": 1.0, "mscale_all_dim": 1.0},
+        "attention_bias": False, "tie_word_embeddings": False, "router_aux_loss_coef": 0.0, "torch_dtype": "bfloat16",
+    },
+    "gpt_oss": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 32000, "hidden_size": 2880,
+        "num_hidden_layers": 2, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 32, "intermediate_size": 2880, "num_experts_per_tok": 4, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"], "attention_bias": True, "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+        "tie_word_embeddings": False, "router_aux_loss_coef": 0.0, "torch_dtype": "bfloat16",
+    },
+}
+# The Hugging Face fields each size option sets in a family's config.
+_FAMILY_FIELDS = {
+    "deepseek_v3": dict(layers=("num_hidden_layers",), hidden=("hidden_size",), experts=("n_routed_experts",),
+                        moe_ffn_hidden=("moe_intermediate_size",), topk=("num_experts_per_tok",),
+                        heads=("num_attention_heads", "num_key_value_heads"), kv_heads=(), vocab=("vocab_size",)),
+    "gpt_oss": dict(layers=("num_hidden_layers",), hidden=("hidden_size",), experts=("num_local_experts",),
+                    moe_ffn_hidden=("intermediate_size",), topk=("num_experts_per_tok",),
+                    heads=("num_attention_heads",), kv_heads=("num_key_value_heads",), vocab=("vocab_size",)),
+}
 
 
 @dataclasses.dataclass(eq=False)
@@ -88,6 +150,7 @@ class Variant:
     name: str
     trainer: object
     weight_quantizers: int
+    pieces: str = ""  # a family model's pieces (check_pieces)
     state_bytes: int = 0  # GPU memory it holds between steps (see own_bytes)
     parked: list = dataclasses.field(default_factory=list)  # (storage, bytes, offset in `host` or None)
     host: torch.Tensor | None = None
@@ -175,6 +238,147 @@ def build_cpu_gpt(args, seed: int):
                                "moe_ffn_hidden_size", "moe_router_topk", "moe_grouped_gemm")})
 
 
+def build_family_gpt(args, seed: int):
+    """A family's model the way users build it: ``build_megatron_model`` from its Hugging Face config (``args.hf``),
+    TE spec on the GPU (local without TE), bf16 parameters, Megatron's own initialisation from ``seed``; the MoE
+    settings the Qwen3-MoE-like block has (dispatcher, no load-balancing loss, fp32 router, TE's permute fusion)."""
+    from megatron.core import tensor_parallel
+
+    from modelopt_moe.export import build_megatron_model
+
+    te = have_transformer_engine()
+    torch.manual_seed(seed)
+    # Without CUDA the inference tracker keeps plain torch generators (no CUDA RNG state to seed).
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, **({} if te else dict(inference_rng_tracker=True,
+                                                                                force_reset_rng=True)))
+    overrides = dict(params_dtype=torch.bfloat16, moe_token_dispatcher_type=args.dispatcher,
+                     moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32")
+    if te:
+        overrides["moe_permute_fusion"] = True
+    model = build_megatron_model(args.hf, spec="te" if te else "local", **overrides)
+    if not te:
+        expert_biases_trainable_at_tp1(model)
+    return model
+
+
+def expert_biases_trainable_at_tp1(model) -> None:
+    """Lets ``SequentialMLP`` experts with biases (gpt-oss, local spec) train at tensor- and expert-parallel size 1.
+
+    Megatron-Core 0.19.2's expert MLP adds its ``linear_fc2`` bias in place (``output += bias * prob``) to what the
+    row-parallel linear returns, which at those sizes is the tensor-parallel all-reduce's input returned as is, and
+    autograd refuses that in-place add in training. At tensor-parallel size 1 the all-reduce is the identity; the
+    linear's explicit expert-communication path (``explicit_expert_comm``, what it takes at expert-parallel size > 1)
+    skips it: the same numbers, on a tensor the add may change. TEGroupedMLP (the TE spec) adds its biases out of
+    place and needs nothing.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    if parallel_state.get_tensor_model_parallel_world_size() != 1:
+        return
+    for module in model.modules():
+        if isinstance(module, RowParallelLinear) and module.is_expert and module.bias is not None:
+            module.explicit_expert_comm = True
+
+
+def _class_names(modules) -> str:
+    return "/".join(sorted({type(m).__name__ for m in modules})) or "-"
+
+
+def _has_bias(linear) -> bool:
+    """Whether a Megatron or Transformer Engine linear (grouped too) has a bias (TE's keep ``use_bias``)."""
+    return bool(getattr(linear, "use_bias", getattr(linear, "bias", None) is not None))
+
+
+def _window(core) -> tuple[int, int] | None:
+    """A core attention's sliding window (TE's ``window_size``, Megatron's on its softmax), None for full attention
+    (TE's ``(-1, 0)``)."""
+    w = getattr(core, "window_size", None)
+    if w is None:
+        w = getattr(getattr(core, "scale_mask_softmax", None), "window_size", None)
+    return None if w is None or w[0] < 0 else tuple(w)
+
+
+def model_pieces(model) -> dict:
+    """The family pieces the built model has, read from its modules: attention, core attention and expert classes,
+    MLA's LoRA ranks, which layers have a dense MLP, shared experts, an expert bias, sinks (layer numbers from 0),
+    the router, the windows, which linears have biases, the activation and the rotary embedding."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    c, layers = model.config, list(model.decoder.layers)
+    attn = [layer.self_attention for layer in layers]
+    core = [a.core_attention for a in attn]
+    moe = {i: layer.mlp for i, layer in enumerate(layers) if isinstance(layer.mlp, MoELayer)}
+    routers = [m.router for m in moe.values()]
+    mla = all(hasattr(a, "linear_kv_down_proj") for a in attn)
+    experts = moe[min(moe)].experts if moe else None
+    if hasattr(experts, "local_experts"):  # SequentialMLP
+        experts = experts.local_experts[0]
+    expert_fc1 = getattr(experts, "linear_fc1", None)
+    biases = {"qkv": all(_has_bias(a.linear_qkv) for a in attn if hasattr(a, "linear_qkv")) and not mla,
+              "proj": all(_has_bias(a.linear_proj) for a in attn),
+              "router": bool(routers) and all(r.bias is not None for r in routers),
+              "experts": expert_fc1 is not None and _has_bias(expert_fc1)}
+    rope = getattr(attn[0], "rotary_pos_emb", None) or getattr(model, "rotary_pos_emb", None)
+    clamp = c.activation_func_clamp_value
+    return {
+        "attention": _class_names(attn), "core attention": _class_names(core),
+        "experts": _class_names(m.experts for m in moe.values()),
+        "MLA q/kv LoRA ranks": (c.q_lora_rank, c.kv_lora_rank) if mla else None,
+        "dense MLP layers": [i for i in range(len(layers)) if i not in moe],
+        "shared experts": [i for i, m in moe.items() if getattr(m, "shared_experts", None) is not None],
+        "router": f"{c.moe_router_score_function} top-{c.moe_router_topk}",
+        "router groups": (c.moe_router_num_groups, c.moe_router_group_topk) if c.moe_router_num_groups else None,
+        "expert bias": [i for i, m in moe.items() if getattr(m.router, "expert_bias", None) is not None],
+        "sinks": [i for i, a in enumerate(core) if getattr(a, "softmax_offset", None) is not None],
+        "windows": [_window(a) for a in core],
+        "biases": [k for k, v in biases.items() if v],
+        "activation": (f"{getattr(c.activation_func, '__name__', c.activation_func)}"
+                       + (f" GLU +{c.glu_linear_offset:g}" if c.glu_linear_offset else "")
+                       + (f" clamped at {clamp:g}" if clamp else "")),
+        "rope": type(rope).__name__ if rope is not None else None,
+    }
+
+
+def expected_pieces(model_name: str, hf: dict, te: bool) -> dict:
+    """The pieces a family's config asks for (the keys of :func:`model_pieces` it decides)."""
+    n = hf["num_hidden_layers"]
+    yarn = (hf.get("rope_parameters") or {}).get("rope_type") == "yarn"
+    if model_name == "deepseek_v3":
+        dense = int(hf.get("first_k_dense_replace") or 0)
+        groups = int(hf.get("n_group") or 1)
+        return {"attention": "MLASelfAttention",
+                "core attention": "TEDotProductAttention" if te else "LatentDotProductAttention",
+                "experts": "TEGroupedMLP" if te else "SequentialMLP",
+                "MLA q/kv LoRA ranks": (hf["q_lora_rank"], hf["kv_lora_rank"]), "dense MLP layers": list(range(dense)),
+                "shared experts": list(range(dense, n)) if hf.get("n_shared_experts") else [],
+                "router": f"sigmoid top-{hf['num_experts_per_tok']}", "expert bias": list(range(dense, n)),
+                "router groups": (groups, hf["topk_group"]) if groups > 1 else None,
+                "rope": "YarnRotaryEmbedding" if yarn else "RotaryEmbedding"}
+    window = hf.get("sliding_window")
+    return {"attention": "SelfAttention", "core attention": "TEDotProductAttention" if te else "DotProductAttention",
+            "experts": "TEGroupedMLP" if te else "SequentialMLP", "MLA q/kv LoRA ranks": None,
+            "sinks": list(range(n)),
+            "windows": [(window - 1, 0) if t == "sliding_attention" else None for t in hf["layer_types"]],
+            "biases": ["qkv", "proj", "router", "experts"] if hf.get("attention_bias") else [],
+            "activation": f"quick_gelu GLU +1 clamped at {hf['swiglu_limit']:g}",
+            "rope": "YarnRotaryEmbedding" if yarn else "RotaryEmbedding"}
+
+
+def check_pieces(model, args) -> str:
+    """The built family model's pieces on one line; raises when one its config asks for is missing or different (a
+    plainer model must not be timed in its place)."""
+    have = model_pieces(model)
+    want = expected_pieces(args.model, args.hf, have_transformer_engine())
+    wrong = [f"{k}: expected {v!r}, built {have[k]!r}" for k, v in want.items() if have[k] != v]
+    if wrong:
+        raise RuntimeError(f"--model {args.model}: the built model lacks pieces of its config: " + "; ".join(wrong))
+    shown = {k: v for k, v in have.items() if v not in (None, [], "-")}
+    if all(w is None for w in shown.get("windows", [])):
+        shown.pop("windows", None)  # full attention everywhere
+    return ", ".join(f"{k} {v}" for k, v in shown.items())
+
+
 def random_batches(args, count: int, device: torch.device, seed: int) -> list[dict[str, torch.Tensor]]:
     """``count`` micro-batches of random tokens and labels on ``device``. TE's causal attention takes no mask;
     Megatron's local attention would build its default one on a literal ``"cuda"`` device, so it gets one on CPU."""
@@ -256,11 +460,16 @@ def build_variant(name: str, args, calib, seed: int) -> Variant:
     """The model of variant ``name`` (quantized after calibrating on ``calib``, except ``bf16``) with its trainer."""
     from modelopt_moe.plugins.megatron import training as mt
 
-    model = build_te_gpt(args, seed) if have_transformer_engine() else build_cpu_gpt(args, seed)
+    if args.model != "qwen3":
+        model = build_family_gpt(args, seed)
+        pieces = check_pieces(model, args)
+    else:
+        model = build_te_gpt(args, seed) if have_transformer_engine() else build_cpu_gpt(args, seed)
+        pieces = ""
     if name != "bf16":
         model = quantize(name, model, calib, args.backward)
     quantizers = count_weight_quantizers(model)
-    return Variant(name, mt.setup_training(model), quantizers)
+    return Variant(name, mt.setup_training(model), quantizers, pieces)
 
 
 # ------------------------------------------------------------------------------------------------ one step
@@ -552,9 +761,25 @@ def time_rounds(variants: list[Variant], steps: Steps, args, residency: Residenc
     return times
 
 
+def _family_details(hf: dict) -> str:
+    """What a family's header adds to the sizes: its layer kinds and attention."""
+    if "kv_lora_rank" in hf:
+        return (f"{hf.get('first_k_dense_replace') or 0} dense of FFN {hf['intermediate_size']}, MLA q/kv LoRA "
+                f"{hf['q_lora_rank']}/{hf['kv_lora_rank']}, {hf.get('n_shared_experts') or 0} shared expert(s), "
+                f"sigmoid router with expert bias, {hf.get('n_group') or 1} groups top-{hf.get('topk_group') or 1}")
+    sliding = sum(t == "sliding_attention" for t in hf["layer_types"])
+    return (f"{sliding} with a {hf['sliding_window']}-token window, attention sinks, biases, SwiGLU clamped at "
+            f"{hf['swiglu_limit']:g}")
+
+
 def header(args, device: torch.device, residency: Residency, variants: int) -> str:
     """The table's header: the model, the environment, what was measured and where the variants lived."""
     spec = "TE spec" if have_transformer_engine() else "local spec and the project's grouped experts, no TE"
+    model = ""
+    if args.model != "qwen3":
+        spec = (f"{args.model}-shaped, build_megatron_model(spec={'te' if have_transformer_engine() else 'local'!r}) "
+                "from its Hugging Face config")
+        model = f" ({_family_details(args.hf)})"
     what = "memory only" if args.memory_only else (
         f"{args.rounds} alternating rounds of {args.steps} timed steps ({args.warmup} warmup) per variant and mode")
     if device.type != "cuda":
@@ -564,7 +789,7 @@ def header(args, device: torch.device, residency: Residency, variants: int) -> s
                  f"({residency.moved_s:.0f} s of moves, untimed)")
     else:
         where = "; every variant on the GPU at once"
-    return (f"Megatron GPTModel MoE training step ({spec}): {args.layers} layers, hidden {args.hidden}, "
+    return (f"Megatron GPTModel MoE training step ({spec}): {args.layers} layers{model}, hidden {args.hidden}, "
             f"{args.experts} experts x FFN {args.moe_ffn_hidden} top-{args.topk}, {args.heads} heads "
             f"({args.kv_heads} KV), seq {args.seq}, micro-batch {args.micro_batch}, vocab {args.vocab}, "
             f"{args.dispatcher} dispatcher, bf16 + Adam (distributed optimizer)"
@@ -589,6 +814,8 @@ def run(args) -> list[dict]:
     variants, memory = [], {}
     for name in names:
         variant, mem = prepare(name, args, calib, steps, residency)
+        if variant.pieces and not variants:
+            print(f"{args.model} model pieces: {variant.pieces}")
         variants.append(variant)
         memory.update(mem)
     times = {} if args.memory_only else time_rounds(variants, steps, args, residency)
@@ -602,17 +829,18 @@ def run(args) -> list[dict]:
 def parse_args(argv=None):
     """The command line's options (``argv``: None for ``sys.argv``); exits with a message on a bad value."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--moe-ffn-hidden", type=int, default=768)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4, help="query groups (GQA)")
-    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--model", choices=MODELS, default="qwen3", help="the model's shape (see above)")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes, seq 32 and the allgather dispatcher (CPU smoke)")
+    given = "(default: the model's; qwen3: %s)"
+    for option, key, what in (("--layers", "layers", ""), ("--hidden", "hidden", ""), ("--experts", "experts", ""),
+                              ("--moe-ffn-hidden", "moe_ffn_hidden", "experts' FFN size "),
+                              ("--topk", "topk", ""), ("--heads", "heads", ""),
+                              ("--kv-heads", "kv_heads", "query groups (GQA) "), ("--vocab", "vocab", "")):
+        p.add_argument(option, type=int, default=None, help=what + given % QWEN3_SIZES[key])
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: 4096; 32 with --tiny)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dispatcher", choices=("alltoall", "allgather"), default="alltoall")
+    p.add_argument("--dispatcher", choices=("alltoall", "allgather"), default=None,
+                   help="token dispatcher (default: alltoall; allgather with --tiny)")
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step in the reuse mode")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -632,7 +860,43 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if min(args.rounds, args.steps, args.micro_batches) < 1 or min(args.warmup, args.resident) < 0:
         p.error("--rounds, --steps and --micro-batches must be >= 1, --warmup and --resident >= 0")
+    resolve_model(p, args)
     return args
+
+
+def resolve_model(parser, args) -> None:
+    """Fills in the options left out, from ``--model`` and ``--tiny``; for a family, ``args.hf`` is its Hugging Face
+    config with the size options given applied, and the size options are read back from it (the header's)."""
+    given = {k: getattr(args, k) for k in QWEN3_SIZES}
+    args.seq = args.seq or (32 if args.tiny else 4096)
+    args.dispatcher = args.dispatcher or ("allgather" if args.tiny else "alltoall")
+    args.hf = None
+    if args.model == "qwen3":
+        for key, value in (TINY_SIZES if args.tiny else QWEN3_SIZES).items():
+            if given[key] is None:
+                setattr(args, key, value)
+        return
+    if args.tiny:
+        from modelopt_moe.quantization.config import preset_path
+
+        hf = json.loads(preset_path(f"{args.model}_tiny.json").read_text())
+    else:
+        hf = copy.deepcopy(FAMILY_CONFIGS[args.model])
+    fields = _FAMILY_FIELDS[args.model]
+    for key, value in given.items():
+        if value is not None and not fields[key]:
+            parser.error(f"--{key.replace('_', '-')}: {args.model}'s multi-latent attention has a key and a value "
+                         "head per query head (set --heads)")
+        for field in fields[key] if value is not None else ():
+            hf[field] = value
+    layers = hf["num_hidden_layers"]
+    if "layer_types" in hf and len(hf["layer_types"]) != layers:  # gpt-oss: sliding windows on every other layer
+        hf["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
+    if hf.get("first_k_dense_replace", 0) >= layers:  # DeepSeek-V3: at least one MoE layer
+        hf["first_k_dense_replace"] = layers - 1
+    args.hf = hf
+    for key, f in fields.items():
+        setattr(args, key, hf[f[0]] if f else hf["num_key_value_heads"])
 
 
 def main(argv=None) -> int:

@@ -55,6 +55,71 @@ def test_tiny_cpu_run_reports_every_variant_and_mode(tmp_path):
     assert rows["bf16", "reuse"]["x_bf16"] == 1.0
 
 
+# What each family's tiny model must show in its pieces line (the shipped configs/<family>_tiny.json, local spec).
+FAMILY_PIECES = {
+    "deepseek_v3": ("attention MLASelfAttention", "core attention LatentDotProductAttention", "experts SequentialMLP",
+                    "MLA q/kv LoRA ranks (48, 32)", "dense MLP layers [0]", "shared experts [1, 2]",
+                    "router sigmoid top-4", "router groups (4, 2)", "expert bias [1, 2]"),
+    "gpt_oss": ("attention SelfAttention", "core attention DotProductAttention", "experts SequentialMLP",
+                "sinks [0, 1, 2]", "windows [(3, 0), None, (3, 0)]", "biases ['qkv', 'proj', 'router', 'experts']",
+                "activation quick_gelu GLU +1 clamped at 7", "rope YarnRotaryEmbedding"),
+}
+
+
+@pytest.mark.parametrize("model", sorted(FAMILY_PIECES))
+def test_family_model_tiny_cpu_run_builds_the_family_and_reports_its_pieces(model, tmp_path):
+    """``--model deepseek_v3|gpt_oss --tiny``: the family's shipped tiny config built by ``build_megatron_model``
+    (local spec on CPU), its pieces printed, and a bf16 and an FP8 variant trained and timed in both modes (gpt-oss's
+    expert biases at tensor- and expert-parallel size 1 included)."""
+    out = tmp_path / "rows.json"
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_megatron_step.py"), "--model", model, "--tiny",
+                          "--variants", "bf16", "fp8", "--micro-batches", "2", "--rounds", "1", "--steps", "1",
+                          "--warmup", "0", "--calib-batches", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=seconds(600))
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = re.search(rf"^{model} model pieces: (.*)$", res.stdout, re.M)
+    assert line, res.stdout
+    for piece in FAMILY_PIECES[model]:
+        assert piece in line.group(1), (piece, line.group(1))
+    spec = f"({model}-shaped, build_megatron_model(spec='local') from its Hugging Face config): 3 layers ("
+    assert spec in res.stdout
+    assert "seq 32, micro-batch 1, vocab 256, allgather dispatcher" in res.stdout
+    rows = {(r["variant"], r["mode"]): r for r in json.loads(out.read_text())}
+    assert set(rows) == {(v, m) for v in ("bf16", "fp8") for m in MODES}
+    assert all(_positive(r["ms"]) for r in rows.values())
+    built = {v: int(n) for v, n in re.findall(r"^built (\w+): (\d+) weight quantizers enabled", res.stdout, re.M)}
+    assert built["bf16"] == 0, built
+    assert built["fp8"] > 0, built
+
+
+def test_a_family_model_without_a_piece_of_its_config_stops_the_run():
+    """The pieces are read from the built model's modules and compared with what the config asks for: a model that
+    lacks one (here: built from a DeepSeek-V3 config with shared experts, checked against the same config without them)
+    is refused naming the piece, so a plainer model cannot be timed in its place."""
+    script = f"""
+import copy, sys
+sys.path.insert(0, {str(ROOT / "tools")!r})
+import bench_megatron_step as tool
+args = tool.parse_args(["--model", "deepseek_v3", "--tiny"])
+tool.init_distributed(args.seed)
+model = tool.build_family_gpt(args, args.seed)
+print("OK", tool.check_pieces(model, args))
+args.hf = {{**copy.deepcopy(args.hf), "n_shared_experts": 0, "first_k_dense_replace": 2}}
+try:
+    tool.check_pieces(model, args)
+except RuntimeError as e:
+    print("REFUSED", e)
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=seconds(300))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert re.search(r"^OK attention MLASelfAttention, ", res.stdout, re.M), res.stdout
+    refused = re.search(r"^REFUSED (.*)$", res.stdout, re.M)
+    assert refused, res.stdout
+    assert refused.group(1) == (
+        "--model deepseek_v3: the built model lacks pieces of its config: dense MLP layers: expected [0, 1], "
+        "built [0]; shared experts: expected [], built [1, 2]; expert bias: expected [2], built [1, 2]")
+
+
 def _load_tool():
     spec = importlib.util.spec_from_file_location("bench_megatron_step", ROOT / "tools" / "bench_megatron_step.py")
     module = importlib.util.module_from_spec(spec)
