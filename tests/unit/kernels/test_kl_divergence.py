@@ -154,3 +154,17 @@ def test_kernel_kl_is_vocab_parallel_at_tp2():
     for rank_out in spawn(_vocab_parallel_kernel_kl, 2, timeout=120):
         for got, want in rank_out.values():
             _assert_close(got, want)
+
+
+def test_kernel_kl_saves_the_logits_alone_for_its_backward():
+    """On the kernels as on the reference: what the backward keeps of size tokens x vocab is the two inputs."""
+    s, t = _logits((4, 9, 128), torch.bfloat16, seed=7)
+    s.requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        loss = logits_kl_loss(s, t, temperature=2.0, kernel="triton")
+    big = [x for x in saved if x.numel() >= s.numel()]
+    assert [x.dtype for x in big] == [torch.bfloat16] * 2, [(x.dtype, x.shape) for x in saved]
+    assert {x.data_ptr() for x in big} == {s.data_ptr(), t.data_ptr()}
+    loss.sum().backward()
+    assert s.grad.dtype == torch.bfloat16
