@@ -168,3 +168,10 @@ def test_kernel_kl_saves_the_logits_alone_for_its_backward():
     assert {x.data_ptr() for x in big} == {s.data_ptr(), t.data_ptr()}
     loss.sum().backward()
     assert s.grad.dtype == torch.bfloat16
+
+
+def test_auto_takes_the_torch_reference_on_cpu():
+    """``kernel="auto"`` (the default) runs the kernels on CUDA only: on CPU, even under the interpreter, the torch
+    reference's bits."""
+    s, t = _logits((3, 400), torch.bfloat16, seed=8)
+    assert torch.equal(logits_kl_loss(s, t, temperature=1.3), logits_kl_loss(s, t, temperature=1.3, kernel="torch"))
