@@ -65,11 +65,14 @@ def test_kernel_kl_and_gradient_equal_the_torch_reference(shape, dtype, temperat
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_kernel_top_k_kl_equals_the_torch_reference(dtype):
-    """The top-k KL on the kernels (the threshold mask): ties with the k-th logit kept, as on the reference."""
+    """The top-k KL on the kernels (the threshold mask): ties with the k-th logit kept, and a teacher that is -inf
+    outside its stored top tokens (stored teacher logits), as on the reference."""
     s, t = _logits((4, 3, 700), dtype, seed=2)
     t[0, 0, :40] = t[0, 0].max()  # 40 tokens tied at the top of one row, more than k
-    for k in (1, 17, 700):
+    t[1, 1, 30:] = -float("inf")  # what StoredTeacherLogits gives outside the stored ids
+    for k in (1, 17, 30):
         _assert_close(*_both(s, t, temperature=1.5, top_k=k))
+    _assert_close(*_both(s[:1], t[:1], temperature=1.5, top_k=700))  # every token: the exact KL
 
 
 def test_kernel_kl_with_infinite_and_very_negative_logits_equals_the_torch_reference():
