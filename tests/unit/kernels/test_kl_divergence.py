@@ -178,3 +178,18 @@ def test_auto_takes_the_torch_reference_on_cpu():
     reference's bits."""
     s, t = _logits((3, 400), torch.bfloat16, seed=8)
     assert torch.equal(logits_kl_loss(s, t, temperature=1.3), logits_kl_loss(s, t, temperature=1.3, kernel="torch"))
+
+
+def test_torch_compile_fullgraph_traces_the_kernel_kl():
+    """``torch.compile(fullgraph=True)`` traces the loss on the kernels (the custom ops, forward and backward) with
+    the eager call's bits."""
+    s, t = _logits((4, 300), torch.bfloat16, seed=10)
+    a, b = s.clone().requires_grad_(True), s.clone().requires_grad_(True)
+    compiled = torch.compile(lambda x, y: logits_kl_loss(x, y, temperature=1.5, kernel="triton"), fullgraph=True,
+                             backend="eager")
+    got = compiled(a, t)
+    want = logits_kl_loss(b, t, temperature=1.5, kernel="triton")
+    got.sum().backward()
+    want.sum().backward()
+    assert torch.equal(got, want)
+    assert torch.equal(a.grad, b.grad)
