@@ -1,11 +1,13 @@
 """Benchmark: memory and time of the distillation KL (``logits_kl_loss``) forward + backward on bf16 logits, one
-rank, against the whole-tensor formula it replaced (fp32 logits, exponentials and softmaxes of ``[tokens, vocab]``,
-both softmaxes saved for the backward). Prints a table; works on CPU and GPU.
+rank: its Triton kernels (``kernel``, on CUDA) and its torch reference chunked over tokens (``chunked``), against the
+whole-tensor formula it replaced (fp32 logits, exponentials and softmaxes of ``[tokens, vocab]``, both softmaxes saved
+for the backward). Prints a table; works on CPU (no kernel row) and GPU.
 
 * peak: the most memory allocated during forward + backward above the two logits tensors and the gradient (one
   logits tensor), in GiB and in units of one logits tensor. GPU: ``torch.cuda.max_memory_allocated``; CPU: the
   allocations ``torch.profiler`` records (``profile_memory=True``), summed in time order.
-* time: median of ``--repeats`` forward + backward after one warm-up (without the profiler).
+* time: median of ``--repeats`` forward + backward after one warm-up (without the profiler), in rounds that run every
+  implementation once on the same logits.
 * ``--top-k``: the error of the top-k teacher distribution against the exact KL (loss and gradient) on synthetic
   logits: a Gaussian teacher of the given scale (its entropy is printed) and a student that is the teacher plus
   Gaussian noise of 0.3 (``--noise``), as a quantized copy of it would be.
@@ -24,11 +26,21 @@ import torch
 
 from modelopt_moe.distill import logits_kl_loss
 from modelopt_moe.distill.losses import whole_tensor_kl
+from modelopt_moe.kernels import kernels_available
 
 GiB = 1 << 30
 
 
-IMPLS = {"whole-tensor": lambda s, t: whole_tensor_kl(s, t), "chunked": lambda s, t: logits_kl_loss(s, t)}
+# "chunked": the torch reference, chunked over tokens; "kernel": the Triton kernels (CUDA only: the CPU interpreter
+# is for exactness tests, not timings). On CUDA, logits_kl_loss's default is the kernel path.
+IMPLS = {"whole-tensor": lambda s, t: whole_tensor_kl(s, t),
+         "chunked": lambda s, t: logits_kl_loss(s, t, kernel="torch"),
+         "kernel": lambda s, t: logits_kl_loss(s, t, kernel="triton")}
+
+
+def impls_for(device: str) -> list[str]:
+    """The implementations measured on ``device``: the kernel path where compiled Triton runs (CUDA)."""
+    return [name for name in IMPLS if name != "kernel" or (device != "cpu" and kernels_available(device))]
 
 
 def _step(impl, student, teacher):
@@ -50,41 +62,61 @@ def _cpu_peak(fn) -> int:
     return peak
 
 
-def measure(impl: str, tokens: int, vocab: int, device: str = "cpu", repeats: int = 3) -> dict:
-    """Peak memory above the logits and their gradient, and the median time of forward + backward, of one KL
-    implementation on random bf16 logits ``[tokens, vocab]``. ``{"oom": True}`` when it does not fit."""
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def _peak(impl: str, student, teacher, device: str) -> int:
+    """Peak bytes allocated by one forward + backward above what was allocated before it (after a warm-up on GPU)."""
+    if device == "cpu":
+        return _cpu_peak(lambda: _step(impl, student, teacher))
+    _step(impl, student, teacher)
+    student.grad = None
+    _sync(device)
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    _step(impl, student, teacher)
+    _sync(device)
+    return torch.cuda.max_memory_allocated() - start
+
+
+def measure_all(impls: list[str], tokens: int, vocab: int, device: str = "cpu", repeats: int = 3) -> dict:
+    """Peak memory above the logits and their gradient, and the median time of forward + backward, of each KL
+    implementation on the same random bf16 logits ``[tokens, vocab]``: the peaks one implementation at a time, the
+    times in ``repeats`` rounds that run every implementation once (so drifts of a shared machine hit all alike).
+    ``{"oom": True}`` for an implementation that does not fit."""
     g = torch.Generator(device=device).manual_seed(0)
     student = (torch.randn(tokens, vocab, generator=g, device=device) * 3).bfloat16().requires_grad_(True)
     teacher = (torch.randn(tokens, vocab, generator=g, device=device) * 3).bfloat16()
     logits_bytes = student.numel() * student.element_size()
-    try:
-        if device == "cpu":
-            peak = _cpu_peak(lambda: _step(impl, student, teacher))
-        else:
-            _step(impl, student, teacher)
+    out, times = {}, {}
+    for impl in impls:
+        try:
+            above = _peak(impl, student, teacher, device) - logits_bytes  # the gradient is one logits tensor
+            out[impl] = {"oom": False, "peak_gib": above / GiB, "x_logits": above / logits_bytes}
+            times[impl] = []
+        except torch.OutOfMemoryError:
+            out[impl] = {"oom": True}
+            torch.cuda.empty_cache()
+        finally:
             student.grad = None
-            torch.cuda.synchronize()
-            start = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            _step(impl, student, teacher)
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - start
-        times = []
-        for _ in range(repeats):
-            if device != "cpu":
-                torch.cuda.synchronize()
+    for _ in range(repeats):
+        for impl in times:
+            _sync(device)
             t0 = time.perf_counter()
             _step(impl, student, teacher)
-            if device != "cpu":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-    except torch.OutOfMemoryError:
-        return {"oom": True}
-    finally:
-        student.grad = None
-    above = peak - logits_bytes  # the gradient is one logits tensor
-    return {"oom": False, "peak_gib": above / GiB, "x_logits": above / logits_bytes,
-            "ms": 1e3 * statistics.median(times)}
+            _sync(device)
+            times[impl].append(time.perf_counter() - t0)
+            student.grad = None
+    for impl, ts in times.items():
+        out[impl]["ms"] = 1e3 * statistics.median(ts)
+    return out
+
+
+def measure(impl: str, tokens: int, vocab: int, device: str = "cpu", repeats: int = 3) -> dict:
+    """:func:`measure_all` of one implementation."""
+    return measure_all([impl], tokens, vocab, device, repeats)[impl]
 
 
 def top_k_error(tokens: int, vocab: int, k: int, scale: float, noise: float, device: str = "cpu") -> dict:
@@ -132,7 +164,7 @@ def main(argv=None) -> None:
     print(f"{'tokens':>7} {'vocab':>7} {'impl':>12} {'peak GiB':>9} {'x logits':>9} {'ms':>9} {'time vs whole':>14}")
     for vocab in vocabs:
         for n in tokens:
-            rows = {impl: measure(impl, n, vocab, args.device, args.repeats) for impl in IMPLS}
+            rows = measure_all(impls_for(args.device), n, vocab, args.device, args.repeats)
             for impl, r in rows.items():
                 if r["oom"]:
                     print(f"{n:>7} {vocab:>7} {impl:>12} {'OOM':>9}")

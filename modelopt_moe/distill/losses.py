@@ -8,7 +8,9 @@ data), return a per-token loss that is the same on every TP rank, and compute th
 the backward): each rank's gradient is its own slice of the full-vocabulary gradient.
 
 Everything is computed in fp32, whatever the logits' dtype; the gradient has the student logits' dtype. The KL never
-holds ``[tokens, vocab]`` in fp32: it runs over chunks of tokens and recomputes them in its backward.
+holds ``[tokens, vocab]`` in fp32: on CUDA two Triton kernels read both logits once per pass (the forward's sums, the
+backward's gradient); elsewhere, or with ``kernel="torch"``, it runs over chunks of tokens and recomputes them in its
+backward.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from ..kernels.kl_divergence import kernel_takes, softmax_kl_grad, softmax_kl_sums
+from ..quantization.nn.experts import use_kernels
+from ..quantization.utils import warn_once
 
 __all__ = ["logits_kl_loss", "vocab_parallel_cross_entropy"]
 
@@ -52,26 +58,23 @@ def _chunk_rows(tokens: int, vocab: int, chunk_tokens: int | None) -> int:
     return max(1, min(_CHUNK_ELEMENTS // max(1, vocab), -(-tokens // _CHUNKS_AT_LEAST)))
 
 
-def _scaled(x: torch.Tensor, temperature: float, maxima: torch.Tensor) -> torch.Tensor:
-    """``x / T - max`` in a new fp32 tensor (the input is never written, whatever its dtype)."""
-    if temperature == 1.0:  # x / 1 == x: one pass (a low-precision x is promoted to fp32 exactly)
-        return torch.sub(x, maxima.unsqueeze(-1))
-    return x.to(torch.float32, copy=True).div_(temperature).sub_(maxima.unsqueeze(-1))
-
-
 class _VocabParallelKL(torch.autograd.Function):
     """Per-token ``T**2 * KL(softmax(t / T) || softmax(s / T))`` over a vocabulary split across ``group`` or, with
     ``top_k``, over the teacher's ``top_k`` most likely tokens alone (both softmaxes renormalised there).
 
-    Chunked over tokens: no ``[tokens, vocab]`` tensor in fp32 exists at any time, only ``[chunk, vocab]`` ones. The
-    backward recomputes both softmaxes per chunk from the saved logits (in their own dtype) and the per-token maxima
-    and sums. Each token's arithmetic is the one of the whole-tensor formula, operation for operation.
+    No ``[tokens, vocab]`` tensor in fp32 exists at any time. The maxima come from the logits in their own dtype;
+    the per-token sums (:func:`~modelopt_moe.kernels.kl_divergence.softmax_kl_sums`) either from one Triton launch
+    that reads both logits once, or from the torch reference chunked over tokens (``[chunk, vocab]`` fp32
+    temporaries). The backward recomputes both softmaxes from the saved logits (in their own dtype) and the per-token
+    maxima and sums, the same way. Each token's arithmetic is the one of the whole-tensor formula, operation for
+    operation (the kernels sum in another order).
     """
 
     @staticmethod
-    def forward(ctx, student, teacher, temperature, group, chunk_tokens, top_k):
+    def forward(ctx, student, teacher, temperature, group, chunk_tokens, top_k, kernel):
         shape, vocab = student.shape, student.shape[-1]
         s_all, t_all = student.reshape(-1, vocab), teacher.reshape(-1, vocab)
+        triton = _use_triton(kernel, s_all, t_all)
         rows = _chunk_rows(s_all.shape[0], vocab, chunk_tokens)
         threshold = _top_k_threshold(t_all, top_k, group) if top_k else None
         # max(round(x_i / T)) == round(max(x_i) / T) for T > 0: the maxima need no fp32 copy of the logits.
@@ -80,31 +83,13 @@ class _VocabParallelKL(torch.autograd.Function):
             for a in range(0, s_all.shape[0], rows)])
         maxima = torch.stack([s_max.float() / temperature, t_all.amax(-1).float() / temperature])
         _all_reduce(maxima, dist.ReduceOp.MAX if dist.is_available() else None, group)
-        sums = torch.empty(3, s_all.shape[0], dtype=torch.float32, device=student.device)
-        for a in range(0, s_all.shape[0], rows):
-            b = min(a + rows, s_all.shape[0])
-            s = _scaled(s_all[a:b], temperature, maxima[0, a:b])
-            t = _scaled(t_all[a:b], temperature, maxima[1, a:b])
-            if threshold is not None:  # both distributions on the teacher's top k alone
-                outside = t_all[a:b] < threshold[a:b].unsqueeze(-1)
-                s.masked_fill_(outside, -math.inf)
-                t.masked_fill_(outside, -math.inf)
-                del outside
-            # sum_v p_t (log p_t - log p_s) = sum_v e_t (t - s) / Z_t - log Z_t + log Z_s
-            d = t - s
-            torch.sum(s.exp_(), -1, out=sums[0, a:b])
-            del s
-            torch.sum(t.exp_(), -1, out=sums[1, a:b])
-            if threshold is not None:
-                d.nan_to_num_(nan=0.0)  # outside the top k: e_t = 0 and t - s = -inf - (-inf)
-            torch.sum(d.mul_(t), -1, out=sums[2, a:b])
-            del t, d
+        sums = softmax_kl_sums(s_all, t_all, maxima, temperature, threshold, chunk_rows=rows, triton=triton)
         _all_reduce(sums, dist.ReduceOp.SUM if dist.is_available() else None, group)
         zs, zt, cross = sums
         kl = cross / zt - zt.log() + zs.log()
         extra = (threshold,) if threshold is not None else ()
         ctx.save_for_backward(student, teacher, maxima, sums[:2], *extra)
-        ctx.temperature, ctx.rows, ctx.shape = temperature, rows, shape
+        ctx.temperature, ctx.rows, ctx.shape, ctx.triton = temperature, rows, shape, triton
         return (kl * (temperature * temperature)).reshape(shape[:-1])
 
     @staticmethod
@@ -112,24 +97,10 @@ class _VocabParallelKL(torch.autograd.Function):
         student, teacher, maxima, sums, *extra = ctx.saved_tensors
         threshold = extra[0] if extra else None
         vocab, temperature = student.shape[-1], ctx.temperature
-        s_all, t_all = student.reshape(-1, vocab), teacher.reshape(-1, vocab)
         scale = grad.reshape(-1).float() * temperature
-        out = torch.empty(s_all.shape, dtype=student.dtype, device=student.device)
-        for a in range(0, s_all.shape[0], ctx.rows):
-            b = min(a + ctx.rows, s_all.shape[0])
-            # d/ds [T^2 KL(p_t || p_s(s / T))] = T (p_s - p_t): this rank's slice of the vocabulary.
-            ps = _scaled(s_all[a:b], temperature, maxima[0, a:b])
-            pt = _scaled(t_all[a:b], temperature, maxima[1, a:b])
-            if threshold is not None:
-                outside = t_all[a:b] < threshold[a:b].unsqueeze(-1)
-                ps.masked_fill_(outside, -math.inf)
-                pt.masked_fill_(outside, -math.inf)
-                del outside
-            ps = ps.exp_().div_(sums[0, a:b].unsqueeze(-1))
-            pt = pt.exp_().div_(sums[1, a:b].unsqueeze(-1))
-            out[a:b] = ps.sub_(pt).mul_(scale[a:b].unsqueeze(-1))
-            del ps, pt
-        return out.reshape(ctx.shape), None, None, None, None, None
+        out = softmax_kl_grad(student.reshape(-1, vocab), teacher.reshape(-1, vocab), maxima, sums, scale,
+                              temperature, threshold, chunk_rows=ctx.rows, triton=ctx.triton)
+        return out.reshape(ctx.shape), None, None, None, None, None, None
 
 
 def _top_k_threshold(teacher: torch.Tensor, k: int, group) -> torch.Tensor:
@@ -146,8 +117,28 @@ def _top_k_threshold(teacher: torch.Tensor, k: int, group) -> torch.Tensor:
     return local.topk(k, dim=-1).values[..., -1]
 
 
+KERNELS = ("auto", "triton", "torch")
+
+
+def _use_triton(kernel: str, student: torch.Tensor, teacher: torch.Tensor) -> bool:
+    """Whether the KL of these ``[rows, vocab]`` logits runs on the Triton kernels (``kernel``: auto | triton |
+    torch); ``auto`` warns once where a CUDA tensor falls back to the torch reference."""
+    if not use_kernels(kernel, student.device):  # raises for "triton" where the kernels cannot run
+        if kernel == "auto" and student.device.type == "cuda":
+            warn_once("logits_kl_loss: the Triton kernels cannot run here (triton missing or interpreted); the KL "
+                      "runs on the torch reference, chunked over tokens (slower)")
+        return False
+    if kernel == "triton" or kernel_takes(student, teacher):  # "triton": the launcher names what it does not take
+        return True
+    warn_once(f"logits_kl_loss: the Triton kernels do not take {student.dtype} / {teacher.dtype} logits with strides "
+              f"{student.stride()} / {teacher.stride()} (bf16, fp16 or fp32 with unit stride along the vocabulary); "
+              "the KL runs on the torch reference, chunked over tokens (slower)")
+    return False
+
+
 def logits_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, temperature: float = 1.0,
-                   tp_group=None, top_k: int | None = None, chunk_tokens: int | None = None) -> torch.Tensor:
+                   tp_group=None, top_k: int | None = None, chunk_tokens: int | None = None,
+                   kernel: str = "auto") -> torch.Tensor:
     """Per-token forward KL divergence from the teacher's to the student's softmax, ``KL(p_teacher || p_student)``,
     at ``temperature`` and multiplied by ``temperature**2`` (Hinton et al.: keeps the gradient's scale independent of
     the temperature).
@@ -162,20 +153,30 @@ def logits_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *
             teacher's ``top_k`` most likely tokens of the whole vocabulary and renormalised there (top-k knowledge
             distillation, as Model Optimizer's ``TopKLogitsKLLoss``; tokens tied with the k-th are kept). An
             approximation (its error is measured in docs/qad.md); it saves no memory here.
-        chunk_tokens: tokens per chunk (None: automatic, see below). Only memory and speed depend on it.
+        chunk_tokens: tokens per chunk of the torch reference (None: automatic, see below). Only memory and speed
+            depend on it.
+        kernel: ``"auto"`` (the default): the Triton kernels on CUDA, the torch reference elsewhere (and, with a
+            rank-0 warning, on CUDA logits the kernels do not take: other than bf16, fp16 or fp32, or without unit
+            stride along the vocabulary); ``"triton"``: the kernels wherever they run (CPU only under
+            ``TRITON_INTERPRET=1``), an error elsewhere; ``"torch"``: the torch reference.
 
-    The loss is computed chunk by chunk over the tokens and recomputed in the backward: besides the logits (saved in
-    their own dtype, no fp32 copy) and the gradient, the fp32 working set is three ``[chunk, V]`` tensors. By default
-    a chunk holds all the tokens while ``tokens * V`` is at most 2**22 (the values are then bit for bit those of the
-    whole-tensor formula), else at most 2**24 elements and a 32nd of the tokens (under a quarter of one bf16 logits
-    tensor). Either way every token's result is the whole-tensor formula's to fp32 rounding.
+    The maxima come from the logits in their own dtype. The kernels then read both logits once per pass (one launch
+    for the forward's sums, one for the backward's gradient): nothing of ``[tokens, V]`` is allocated but the gradient.
+    The torch reference is computed chunk by chunk over the tokens and recomputed in the backward: besides the logits
+    (saved in their own dtype, no fp32 copy) and the gradient, its fp32 working set is three ``[chunk, V]`` tensors.
+    By default a chunk holds all the tokens while ``tokens * V`` is at most 2**22 (the values are then bit for bit
+    those of the whole-tensor formula), else at most 2**24 elements and a 32nd of the tokens (under a quarter of one
+    bf16 logits tensor). Either way, kernels or not, every token's result is the whole-tensor formula's to fp32
+    rounding (the kernels sum in another order).
 
     Returns:
         fp32 ``[...]``: the loss of every token, the same on every rank of ``tp_group``.
 
     Raises:
-        ValueError: shapes differ, a non-float input, a temperature that is not positive, or a ``top_k`` or
-            ``chunk_tokens`` that is not a positive integer.
+        ValueError: shapes differ, a non-float input, a temperature that is not positive, a ``top_k`` or
+            ``chunk_tokens`` that is not a positive integer, a ``kernel`` not in ``("auto", "triton", "torch")``, or
+            ``kernel="triton"`` with logits the kernels do not take.
+        RuntimeError: ``kernel="triton"`` where the kernels cannot run.
     """
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"logits_kl_loss: student logits {tuple(student_logits.shape)} and teacher logits "
@@ -188,8 +189,10 @@ def logits_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *
     for name, value in (("top_k", top_k), ("chunk_tokens", chunk_tokens)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"logits_kl_loss: {name} must be a positive integer or None, got {value!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"logits_kl_loss: kernel must be one of {KERNELS}, got {kernel!r}")
     return _VocabParallelKL.apply(student_logits, teacher_logits.detach(), float(temperature), tp_group, chunk_tokens,
-                                  top_k)
+                                  top_k, kernel)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

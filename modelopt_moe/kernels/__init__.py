@@ -1,4 +1,5 @@
-"""Triton kernels (optional) with pure-torch fallbacks: grouped fake quantization of MoE experts.
+"""Triton kernels (optional) with pure-torch fallbacks: grouped fake quantization of MoE experts, and the
+distillation KL.
 
 Imports with torch alone; ``TRITON_AVAILABLE`` says whether triton imports, :func:`kernels_available` whether the
 kernels can run on a device (CUDA, or CPU under ``TRITON_INTERPRET=1``). Imports only ``modelopt_moe.numerics``.
@@ -10,7 +11,9 @@ fallback, ``torch.library.custom_op`` with ``register_fake``, autograd), its ``@
 - :mod:`.weight_fake_quant`: N expert weights in one launch, and the clipped straight-through gradient;
 - :mod:`.input_fake_quant`: tokens split among N experts by ``m_splits``, optionally times a per-row scale;
 - :mod:`.weight_amax`: ``max |w|`` of N experts (``weight_amax_update: dynamic``);
-- :mod:`.quant_stats`: fake quant with quantization-error sums (precision autoswitch).
+- :mod:`.quant_stats`: fake quant with quantization-error sums (precision autoswitch);
+- :mod:`.kl_divergence`: the distillation KL's per-token softmax sums and the student's gradient (the loss and its
+  autograd are :func:`modelopt_moe.distill.logits_kl_loss`).
 
 Beneath them: :mod:`.launch` (backend, expert-list signatures, the cached pointer tables, tiling), :mod:`.checks`
 (the shared ``ValueError`` checks), :mod:`.fallback` (what the torch fallbacks share), :mod:`.tuning` (launch options
