@@ -25,6 +25,15 @@ from .pipeline_state import refuse_virtual_pipeline
 __all__ = ["get_forward_backward_func"]
 
 
+def _clear_aux_loss_scale() -> None:
+    """Drops Megatron's process-global MoE aux-loss scale before a schedule runs. A backward through the router's aux
+    loss outside a schedule (a user's own ``loss.backward()`` in training mode) creates it as a 0-dim tensor, and the
+    schedule's ``copy_`` of its ``[1]`` scale into it then fails; each schedule call sets it before it is read."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
 def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first_step: int = 0, **kwargs):
     """Drop-in for ``megatron.core.pipeline_parallel.get_forward_backward_func`` (same arguments, same returned
     function) whose calls reuse each module's fake-quantized weights across the call's micro-batches and each count as
@@ -59,6 +68,7 @@ def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first
             if adjust is not None:
                 f_kwargs = {**f_kwargs, "adjust_tensor_shapes_fn": adjust}
         reuse = reuse_scope(model) if reuse_quantized_weights else contextlib.nullcontext()
+        _clear_aux_loss_scale()
         with reuse, autoswitch_step(model, step):
             result = schedule(*f_args, **f_kwargs)
         step += 1

@@ -23,3 +23,15 @@ def megatron_one_gpu():
     mm.init_model_parallel(1, 1, seed=1234)
     yield
     mm.destroy_model_parallel()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_moe_aux_loss_scale():
+    """Each test starts without Megatron's process-global MoE aux-loss scale: a backward outside a schedule in one
+    test leaves a 0-dim scale that a later test's schedule cannot copy its ``[1]`` scale into."""
+    yield
+    try:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    except ImportError:
+        return
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
