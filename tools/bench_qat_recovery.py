@@ -24,6 +24,12 @@ priority order), ``--budget SECONDS`` skips the variants that would end past it:
   python tools/bench_qat_recovery.py --cpu --study [--quick]   # 1 gloo rank, a small model
   python tools/bench_qat_recovery.py --gpu --study --budget 360 --json qad.json
                                                          # the GPU model above, 200 steps per variant
+``--model moe64`` studies a model of 64 experts, top-8 (expert FFN 64; the same active expert FFN per token).
+A variant's ``calib=<name>`` starts it from another calibration (``max``, ``mse``, ``fp8_sweep``, ``four_over_six``,
+``percentile``, ``hist_mse``; PTQ is measured per format and calibration), and method ``ptq`` measures the start
+alone (docs/calibration.md):
+  python tools/bench_qat_recovery.py --cpu --study --model moe64 --variants nvfp4/qad nvfp4/qad:calib=fp8_sweep \
+      fp8/ptq:calib=percentile
 ``--set data=legacy`` measures the way the recovery table does (held-out text at a fixed offset of the English text,
 which a long pretraining reads too).
 ``--seeds 1234,4321,777`` runs the study once per seed (its own teacher, calibration and batches; ``--json`` then
@@ -61,6 +67,10 @@ QUICK_STUDY = {"tp": 1, "ep": 1, "experts": "sequential", "num_layers": 2, "hidd
 GPU_STUDY = {"tp": 1, "experts": "te", "num_layers": 4, "num_experts": 16, "topk": 2, "hidden": 512,
              "ffn_hidden": 1024, "seq": 256, "batch": 32, "pretrain_steps": 600, "pretrain_lr": 1e-3, "steps": 200,
              "eval_batches": 16, "train_eval_batches": 4, "calib_batches": 4, "corpus": "code"}
+
+# --model: other study models, as changes to the study's model (the same active expert FFN per token as CPU_STUDY's
+# 4 experts top-2 of 256: 8 x 64).
+STUDY_MODELS = {"study": {}, "moe64": {"num_experts": 64, "topk": 8, "ffn_hidden": 64}}
 
 
 def _worker(rank, world_size, overrides):
@@ -106,6 +116,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=0.0, help="--study: seconds of the study (the teacher's "
                                                                   "training included); variants that would end past "
                                                                   "it are skipped (0: none)")
+    parser.add_argument("--model", choices=sorted(STUDY_MODELS), help="--study: the model (default: study; moe64: "
+                                                                       "64 experts top-8, expert FFN 64); --set "
+                                                                       "overrides it")
     parser.add_argument("--ranks", type=int, help="--cpu: gloo ranks (default: 4, or 1 with --study)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="RecoveryConfig (StudyConfig "
                                                                                   "with --study) overrides")
@@ -126,6 +139,10 @@ def main(argv=None) -> int:
     else:
         config_cls = RecoveryConfig
         overrides = dict(QUICK if args.quick else CPU) if args.cpu else dict(GPU)
+    if args.model:
+        if not args.study:
+            parser.error("--model needs --study")
+        overrides.update(STUDY_MODELS[args.model])
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     for item in args.set:
         key, _, value = item.partition("=")

@@ -42,7 +42,8 @@ _TESTS = str(Path(__file__).resolve().parents[1] / "tests")
 if _TESTS not in sys.path:  # the small Megatron models (tests/megatron_harness) are not part of the package
     sys.path.insert(0, _TESTS)
 
-__all__ = ["StudyConfig", "run_study", "format_study", "format_seeds", "parse_variant", "STUDY_VARIANTS", "FORMER",
+__all__ = ["StudyConfig", "run_study", "format_study", "format_seeds", "parse_variant", "variant_calibration",
+           "ptq_key", "STUDY_VARIANTS", "FORMER",
            "LEARNED_INPUTS", "code_corpus"]
 
 # The former default recipe: every parameter at lr 1e-4, constant, no warmup.
@@ -119,29 +120,60 @@ class StudyConfig:
 def parse_variant(spec: str, base: dict | None = None):
     """``"nvfp4/qad:lr=1e-4,train=all"`` -> ``("nvfp4", "qad", QADRecipe(**base, lr=1e-4, train="all"))``.
 
+    ``calib=<name>`` among the changes calibrates the variant's start (PTQ) with ``name``, a key of
+    ``megatron_harness.configs.CALIBRATIONS`` (:func:`variant_calibration`; default ``max``); calibrations that
+    choose weight amaxes (``mse``, ``fp8_sweep``, ``four_over_six``) make ``weight_amax_update`` ``static`` unless the
+    variant sets it (``dynamic`` would replace the chosen amaxes at the first step). Method ``ptq``: the start alone,
+    no training.
+
     Raises:
-        ValueError: an unknown format, method or recipe field, or a bad value (naming the variant).
+        ValueError: an unknown format, method, calibration or recipe field, a calibration the format has no use for,
+            or a bad value (naming the variant).
     """
+    from megatron_harness.configs import CALIBRATIONS, WEIGHT_CALIBRATIONS, expert_quant_config
+
     from modelopt_moe.distill import QADRecipe
 
     head, _, changes = spec.partition(":")
     fmt, _, method = head.partition("/")
     formats = ("nvfp4", "fp8", "mxfp4", "mxfp8", "fp8_block")
     if fmt.split("-")[0] not in formats or fmt.partition("-")[2] not in ("", "w", "a") or (
-            method not in ("qad", "qat")):
-        raise ValueError(f"variant {spec!r}: expected '<{'|'.join(formats)}>[-w|-a]/<qad|qat>[:field=value,...]'")
+            method not in ("qad", "qat", "ptq")):
+        raise ValueError(f"variant {spec!r}: expected '<{'|'.join(formats)}>[-w|-a]/<qad|qat|ptq>[:field=value,...]'")
     fields = {f.name: f for f in dataclasses.fields(QADRecipe)}
     kwargs = dict(base or {})
+    calib = "max"
     for item in filter(None, changes.split(",")):
         key, _, value = item.partition("=")
+        if key == "calib":
+            if value not in CALIBRATIONS:
+                raise ValueError(f"variant {spec!r}: unknown calibration {value!r}; expected one of "
+                                 f"{sorted(CALIBRATIONS)}")
+            calib = value
+            continue
         if key not in fields:
-            raise ValueError(f"variant {spec!r}: unknown QADRecipe field {key!r}; expected one of {sorted(fields)}")
+            raise ValueError(f"variant {spec!r}: unknown QADRecipe field {key!r}; expected one of "
+                             f"{sorted([*fields, 'calib'])}")
         default = getattr(QADRecipe(), key)
         kwargs[key] = value if default is None or isinstance(default, str) else type(default)(value)
+    if calib in WEIGHT_CALIBRATIONS and kwargs.get("weight_amax_update", "dynamic") == "dynamic":
+        kwargs["weight_amax_update"] = "static"
     try:
+        expert_quant_config(fmt.split("-")[0], "static", calib)
         return fmt, method, QADRecipe(**kwargs)
     except ValueError as e:
         raise ValueError(f"variant {spec!r}: {e}") from e
+
+
+def variant_calibration(spec: str) -> str:
+    """The calibration a variant starts from: its ``calib=`` change, ``max`` without one."""
+    changes = spec.partition(":")[2]
+    return next((item.partition("=")[2] for item in changes.split(",") if item.startswith("calib=")), "max")
+
+
+def ptq_key(fmt: str, calib: str) -> str:
+    """The key of a start (PTQ) in the study's ``ptq``: the format, with ``:calib=<name>`` unless max-calibrated."""
+    return fmt if calib == "max" else f"{fmt}:calib={calib}"
 
 
 def code_corpus() -> bytes:
@@ -242,7 +274,7 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
         the same on every rank (see :func:`format_study` for what each entry holds).
     """
     import megatron_harness.models as mm
-    from megatron_harness.configs import expert_quant_config
+    from megatron_harness.configs import WEIGHT_CALIBRATIONS, expert_quant_config
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.distill import logits_kl_loss, param_group, vocab_parallel_cross_entropy
@@ -250,7 +282,8 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
     from modelopt_moe.plugins.megatron import training as mt
 
     t_start = time.perf_counter()
-    specs = [(s, *parse_variant(s, cfg.recipe)) for s in cfg.variants]  # bad specs fail before any training
+    # bad specs fail before any training
+    specs = [(s, *parse_variant(s, cfg.recipe), variant_calibration(s)) for s in cfg.variants]
     checkpoints = sorted(set(cfg.checkpoints or (max(1, cfg.steps // 4), max(1, cfg.steps // 2), cfg.steps)))
     checkpoints = [c for c in checkpoints if 0 < c <= cfg.steps] or [cfg.steps]
     mm.init_model_parallel(cfg.tp, cfg.ep, seed=cfg.seed)
@@ -284,6 +317,7 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
 
     with torch.no_grad():
         teacher_logits = {id(b): forward(teacher, b)[0] for b in held_out + train_eval}
+        teacher_top1 = {i: _top1(logits, tp_group) for i, logits in teacher_logits.items()}
         with _Routing(teacher) as routing:
             forward(teacher, held_out[0])
         teacher_routes = routing.maps
@@ -292,14 +326,15 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
         """Per batch: LM loss and KL to the teacher (every rank: the losses reduce over TP)."""
         was_training = model.training
         model.eval()
-        losses, kls = [], []
+        losses, kls, flips = [], [], []
         with torch.no_grad():
             for b in batches:
                 logits, labels = forward(model, b)
                 losses.append(float(vocab_parallel_cross_entropy(logits, labels, tp_group=tp_group).mean()))
                 kls.append(float(logits_kl_loss(logits, teacher_logits[id(b)], tp_group=tp_group).mean()))
+                flips.append(float((_top1(logits, tp_group) != teacher_top1[id(b)]).double().mean()))
         model.train(was_training)
-        return {"loss": losses, "kl": kls}
+        return {"loss": losses, "kl": kls, "top1_flips": flips}
 
     def route_flips(model) -> float:
         """Share of (token, layer) whose top-k expert set differs from the teacher's, on the first held-out batch."""
@@ -365,15 +400,16 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
                 p.copy_(teacher_weights[n])
         return model
 
-    def quantized(fmt, amax_update, input_amax_update="static"):
+    def quantized(fmt, amax_update, input_amax_update="static", calibration="max"):
         """The teacher quantized to ``fmt``: ``nvfp4`` / ``fp8`` (experts' weights and inputs), with ``-w`` the
-        weights alone, with ``-a`` the inputs alone."""
+        weights alone, with ``-a`` the inputs alone; calibrated by ``calibration`` (``CALIBRATIONS``)."""
         model = copy_of_teacher()
         model.eval()
         base, _, only = fmt.partition("-")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mtq.quantize(model, {**expert_quant_config(base, amax_update), "input_amax_update": input_amax_update},
+            mtq.quantize(model, {**expert_quant_config(base, amax_update, calibration),
+                                 "input_amax_update": input_amax_update},
                          lambda m: [forward(m, b) for b in calib])
         if only:
             mtq.disable_quantizer(model, "*experts*input_quantizer" if only == "w" else "*experts*weight_quantizer")
@@ -398,19 +434,25 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
            f"{statistics.fmean(out['teacher']['loss']):.4f}; weight RMS "
            + " ".join(f"{g} {v:.3g}" for g, v in out["teacher"]["weight_rms"].items()))
 
-    # 2. PTQ per format -------------------------------------------------------------------------------------------
-    for fmt in dict.fromkeys(f for _, f, _, _ in specs):
-        model = quantized(fmt, "dynamic")
-        out["ptq"][fmt] = {**evaluate(model, held_out), "train_kl": evaluate(model, train_eval)["kl"],
-                           "route_flips": route_flips(model), **split_kl(model, fmt, gemms=True)}
+    # 2. PTQ per format and calibration (max first: the others are measured against it) ----------------------------
+    starts = dict.fromkeys((f, c) for _, f, _, _, cal in specs for c in ("max", cal))
+    for fmt, cal in starts:
+        key = ptq_key(fmt, cal)
+        model = quantized(fmt, "static" if cal in WEIGHT_CALIBRATIONS else "dynamic", calibration=cal)
+        out["ptq"][key] = {**evaluate(model, held_out), "train_kl": evaluate(model, train_eval)["kl"],
+                           "route_flips": route_flips(model), **split_kl(model, fmt, gemms=True),
+                           "format": fmt, "calibration": cal}
         del model
-        p = out["ptq"][fmt]
-        split = ", ".join(f"{k[3:]} {v:.5f}" for k, v in p.items() if k.startswith("kl_") and v == v)
-        report(f"{fmt}/ptq: held-out KL {statistics.fmean(p['kl']):.5f} ({split}), loss "
+        p = out["ptq"][key]
+        p["kl_vs_max_ptq"] = statistics.fmean(p["kl"]) / statistics.fmean(out["ptq"][fmt]["kl"])
+        split = ", ".join(f"{k[3:]} {v:.5f}" for k, v in p.items() if k.startswith("kl_") and k != "kl_vs_max_ptq"
+                          and v == v)
+        report(f"{_ptq_label(key)}: held-out KL {statistics.fmean(p['kl']):.5f} ({p['kl_vs_max_ptq']:.2f} x max "
+               f"PTQ; {split}), top-1 flips {100 * statistics.fmean(p['top1_flips']):.2f}%, loss "
                f"{statistics.fmean(p['loss']):.4f}")
 
-    def run_variant(fmt, method, recipe) -> dict:
-        student = quantized(fmt, recipe.weight_amax_update, recipe.input_amax_update)
+    def run_variant(fmt, method, recipe, cal) -> dict:
+        student = quantized(fmt, recipe.weight_amax_update, recipe.input_amax_update, cal)
         trained = select_trainable(student, recipe)
         model = distillation_model(student, teacher, recipe=recipe) if method == "qad" else student
         trainer = mt.setup_training(model, recipe=recipe, lr_decay_steps=cfg.steps, use_distributed_optimizer=False,
@@ -425,7 +467,8 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
                 curve.append({"step": step + 1, "train_kl": statistics.fmean(evaluate(student, train_eval)["kl"]),
                               "held_out_kl": statistics.fmean(held["kl"]),
                               "held_out_loss": statistics.fmean(held["loss"])})
-        r = {"format": fmt, "method": method, "recipe": recipe.to_dict(), **held, "curve": curve,
+        r = {"format": fmt, "method": method, "calibration": cal, "ptq_key": ptq_key(fmt, cal),
+             "recipe": recipe.to_dict(), **held, "curve": curve,
              "train_losses": losses, "drift": drift(student), "route_flips": route_flips(student),
              "grads": grads.summary(device), "trained_elements": _all_sum([float(sum(trained.values()))], device)[0],
              **split_kl(student, fmt)}
@@ -435,7 +478,9 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
 
     # 3. the variants ---------------------------------------------------------------------------------------------
     longest = 0.0
-    for spec, fmt, method, recipe in specs:
+    for spec, fmt, method, recipe, cal in specs:
+        if method == "ptq":  # the start alone: measured above
+            continue
         elapsed = time.perf_counter() - t_start
         go = torch.tensor([1.0 if not cfg.time_budget_s or elapsed + 1.1 * longest <= cfg.time_budget_s else 0.0],
                           device=device)
@@ -447,16 +492,16 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
             continue
         t0 = time.perf_counter()
         try:
-            r = run_variant(fmt, method, recipe)
+            r = run_variant(fmt, method, recipe, cal)
         except Exception as e:  # noqa: BLE001 - one variant's failure must not lose the others' measurements
-            out["variants"][spec] = {"format": fmt, "method": method, "recipe": recipe.to_dict(),
+            out["variants"][spec] = {"format": fmt, "method": method, "calibration": cal, "recipe": recipe.to_dict(),
                                      "error": f"{type(e).__name__}: {e}"}
             report(f"{spec}: FAILED ({type(e).__name__}: {e})")
             continue
         r["seconds"] = time.perf_counter() - t0
         longest = max(longest, r["seconds"])
         out["variants"][spec] = r
-        ptq_kl = statistics.fmean(out["ptq"][fmt]["kl"])
+        ptq_kl = statistics.fmean(out["ptq"][ptq_key(fmt, cal)]["kl"])
         report(f"{spec}: held-out KL {statistics.fmean(r['kl']):.5f} ({statistics.fmean(r['kl']) / ptq_kl:.2f} x "
                f"PTQ; weights alone {r['kl_weights_only']:.5f}), train KL {r['curve'][-1]['train_kl']:.5f}, loss "
                f"{statistics.fmean(r['loss']):.4f}, {r['seconds']:.0f} s")
@@ -538,7 +583,8 @@ def _summarize(out: dict) -> None:
         r["kl_stats"] = _stats(r["kl"]) if "kl" in r else None
         r["loss_stats"] = _stats(r["loss"])
     for r in measured:
-        ptq = out["ptq"][r["format"]]
+        ptq = out["ptq"][r.get("ptq_key", r["format"])]
+        r["kl_vs_max_ptq"] = statistics.fmean(r["kl"]) / statistics.fmean(out["ptq"][r["format"]]["kl"])
         r["kl_vs_ptq"] = statistics.fmean(r["kl"]) / statistics.fmean(ptq["kl"])
         r["kl_vs_ptq_by_batch"] = _stats([a / b for a, b in zip(r["kl"], ptq["kl"], strict=True)])
         r["loss_minus_ptq"] = _stats([a - b for a, b in zip(r["loss"], ptq["loss"], strict=True)])
@@ -558,20 +604,24 @@ def format_study(out: dict) -> str:
              f"{teacher['loss_stats']['mean']:.4f} ({teacher['seconds']:.0f} s)",
              f"data: {cfg['data']} ({cfg['corpus'] if cfg['data'] == 'split' else 'text'}); each variant "
              f"{cfg['steps']} steps on the same batches; {cfg['eval_batches']} held-out batches (KL: mean +- std "
-             f"over them; x PTQ: ratio of the means [min..max of the per-batch ratios])"]
-    head = (f"{'variant':<60}{'held-out KL':>20}{'x PTQ':>20}{'loss - PTQ':>18}{'train KL x PTQ':>16}"
-            f"{'flips':>7}{'s':>6}")
+             f"over them; x PTQ: ratio of the means to the variant's start [min..max of the per-batch ratios]; x max: "
+             f"to the format's max-calibrated PTQ; top-1: held-out tokens whose most likely next token is not the "
+             f"teacher's; routes: (token, layer) routed to other experts than the teacher's)"]
+    head = (f"{'variant':<60}{'held-out KL':>20}{'x PTQ':>20}{'x max':>7}{'top-1':>8}{'loss - PTQ':>18}"
+            f"{'train KL x PTQ':>16}{'routes':>7}{'s':>6}")
     lines += ["", head]
-    for fmt, p in out["ptq"].items():
+    for key, p in out["ptq"].items():
         k = p["kl_stats"]
-        lines.append(f"{fmt + '/ptq':<60}{k['mean']:>11.5f} +-{k['std']:.5f}{1.0:>20.2f}{0.0:>18.4f}{1.0:>16.2f}"
-                     f"{100 * p['route_flips']:>6.1f}%")
+        lines.append(f"{_ptq_label(key):<60}{k['mean']:>11.5f} +-{k['std']:.5f}{1.0:>20.2f}"
+                     f"{p.get('kl_vs_max_ptq', 1.0):>7.2f}{100 * statistics.fmean(p['top1_flips']):>7.2f}%{0.0:>18.4f}"
+                     f"{1.0:>16.2f}{100 * p['route_flips']:>6.1f}%")
     failed = {spec: r["error"] for spec, r in out["variants"].items() if "error" in r}
     measured = {spec: r for spec, r in out["variants"].items() if "error" not in r}
     for spec, r in measured.items():
         k, b, d = r["kl_stats"], r["kl_vs_ptq_by_batch"], r["loss_minus_ptq"]
         lines.append(f"{spec:<60}{k['mean']:>11.5f} +-{k['std']:.5f}{r['kl_vs_ptq']:>8.2f} [{b['min']:.2f}.."
-                     f"{b['max']:.2f}]{d['mean']:>+11.4f} +-{d['std']:.4f}{r['train_kl_vs_ptq'][-1]:>16.2f}"
+                     f"{b['max']:.2f}]{r['kl_vs_max_ptq']:>7.2f}{100 * statistics.fmean(r['top1_flips']):>7.2f}%"
+                     f"{d['mean']:>+11.4f} +-{d['std']:.4f}{r['train_kl_vs_ptq'][-1]:>16.2f}"
                      f"{100 * r['route_flips']:>6.1f}%{r['seconds']:>6.0f}")
     for spec, error in failed.items():
         lines.append(f"{spec:<60} FAILED: {error}")
@@ -595,23 +645,53 @@ def format_study(out: dict) -> str:
 
 def format_seeds(runs: dict) -> str:
     """Studies of the same variants under several seeds (``{seed: run_study output}``; each seed trains its own
-    teacher and draws its own batches) as text: per variant, the median and the range over the seeds of its held-out
-    KL and of its ratio to its seed's PTQ KL (``x PTQ``, as in :func:`format_study`)."""
+    teacher and draws its own batches) as text: per start (PTQ, per format and calibration) and per variant, the
+    median and the range over the seeds of its held-out KL, of its ratio to its seed's max-calibrated PTQ KL of the
+    format (``x max PTQ``), of the share of held-out tokens whose top-1 token is not the teacher's (``top-1 flips``)
+    and of its ratio to its own start's PTQ KL (``x PTQ``, as in :func:`format_study`)."""
     seeds = list(runs)
     lines = [f"seeds {', '.join(str(s) for s in seeds)}: median [min..max] over the seeds", "",
-             f"{'variant':<60}{'held-out KL':>28}{'x PTQ':>22}{'seeds':>7}"]
+             f"{'variant':<60}{'held-out KL':>28}{'x max PTQ':>22}{'top-1 flips %':>22}{'x PTQ':>22}{'seeds':>7}"]
 
     def cell(values, spec):
         if not values:
             return "-"
         return f"{statistics.median(values):{spec}} [{min(values):{spec}}..{max(values):{spec}}]"
 
-    for fmt in dict.fromkeys(f for out in runs.values() for f in out["ptq"]):
-        kls = [out["ptq"][fmt]["kl_stats"]["mean"] for out in runs.values() if fmt in out["ptq"]]
-        lines.append(f"{fmt + '/ptq':<60}{cell(kls, '.4g'):>28}{'1.00':>22}{len(kls):>7}")
+    def row(label, done, ratios):
+        kls = [r["kl_stats"]["mean"] for r in done]
+        vs_max = [r.get("kl_vs_max_ptq", 1.0) for r in done]
+        flips = [100 * statistics.fmean(r["top1_flips"]) for r in done if "top1_flips" in r]
+        return (f"{label:<60}{cell(kls, '.4g'):>28}{cell(vs_max, '.2f'):>22}{cell(flips, '.2f'):>22}"
+                f"{cell(ratios, '.2f'):>22}{len(done):>7}")
+
+    for key in dict.fromkeys(k for out in runs.values() for k in out["ptq"]):
+        done = [out["ptq"][key] for out in runs.values() if key in out["ptq"]]
+        lines.append(row(_ptq_label(key), done, [1.0] * len(done)))
     for spec in dict.fromkeys(s for out in runs.values() for s in out["variants"]):
         done = [out["variants"][spec] for out in runs.values()
                 if spec in out["variants"] and "error" not in out["variants"][spec]]
-        kls, ratios = [r["kl_stats"]["mean"] for r in done], [r["kl_vs_ptq"] for r in done]
-        lines.append(f"{spec:<60}{cell(kls, '.4g'):>28}{cell(ratios, '.2f'):>22}{len(done):>7}")
+        lines.append(row(spec, done, [r["kl_vs_ptq"] for r in done]))
     return "\n".join(lines)
+
+
+def _ptq_label(key: str) -> str:
+    """``nvfp4`` -> ``nvfp4/ptq``; ``nvfp4:calib=mse`` -> ``nvfp4/ptq:calib=mse``."""
+    fmt, _, calib = key.partition(":")
+    return f"{fmt}/ptq" + (f":{calib}" if calib else "")
+
+
+def _top1(logits: torch.Tensor, tp_group) -> torch.Tensor:
+    """The most likely token of every position of vocab-parallel ``logits`` (the first of equal maxima, as
+    ``argmax``); over tensor-parallel ranks, one ``all_gather`` that every rank of ``tp_group`` calls."""
+    values, index = logits.float().max(-1)
+    world = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+    if world == 1:
+        return index
+    index = index + dist.get_rank(tp_group) * logits.shape[-1]
+    all_values, all_index = [torch.empty_like(values) for _ in range(world)], [torch.empty_like(index)
+                                                                                for _ in range(world)]
+    dist.all_gather(all_values, values.contiguous(), group=tp_group)
+    dist.all_gather(all_index, index.contiguous(), group=tp_group)
+    best = torch.stack(all_values).argmax(0, keepdim=True)  # the first rank of equal maxima: the lowest index
+    return torch.stack(all_index).gather(0, best)[0]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["expert_quant_config"]
+__all__ = ["expert_quant_config", "CALIBRATIONS", "WEIGHT_CALIBRATIONS"]
 
 
 _MX = {"block_sizes": {-1: 32, "type": "dynamic", "scale_bits": [8, 0]}}
@@ -15,17 +15,40 @@ EXPERT_FORMATS = {
     "fp8_block": ({"num_bits": "e4m3", "block_sizes": {-1: 128, -2: 128}},
                   {"num_bits": "e4m3", "type": "dynamic", "block_sizes": {-1: 128}}),
 }
+# calibration name -> the config's ``algorithm`` (Model Optimizer's shapes, as docs/calibration.md shows them)
+CALIBRATIONS = {
+    "max": "max",
+    "mse": {"method": "mse"},  # weight MSE search on Model Optimizer's default grid; inputs stay at max
+    "fp8_sweep": {"method": "mse", "fp8_scale_sweep": True},  # static NVFP4 block scales, every E4M3 value tried
+    "four_over_six": {"method": "mse", "fp8_scale_sweep": False, "start_multiplier": 1.0, "stop_multiplier": 1.5,
+                      "step_size": 0.5},
+    "percentile": {"method": "histogram", "histogram_method": "percentile", "percentile": 99.99},
+    "hist_mse": {"method": "histogram", "histogram_method": "mse"},
+}
+# the calibrations that choose weight amaxes (QAT keeps them static or learns them; ``dynamic`` would replace them)
+WEIGHT_CALIBRATIONS = ("mse", "fp8_sweep", "four_over_six")
+# the calibrations that need static NVFP4 weight block scales (as Model Optimizer's presets of the same names)
+_STATIC_BLOCKS = {"fp8_sweep": {}, "four_over_six": {"four_over_six": True}}
 
 
-def expert_quant_config(fmt: str, amax_update: str) -> dict:
-    """Experts' weights and inputs in ``fmt`` (a key of :data:`EXPERT_FORMATS`), every other quantizer off."""
+def expert_quant_config(fmt: str, amax_update: str, calib: str = "max") -> dict:
+    """Experts' weights and inputs in ``fmt`` (a key of :data:`EXPERT_FORMATS`), every other quantizer off, calibrated
+    by ``calib`` (a key of :data:`CALIBRATIONS`; ``fp8_sweep`` and ``four_over_six`` are NVFP4's, with static weight
+    block scales as in ``NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG`` and ``NVFP4_FOUR_OVER_SIX_CFG``)."""
     if fmt not in EXPERT_FORMATS:
         raise ValueError(f"format {fmt!r}: expected one of {sorted(EXPERT_FORMATS)}")
+    if calib not in CALIBRATIONS:
+        raise ValueError(f"calibration {calib!r}: expected one of {sorted(CALIBRATIONS)}")
     weight, inputs = EXPERT_FORMATS[fmt]
+    if calib in _STATIC_BLOCKS:
+        if fmt != "nvfp4":
+            raise ValueError(f"calibration {calib!r} chooses static NVFP4 block scales: format 'nvfp4' only, got "
+                             f"{fmt!r}")
+        weight = {**weight, "block_sizes": {**weight["block_sizes"], "type": "static", **_STATIC_BLOCKS[calib]}}
     return {
         "quant_cfg": [{"quantizer_name": "*experts*weight_quantizer", "cfg": weight},
                       {"quantizer_name": "*experts*input_quantizer", "cfg": inputs}],
-        "algorithm": "max",
+        "algorithm": CALIBRATIONS[calib],
         "experts": {"weight_amax": "vectorized", "input_amax": "shared"},
         "weight_amax_update": amax_update,
     }

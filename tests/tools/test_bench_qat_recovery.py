@@ -80,6 +80,38 @@ def test_cpu_quick_study_over_seeds_prints_medians_and_ranges(tmp_path):
     assert len({tuple(result[s]["teacher"]["loss"]) for s in result}) == 3  # each seed its own teacher
 
 
+def test_cpu_quick_study_of_calibrations_on_the_64_expert_model(tmp_path):
+    out = tmp_path / "calib.json"
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_qat_recovery.py"), "--cpu", "--study", "--quick",
+                          "--model", "moe64", "--variants", "nvfp4/qad:calib=fp8_sweep", "fp8/ptq:calib=percentile",
+                          "--json", str(out)], capture_output=True, text=True, timeout=seconds(600))
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["config"]["num_experts"], result["config"]["topk"]) == (64, 8)
+    # a start per format and calibration, max first; method ptq trains nothing
+    assert list(result["ptq"]) == ["nvfp4", "nvfp4:calib=fp8_sweep", "fp8", "fp8:calib=percentile"]
+    assert list(result["variants"]) == ["nvfp4/qad:calib=fp8_sweep"]
+    sweep, qad = result["ptq"]["nvfp4:calib=fp8_sweep"], result["variants"]["nvfp4/qad:calib=fp8_sweep"]
+    assert sweep["calibration"] == "fp8_sweep"
+    assert qad["ptq_key"] == "nvfp4:calib=fp8_sweep"
+    assert qad["recipe"]["weight_amax_update"] == "static"
+    assert sweep["kl"] != result["ptq"]["nvfp4"]["kl"]  # another start
+    assert qad["kl_vs_ptq"] == pytest.approx(sum(qad["kl"]) / sum(sweep["kl"]))
+    assert qad["kl_vs_max_ptq"] == pytest.approx(sum(qad["kl"]) / sum(result["ptq"]["nvfp4"]["kl"]))
+    for r in [*result["ptq"].values(), qad]:
+        assert len(r["top1_flips"]) == result["config"]["eval_batches"]
+        assert all(0 <= f <= 1 for f in r["top1_flips"])
+    for row in ("nvfp4/ptq:calib=fp8_sweep", "fp8/ptq:calib=percentile", "nvfp4/qad:calib=fp8_sweep"):
+        assert row in res.stdout, res.stdout
+
+
+def test_model_needs_the_study():
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_qat_recovery.py"), "--cpu", "--model", "moe64"],
+                         capture_output=True, text=True, timeout=seconds(600))
+    assert res.returncode != 0
+    assert "--model needs --study" in res.stderr, res.stderr[-2000:]
+
+
 def test_seeds_are_checked_before_training():
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_qat_recovery.py"), "--cpu", "--study",
                           "--seeds", "1234,x"], capture_output=True, text=True, timeout=seconds(600))

@@ -4,8 +4,9 @@ lowers the held-out KL to the teacher below PTQ's without raising the held-out l
 (lr 1e-4, constant) ends far above it; plain QAT in the same steps moves away from the teacher."""
 
 import pytest
+import torch
 from limits import seconds  # noqa: E402
-from qad_study import FORMER, STUDY_VARIANTS, StudyConfig, parse_variant, run_study
+from qad_study import FORMER, STUDY_VARIANTS, StudyConfig, _top1, parse_variant, ptq_key, run_study, variant_calibration
 
 from modelopt_moe.distill import QADRecipe
 from modelopt_moe.launch import spawn
@@ -23,11 +24,46 @@ def test_every_study_variant_parses_and_the_default_runs_first():
     assert parse_variant(f"nvfp4/qad:{FORMER}")[2] == QADRecipe(train="all", lr=1e-4, lr_decay_style="constant",
                                                                 warmup_fraction=0.0)
     assert len(set(STUDY_VARIANTS)) == len(STUDY_VARIANTS)
-    for spec, message in [("int4/qad", "expected '<nvfp4|fp8|mxfp4|mxfp8|fp8_block>[-w|-a]/<qad|qat>"),
-                          ("nvfp4/qad:lrr=1", "'lrr'"), ("nvfp4/qad:lr=-1", "QADRecipe.lr=-1.0")]:
+    for spec, message in [("int4/qad", "expected '<nvfp4|fp8|mxfp4|mxfp8|fp8_block>[-w|-a]/<qad|qat|ptq>"),
+                          ("nvfp4/qad:lrr=1", "'lrr'"),
+                          ("nvfp4/qad:lr=-1", "QADRecipe.lr=-1.0")]:
         with pytest.raises(ValueError, match="variant") as info:
             parse_variant(spec)
         assert message in str(info.value)
+
+
+def test_a_variant_names_its_calibration():
+    # calibrations that choose weight amaxes keep them: weight_amax_update becomes static unless the variant sets it
+    assert parse_variant("nvfp4/qad:calib=fp8_sweep") == ("nvfp4", "qad", QADRecipe(weight_amax_update="static"))
+    assert parse_variant("fp8/qad:calib=mse,weight_amax_update=learned")[2].weight_amax_update == "learned"
+    assert parse_variant("fp8/qad:calib=percentile")[2] == QADRecipe()  # activations only: weights stay dynamic
+    assert parse_variant("mxfp4/ptq:calib=mse")[:2] == ("mxfp4", "ptq")
+    assert variant_calibration("nvfp4/qad:lr=1e-5,calib=four_over_six") == "four_over_six"
+    assert variant_calibration("nvfp4/qad:lr=1e-5") == "max"
+    assert ptq_key("nvfp4", "max") == "nvfp4"
+    assert ptq_key("nvfp4", "mse") == "nvfp4:calib=mse"
+    for spec, message in [("fp8/qad:calib=fp8_sweep", "format 'nvfp4' only, got 'fp8'"),
+                          ("nvfp4/qad:calib=gptq", "unknown calibration 'gptq'")]:
+        with pytest.raises(ValueError, match="variant") as info:
+            parse_variant(spec)
+        assert message in str(info.value)
+
+
+def _top1_worker(rank, world_size, logits):
+    import torch.distributed as dist
+
+    shard = logits.chunk(world_size, -1)[rank]
+    return _top1(shard, dist.group.WORLD)
+
+
+def test_top1_over_vocab_parallel_shards_is_the_argmax_of_the_whole_vocabulary():
+    logits = torch.randn(5, 3, 8)
+    logits[0, 0, 1] = logits[0, 0, 6] = 50.0  # a tie across the shards: the first index wins, as argmax
+    logits[1, 2, 3] = logits[1, 2, 2] = 50.0  # a tie inside a shard
+    expected = logits.argmax(-1)
+    assert torch.equal(_top1(logits, None), expected)
+    for got in spawn(_top1_worker, 2, args=(logits,), timeout=seconds(120)):
+        assert torch.equal(got, expected)
 
 
 def _worker(rank, world_size):
