@@ -204,6 +204,14 @@ def _start_a_helper_then_work(rank, world_size, folder):
         raise
 
 
+def _as_a_shell_starts_it() -> None:
+    """In the launcher's process before it runs: every signal's default action and none blocked, as a shell starts a
+    program (not whatever this test process's threads and libraries left to be inherited)."""
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and pids as on Linux")
 @pytest.mark.timeout(_TIMEOUT + 60)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -211,7 +219,10 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_what_they_started(tmp_pat
     # A scheduler signals the one process it started (SIGTERM), or the user presses Ctrl-C (SIGINT to the terminal's
     # whole process group): every rank stops, its cleanup runs, nothing is left, and spawn raises Interrupted.
     script = textwrap.dedent(f"""
-        import sys
+        import signal, sys
+        with open({str(tmp_path / "launcher_state.txt")!r}, "w") as f:
+            f.write(repr((signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM),
+                          [l for l in open("/proc/self/status") if l.startswith(("SigIgn", "SigBlk"))])))
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_launch import _start_a_helper_then_work
         from modelopt_moe.launch import Interrupted, spawn
@@ -222,7 +233,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_what_they_started(tmp_pat
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELOPT_MOE_")}  # as a user's script starts
     launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True, env=env)
+                                text=True, start_new_session=True, env=env, preexec_fn=_as_a_shell_starts_it)
     try:
         pid_files = [tmp_path / "rank0.pids", tmp_path / "rank1.pids"]
         deadline = time.monotonic() + _TIMEOUT
@@ -236,7 +247,11 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_what_they_started(tmp_pat
         else:
             launcher.send_signal(sig)
         start = time.monotonic()
-        out, err = launcher.communicate(timeout=60)
+        try:
+            out, err = launcher.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            state = (tmp_path / "launcher_state.txt").read_text()
+            raise AssertionError(f"launcher exit {launcher.poll()}, its signal state at start: {state}") from None
         while any(_alive(p) for p in pids) and time.monotonic() < start + 30:
             time.sleep(0.1)
         assert not [p for p in pids if _alive(p)], (out, err)
