@@ -30,7 +30,36 @@ try:  # TE >= 2.8 moved FP8GlobalStateManager
 except ImportError:  # pragma: no cover - older TE
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
-__all__ = ["QuantTEGroupedLinear", "register"]
+__all__ = ["QuantTEGroupedLinear", "register", "refuse_fp8_autocast", "refuse_fused_wgrad"]
+
+
+def refuse_fp8_autocast(module) -> None:
+    """Raises while TE's own FP8 autocast is on: both it and the fake quantizers would quantize.
+
+    Raises:
+        RuntimeError: naming the module.
+    """
+    if FP8GlobalStateManager.is_fp8_enabled():
+        raise RuntimeError(
+            f"{type(module).__name__}: Transformer Engine FP8 autocast is on while modelopt_moe fake quantization "
+            "is active; turn TE's fp8_autocast off (the fake quantizers already emulate the low precision)"
+        )
+
+
+def refuse_fused_wgrad(module, alternative: str = "") -> None:
+    """Raises for a TE layer built with ``fuse_wgrad_accumulation``: TE's backward would add the weight gradient into
+    ``weight.main_grad`` of the weights its forward saw, the fake-quantized copies, which have none.
+
+    Raises:
+        ValueError: naming the module, the setting and what to set instead (``alternative``: another way out).
+    """
+    if getattr(module, "fuse_wgrad_accumulation", False):
+        raise ValueError(
+            f"{type(module).__name__}: fuse_wgrad_accumulation=True (Megatron: gradient_accumulation_fusion) "
+            "accumulates the weight gradient into weight.main_grad inside TE's GEMM, which a fake-quantized "
+            "weight does not have; set gradient_accumulation_fusion=False (Megatron-LM: "
+            f"--no-gradient-accumulation-fusion) for QAT with modelopt_moe{alternative}"
+        )
 
 
 @functools.cache
@@ -67,15 +96,8 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
                 "supported yet; build the layer with single_grouped_weight=False (Megatron: "
                 "moe_single_grouped_weight=False)"
             )
-        if getattr(self, "fuse_wgrad_accumulation", False) and config.gemm != te_fp8.GEMM:
-            # TE's backward would add the weight gradient into weight.main_grad of the weights its forward saw: the
-            # fake-quantized copies, which have none (and a clipped STE could not mask it). te_fp8 returns .grad.
-            raise ValueError(
-                f"{type(self).__name__}: fuse_wgrad_accumulation=True (Megatron: gradient_accumulation_fusion) "
-                "accumulates the weight gradient into weight.main_grad inside TE's GEMM, which a fake-quantized "
-                "weight does not have; set gradient_accumulation_fusion=False (Megatron-LM: "
-                "--no-gradient-accumulation-fusion) for QAT with modelopt_moe, or use gemm: te_fp8"
-            )
+        if config.gemm != te_fp8.GEMM:  # te_fp8 returns the weight gradient in .grad
+            refuse_fused_wgrad(self, ", or use gemm: te_fp8")
         super()._setup_quantizers(config)
 
     def expert_weights(self):
@@ -94,11 +116,7 @@ class QuantTEGroupedLinear(QuantGroupedLinearMixin):
             RuntimeError: Transformer Engine's FP8 autocast is on.
             NotImplementedError: the router probabilities scale the input while TE adds the bias inside the GEMM.
         """
-        if FP8GlobalStateManager.is_fp8_enabled():
-            raise RuntimeError(
-                f"{type(self).__name__}: Transformer Engine FP8 autocast is on while modelopt_moe fake quantization "
-                "is active; turn TE's fp8_autocast off (the fake quantizers already emulate the low precision)"
-            )
+        refuse_fp8_autocast(self)
         if row_scale_of(self) is not None and getattr(self, "apply_bias", False):
             raise NotImplementedError(f"{type(self).__name__}: the router probabilities scale the GEMM's input, so a "
                                       "bias added inside the GEMM would not be scaled; return the biases instead "

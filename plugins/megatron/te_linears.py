@@ -34,20 +34,13 @@ from modelopt_moe.quantization.conversion import QuantModuleRegistry
 from modelopt_moe.quantization.nn.functional import apply_quantized_gemm
 from modelopt_moe.quantization.nn.row_scale import row_scale_of
 
-from ..transformer_engine import FP8GlobalStateManager
+from ..transformer_engine import refuse_fp8_autocast, refuse_fused_wgrad
 from .modules import _QuantParallelLinearMixin
 
 __all__ = [
     "QuantTELinear", "QuantTEColumnParallelLinear", "QuantTERowParallelLinear", "QuantTELayerNormColumnParallelLinear",
     "CLASSES", "register",
 ]
-
-
-def _check_fp8_off(module) -> None:
-    if FP8GlobalStateManager.is_fp8_enabled():
-        raise RuntimeError(f"{type(module).__name__}: Transformer Engine FP8 autocast is on while modelopt_moe fake "
-                           "quantization is active; turn TE's fp8_autocast off (the fake quantizers already emulate "
-                           "the low precision)")
 
 
 class QuantTELinear(_QuantParallelLinearMixin):
@@ -65,13 +58,7 @@ class QuantTELinear(_QuantParallelLinearMixin):
         if len(getattr(self, "weight_names", ("weight",))) != 1:
             raise NotImplementedError(f"{name}: a TE linear with several weights {list(self.weight_names)} "
                                       "(parameters_split) is not supported; build it with one weight")
-        if getattr(self, "fuse_wgrad_accumulation", False):
-            # TE's backward would add the weight gradient into weight.main_grad of the weight its forward saw: the
-            # fake-quantized copy, which has none.
-            raise ValueError(f"{name}: fuse_wgrad_accumulation=True (Megatron: gradient_accumulation_fusion) "
-                             "accumulates the weight gradient into weight.main_grad inside TE's GEMM, which a "
-                             "fake-quantized weight does not have; set gradient_accumulation_fusion=False "
-                             "(Megatron-LM: --no-gradient-accumulation-fusion) for QAT with modelopt_moe")
+        refuse_fused_wgrad(self)
         super(_QuantParallelLinearMixin, self)._setup_quantizers(config)
 
     def tensor_split(self) -> tuple[int, int] | None:
@@ -101,7 +88,7 @@ class QuantTELinear(_QuantParallelLinearMixin):
         Raises:
             RuntimeError: Transformer Engine's FP8 autocast is on.
         """
-        _check_fp8_off(self)
+        refuse_fp8_autocast(self)
         if not any(q.is_enabled for q in (self.input_quantizer, self.weight_quantizer, self.output_quantizer)):
             return _QuantParallelLinearMixin.forward(self, x, *args, **kwargs)  # e.g. a TE output layer left bf16
         return apply_quantized_gemm(self, x, self.weight, self._te_gemm(*args, **kwargs), row_scale=row_scale_of(self))
@@ -164,7 +151,7 @@ class QuantTELayerNormColumnParallelLinear(QuantTELinear):
         Raises:
             RuntimeError: Transformer Engine's FP8 autocast is on.
         """
-        _check_fp8_off(self)
+        refuse_fp8_autocast(self)
         if not self.input_quantizer.is_enabled:
             return super().forward(x, *args, **kwargs)
         self.is_first_microbatch = False  # as Megatron's forward (TE's weight caches are off: FP8 is off)
