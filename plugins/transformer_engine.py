@@ -65,13 +65,13 @@ def refuse_fused_wgrad(module, alternative: str = "") -> None:
 
 
 class TEParamDtypeMixin:
-    """TE's parameter dtype check on the TE layer's own parameters, not on its quantizers' (every quantized TE module
-    derives from it).
+    """TE's parameter dtype check on the TE layer's own parameters, not on its quantizers' (the quantized TE grouped
+    and dense linears derive from it).
 
     Outside autocast, TE's ``set_activation_dtype`` (called by ``prepare_forward`` in every forward) raises a
     ``TypeError`` for any parameter of ``self.named_parameters()`` whose dtype is not the input's. That walk recurses
     into the quantizers, whose learned amaxes (``_amax``, ``_block_amax``: ``*_amax_update: learned``) are fp32
-    parameters on purpose (the precision of a learned scale matters), so a bf16 model failed at its first forward. The
+    parameters on purpose (the precision of a learned scale matters): a bf16 model would fail at its first forward. The
     check exists for the tensors TE's kernels read (weights, biases, a fused norm's weights): this runs TE's check on
     every parameter outside the quantizers, records the dtype as TE does, and TE's own method then finds it recorded
     (it checks only when the dtype changes). The amaxes stay parameters of the module tree, so the optimizer, DDP and
