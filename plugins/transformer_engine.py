@@ -17,11 +17,13 @@ from __future__ import annotations
 import functools
 import inspect
 
+import torch
 import transformer_engine.pytorch as te
 
 from modelopt_moe.quantization.conversion import QuantModuleRegistry
 from modelopt_moe.quantization.nn.grouped_linear import QuantGroupedLinearMixin
 from modelopt_moe.quantization.nn.row_scale import row_scale_of
+from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
 
 from . import te_fp8
 
@@ -30,7 +32,7 @@ try:  # TE >= 2.8 moved FP8GlobalStateManager
 except ImportError:  # pragma: no cover - older TE
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
-__all__ = ["QuantTEGroupedLinear", "register", "refuse_fp8_autocast", "refuse_fused_wgrad"]
+__all__ = ["QuantTEGroupedLinear", "TEParamDtypeMixin", "register", "refuse_fp8_autocast", "refuse_fused_wgrad"]
 
 
 def refuse_fp8_autocast(module) -> None:
@@ -62,6 +64,40 @@ def refuse_fused_wgrad(module, alternative: str = "") -> None:
         )
 
 
+class TEParamDtypeMixin:
+    """TE's parameter dtype check on the TE layer's own parameters, not on its quantizers' (the quantized TE grouped
+    and dense linears derive from it).
+
+    Outside autocast, TE's ``set_activation_dtype`` (called by ``prepare_forward`` in every forward) raises a
+    ``TypeError`` for any parameter of ``self.named_parameters()`` whose dtype is not the input's. That walk recurses
+    into the quantizers, whose learned amaxes (``_amax``, ``_block_amax``: ``*_amax_update: learned``) are fp32
+    parameters on purpose (the precision of a learned scale matters): a bf16 model would fail at its first forward. The
+    check exists for the tensors TE's kernels read (weights, biases, a fused norm's weights): this runs TE's check on
+    every parameter outside the quantizers, records the dtype as TE does, and TE's own method then finds it recorded
+    (it checks only when the dtype changes). The amaxes stay parameters of the module tree, so the optimizer, DDP and
+    checkpoints see them as before; hiding them from ``named_parameters`` would hide them from those too.
+    """
+
+    def set_activation_dtype(self, inp: torch.Tensor) -> None:
+        """TE's ``set_activation_dtype`` with its parameter check limited to the parameters outside the quantizers.
+
+        Raises:
+            TypeError: outside autocast, a parameter outside the quantizers whose dtype is not the input's (TE's error,
+                naming the module).
+        """
+        dtype = inp.dtype
+        if (not torch.is_autocast_enabled("cuda") and getattr(self, "activation_dtype", None) != dtype
+                and not getattr(self, "allow_different_data_and_param_types", False)):
+            in_quantizers = {id(p) for m in self.modules() if isinstance(m, TensorQuantizer)
+                             for p in m.parameters(recurse=False)}
+            for name, param in self.named_parameters():
+                if id(param) not in in_quantizers and param.dtype != dtype:
+                    raise TypeError(f"{type(self).__name__}: data types for parameters must match when outside of "
+                                    f"autocasted region; found input dtype {dtype} and {name!r} dtype {param.dtype}")
+            self.__dict__["activation_dtype"] = dtype  # as TE's fast_setattr
+        super().set_activation_dtype(inp)
+
+
 @functools.cache
 def _forward_signature(cls: type) -> inspect.Signature:
     return inspect.signature(cls.forward)
@@ -78,7 +114,7 @@ def _split_arg_names(cls: type) -> tuple[str, str]:
     return params[0], split
 
 
-class QuantTEGroupedLinear(QuantGroupedLinearMixin):
+class QuantTEGroupedLinear(TEParamDtypeMixin, QuantGroupedLinearMixin):
     """Quantized TE ``GroupedLinear`` (and Megatron's TE grouped linears, which subclass it)."""
 
     _fake_quant_weights = None

@@ -34,7 +34,7 @@ from modelopt_moe.quantization.conversion import QuantModuleRegistry
 from modelopt_moe.quantization.nn.functional import apply_quantized_gemm
 from modelopt_moe.quantization.nn.row_scale import row_scale_of
 
-from ..transformer_engine import refuse_fp8_autocast, refuse_fused_wgrad
+from ..transformer_engine import TEParamDtypeMixin, refuse_fp8_autocast, refuse_fused_wgrad
 from .modules import _QuantParallelLinearMixin
 
 __all__ = [
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 
-class QuantTELinear(_QuantParallelLinearMixin):
+class QuantTELinear(TEParamDtypeMixin, _QuantParallelLinearMixin):
     """Quantized Megatron ``TELinear`` (one weight, TE's own forward); as built directly (MLA's down projections)
     it is ``duplicated``: every tensor-parallel rank holds the whole weight."""
 
