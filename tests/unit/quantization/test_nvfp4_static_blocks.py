@@ -263,15 +263,42 @@ def test_a_sweep_without_static_block_scales_warns_that_it_searched_nothing():
         mtq.quantize(model, config, lambda m: m(torch.randn(4, 64)))
 
 
-def test_kernel_triton_warns_that_static_block_scales_run_on_the_reference():
+@pytest.mark.parametrize("ste", ["pass_through", "clipped"])
+@pytest.mark.parametrize("operands", ["recompute", "keep"])
+def test_kernel_triton_runs_static_block_scales_in_one_launch_with_the_references_bits(monkeypatch, ste, operands):
+    """``kernel: triton`` fake-quantizes every expert's static block scales in one launch per forward (and one per
+    recomputing backward), with the reference's outputs and gradients; the clipped STE clips at each block's amax."""
+    from modelopt_moe.kernels import static_blocks_fake_quant as kernel_module
+
+    launches = []
+    real = kernel_module._launch_fake_quant
+    monkeypatch.setattr(kernel_module, "_launch_fake_quant", lambda *a, **k: launches.append(1) or real(*a, **k))
     experts = experts_model()
     data = torch.randn(6, 64)
     reference = copy.deepcopy(experts)
-    quantize(reference, static_cfg(SWEEP, kernel="torch"), lambda m: m(data, [2, 2, 2]))
-    quantize(experts, static_cfg(SWEEP, kernel="triton"), lambda m: m(data, [2, 2, 2]))
-    with pytest.warns(UserWarning, match="static NVFP4 block scales have no Triton kernel yet"):
-        out = experts(data, [2, 2, 2])
-    assert torch.equal(out, reference(data, [2, 2, 2]))
+    backward = {"ste": ste, "weight_operands": operands}
+    quantize(reference, static_cfg(SWEEP, kernel="torch", backward=backward), lambda m: m(data, [2, 2, 2]))
+    quantize(experts, static_cfg(SWEEP, kernel="triton", backward=backward), lambda m: m(data, [2, 2, 2]))
+    launches.clear()
+    x, x_ref = data.clone().requires_grad_(), data.clone().requires_grad_()  # dgrad needs the weight operands
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        out = experts(x, [2, 2, 2])
+    assert len(launches) == 1
+    ref = reference(x_ref, [2, 2, 2])
+    assert torch.equal(out, ref)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    assert torch.equal(x.grad, x_ref.grad)
+    for w, r in zip(experts.expert_weights(), reference.expert_weights(), strict=True):
+        assert torch.equal(w.grad, r.grad)
+    if ste == "clipped":  # some weights lie above their block's amax (the sweep chose a smaller one)
+        q = experts.weight_quantizer
+        above = [(w.abs().unflatten(-1, (-1, 16)) > q.block_amax[i].unsqueeze(-1)).any()
+                 for i, w in enumerate(experts.expert_weights())]
+        assert any(above)
+    assert len(launches) == (2 if operands == "recompute" else 1)
 
 
 @pytest.mark.parametrize(("preset", "algorithm", "four_over_six"), [
