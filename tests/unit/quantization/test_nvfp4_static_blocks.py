@@ -317,3 +317,26 @@ def test_model_optimizers_preset_names_choose_the_same_block_scales(preset, algo
     assert model[0].input_quantizer.is_enabled  # inputs: NVFP4 with block scales from the data
     assert not model[0].input_quantizer.static_block_scales
     assert mtq.load_config(preset).weight_amax_update == "static"
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_clipped_ste_of_experts_clips_at_each_blocks_amax_in_the_module(kernel):
+    """The experts' clipped straight-through gradient inside the module is StaticBlocksSTE's, expert by expert: zero
+    where a weight exceeds its block's amax (not the expert's second-level amax)."""
+    from modelopt_moe.quantization.tensor_quantizer import StaticBlocksSTE
+
+    experts = experts_model()
+    data = torch.randn(6, 64)
+    quantize(experts, static_cfg(SWEEP, kernel=kernel, backward={"ste": "clipped"}), lambda m: m(data, [2, 2, 2]))
+    q = experts.weight_quantizer
+    grad = torch.randn(6, 32)
+    experts(data, [2, 2, 2]).backward(grad)
+    for i, w in enumerate(experts.expert_weights()):
+        leaf = w.detach().clone().requires_grad_()
+        wq = StaticBlocksSTE.apply(leaf, q.row_of(q.amax, i), q.block_amax[i], q.fmt, q.cfg.block_scale_max, True)
+        (data[2 * i : 2 * i + 2] @ wq.t()).backward(grad[2 * i : 2 * i + 2])
+        assert torch.equal(w.grad == 0, leaf.grad == 0), i
+        torch.testing.assert_close(w.grad, leaf.grad, rtol=1e-6, atol=0)
+    above_block = [(w.abs().unflatten(-1, (-1, 16)) > q.block_amax[i].unsqueeze(-1)).any()
+                   for i, w in enumerate(experts.expert_weights())]
+    assert any(above_block)
