@@ -11,10 +11,10 @@ with their ``ValueError`` checks); pure-torch fallbacks (the reference per exper
 (:class:`GroupedStaticBlocksFakeQuant`, :class:`GroupedStaticBlocksSTE`).
 
 Backward: the straight-through estimator of ``StaticBlocksSTE`` (the quantizer's one-expert path): pass-through, or
-clipped where ``|w|`` exceeds its block's amax. The block amaxes get no gradient here: a LEARNED block amax
-(``weight_amax_update: learned``) keeps the one-expert torch path, whose gradient sums each block's 16 terms with
-torch's own reduction, in an order that depends on the device and its vector width, so no kernel can give its bits
-everywhere.
+clipped where ``|w|`` exceeds its block's amax. The block amaxes get no gradient here: for a LEARNED block amax
+(``weight_amax_update: learned``) the quantizer takes this forward and computes the gradient with torch expert by
+expert, since it sums each block's 16 terms with torch's own reduction, in an order that depends on the device and its
+vector width, so no kernel can give its bits everywhere.
 """
 
 from __future__ import annotations

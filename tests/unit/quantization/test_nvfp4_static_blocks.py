@@ -340,3 +340,34 @@ def test_clipped_ste_of_experts_clips_at_each_blocks_amax_in_the_module(kernel):
     above_block = [(w.abs().unflatten(-1, (-1, 16)) > q.block_amax[i].unsqueeze(-1)).any()
                    for i, w in enumerate(experts.expert_weights())]
     assert any(above_block)
+
+
+@pytest.mark.parametrize("ste", ["pass_through", "clipped"])
+@pytest.mark.parametrize("layout", ["vectorized", "per_expert"])
+def test_learned_block_scales_of_experts_take_one_launch_and_the_references_gradients(monkeypatch, layout, ste):
+    """``kernel: triton`` with learned block amaxes: one launch forward, and the weights' and block amaxes' gradients
+    bit for bit those of the reference expert by expert (``kernel: torch``)."""
+    from modelopt_moe.kernels import static_blocks_fake_quant as kernel_module
+
+    launches = []
+    real = kernel_module._launch_fake_quant
+    monkeypatch.setattr(kernel_module, "_launch_fake_quant", lambda *a, **k: launches.append(1) or real(*a, **k))
+    data = torch.randn(6, 64)
+    models = {}
+    for kernel in ("torch", "triton"):
+        models[kernel] = experts_model()
+        cfg = static_cfg(SWEEP, kernel=kernel, experts={"weight_amax": layout}, backward={"ste": ste})
+        quantize(models[kernel], {**cfg, "weight_amax_update": "learned"}, lambda m: m(data, [2, 2, 2]))
+    launches.clear()
+    outs = {k: m(data, [2, 2, 2]) for k, m in models.items()}
+    assert len(launches) == 1
+    assert torch.equal(outs["triton"], outs["torch"])
+    g = torch.randn_like(outs["torch"])
+    for out in outs.values():
+        (out * g).sum().backward()
+    q, qr = models["triton"].weight_quantizer, models["torch"].weight_quantizer
+    assert q.learns_block_amax
+    assert torch.equal(q.block_amax.grad.view(torch.int32), qr.block_amax.grad.view(torch.int32))  # signed zeros too
+    assert q.block_amax.grad.abs().sum() > 0
+    for w, r in zip(models["triton"].expert_weights(), models["torch"].expert_weights(), strict=True):
+        assert torch.equal(w.grad.view(torch.int32), r.grad.view(torch.int32))
