@@ -112,7 +112,8 @@ def test_static_blocks_cuda_graph_replay():
         assert_bits_equal(o, r, f"expert {i}")
 
 
-def test_grouped_linear_with_swept_block_scales_runs_the_kernel_with_the_references_bits():
+@pytest.mark.parametrize("update", ["static", "learned"])
+def test_grouped_linear_with_swept_block_scales_runs_the_kernel_with_the_references_bits(update):
     import modelopt_moe.quantization as mtq
     from modelopt_moe.quantization.nn import GroupedLinear
 
@@ -123,7 +124,8 @@ def test_grouped_linear_with_swept_block_scales_runs_the_kernel_with_the_referen
     cfg = {"quant_cfg": [{"quantizer_name": "*", "enable": False},
                          {"quantizer_name": "*weight_quantizer", "cfg": {
                              "num_bits": (2, 1), "block_sizes": {-1: 16, "type": "static", "scale_bits": (4, 3)}}}],
-           "algorithm": {"method": "mse", "fp8_scale_sweep": True}, "weight_amax_update": "static"}
+           "algorithm": {"method": "mse", "fp8_scale_sweep": True}, "weight_amax_update": update,
+           "backward": {"ste": "clipped"}}
     reference_model = copy.deepcopy(experts)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -137,4 +139,12 @@ def test_grouped_linear_with_swept_block_scales_runs_the_kernel_with_the_referen
     finally:
         sb._launch_fake_quant = real
     assert launches == [1]
-    assert torch.equal(out, reference_model(data, splits))
+    ref = reference_model(data, splits)
+    assert torch.equal(out, ref)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    for w, r in zip(experts.expert_weights(), reference_model.expert_weights(), strict=True):
+        assert_bits_equal(w.grad, r.grad)
+    if update == "learned":
+        assert_bits_equal(experts.weight_quantizer.block_amax.grad, reference_model.weight_quantizer.block_amax.grad)
