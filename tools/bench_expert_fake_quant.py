@@ -14,6 +14,11 @@ sets) and compares with the measured device copy bandwidth (bytes read + written
   MXFP8 and FP8 128x128 blocks (its MX presets run its CUDA extension; static blocks are max-calibrated first), with
   the number of values that differ from ours.
 
+Then NVFP4 with static block scales (``nvfp4 static``: each expert's ``[rows, K / 16]`` block amaxes, as the FP8
+scale sweep or 4-over-6 leaves them): :func:`modelopt_moe.kernels.grouped_static_blocks_fake_quant`, eager and from a
+CUDA graph, against ``NVFP4.fake_quant_static`` per expert (``torch loop``, the path such experts took before the
+kernel); the bytes count the block amaxes read.
+
 Then the tokens of N experts (``input`` rows): :func:`modelopt_moe.kernels.grouped_input_fake_quant` on one
 ``[T, K]`` matrix split unevenly over N experts, each expert's rows with its own amax, eager (host included) and
 from a CUDA graph, against ``formats.fake_quant`` per expert on its rows (``torch loop``).
@@ -48,6 +53,10 @@ INPUT_CONFIGS = [  # (format, N, tokens, features, block size)
     ("mxfp4", 128, 32768, 2048, None),
     ("mxfp8", 128, 32768, 2048, None),
     ("e4m3", 128, 32768, 2048, 128),
+]
+STATIC_CONFIGS = [  # NVFP4 with static block scales: (N, rows, cols)
+    (128, 1536, 2048),
+    (32, 1536, 2048),
 ]
 # Formats whose scales come from the data (no calibrated amax): MX, and FP8 with a block size.
 DYNAMIC = ("mxfp4", "mxfp8")
@@ -201,6 +210,40 @@ def bench_inputs(bw: float, quick: bool) -> list[tuple]:
     return rows_out
 
 
+def bench_static_blocks(bw: float, quick: bool) -> list[tuple]:
+    """Rows of the table for NVFP4 with static block scales (the block amaxes at 0.5-1.5 of each block's max)."""
+    from modelopt_moe.kernels import grouped_static_blocks_fake_quant
+    from modelopt_moe.numerics.nvfp4 import NVFP4
+
+    rows_out = []
+    for n, r, k in STATIC_CONFIGS:
+        sets, amax = make_sets(n, r, k)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        blocks = torch.stack([w.float().abs().unflatten(-1, (-1, 16)).amax(-1) for w in sets[0]])
+        blocks = blocks * (0.5 + torch.rand(blocks.shape, generator=g, device="cuda"))
+        nbytes = 2 * n * r * k * 2 + blocks.numel() * 4  # bf16 read + write, fp32 block amaxes read
+        name = f"nvfp4 static N={n} [{r}x{k}]"
+
+        def grouped(ws, amax=amax, blocks=blocks):
+            return grouped_static_blocks_fake_quant(ws, amax, blocks, "nvfp4", 448.0)
+
+        out = grouped(sets[0])
+        for i in (0, n - 1):
+            ref = NVFP4.fake_quant_static(sets[0][i], amax[i], blocks[i])
+            assert torch.equal(out[i], ref), f"{name}: expert {i} mismatch"
+        results = eager_and_graph(grouped, sets)
+        if not quick:
+            def loop(ws, amax=amax, blocks=blocks):
+                return [NVFP4.fake_quant_static(w, amax[i], blocks[i]) for i, w in enumerate(ws)]
+
+            results["torch loop"] = bench(rotating(loop, sets), rep_ms=100)
+        for method, ms in results.items():
+            rows_out.append((name, method, ms, nbytes / (ms * 1e-3) / 1e9, nbytes / (ms * 1e-3) / bw))
+        del sets, out
+        torch.cuda.empty_cache()
+    return rows_out
+
+
 def main() -> None:
     """Spot-checks the grouped kernel against the reference, then times every configuration and prints the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -275,6 +318,7 @@ def main() -> None:
         del sets, out
         torch.cuda.empty_cache()
 
+    rows_out += bench_static_blocks(bw, args.quick)
     input_rows = bench_inputs(bw, args.quick)
     print(f"\n{'config':<40} {'method':<48} {'median ms':>10} {'GB/s':>8} {'of copy':>8}")
     for name, method, ms, gbs, frac in rows_out + input_rows:

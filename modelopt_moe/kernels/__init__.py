@@ -9,6 +9,7 @@ fallback, ``torch.library.custom_op`` with ``register_fake``, autograd), its ``@
 ``<family>_kernels.py``, imported on the first launch:
 
 - :mod:`.weight_fake_quant`: N expert weights in one launch, and the clipped straight-through gradient;
+- :mod:`.static_blocks_fake_quant`: the same with static NVFP4 block scales (a calibrated amax per block);
 - :mod:`.input_fake_quant`: tokens split among N experts by ``m_splits``, optionally times a per-row scale;
 - :mod:`.weight_amax`: ``max |w|`` of N experts (``weight_amax_update: dynamic``);
 - :mod:`.quant_stats`: fake quant with quantization-error sums (precision autoswitch);
@@ -34,6 +35,13 @@ from .input_fake_quant import (
 )
 from .launch import MAX_EXPERTS, TRITON_AVAILABLE, clear_table_cache, kernels_available
 from .quant_stats import expert_row_sums, grouped_input_fake_quant_stats, grouped_weight_fake_quant_stats
+from .static_blocks_fake_quant import (
+    GroupedStaticBlocksFakeQuant,
+    GroupedStaticBlocksSTE,
+    grouped_static_blocks_clip_grad,
+    grouped_static_blocks_fake_quant,
+    grouped_static_blocks_fake_quant_ste,
+)
 from .weight_amax import grouped_weight_amax
 from .weight_fake_quant import (
     GroupedWeightFakeQuant,
@@ -66,4 +74,9 @@ __all__ = [
     "grouped_input_fake_quant_scaled_ste",
     "grouped_input_scaled_clip_grad",
     "GroupedScaledInputFakeQuant",
+    "GroupedStaticBlocksFakeQuant",
+    "GroupedStaticBlocksSTE",
+    "grouped_static_blocks_clip_grad",
+    "grouped_static_blocks_fake_quant",
+    "grouped_static_blocks_fake_quant_ste",
 ]

@@ -275,6 +275,13 @@ def _nvfp4_tile(x, amax, BOUND: tl.constexpr, NATIVE_DIV: tl.constexpr, HW_CVT: 
     else:
         t = tl.where(t > 448.0, 448.0, t)  # t >= 0, never NaN
         s = _round_mag(t, 3, -6, 8, LEAN) * sg  # e4m3 block scale times the global scale
+    return _e2m1_scaled(x, ax, s, NATIVE_DIV, LEAN)
+
+
+@triton.jit
+def _e2m1_scaled(x, ax, s, NATIVE_DIV: tl.constexpr, LEAN: tl.constexpr):
+    """``x`` [R, NB, BS] rounded to E2M1 under its block's scale ``s`` [R, NB, 1] (``> 0``, or 0: then ``q * 0``)
+    and scaled back, with the sign of ``x``; ``ax = |x|``."""
     s_ok = tl.where(s > 0.0, s, 1.0)
     rcp = _div(tl.full(s.shape, 1.0, tl.float32), s_ok)
     # |x| / s; where that exceeds 8 (or is Inf/NaN) E2M1 saturates anyway, and Markstein's correction could
@@ -286,6 +293,40 @@ def _nvfp4_tile(x, amax, BOUND: tl.constexpr, NATIVE_DIV: tl.constexpr, HW_CVT: 
     # (the same thresholds as formats.round_to_e2m1).
     q = _round_mag(v, 1, 0, 2, LEAN)
     return _with_sign_of(q * s, x)
+
+
+@triton.jit
+def static_nvfp4_tile(x, amax, block_amax, BOUND: tl.constexpr, NATIVE_DIV: tl.constexpr = False,
+                      HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False):
+    """NVFP4 with static block scales (``NVFP4Format.quantize_static``), bit for bit: each block's calibrated amax
+    ``block_amax`` [R, NB, 1] in place of its max, ``BOUND = 6 * scale_max`` (448, or 256 for 4-over-6).
+
+    The reference's edge rules: a NaN block amax counts as 0; ``clamp(t, 0, 448)`` keeps a ``-0.0`` (a block amax
+    of -0.0 or a negative one that underflows to it), whose zero scale flips the sign of the zero outputs; where the
+    scale is 0 the output is ``(x * 0) * s`` (NaN for an Inf or NaN element, as ``x * 0.0`` in the reference).
+    """
+    sg = _div(_safe_amax(amax, BOUND), tl.full(amax.shape, BOUND, tl.float32))  # [R, 1, 1]
+    a = tl.where(block_amax != block_amax, 0.0, block_amax)
+    t = _div(_div(a, tl.full(a.shape, 6.0, tl.float32)), sg)
+    t = tl.where(t < 0.0, 0.0, t)  # torch.clamp's lower bound: -0.0 is not below 0 and stays
+    if HW_CVT:
+        sb = _hw_round_fp8(t, False)  # saturates an Inf at 448
+    else:
+        t = tl.where(t > 448.0, 448.0, t)
+        sb = _round_mag(t, 3, -6, 8, LEAN)
+    s = _with_sign_of(sb, t) * sg  # the magic-number rounding turns -0.0 into +0.0: its sign goes back on
+    ax = tl.abs(x)
+    y = _e2m1_scaled(x, ax, s, NATIVE_DIV, LEAN)
+    s_b = tl.broadcast_to(s, x.shape)
+    return tl.where(s_b != 0.0, y, (x * 0.0) * s_b)
+
+
+@triton.jit
+def static_blocks_clipped_grad(g, x, block_amax):
+    """Clipped STE of static block scales: ``g`` where ``|x|`` is at most its block's amax, else ``g * 0`` (keeps a
+    NaN or turns an Inf into NaN, as the reference's ``grad * mask``); a NaN block amax clips its whole block."""
+    a = tl.broadcast_to(block_amax, x.shape)
+    return tl.where(tl.abs(x) <= a, g, g * 0.0)
 
 
 @triton.jit

@@ -1,5 +1,6 @@
-"""``@triton.jit`` kernels of :mod:`.weight_fake_quant`: the fake quant of N expert weights, and its clipped
-straight-through gradient, in one launch each. Imported lazily, on the first launch.
+"""``@triton.jit`` kernels of :mod:`.weight_fake_quant` (the fake quant of N expert weights, and its clipped
+straight-through gradient) and of :mod:`.static_blocks_fake_quant` (the same with static NVFP4 block scales), in one
+launch each. Imported lazily, on the first launch.
 
 One program per tile; the tiles of all experts form one flat grid (ragged experts waste nothing), and a program finds
 its expert through the per-expert table (:mod:`.launch`), or by division when all experts share a shape.
@@ -18,6 +19,8 @@ from .tile_kernels import (
     fake_quant_tile,
     load_amax_rows,
     locate_tile,
+    static_blocks_clipped_grad,
+    static_nvfp4_tile,
     tile_offsets,
     to_fp32,
     to_out_dtype,
@@ -91,4 +94,65 @@ def grouped_weight_clip_grad_kernel(
     w = to_fp32(tl.load(w_base + w_off + local, mask=mask, other=0.0))
     a = load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
     y = clipped_grad(g, w, a)
+    tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
+
+
+@triton.jit
+def _tile_block_amax(block_ptr, out0, start, rows_n, cols_n, TILE_R: tl.constexpr, TILE_NB: tl.constexpr,
+                     BS: tl.constexpr):
+    """The static block amaxes [TILE_R, TILE_NB, 1] of a flat tile: the blocks follow the weights' elements (the
+    table is ``[..., K // BS]`` per expert, experts in order), so a tile at output offset ``out0 + start`` starts at
+    block ``(out0 + start) // BS``; blocks past the expert's end are masked."""
+    blocal = tl.arange(0, TILE_R)[:, None, None] * TILE_NB + tl.arange(0, TILE_NB)[None, :, None]
+    bmask = blocal * BS < rows_n * cols_n - start
+    b0 = (out0 + start) // BS  # int64
+    return to_fp32(tl.load(block_ptr + b0 + blocal, mask=bmask, other=0.0))
+
+
+@triton.jit
+def grouped_static_blocks_fake_quant_kernel(
+    in_base, out_ptr, table_ptr, amax_ptr, block_ptr, n_experts, amax_stride_e, u_tiles, u_rows, u_cols, u_ctiles,
+    BOUND: tl.constexpr, TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr, UNIFORM: tl.constexpr = False,
+    EVEN: tl.constexpr = False, HW_CVT: tl.constexpr = False, LEAN: tl.constexpr = False,
+):
+    """Fake-quantizes one flat tile of one expert's weight with static NVFP4 block scales: the expert's second-level
+    amax and each block's own amax."""
+    e, t, rows_n, cols_n, ctiles, out0 = locate_tile(table_ptr, tl.program_id(0), n_experts, u_tiles, u_rows,
+                                                     u_cols, u_ctiles, SEARCH_STEPS, UNIFORM)
+    start, local, mask, rows, row_mask = tile_offsets(rows_n, cols_n, ctiles, t, TILE_R, TILE_NB, BS, False, VEC,
+                                                      EVEN)
+    in_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
+    out_off = tl.multiple_of(out0 + start, VEC)
+    if EVEN:
+        x = to_fp32(tl.load(in_base + in_off + local))
+    else:
+        x = to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0))
+    a = load_amax_rows(amax_ptr, e, rows, row_mask, 1, amax_stride_e, TILE_R)
+    blocks = _tile_block_amax(block_ptr, out0, start, rows_n, cols_n, TILE_R, TILE_NB, BS)
+    y = static_nvfp4_tile(x, a, blocks, BOUND, False, HW_CVT, LEAN)
+    if EVEN:
+        tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT))
+    else:
+        tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
+
+
+@triton.jit
+def grouped_static_blocks_clip_grad_kernel(
+    g_base, w_base, out_ptr, table_ptr, block_ptr, n_experts,
+    TILE_R: tl.constexpr, TILE_NB: tl.constexpr, BS: tl.constexpr, VEC: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BITWISE_CVT: tl.constexpr,
+):
+    """The clipped straight-through gradient of static block scales for one flat tile: ``grad`` where ``|w|`` is at
+    most its block's amax, else ``grad * 0``."""
+    e, t, rows_n, cols_n, ctiles, out0 = locate_tile(table_ptr, tl.program_id(0), n_experts, 0, 0, 0, 0,
+                                                     SEARCH_STEPS, False)
+    start, local, mask, rows, row_mask = tile_offsets(rows_n, cols_n, ctiles, t, TILE_R, TILE_NB, BS, False, VEC)
+    g_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
+    w_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_AUX) + start, VEC)
+    out_off = tl.multiple_of(out0 + start, VEC)
+    g = to_fp32(tl.load(g_base + g_off + local, mask=mask, other=0.0))
+    w = to_fp32(tl.load(w_base + w_off + local, mask=mask, other=0.0))
+    blocks = _tile_block_amax(block_ptr, out0, start, rows_n, cols_n, TILE_R, TILE_NB, BS)
+    y = static_blocks_clipped_grad(g, w, blocks)
     tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)

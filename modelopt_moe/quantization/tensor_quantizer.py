@@ -37,8 +37,8 @@ from .modelopt_compat import modelopt_quantizer_state, parse_modelopt_quantizer_
 from .quant_mode import QuantMode, derive_mode
 from .utils import warn_once
 
-__all__ = ["TensorQuantizer", "FakeQuantSTE", "StaticBlocksSTE", "nan_ignoring_abs_max", "nonfinite_counts",
-           "clip_mask"]
+__all__ = ["TensorQuantizer", "FakeQuantSTE", "StaticBlocksSTE", "learned_block_amax_grad", "nan_ignoring_abs_max",
+           "nonfinite_counts", "clip_mask"]
 
 
 def nan_ignoring_abs_max(x: torch.Tensor, keep_dims: tuple[int, ...] = ()) -> torch.Tensor:
@@ -91,6 +91,19 @@ class FakeQuantSTE(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+def learned_block_amax_grad(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor, blocks: torch.Tensor, block: int,
+                            bound: float) -> torch.Tensor:
+    """The gradient of learned static block amaxes (:class:`StaticBlocksSTE`'s docstring): ``grad`` of the fake
+    quantized ``out`` of ``x`` with the block amaxes ``blocks`` (``[..., K // block]``), ``bound`` E2M1's max."""
+    xb, qb = x.float().unflatten(-1, (-1, block)), out.float().unflatten(-1, (-1, block))
+    a = blocks.float().unsqueeze(-1)
+    d = torch.where(xb.abs() <= a, qb - xb, qb)
+    valid = torch.isfinite(a) & (a > 0)
+    g = (grad.float().unflatten(-1, (-1, block)) * d / torch.where(valid, a, torch.ones_like(a)))
+    g = torch.where(valid, g, torch.zeros_like(g)).sum(-1) / math.sqrt(block * bound)
+    return g.reshape(blocks.shape)
+
+
 class StaticBlocksSTE(torch.autograd.Function):
     """Fake quant with static two-level block scales (:meth:`~modelopt_moe.numerics.nvfp4.NVFP4Format.quantize_static`)
     and a straight-through estimator: pass-through, or clipped (zero gradient where ``|x|`` exceeds its block's
@@ -122,13 +135,7 @@ class StaticBlocksSTE(torch.autograd.Function):
         grad_blocks = None
         if ctx.learn:
             x, out, blocks = saved
-            xb, qb = x.float().unflatten(-1, (-1, ctx.block)), out.float().unflatten(-1, (-1, ctx.block))
-            a = blocks.float().unsqueeze(-1)
-            d = torch.where(xb.abs() <= a, qb - xb, qb)
-            valid = torch.isfinite(a) & (a > 0)
-            g = (grad.float().unflatten(-1, (-1, ctx.block)) * d / torch.where(valid, a, torch.ones_like(a)))
-            g = torch.where(valid, g, torch.zeros_like(g)).sum(-1) / math.sqrt(ctx.block * ctx.bound)
-            grad_blocks = g.reshape(blocks.shape)
+            grad_blocks = learned_block_amax_grad(grad, x, out, blocks, ctx.block, ctx.bound)
         if ctx.has_mask:
             grad = grad * mask
         return grad, None, grad_blocks, None, None, None

@@ -249,18 +249,58 @@ def _expert_block_amax_entry(owner: nn.Module, q: ExpertQuantizer, gemm: ExpertG
     """Static block scales of expert weights: ``[L, E, rows, K // 16]`` under the global expert axis, every expert its
     own blocks whatever the amax layout (a block belongs to one expert's weight).
 
-    Raises:
-        NotImplementedError: expert tensor parallelism > 1 (the blocks would split with the weight over expert-TP).
+    With expert tensor parallelism the table splits with the weight over the expert-TP ranks, on the weight's own
+    axis: fc1 (column-parallel) by rows, fc2 (row-parallel) by K in whole blocks of 16 (each rank's K is a multiple
+    of 16, so no block straddles two ranks). A gated fc1 holds this rank's gate rows then its up rows: each half is
+    its own fragment, as Megatron splits the gated weight itself (the global table is all gate rows, then all up
+    rows), so any expert-TP loads any other.
     """
-    if grid.etp_size > 1:
-        raise NotImplementedError(f"{prefix}weight_quantizer: static NVFP4 block scales with expert tensor "
-                                  f"parallelism {grid.etp_size} are not supported in checkpoints")
     rows, k = gemm.weight_shape
     data = _block_amax_data(q, (gemm.num_local, rows, k // 16), _module_device(owner))
     key = f"{ckpt_prefix}weight_quantizer._block_amax"
-    expert_axis = (len(offsets), grid.ep_rank, grid.ep_size)
-    return {f"{prefix}weight_quantizer._block_amax": _dense_amax_entry(
-        key, data, offsets, (expert_axis,), (0, grid.etp_rank, grid.edp_rank), _loading(metadata))}
+    loading = _loading(metadata)
+    ax = len(offsets)
+    expert_axis = (ax, grid.ep_rank, grid.ep_size)
+    if grid.etp_size == 1:
+        return {f"{prefix}weight_quantizer._block_amax": _dense_amax_entry(
+            key, data, offsets, (expert_axis,), (0, grid.etp_rank, grid.edp_rank), loading)}
+    replica_id = (0, 0, grid.edp_rank)  # every expert-TP rank writes its own part
+    gated = gemm.sharded_axis == 0 and getattr(getattr(owner, "config", None), "gated_linear_unit", False)
+    if not gated:
+        split = (ax + 1 + gemm.sharded_axis, grid.etp_rank, grid.etp_size)
+        return {f"{prefix}weight_quantizer._block_amax": _dense_amax_entry(
+            key, data, offsets, (expert_axis, split), replica_id, loading)}
+    return {f"{prefix}weight_quantizer._block_amax": _gated_block_amax_entry(key, data, offsets, expert_axis, grid,
+                                                                             replica_id, loading)}
+
+
+def _gated_block_amax_entry(key: str, data: torch.Tensor, offsets: tuple, expert_axis: tuple, grid: ExpertGrid,
+                            replica_id: tuple, loading: dict | None) -> ShardedTensorFactory:
+    """A gated fc1's ``[N, rows, K // 16]`` at expert-TP > 1: the gate half at fragment ``etp_rank`` and the up half
+    at ``etp_rank + etp_size`` of ``2 * etp_size`` along the rows (Megatron's split of the gated weight)."""
+    row_axis = len(offsets) + 1
+
+    def build(key, data, replica_id, flattened_range):
+        if data.shape[1] % 2:
+            raise ValueError(f"{key}: a gated fc1 block amax needs an even number of rows, got {tuple(data.shape)}")
+        parts = []
+        for i, half in enumerate(torch.chunk(data, 2, dim=1)):
+            split = (row_axis, grid.etp_rank + i * grid.etp_size, 2 * grid.etp_size)
+            st = ShardedTensor.from_rank_offsets(key, half.contiguous(), *offsets, expert_axis, split,
+                                                 replica_id=replica_id, prepend_axis_num=len(offsets))
+            if loading is not None:
+                found = loading["amax_shapes"].get(key)
+                if found is None or tuple(found) != st.global_shape:
+                    raise CheckpointMismatchError(
+                        f"{key}: amax shape mismatch in checkpoint {loading['ckpt_dir']}: expected global shape "
+                        f"{st.global_shape}, found {None if found is None else tuple(found)}")
+            parts.append(st)
+        return parts
+
+    def merge(loaded: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(loaded, dim=1)
+
+    return ShardedTensorFactory(key, data, build, merge, replica_id)
 
 
 class _ExpertEntry:

@@ -3,8 +3,10 @@ at TP=2 x EP=2, saved with ``save_sharded_checkpoint`` and loaded at TP=1 x EP=1
 weights, gives every block amax (dense linears split over TP, every expert by its global index) bit for bit as the
 sweep on one TP=1 x EP=1 model, and the same logits; ``export_hf`` at TP=2 x EP=2 writes the same files as at TP=1 x
 EP=1, whose every exported weight row is a row of the fake-quantized weights (and some are not rows of dynamic
-NVFP4's); for SequentialMLP and grouped experts. With ``weight_amax_update: learned`` Megatron's training (bf16,
-distributed optimizer) trains every block amax, kept fp32, and a checkpoint carries the trained values."""
+NVFP4's); for SequentialMLP and grouped experts. SequentialMLP experts also at expert-TP 2 (the block amaxes split
+with the weight): a sweep at EP=2 x ETP=2 gives the same block amaxes, its checkpoint loads at ETP=1 and the ETP=1
+checkpoint loads at ETP=2, bit for bit, with the same logits. With ``weight_amax_update: learned`` Megatron's training
+(bf16, distributed optimizer) trains every block amax, kept fp32, and a checkpoint carries the trained values."""
 
 import os
 
@@ -29,16 +31,27 @@ def _block_amaxes(model, mm) -> dict:
 
     from modelopt_moe.quantization import ExpertQuantizer, named_quantizers
 
-    layout = mm.parallel_layout()
     tp = parallel_state.get_tensor_model_parallel_group()
     tp_size = dist.get_world_size(tp)
+    etp = parallel_state.get_expert_tensor_parallel_group()
+    etp_size = dist.get_world_size(etp)
     out = {}
     for name, q, module in named_quantizers(model):
         if not name.endswith("weight_quantizer") or q.block_amax is None:
             continue
         if isinstance(q, ExpertQuantizer):
+            blocks = q.block_amax
+            if etp_size > 1:  # whole experts: fc1 by rows (gate rows then up rows), fc2 by K
+                parts = [torch.empty_like(blocks) for _ in range(etp_size)]
+                dist.all_gather(parts, blocks.contiguous(), group=etp)
+                if "linear_fc1" in name:
+                    halves = [p.chunk(2, dim=1) for p in parts]
+                    blocks = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=1)
+                else:
+                    blocks = torch.cat(parts, dim=2)
+            ep_rank = parallel_state.get_expert_model_parallel_rank()
             for i in range(q.num_experts):
-                out[(name, layout["ep_rank"] * q.num_experts + i)] = q.block_amax[i].clone()
+                out[(name, ep_rank * q.num_experts + i)] = blocks[i].clone()
             continue
         parts = [torch.empty_like(q.block_amax) for _ in range(tp_size)]
         dist.all_gather(parts, q.block_amax.contiguous(), group=tp)
@@ -106,12 +119,49 @@ def _exported_rows(path) -> tuple[dict, list]:
     return tensors, rows
 
 
-def _build(mm, kind: str, seed: int):
+def _build(mm, kind: str, seed: int, etp: int = 1):
     import torch.nn.functional as F
 
     return mm.build_moe_gpt(num_layers=2, hidden=64, ffn_hidden=32, num_experts=4, vocab_size=128, seq_len=16,
                             experts=kind, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-                            seed=seed).eval()
+                            seed=seed, expert_tensor_parallel_size=etp).eval()
+
+
+def _init_etp2(mm):
+    """EP=2 x expert-TP=2 on the 4 ranks (TP=1)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    mm.init_model_parallel(1, 1, seed=1)  # the CPU shims and the RNG trackers
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2, expert_tensor_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(1, inference_rng_tracker=True, force_reset_rng=True)
+
+
+def _expert_tp(mm, root, calib, batch, results) -> None:
+    """SequentialMLP experts at EP=2 x ETP=2: the sweep, its checkpoint at ETP=1, the ETP=1 checkpoint at ETP=2."""
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.plugins import megatron as mc
+
+    kind = "sequential"
+    _init_etp2(mm)
+    model = _build(mm, kind, 3, etp=2)
+    mtq.quantize(model, CONFIG, lambda m: mm.lm_loss(m, calib))
+    with torch.no_grad():
+        results[(kind, "etp2")] = (_union(_block_amaxes(model, mm)), mm.gather_logits(model, batch))
+    mc.save_sharded_checkpoint([model], os.path.join(root, f"{kind}_etp2"))
+    mm.destroy_model_parallel()
+    mm.init_model_parallel(1, 1, seed=1)
+    fresh = _build(mm, kind, 11)
+    mc.load_sharded_checkpoint([fresh], os.path.join(root, f"{kind}_etp2"))
+    with torch.no_grad():
+        results[(kind, "etp2 at etp1")] = (_union(_block_amaxes(fresh, mm)), mm.gather_logits(fresh, batch))
+    mm.destroy_model_parallel()
+    _init_etp2(mm)
+    fresh = _build(mm, kind, 11, etp=2)
+    mc.load_sharded_checkpoint([fresh], os.path.join(root, kind))  # saved at TP=2 x EP=2, ETP=1
+    with torch.no_grad():
+        results[(kind, "etp1 at etp2")] = (_union(_block_amaxes(fresh, mm)), mm.gather_logits(fresh, batch))
+    mm.destroy_model_parallel()
 
 
 def _learned(mm, root) -> dict:
@@ -185,6 +235,8 @@ def _worker(rank, world_size, root):
             with torch.no_grad():
                 results[(kind, tp, ep)] = (_union(_block_amaxes(fresh, mm)), mm.gather_logits(fresh, batch))
             mm.destroy_model_parallel()
+        if kind == "sequential":  # the grouped test linear has no expert-TP
+            _expert_tp(mm, root, calib, batch, results)
     return results
 
 
@@ -205,13 +257,14 @@ def test_swept_block_scales_are_the_same_at_every_layout_reshard_and_export_bit_
         assert any(isinstance(k, str) and "linear_proj" in k for k in one)  # a row-parallel dense linear
         maxed = results[(kind, "max")][0]
         assert any(not torch.equal(one[k], maxed[k]) for k in one)  # the sweep moved block amaxes
-        for label in ("tp2ep2", *LOADS):
+        expert_tp = ("etp2", "etp2 at etp1", "etp1 at etp2") if kind == "sequential" else ()
+        for label in ("tp2ep2", *LOADS, *expert_tp):
             got, got_logits = results[(kind, *label)] if isinstance(label, tuple) else results[(kind, label)]
             assert sorted(got, key=str) == sorted(one, key=str), (kind, label)
             for key in one:
                 assert torch.equal(got[key], one[key]), (kind, label, key)
             if got_logits is not None:
-                assert torch.equal(got_logits, logits) if label == (1, 1) else torch.allclose(
+                assert torch.equal(got_logits, logits) if label in ((1, 1), "etp2 at etp1") else torch.allclose(
                     got_logits, logits, rtol=0, atol=1e-4), (kind, label)
 
 

@@ -5,7 +5,9 @@ What happens is the quantizer's :attr:`~..tensor_quantizer.TensorQuantizer.mode`
 * ``OFF``: the weights themselves.
 * ``CALIBRATING``, ``DYNAMIC``, ``UNCALIBRATED``: expert by expert (:meth:`ExpertQuantizer.forward_experts`).
 * ``STATIC``, ``REFRESHED``, ``LEARNED`` (the amax is settled before the call): one kernel launch for all N experts
-  (the reference expert by expert with ``kernel: torch``). The mode picks the launch's amax (:data:`_LAUNCH_AMAX`:
+  (the reference expert by expert with ``kernel: torch``); static NVFP4 block scales take their own kernel
+  (:mod:`~modelopt_moe.kernels.static_blocks_fake_quant`); learned ones too, with the reference's backward expert
+  by expert (:class:`_LearnedBlocksSTE`). The mode picks the launch's amax (:data:`_LAUNCH_AMAX`:
   the stored one, or one refreshed from the weights) and how the values enter the graph (:data:`_GRADIENT`: the
   straight-through estimator, or with the learned amax's gradient).
 
@@ -26,7 +28,10 @@ import torch
 from torch import nn
 
 from ...kernels import (
+    GroupedStaticBlocksSTE,
     GroupedWeightSTE,
+    grouped_static_blocks_fake_quant,
+    grouped_static_blocks_fake_quant_ste,
     grouped_weight_fake_quant,
     grouped_weight_fake_quant_stats,
     grouped_weight_fake_quant_ste,
@@ -34,8 +39,7 @@ from ...kernels import (
 from ...numerics import fake_quant, get_format, quant_error_sums
 from ..expert_quantizer import ExpertQuantizer
 from ..quant_mode import QuantMode
-from ..tensor_quantizer import clip_mask
-from ..utils import warn_once
+from ..tensor_quantizer import clip_mask, learned_block_amax_grad
 from ..weight_amax import LearnedAmaxSTE, learned_amax_ste, refresh_weight_amax
 from ..weight_reuse import in_reuse_scope, reused_or_computed, weight_key
 from .experts import use_kernels
@@ -67,21 +71,55 @@ def quantize_expert_weights(q: ExpertQuantizer, weights: list[torch.Tensor], ker
     mode = q.mode
     if mode is QuantMode.OFF:
         return (weights, None) if with_stats else weights
+    device = weights[0].device
+    fast = use_kernels(kernel, device)
+    if mode is QuantMode.STATIC and q.learns_block_amax and fast:
+        out = list(_LearnedBlocksSTE.apply(q.block_amax, q.amax.detach(), q.fmt, q.cfg.block_scale_max,
+                                           q.ste == "clipped", *weights))
+        return (out, _weight_sums(weights, out)) if with_stats else out
     if not mode.settled or q.learns_block_amax:  # learned block scales: each expert's gradient, expert by expert
         out = q.forward_experts(weights)
         return (out, _weight_sums(weights, out) if q.is_quantizing else None) if with_stats else out
-    device = weights[0].device
-    # Static block scales have no kernel yet: the reference, expert by expert.
-    fast = use_kernels(kernel, device) and q.block_amax is None
-    if kernel == "triton" and q.block_amax is not None:
-        warn_once("kernel=triton: static NVFP4 block scales have no Triton kernel yet; their expert weights are "
-                  "fake-quantized by the torch reference (the same numbers)")
     untracked = owner is None or _traced(device)
     if untracked and mode is QuantMode.STATIC and not with_stats:
         return _static_ste(q, weights, fast)
     values, sums, amax = _values(q, mode, weights, fast, owner, rel_name, with_stats, recompute_into, untracked)
     out = _GRADIENT[mode](q, owner, rel_name, weights, values, amax)
     return (out, sums) if with_stats else out
+
+
+class _LearnedBlocksSTE(torch.autograd.Function):
+    """Learned static block scales: the forward in one launch, the backward :class:`StaticBlocksSTE`'s expert by
+    expert (the same tensors and ops, so the same bits; the block gradient's sums are torch's own, which no kernel
+    reproduces on every device). ``apply(block_amax, amax, fmt, scale_max, clipped, *weights)``."""
+
+    @staticmethod
+    def forward(ctx, block_amax, amax, fmt, scale_max, clipped, *weights):
+        """The N fake-quantized weights, in one launch."""
+        blocks = block_amax.detach()
+        values = grouped_static_blocks_fake_quant(list(weights), amax, blocks, fmt, scale_max)
+        ctx.clipped, ctx.n = clipped, len(weights)
+        spec = get_format(fmt)
+        ctx.block, ctx.bound = spec.block_length, spec.element_max
+        ctx.save_for_backward(blocks, *weights, *values)
+        return tuple(values)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        """Each expert's weight gradient (clipped at its block amaxes, or passed through) and block amax gradient."""
+        blocks, *rest = ctx.saved_tensors
+        weights, values = rest[: ctx.n], rest[ctx.n :]
+        grad_blocks, grad_weights = [], []
+        for i, (g, w, v) in enumerate(zip(grads, weights, values, strict=True)):
+            g = torch.zeros_like(w) if g is None else g
+            grad_blocks.append(learned_block_amax_grad(g, w, v, blocks[i], ctx.block, ctx.bound))
+            if ctx.clipped:
+                g = g * (w.abs().unflatten(-1, (-1, ctx.block)) <= blocks[i].unsqueeze(-1)).flatten(-2)
+            grad_weights.append(g)
+        grad_blocks = torch.stack(grad_blocks)
+        if ctx.n > 1:  # expert by expert, autograd sums N gradients of the whole table: 0 + (-0.0) is +0.0
+            grad_blocks = grad_blocks + 0.0
+        return (grad_blocks, None, None, None, None, *grad_weights)
 
 
 def _traced(device: torch.device) -> bool:
@@ -91,6 +129,9 @@ def _traced(device: torch.device) -> bool:
 
 def _static_ste(q: ExpertQuantizer, weights, fast: bool) -> list[torch.Tensor]:
     """A stored amax and nothing to cache or measure: one autograd op around the kernel (or the reference)."""
+    if fast and q.block_amax is not None:
+        return grouped_static_blocks_fake_quant_ste(list(weights), q.amax, q.block_amax, q.fmt, q.cfg.block_scale_max,
+                                                    q.ste)
     if fast:
         return grouped_weight_fake_quant_ste(list(weights), q.amax if q.needs_amax else None, q.fmt, q.block_size,
                                              q.ste, q.narrow_range)
@@ -116,6 +157,9 @@ _LAUNCH_AMAX: dict[QuantMode, Callable] = {
 
 def _launch(q: ExpertQuantizer, weights, amax: torch.Tensor | None, fast: bool, with_stats: bool):
     """``(values, sums or None)``: one launch for all experts, or the reference expert by expert."""
+    if fast and q.block_amax is not None:
+        values = _static_blocks_launch(q, weights, amax)
+        return values, (_weight_sums(weights, values) if with_stats else None)
     if fast and with_stats:
         return grouped_weight_fake_quant_stats(weights, amax, q.fmt, q.block_size, q.narrow_range)
     if fast:
@@ -129,7 +173,13 @@ def _launch(q: ExpertQuantizer, weights, amax: torch.Tensor | None, fast: bool, 
     return values, (_weight_sums(weights, values) if with_stats else None)
 
 
+def _static_blocks_launch(q: ExpertQuantizer, weights, amax) -> list[torch.Tensor]:
+    return grouped_static_blocks_fake_quant(weights, amax, q.block_amax.detach(), q.fmt, q.cfg.block_scale_max)
+
+
 def _ste(q: ExpertQuantizer, owner, rel_name: str, weights, values, amax) -> list[torch.Tensor]:
+    if q.block_amax is not None:  # clipped where |w| exceeds its block's amax, as StaticBlocksSTE
+        return list(GroupedStaticBlocksSTE.apply(q.block_amax.detach(), q.fmt, q.ste, values, *weights))
     return list(GroupedWeightSTE.apply(amax, q.ste, values, *weights))
 
 
@@ -162,9 +212,15 @@ def _values(q: ExpertQuantizer, mode: QuantMode, weights, fast: bool, owner, rel
     if recompute_into is not None and fast and not with_stats and mode is not QuantMode.LEARNED and \
             not in_reuse_scope(owner):
         values, sums, amax = compute()
-        recompute_into.append(RecomputedWeights(
-            values, lambda: grouped_weight_fake_quant(weights, amax, q.fmt, q.block_size, q.narrow_range), weights,
-            amax, f"{type(owner).__name__}.{rel_name}"))
+        if q.block_amax is not None:
+            blocks = q.block_amax.detach()
+
+            def again():
+                return grouped_static_blocks_fake_quant(weights, amax, blocks, q.fmt, q.cfg.block_scale_max)
+        else:
+            def again():
+                return grouped_weight_fake_quant(weights, amax, q.fmt, q.block_size, q.narrow_range)
+        recompute_into.append(RecomputedWeights(values, again, weights, amax, f"{type(owner).__name__}.{rel_name}"))
         return values, sums, amax
     # A refreshed amax is a function of the weights (and of the same weights on the other ranks of its reduction
     # group), so the weights' key covers it; the collective inside compute() runs on the first forward of the

@@ -263,15 +263,42 @@ def test_a_sweep_without_static_block_scales_warns_that_it_searched_nothing():
         mtq.quantize(model, config, lambda m: m(torch.randn(4, 64)))
 
 
-def test_kernel_triton_warns_that_static_block_scales_run_on_the_reference():
+@pytest.mark.parametrize("ste", ["pass_through", "clipped"])
+@pytest.mark.parametrize("operands", ["recompute", "keep"])
+def test_kernel_triton_runs_static_block_scales_in_one_launch_with_the_references_bits(monkeypatch, ste, operands):
+    """``kernel: triton`` fake-quantizes every expert's static block scales in one launch per forward (and one per
+    recomputing backward), with the reference's outputs and gradients; the clipped STE clips at each block's amax."""
+    from modelopt_moe.kernels import static_blocks_fake_quant as kernel_module
+
+    launches = []
+    real = kernel_module._launch_fake_quant
+    monkeypatch.setattr(kernel_module, "_launch_fake_quant", lambda *a, **k: launches.append(1) or real(*a, **k))
     experts = experts_model()
     data = torch.randn(6, 64)
     reference = copy.deepcopy(experts)
-    quantize(reference, static_cfg(SWEEP, kernel="torch"), lambda m: m(data, [2, 2, 2]))
-    quantize(experts, static_cfg(SWEEP, kernel="triton"), lambda m: m(data, [2, 2, 2]))
-    with pytest.warns(UserWarning, match="static NVFP4 block scales have no Triton kernel yet"):
-        out = experts(data, [2, 2, 2])
-    assert torch.equal(out, reference(data, [2, 2, 2]))
+    backward = {"ste": ste, "weight_operands": operands}
+    quantize(reference, static_cfg(SWEEP, kernel="torch", backward=backward), lambda m: m(data, [2, 2, 2]))
+    quantize(experts, static_cfg(SWEEP, kernel="triton", backward=backward), lambda m: m(data, [2, 2, 2]))
+    launches.clear()
+    x, x_ref = data.clone().requires_grad_(), data.clone().requires_grad_()  # dgrad needs the weight operands
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        out = experts(x, [2, 2, 2])
+    assert len(launches) == 1
+    ref = reference(x_ref, [2, 2, 2])
+    assert torch.equal(out, ref)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    assert torch.equal(x.grad, x_ref.grad)
+    for w, r in zip(experts.expert_weights(), reference.expert_weights(), strict=True):
+        assert torch.equal(w.grad, r.grad)
+    if ste == "clipped":  # some weights lie above their block's amax (the sweep chose a smaller one)
+        q = experts.weight_quantizer
+        above = [(w.abs().unflatten(-1, (-1, 16)) > q.block_amax[i].unsqueeze(-1)).any()
+                 for i, w in enumerate(experts.expert_weights())]
+        assert any(above)
+    assert len(launches) == (2 if operands == "recompute" else 1)
 
 
 @pytest.mark.parametrize(("preset", "algorithm", "four_over_six"), [
@@ -290,3 +317,57 @@ def test_model_optimizers_preset_names_choose_the_same_block_scales(preset, algo
     assert model[0].input_quantizer.is_enabled  # inputs: NVFP4 with block scales from the data
     assert not model[0].input_quantizer.static_block_scales
     assert mtq.load_config(preset).weight_amax_update == "static"
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_clipped_ste_of_experts_clips_at_each_blocks_amax_in_the_module(kernel):
+    """The experts' clipped straight-through gradient inside the module is StaticBlocksSTE's, expert by expert: zero
+    where a weight exceeds its block's amax (not the expert's second-level amax)."""
+    from modelopt_moe.quantization.tensor_quantizer import StaticBlocksSTE
+
+    experts = experts_model()
+    data = torch.randn(6, 64)
+    quantize(experts, static_cfg(SWEEP, kernel=kernel, backward={"ste": "clipped"}), lambda m: m(data, [2, 2, 2]))
+    q = experts.weight_quantizer
+    grad = torch.randn(6, 32)
+    experts(data, [2, 2, 2]).backward(grad)
+    for i, w in enumerate(experts.expert_weights()):
+        leaf = w.detach().clone().requires_grad_()
+        wq = StaticBlocksSTE.apply(leaf, q.row_of(q.amax, i), q.block_amax[i], q.fmt, q.cfg.block_scale_max, True)
+        (data[2 * i : 2 * i + 2] @ wq.t()).backward(grad[2 * i : 2 * i + 2])
+        assert torch.equal(w.grad == 0, leaf.grad == 0), i
+        torch.testing.assert_close(w.grad, leaf.grad, rtol=1e-6, atol=0)
+    above_block = [(w.abs().unflatten(-1, (-1, 16)) > q.block_amax[i].unsqueeze(-1)).any()
+                   for i, w in enumerate(experts.expert_weights())]
+    assert any(above_block)
+
+
+@pytest.mark.parametrize("ste", ["pass_through", "clipped"])
+@pytest.mark.parametrize("layout", ["vectorized", "per_expert"])
+def test_learned_block_scales_of_experts_take_one_launch_and_the_references_gradients(monkeypatch, layout, ste):
+    """``kernel: triton`` with learned block amaxes: one launch forward, and the weights' and block amaxes' gradients
+    bit for bit those of the reference expert by expert (``kernel: torch``)."""
+    from modelopt_moe.kernels import static_blocks_fake_quant as kernel_module
+
+    launches = []
+    real = kernel_module._launch_fake_quant
+    monkeypatch.setattr(kernel_module, "_launch_fake_quant", lambda *a, **k: launches.append(1) or real(*a, **k))
+    data = torch.randn(6, 64)
+    models = {}
+    for kernel in ("torch", "triton"):
+        models[kernel] = experts_model()
+        cfg = static_cfg(SWEEP, kernel=kernel, experts={"weight_amax": layout}, backward={"ste": ste})
+        quantize(models[kernel], {**cfg, "weight_amax_update": "learned"}, lambda m: m(data, [2, 2, 2]))
+    launches.clear()
+    outs = {k: m(data, [2, 2, 2]) for k, m in models.items()}
+    assert len(launches) == 1
+    assert torch.equal(outs["triton"], outs["torch"])
+    g = torch.randn_like(outs["torch"])
+    for out in outs.values():
+        (out * g).sum().backward()
+    q, qr = models["triton"].weight_quantizer, models["torch"].weight_quantizer
+    assert q.learns_block_amax
+    assert torch.equal(q.block_amax.grad.view(torch.int32), qr.block_amax.grad.view(torch.int32))  # signed zeros too
+    assert q.block_amax.grad.abs().sum() > 0
+    for w, r in zip(models["triton"].expert_weights(), models["torch"].expert_weights(), strict=True):
+        assert torch.equal(w.grad.view(torch.int32), r.grad.view(torch.int32))
