@@ -37,7 +37,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output directory (must not exist, or be empty)")
     p.add_argument("--hf-config", help="Hugging Face config.json or model directory of the model (default: the "
                                        "checkpoint's hf_config.json)")
-    p.add_argument("--family", choices=["qwen3_moe", "mixtral"], help="Hugging Face family (default: from the config)")
+    p.add_argument("--family", help="Hugging Face family, e.g. qwen3_moe or gpt_oss (default: from the config)")
     p.add_argument("--dtype", choices=_DTYPES,
                    help="parameter dtype of the rebuilt model, as the checkpoint was saved (default: the config's)")
     add_layout_args(p, tp=1, ep=1, world_size=1)
@@ -90,10 +90,10 @@ def main(argv: list[str]) -> int:
     try:  # everything checkable before starting processes
         check_checkpoint_dir(args.checkpoint)
         cfg = read_hf_config(args.hf_config) if args.hf_config else load_hf_config(args.checkpoint)
-        family = family_for_architecture(cfg)
-        family.arch_from_hf(cfg)
+        family_for_architecture(cfg).arch_from_hf(cfg)
+        family = get_family(args.family) if args.family else family_for_architecture(cfg)
         if args.format == FILE_FORMAT:  # export_hf's own check, before the model is loaded
-            check_family(get_family(args.family) if args.family else family)
+            check_family(family)
         check_out_dir(args.out)
     except (ExportError, IncompleteCheckpointError) as e:
         print(f"modelopt-moe export: {e}", file=sys.stderr)

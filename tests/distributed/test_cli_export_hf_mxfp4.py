@@ -9,7 +9,8 @@ it also exports itself with ``export_hf(format="hf-mxfp4")``. Then the command l
 * exports the weight-only checkpoint with exactly the tensors and ``config.json`` of ``export_hf``, and says that the
   engine check (which reads compressed-tensors and Model Optimizer checkpoints) did not run;
 * refuses, with ``export_hf``'s own messages and nothing written, the checkpoint with MXFP4 expert inputs (naming the
-  module) and a config whose family stores its experts one by one (before any process starts);
+  module), a config whose family stores its experts one by one and an unknown ``--family`` (both before any process
+  starts); ``--family`` takes every family ``export_hf`` knows (``gpt_oss`` here);
 * offers every format ``export_hf`` writes from a quantized model.
 """
 
@@ -77,7 +78,8 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def test_cli_writes_export_hfs_hf_mxfp4_checkpoint(base, tmp_path):
     out = tmp_path / "mx"
-    done = _export("--checkpoint", base / "ckpt", "--format", "hf-mxfp4", "--out", out, cwd=tmp_path)
+    done = _export("--checkpoint", base / "ckpt", "--format", "hf-mxfp4", "--family", "gpt_oss", "--out", out,
+                   cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "check: not run (the engine check reads compressed-tensors and modelopt checkpoints" in done.stdout
     ours, direct = _tensors(out), _tensors(base / "direct")
@@ -111,6 +113,12 @@ def test_cli_refuses_what_export_hf_refuses_before_writing(base, tmp_path, capfd
     assert ("modelopt-moe export: format='hf-mxfp4' stores fused 3-D experts (gpt-oss's layout); Qwen3MoeForCausalLM "
             "stores its experts one by one: use format='compressed-tensors'") in done.stderr, done.stderr
     assert "export: 0%" not in done.stderr  # refused before any process started
+    assert not out.exists()
+
+    assert main(["export", "--checkpoint", str(base / "ckpt"), "--format", "hf-mxfp4", "--family", "gpt-oss",
+                 "--out", str(out)]) == 2  # every family export_hf knows is named as export_hf names it
+    err = capfd.readouterr().err
+    assert "modelopt-moe export: family='gpt-oss' is not supported; expected one of ['deepseek_v3', " in err, err
     assert not out.exists()
 
 
