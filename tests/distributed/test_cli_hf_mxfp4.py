@@ -1,5 +1,6 @@
-"""``modelopt-moe export --format hf-mxfp4``: gpt-oss's published MXFP4 layout from the command line, as a shell runs
-it (a subprocess), on a distributed checkpoint a user's script saved.
+"""gpt-oss's published MXFP4 layout (``hf-mxfp4``) from the command line, as a shell runs it (a subprocess):
+``modelopt-moe export --format hf-mxfp4`` on a distributed checkpoint a user's script saved, and ``modelopt-moe qat
+--export-format hf-mxfp4`` on a Hugging Face checkpoint.
 
 One process (``modelopt_moe.launch.spawn``) builds the shipped tiny gpt-oss (``configs/gpt_oss_tiny.json``), quantizes
 it with ``configs/mxfp4_experts_only.yaml`` and saves two checkpoints with ``save_sharded_checkpoint`` +
@@ -12,6 +13,10 @@ it also exports itself with ``export_hf(format="hf-mxfp4")``. Then the command l
   module), a config whose family stores its experts one by one and an unknown ``--family`` (both before any process
   starts); ``--family`` takes every family ``export_hf`` knows (``gpt_oss`` here);
 * offers every format ``export_hf`` writes from a quantized model.
+
+``modelopt-moe qat`` trains the tiny gpt-oss written by transformers (one process: expert-parallel size 1) with MXFP4
+weight-only experts and exports it in that layout, which transformers (``Mxfp4Config``) loads and runs; a Hugging Face
+model whose experts are stored one by one is refused with ``export_hf``'s message before any process starts.
 """
 
 import json
@@ -131,3 +136,56 @@ def test_cli_offers_every_format_export_hf_writes_from_a_quantized_model(tmp_pat
     offered = done.stderr.split("(choose from ", 1)[1].split(")", 1)[0].replace("'", "").split(", ")
     # "hf" writes unquantized models only, and this command exports quantized checkpoints
     assert sorted(offered) == sorted({*FORMATS, FILE_FORMAT} - {"hf"}), done.stderr
+
+
+MXFP4_WEIGHT_ONLY_EXPERTS = """\
+quant_cfg:
+  - quantizer_name: "*experts*weight_quantizer"
+    cfg: {num_bits: [2, 1], block_sizes: {-1: 32, type: dynamic, scale_bits: [8, 0]}}
+algorithm: max
+"""
+
+
+def _qat(project: Path, hf: Path, *args):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "modelopt_moe.plugins.cli", "qat", "--hf", str(hf), "--config",
+           str(project / "mxfp4_weight_only_experts.yaml"), "--world-size", "1", "--tp", "1", "--ep", "1", "--cpu",
+           "--batch-size", "2", "--seq-len", "16", "--calib-batches", "1", "--micro-batches", "1",
+           "--export-format", "hf-mxfp4", *map(str, args)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds(600), cwd=project)
+
+
+def test_qat_trains_gpt_oss_and_exports_the_published_mxfp4_layout(tmp_path):
+    from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
+    from transformers.utils.quantization_config import Mxfp4Config
+
+    torch.manual_seed(0)
+    GptOssForCausalLM(GptOssConfig(**_config("gpt_oss_tiny.json"))).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    (tmp_path / "mxfp4_weight_only_experts.yaml").write_text(MXFP4_WEIGHT_ONLY_EXPERTS)
+    out = tmp_path / "gpt-oss-qat"
+    done = _qat(tmp_path, tmp_path / "hf", "--steps", "1", "--lr", "1e-3", "--export", out)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"exported {out} (hf-mxfp4)" in done.stdout, done.stdout
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "mxfp4", cfg
+    names = _tensors(out)
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in names, sorted(names)
+    assert names["model.layers.0.mlp.experts.down_proj_scales"].dtype == torch.uint8
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                 quantization_config=Mxfp4Config(dequantize=True)).eval()
+    with torch.no_grad():
+        logits = model(torch.arange(16)[None]).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_qat_refuses_hf_mxfp4_for_experts_stored_one_by_one_before_starting(tmp_path):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**_config("qwen3_moe_tiny.json"))).save_pretrained(tmp_path / "hf")
+    (tmp_path / "mxfp4_weight_only_experts.yaml").write_text(MXFP4_WEIGHT_ONLY_EXPERTS)
+    done = _qat(tmp_path, tmp_path / "hf", "--steps", "1", "--export", tmp_path / "out")
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (f"modelopt-moe qat: --hf {tmp_path / 'hf'}: format='hf-mxfp4' stores fused 3-D experts (gpt-oss's "
+            "layout); Qwen3MoeForCausalLM stores its experts one by one: use format='compressed-tensors'") in \
+        done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
