@@ -255,30 +255,7 @@ def build_family_gpt(args, seed: int):
                      moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32")
     if te:
         overrides["moe_permute_fusion"] = True
-    model = build_megatron_model(args.hf, spec="te" if te else "local", **overrides)
-    if not te:
-        expert_biases_trainable_at_tp1(model)
-    return model
-
-
-def expert_biases_trainable_at_tp1(model) -> None:
-    """Lets ``SequentialMLP`` experts with biases (gpt-oss, local spec) train at tensor- and expert-parallel size 1.
-
-    Megatron-Core 0.19.2's expert MLP adds its ``linear_fc2`` bias in place (``output += bias * prob``) to what the
-    row-parallel linear returns, which at those sizes is the tensor-parallel all-reduce's input returned as is, and
-    autograd refuses that in-place add in training. At tensor-parallel size 1 the all-reduce is the identity; the
-    linear's explicit expert-communication path (``explicit_expert_comm``, what it takes at expert-parallel size > 1)
-    skips it: the same numbers, on a tensor the add may change. TEGroupedMLP (the TE spec) adds its biases out of
-    place and needs nothing.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.layers import RowParallelLinear
-
-    if parallel_state.get_tensor_model_parallel_world_size() != 1:
-        return
-    for module in model.modules():
-        if isinstance(module, RowParallelLinear) and module.is_expert and module.bias is not None:
-            module.explicit_expert_comm = True
+    return build_megatron_model(args.hf, spec="te" if te else "local", **overrides)
 
 
 def _class_names(modules) -> str:

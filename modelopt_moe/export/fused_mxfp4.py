@@ -26,8 +26,8 @@ from ..numerics.nvfp4 import e2m1_values, unpack_fp4
 from .errors import ExportError
 from .mapping import STACKED
 
-__all__ = ["FILE_FORMAT", "QUANT_METHOD", "SUFFIXES", "packed_kinds", "packed_shapes", "encode_experts",
-           "decode_experts", "quantization_config", "check_expert_quant"]
+__all__ = ["FILE_FORMAT", "QUANT_METHOD", "SUFFIXES", "packed_kinds", "check_family", "packed_shapes",
+           "encode_experts", "decode_experts", "quantization_config", "check_expert_quant"]
 
 FILE_FORMAT = "hf-mxfp4"  # export_hf's format name for this layout
 QUANT_METHOD = "mxfp4"  # config.json's quantization_config.quant_method
@@ -41,6 +41,19 @@ def packed_kinds(family) -> frozenset[str]:
     packs; empty for a family that stores experts one by one."""
     stacked = [p for p in family.megatron.layer if p.rule in STACKED and p.holder is not None]
     return frozenset(p.canonical[0].rsplit(".", 1)[-1] for p in stacked)  # one canonical name each
+
+
+def check_family(family) -> frozenset[str]:
+    """:func:`packed_kinds` of a family this layout can store (one with fused 3-D experts).
+
+    Raises:
+        ExportError: a family that stores its experts one by one (names it and the format to use).
+    """
+    kinds = packed_kinds(family)
+    if not kinds:
+        raise ExportError(f"format={FILE_FORMAT!r} stores fused 3-D experts (gpt-oss's layout); "
+                          f"{family.architecture} stores its experts one by one: use format='compressed-tensors'")
+    return kinds
 
 
 def packed_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:

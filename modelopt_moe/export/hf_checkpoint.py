@@ -200,10 +200,7 @@ NVFP4_EXPERTS_WARNING = (
 
 def _packed(arch: MoEArch, family: Family) -> list[str]:
     """The Hugging Face names of the tensors ``format="hf-mxfp4"`` packs (every fused expert weight)."""
-    kinds = fused_mxfp4.packed_kinds(family)
-    if not kinds:
-        raise ExportError(f"format={fused_mxfp4.FILE_FORMAT!r} stores fused 3-D experts (gpt-oss's layout); "
-                          f"{family.architecture} stores its experts one by one: use format='compressed-tensors'")
+    kinds = fused_mxfp4.check_family(family)
     return [family.hf_tensor(c) for c in canonical_names(arch) if c.rsplit(".", 1)[-1] in kinds]
 
 

@@ -146,17 +146,6 @@ def main(argv: list[str]) -> int:
     except mtq.ConfigError as e:
         print(f"modelopt-moe demo: {e}", file=sys.stderr)
         return 2
-    from modelopt_moe.export.families import family_for_architecture
-
-    hf_config = _model_config(args.model)
-    if family_for_architecture(hf_config).arch_from_hf(hf_config).linear_bias and args.layout.ep == 1 \
-            and not args.layout.gpus:
-        print(f"modelopt-moe demo: --model {args.model} at expert-parallel size 1 on CPU is not supported: its experts "
-              "have biases, and Megatron-Core 0.19.2's SequentialMLP adds them in place to the output of a "
-              "RowParallelLinear that returns its input unchanged at expert-parallel and expert-tensor-parallel size "
-              "1, which autograd refuses in training; run with --ep 2 or more (e.g. --world-size 2 --tp 1 --ep 2)",
-              file=sys.stderr)
-        return 2
     out = Path(args.out)
     print_here = prints_here()
     if print_here:

@@ -1,5 +1,6 @@
 """``modelopt-moe export``: a distributed checkpoint of a quantized Megatron MoE model -> a servable Hugging Face
-checkpoint (compressed-tensors or NVIDIA Model Optimizer format).
+checkpoint (compressed-tensors or NVIDIA Model Optimizer format; for gpt-oss also ``hf-mxfp4``, the published MXFP4
+layout of its fused experts).
 
 The checkpoint is one written by ``modelopt_moe.plugins.megatron.save_sharded_checkpoint`` (weights, amaxes and the
 quantization state, at any TP / EP layout). The model it holds is rebuilt from the Hugging Face config recorded
@@ -22,16 +23,21 @@ from .ranks import LayoutError, add_layout_args, check_layout, prints_here, run_
 __all__ = ["main"]
 
 _DTYPES = ("bfloat16", "float16", "float32")
+# export_hf's formats for a quantized model ("hf" writes unquantized models only); the engine check reads the first two
+_FORMATS = ("compressed-tensors", "modelopt", "hf-mxfp4")
+_CHECKED_FORMATS = ("compressed-tensors", "modelopt")
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="modelopt-moe export", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="distributed checkpoint directory (save_sharded_checkpoint)")
-    p.add_argument("--format", required=True, choices=["compressed-tensors", "modelopt"], help="output format")
+    p.add_argument("--format", required=True, choices=_FORMATS,
+                   help="output format (hf-mxfp4: gpt-oss's published layout, MXFP4 weight-only experts, every other "
+                        "layer unquantized)")
     p.add_argument("--out", required=True, help="output directory (must not exist, or be empty)")
     p.add_argument("--hf-config", help="Hugging Face config.json or model directory of the model (default: the "
                                        "checkpoint's hf_config.json)")
-    p.add_argument("--family", choices=["qwen3_moe", "mixtral"], help="Hugging Face family (default: from the config)")
+    p.add_argument("--family", help="Hugging Face family, e.g. qwen3_moe or gpt_oss (default: from the config)")
     p.add_argument("--dtype", choices=_DTYPES,
                    help="parameter dtype of the rebuilt model, as the checkpoint was saved (default: the config's)")
     add_layout_args(p, tp=1, ep=1, world_size=1)
@@ -77,13 +83,17 @@ def main(argv: list[str]) -> int:
     from modelopt_moe.checkpoint.errors import IncompleteCheckpointError
     from modelopt_moe.checkpoint.files import check_checkpoint_dir
     from modelopt_moe.export import ExportError, load_hf_config
-    from modelopt_moe.export.families import family_for_architecture, read_hf_config
+    from modelopt_moe.export.families import family_for_architecture, get_family, read_hf_config
+    from modelopt_moe.export.fused_mxfp4 import FILE_FORMAT, check_family
     from modelopt_moe.export.writer import check_out_dir
 
     try:  # everything checkable before starting processes
         check_checkpoint_dir(args.checkpoint)
         cfg = read_hf_config(args.hf_config) if args.hf_config else load_hf_config(args.checkpoint)
         family_for_architecture(cfg).arch_from_hf(cfg)
+        family = get_family(args.family) if args.family else family_for_architecture(cfg)
+        if args.format == FILE_FORMAT:  # export_hf's own check, before the model is loaded
+            check_family(family)
         check_out_dir(args.out)
     except (ExportError, IncompleteCheckpointError) as e:
         print(f"modelopt-moe export: {e}", file=sys.stderr)
@@ -105,6 +115,10 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"wrote {ran.results[0]}", flush=True)
     print_warnings(ran.warnings)
+    if args.format not in _CHECKED_FORMATS:
+        print(f"check: not run (the engine check reads {' and '.join(_CHECKED_FORMATS)} checkpoints; {args.format} is "
+              "the published gpt-oss layout that transformers' Mxfp4Config and vLLM's gpt-oss loader read)", flush=True)
+        return 0
     from modelopt_moe.export.check import check_all_engines
 
     passed, verdict = check_all_engines(ran.results[0])  # the engines' loader contracts, from the files

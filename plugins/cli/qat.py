@@ -122,9 +122,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--save", help="checkpoint directory written at the end (and every --save-interval steps)")
     p.add_argument("--save-interval", type=int, help="steps between checkpoints, >= 1 (default: at the end only)")
     p.add_argument("--export", help="write a Hugging Face checkpoint here at the end")
-    p.add_argument("--export-format", choices=["compressed-tensors", "modelopt"], default="compressed-tensors",
-                   help="format of --export: compressed-tensors (vLLM, transformers) or modelopt (NVIDIA Model "
-                        "Optimizer's: vLLM, SGLang, TensorRT-LLM) (default: %(default)s)")
+    p.add_argument("--export-format", choices=["compressed-tensors", "modelopt", "hf-mxfp4"],
+                   default="compressed-tensors",
+                   help="format of --export: compressed-tensors (vLLM, transformers), modelopt (NVIDIA Model "
+                        "Optimizer's: vLLM, SGLang, TensorRT-LLM) or hf-mxfp4 (gpt-oss's published layout: MXFP4 "
+                        "weight-only experts, every other layer unquantized) (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=24 * 3600.0,
                    help="seconds for the whole run (default: %(default)s, a day)")
     add_layout_args(p)
@@ -381,11 +383,14 @@ def main(argv: list[str]) -> int:
     signal when SIGTERM or Ctrl-C stopped it)."""
     args = _parse_args(argv)
     import modelopt_moe.quantization as mtq
+    from modelopt_moe.export.fused_mxfp4 import FILE_FORMAT, check_family
     from modelopt_moe.export.hf_checkpoint import HfCheckpointReader
 
     try:  # --hf's model as import_hf reads it: architecture, every tensor's shape and dtype, from the headers alone
         if args.hf:
-            HfCheckpointReader(args.hf)
+            reader = HfCheckpointReader(args.hf)
+            if args.export_format == FILE_FORMAT:  # export_hf's own check of the family, before training
+                check_family(reader.family)
     except ValueError as e:
         print(f"modelopt-moe qat: --hf {args.hf}: {e}", file=sys.stderr)
         return 2

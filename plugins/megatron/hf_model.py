@@ -50,6 +50,7 @@ from modelopt_moe.export.families import MoEArch, family_for_architecture, get_f
 from modelopt_moe.plugins.megatron_cpu import cpu_sliding_window_mask, megatron_training_shims
 from modelopt_moe.quantization.conversion import unwrap_model
 
+from .expert_biases import expert_biases_trainable
 from .hf_pipeline import check_no_virtual_pipeline
 from .mla_attention import LatentDotProductAttention
 from .norms import sequence_parallel_norm, zero_centered_norm
@@ -229,6 +230,8 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
     Returns:
         The model (CPU without CUDA, the current GPU otherwise), in training mode; with pipeline parallelism this
         rank's stage (its layers; the embedding on the first stage, the final norm and output layer on the last).
+        ``SequentialMLP`` experts with biases (gpt-oss, local spec) train at every layout, expert-parallel size 1
+        included (:mod:`~modelopt_moe.plugins.megatron.expert_biases`).
 
     Raises:
         ExportError: an unsupported architecture or feature, a ``spec`` other than local / te, a parallel layout
@@ -328,6 +331,7 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
     shims = megatron_training_shims() if pp > 1 and not on_gpu else contextlib.nullcontext()
     with shims:
         model = GPTModel(config=config, transformer_layer_spec=layer_spec, **model_kwargs)
+    expert_biases_trainable(model)  # SequentialMLP expert biases at EP = expert-TP = 1 (gpt-oss, local spec)
     return model.cuda() if on_gpu else model
 
 
