@@ -94,8 +94,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     src.add_argument("--model-provider", help="'module:function' that builds the Megatron model at the current "
                                               "parallel layout (called with pre_process/post_process if it takes "
                                               "them; the module searched in the working directory first)")
-    src.add_argument("--hf", help="a Hugging Face Qwen3-MoE / Mixtral directory: its weights are the starting "
-                                  "point (and the teacher's); builds the model itself without --model-provider")
+    src.add_argument("--hf", help="a Hugging Face MoE directory of a supported family (Qwen3-MoE, Qwen3.5-MoE, "
+                                  "DeepSeek-V3 / Kimi-K2, gpt-oss, GLM-4.5, Mixtral): its weights are the "
+                                  "starting point (and the teacher's); builds the model itself without "
+                                  "--model-provider")
     src.add_argument("--load", help="resume from a checkpoint saved by this command (at any layout)")
     p.add_argument("--config", required=True, help="quantization YAML (a path, or a shipped preset's name)")
     p.add_argument("--distill", action="store_true", help="QAD: distil from the frozen bf16 starting model")
