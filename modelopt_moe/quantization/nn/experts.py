@@ -16,7 +16,7 @@ from ...kernels import (
     grouped_input_fake_quant_scaled_ste,
     grouped_input_fake_quant_stats,
     grouped_input_fake_quant_ste,
-    kernels_available,
+    use_kernels,
 )
 from ...numerics import clip_limit, scale_rows
 from ..config_schema import ExpertsConfig
@@ -82,17 +82,6 @@ def expert_amax_reduction(q: ExpertQuantizer, kind: str, sharded_axis: int) -> t
 def split_sizes(m_splits) -> list[int]:
     """``m_splits`` (list, tuple or tensor) as host ints (the reference path needs them on the host)."""
     return m_splits.tolist() if isinstance(m_splits, torch.Tensor) else [int(m) for m in m_splits]
-
-
-def use_kernels(preference: str, device: torch.device) -> bool:
-    """Whether expert fake quant runs the one-launch Triton kernels (``config.kernel``: auto | triton | torch)."""
-    if preference == "torch":
-        return False
-    available = kernels_available(device)
-    if preference == "triton" and not available:
-        raise RuntimeError(f"kernel='triton' but the Triton kernels cannot run on {device} (no triton, or a CPU "
-                           "tensor without TRITON_INTERPRET=1); use kernel='auto' or 'torch'")
-    return available and (preference == "triton" or device.type == "cuda")
 
 
 class DeviceSplits:
