@@ -663,7 +663,7 @@ class TensorQuantizer(nn.Module):
     # --- forward -------------------------------------------------------------------------------------------------
     def fake_quant(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
         """Fake-quantizes ``x`` with this quantizer's amax (or ``amax``), STE per :attr:`ste`."""
-        if amax is None and self.is_dynamic:
+        if amax is None and self.is_dynamic and self.needs_amax:  # (an amax no scale reads is not taken)
             amax = self.amax_of(x).detach()
         amax = self._amax if amax is None else amax
         if amax is None and self.needs_amax:
@@ -690,9 +690,12 @@ class TensorQuantizer(nn.Module):
     def _fake_quant_ste(self, x: torch.Tensor, amax: torch.Tensor | None, clipped: bool) -> torch.Tensor:
         """The one choice between the experts' kernels and the reference for a dense tensor: the kernels where the
         experts take them (a settled amax, ``kernels.use_kernels`` for :attr:`kernel` and the device) and the layout
-        is one of theirs (:func:`~modelopt_moe.kernels.dense_layout`; signed int ranges only, as for experts)."""
+        is one of theirs (:func:`~modelopt_moe.kernels.dense_layout`; signed int ranges only, as for experts). A
+        format that reads no amax (every scale from the data: FP8 1x128 groups, MX, int blocks) has nothing to
+        settle, so a ``type: dynamic`` one takes the kernels too."""
         kw = self.int_kwargs
-        if (self._mode.settled and not kw.get("unsigned", False) and use_kernels(self.kernel, x.device)
+        settled = self._mode.settled or amax is None  # no amax read: every scale from the data (1x128, MX, ...)
+        if (settled and not kw.get("unsigned", False) and use_kernels(self.kernel, x.device)
                 and dense_layout(x, amax, self.fmt, self.block_size) is not None):
             return dense_fake_quant_ste(x, amax, self.fmt, self.block_size, self.ste, kw.get("narrow_range", True))
         return FakeQuantSTE.apply(x, amax, self.fmt, self.block_size, clipped, kw)
