@@ -83,17 +83,18 @@ def kernels_available(device: torch.device | str) -> bool:
     return False
 
 
-def use_kernels(preference: str, device: torch.device) -> bool:
+def use_kernels(preference: str, device: torch.device, available: bool | None = None) -> bool:
     """Whether fake quant on ``device`` runs the one-launch Triton kernels, for the config's ``kernel`` preference
     (``auto``: on CUDA; ``triton``: wherever they can run, else an error; ``torch``: never). The one rule that expert
-    and dense quantizers alike follow.
+    and dense quantizers alike follow; ``available``: whether the kernels can run there (default
+    :func:`kernels_available`).
 
     Raises:
         RuntimeError: ``triton`` where the kernels cannot run.
     """
     if preference == "torch":
         return False
-    available = kernels_available(device)
+    available = kernels_available(device) if available is None else available
     if preference == "triton" and not available:
         raise RuntimeError(f"kernel='triton' but the Triton kernels cannot run on {device} (no triton, or a CPU "
                            "tensor without TRITON_INTERPRET=1); use kernel='auto' or 'torch'")

@@ -16,8 +16,9 @@ from ...kernels import (
     grouped_input_fake_quant_scaled_ste,
     grouped_input_fake_quant_stats,
     grouped_input_fake_quant_ste,
-    use_kernels,
+    kernels_available,
 )
+from ...kernels import use_kernels as kernel_rule
 from ...numerics import clip_limit, scale_rows
 from ..config_schema import ExpertsConfig
 from ..expert_quantizer import ExpertQuantizer
@@ -82,6 +83,12 @@ def expert_amax_reduction(q: ExpertQuantizer, kind: str, sharded_axis: int) -> t
 def split_sizes(m_splits) -> list[int]:
     """``m_splits`` (list, tuple or tensor) as host ints (the reference path needs them on the host)."""
     return m_splits.tolist() if isinstance(m_splits, torch.Tensor) else [int(m) for m in m_splits]
+
+
+def use_kernels(preference: str, device: torch.device) -> bool:
+    """Whether expert fake quant runs the one-launch Triton kernels (``config.kernel``: auto | triton | torch): the
+    kernels' rule (:func:`modelopt_moe.kernels.use_kernels`, which dense quantizers follow too)."""
+    return kernel_rule(preference, device, kernels_available(device))
 
 
 class DeviceSplits:
