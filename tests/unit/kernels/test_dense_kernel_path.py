@@ -31,6 +31,16 @@ def _graph_nodes(*tensors) -> set[str]:
     return names
 
 
+def _assert_kernel_path(nodes: set[str], *context) -> None:
+    assert KERNEL_NODES & nodes, (context, nodes)
+    assert REFERENCE_NODE not in nodes, (context, nodes)
+
+
+def _assert_reference_path(nodes: set[str], *context) -> None:
+    assert REFERENCE_NODE in nodes, (context, nodes)
+    assert not KERNEL_NODES & nodes, (context, nodes)
+
+
 def _linear(preset, kernel, ste, *, dtype=torch.float32, in_features=48, edit=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(in_features, 16, bias=True)).to(dtype)
@@ -71,8 +81,8 @@ def test_quantized_linear_on_the_kernels_matches_the_reference_bit_for_bit(prese
     ref = _linear(preset, "torch", ste, dtype=dtype)
     fast = _linear(preset, "triton", ste, dtype=dtype)
     _assert_same(fast, ref)
-    assert REFERENCE_NODE in ref[3] and not KERNEL_NODES & ref[3]
-    assert KERNEL_NODES & fast[3] and REFERENCE_NODE not in fast[3]
+    _assert_reference_path(ref[3])
+    _assert_kernel_path(fast[3])
 
 
 @pytest.mark.parametrize("preset", ["int4_blockwise_weight_only.yaml", "mxfp4_default.yaml"])
@@ -81,7 +91,7 @@ def test_padded_blocks_on_a_last_dim_that_is_no_multiple_take_the_kernels_bit_fo
     ref = _linear(preset, "torch", "clipped", in_features=40)
     fast = _linear(preset, "triton", "clipped", in_features=40)
     _assert_same(fast, ref)
-    assert KERNEL_NODES & fast[3] and REFERENCE_NODE not in fast[3]
+    _assert_kernel_path(fast[3])
 
 
 def _learned(cfg):
@@ -147,7 +157,8 @@ def test_edge_values_take_the_kernels_with_the_reference_bits(cfg, amax, k, ste)
     assert torch.equal(fast[0].nan_to_num(), ref[0].nan_to_num())
     assert torch.equal(fast[1].isnan(), ref[1].isnan())
     assert torch.equal(fast[1].nan_to_num(), ref[1].nan_to_num())
-    assert KERNEL_NODES & fast[2] and REFERENCE_NODE in ref[2]
+    _assert_kernel_path(fast[2])
+    _assert_reference_path(ref[2])
 
 
 def test_layouts_the_grouped_ops_do_not_take_stay_on_the_reference():
