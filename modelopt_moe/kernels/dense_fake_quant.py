@@ -9,8 +9,8 @@ other tensor is a token matrix of one expert (its leading dims flattened) for
 address at every call). The ops pick Triton or their torch fallback as they do for experts.
 
 :func:`dense_layout` says which tensors the ops take; the caller runs the reference for the others (a per-token or
-other per-channel amax, a scalar tensor, a last dim that a format's fixed blocks do not tile, a block size the
-kernels' checks refuse, a non-float dtype).
+other per-channel amax, a scalar or non-contiguous tensor, a last dim that a format's fixed blocks do not tile, a
+block size the kernels' checks refuse, a non-float dtype).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def dense_layout(x: torch.Tensor, amax: torch.Tensor | None, fmt: str, block_siz
     ``"tokens"`` (a token matrix of one expert: a per-tensor amax, or none), ``"weight"`` (one expert weight: a 2-D
     ``x`` with one amax per row, or 2-D blocks), or None where they do not (the reference's layouts only)."""
     if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES or x.dim() == 0 or x.numel() == 0:
+        return None
+    if not x.is_contiguous():  # the reference's output keeps a permuted layout, which the next op may read otherwise
         return None
     try:
         check_format(fmt, block_size)
@@ -57,7 +59,7 @@ def dense_fake_quant_ste(x: torch.Tensor, amax: torch.Tensor | None, fmt: str, b
     estimator (``ste``: ``pass_through`` or ``clipped``; ``amax`` gets none).
 
     Args:
-        x: a dense weight or an input, bf16 / fp16 / fp32 (made contiguous if it is not).
+        x: a dense weight or an input, contiguous, bf16 / fp16 / fp32.
         amax: ``[]`` per tensor, ``[C, 1]`` per output channel of a 2-D ``x``, or None where the format takes every
             scale from the data (on ``x``'s device).
         fmt: a registered format name.
@@ -76,7 +78,6 @@ def dense_fake_quant_ste(x: torch.Tensor, amax: torch.Tensor | None, fmt: str, b
         raise ValueError(f"dense_fake_quant_ste: tensor of shape {tuple(x.shape) if isinstance(x, torch.Tensor) else x}"
                          f" with amax of shape {None if amax is None else tuple(amax.shape)} in {fmt!r} "
                          f"(block_size={block_size!r}) is no layout of the grouped ops; use formats.fake_quant")
-    x = x.contiguous()
     if layout == WEIGHT:
         row_amax = None if amax is None else amax.reshape(1, -1)
         return grouped_weight_fake_quant_ste([x], row_amax, fmt, block_size, ste, narrow_range)[0]

@@ -173,6 +173,12 @@ def test_layouts_the_grouped_ops_do_not_take_stay_on_the_reference():
         y = q(x.clone().requires_grad_(True))
         assert _graph_nodes(y) & KERNEL_NODES == set()
     assert dense_layout(x, torch.tensor(1.0), "nvfp4", None) is None  # 40 is no multiple of NVFP4's 16
+    static = TensorQuantizer({"num_bits": (4, 3)}, amax=1.0)
+    static.kernel = "triton"
+    permuted = torch.randn(40, 4).t().requires_grad_(True)  # a permuted view: the reference keeps its layout
+    y = static(permuted)
+    assert _graph_nodes(y) & KERNEL_NODES == set()
+    assert y.stride() == permuted.stride()
     nvfp4_ragged.kernel = "triton"
     with pytest.raises(ValueError, match="16"):  # the reference's own error, unchanged
         nvfp4_ragged(x)
