@@ -182,3 +182,27 @@ def test_layouts_the_grouped_ops_do_not_take_stay_on_the_reference():
     nvfp4_ragged.kernel = "triton"
     with pytest.raises(ValueError, match="16"):  # the reference's own error, unchanged
         nvfp4_ragged(x)
+
+
+@pytest.mark.parametrize("preset", ["fp8_default.yaml", "int8_default.yaml"])
+def test_quantized_linear_on_the_kernels_traces_with_fullgraph_and_matches_eager(preset):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 16))
+    cfg = mtq.load_config(preset)
+    cfg.backward.ste, cfg.kernel = "clipped", "triton"
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(model, cfg, lambda m: m(x))
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        xx = (x * 1.5).requires_grad_(True)
+        y = fn(xx)
+        y.square().sum().backward()
+        return y.detach(), xx.grad, [p.grad.clone() for p in model.parameters()]
+
+    eager = run(model)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    _assert_same(compiled, eager)
