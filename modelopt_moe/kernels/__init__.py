@@ -11,6 +11,7 @@ fallback, ``torch.library.custom_op`` with ``register_fake``, autograd), its ``@
 - :mod:`.weight_fake_quant`: N expert weights in one launch, and the clipped straight-through gradient;
 - :mod:`.static_blocks_fake_quant`: the same with static NVFP4 block scales (a calibrated amax per block);
 - :mod:`.input_fake_quant`: tokens split among N experts by ``m_splits``, optionally times a per-row scale;
+- :mod:`.dense_fake_quant`: one dense weight or input through the two ops above (their one-expert case);
 - :mod:`.weight_amax`: ``max |w|`` of N experts (``weight_amax_update: dynamic``);
 - :mod:`.quant_stats`: fake quant with quantization-error sums (precision autoswitch);
 - :mod:`.kl_divergence`: the distillation KL's per-token softmax sums and the student's gradient (the loss and its
@@ -22,6 +23,7 @@ of the weight kernel, with a public hook to override them) and :mod:`.tile_kerne
 every kernel is built from).
 """
 
+from .dense_fake_quant import dense_fake_quant_ste, dense_layout
 from .input_fake_quant import (
     GroupedInputFakeQuant,
     GroupedInputSTE,
@@ -33,7 +35,7 @@ from .input_fake_quant import (
     grouped_input_fake_quant_ste,
     grouped_input_scaled_clip_grad,
 )
-from .launch import MAX_EXPERTS, TRITON_AVAILABLE, clear_table_cache, kernels_available
+from .launch import MAX_EXPERTS, TRITON_AVAILABLE, clear_table_cache, kernels_available, use_kernels
 from .quant_stats import expert_row_sums, grouped_input_fake_quant_stats, grouped_weight_fake_quant_stats
 from .static_blocks_fake_quant import (
     GroupedStaticBlocksFakeQuant,
@@ -65,6 +67,9 @@ __all__ = [
     "grouped_weight_fake_quant",
     "grouped_weight_fake_quant_ste",
     "kernels_available",
+    "use_kernels",
+    "dense_fake_quant_ste",
+    "dense_layout",
     "grouped_weight_amax",
     "grouped_weight_fake_quant_stats",
     "grouped_input_fake_quant_stats",

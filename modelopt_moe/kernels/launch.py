@@ -3,8 +3,9 @@ tables the weight kernels read. Internal to :mod:`modelopt_moe.kernels`; every o
 
 Parts, in this order:
 
-1. backend: :data:`TRITON_AVAILABLE`, :func:`kernels_available` (Triton or the torch fallback), :func:`eager`
-   (whether an op may skip the custom-op dispatcher);
+1. backend: :data:`TRITON_AVAILABLE`, :func:`kernels_available` (Triton or the torch fallback), :func:`use_kernels`
+   (whether a quantizer takes the kernels, for the config's ``kernel`` preference), :func:`eager` (whether an op may
+   skip the custom-op dispatcher);
 2. signatures of expert lists (:class:`Signature`) and the memo of lists that passed their checks;
 3. the per-expert table (its columns ``COL_*``) and the plan cache (:func:`weight_plan`, :func:`clear_table_cache`);
 4. tiling and the launch arguments every launcher shares.
@@ -80,6 +81,24 @@ def kernels_available(device: torch.device | str) -> bool:
     if device.type == "cpu":
         return _interpret_mode()
     return False
+
+
+def use_kernels(preference: str, device: torch.device, available: bool | None = None) -> bool:
+    """Whether fake quant on ``device`` runs the one-launch Triton kernels, for the config's ``kernel`` preference
+    (``auto``: on CUDA; ``triton``: wherever they can run, else an error; ``torch``: never). The one rule that expert
+    and dense quantizers alike follow; ``available``: whether the kernels can run there (default
+    :func:`kernels_available`).
+
+    Raises:
+        RuntimeError: ``triton`` where the kernels cannot run.
+    """
+    if preference == "torch":
+        return False
+    available = kernels_available(device) if available is None else available
+    if preference == "triton" and not available:
+        raise RuntimeError(f"kernel='triton' but the Triton kernels cannot run on {device} (no triton, or a CPU "
+                           "tensor without TRITON_INTERPRET=1); use kernel='auto' or 'torch'")
+    return available and (preference == "triton" or device.type == "cuda")
 
 
 def eager() -> bool:

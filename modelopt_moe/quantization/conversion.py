@@ -176,6 +176,8 @@ def apply_quant_cfg(model: nn.Module, config: QuantizeConfig) -> None:
         attrs = config.resolve(rule_name(full_name), parent_class_names(module))
         _set_attributes(full_name, q, attrs if attrs is not None else QuantizerAttributeConfig(enable=False),
                         config.backward.ste)
+        if isinstance(q, TensorQuantizer):  # an expert's view follows its quantizer
+            q.kernel = config.kernel
     for full_name, q, module in found:
         rule = rule_name(full_name)
         mode = config.weight_amax_update if rule.endswith("weight_quantizer") else (

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kernels import dense_fake_quant_ste, dense_layout, use_kernels
 from ..numerics import clip_limit, fake_quant, get_format
 from ..numerics.format import nan_ignoring_block_max
 from .calib.max import merge_max
@@ -159,7 +160,16 @@ class TensorQuantizer(nn.Module):
     What a forward does is the quantizer's :attr:`mode`, recomputed whenever one of its inputs changes (the switches
     ``_enabled`` / ``_if_calib`` / ``_if_quant`` (Model Optimizer's names), the config, the amax being set or
     dropped, the amax update), never re-decided at a call.
+
+    With its amax settled (static, refreshed, learned, or none needed) a tensor of a layout the experts' one-launch
+    kernels take goes through them (:mod:`modelopt_moe.kernels.dense_fake_quant`) where :attr:`kernel` says so
+    (``kernels.use_kernels``: ``auto`` on CUDA), with the same bits and gradients as the reference
+    (:class:`FakeQuantSTE`), which runs everywhere else.
     """
+
+    # How fake quant is computed (``config.kernel``: auto | triton | torch), set with the config as ``ste`` is; a class
+    # default so that quantizers pickled before it existed read ``auto``.
+    kernel = "auto"
 
     # Attributes the mode derives from: assigning one recomputes it (writes that bypass __setattr__, into the
     # buffer and parameter dicts, call _update_mode themselves).
@@ -660,7 +670,7 @@ class TensorQuantizer(nn.Module):
     # --- forward -------------------------------------------------------------------------------------------------
     def fake_quant(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
         """Fake-quantizes ``x`` with this quantizer's amax (or ``amax``), STE per :attr:`ste`."""
-        if amax is None and self.is_dynamic:
+        if amax is None and self.is_dynamic and self.needs_amax:  # (an amax no scale reads is not taken)
             amax = self.amax_of(x).detach()
         amax = self._amax if amax is None else amax
         if amax is None and self.needs_amax:
@@ -682,8 +692,20 @@ class TensorQuantizer(nn.Module):
             out = FakeQuantSTE.apply(view, amax, self.fmt, None, clipped, self.int_kwargs)
             padded = (*x.shape[:-1], x.shape[-1] + (-x.shape[-1] % self.static_block_size))
             return out.reshape(padded)[..., : x.shape[-1]]
-        return FakeQuantSTE.apply(x, amax if self.needs_amax else None, self.fmt, self.block_size, clipped,
-                                  self.int_kwargs)
+        return self._fake_quant_ste(x, amax if self.needs_amax else None, clipped)
+
+    def _fake_quant_ste(self, x: torch.Tensor, amax: torch.Tensor | None, clipped: bool) -> torch.Tensor:
+        """The one choice between the experts' kernels and the reference for a dense tensor: the kernels where the
+        experts take them (a settled amax, ``kernels.use_kernels`` for :attr:`kernel` and the device) and the layout
+        is one of theirs (:func:`~modelopt_moe.kernels.dense_layout`; signed int ranges only, as for experts). A
+        format that reads no amax (every scale from the data: FP8 1x128 groups, MX, int blocks) has nothing to
+        settle, so a ``type: dynamic`` one takes the kernels too."""
+        kw = self.int_kwargs
+        settled = self._mode.settled or amax is None  # no amax read: every scale from the data (1x128, MX, ...)
+        if (settled and not kw.get("unsigned", False) and use_kernels(self.kernel, x.device)
+                and dense_layout(x, amax, self.fmt, self.block_size) is not None):
+            return dense_fake_quant_ste(x, amax, self.fmt, self.block_size, self.ste, kw.get("narrow_range", True))
+        return FakeQuantSTE.apply(x, amax, self.fmt, self.block_size, clipped, kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Calibrates on (while calibrating) and fake-quantizes (while quantizing) ``x``; identity when off."""

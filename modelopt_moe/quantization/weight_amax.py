@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..kernels import grouped_weight_amax
+from ..kernels import grouped_weight_amax, use_kernels
 from ..numerics import TINY_AMAX, clip_limit, fake_quant, get_format
 from .expert_quantizer import ExpertQuantizer, ExpertView
 from .process_groups import collective_device, default_groups
@@ -83,7 +83,7 @@ def refresh_weight_amax(module: nn.Module, rel_name: str, q: TensorQuantizer, we
         rel_name: ``q``'s name relative to ``module``.
         q: a :class:`TensorQuantizer` (one weight) or an :class:`ExpertQuantizer` (``weights`` are its N experts).
         weights: the current weights.
-        fast: use the one-launch Triton kernel for experts.
+        fast: use the one-launch Triton kernel (experts; one weight where its amax layout is the kernel's).
         groups: ``{name: ProcessGroup}`` (default: the registered provider's).
     """
     with torch.no_grad():
@@ -93,12 +93,24 @@ def refresh_weight_amax(module: nn.Module, rel_name: str, q: TensorQuantizer, we
             else:
                 amax = torch.stack([q.amax_of(w) for w in weights])
             amax = q._reduced(amax)
+        elif fast and _kernel_amax_takes(q, weights[0]):
+            per_channel = q.axis is not None
+            amax = grouped_weight_amax([weights[0].detach()], per_channel=per_channel)
+            amax = amax.reshape(-1, 1) if per_channel else amax.reshape(())
         else:
             amax = q.amax_of(weights[0]).float()
         amax = _all_reduce(amax, dist.ReduceOp.MAX if dist.is_available() else None,
                            reduction_groups(module, rel_name, groups))
         q.amax = amax
     return amax
+
+
+def _kernel_amax_takes(q: TensorQuantizer, w: torch.Tensor) -> bool:
+    """Whether one weight's amax in ``q``'s layout is the weight-amax kernel's (per tensor, or per row of a 2-D
+    weight), so that the launch gives :meth:`TensorQuantizer.amax_of`'s value."""
+    if q.static_block_size is not None or q.per_token or not w.is_contiguous() or w.dim() == 0:
+        return False
+    return q.axis is None or (q.axis in (0, -2) and w.dim() == 2)
 
 
 class LearnedAmaxSTE(torch.autograd.Function):
@@ -151,11 +163,16 @@ def quantize_weight_operand(module: nn.Module, q, w: torch.Tensor, rel_name: str
     mode says. An expert view's refreshed amax was refreshed by its expert layer (all experts at once)."""
     mode = q.mode
     if mode is QuantMode.REFRESHED and not isinstance(q, ExpertView):
-        return q.fake_quant(w, refresh_weight_amax(module, rel_name, q, [w]))
+        fast = use_kernels(q.kernel, w.device)
+        return q.fake_quant(w, refresh_weight_amax(module, rel_name, q, [w], fast))
     if mode is QuantMode.LEARNED:
         amax = q.amax
         with torch.no_grad():
-            value = fake_quant(w.detach(), q.fmt, amax.detach(), q.block_size)
+            if isinstance(q, TensorQuantizer) and not isinstance(q, ExpertQuantizer) and not q.int_kwargs:
+                # A float format: the quantizer's own fake quant gives these bits (its kernels where they run).
+                value = q.fake_quant(w.detach(), amax.detach())
+            else:
+                value = fake_quant(w.detach(), q.fmt, amax.detach(), q.block_size)
         return learned_amax_ste(module, rel_name, q, amax, [w], [value])[0]
     return q(w)
 

@@ -18,6 +18,7 @@ from ...kernels import (
     grouped_input_fake_quant_ste,
     kernels_available,
 )
+from ...kernels import use_kernels as kernel_rule
 from ...numerics import clip_limit, scale_rows
 from ..config_schema import ExpertsConfig
 from ..expert_quantizer import ExpertQuantizer
@@ -85,14 +86,9 @@ def split_sizes(m_splits) -> list[int]:
 
 
 def use_kernels(preference: str, device: torch.device) -> bool:
-    """Whether expert fake quant runs the one-launch Triton kernels (``config.kernel``: auto | triton | torch)."""
-    if preference == "torch":
-        return False
-    available = kernels_available(device)
-    if preference == "triton" and not available:
-        raise RuntimeError(f"kernel='triton' but the Triton kernels cannot run on {device} (no triton, or a CPU "
-                           "tensor without TRITON_INTERPRET=1); use kernel='auto' or 'torch'")
-    return available and (preference == "triton" or device.type == "cuda")
+    """Whether expert fake quant runs the one-launch Triton kernels (``config.kernel``: auto | triton | torch): the
+    kernels' rule (:func:`modelopt_moe.kernels.use_kernels`, which dense quantizers follow too)."""
+    return kernel_rule(preference, device, kernels_available(device))
 
 
 class DeviceSplits:
