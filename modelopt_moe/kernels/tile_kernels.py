@@ -301,14 +301,14 @@ def static_nvfp4_tile(x, amax, block_amax, BOUND: tl.constexpr, NATIVE_DIV: tl.c
     """NVFP4 with static block scales (``NVFP4Format.quantize_static``), bit for bit: each block's calibrated amax
     ``block_amax`` [R, NB, 1] in place of its max, ``BOUND = 6 * scale_max`` (448, or 256 for 4-over-6).
 
-    The reference's edge rules: a NaN block amax counts as 0; ``clamp(t, 0, 448)`` keeps a ``-0.0`` (a block amax
-    of -0.0 or a negative one that underflows to it), whose zero scale flips the sign of the zero outputs; where the
-    scale is 0 the output is ``(x * 0) * s`` (NaN for an Inf or NaN element, as ``x * 0.0`` in the reference).
+    The reference's edge rules: a zero, negative or NaN block amax is the scale +0.0, and where the scale is 0 the
+    output is ``(x * 0) * s`` (a zero of ``x``'s sign; NaN for an Inf or NaN element, as ``x * 0.0`` in the
+    reference).
     """
     sg = _div(_safe_amax(amax, BOUND), tl.full(amax.shape, BOUND, tl.float32))  # [R, 1, 1]
     a = tl.where(block_amax != block_amax, 0.0, block_amax)
     t = _div(_div(a, tl.full(a.shape, 6.0, tl.float32)), sg)
-    t = tl.where(t < 0.0, 0.0, t)  # torch.clamp's lower bound: -0.0 is not below 0 and stays
+    t = tl.where(t > 0.0, t, 0.0)  # zero, negative: +0.0
     if HW_CVT:
         sb = _hw_round_fp8(t, False)  # saturates an Inf at 448
     else:

@@ -122,7 +122,10 @@ class NVFP4Format(Format):
         blocks = x.float().unflatten(-1, (-1, b))
         a = block_amax.float().unsqueeze(-1).to(blocks.device)
         a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
-        sb = torch.clamp(true_div(true_div(a, E2M1_MAX), sg), 0.0, E4M3_MAX).to(E4M3.element_dtype).float()
+        t = true_div(true_div(a, E2M1_MAX), sg)
+        # A zero, negative or NaN block amax is the scale +0.0 on every device: torch.clamp(-0.0, 0) keeps the -0.0 on
+        # CPU and not on CUDA, and a -0.0 scale would flip the sign of the block's zero outputs.
+        sb = torch.where(t > 0, torch.clamp(t, max=E4M3_MAX), 0.0).to(E4M3.element_dtype).float()
         s = sb * sg
         v = torch.where(s > 0, true_div(blocks, s), blocks * 0.0)
         return Quantized(self.name, round_to_e2m1(v), sg, sb, b)

@@ -68,6 +68,14 @@ def clip_mask(x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor | None
     return x.abs() <= clip_limit(amax)
 
 
+def _placeholder_elsewhere(old: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``old`` is a CPU tensor and ``value`` lives on an accelerator: a learned amax is made (zeros, on the
+    CPU) when ``mtq.quantize`` sets the update mode, before calibration sees the data; the calibrated value then
+    moves it to the data's device instead of being copied into the CPU placeholder (whose every forward would copy
+    it back to the device). Any other case is an in-place copy onto ``old``'s device, as a checkpoint load needs."""
+    return old.device.type == "cpu" and value.device.type != "cpu"
+
+
 class FakeQuantSTE(torch.autograd.Function):
     """Reference fake quant with a straight-through estimator (pass-through, or clipped by a mask).
 
@@ -387,11 +395,11 @@ class TensorQuantizer(nn.Module):
             self._buffers["_block_amax"] = None
             return
         value = torch.as_tensor(value, dtype=torch.float32)
-        if old is not None and old.shape == value.shape:
+        if old is not None and old.shape == value.shape and not _placeholder_elsewhere(old, value):
             with torch.no_grad():
                 old.copy_(value.to(old.device))  # in place: bumps the version caches watch; an optimizer keeps it
         else:
-            device = old.device if old is not None else value.device
+            device = value.device if old is None or _placeholder_elsewhere(old, value) else old.device
             self._put_block_amax(value.detach().clone().to(device))
 
     @property
@@ -502,11 +510,12 @@ class TensorQuantizer(nn.Module):
     @amax.setter
     def amax(self, value) -> None:
         value = torch.as_tensor(value, dtype=torch.float32)
-        if self._amax is not None and self._amax.shape == value.shape:
+        old = self._amax
+        if old is not None and old.shape == value.shape and not _placeholder_elsewhere(old, value):
             with torch.no_grad():
-                self._amax.copy_(value.to(self._amax.device))  # in place: bumps the version caches watch
+                old.copy_(value.to(old.device))  # in place: bumps the version caches watch
         else:
-            device = self._amax.device if self._amax is not None else value.device
+            device = value.device if old is None or _placeholder_elsewhere(old, value) else old.device
             self._put_amax(value.detach().clone().to(device))
 
     def _put_amax(self, value: torch.Tensor) -> None:
@@ -516,7 +525,7 @@ class TensorQuantizer(nn.Module):
             self._buffers["_amax"] = value
         else:
             old = self._parameters["_amax"]
-            if old is not None and old.shape == value.shape:
+            if old is not None and old.shape == value.shape and not _placeholder_elsewhere(old, value):
                 with torch.no_grad():
                     old.copy_(value.to(old.device))
                 return

@@ -102,6 +102,9 @@ def _train(cfg):
         warnings.simplefilter("ignore")
         mtq.quantize(model, cfg, forward_loop)
     model.train()
+    # A learned amax lives where the model and its data are, not on the CPU where it was made before calibration.
+    off = {n: str(p.device) for n, (p, _) in _learned_amaxes(model).items() if p.device.type != "cuda"}
+    assert not off, off
     before = {n: p.detach().clone() for n, (p, _) in _learned_amaxes(model).items()}
     config = model.config
     wrapped = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True),

@@ -92,6 +92,25 @@ def test_max_calibrated_static_block_scales_are_dynamic_nvfp4_bit_for_bit():
         assert torch.equal(static(x.to(dtype)), dynamic(x.to(dtype)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_zero_negative_or_nan_block_amax_is_a_zero_scale_that_keeps_the_sign_of_each_element(dtype):
+    """torch.clamp(-0.0, 0) keeps the -0.0 on CPU and not on CUDA: the rule is +0.0 for every non-positive or NaN
+    block amax, so the zero outputs carry each element's own sign on every device (NaN for an Inf element)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 64).to(dtype)
+    x[2, 48] = float("inf")
+    blocks = x.float().abs().unflatten(-1, (-1, 16)).amax(-1)
+    specials = [0.0, -0.0, -1.0, float("nan")]
+    for j, v in enumerate(specials):
+        blocks[j % 3, j] = v
+    out = NVFP4.fake_quant_static(x, torch.tensor(x.float().abs().max().item()), blocks)
+    for j in range(len(specials)):
+        got, want = out[j % 3, 16 * j: 16 * (j + 1)], x[j % 3, 16 * j: 16 * (j + 1)] * 0.0
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert torch.equal(torch.signbit(got[~torch.isnan(got)]), torch.signbit(want[~torch.isnan(want)]))
+        assert bool((got[~torch.isnan(got)] == 0).all())
+
+
 def test_the_fp8_scale_sweep_tries_every_e4m3_block_scale_and_keeps_the_least_error():
     assert torch.equal(fp8_scale_candidates() * 448, E4M3_POSITIVE)  # Model Optimizer's 126 candidates
     model, x = dense(), torch.randn(4, 64)
