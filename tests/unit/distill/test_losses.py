@@ -171,6 +171,8 @@ def test_top_k_kl_takes_minus_inf_logits_as_the_exact_kl_does():
     teacher's top k gives +inf (not a large finite number), a teacher with fewer than k finite logits (its -inf tied
     with the k-th, kept) gives the KL of its probabilities, and no NaN comes of a -inf."""
     s, t = _infinite_logits()
+    s[4] = _logits(seed=12, shape=(50,))[0]
+    s[4, int(t[4].topk(2).indices[1])] = -float("inf")  # the teacher's second most likely token
     got = logits_kl_loss(s, t, temperature=1.5, top_k=3)
     assert got[4] == float("inf")
     rows = [0, 1, 2, 3, 7]  # at least k finite teacher logits: the top-k KL
