@@ -219,17 +219,13 @@ def _torch_sums(student, teacher, maxima, temperature, threshold, chunk_rows) ->
         torch.sum(s.exp_(), -1, out=sums[0, a:b])
         del s
         torch.sum(t.exp_(), -1, out=sums[1, a:b])
-        torch.sum(_cross_terms(d.mul_(t)), -1, out=sums[2, a:b])
+        # A teacher probability of 0 contributes 0 (0 * log 0 = 0) whatever the student's logit: e_t (t - s) is then
+        # 0 * -inf (a teacher -inf, outside the top k included) or 0 * NaN (both -inf), the only NaN logits below +inf
+        # make, which nansum counts as 0 (in sum's order: the same bits where there is none). Infinities stay: a
+        # student -inf where the teacher's probability is not 0 makes the KL +inf.
+        torch.nansum(d.mul_(t), -1, out=sums[2, a:b])
         del t, d
     return sums
-
-
-def _cross_terms(x: torch.Tensor) -> torch.Tensor:
-    """``e_t (t - s)`` with its NaN set to 0, in place: a teacher probability of 0 contributes 0 (``0 * log 0 = 0``),
-    whatever the student's logit, where the product is ``0 * -inf`` (a teacher logit of -inf, outside the top k
-    included) or ``0 * NaN`` (both -inf). From logits below +inf it makes no other NaN; its infinities stay (a
-    student logit of -inf where the teacher's probability is not 0: the KL is +inf)."""
-    return x.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
 
 
 def _torch_grad(student, teacher, maxima, sums, scale, temperature, threshold, chunk_rows) -> torch.Tensor:
