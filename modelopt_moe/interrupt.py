@@ -15,7 +15,7 @@ import signal
 import threading
 from collections.abc import Iterator, Sequence
 
-__all__ = ["Interrupted", "stop_on_signals", "received_signal", "handlers_are_default", "STOP_SIGNALS"]
+__all__ = ["Interrupted", "stop_on_signals", "received_signal", "handlers_are_default", "not_ignored", "STOP_SIGNALS"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -64,6 +64,13 @@ def handlers_are_default(signals: Sequence[int] = STOP_SIGNALS) -> bool:
     """Whether ``signals`` still have Python's default handlers (nobody installed their own)."""
     defaults = {signal.SIGINT: signal.default_int_handler}
     return all(signal.getsignal(s) in (signal.SIG_DFL, None, defaults.get(s)) for s in signals)
+
+
+def not_ignored(signals: Sequence[int] = STOP_SIGNALS) -> tuple[int, ...]:
+    """The ``signals`` this process does not ignore. An ignored signal is its parent's choice and stays ignored: a
+    shell starts a script's background job (``cmd &``) with SIGINT ignored, so that Ctrl-C at the terminal stops the
+    script and not the job."""
+    return tuple(s for s in signals if signal.getsignal(s) is not signal.SIG_IGN)
 
 
 @contextlib.contextmanager

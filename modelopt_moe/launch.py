@@ -42,7 +42,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .interrupt import STOP_SIGNALS, Interrupted, handlers_are_default, received_signal, stop_on_signals
+from .interrupt import (
+    STOP_SIGNALS,
+    Interrupted,
+    handlers_are_default,
+    not_ignored,
+    received_signal,
+    stop_on_signals,
+)
 
 __all__ = ["spawn", "free_port", "LaunchEnvironment", "launched_environment", "init_from_environment",
            "Interrupted"]
@@ -109,9 +116,15 @@ def _worker(
     conn: multiprocessing.connection.Connection,
     launcher_alive: multiprocessing.connection.Connection,
     stdio: tuple[multiprocessing.connection.Connection, ...] | None,
+    stop_signals: tuple[int, ...] = STOP_SIGNALS,
 ) -> None:
-    """Child process body: join the group, run ``fn``, send ``(status, payload)`` back through ``conn``."""
-    with stop_on_signals():  # SIGTERM / SIGINT: fn's cleanup runs, the launcher learns where it stopped
+    """Child process body: join the group, run ``fn``, send ``(status, payload)`` back through ``conn``.
+    ``stop_signals`` are those the launcher does not ignore; the others the rank ignores as well (a forked rank would
+    otherwise have its fork server's)."""
+    for s in STOP_SIGNALS:
+        if s not in stop_signals:
+            signal.signal(s, signal.SIG_IGN)
+    with stop_on_signals(stop_signals):  # SIGTERM / SIGINT: fn's cleanup runs, the launcher learns where it stopped
         _worker_body(rank, world_size, port, backend, timeout, fn, args, conn, launcher_alive, stdio)
     for s in STOP_SIGNALS:  # on the way out (finalizers: a multiprocessing manager's shutdown): a late signal,
         signal.signal(s, signal.SIG_IGN)  # the launcher's passed on or a second Ctrl-C, would only interrupt it
@@ -309,12 +322,14 @@ def _run_once(
     conns: list[multiprocessing.connection.Connection] = []
     alive_r, alive_w = ctx.Pipe(duplex=False)  # only this process holds alive_w: its end ends every rank
     stdio = _launcher_stdio(ctx)
+    stop_signals = not_ignored()
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, backend, timeout, fn, tuple(args), child_end, alive_r, stdio),
+                args=(rank, world_size, port, backend, timeout, fn, tuple(args), child_end, alive_r, stdio,
+                      stop_signals),
                 name=f"spawn-rank{rank}",
                 # Not daemonic: ranks may start processes of their own (Megatron's checkpoint writer starts a
                 # multiprocessing.Manager). They still never outlive us: killed in `finally`, and by the kernel
@@ -443,7 +458,9 @@ def spawn(
             it set it), and had a few seconds to stop before the ones left, and the processes the ranks started,
             were killed. ``where`` is rank 0's; its ``exit_code`` is 128 + the signal. Where this process has its
             own SIGTERM or SIGINT handler, spawn leaves it in place (it still stops the ranks on
-            ``KeyboardInterrupt`` or :class:`Interrupted`).
+            ``KeyboardInterrupt`` or :class:`Interrupted`). Each signal is taken on its own: a signal this process
+            ignores (SIGINT in a shell script's background job ``cmd &``) stays ignored, here and in the ranks,
+            while SIGTERM still stops them.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -451,7 +468,9 @@ def spawn(
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     _context(start_method)  # an unknown start method fails before anything starts
     message = ""
-    with stop_on_signals() if handlers_are_default() else contextlib.nullcontext():
+    # Each signal on its own: one with a handler of the caller's (or ignored) is left as it is, the others stop the run.
+    own = tuple(s for s in STOP_SIGNALS if handlers_are_default((s,)))
+    with stop_on_signals(own) if own else contextlib.nullcontext():
         for _ in range(_PORT_RETRIES):
             status, payload = _run_once(fn, world_size, args, timeout, backend, start_method)
             if status == "ok":

@@ -169,6 +169,15 @@ def logits_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *
     bf16 logits tensor). Either way, kernels or not, every token's result is the whole-tensor formula's to fp32
     rounding (the kernels sum in another order).
 
+    Infinite logits are taken as the math takes them, on every path alike. A teacher logit of ``-inf`` (vocabulary
+    padding masked out, a truncated top-k / top-p teacher, stored top-k teacher logits) is a teacher probability of
+    0: it contributes 0 to the loss and 0 to the gradient (``0 * log 0 = 0``), whatever the student's logit there.
+    A student logit of ``-inf`` where the teacher's probability is not 0 makes that token's loss ``+inf`` (the
+    student rules out a token the teacher predicts; its gradient stays finite). A token whose teacher logits are all
+    ``-inf`` (over the whole vocabulary, every rank's slice) has no teacher distribution: its loss and its gradient
+    are NaN, even where its loss is then weighted by 0 (not checked here: that would wait for the device on every
+    call). Give such a token other teacher logits before the call (the student's, detached: a loss of 0).
+
     Returns:
         fp32 ``[...]``: the loss of every token, the same on every rank of ``tp_group``.
 
@@ -251,7 +260,9 @@ class _WholeTensorKL(torch.autograd.Function):
         s = s - s.amax(-1, keepdim=True)
         t = t - t.amax(-1, keepdim=True)
         es, et = s.exp(), t.exp()
-        zs, zt, cross = es.sum(-1), et.sum(-1), (et * (t - s)).sum(-1)
+        # 0 * log 0 = 0: a teacher probability of 0 contributes 0 whatever the student's (0 * -inf: nansum's 0).
+        cross = (et * (t - s)).nansum(-1)
+        zs, zt = es.sum(-1), et.sum(-1)
         ctx.save_for_backward(es.div_(zs.unsqueeze(-1)), et.div_(zt.unsqueeze(-1)))
         ctx.temperature, ctx.dtype = temperature, student.dtype
         return (cross / zt - zt.log() + zs.log()) * (temperature * temperature)

@@ -87,7 +87,8 @@ def _check(what: str, student, teacher, maxima, threshold, triton: bool) -> None
 def softmax_kl_sums(student: torch.Tensor, teacher: torch.Tensor, maxima: torch.Tensor, temperature: float,
                     threshold: torch.Tensor | None = None, *, chunk_rows: int, triton: bool) -> torch.Tensor:
     """Per row, the three sums of the softmax KL at ``temperature``, with ``s = student / T - maxima[0]`` and
-    ``t = teacher / T - maxima[1]``: ``sum exp(s)``, ``sum exp(t)`` and ``sum exp(t) * (t - s)``.
+    ``t = teacher / T - maxima[1]``: ``sum exp(s)``, ``sum exp(t)`` and ``sum exp(t) * (t - s)``, whose terms of a
+    teacher probability of 0 are 0 (``0 * log 0 = 0``: a teacher logit of -inf, whatever the student's).
 
     Args:
         student: ``[rows, vocab]`` logits (this rank's vocabulary slice).
@@ -96,7 +97,7 @@ def softmax_kl_sums(student: torch.Tensor, teacher: torch.Tensor, maxima: torch.
             vocabulary (all ranks').
         temperature: softmax temperature (> 0).
         threshold: None, or ``[rows]`` in the teacher's dtype: entries whose teacher logit is below it count as
-            ``-inf`` in both (the top-k KL), their ``t - s`` as 0.
+            ``-inf`` in both (the top-k KL).
         chunk_rows: rows per chunk of the torch reference (its fp32 temporaries are three ``[chunk_rows, vocab]``);
             the kernel needs none.
         triton: True: one Triton launch; False: the torch reference.
@@ -218,9 +219,11 @@ def _torch_sums(student, teacher, maxima, temperature, threshold, chunk_rows) ->
         torch.sum(s.exp_(), -1, out=sums[0, a:b])
         del s
         torch.sum(t.exp_(), -1, out=sums[1, a:b])
-        if threshold is not None:
-            d.nan_to_num_(nan=0.0)  # outside the top k: e_t = 0 and t - s = -inf - (-inf)
-        torch.sum(d.mul_(t), -1, out=sums[2, a:b])
+        # A teacher probability of 0 contributes 0 (0 * log 0 = 0) whatever the student's logit: e_t (t - s) is then
+        # 0 * -inf (a teacher -inf, outside the top k included) or 0 * NaN (both -inf), the only NaN logits below +inf
+        # make, which nansum counts as 0 (in sum's order: the same bits where there is none). Infinities stay: a
+        # student -inf where the teacher's probability is not 0 makes the KL +inf.
+        torch.nansum(d.mul_(t), -1, out=sums[2, a:b])
         del t, d
     return sums
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tile_kernels import FP32_MAX, to_fp32, to_out_dtype
+from .tile_kernels import to_fp32, to_out_dtype
 
 
 @triton.jit
@@ -43,8 +43,9 @@ def kl_sums_kernel(
     UNIT_T: tl.constexpr, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Writes ``sum exp(s/T - ms)``, ``sum exp(t/T - mt)`` and ``sum exp(t/T - mt) * ((t/T - mt) - (s/T - ms))`` of
-    each row to ``out[0]``, ``out[1]``, ``out[2]`` (``[3, n_rows]`` fp32). With ``TOP_K``, entries whose teacher
-    logit is below the row's threshold count as ``-inf`` in both (and their ``t - s``, NaN, as 0)."""
+    each row to ``out[0]``, ``out[1]``, ``out[2]`` (``[3, n_rows]`` fp32), a NaN product in the last counted as 0
+    (a teacher probability of 0, as the reference's). With ``TOP_K``, entries whose teacher logit is below the
+    row's threshold count as ``-inf`` in both."""
     rows, row_ok, ms, mt, thr = _row_tile(max_ptr, thr_ptr, n_rows, BLOCK_R, TOP_K)
     # int64 row offsets: rows * stride exceeds 2**31 elements at real sizes (32k tokens x 248k vocabulary).
     s_row = rows.to(tl.int64)[:, None] * s_stride
@@ -65,13 +66,11 @@ def kl_sums_kernel(
         d = t - s
         es = tl.exp(s)
         et = tl.exp(t)
-        if TOP_K:  # torch's nan_to_num(nan=0.0): NaN -> 0, +-Inf -> the largest finite fp32 of that sign
-            d = tl.where(d != d, 0.0, d)
-            d = tl.where(d == float("inf"), FP32_MAX, d)
-            d = tl.where(d == float("-inf"), -FP32_MAX, d)
+        c = d * et
+        c = tl.where(c != c, 0.0, c)  # a teacher probability of 0 contributes 0: 0 * -inf, 0 * NaN (both -inf)
         zs += tl.where(mask, es, 0.0)
         zt += tl.where(mask, et, 0.0)
-        cross += tl.where(mask, d * et, 0.0)
+        cross += tl.where(mask, c, 0.0)
     tl.store(out_ptr + rows, tl.sum(zs, axis=1), mask=row_ok)
     tl.store(out_ptr + n_rows + rows, tl.sum(zt, axis=1), mask=row_ok)
     tl.store(out_ptr + 2 * n_rows + rows, tl.sum(cross, axis=1), mask=row_ok)

@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from modelopt_moe.interrupt import Interrupted, stop_on_signals
+from modelopt_moe.interrupt import Interrupted, not_ignored, stop_on_signals
 
 __all__ = ["main", "COMMANDS"]
 
@@ -41,7 +41,7 @@ def _stopped_by_signals(main: Callable[[list[str] | None], int]) -> Callable[[li
 
     @functools.wraps(main)
     def run(argv: list[str] | None = None) -> int:
-        with stop_on_signals(exit_after=True):
+        with stop_on_signals(not_ignored(), exit_after=True):  # an ignored Ctrl-C (`cmd &`) stays ignored
             try:
                 return main(argv)
             except Interrupted as e:

@@ -51,14 +51,14 @@ def _hf_checkpoint(path):
     return path
 
 
-def _start(cwd, *args):
+def _start(cwd, *args, preexec_fn=None):
     """``modelopt-moe qat ARGS`` in a session of its own (as a terminal's foreground job), output to files."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH="",
                MODELOPT_MOE_START_METHOD="spawn")
     out, err = open(cwd / "out.txt", "w"), open(cwd / "err.txt", "w")  # noqa: SIM115 (closed by _finish)
     proc = subprocess.Popen([COMMAND, "qat", *map(str, args)], cwd=cwd, env=env, stdout=out, stderr=err,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=preexec_fn)
     return proc, (out, err)
 
 
@@ -163,3 +163,54 @@ def _signal_and_resume(tmp_path, groups):
     assert "Traceback" not in err, err[-4000:]
     assert "KeyboardInterrupt" not in err
     assert not Path(f"{ckpt}.tmp").exists()
+
+
+WAITING_DATA_MODULE = '''
+import os
+import time
+
+
+def batches(split, num_batches, batch_size, seq_len, offset):
+    open(f"reading.{os.getpid()}", "w").close()  # a rank is running
+    time.sleep(600)
+'''
+
+
+def _as_a_script_starts_a_background_job() -> None:
+    """``modelopt-moe ... &`` in a shell script: SIGINT ignored (Ctrl-C at the terminal is for the script)."""
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(s, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def test_a_background_job_ignores_ctrl_c_and_stops_on_sigterm(tmp_path):
+    """Started with SIGINT ignored, ``modelopt-moe qat`` and its ranks keep ignoring it (Ctrl-C to the process
+    group leaves the run going), and a SIGTERM still stops every process it started, with 143."""
+    hf = _hf_checkpoint(tmp_path / "hf")
+    cwd = tmp_path / "job"
+    cwd.mkdir()
+    (cwd / "waiting_batches.py").write_text(WAITING_DATA_MODULE)
+    proc, files = _start(cwd, "--hf", hf, "--config", "fp8_default.yaml", "--data", "waiting_batches:batches",
+                         "--world-size", "2", "--cpu", "--tp", "1", "--ep", "2", "--steps", "1",
+                         "--batch-size", "2", "--seq-len", "16", "--calib-batches", "1",
+                         preexec_fn=_as_a_script_starts_a_background_job)
+    try:
+        deadline = time.monotonic() + seconds(600)
+        while len(list(cwd.glob("reading.*"))) < 2:
+            assert proc.poll() is None, (cwd / "err.txt").read_text()[-4000:]
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        started = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(2)
+        assert all(_running(pid) for pid in started), (cwd / "err.txt").read_text()[-4000:]
+        code, took, alive = _stop(proc, files, lambda pid: os.kill(pid, signal.SIGTERM))
+        err = (cwd / "err.txt").read_text()
+        assert code == 128 + signal.SIGTERM, err[-4000:]
+        assert not alive, (alive, took)
+        assert "modelopt-moe qat: interrupted by SIGTERM" in err, err[-4000:]
+        assert "Traceback" not in err, err[-4000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -262,3 +262,57 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_what_they_started(tmp_pat
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
+
+
+def _as_a_shell_starts_a_background_job() -> None:
+    """As a shell script starts ``cmd &``: SIGINT ignored (Ctrl-C at the terminal is for the script), the rest as
+    :func:`_as_a_shell_starts_it`."""
+    _as_a_shell_starts_it()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and pids as on Linux")
+@pytest.mark.timeout(_TIMEOUT + 60)
+def test_a_launcher_that_ignores_ctrl_c_keeps_ignoring_it_and_still_stops_on_sigterm(tmp_path):
+    # A script's background job inherits SIGINT ignored: Ctrl-C (SIGINT to the whole process group) leaves the run
+    # going, ranks included, and a scheduler's SIGTERM still stops every rank and what they started.
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_launch import _start_a_helper_then_work
+        from modelopt_moe.launch import Interrupted, spawn
+        try:
+            spawn(_start_a_helper_then_work, 2, args=({str(tmp_path)!r},), timeout=600)
+        except Interrupted as e:
+            print("spawn raised:", e, e.exit_code, flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELOPT_MOE_")}
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True, env=env,
+                                preexec_fn=_as_a_shell_starts_a_background_job)
+    try:
+        pid_files = [tmp_path / "rank0.pids", tmp_path / "rank1.pids"]
+        deadline = time.monotonic() + _TIMEOUT
+        while not all(f.exists() and f.read_text() for f in pid_files):
+            assert time.monotonic() < deadline, "ranks did not start"
+            assert launcher.poll() is None, launcher.communicate()
+            time.sleep(0.2)
+        pids = [int(p) for f in pid_files for p in f.read_text().split()]  # ranks and their helpers
+        os.killpg(launcher.pid, signal.SIGINT)
+        time.sleep(2)
+        assert launcher.poll() is None, launcher.communicate()
+        assert all(_alive(p) for p in pids)
+        assert not list(tmp_path.glob("rank*.stopped"))
+        launcher.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        out, err = launcher.communicate(timeout=60)
+        while any(_alive(p) for p in pids) and time.monotonic() < start + 30:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], (out, err)
+        assert f"spawn raised: interrupted by SIGTERM {128 + signal.SIGTERM}" in out, (out, err)
+        assert all((tmp_path / f"rank{r}.stopped").is_file() for r in (0, 1)), (out, err)
+        assert "Traceback" not in err, err
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()

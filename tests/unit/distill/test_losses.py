@@ -112,6 +112,78 @@ def test_top_k_kl_is_the_kl_on_the_teachers_top_k_and_never_the_default():
         DistillationModel(student, teacher, top_k=0)
 
 
+def _infinite_logits(dtype=torch.float32):
+    """Logits with -inf where teachers and students have them in practice, one case a token."""
+    s, t = _logits(seed=11, shape=(8, 50), dtype=dtype)
+    inf = float("inf")
+    t[0, 40:] = -inf  # vocabulary padding masked out
+    t[1, 3:] = -inf  # a truncated (top-3) teacher
+    t[2, :5] = s[2, :5] = -inf  # both rule the same tokens out
+    t[3, int(s[3].argmax())] = -inf  # the teacher rules out the student's favourite
+    s[4, int(t[4].argmax())] = -inf  # the student rules out the teacher's favourite: KL = +inf
+    t[5, 1:] = -inf  # one token carries the teacher's whole mass: KL = -log p_s of it
+    t[6, :] = -inf  # no teacher distribution at all: NaN, documented
+    return s, t  # row 7: finite
+
+
+def _kl_of_probabilities(s, t, temperature):
+    """KL(p_t || p_s) summed where p_t > 0 alone (0 * log 0 = 0), from torch's log-softmaxes; and the gradient's
+    ``T (p_s - p_t)``."""
+    log_pt, log_ps = torch.log_softmax(t.float() / temperature, -1), torch.log_softmax(s.float() / temperature, -1)
+    pt = log_pt.exp()
+    kl = torch.where(pt > 0, pt * (log_pt - log_ps), 0.0).sum(-1) * temperature**2
+    kl[t.float().isneginf().all(-1)] = float("nan")
+    return kl, (log_ps.exp() - pt) * temperature
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 1.7])
+def test_a_teacher_logit_of_minus_inf_is_a_probability_of_zero(dtype, temperature):
+    """A teacher logit of -inf (masked vocabulary padding, a truncated teacher) contributes 0 to the loss and to the
+    gradient, whatever the student's logit; a student -inf where the teacher's probability is not 0 gives +inf with a
+    finite gradient; a token whose teacher logits are all -inf gives NaN. Chunked or not, and on the whole-tensor
+    formula alike."""
+    s, t = _infinite_logits(dtype)
+    want, want_grad = _kl_of_probabilities(s, t, temperature)
+    results = []
+    for run in (lambda x: logits_kl_loss(x, t, temperature=temperature),
+                lambda x: logits_kl_loss(x, t, temperature=temperature, chunk_tokens=3),
+                lambda x: whole_tensor_kl(x, t, temperature)):
+        x = s.clone().requires_grad_(True)
+        loss = run(x)
+        loss.backward(torch.ones_like(loss))
+        results.append((loss.detach(), x.grad))
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+        assert loss.isinf().tolist() == [False] * 4 + [True] + [False] * 3
+        assert loss.isnan().tolist() == [False] * 6 + [True, False]
+        valid = [0, 1, 2, 3, 4, 5, 7]
+        torch.testing.assert_close(x.grad[valid].float(), want_grad[valid], rtol=1e-2 if dtype == torch.bfloat16
+                                   else 1e-5, atol=1e-6)
+        assert x.grad[valid][t[valid].isneginf() & s[valid].isneginf()].eq(0).all()
+        assert x.grad[6].isnan().all()
+    one_chunk, chunked, whole = results
+    torch.testing.assert_close(one_chunk, whole, rtol=0, atol=0, equal_nan=True)  # one chunk: bit for bit
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
+def test_top_k_kl_takes_minus_inf_logits_as_the_exact_kl_does():
+    """The top-k KL (and the stored top-k teacher logits, -inf outside the stored ids): a student -inf inside the
+    teacher's top k gives +inf (not a large finite number), a teacher with fewer than k finite logits (its -inf tied
+    with the k-th, kept) gives the KL of its probabilities, and no NaN comes of a -inf."""
+    s, t = _infinite_logits()
+    s[4] = _logits(seed=12, shape=(50,))[0]
+    s[4, int(t[4].topk(2).indices[1])] = -float("inf")  # the teacher's second most likely token
+    got = logits_kl_loss(s, t, temperature=1.5, top_k=3)
+    assert got[4] == float("inf")
+    rows = [0, 1, 2, 3, 7]  # at least k finite teacher logits: the top-k KL
+    torch.testing.assert_close(got[rows], _top_k_kl(s[rows], t[rows], 3, 1.5))
+    # One finite teacher logit: every -inf ties with the k-th and is kept, the exact KL of the probabilities.
+    torch.testing.assert_close(got[5], _kl_of_probabilities(s[5], t[5], 1.5)[0])
+    x = s.clone().requires_grad_(True)
+    logits_kl_loss(x, t, temperature=1.5, top_k=3).backward(torch.ones(8))
+    assert x.grad[[0, 1, 2, 3, 4, 5, 7]].isfinite().all()
+
+
 def test_cross_entropy_matches_torch():
     s, _ = _logits()
     labels = torch.randint(0, 64, s.shape[:-1], generator=torch.Generator().manual_seed(2))

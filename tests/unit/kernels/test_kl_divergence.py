@@ -77,19 +77,50 @@ def test_kernel_top_k_kl_equals_the_torch_reference(dtype):
 
 def test_kernel_kl_with_infinite_and_very_negative_logits_equals_the_torch_reference():
     """-inf and -3e38 logits give the reference's values: 0 probability where finite, Inf where the student gives a
-    teacher token probability 0, NaN where the whole-tensor formula gives NaN (a teacher -inf: -inf * 0)."""
+    teacher token probability 0, a finite KL where the teacher gives a token probability 0 (its -inf counts 0)."""
     s, t = _logits((6, 300), torch.float32, seed=4)
     s[0, :10] = -float("inf")  # the student rules out tokens the teacher likes: KL = +inf
     s[1, :] = -3e38  # every logit hugely negative: the max subtraction keeps it finite
     t[1, :] = -3e38
     s[2, 5:] = -1e30  # one token carries the student's mass
-    t[3, 0] = -float("inf")  # the reference's NaN (-inf * exp(-inf))
+    t[3, 0] = -float("inf")  # a teacher probability of 0: counts 0
     s[4, 7] = t[4, 7] = -float("inf")
     got, want = _both(s, t, temperature=2.0)
     _assert_close(got, want)
     assert want[0][0].isinf()
-    assert want[0][3].isnan()
-    assert want[0][[1, 2, 5]].isfinite().all()
+    assert want[0][[1, 2, 3, 4, 5]].isfinite().all()
+
+
+def _minus_inf_logits(dtype, seed=12, shape=(8, 700)):
+    """Logits with -inf where teachers and students have them in practice, one case a token (row 7: finite)."""
+    s, t = _logits(shape, torch.float32, seed=seed)
+    inf = float("inf")
+    t[0, 600:] = -inf  # vocabulary padding masked out (the last TP rank's slice, at TP = 2)
+    t[1, 3:] = -inf  # a truncated (top-3) teacher
+    t[2, :50] = s[2, :50] = -inf  # both rule the same tokens out
+    t[3, int(s[3].argmax())] = -inf  # the teacher rules out the student's favourite
+    s[4, int(t[4].argmax())] = -inf  # the student rules out the teacher's favourite: KL = +inf
+    t[5, 1:] = -inf  # one token carries the teacher's whole mass
+    t[6, :] = -inf  # no teacher distribution: NaN
+    return s.to(dtype), t.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 1.7])
+def test_kernel_kl_of_a_teacher_with_minus_inf_logits_equals_the_torch_reference(dtype, temperature):
+    """A teacher -inf counts as a probability of 0 on the kernels as on the reference (loss and gradient, no NaN),
+    exact and top-k; a student -inf under a teacher probability gives +inf; a teacher row all -inf NaN."""
+    s, t = _minus_inf_logits(dtype)
+    got, want = _both(s, t, temperature=temperature)
+    _assert_close(got, want)
+    assert [x.isinf().item() for x in want[0]] == [False] * 4 + [True] + [False] * 3
+    assert [x.isnan().item() for x in want[0]] == [False] * 6 + [True, False]
+    assert got[1][[0, 1, 2, 3, 4, 5, 7]].isfinite().all()
+    for k in (3, 20):
+        got, want = _both(s, t, temperature=temperature, top_k=k)
+        _assert_close(got, want)
+        assert want[0][4] == float("inf")
+        assert got[1][[0, 1, 2, 3, 4, 5, 7]].isfinite().all()
 
 
 def test_kernel_takes_rows_with_a_stride_and_refuses_a_strided_vocabulary():
@@ -157,6 +188,42 @@ def test_kernel_kl_is_vocab_parallel_at_tp2():
     for rank_out in spawn(_vocab_parallel_kernel_kl, 2, timeout=120):
         for got, want in rank_out.values():
             _assert_close(got, want)
+
+
+def _vocab_parallel_minus_inf_kl(rank, world_size):
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world_size)))
+    s, t = _minus_inf_logits(torch.bfloat16, seed=13)
+    t[2, 350:] = -float("inf")  # rank 1's whole slice of one token: the other rank's carries its distribution
+    shard = slice(rank * 700 // world_size, (rank + 1) * 700 // world_size)
+    out = {}
+    for kernel in ("triton", "torch"):
+        for top_k in (None, 3):
+            part = s[..., shard].clone().requires_grad_(True)
+            whole = s.clone().requires_grad_(True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                kl_part = logits_kl_loss(part, t[..., shard], temperature=1.5, tp_group=group, top_k=top_k,
+                                         kernel=kernel)
+                kl_whole = logits_kl_loss(whole, t, temperature=1.5, top_k=top_k, kernel="torch")
+                g = torch.randn(kl_part.shape, generator=torch.Generator().manual_seed(8))
+                kl_part.backward(g)
+                kl_whole.backward(g)
+            out[kernel, top_k] = ((kl_part.detach(), part.grad),
+                                  (kl_whole.detach(), whole.grad[..., shard].contiguous()))
+    return out
+
+
+def test_kernel_kl_of_minus_inf_teacher_logits_is_vocab_parallel_at_tp2():
+    """At TP = 2 with -inf teacher logits (a rank's whole slice of a token among them, as vocabulary padding makes
+    them): on the kernels and on the torch path, every rank's loss is the gathered logits' and its gradient its
+    slice of the whole gradient, exact and top-k; no NaN but the token whose teacher logits are all -inf."""
+    for rank_out in spawn(_vocab_parallel_minus_inf_kl, 2, timeout=120):
+        for (loss, grad), want in rank_out.values():
+            _assert_close((loss, grad), want)
+            assert loss.isnan().tolist() == [False] * 6 + [True, False]
+            assert grad[[0, 1, 2, 3, 4, 5, 7]].isfinite().all()
 
 
 def test_kernel_kl_saves_the_logits_alone_for_its_backward():
