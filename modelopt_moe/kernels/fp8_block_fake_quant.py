@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -39,9 +40,45 @@ from .launch import (
 from .tuning import weight_kernel_config
 
 __all__ = ["takes_weights", "takes_tokens", "weight_blocks_fake_quant", "token_groups_fake_quant",
-           "clear_block_tables"]
+           "clear_block_tables", "Block2dVariant", "BLOCK2D_VARIANTS", "BLOCK2D_DEFAULT", "block2d_registers"]
 
-_CHUNK_ROWS = 32  # rows of a block read per step (registers: CHUNK x BC values per program)
+
+@dataclass(frozen=True)
+class Block2dVariant:
+    """How the 2-D block kernel is launched; every variant gives the same bits.
+
+    Attributes:
+        chunk: rows of a block read per step, in two passes (the max, then the values: the block is read twice);
+            0 reads the whole block at once (one read; ``rows * cols / (32 * warps)`` values per thread).
+        warps: ``num_warps`` of a program.
+        programs_per_sm: 0 launches one program per block; k > 0 a persistent grid of k programs per SM, each looping
+            over blocks.
+        stages: software-pipelining stages of the persistent loop (``tl.range(num_stages=...)``: the next block's
+            loads in flight while this one is reduced and stored); 1 is none.
+        uniform: when all experts share one shape, find a block's expert by a division instead of a table search, and
+            drop the masks when every block is full.
+    """
+
+    chunk: int = 32
+    warps: int = 4
+    programs_per_sm: int = 0
+    stages: int = 1
+    uniform: bool = False
+
+
+BLOCK2D_VARIANTS: dict[str, Block2dVariant] = {
+    "two-pass": Block2dVariant(chunk=32, warps=4),
+    "two-pass-uniform": Block2dVariant(chunk=32, warps=4, uniform=True),
+    "whole-w8": Block2dVariant(chunk=0, warps=8, uniform=True),
+    "whole-w16": Block2dVariant(chunk=0, warps=16, uniform=True),
+    "persistent-w8-s1": Block2dVariant(chunk=0, warps=8, programs_per_sm=2, stages=1, uniform=True),
+    "persistent-w8-s2": Block2dVariant(chunk=0, warps=8, programs_per_sm=2, stages=2, uniform=True),
+    "persistent-w8-s3": Block2dVariant(chunk=0, warps=8, programs_per_sm=2, stages=3, uniform=True),
+    "persistent-w16-s2": Block2dVariant(chunk=0, warps=16, programs_per_sm=1, stages=2, uniform=True),
+    "persistent-w16-s3": Block2dVariant(chunk=0, warps=16, programs_per_sm=1, stages=3, uniform=True),
+}
+BLOCK2D_DEFAULT = "two-pass"  # the variant every launch uses (tools/bench_expert_fake_quant.py --block2d-variants)
+_INTERPRETER_SMS = 2  # the Triton interpreter has no SMs: a persistent grid there has 2 * programs_per_sm programs
 _MAX_BLOCK = 4096
 _CACHE_SIZE = 64
 _tables: OrderedDict[tuple, tuple] = OrderedDict()
@@ -129,22 +166,65 @@ def clear_block_tables() -> None:
     _tables.clear()
 
 
-def weight_blocks_fake_quant(weights: Sequence[torch.Tensor], fmt: str, block_size: tuple[int, int],
-                             sig: Signature | None = None) -> torch.Tensor:
-    """The N fake-quantized experts, concatenated flat (the grouped op's output buffer); inputs already checked
-    by the grouped op and taken by :func:`takes_weights`."""
+def _variant(variant: str | Block2dVariant | None) -> Block2dVariant:
+    if variant is None:
+        variant = BLOCK2D_DEFAULT
+    if isinstance(variant, Block2dVariant):
+        return variant
+    if variant not in BLOCK2D_VARIANTS:
+        raise ValueError(f"2-D block kernel variant {variant!r}: expected one of {sorted(BLOCK2D_VARIANTS)}")
+    return BLOCK2D_VARIANTS[variant]
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _INTERPRETER_SMS
+
+
+def _launch(weights: Sequence[torch.Tensor], fmt: str, block_size: tuple[int, int], sig: Signature | None,
+            variant: str | Block2dVariant | None):
+    """(output, the compiled kernel Triton returned: None without a launch or under the interpreter)."""
+    v = _variant(variant)
     br, bc = block_size
     table, _, base, n_blocks, total, vec = _table(weights, br, bc, sig)
     out = torch.empty(total, dtype=weights[0].dtype, device=weights[0].device)
     if n_blocks == 0:
-        return out
+        return out, None
     kwargs = launch_kwargs(out.device)
+    kwargs["num_warps"] = v.warps
     hw_cvt = rounding_options(weight_kernel_config(fmt), out.device)["HW_CVT"]
-    _kernels().grouped_weight_block2d_kernel[(n_blocks,)](
-        weights[base], out, table, len(weights), **_constexprs(fmt), BR=br, BC=bc, CHUNK=min(br, _CHUNK_ROWS),
+    rows, cols = weights[0].shape
+    # int32 block ids and in-expert offsets (what locate_tile's division computes in).
+    uniform = (v.uniform and all(w.shape == weights[0].shape for w in weights) and n_blocks < 2**31
+               and rows * cols < 2**31)
+    chunk = br if v.chunk == 0 else min(br, v.chunk)
+    grid = n_blocks if v.programs_per_sm == 0 else min(n_blocks, v.programs_per_sm * _sm_count(out.device))
+    u_tiles = n_blocks // len(weights) if uniform else 0
+    handle = _kernels().grouped_weight_block2d_kernel[(grid,)](
+        weights[base], out, table, len(weights), n_blocks, u_tiles, rows if uniform else 0, cols if uniform else 0,
+        cdiv(cols, bc) if uniform else 0, **_constexprs(fmt), BR=br, BC=bc, CHUNK=chunk,
         SEARCH_STEPS=max(0, (len(weights) - 1).bit_length()), VEC=vec if bc % vec == 0 else 1, HW_CVT=hw_cvt,
-        **kwargs)
-    return out
+        UNIFORM=uniform, EVEN=uniform and rows % br == 0 and cols % bc == 0, PERSISTENT=v.programs_per_sm > 0,
+        STAGES=v.stages, **kwargs)
+    return out, handle
+
+
+def weight_blocks_fake_quant(weights: Sequence[torch.Tensor], fmt: str, block_size: tuple[int, int],
+                             sig: Signature | None = None, variant: str | Block2dVariant | None = None) -> torch.Tensor:
+    """The N fake-quantized experts, concatenated flat (the grouped op's output buffer); inputs already checked
+    by the grouped op and taken by :func:`takes_weights`. ``variant``: a name of :data:`BLOCK2D_VARIANTS` or a
+    :class:`Block2dVariant` (default :data:`BLOCK2D_DEFAULT`; the same bits in every variant)."""
+    return _launch(weights, fmt, block_size, sig, variant)[0]
+
+
+def block2d_registers(weights: Sequence[torch.Tensor], fmt: str, block_size: tuple[int, int],
+                      variant: str | Block2dVariant | None = None) -> tuple[int, int] | None:
+    """(registers per thread, spilled registers) of the 2-D block kernel compiled for ``variant`` on these weights
+    (launches it once); None where Triton reports no compiled kernel (its interpreter)."""
+    handle = _launch(weights, fmt, block_size, None, variant)[1]
+    n_regs, n_spills = getattr(handle, "n_regs", None), getattr(handle, "n_spills", None)
+    return None if n_regs is None else (int(n_regs), int(n_spills))
 
 
 def token_groups_fake_quant(x: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
