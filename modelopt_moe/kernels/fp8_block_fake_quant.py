@@ -40,7 +40,7 @@ from .launch import (
 from .tuning import weight_kernel_config
 
 __all__ = ["takes_weights", "takes_tokens", "weight_blocks_fake_quant", "token_groups_fake_quant",
-           "clear_block_tables", "Block2dVariant", "BLOCK2D_VARIANTS", "BLOCK2D_DEFAULT", "block2d_registers"]
+           "clear_block_tables", "Block2dVariant", "BLOCK2D_VARIANTS", "BLOCK2D_DEFAULT", "block2d_resources"]
 
 
 @dataclass(frozen=True)
@@ -218,13 +218,16 @@ def weight_blocks_fake_quant(weights: Sequence[torch.Tensor], fmt: str, block_si
     return _launch(weights, fmt, block_size, sig, variant)[0]
 
 
-def block2d_registers(weights: Sequence[torch.Tensor], fmt: str, block_size: tuple[int, int],
-                      variant: str | Block2dVariant | None = None) -> tuple[int, int] | None:
-    """(registers per thread, spilled registers) of the 2-D block kernel compiled for ``variant`` on these weights
-    (launches it once); None where Triton reports no compiled kernel (its interpreter)."""
+def block2d_resources(weights: Sequence[torch.Tensor], fmt: str, block_size: tuple[int, int],
+                      variant: str | Block2dVariant | None = None) -> dict[str, int] | None:
+    """Registers per thread (``n_regs``), spilled registers (``n_spills``) and shared memory bytes (``shared``) of the
+    2-D block kernel compiled for ``variant`` on these weights (launches it once); None where Triton reports no
+    compiled kernel (its interpreter)."""
     handle = _launch(weights, fmt, block_size, None, variant)[1]
-    n_regs, n_spills = getattr(handle, "n_regs", None), getattr(handle, "n_spills", None)
-    return None if n_regs is None else (int(n_regs), int(n_spills))
+    if getattr(handle, "n_regs", None) is None:
+        return None
+    return {"n_regs": int(handle.n_regs), "n_spills": int(handle.n_spills),
+            "shared": int(getattr(handle.metadata, "shared", -1))}
 
 
 def token_groups_fake_quant(x: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:

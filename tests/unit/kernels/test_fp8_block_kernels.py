@@ -100,7 +100,7 @@ def test_an_unknown_2d_block_kernel_variant_is_refused_with_the_known_ones():
 
 def test_the_interpreter_reports_no_registers():
     weights = make_experts([(32, 24)], torch.float32)
-    assert fp8_block_fake_quant.block2d_registers(weights, "e4m3", BLOCK, "whole-w8") is None
+    assert fp8_block_fake_quant.block2d_resources(weights, "e4m3", BLOCK, "whole-w8") is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
