@@ -57,6 +57,8 @@ class Block2dVariant:
             loads in flight while this one is reduced and stored); 1 is none.
         uniform: when all experts share one shape, find a block's expert by a division instead of a table search, and
             drop the masks when every block is full.
+        prefetch: (persistent, whole blocks) pipeline by hand instead: load the next block's raw values into
+            registers before this block is reduced and stored.
     """
 
     chunk: int = 32
@@ -64,6 +66,11 @@ class Block2dVariant:
     programs_per_sm: int = 0
     stages: int = 1
     uniform: bool = False
+    prefetch: bool = False
+
+    def __post_init__(self):
+        if self.prefetch and (self.chunk != 0 or self.programs_per_sm == 0):
+            raise ValueError(f"Block2dVariant: prefetch needs chunk=0 and programs_per_sm > 0, got {self}")
 
 
 BLOCK2D_VARIANTS: dict[str, Block2dVariant] = {
@@ -71,11 +78,18 @@ BLOCK2D_VARIANTS: dict[str, Block2dVariant] = {
     "two-pass-uniform": Block2dVariant(chunk=32, warps=4, uniform=True),
     "whole-w8": Block2dVariant(chunk=0, warps=8, uniform=True),
     "whole-w16": Block2dVariant(chunk=0, warps=16, uniform=True),
+    "whole-w32": Block2dVariant(chunk=0, warps=32, uniform=True),
+    # Two passes with few blocks in flight (k per SM): the second pass's read stays in L2.
+    "persistent-two-pass-p4": Block2dVariant(chunk=32, warps=4, programs_per_sm=4, uniform=True),
+    "persistent-two-pass-p8": Block2dVariant(chunk=32, warps=4, programs_per_sm=8, uniform=True),
     "persistent-w8-s1": Block2dVariant(chunk=0, warps=8, programs_per_sm=2, stages=1, uniform=True),
     "persistent-w8-s2": Block2dVariant(chunk=0, warps=8, programs_per_sm=2, stages=2, uniform=True),
     "persistent-w8-s3": Block2dVariant(chunk=0, warps=8, programs_per_sm=2, stages=3, uniform=True),
     "persistent-w16-s2": Block2dVariant(chunk=0, warps=16, programs_per_sm=1, stages=2, uniform=True),
     "persistent-w16-s3": Block2dVariant(chunk=0, warps=16, programs_per_sm=1, stages=3, uniform=True),
+    "prefetch-w8": Block2dVariant(chunk=0, warps=8, programs_per_sm=2, uniform=True, prefetch=True),
+    "prefetch-w16": Block2dVariant(chunk=0, warps=16, programs_per_sm=1, uniform=True, prefetch=True),
+    "prefetch-w32": Block2dVariant(chunk=0, warps=32, programs_per_sm=1, uniform=True, prefetch=True),
 }
 BLOCK2D_DEFAULT = "two-pass"  # the variant every launch uses (tools/bench_expert_fake_quant.py --block2d-variants)
 _INTERPRETER_SMS = 2  # the Triton interpreter has no SMs: a persistent grid there has 2 * programs_per_sm programs
@@ -206,7 +220,7 @@ def _launch(weights: Sequence[torch.Tensor], fmt: str, block_size: tuple[int, in
         cdiv(cols, bc) if uniform else 0, **_constexprs(fmt), BR=br, BC=bc, CHUNK=chunk,
         SEARCH_STEPS=max(0, (len(weights) - 1).bit_length()), VEC=vec if bc % vec == 0 else 1, HW_CVT=hw_cvt,
         UNIFORM=uniform, EVEN=uniform and rows % br == 0 and cols % bc == 0, PERSISTENT=v.programs_per_sm > 0,
-        STAGES=v.stages, **kwargs)
+        STAGES=v.stages, PREFETCH=v.prefetch, **kwargs)
     return out, handle
 
 

@@ -96,6 +96,8 @@ def test_an_unknown_2d_block_kernel_variant_is_refused_with_the_known_ones():
     weights = make_experts([(32, 24)], torch.float32)
     with pytest.raises(ValueError, match=r"variant 'fastest'.*two-pass"):
         fp8_block_fake_quant.weight_blocks_fake_quant(weights, "e4m3", BLOCK, variant="fastest")
+    with pytest.raises(ValueError, match="prefetch needs chunk=0 and programs_per_sm > 0"):
+        fp8_block_fake_quant.Block2dVariant(chunk=32, programs_per_sm=1, prefetch=True)
 
 
 def test_the_interpreter_reports_no_registers():
