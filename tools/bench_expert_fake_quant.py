@@ -261,7 +261,7 @@ def bench_block2d_variants(rounds: int, rep_ms: int = 40) -> None:
         med = statistics.median
         print(f"\n2-D block kernel variants, {name_cfg}: {rounds} alternating rounds; fraction of a torch copy of the "
               f"same bytes (graph {med(copy_ms[1]):.3f} ms, eager {med(copy_ms[0]):.3f} ms), median [min-max]")
-        print(f"{'variant':<20} {'chunk':>5} {'warps':>5} {'prog/SM':>7} {'stages':>6} {'regs':>5} {'spills':>6} "
+        print(f"{'variant':<32} {'chunk':>5} {'warps':>5} {'prog/SM':>7} {'stages':>6} {'regs':>5} {'spills':>6} "
               f"{'smem':>7} {'graph':>18} {'graph ms':>9} {'eager':>18} {'eager ms':>9}")
         for name in names:
             v, res = fb.BLOCK2D_VARIANTS[name], resources[name]
@@ -272,7 +272,7 @@ def bench_block2d_variants(rounds: int, rep_ms: int = 40) -> None:
                 cols.append(f"{med(ms[(name, mode)]):.3f}")
             worst[name] = min(worst[name], med(fracs[(name, 1)]))
             mark = " (default)" if name == fb.BLOCK2D_DEFAULT else ""
-            print(f"{name + mark:<20} {v.chunk or 'all':>5} {v.warps:>5} {v.programs_per_sm:>7} {v.stages:>6} "
+            print(f"{name + mark:<32} {v.chunk or 'all':>5} {v.warps:>5} {v.programs_per_sm:>7} {v.stages:>6} "
                   f"{res.get('n_regs', '?'):>5} {res.get('n_spills', '?'):>6} {res.get('shared', '?'):>7} "
                   f"{cols[0]:>18} {cols[1]:>9} {cols[2]:>18} {cols[3]:>9}")
         del sets, srcs, dst, calls, copy_calls, default
