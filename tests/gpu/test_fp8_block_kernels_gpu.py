@@ -75,17 +75,19 @@ def test_edge_blocks_nan_inf_zero(dtype):
 @pytest.mark.parametrize("variant", sorted(fp8_block_fake_quant.BLOCK2D_VARIANTS))
 def test_every_2d_block_kernel_variant_is_bit_exact(variant, monkeypatch):
     """Each launch variant made the default (one line in the module): ragged experts (table search), uniform ones with
-    full blocks (no masks) and with partial blocks, edge values, every dtype; then replayed from a CUDA graph."""
+    full blocks (no masks) and with partial blocks, edge values, bf16 and fp32 (the default variant runs every dtype
+    above); then replayed from a CUDA graph, with more blocks than a persistent grid has programs."""
     monkeypatch.setattr(fp8_block_fake_quant, "BLOCK2D_DEFAULT", variant)
-    for shapes in (SHAPES[3], [(384, 512)] * 32, [(200, 260)] * 5):
-        for dtype in DTYPES:
-            weights = make_experts(shapes, dtype, seed=len(shapes))
-            w = weights[0]
-            w[0, 0], w[1, 1], w[130, 5] = float("nan"), float("inf"), -0.0
-            w[128:200, 128:256] = 0.0
-            outs = K.grouped_weight_fake_quant(weights, None, "e4m3", (128, 128))
-            for i, (o, r) in enumerate(zip(outs, reference(weights, "e4m3", (128, 128)), strict=True)):
-                assert_bits_equal(o, r, f"{variant}, {dtype}, {len(shapes)} experts, expert {i}")
+    cases = [(SHAPES[3], torch.bfloat16), (SHAPES[3], torch.float32), ([(384, 512)] * 32, torch.bfloat16),
+             ([(200, 260)] * 5, torch.bfloat16)]
+    for shapes, dtype in cases:
+        weights = make_experts(shapes, dtype, seed=len(shapes))
+        w = weights[0]
+        w[0, 0], w[1, 1], w[130, 5] = float("nan"), float("inf"), -0.0
+        w[128:200, 128:256] = 0.0
+        outs = K.grouped_weight_fake_quant(weights, None, "e4m3", (128, 128))
+        for i, (o, r) in enumerate(zip(outs, reference(weights, "e4m3", (128, 128)), strict=True)):
+            assert_bits_equal(o, r, f"{variant}, {dtype}, {len(shapes)} experts, expert {i}")
     weights = make_experts([(1536, 2048)] * 8, torch.bfloat16)
     K.grouped_weight_fake_quant(weights, None, "e4m3", (128, 128))
     graph = torch.cuda.CUDAGraph()
