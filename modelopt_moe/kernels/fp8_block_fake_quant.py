@@ -10,6 +10,10 @@ The per-expert table is :mod:`.launch`'s (the same columns), with one tile per b
 tensors, read through their offsets from the lowest-addressed one, and the output is one new buffer. Tables are
 cached by the experts' signature and block shape; a table created during CUDA graph capture is kept (the graph reads
 its pinned source at every replay).
+
+The 2-D block kernel launches in several ways (:data:`BLOCK2D_VARIANTS`: two passes or whole blocks, one program per
+block or a persistent grid, pipelined by the compiler or by hand), all with the same bits; :data:`BLOCK2D_DEFAULT`
+names the one every launch uses (``tools/bench_expert_fake_quant.py --block2d-variants`` times them all).
 """
 
 from __future__ import annotations
