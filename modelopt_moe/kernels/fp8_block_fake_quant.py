@@ -137,7 +137,8 @@ def _constexprs(fmt: str) -> dict:
 
 
 def _table(weights: Sequence[torch.Tensor], br: int, bc: int, sig: Signature | None) -> tuple:
-    """(device table, its host source, index of the base tensor, number of blocks, output length)."""
+    """(device table, its host source, index of the base tensor, number of blocks, output length, the elements per
+    16-byte vector every expert allows, whether all experts share one shape)."""
     key = (sig or signature(weights), br, bc)
     hit = _tables.get(key) or _captured.get(key)
     if hit is not None:
@@ -169,7 +170,7 @@ def _table(weights: Sequence[torch.Tensor], br: int, bc: int, sig: Signature | N
         table = host.to(device, non_blocking=True)
     else:
         table = host
-    entry = (table, host, base, n_blocks, out_off, vec)
+    entry = (table, host, base, n_blocks, out_off, vec, all(w.shape == weights[0].shape for w in weights))
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         _captured[key] = entry
     else:
@@ -205,7 +206,7 @@ def _launch(weights: Sequence[torch.Tensor], fmt: str, block_size: tuple[int, in
     """(output, the compiled kernel Triton returned: None without a launch or under the interpreter)."""
     v = _variant(variant)
     br, bc = block_size
-    table, _, base, n_blocks, total, vec = _table(weights, br, bc, sig)
+    table, _, base, n_blocks, total, vec, one_shape = _table(weights, br, bc, sig)
     out = torch.empty(total, dtype=weights[0].dtype, device=weights[0].device)
     if n_blocks == 0:
         return out, None
@@ -214,8 +215,7 @@ def _launch(weights: Sequence[torch.Tensor], fmt: str, block_size: tuple[int, in
     hw_cvt = rounding_options(weight_kernel_config(fmt), out.device)["HW_CVT"]
     rows, cols = weights[0].shape
     # int32 block ids and in-expert offsets (what locate_tile's division computes in).
-    uniform = (v.uniform and all(w.shape == weights[0].shape for w in weights) and n_blocks < 2**31
-               and rows * cols < 2**31)
+    uniform = v.uniform and one_shape and n_blocks < 2**31 and rows * cols < 2**31
     chunk = br if v.chunk == 0 else min(br, v.chunk)
     grid = n_blocks if v.programs_per_sm == 0 else min(n_blocks, v.programs_per_sm * _sm_count(out.device))
     u_tiles = n_blocks // len(weights) if uniform else 0
