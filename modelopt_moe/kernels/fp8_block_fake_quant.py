@@ -86,12 +86,14 @@ BLOCK2D_VARIANTS: dict[str, Block2dVariant] = {
     # Two passes with few blocks in flight (k per SM): the second pass's read stays in L2.
     "persistent-two-pass-p4": Block2dVariant(chunk=32, warps=4, programs_per_sm=4, uniform=True),
     "persistent-two-pass-p8": Block2dVariant(chunk=32, warps=4, programs_per_sm=8, uniform=True),
-    "persistent-w8-s1": Block2dVariant(chunk=0, warps=8, programs_per_sm=2, stages=1, uniform=True),
-    "persistent-w8-s2": Block2dVariant(chunk=0, warps=8, programs_per_sm=2, stages=2, uniform=True),
-    "persistent-w8-s3": Block2dVariant(chunk=0, warps=8, programs_per_sm=2, stages=3, uniform=True),
+    # Whole blocks in a persistent loop; the compiler's pipelining stages the next blocks in shared memory (32 KB each).
+    "persistent-w8-s2": Block2dVariant(chunk=0, warps=8, programs_per_sm=1, stages=2, uniform=True),
     "persistent-w16-s2": Block2dVariant(chunk=0, warps=16, programs_per_sm=1, stages=2, uniform=True),
     "persistent-w16-s3": Block2dVariant(chunk=0, warps=16, programs_per_sm=1, stages=3, uniform=True),
-    "prefetch-w8": Block2dVariant(chunk=0, warps=8, programs_per_sm=2, uniform=True, prefetch=True),
+    "persistent-w16-s4": Block2dVariant(chunk=0, warps=16, programs_per_sm=1, stages=4, uniform=True),
+    "persistent-w32-s2": Block2dVariant(chunk=0, warps=32, programs_per_sm=1, stages=2, uniform=True),
+    "persistent-w32-s3": Block2dVariant(chunk=0, warps=32, programs_per_sm=1, stages=3, uniform=True),
+    # The same pipelining by hand: the next block's raw values in registers.
     "prefetch-w16": Block2dVariant(chunk=0, warps=16, programs_per_sm=1, uniform=True, prefetch=True),
     "prefetch-w32": Block2dVariant(chunk=0, warps=32, programs_per_sm=1, uniform=True, prefetch=True),
 }
