@@ -23,8 +23,15 @@ Then the tokens of N experts (``input`` rows): :func:`modelopt_moe.kernels.group
 ``[T, K]`` matrix split unevenly over N experts, each expert's rows with its own amax, eager (host included) and
 from a CUDA graph, against ``formats.fake_quant`` per expert on its rows (``torch loop``).
 
-Usage: ``python tools/bench_expert_fake_quant.py [--quick] [--sweep]`` (``--sweep`` also tries tile sizes and warp
-counts of the grouped kernel and prints the best).
+With ``--block2d-variants`` it times only the launch variants of the FP8 2-D block kernel
+(:data:`modelopt_moe.kernels.fp8_block_fake_quant.BLOCK2D_VARIANTS`) on the 2-D block configurations: every variant
+is built and checked bit for bit first (against the reference and the default variant), then all variants and a
+torch copy of the same bytes are timed in alternating rounds (the order rotating each round), replayed from CUDA
+graphs and eagerly (the launcher alone, host included); the table gives each variant's fraction of the copy (median
+and range over the rounds, each round's copy against that round's variant), its registers, spills and shared memory.
+
+Usage: ``python tools/bench_expert_fake_quant.py [--quick] [--sweep] [--block2d-variants [--rounds R]]``
+(``--sweep`` also tries tile sizes and warp counts of the grouped kernel and prints the best).
 """
 
 from __future__ import annotations
@@ -151,13 +158,7 @@ def eager_and_graph(fn, arg_sets) -> dict[str, float]:
     """Median ms of ``fn`` called eagerly (host included) and replayed from CUDA graphs (device time only: no
     Python checks or view creation), rotating over ``arg_sets``."""
     results = {"grouped (eager, host-inclusive)": bench(rotating(fn, arg_sets))}
-    graphs = []
-    for args in arg_sets:
-        fn(args)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(args)
-        graphs.append(g)
+    graphs = graphs_of(fn, arg_sets)
     results["grouped (CUDA graph replay)"] = bench(rotating(lambda g: g.replay(), graphs))
     return results
 
@@ -244,11 +245,95 @@ def bench_static_blocks(bw: float, quick: bool) -> list[tuple]:
     return rows_out
 
 
+def graphs_of(fn, arg_sets) -> list:
+    """One CUDA graph of ``fn`` per argument set (each called once first, outside capture)."""
+    graphs = []
+    for args in arg_sets:
+        fn(args)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(args)
+        graphs.append(g)
+    return graphs
+
+
+def bench_block2d_variants(rounds: int, rep_ms: int = 40) -> None:
+    """Times every launch variant of the FP8 2-D block kernel against a torch copy of the same bytes, in alternating
+    rounds, and prints a table per configuration and the best variant in a CUDA graph."""
+    from modelopt_moe.kernels import fp8_block_fake_quant as fb
+    from modelopt_moe.numerics import fake_quant
+
+    names = list(fb.BLOCK2D_VARIANTS)
+    worst = {name: float("inf") for name in names}  # the lowest median graph fraction over the configurations
+    for fmt, n, r, k, block in [c for c in CONFIGS if isinstance(c[4], tuple)]:
+        sets, _ = make_sets(n, r, k)
+        name_cfg = f"{label(fmt, block)} N={n} [{r}x{k}]"
+        calls = {}
+        resources = {}
+        default = fb.weight_blocks_fake_quant(sets[0], fmt, block, variant=fb.BLOCK2D_DEFAULT)
+        for i in (0, n - 1):
+            lo = i * r * k
+            assert torch.equal(default[lo:lo + r * k].view(r, k), fake_quant(sets[0][i], fmt, None, block)), \
+                f"{name_cfg}: default variant, expert {i}"
+        for name in names:  # build (compile, check, capture) every variant before any timing
+            def fn(ws, name=name, fmt=fmt, block=block):
+                return fb.weight_blocks_fake_quant(ws, fmt, block, variant=name)
+
+            assert torch.equal(fn(sets[0]), default), f"{name_cfg}: variant {name} differs from the default"
+            resources[name] = fb.block2d_resources(sets[0], fmt, block, name) or {}
+            calls[name] = (rotating(fn, sets), rotating(lambda g: g.replay(), graphs_of(fn, sets)))
+        srcs = [torch.cat([w.reshape(-1) for w in ws]) for ws in sets[:2]]  # the same bytes, contiguous
+        dst = torch.empty_like(srcs[0])
+
+        def copy(src, dst=dst):
+            return dst.copy_(src)
+
+        copy_calls = (rotating(copy, srcs), rotating(lambda g: g.replay(), graphs_of(copy, srcs)))
+        fracs = {(name, mode): [] for name in names for mode in (0, 1)}
+        ms = {(name, mode): [] for name in names for mode in (0, 1)}
+        copy_ms = {0: [], 1: []}
+        for rnd in range(rounds):
+            order = names[rnd % len(names):] + names[:rnd % len(names)]
+            for mode in (1, 0):  # graph, eager
+                c = bench(copy_calls[mode], rep_ms)
+                copy_ms[mode].append(c)
+                for name in order:
+                    t = bench(calls[name][mode], rep_ms)
+                    ms[(name, mode)].append(t)
+                    fracs[(name, mode)].append(c / t)
+        med = statistics.median
+        print(f"\n2-D block kernel variants, {name_cfg}: {rounds} alternating rounds; fraction of a torch copy of the "
+              f"same bytes (graph {med(copy_ms[1]):.3f} ms, eager {med(copy_ms[0]):.3f} ms), median [min-max]")
+        print(f"{'variant':<32} {'chunk':>5} {'warps':>5} {'prog/SM':>7} {'stages':>6} {'regs':>5} {'spills':>6} "
+              f"{'smem':>7} {'graph':>18} {'graph ms':>9} {'eager':>18} {'eager ms':>9}")
+        for name in names:
+            v, res = fb.BLOCK2D_VARIANTS[name], resources[name]
+            cols = []
+            for mode in (1, 0):
+                f = fracs[(name, mode)]
+                cols.append(f"{med(f):.2f} [{min(f):.2f}-{max(f):.2f}]")
+                cols.append(f"{med(ms[(name, mode)]):.3f}")
+            worst[name] = min(worst[name], med(fracs[(name, 1)]))
+            mark = " (default)" if name == fb.BLOCK2D_DEFAULT else ""
+            print(f"{name + mark:<32} {v.chunk or 'all':>5} {v.warps:>5} {v.programs_per_sm:>7} {v.stages:>6} "
+                  f"{res.get('n_regs', '?'):>5} {res.get('n_spills', '?'):>6} {res.get('shared', '?'):>7} "
+                  f"{cols[0]:>18} {cols[1]:>9} {cols[2]:>18} {cols[3]:>9}")
+        del sets, srcs, dst, calls, copy_calls, default
+        fb.clear_block_tables()
+        torch.cuda.empty_cache()
+    best = max(names, key=worst.get)
+    print(f"\nbest in a CUDA graph (highest lowest-over-configurations median): {best} ({worst[best]:.2f} of copy); "
+          f"to make it the default: BLOCK2D_DEFAULT = {best!r} in modelopt_moe/kernels/fp8_block_fake_quant.py")
+
+
 def main() -> None:
     """Spot-checks the grouped kernel against the reference, then times every configuration and prints the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the grouped kernel (no torch baselines)")
     parser.add_argument("--sweep", action="store_true", help="also sweep tile size / num_warps of the grouped kernel")
+    parser.add_argument("--block2d-variants", action="store_true",
+                        help="only the launch variants of the FP8 2-D block kernel, in alternating rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of --block2d-variants (default 5)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -258,6 +343,10 @@ def main() -> None:
 
     if not kernels_available("cuda"):
         raise SystemExit("Triton kernels unavailable on CUDA (is TRITON_INTERPRET=1 set?)")
+    if args.block2d_variants:
+        print(f"device: {torch.cuda.get_device_name()}")
+        bench_block2d_variants(args.rounds)
+        return
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
     compiled = torch.compile(fake_quant, dynamic=True)

@@ -10,6 +10,10 @@ The per-expert table is :mod:`.launch`'s (the same columns), with one tile per b
 tensors, read through their offsets from the lowest-addressed one, and the output is one new buffer. Tables are
 cached by the experts' signature and block shape; a table created during CUDA graph capture is kept (the graph reads
 its pinned source at every replay).
+
+The 2-D block kernel launches in several ways (:data:`BLOCK2D_VARIANTS`: two passes or whole blocks, one program per
+block or a persistent grid, pipelined by the compiler or by hand), all with the same bits; :data:`BLOCK2D_DEFAULT`
+names the one every launch uses (``tools/bench_expert_fake_quant.py --block2d-variants`` times them all).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -39,9 +44,61 @@ from .launch import (
 from .tuning import weight_kernel_config
 
 __all__ = ["takes_weights", "takes_tokens", "weight_blocks_fake_quant", "token_groups_fake_quant",
-           "clear_block_tables"]
+           "clear_block_tables", "Block2dVariant", "BLOCK2D_VARIANTS", "BLOCK2D_DEFAULT", "block2d_resources"]
 
-_CHUNK_ROWS = 32  # rows of a block read per step (registers: CHUNK x BC values per program)
+
+@dataclass(frozen=True)
+class Block2dVariant:
+    """How the 2-D block kernel is launched; every variant gives the same bits.
+
+    Attributes:
+        chunk: rows of a block read per step, in two passes (the max, then the values: the block is read twice);
+            0 reads the whole block at once (one read; ``rows * cols / (32 * warps)`` values per thread).
+        warps: ``num_warps`` of a program.
+        programs_per_sm: 0 launches one program per block; k > 0 a persistent grid of k programs per SM, each looping
+            over blocks.
+        stages: software-pipelining stages of the persistent loop (``tl.range(num_stages=...)``: the next block's
+            loads in flight while this one is reduced and stored); 1 is none.
+        uniform: when all experts share one shape, find a block's expert by a division instead of a table search, and
+            drop the masks when every block is full.
+        prefetch: (persistent, whole blocks) pipeline by hand instead: load the next block's raw values into
+            registers before this block is reduced and stored.
+    """
+
+    chunk: int = 32
+    warps: int = 4
+    programs_per_sm: int = 0
+    stages: int = 1
+    uniform: bool = False
+    prefetch: bool = False
+
+    def __post_init__(self):
+        if self.prefetch and (self.chunk != 0 or self.programs_per_sm == 0):
+            raise ValueError(f"Block2dVariant: prefetch needs chunk=0 and programs_per_sm > 0, got {self}")
+
+
+BLOCK2D_VARIANTS: dict[str, Block2dVariant] = {
+    "two-pass": Block2dVariant(chunk=32, warps=4),
+    "two-pass-uniform": Block2dVariant(chunk=32, warps=4, uniform=True),
+    "whole-w8": Block2dVariant(chunk=0, warps=8, uniform=True),
+    "whole-w16": Block2dVariant(chunk=0, warps=16, uniform=True),
+    "whole-w32": Block2dVariant(chunk=0, warps=32, uniform=True),
+    # Two passes with few blocks in flight (k per SM): the second pass's read stays in L2.
+    "persistent-two-pass-p4": Block2dVariant(chunk=32, warps=4, programs_per_sm=4, uniform=True),
+    "persistent-two-pass-p8": Block2dVariant(chunk=32, warps=4, programs_per_sm=8, uniform=True),
+    # Whole blocks in a persistent loop; the compiler's pipelining stages the next blocks in shared memory (32 KB each).
+    "persistent-w8-s2": Block2dVariant(chunk=0, warps=8, programs_per_sm=1, stages=2, uniform=True),
+    "persistent-w16-s2": Block2dVariant(chunk=0, warps=16, programs_per_sm=1, stages=2, uniform=True),
+    "persistent-w16-s3": Block2dVariant(chunk=0, warps=16, programs_per_sm=1, stages=3, uniform=True),
+    "persistent-w16-s4": Block2dVariant(chunk=0, warps=16, programs_per_sm=1, stages=4, uniform=True),
+    "persistent-w32-s2": Block2dVariant(chunk=0, warps=32, programs_per_sm=1, stages=2, uniform=True),
+    "persistent-w32-s3": Block2dVariant(chunk=0, warps=32, programs_per_sm=1, stages=3, uniform=True),
+    # The same pipelining by hand: the next block's raw values in registers.
+    "prefetch-w16": Block2dVariant(chunk=0, warps=16, programs_per_sm=1, uniform=True, prefetch=True),
+    "prefetch-w32": Block2dVariant(chunk=0, warps=32, programs_per_sm=1, uniform=True, prefetch=True),
+}
+BLOCK2D_DEFAULT = "two-pass"  # the variant every launch uses (tools/bench_expert_fake_quant.py --block2d-variants)
+_INTERPRETER_SMS = 2  # the Triton interpreter has no SMs: a persistent grid there has 2 * programs_per_sm programs
 _MAX_BLOCK = 4096
 _CACHE_SIZE = 64
 _tables: OrderedDict[tuple, tuple] = OrderedDict()
@@ -82,7 +139,8 @@ def _constexprs(fmt: str) -> dict:
 
 
 def _table(weights: Sequence[torch.Tensor], br: int, bc: int, sig: Signature | None) -> tuple:
-    """(device table, its host source, index of the base tensor, number of blocks, output length)."""
+    """(device table, its host source, index of the base tensor, number of blocks, output length, the elements per
+    16-byte vector every expert allows, whether all experts share one shape)."""
     key = (sig or signature(weights), br, bc)
     hit = _tables.get(key) or _captured.get(key)
     if hit is not None:
@@ -114,7 +172,7 @@ def _table(weights: Sequence[torch.Tensor], br: int, bc: int, sig: Signature | N
         table = host.to(device, non_blocking=True)
     else:
         table = host
-    entry = (table, host, base, n_blocks, out_off, vec)
+    entry = (table, host, base, n_blocks, out_off, vec, all(w.shape == weights[0].shape for w in weights))
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         _captured[key] = entry
     else:
@@ -129,22 +187,67 @@ def clear_block_tables() -> None:
     _tables.clear()
 
 
-def weight_blocks_fake_quant(weights: Sequence[torch.Tensor], fmt: str, block_size: tuple[int, int],
-                             sig: Signature | None = None) -> torch.Tensor:
-    """The N fake-quantized experts, concatenated flat (the grouped op's output buffer); inputs already checked
-    by the grouped op and taken by :func:`takes_weights`."""
+def _variant(variant: str | Block2dVariant | None) -> Block2dVariant:
+    if variant is None:
+        variant = BLOCK2D_DEFAULT
+    if isinstance(variant, Block2dVariant):
+        return variant
+    if variant not in BLOCK2D_VARIANTS:
+        raise ValueError(f"2-D block kernel variant {variant!r}: expected one of {sorted(BLOCK2D_VARIANTS)}")
+    return BLOCK2D_VARIANTS[variant]
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _INTERPRETER_SMS
+
+
+def _launch(weights: Sequence[torch.Tensor], fmt: str, block_size: tuple[int, int], sig: Signature | None,
+            variant: str | Block2dVariant | None):
+    """(output, the compiled kernel Triton returned: None without a launch or under the interpreter)."""
+    v = _variant(variant)
     br, bc = block_size
-    table, _, base, n_blocks, total, vec = _table(weights, br, bc, sig)
+    table, _, base, n_blocks, total, vec, one_shape = _table(weights, br, bc, sig)
     out = torch.empty(total, dtype=weights[0].dtype, device=weights[0].device)
     if n_blocks == 0:
-        return out
+        return out, None
     kwargs = launch_kwargs(out.device)
+    kwargs["num_warps"] = v.warps
     hw_cvt = rounding_options(weight_kernel_config(fmt), out.device)["HW_CVT"]
-    _kernels().grouped_weight_block2d_kernel[(n_blocks,)](
-        weights[base], out, table, len(weights), **_constexprs(fmt), BR=br, BC=bc, CHUNK=min(br, _CHUNK_ROWS),
+    rows, cols = weights[0].shape
+    # int32 block ids and in-expert offsets (what locate_tile's division computes in).
+    uniform = v.uniform and one_shape and n_blocks < 2**31 and rows * cols < 2**31
+    chunk = br if v.chunk == 0 else min(br, v.chunk)
+    grid = n_blocks if v.programs_per_sm == 0 else min(n_blocks, v.programs_per_sm * _sm_count(out.device))
+    u_tiles = n_blocks // len(weights) if uniform else 0
+    handle = _kernels().grouped_weight_block2d_kernel[(grid,)](
+        weights[base], out, table, len(weights), n_blocks, u_tiles, rows if uniform else 0, cols if uniform else 0,
+        cdiv(cols, bc) if uniform else 0, **_constexprs(fmt), BR=br, BC=bc, CHUNK=chunk,
         SEARCH_STEPS=max(0, (len(weights) - 1).bit_length()), VEC=vec if bc % vec == 0 else 1, HW_CVT=hw_cvt,
-        **kwargs)
-    return out
+        UNIFORM=uniform, EVEN=uniform and rows % br == 0 and cols % bc == 0, PERSISTENT=v.programs_per_sm > 0,
+        STAGES=v.stages, PREFETCH=v.prefetch, **kwargs)
+    return out, handle
+
+
+def weight_blocks_fake_quant(weights: Sequence[torch.Tensor], fmt: str, block_size: tuple[int, int],
+                             sig: Signature | None = None, variant: str | Block2dVariant | None = None) -> torch.Tensor:
+    """The N fake-quantized experts, concatenated flat (the grouped op's output buffer); inputs already checked
+    by the grouped op and taken by :func:`takes_weights`. ``variant``: a name of :data:`BLOCK2D_VARIANTS` or a
+    :class:`Block2dVariant` (default :data:`BLOCK2D_DEFAULT`; the same bits in every variant)."""
+    return _launch(weights, fmt, block_size, sig, variant)[0]
+
+
+def block2d_resources(weights: Sequence[torch.Tensor], fmt: str, block_size: tuple[int, int],
+                      variant: str | Block2dVariant | None = None) -> dict[str, int] | None:
+    """Registers per thread (``n_regs``), spilled registers (``n_spills``) and shared memory bytes (``shared``) of the
+    2-D block kernel compiled for ``variant`` on these weights (launches it once); None where Triton reports no
+    compiled kernel (its interpreter)."""
+    handle = _launch(weights, fmt, block_size, None, variant)[1]
+    if getattr(handle, "n_regs", None) is None:
+        return None
+    return {"n_regs": int(handle.n_regs), "n_spills": int(handle.n_spills),
+            "shared": int(getattr(handle.metadata, "shared", -1))}
 
 
 def token_groups_fake_quant(x: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:

@@ -72,6 +72,36 @@ def test_edge_blocks_nan_inf_zero(dtype):
         assert_bits_equal(o, r, f"expert {i}")
 
 
+@pytest.mark.parametrize("variant", sorted(fp8_block_fake_quant.BLOCK2D_VARIANTS))
+def test_every_2d_block_kernel_variant_is_bit_exact(variant, monkeypatch):
+    """Each launch variant made the default (one line in the module): ragged experts (table search), uniform ones with
+    full blocks (no masks) and with partial blocks, edge values, bf16 and fp32 (the default variant runs every dtype
+    above); then replayed from a CUDA graph, with more blocks than a persistent grid has programs."""
+    monkeypatch.setattr(fp8_block_fake_quant, "BLOCK2D_DEFAULT", variant)
+    cases = [(SHAPES[3], torch.bfloat16), (SHAPES[3], torch.float32), ([(384, 512)] * 32, torch.bfloat16),
+             ([(200, 260)] * 5, torch.bfloat16)]
+    for shapes, dtype in cases:
+        weights = make_experts(shapes, dtype, seed=len(shapes))
+        w = weights[0]
+        w[0, 0], w[1, 1], w[130, 5] = float("nan"), float("inf"), -0.0
+        w[128:200, 128:256] = 0.0
+        outs = K.grouped_weight_fake_quant(weights, None, "e4m3", (128, 128))
+        for i, (o, r) in enumerate(zip(outs, reference(weights, "e4m3", (128, 128)), strict=True)):
+            assert_bits_equal(o, r, f"{variant}, {dtype}, {len(shapes)} experts, expert {i}")
+    weights = make_experts([(1536, 2048)] * 8, torch.bfloat16)
+    K.grouped_weight_fake_quant(weights, None, "e4m3", (128, 128))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = K.grouped_weight_fake_quant(weights, None, "e4m3", (128, 128))
+    with torch.no_grad():
+        for i, w in enumerate(weights):
+            w.copy_(torch.randn_like(w) * (i + 1))
+    graph.replay()
+    torch.cuda.synchronize()
+    for i, (o, r) in enumerate(zip(outs, reference(weights, "e4m3", (128, 128)), strict=True)):
+        assert_bits_equal(o, r, f"{variant}, replayed expert {i}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("tokens", "k"), [(16384, 2048), (37, 7168), (1, 300)])
 def test_token_groups_bit_exact(tokens, k, dtype):

@@ -64,6 +64,47 @@ def test_128_blocks_with_partial_edges_are_bit_exact():
         assert_bits_equal(o, fake_quant(w, "e4m3", None, (128, 128)), f"expert {i}")
 
 
+# Every launch variant of the 2-D block kernel, through the public grouped op with the variant made the default:
+# one program per block and persistent loops (more blocks than programs, a remainder), two passes and whole blocks,
+# the table search and the uniform division with and without masks (full blocks, and partial ones at the edges).
+VARIANT_SHAPES = {"ragged": [(40, 20), (16, 8), (7, 33)], "uniform, full blocks": [(32, 24)] * 4,
+                  "uniform, partial blocks": [(20, 12)] * 3}
+
+
+@pytest.mark.parametrize("variant", sorted(fp8_block_fake_quant.BLOCK2D_VARIANTS))
+@pytest.mark.parametrize("case", sorted(VARIANT_SHAPES))
+def test_every_2d_block_kernel_variant_is_bit_exact(variant, case, monkeypatch):
+    monkeypatch.setattr(fp8_block_fake_quant, "BLOCK2D_DEFAULT", variant)
+    for fmt, dtype in (("e4m3", torch.bfloat16), ("e5m2", torch.float32)):
+        weights = make_experts(VARIANT_SHAPES[case], dtype)
+        outs = K.grouped_weight_fake_quant(weights, None, fmt, BLOCK)
+        for i, (o, w) in enumerate(zip(outs, weights, strict=True)):
+            assert_bits_equal(o, fake_quant(w, fmt, None, BLOCK), f"{variant}, {fmt}, expert {i}")
+
+
+@pytest.mark.parametrize("variant", sorted(fp8_block_fake_quant.BLOCK2D_VARIANTS))
+def test_every_2d_block_kernel_variant_is_bit_exact_on_128_blocks(variant, monkeypatch):
+    monkeypatch.setattr(fp8_block_fake_quant, "BLOCK2D_DEFAULT", variant)
+    for shapes in ([(136, 200), (128, 128)], [(256, 128)] * 3):
+        weights = make_experts(shapes, torch.float16)
+        outs = K.grouped_weight_fake_quant(weights, None, "e4m3", (128, 128))
+        for i, (o, w) in enumerate(zip(outs, weights, strict=True)):
+            assert_bits_equal(o, fake_quant(w, "e4m3", None, (128, 128)), f"{variant}, {shapes[0]}, expert {i}")
+
+
+def test_an_unknown_2d_block_kernel_variant_is_refused_with_the_known_ones():
+    weights = make_experts([(32, 24)], torch.float32)
+    with pytest.raises(ValueError, match=r"variant 'fastest'.*two-pass"):
+        fp8_block_fake_quant.weight_blocks_fake_quant(weights, "e4m3", BLOCK, variant="fastest")
+    with pytest.raises(ValueError, match="prefetch needs chunk=0 and programs_per_sm > 0"):
+        fp8_block_fake_quant.Block2dVariant(chunk=32, programs_per_sm=1, prefetch=True)
+
+
+def test_the_interpreter_reports_no_registers():
+    weights = make_experts([(32, 24)], torch.float32)
+    assert fp8_block_fake_quant.block2d_resources(weights, "e4m3", BLOCK, "whole-w8") is None
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("tokens", "k", "group"), [(9, 300, 128), (1, 20, 8), (33, 64, 16)])
 def test_token_groups_are_bit_exact_at_any_token_count(tokens, k, group, dtype):
