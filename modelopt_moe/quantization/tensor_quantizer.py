@@ -68,14 +68,6 @@ def clip_mask(x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor | None
     return x.abs() <= clip_limit(amax)
 
 
-def _placeholder_elsewhere(old: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether ``old`` is a CPU tensor and ``value`` lives on an accelerator: a learned amax is made (zeros, on the
-    CPU) when ``mtq.quantize`` sets the update mode, before calibration sees the data; the calibrated value then
-    moves it to the data's device instead of being copied into the CPU placeholder (whose every forward would copy
-    it back to the device). Any other case is an in-place copy onto ``old``'s device, as a checkpoint load needs."""
-    return old.device.type == "cpu" and value.device.type != "cpu"
-
-
 class FakeQuantSTE(torch.autograd.Function):
     """Reference fake quant with a straight-through estimator (pass-through, or clipped by a mask).
 
@@ -395,11 +387,11 @@ class TensorQuantizer(nn.Module):
             self._buffers["_block_amax"] = None
             return
         value = torch.as_tensor(value, dtype=torch.float32)
-        if old is not None and old.shape == value.shape and not _placeholder_elsewhere(old, value):
+        if old is not None and old.shape == value.shape:
             with torch.no_grad():
                 old.copy_(value.to(old.device))  # in place: bumps the version caches watch; an optimizer keeps it
         else:
-            device = value.device if old is None or _placeholder_elsewhere(old, value) else old.device
+            device = old.device if old is not None else value.device
             self._put_block_amax(value.detach().clone().to(device))
 
     @property
@@ -510,12 +502,11 @@ class TensorQuantizer(nn.Module):
     @amax.setter
     def amax(self, value) -> None:
         value = torch.as_tensor(value, dtype=torch.float32)
-        old = self._amax
-        if old is not None and old.shape == value.shape and not _placeholder_elsewhere(old, value):
+        if self._amax is not None and self._amax.shape == value.shape:
             with torch.no_grad():
-                old.copy_(value.to(old.device))  # in place: bumps the version caches watch
+                self._amax.copy_(value.to(self._amax.device))  # in place: bumps the version caches watch
         else:
-            device = value.device if old is None or _placeholder_elsewhere(old, value) else old.device
+            device = self._amax.device if self._amax is not None else value.device
             self._put_amax(value.detach().clone().to(device))
 
     def _put_amax(self, value: torch.Tensor) -> None:
@@ -525,7 +516,7 @@ class TensorQuantizer(nn.Module):
             self._buffers["_amax"] = value
         else:
             old = self._parameters["_amax"]
-            if old is not None and old.shape == value.shape and not _placeholder_elsewhere(old, value):
+            if old is not None and old.shape == value.shape:
                 with torch.no_grad():
                     old.copy_(value.to(old.device))
                 return
@@ -540,13 +531,16 @@ class TensorQuantizer(nn.Module):
         """Whether the amax is a trained parameter (``weight_amax_update: learned``)."""
         return self._parameters.get("_amax") is not None
 
-    def set_amax_update(self, mode: str, block_shape: tuple[int, ...] | None = None) -> None:
+    def set_amax_update(self, mode: str, block_shape: tuple[int, ...] | None = None,
+                        device: torch.device | None = None) -> None:
         """How the amax follows the tensor while training: ``static`` (calibrated once), ``dynamic`` (recomputed from
         the current weights at every re-quantization) or ``learned`` (the amax becomes the parameter ``_amax``,
         trained with an LSQ-style gradient; per-tensor amax only). Set by ``mtq.quantize`` for weight quantizers.
 
         With static block scales, ``learned`` trains the block amaxes (the parameter ``_block_amax``, of shape
-        ``block_shape`` until calibrated) and keeps the per-tensor amax static, as Model Optimizer's LSQ does.
+        ``block_shape`` until calibrated) and keeps the per-tensor amax static, as Model Optimizer's LSQ does. A
+        learned amax made before calibration is made on ``device`` (the quantized module's): calibration then fills
+        it in place there, and training finds it beside the data.
 
         Raises:
             ValueError: an unknown mode, or ``learned`` for a per-channel amax.
@@ -554,7 +548,7 @@ class TensorQuantizer(nn.Module):
         if mode not in WEIGHT_AMAX_UPDATES:
             raise ValueError(f"{type(self).__name__}: amax update {mode!r}; expected one of {WEIGHT_AMAX_UPDATES}")
         learn = mode == "learned" and self._enabled and self.needs_amax
-        self._set_block_learning(learn and self.static_block_scales, block_shape)
+        self._set_block_learning(learn and self.static_block_scales, block_shape, device)
         learn = learn and not self.static_block_scales
         if learn and self.axis is not None:
             raise ValueError(f"{type(self).__name__}: a learned amax (weight_amax_update / input_amax_update) is per "
@@ -564,7 +558,7 @@ class TensorQuantizer(nn.Module):
                              f"tensor (per expert); this quantizer has static blocks of {self.static_block_size}")
         if learn and not self.learns_amax:
             shape = self.amax_shape
-            value = self._amax.detach().float() if self._amax is not None else torch.zeros(shape)
+            value = self._amax.detach().float() if self._amax is not None else torch.zeros(shape, device=device)
             self._buffers.pop("_amax", None)
             self._parameters["_amax"] = nn.Parameter(value.clone(), requires_grad=True)
         elif not learn and "_amax" in self._parameters:
@@ -572,13 +566,14 @@ class TensorQuantizer(nn.Module):
             self._buffers["_amax"] = None if value is None else value.detach().clone()
         self.amax_update = mode
 
-    def _set_block_learning(self, learn: bool, block_shape: tuple[int, ...] | None) -> None:
+    def _set_block_learning(self, learn: bool, block_shape: tuple[int, ...] | None,
+                            device: torch.device | None = None) -> None:
         if learn and not self.learns_block_amax:
             value = self.block_amax
             if value is None and block_shape is None:
                 raise ValueError(f"{type(self).__name__}: learned static block scales need the block amaxes' shape "
                                  "(calibrate first, or give block_shape)")
-            value = value.detach().float().clone() if value is not None else torch.zeros(block_shape)
+            value = value.detach().float().clone() if value is not None else torch.zeros(block_shape, device=device)
             self._buffers.pop("_block_amax", None)
             self._parameters["_block_amax"] = nn.Parameter(value, requires_grad=True)
         elif not learn and self.learns_block_amax:

@@ -56,8 +56,10 @@ def set_weight_amax_update(name: str, q: TensorQuantizer, module: nn.Module, mod
         w = weights[0]
         block_shape = (*w.shape[:-1], w.shape[-1] // 16)
         block_shape = (len(weights), *block_shape) if isinstance(q, ExpertQuantizer) else block_shape
+    # The module's device, not the CPU: calibration writes a learned amax in place, where it was made.
+    device = next((p.device for p in (*weights, *module.parameters())), None)
     try:
-        q.set_amax_update(mode, block_shape)
+        q.set_amax_update(mode, block_shape, device)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     if q.learns_amax:
