@@ -112,3 +112,26 @@ def test_te_grouped_gemm_runs_on_the_static_block_fake_quantized_weights(calibra
         assert rel < 1e-2, rel  # only the bf16 GEMM implementations differ
         mtq.fold_weight(grouped)  # the fake-quantized weights written into the layer, its weight quantizers off
         assert torch.equal(grouped(x)[0], out)
+
+
+def _dynamic_blocks(config: dict) -> dict:
+    """``config`` with the weights' block scales from the weights (``block_sizes.type: dynamic``), max calibration
+    and ``weight_amax_update: dynamic``: the max-calibrated NVFP4 the searched static block scales are compared with."""
+    entries = [{**e, "cfg": {**e["cfg"], "block_sizes": {**e["cfg"]["block_sizes"], "type": "dynamic"}}}
+               if e["quantizer_name"] == "*weight_quantizer" else e for e in config["quant_cfg"]]
+    return {**config, "quant_cfg": entries, "algorithm": "max", "weight_amax_update": "dynamic"}
+
+
+def test_te_max_calibrated_dynamic_block_scales_equal_static_block_scales_at_max():
+    """The baseline the search is measured against: dynamic block scales (each block's own max; the one-launch
+    kernel on the GPU) give the TE layer the output of static block scales calibrated by max (the torch reference),
+    bit for bit."""
+    sweep = mtq.NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG
+    dynamic = _quantize(_layer(True), _dynamic_blocks(sweep), "vectorized")
+    static = _quantize(_layer(True), {**sweep, "algorithm": "max"}, "vectorized")
+    assert getattr(dynamic.experts.linear_fc1.weight_quantizer, "block_amax", None) is None
+    for layer in (dynamic, static):
+        mtq.disable_quantizer(layer, "*input_quantizer")  # weights alone
+    x = _hidden(8)
+    with torch.no_grad():
+        assert torch.equal(dynamic(x)[0], static(x)[0])
