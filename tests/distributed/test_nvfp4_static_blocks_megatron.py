@@ -3,10 +3,11 @@ at TP=2 x EP=2, saved with ``save_sharded_checkpoint`` and loaded at TP=1 x EP=1
 weights, gives every block amax (dense linears split over TP, every expert by its global index) bit for bit as the
 sweep on one TP=1 x EP=1 model, and the same logits; ``export_hf`` at TP=2 x EP=2 writes the same files as at TP=1 x
 EP=1, whose every exported weight row is a row of the fake-quantized weights (and some are not rows of dynamic
-NVFP4's); for SequentialMLP and grouped experts. SequentialMLP experts also at expert-TP 2 (the block amaxes split
-with the weight): a sweep at EP=2 x ETP=2 gives the same block amaxes, its checkpoint loads at ETP=1 and the ETP=1
-checkpoint loads at ETP=2, bit for bit, with the same logits. With ``weight_amax_update: learned`` Megatron's training
-(bf16, distributed optimizer) trains every block amax, kept fp32, and a checkpoint carries the trained values."""
+NVFP4's); for SequentialMLP and grouped experts, which with the same weights choose the same block amaxes.
+SequentialMLP experts also at expert-TP 2 (the block amaxes split with the weight): a sweep at EP=2 x ETP=2 gives the
+same block amaxes, its checkpoint loads at ETP=1 and the ETP=1 checkpoint loads at ETP=2, bit for bit, with the same
+logits. With ``weight_amax_update: learned`` Megatron's training (bf16, distributed optimizer) trains every block
+amax, kept fp32, and a checkpoint carries the trained values."""
 
 import os
 
@@ -266,6 +267,13 @@ def test_swept_block_scales_are_the_same_at_every_layout_reshard_and_export_bit_
             if got_logits is not None:
                 assert torch.equal(got_logits, logits) if label in ((1, 1), "etp2 at etp1") else torch.allclose(
                     got_logits, logits, rtol=0, atol=1e-4), (kind, label)
+    # Grouped experts hold each expert's weight as Transformer Engine does (weight0..weight{N-1}, [out, in] each): with
+    # the same weights they choose SequentialMLP's block amaxes bit for bit, expert by expert, and give its logits.
+    (sequential, seq_logits), (grouped, grouped_logits) = (results[(kind, "one rank")] for kind in KINDS)
+    assert sorted(grouped, key=str) == sorted(sequential, key=str)
+    for key in sequential:
+        assert torch.equal(grouped[key], sequential[key]), key
+    assert torch.allclose(grouped_logits, seq_logits, rtol=0, atol=1e-4)
 
 
 def test_learned_block_scales_train_in_megatron_and_checkpoint_their_trained_values(tmp_path_factory):
