@@ -17,33 +17,9 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from autograd_paths import assert_kernel_path, assert_reference_path, graph_nodes  # noqa: E402
+
 import modelopt_moe.quantization as mtq  # noqa: E402
-
-KERNEL_NODES = {"GroupedInputFakeQuantBackward", "GroupedWeightFakeQuantBackward"}
-REFERENCE_NODE = "FakeQuantSTEBackward"
-
-
-def _graph_nodes(*tensors) -> set[str]:
-    """Names of every autograd node behind ``tensors``."""
-    seen, names, stack = set(), set(), [t.grad_fn for t in tensors if t.grad_fn is not None]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.add(type(fn).__name__)
-        stack.extend(f for f, _ in fn.next_functions)
-    return names
-
-
-def _assert_kernel_path(nodes: set[str], *context) -> None:
-    assert KERNEL_NODES & nodes, (context, nodes)
-    assert REFERENCE_NODE not in nodes, (context, nodes)
-
-
-def _assert_reference_path(nodes: set[str], *context) -> None:
-    assert REFERENCE_NODE in nodes, (context, nodes)
-    assert not KERNEL_NODES & nodes, (context, nodes)
 
 
 def _config(preset: str, kernel: str, ste: str = "clipped", learned: bool = False):
@@ -67,7 +43,7 @@ def _linear_run(preset: str, kernel: str, ste: str, learned: bool):
     x = (x * 1.3).requires_grad_(True)
     y = model(x)
     y.backward(torch.randn(y.shape, device="cuda", generator=g).to(y.dtype))
-    return y.detach(), x.grad, [p.grad for p in model.parameters()], _graph_nodes(y)
+    return y.detach(), x.grad, [p.grad for p in model.parameters()], graph_nodes(y)
 
 
 @pytest.mark.parametrize(("preset", "ste", "learned"), [
@@ -87,8 +63,8 @@ def test_nn_linear_takes_the_kernels_bit_for_bit_with_the_reference(preset, ste,
     for a, b in zip(fast[2], ref[2], strict=True):
         assert torch.equal(a, b)
     if not learned:  # learned amaxes: values computed without a graph, put in by the learned amax's own node
-        _assert_reference_path(ref[3])
-        _assert_kernel_path(fast[3])
+        assert_reference_path(ref[3])
+        assert_kernel_path(fast[3])
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +108,7 @@ def _megatron_linears(hf_dir, spec: str, preset: str, kernel: str):
         x = torch.randn(16, 2, linear.weight.shape[1], device="cuda", generator=g).requires_grad_(True)
         out = linear(x)[0]  # (seq, batch, hidden) -> (output, bias)
         out.backward(torch.randn(out.shape, device="cuda", generator=g))
-        results[name] = (type(linear).__name__, out.detach(), x.grad, linear.weight.grad, _graph_nodes(out))
+        results[name] = (type(linear).__name__, out.detach(), x.grad, linear.weight.grad, graph_nodes(out))
     return results
 
 
@@ -151,5 +127,5 @@ def test_megatron_dense_linears_take_the_kernels_bit_for_bit(megatron_one_gpu, h
         assert torch.equal(out, ref_out), (kind, name)
         assert torch.equal(grad_x, ref_x), (kind, name)
         assert torch.equal(grad_w, ref_w), (kind, name)
-        _assert_reference_path(ref_nodes, kind, name)
-        _assert_kernel_path(nodes, kind, name)
+        assert_reference_path(ref_nodes, kind, name)
+        assert_kernel_path(nodes, kind, name)

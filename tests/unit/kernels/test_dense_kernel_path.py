@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from autograd_paths import KERNEL_NODES, assert_kernel_path, assert_reference_path, graph_nodes
 from torch import nn
 
 import modelopt_moe.quantization as mtq
@@ -13,32 +14,6 @@ from modelopt_moe.kernels import dense_layout, kernels_available
 from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
 
 pytestmark = pytest.mark.skipif(not kernels_available("cpu"), reason="needs the Triton interpreter on CPU")
-
-KERNEL_NODES = {"GroupedInputFakeQuantBackward", "GroupedWeightFakeQuantBackward"}
-REFERENCE_NODE = "FakeQuantSTEBackward"
-
-
-def _graph_nodes(*tensors) -> set[str]:
-    """Names of every autograd node behind ``tensors``."""
-    seen, names, stack = set(), set(), [t.grad_fn for t in tensors if t.grad_fn is not None]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.add(type(fn).__name__)
-        stack.extend(f for f, _ in fn.next_functions)
-    return names
-
-
-def _assert_kernel_path(nodes: set[str], *context) -> None:
-    assert KERNEL_NODES & nodes, (context, nodes)
-    assert REFERENCE_NODE not in nodes, (context, nodes)
-
-
-def _assert_reference_path(nodes: set[str], *context) -> None:
-    assert REFERENCE_NODE in nodes, (context, nodes)
-    assert not KERNEL_NODES & nodes, (context, nodes)
 
 
 def _linear(preset, kernel, ste, *, dtype=torch.float32, in_features=48, edit=None):
@@ -59,7 +34,7 @@ def _linear(preset, kernel, ste, *, dtype=torch.float32, in_features=48, edit=No
     y = model(x)
     y.backward(torch.randn(y.shape, generator=g).to(dtype))
     grads = [p.grad for p in model.parameters()]
-    return y.detach(), x.grad, grads, _graph_nodes(y)
+    return y.detach(), x.grad, grads, graph_nodes(y)
 
 
 def _assert_same(fast, ref):
@@ -81,8 +56,8 @@ def test_quantized_linear_on_the_kernels_matches_the_reference_bit_for_bit(prese
     ref = _linear(preset, "torch", ste, dtype=dtype)
     fast = _linear(preset, "triton", ste, dtype=dtype)
     _assert_same(fast, ref)
-    _assert_reference_path(ref[3])
-    _assert_kernel_path(fast[3])
+    assert_reference_path(ref[3])
+    assert_kernel_path(fast[3])
 
 
 @pytest.mark.parametrize("preset", ["int4_blockwise_weight_only.yaml", "mxfp4_default.yaml"])
@@ -91,7 +66,7 @@ def test_padded_blocks_on_a_last_dim_that_is_no_multiple_take_the_kernels_bit_fo
     ref = _linear(preset, "torch", "clipped", in_features=40)
     fast = _linear(preset, "triton", "clipped", in_features=40)
     _assert_same(fast, ref)
-    _assert_kernel_path(fast[3])
+    assert_kernel_path(fast[3])
 
 
 def _learned(cfg):
@@ -136,7 +111,7 @@ def _quantize_twice(cfg: dict, x: torch.Tensor, amax, ste: str):
         grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y.dtype)
         grad[0, 0] = float("nan")
         y.backward(grad)
-        out.append((y.detach(), xi.grad, _graph_nodes(y)))
+        out.append((y.detach(), xi.grad, graph_nodes(y)))
     return out
 
 
@@ -157,8 +132,8 @@ def test_edge_values_take_the_kernels_with_the_reference_bits(cfg, amax, k, ste)
     assert torch.equal(fast[0].nan_to_num(), ref[0].nan_to_num())
     assert torch.equal(fast[1].isnan(), ref[1].isnan())
     assert torch.equal(fast[1].nan_to_num(), ref[1].nan_to_num())
-    _assert_kernel_path(fast[2])
-    _assert_reference_path(ref[2])
+    assert_kernel_path(fast[2])
+    assert_reference_path(ref[2])
 
 
 def test_layouts_the_grouped_ops_do_not_take_stay_on_the_reference():
@@ -171,13 +146,13 @@ def test_layouts_the_grouped_ops_do_not_take_stay_on_the_reference():
     for q in (per_token, per_tensor_dynamic, unsigned):
         q.kernel = "triton"
         y = q(x.clone().requires_grad_(True))
-        assert _graph_nodes(y) & KERNEL_NODES == set()
+        assert graph_nodes(y) & KERNEL_NODES == set()
     assert dense_layout(x, torch.tensor(1.0), "nvfp4", None) is None  # 40 is no multiple of NVFP4's 16
     static = TensorQuantizer({"num_bits": (4, 3)}, amax=1.0)
     static.kernel = "triton"
     permuted = torch.randn(40, 4).t().requires_grad_(True)  # a permuted view: the reference keeps its layout
     y = static(permuted)
-    assert _graph_nodes(y) & KERNEL_NODES == set()
+    assert graph_nodes(y) & KERNEL_NODES == set()
     assert y.stride() == permuted.stride()
     nvfp4_ragged.kernel = "triton"
     with pytest.raises(ValueError, match="16"):  # the reference's own error, unchanged
