@@ -152,6 +152,17 @@ def parallel_linear_quantizers_sharded_state_dict(module: nn.Module, prefix: str
     return out
 
 
+def _check_global_shape(key: str, st: ShardedTensor, loading: dict | None) -> None:
+    """Loading: the checkpoint's global shape of ``key`` is ``st``'s, or a CheckpointMismatchError naming both."""
+    if loading is None:
+        return
+    found = loading["amax_shapes"].get(key)
+    if found is None or tuple(found) != st.global_shape:
+        raise CheckpointMismatchError(
+            f"{key}: amax shape mismatch in checkpoint {loading['ckpt_dir']}: expected global shape "
+            f"{st.global_shape}, found {None if found is None else tuple(found)}")
+
+
 def _dense_amax_entry(key: str, data: torch.Tensor, offsets: tuple, tp_offsets: tuple, replica_id: tuple,
                       loading: dict | None) -> ShardedTensorFactory:
     """One dense amax entry: the ShardedTensor at ``offsets`` (+ a TP split), checked against the checkpoint's
@@ -160,12 +171,7 @@ def _dense_amax_entry(key: str, data: torch.Tensor, offsets: tuple, tp_offsets: 
     def build(key, data, replica_id, flattened_range):
         st = ShardedTensor.from_rank_offsets(key, data, *offsets, *tp_offsets, replica_id=replica_id,
                                              prepend_axis_num=len(offsets))
-        if loading is not None:
-            found = loading["amax_shapes"].get(key)
-            if found is None or tuple(found) != st.global_shape:
-                raise CheckpointMismatchError(
-                    f"{key}: amax shape mismatch in checkpoint {loading['ckpt_dir']}: expected global shape "
-                    f"{st.global_shape}, found {None if found is None else tuple(found)}")
+        _check_global_shape(key, st, loading)
         return st
 
     return ShardedTensorFactory(key, data, build, lambda loaded: loaded, replica_id)
@@ -288,12 +294,7 @@ def _gated_block_amax_entry(key: str, data: torch.Tensor, offsets: tuple, expert
             split = (row_axis, grid.etp_rank + i * grid.etp_size, 2 * grid.etp_size)
             st = ShardedTensor.from_rank_offsets(key, half.contiguous(), *offsets, expert_axis, split,
                                                  replica_id=replica_id, prepend_axis_num=len(offsets))
-            if loading is not None:
-                found = loading["amax_shapes"].get(key)
-                if found is None or tuple(found) != st.global_shape:
-                    raise CheckpointMismatchError(
-                        f"{key}: amax shape mismatch in checkpoint {loading['ckpt_dir']}: expected global shape "
-                        f"{st.global_shape}, found {None if found is None else tuple(found)}")
+            _check_global_shape(key, st, loading)
             parts.append(st)
         return parts
 
