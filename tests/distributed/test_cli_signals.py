@@ -51,7 +51,15 @@ def _hf_checkpoint(path):
     return path
 
 
-def _start(cwd, *args, preexec_fn=None):
+def _as_a_terminal_starts_it() -> None:
+    """A terminal's foreground job: every signal's default action and none blocked, whatever this test process
+    inherited (under ``nohup`` or as a background job its SIGINT is ignored, which the command would keep)."""
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(s, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _start(cwd, *args, preexec_fn=_as_a_terminal_starts_it):
     """``modelopt-moe qat ARGS`` in a session of its own (as a terminal's foreground job), output to files."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH="",
@@ -178,10 +186,8 @@ def batches(split, num_batches, batch_size, seq_len, offset):
 
 def _as_a_script_starts_a_background_job() -> None:
     """``modelopt-moe ... &`` in a shell script: SIGINT ignored (Ctrl-C at the terminal is for the script)."""
-    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(s, signal.SIG_DFL)
+    _as_a_terminal_starts_it()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
 def test_a_background_job_ignores_ctrl_c_and_stops_on_sigterm(tmp_path):
