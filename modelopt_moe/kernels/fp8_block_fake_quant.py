@@ -97,7 +97,8 @@ BLOCK2D_VARIANTS: dict[str, Block2dVariant] = {
     "prefetch-w16": Block2dVariant(chunk=0, warps=16, programs_per_sm=1, uniform=True, prefetch=True),
     "prefetch-w32": Block2dVariant(chunk=0, warps=32, programs_per_sm=1, uniform=True, prefetch=True),
 }
-BLOCK2D_DEFAULT = "two-pass-uniform"  # the variant every launch uses (tools/bench_expert_fake_quant.py --block2d-variants)
+# The variant every launch uses (tools/bench_expert_fake_quant.py --block2d-variants measures them all).
+BLOCK2D_DEFAULT = "two-pass-uniform"
 _INTERPRETER_SMS = 2  # the Triton interpreter has no SMs: a persistent grid there has 2 * programs_per_sm programs
 _MAX_BLOCK = 4096
 _CACHE_SIZE = 64

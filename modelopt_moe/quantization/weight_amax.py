@@ -172,7 +172,8 @@ def quantize_weight_operand(module: nn.Module, q, w: torch.Tensor, rel_name: str
                 # A float format: the quantizer's own fake quant gives these bits (its kernels where they run).
                 value = q.fake_quant(w.detach(), amax.detach())
             else:
-                value = fake_quant(w.detach(), q.fmt, amax.detach(), q.block_size)
+                # An int format's range (narrow_range / unsigned) as the config sets it, as a static amax takes it.
+                value = fake_quant(w.detach(), q.fmt, amax.detach(), q.block_size, **q.int_kwargs)
         return learned_amax_ste(module, rel_name, q, amax, [w], [value])[0]
     return q(w)
 

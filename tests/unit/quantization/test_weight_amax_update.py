@@ -273,3 +273,24 @@ def test_learned_expert_view_trains_its_own_row():
     assert q._amax.grad[0] == 0
     assert q._amax.grad[2] == 0
     assert w.grad is not None
+
+
+@pytest.mark.parametrize("narrow_range", [False, True])
+def test_learned_int_amax_of_a_dense_linear_quantizes_on_the_configs_integer_range(narrow_range):
+    """A learned INT8 weight amax of an ``nn.Linear`` takes the config's ``narrow_range`` as a static one does: with
+    ``false`` a weight clipped below the amax lands on -128, with ``true`` on -127."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 16)
+    x = torch.randn(8, 32)
+    cfg = {"quant_cfg": [{"quantizer_name": "*weight_quantizer",
+                          "cfg": {"num_bits": 8, "axis": None, "narrow_range": narrow_range}},
+                         {"quantizer_name": "*input_quantizer", "cfg": {"enable": False}}],
+           "algorithm": "max", "weight_amax_update": "learned"}
+    mtq.quantize(lin, cfg, lambda m: m(x))
+    q = lin.weight_quantizer
+    q.amax = q.amax.detach() / 2  # half the weights' max: the most negative ones clip
+    with torch.no_grad():
+        y = lin(x)
+    w = fake_quant(lin.weight.detach(), "int8", q.amax.detach(), narrow_range=narrow_range)
+    assert bool((w == -q.amax.detach() * 128 / 127).any()) != narrow_range
+    assert torch.equal(y, x @ w.t() + lin.bias.detach())
