@@ -39,7 +39,7 @@ def _tokens(splits, k, dtype, seed=1, edge=False):
 
 def _run(kernel, splits, *, k=200, dtype=torch.float32, ste="pass_through", edge=False, row_scale=False):
     torch.manual_seed(0)
-    layer = GroupedLinear(N, k, k, bias=True).to(dtype)
+    layer = GroupedLinear(N, k, k, bias=not row_scale).to(dtype)  # a router-scaled input takes no GEMM bias
     with torch.no_grad():
         for i, w in enumerate(layer.expert_weights()):
             w.copy_(torch.diag(torch.linspace(0.5, 2.0, k) * 3.0 ** i))
