@@ -129,7 +129,8 @@ def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel
     """Fake-quantizes (and calibrates) the token matrix ``x`` whose row blocks ``m_splits`` belong to the experts.
 
     Calibrated amax on the kernel path (per expert, or ``shared``: ``[N]`` equal entries): one launch with the
-    ``[N]`` amax and device-side split offsets. A ``shared`` amax elsewhere: the whole matrix at once (reference).
+    ``[N]`` amax and device-side split offsets; none read (``type: dynamic`` FP8 1x128 groups, MX): one launch too
+    (:func:`_one_launch`). A ``shared`` amax elsewhere: the whole matrix at once (reference).
     Otherwise expert by expert. ``with_stats`` also returns each expert's quantization-error sums over its rows
     (``(y, float64 [N, 4] or None)``); on the kernel path from the same launch (a ``shared`` amax too: every expert's
     entry holds the same value, so the bits are the same).
