@@ -129,7 +129,8 @@ def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel
     """Fake-quantizes (and calibrates) the token matrix ``x`` whose row blocks ``m_splits`` belong to the experts.
 
     Calibrated amax on the kernel path (per expert, or ``shared``: ``[N]`` equal entries): one launch with the
-    ``[N]`` amax and device-side split offsets. A ``shared`` amax elsewhere: the whole matrix at once (reference).
+    ``[N]`` amax and device-side split offsets; none read (``type: dynamic`` FP8 1x128 groups, MX): one launch too
+    (:func:`_one_launch`). A ``shared`` amax elsewhere: the whole matrix at once (reference).
     Otherwise expert by expert. ``with_stats`` also returns each expert's quantization-error sums over its rows
     (``(y, float64 [N, 4] or None)``); on the kernel path from the same launch (a ``shared`` amax too: every expert's
     entry holds the same value, so the bits are the same).
@@ -152,7 +153,7 @@ def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel
     if with_stats:
         y, sums = _quantize_expert_inputs_stats(q, x, m_splits, kernel, device_splits)
         return (y if row_scale is None else scale_rows(y, row_scale)), sums
-    if q.mode.settled and x.dim() == 2 and use_kernels(kernel, x.device):
+    if _one_launch(q) and x.dim() == 2 and use_kernels(kernel, x.device):
         # One launch, shared amax too (its [N] entries are all equal): the reference on the whole token matrix would
         # run a chain of elementwise kernels with fp32 temporaries on every micro-batch.
         splits = (device_splits or DeviceSplits())(m_splits, x.device)
@@ -163,6 +164,13 @@ def quantize_expert_inputs(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel
         return grouped_input_fake_quant_ste(x, splits, amax, q.fmt, q.block_size, q.ste, q.narrow_range)
     y = _quantize_expert_inputs_reference(q, x, m_splits)
     return y if row_scale is None else scale_rows(y, row_scale)
+
+
+def _one_launch(q: ExpertQuantizer) -> bool:
+    """Whether the whole token matrix goes through one launch: the amax settled before the call, or none read (a
+    ``type: dynamic`` format that takes every scale from the data, e.g. FP8 1x128 groups: each row's groups are its
+    own, whatever expert the row belongs to, so the launch gives each expert's bits)."""
+    return q.mode.settled or (q.mode is QuantMode.DYNAMIC and not q.needs_amax)
 
 
 def _quantize_expert_inputs_learned(q: ExpertQuantizer, x: torch.Tensor, m_splits, kernel: str,
