@@ -34,6 +34,10 @@ Read from the loaders (vLLM ``model_executor/layers/quantization/modelopt.py`` a
   dtype), ``weight_shape`` ``[2]``; scales per row, nothing to fuse.
 * MXFP4 / MXFP8: E2M1 codes packed two per byte ``[R, C/2]`` (MXFP4) or E4M3 ``[R, C]`` (MXFP8), an E8M0 uint8
   scale per 32 inputs ``[R, C/32]`` (``127 + exponent``; 255 is NaN); inputs, where quantized, scaled from the data.
+* TensorRT-LLM and compressed-tensors (``tensorrt_llm/models/quant_config_utils.py``): one ``QuantAlgo`` per config
+  group, a ValueError for the rest. FP8 per channel needs ``token`` inputs, FP8 blocks inputs in groups of 128,
+  NVFP4 ``tensor_group`` inputs in groups of 16, MXFP4 groups of 32 (read as weight-only); per-tensor FP8, MXFP8 and
+  integer weights are refused. The experts then load as a Model Optimizer checkpoint's do.
 * KV cache (:data:`KV_RULES`): one fp32 ``k_scale`` / ``v_scale`` per attention layer, ``[]`` or ``[1]``
   (compressed-tensors ``<attn>.k_scale``, Model Optimizer ``<attn>.k_proj.k_scale``; vLLM's and SGLang's
   ``maybe_remap_kv_scale_name`` maps both onto the attention layer). An absent one is read as 1.0 by vLLM (a scale the
