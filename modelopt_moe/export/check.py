@@ -376,13 +376,28 @@ def _check_expert_layout(layer: int, modules: dict, assign: dict, shapes: dict, 
 
 
 def _check_refusals(assign: dict, report: CheckReport) -> None:
-    """One error per scheme this engine has no loader for."""
+    """One error per scheme this engine has no loader for, and per scheme whose inputs' strategy or weight group
+    its config reader refuses (naming the first such linear and the config field)."""
     for key in sorted({s.key for s in assign.values()}):
         rule = ENGINE_RULES.get((report.engine, report.format, key))
         if rule is not None and rule.refuses:
             n = sum(s.key == key for s in assign.values())
             report.findings.append(Finding("error", "scheme", f"{report.engine} x {report.format}",
                                            f"{n} linears in {key}: {rule.refuses}"))
+        if rule is None or rule.refuses:
+            continue
+        for scheme in dict.fromkeys(s for s in assign.values() if s.key == key):
+            linears = sorted(m for m, s in assign.items() if s == scheme)
+            if rule.input_strategies and scheme.input_strategy not in rule.input_strategies:
+                report.findings.append(Finding(
+                    "error", "scheme", f"{linears[0]} input_activations",
+                    f"{len(linears)} linears in {key} with input_activations strategy {scheme.input_strategy!r}: "
+                    f"{report.engine} reads {key} only with {list(rule.input_strategies)} ({rule.source})"))
+            if rule.groups and scheme.group not in rule.groups:
+                report.findings.append(Finding(
+                    "error", "scheme", f"{linears[0]} weights.group_size",
+                    f"{len(linears)} linears in {key} with group_size {scheme.group}: {report.engine} reads {key} "
+                    f"only in groups of {list(rule.groups)} ({rule.source})"))
 
 
 def _check_kv_cache(path: Path, layout, report: CheckReport) -> None:

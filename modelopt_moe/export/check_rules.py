@@ -34,6 +34,10 @@ Read from the loaders (vLLM ``model_executor/layers/quantization/modelopt.py`` a
   dtype), ``weight_shape`` ``[2]``; scales per row, nothing to fuse.
 * MXFP4 / MXFP8: E2M1 codes packed two per byte ``[R, C/2]`` (MXFP4) or E4M3 ``[R, C]`` (MXFP8), an E8M0 uint8
   scale per 32 inputs ``[R, C/32]`` (``127 + exponent``; 255 is NaN); inputs, where quantized, scaled from the data.
+* TensorRT-LLM and compressed-tensors (``tensorrt_llm/models/quant_config_utils.py``): one ``QuantAlgo`` per config
+  group, a ValueError for the rest. FP8 per channel needs ``token`` inputs, FP8 blocks inputs in groups of 128,
+  NVFP4 ``tensor_group`` inputs in groups of 16, MXFP4 groups of 32 (read as weight-only); per-tensor FP8, MXFP8 and
+  integer weights are refused. The experts then load as a Model Optimizer checkpoint's do.
 * KV cache (:data:`KV_RULES`): one fp32 ``k_scale`` / ``v_scale`` per attention layer, ``[]`` or ``[1]``
   (compressed-tensors ``<attn>.k_scale``, Model Optimizer ``<attn>.k_proj.k_scale``; vLLM's and SGLang's
   ``maybe_remap_kv_scale_name`` maps both onto the attention layer). An absent one is read as 1.0 by vLLM (a scale the
@@ -43,7 +47,7 @@ Read from the loaders (vLLM ``model_executor/layers/quantization/modelopt.py`` a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 __all__ = ["TensorRule", "FormatRule", "EngineRule", "KvRule", "FORMAT_RULES", "ENGINE_RULES", "KV_RULES", "ENGINES",
            "rule_key"]
@@ -134,6 +138,9 @@ class EngineRule:
         whole_row_blocks: the engine stacks gate and up into one weight whose 2-D scale blocks must not straddle
             them: the expert FFN size must be a multiple of the block's rows.
         refuses: the engine has no loader for this scheme: why (an error).
+        input_strategies: the inputs' compressed-tensors strategies the engine's config reader takes for this scheme
+            (``token``, ``group128``, ``tensor_group``; ``none``: not quantized); empty: any. Another is an error.
+        groups: the weight group sizes the engine's config reader takes; empty: any. Another is an error.
         source: where the loader says so.
     """
 
@@ -142,6 +149,8 @@ class EngineRule:
     dynamic_expert_inputs: bool = False
     whole_row_blocks: bool = False
     refuses: str = ""
+    input_strategies: tuple[str, ...] = ()
+    groups: tuple[int, ...] = ()
     source: str = ""
 
 
@@ -219,9 +228,33 @@ _FP8_PB_WO_TRTLLM = EngineRule(refuses="quant_algo FP8_PB_WO is not a TensorRT-L
                                "is FP8_BLOCK_SCALES)", source="tensorrt_llm/quantization/mode.py QuantAlgo")
 
 
+# TensorRT-LLM's compressed-tensors reader (tensorrt_llm/models/quant_config_utils.py,
+# _quant_config_from_config_group) maps each config group onto one QuantAlgo and raises ValueError on the rest:
+# 8-bit weights per channel with token inputs (FP8_PER_CHANNEL_PER_TOKEN) or per block with inputs in groups of 128
+# (FP8_BLOCK_SCALES); 4-bit float weights in tensor groups of 16 with tensor-group inputs (NVFP4); 4-bit float weights
+# in groups of 32 (mxfp4-pack-quantized: W4A16_MXFP4, inputs left unquantized). The experts then go through the same
+# fused-MoE loaders as a Model Optimizer checkpoint's.
+_TRTLLM_CT_SOURCE = "tensorrt_llm/models/quant_config_utils.py _quant_config_from_config_group"
+_TRTLLM_CT_8BIT = ("8-bit weights are read per 'channel' (with 'token' inputs) or per 'block' (with inputs in groups "
+                   "of 128) only")
+_TRTLLM_CT: dict[str, EngineRule] = {
+    "fp8_tensor": EngineRule(refuses=f"weights strategy 'tensor' is not read by TensorRT-LLM's compressed-tensors "
+                             f"reader: {_TRTLLM_CT_8BIT}", source=_TRTLLM_CT_SOURCE),
+    "fp8_channel": EngineRule({}, "none", input_strategies=("token",), source=_TRTLLM_CT_SOURCE),
+    "fp8_block": EngineRule({}, "none", input_strategies=("group128",), source=_TRTLLM_CT_SOURCE),
+    "nvfp4_blocks": replace(_NVFP4_TRTLLM, input_strategies=("tensor_group",), groups=(16,)),
+    "mxfp4_blocks": replace(_PER_ROW, groups=(32,), source=_TRTLLM_CT_SOURCE),
+    "mxfp8_blocks": EngineRule(refuses=f"weights strategy 'group' with 8 bits (MXFP8) is not read by TensorRT-LLM's "
+                               f"compressed-tensors reader: {_TRTLLM_CT_8BIT}", source=_TRTLLM_CT_SOURCE),
+    "int4_groups": EngineRule(refuses="integer weights are not read by TensorRT-LLM's compressed-tensors reader (it "
+                              "takes 8-bit float and 4-bit float NVFP4 / MXFP4 weights only)",
+                              source=_TRTLLM_CT_SOURCE),
+}
+
+
 def _engine_rule(engine: str, fmt: str, scheme: str) -> EngineRule | None:
     if engine == "trtllm" and fmt == "compressed-tensors":
-        return None  # its compressed-tensors reader is not encoded as rules: reported as unchecked
+        return _TRTLLM_CT[scheme]
     if scheme == "fp8_tensor":
         return _FP8_MOE
     if scheme == "nvfp4_blocks":

@@ -27,12 +27,14 @@ class LinearScheme(NamedTuple):
     """One quantized linear's scheme as the config states it: the rule key of
     :data:`~.check_rules.FORMAT_RULES`, whether a static input scale is stored, the weight's group (an int) or 2-D
     block (``(rows, cols)``) where the format has one, and whether inputs are quantized with scales from the data at
-    run time (no stored input scale)."""
+    run time (no stored input scale), and the inputs' compressed-tensors strategy (``token``, ``tensor_group``,
+    ``group128`` with its group size; ``none``: inputs not quantized; None: the format does not say it this way)."""
 
     key: str
     inputs: bool
     group: int | tuple[int, int] | None = None
     dynamic: bool = False
+    input_strategy: str | None = None
 
     @property
     def label(self) -> str:
@@ -155,7 +157,9 @@ def _ct_scheme(group: dict, where: str, findings: list) -> LinearScheme | None:
         return None
     # NVFP4's "local" inputs: dynamic blocks under a static global scale, which is stored
     dynamic = bool(x) and x.get("dynamic", False) is True
-    return LinearScheme(key, bool(x) and not dynamic, size, dynamic)
+    x_strategy = "none" if not x else f"{x.get('strategy')}" + (f"{x.get('group_size')}" if x.get("strategy") == "group"
+                                                                 else "")
+    return LinearScheme(key, bool(x) and not dynamic, size, dynamic, x_strategy)
 
 
 def _kv_cache(fmt: str, q: dict, findings: list) -> str | None:

@@ -4,10 +4,11 @@ One single-rank spawn imports tiny random Qwen3-MoE models (written by transform
 (FP8_DYNAMIC, INT4 W4A16 groups of 32, MXFP4, MXFP8, FP8 128x128 blocks on a model whose head_dim and expert FFN
 size are 128, and FP8 per expert with an FP8 KV cache) and exports them through the public API in the file formats
 whose engines read them. Every export passes the engines that read it (FP8_PB_WO fails on TensorRT-LLM, which has
-no such quant_algo); defects planted into copies (a deleted scale, a zero scale, a denormal scale, a NaN E8M0 scale, a
-wrong dtype, a wrong shape, a missing k_scale) are each found, naming the tensor. A W4A16 checkpoint written by
-compressed-tensors' own compressor passes. ``calibration_tokens.json`` holds what calibration counted, and
-``modelopt-moe check`` reports it per layer and flags the experts below the export's threshold.
+no such quant_algo; so do the compressed-tensors schemes its reader refuses: INT4, MXFP8, per-tensor FP8, and
+per-channel FP8 without per-token inputs); defects planted into copies (a deleted scale, a zero scale, a denormal
+scale, a NaN E8M0 scale, a wrong dtype, a wrong shape, a missing k_scale) are each found, naming the tensor. A W4A16
+checkpoint written by compressed-tensors' own compressor passes. ``calibration_tokens.json`` holds what calibration
+counted, and ``modelopt-moe check`` reports it per layer and flags the experts below the export's threshold.
 """
 
 import json
@@ -43,13 +44,13 @@ CONFIGS = {  # name -> YAML of its quantization config
     "fp8_kv": "$import: [fp8_per_expert.yaml, fp8_kv.yaml]\n",
 }
 EXPORTS = {  # name -> (config, model, format, engines that read it)
-    "fp8_dynamic_ct": ("fp8_dynamic", "narrow", CT, ("vllm", "sglang")),
+    "fp8_dynamic_ct": ("fp8_dynamic", "narrow", CT, ENGINES),
     "fp8_dynamic_modelopt": ("fp8_dynamic", "narrow", MO, ENGINES),
     "w4a16_ct": ("w4a16", "narrow", CT, ("vllm", "sglang")),
-    "mxfp4_ct": ("mxfp4", "narrow", CT, ("vllm", "sglang")),
+    "mxfp4_ct": ("mxfp4", "narrow", CT, ENGINES),
     "mxfp8_ct": ("mxfp8", "narrow", CT, ("vllm", "sglang")),
     "mxfp8_modelopt": ("mxfp8", "narrow", MO, ("vllm", "sglang")),
-    "fp8_block_ct": ("fp8_block", "wide", CT, ("vllm", "sglang")),
+    "fp8_block_ct": ("fp8_block", "wide", CT, ENGINES),
     "fp8_block_modelopt": ("fp8_block", "wide", MO, ("vllm", "sglang")),
     "fp8_kv_ct": ("fp8_kv", "narrow", CT, ("vllm", "sglang")),
     "fp8_kv_modelopt": ("fp8_kv", "narrow", MO, ENGINES),
@@ -165,6 +166,29 @@ def test_our_exports_pass_the_engines_that_read_them(exports, name):
         assert "no rules" not in report.details()
     if name.startswith("fp8_kv"):
         assert report.kv_cache == "FP8"
+
+
+@pytest.mark.parametrize(("name", "refusal"), [("w4a16_ct", "integer weights"), ("mxfp8_ct", "(MXFP8)"),
+                                           ("fp8_kv_ct", "weights strategy 'tensor'")])
+def test_compressed_tensors_schemes_tensorrt_llm_does_not_read_are_refused(exports, name, refusal):
+    report = check_checkpoint(exports["out"] / name, engine="trtllm")
+    assert _rules(report) == {"scheme": {"trtllm x compressed-tensors"}}, report.details()
+    assert refusal in report.verdict(), report.verdict()
+
+
+def test_per_channel_fp8_without_per_token_inputs_is_an_error_for_tensorrt_llm_naming_the_field(exports):
+    """TensorRT-LLM's compressed-tensors reader takes per-channel FP8 weights only with per-token inputs."""
+
+    def config(cfg):
+        group = cfg["quantization_config"]["config_groups"]["group_0"]
+        group["input_activations"] = {**group["input_activations"], "strategy": "tensor"}
+
+    path = _planted(exports, "fp8_dynamic_ct", lambda t: None, config)
+    report = check_checkpoint(path, engine="trtllm")
+    assert _rules(report) == {"scheme": {"model.layers.0.mlp.experts.0.down_proj input_activations"}}, report.details()
+    assert "strategy 'tensor'" in report.errors[0].message
+    assert "['token']" in report.errors[0].message
+    assert check_checkpoint(path, engine="vllm").ok
 
 
 def test_block_fp8_of_model_optimizer_is_refused_for_tensorrt_llm(exports):
