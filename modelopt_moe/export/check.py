@@ -195,9 +195,19 @@ def check_checkpoint(path: str | os.PathLike, engine: str = "vllm", reference=No
     return report
 
 
+def _refuses(report: CheckReport) -> bool:
+    """Whether every error of ``report`` is a scheme its engine has no loader for (the checkpoint is whole; that engine
+    does not serve it), not a broken loader contract."""
+    return bool(report.errors) and all(f.rule == "scheme" for f in report.errors)
+
+
 def check_all_engines(path: str | os.PathLike, engines=ENGINES) -> tuple[bool, str]:
-    """Checks ``path`` against every engine of ``engines``; returns whether all pass and one line saying so
+    """Checks ``path`` against every engine of ``engines``; returns whether it passes and one line saying so
     (``check vllm PASS, sglang PASS, trtllm FAIL (...): <first error>``), for the end of an export.
+
+    An engine with no loader for the checkpoint's schemes is ``REFUSES``, not ``FAIL``: it passes as long as another
+    engine reads the checkpoint (an FP8 per-tensor compressed-tensors export is for vLLM and SGLang, whatever
+    TensorRT-LLM reads); a broken contract of any engine fails it.
 
     Raises:
         ExportError: as :func:`check_checkpoint`.
@@ -206,12 +216,15 @@ def check_all_engines(path: str | os.PathLike, engines=ENGINES) -> tuple[bool, s
     first = reports[0]
     schemes = ", ".join(f"{n} {s}" for s, n in sorted(first.schemes.items())) or "no quantized linear"
     warnings = sum(len(r.warnings) for r in reports)
-    verdicts = ", ".join(f"{r.engine} {'PASS' if r.ok else 'FAIL'}" for r in reports)
+    verdicts = ", ".join(f"{r.engine} {'PASS' if r.ok else 'REFUSES' if _refuses(r) else 'FAIL'}" for r in reports)
     line = f"check {verdicts} ({first.format}: {schemes}; {_count(range(warnings), 'warning')})"
-    failed = next((r for r in reports if not r.ok), None)
-    if failed is not None:
-        line += f": {failed.engine}: {failed.errors[0]} (modelopt-moe check {path} --details)"
-    return failed is None, line
+    failed = next((r for r in reports if not r.ok and not _refuses(r)), None)
+    refused = next((r for r in reports if _refuses(r)), None)
+    shown = failed or refused
+    if shown is not None:
+        line += f": {shown.engine}: {shown.errors[0]} (modelopt-moe check {path} --details)"
+    passed = failed is None and any(r.ok for r in reports)
+    return passed, line
 
 
 def _load(path: Path, file: str, name: str) -> torch.Tensor:

@@ -158,6 +158,17 @@ def test_per_tensor_fp8_of_compressed_tensors_is_refused_for_tensorrt_llm(export
     assert check_checkpoint(exports["out"] / "qwen3_fp8_modelopt", engine="trtllm").ok
 
 
+def test_an_engine_without_a_loader_for_the_scheme_does_not_fail_the_export(exports):
+    """The export's one-line verdict: TensorRT-LLM refusing FP8 per-tensor compressed-tensors is ``REFUSES``, named
+    with its reason, and the export still passes (vLLM and SGLang read it); only a broken contract fails it."""
+    from modelopt_moe.export.check import check_all_engines
+
+    passed, line = check_all_engines(exports["out"] / REFUSED[0])
+    assert passed, line
+    assert line.startswith("check vllm PASS, sglang PASS, trtllm REFUSES ("), line
+    assert "weights strategy 'tensor'" in line, line
+
+
 @pytest.mark.parametrize("name", ["qwen3_fp8_ct", "qwen3_nvfp4_modelopt", "mixtral_nvfp4_modelopt"])
 def test_engine_order_forward_from_the_files_matches_the_fake_quant_model(exports, name):
     """With each expert's own input scale, the files run in engine order give the fake-quant model's distribution
