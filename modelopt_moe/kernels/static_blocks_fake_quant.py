@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from ..numerics import KernelRoutine, get_format
+from ..numerics.nvfp4 import within_block_amax
 from .checks import check_ste, check_weight_fake_quant, check_weights
 from .launch import (
     eager,
@@ -195,8 +196,7 @@ def _torch_clip_grad(grads, weights, blocks, fmt) -> torch.Tensor:
     b = get_format(fmt).block_length
     out = []
     for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
-        mask = (w.abs().unflatten(-1, (-1, b)) <= blocks[i].unsqueeze(-1)).flatten(-2)
-        out.append((g * mask).reshape(-1))
+        out.append((g * within_block_amax(w, blocks[i], b)).reshape(-1))
     return torch.cat(out)
 
 

@@ -40,7 +40,7 @@ from .fp8 import E4M3, E4M3_MAX
 
 __all__ = ["NVFP4_BLOCK_SIZE", "E2M1_MAX", "E2M1_VALUES", "FOUR_OVER_SIX_SCALE_MAX", "NVFP4Format", "NVFP4",
            "round_to_e2m1", "e2m1_codes", "e2m1_values", "pack_fp4", "unpack_fp4", "encode_nvfp4", "nvfp4_global_scale",
-           "fp8_scale_candidates"]
+           "fp8_scale_candidates", "within_block_amax"]
 
 NVFP4_BLOCK_SIZE = 16
 E2M1_MAX = 6.0
@@ -188,6 +188,12 @@ class _NVFP4Codec(ExportCodec):
 NVFP4 = NVFP4Format("nvfp4", (2, 1), E2M1_MAX, E2M1_MAX * E4M3_MAX, "NVFP4", frozenset({ScaleLayout.TWO_LEVEL}),
                     KernelSpec(KernelRoutine.TWO_LEVEL_E2M1, E2M1_MAX * E4M3_MAX, tile=2048),
                     aliases=("e2m1", "nvfp4"), block=(NVFP4_BLOCK_SIZE,), block_scale=E4M3.name, export=_NVFP4Codec())
+
+
+def within_block_amax(x: torch.Tensor, block_amax: torch.Tensor, block: int) -> torch.Tensor:
+    """Where ``|x|`` is at most its block's amax (``block_amax``: ``[..., K // block]``), shaped like ``x``: the
+    elements a clipped straight-through estimator of static block scales lets the gradient through."""
+    return (x.abs().unflatten(-1, (-1, block)) <= block_amax.unsqueeze(-1)).flatten(-2)
 
 
 def e2m1_codes(values: torch.Tensor) -> torch.Tensor:

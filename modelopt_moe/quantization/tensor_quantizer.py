@@ -32,6 +32,7 @@ from torch import nn
 from ..kernels import dense_fake_quant_ste, dense_layout, use_kernels
 from ..numerics import clip_limit, fake_quant, get_format
 from ..numerics.format import nan_ignoring_block_max
+from ..numerics.nvfp4 import within_block_amax
 from .calib.max import merge_max
 from .config_schema import WEIGHT_AMAX_UPDATES, QuantizerAttributeConfig
 from .modelopt_compat import modelopt_quantizer_state, parse_modelopt_quantizer_state, unsupported
@@ -122,7 +123,7 @@ class StaticBlocksSTE(torch.autograd.Function):
         b = spec.block_length
         blocks = block_amax.detach().to(x.device)
         out = spec.fake_quant_static(x, amax, blocks, scale_max)
-        mask = (x.abs().unflatten(-1, (-1, b)) <= blocks.unsqueeze(-1)).flatten(-2) if clipped else None
+        mask = within_block_amax(x, blocks, b) if clipped else None
         ctx.learn = ctx.needs_input_grad[2]
         saved = (x, out, blocks) if ctx.learn else ()
         ctx.save_for_backward(mask if mask is not None else torch.empty(0), *saved)

@@ -37,6 +37,7 @@ from ...kernels import (
     grouped_weight_fake_quant_ste,
 )
 from ...numerics import fake_quant, get_format, quant_error_sums
+from ...numerics.nvfp4 import within_block_amax
 from ..expert_quantizer import ExpertQuantizer
 from ..quant_mode import QuantMode
 from ..tensor_quantizer import clip_mask, learned_block_amax_grad
@@ -114,7 +115,7 @@ class _LearnedBlocksSTE(torch.autograd.Function):
             g = torch.zeros_like(w) if g is None else g
             grad_blocks.append(learned_block_amax_grad(g, w, v, blocks[i], ctx.block, ctx.bound))
             if ctx.clipped:
-                g = g * (w.abs().unflatten(-1, (-1, ctx.block)) <= blocks[i].unsqueeze(-1)).flatten(-2)
+                g = g * within_block_amax(w, blocks[i], ctx.block)
             grad_weights.append(g)
         grad_blocks = torch.stack(grad_blocks)
         if ctx.n > 1:  # expert by expert, autograd sums N gradients of the whole table: 0 + (-0.0) is +0.0
