@@ -168,11 +168,10 @@ def quantize_weight_operand(module: nn.Module, q, w: torch.Tensor, rel_name: str
     if mode is QuantMode.LEARNED:
         amax = q.amax
         with torch.no_grad():
-            if isinstance(q, TensorQuantizer) and not isinstance(q, ExpertQuantizer) and not q.int_kwargs:
-                # A float format: the quantizer's own fake quant gives these bits (its kernels where they run).
+            if isinstance(q, TensorQuantizer) and not isinstance(q, ExpertQuantizer):
+                # The quantizer's own fake quant: its bits and int range (its kernels where they run).
                 value = q.fake_quant(w.detach(), amax.detach())
             else:
-                # An int format's range (narrow_range / unsigned) as the config sets it, as a static amax takes it.
                 value = fake_quant(w.detach(), q.fmt, amax.detach(), q.block_size, **q.int_kwargs)
         return learned_amax_ste(module, rel_name, q, amax, [w], [value])[0]
     return q(w)
