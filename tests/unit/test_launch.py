@@ -204,6 +204,17 @@ def _start_a_helper_then_work(rank, world_size, folder):
         raise
 
 
+def _assert_stopped_by(sig: int, pids, start: float, out: str, err: str, tmp_path) -> None:
+    """Within 30 s of ``start`` every process of ``pids`` is gone; spawn raised ``Interrupted`` for ``sig``, every rank
+    ran its cleanup, and nothing printed a traceback."""
+    while any(_alive(p) for p in pids) and time.monotonic() < start + 30:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], (out, err)
+    assert f"spawn raised: interrupted by {signal.Signals(sig).name} {128 + sig}" in out, (out, err)
+    assert all((tmp_path / f"rank{r}.stopped").is_file() for r in (0, 1)), (out, err)
+    assert "Traceback" not in err, err
+
+
 def _as_a_shell_starts_it() -> None:
     """In the launcher's process before it runs: every signal's default action and none blocked, as a shell starts a
     program (not whatever this test process's threads and libraries left to be inherited)."""
@@ -252,12 +263,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_what_they_started(tmp_pat
         except subprocess.TimeoutExpired:
             state = (tmp_path / "launcher_state.txt").read_text()
             raise AssertionError(f"launcher exit {launcher.poll()}, its signal state at start: {state}") from None
-        while any(_alive(p) for p in pids) and time.monotonic() < start + 30:
-            time.sleep(0.1)
-        assert not [p for p in pids if _alive(p)], (out, err)
-        assert f"spawn raised: interrupted by {signal.Signals(sig).name} {128 + sig}" in out, (out, err)
-        assert all((tmp_path / f"rank{r}.stopped").is_file() for r in (0, 1)), (out, err)
-        assert "Traceback" not in err, err
+        _assert_stopped_by(sig, pids, start, out, err, tmp_path)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
@@ -306,12 +312,7 @@ def test_a_launcher_that_ignores_ctrl_c_keeps_ignoring_it_and_still_stops_on_sig
         launcher.send_signal(signal.SIGTERM)
         start = time.monotonic()
         out, err = launcher.communicate(timeout=60)
-        while any(_alive(p) for p in pids) and time.monotonic() < start + 30:
-            time.sleep(0.1)
-        assert not [p for p in pids if _alive(p)], (out, err)
-        assert f"spawn raised: interrupted by SIGTERM {128 + signal.SIGTERM}" in out, (out, err)
-        assert all((tmp_path / f"rank{r}.stopped").is_file() for r in (0, 1)), (out, err)
-        assert "Traceback" not in err, err
+        _assert_stopped_by(signal.SIGTERM, pids, start, out, err, tmp_path)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
