@@ -55,10 +55,10 @@ def _quantize(layer, config: dict, layout: str):
 
 
 def _expert_weights(layer, gemm: str) -> list[torch.Tensor]:
-    experts = layer.experts
-    if type(experts).__name__ == "TEGroupedMLP":
-        return [getattr(getattr(experts, gemm), f"weight{i}") for i in range(EXPERTS)]
-    return [getattr(e, gemm).weight for e in experts.local_experts]
+    experts = layer.experts  # after quantization TEGroupedMLP is QuantTEGroupedMLP: tell the kinds apart by layout
+    if hasattr(experts, "local_experts"):
+        return [getattr(e, gemm).weight for e in experts.local_experts]
+    return [getattr(getattr(experts, gemm), f"weight{i}") for i in range(EXPERTS)]
 
 
 def _squared_error(q, i: int, w: torch.Tensor) -> float:
