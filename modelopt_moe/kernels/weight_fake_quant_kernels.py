@@ -28,6 +28,27 @@ from .tile_kernels import (
 
 
 @triton.jit
+def _load_weight_tile(in_base, table_ptr, e, out0, start, local, mask, VEC: tl.constexpr, EVEN: tl.constexpr):
+    """A flat tile of expert ``e``'s weight as fp32, and the tile's output offset (int64; unmasked when ``EVEN``)."""
+    in_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
+    out_off = tl.multiple_of(out0 + start, VEC)
+    if EVEN:
+        x = to_fp32(tl.load(in_base + in_off + local))
+    else:
+        x = to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0))
+    return x, out_off
+
+
+@triton.jit
+def _store_tile(out_ptr, out_off, local, mask, y, BITWISE_CVT: tl.constexpr, EVEN: tl.constexpr):
+    """Stores a fake-quantized tile in the output's dtype (unmasked when ``EVEN``)."""
+    if EVEN:
+        tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT))
+    else:
+        tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
+
+
+@triton.jit
 def _weight_fake_quant_tile(
     pid, in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows, u_cols, u_ctiles,
     FAMILY: tl.constexpr, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
@@ -42,18 +63,10 @@ def _weight_fake_quant_tile(
                                                      SEARCH_STEPS, UNIFORM)
     start, local, mask, rows, row_mask = tile_offsets(rows_n, cols_n, ctiles, t, TILE_R, TILE_NB, BS, TWO_D, VEC,
                                                       EVEN)
-    in_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
-    out_off = tl.multiple_of(out0 + start, VEC)
-    if EVEN:
-        x = to_fp32(tl.load(in_base + in_off + local))
-    else:
-        x = to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0))
+    x, out_off = _load_weight_tile(in_base, table_ptr, e, out0, start, local, mask, VEC, EVEN)
     a = load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
     y = fake_quant_tile(x, a, FAMILY, BOUND, MANT, EMIN, EMAX, INT_BLOCK, False, HW_CVT, LEAN, FAST_MAX, NARROW)
-    if EVEN:
-        tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT))
-    else:
-        tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
+    _store_tile(out_ptr, out_off, local, mask, y, BITWISE_CVT, EVEN)
 
 
 @triton.jit
@@ -122,19 +135,11 @@ def grouped_static_blocks_fake_quant_kernel(
                                                      u_cols, u_ctiles, SEARCH_STEPS, UNIFORM)
     start, local, mask, rows, row_mask = tile_offsets(rows_n, cols_n, ctiles, t, TILE_R, TILE_NB, BS, False, VEC,
                                                       EVEN)
-    in_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
-    out_off = tl.multiple_of(out0 + start, VEC)
-    if EVEN:
-        x = to_fp32(tl.load(in_base + in_off + local))
-    else:
-        x = to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0))
+    x, out_off = _load_weight_tile(in_base, table_ptr, e, out0, start, local, mask, VEC, EVEN)
     a = load_amax_rows(amax_ptr, e, rows, row_mask, 1, amax_stride_e, TILE_R)
     blocks = _tile_block_amax(block_ptr, out0, start, rows_n, cols_n, TILE_R, TILE_NB, BS)
     y = static_nvfp4_tile(x, a, blocks, BOUND, False, HW_CVT, LEAN)
-    if EVEN:
-        tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT))
-    else:
-        tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
+    _store_tile(out_ptr, out_off, local, mask, y, BITWISE_CVT, EVEN)
 
 
 @triton.jit
