@@ -28,7 +28,7 @@ from .calib.max import max_over_experts, merge_max
 from .config_schema import QuantizerAttributeConfig
 from .modelopt_compat import modelopt_quantizer_state, unsupported
 from .quant_mode import QuantMode
-from .tensor_quantizer import FakeQuantSTE, StaticBlocksSTE, TensorQuantizer, nan_ignoring_abs_max
+from .tensor_quantizer import StaticBlocksSTE, TensorQuantizer, nan_ignoring_abs_max
 from .utils import warn_once
 
 __all__ = ["EXPERT_LAYOUTS", "ExpertQuantizer", "ExpertView", "ExpertGemm", "ExpertGrid"]
@@ -346,8 +346,9 @@ class ExpertQuantizer(TensorQuantizer):
         if self.static_block_scales and self.block_amax is not None:
             return StaticBlocksSTE.apply(x, amax, self.block_amax[index], self.fmt, self._cfg.block_scale_max,
                                          self.ste == "clipped")
-        return FakeQuantSTE.apply(x, amax if self.needs_amax else None, self.fmt, self.block_size,
-                                  self.ste == "clipped", self.int_kwargs)
+        # The dense quantizers' choice: one expert's tensor takes the kernels where a dense tensor would (an expert's
+        # own linear in SequentialMLP calls this for its weight and its tokens).
+        return self._fake_quant_ste(x, amax if self.needs_amax else None, self.ste == "clipped")
 
     def dynamic_expert_amax(self, x: torch.Tensor) -> torch.Tensor:
         """``type: dynamic``: the amax of this one expert's tensor ``x`` in the shape ``fake_quant`` broadcasts

@@ -3,7 +3,8 @@ every implementation, amax layout, backward mode and kernel path, on 4 gloo rank
 
 For each case one MoE layer's experts are called directly, with inputs captured from a forward of the model: Megatron's
 ``SequentialMLP`` (per-expert views), ``TEGroupedMLP`` with the project's grouped linears on the torch path and on the
-kernel path (Triton interpreter). Their outputs and the gradients of the tokens, the router probabilities and every
+kernel path (Triton interpreter), and ``SequentialMLP`` on the kernel path (each expert's linear through the one-expert
+kernels). Their outputs and the gradients of the tokens, the router probabilities and every
 expert weight (and bias) must be identical, bit for bit; and equal (output bit for bit, gradients to fp32 rounding) to
 a reference written here with ``numerics.fake_quant``: per expert ``scale_rows(Q(act), prob) @ Q(w2)^T + prob * b2``
 with ``act = glu(Q(x) @ Q(w1)^T + b1)``.
@@ -11,6 +12,7 @@ with ``act = glu(Q(x) @ Q(w1)^T + b1)``.
 
 import pytest
 import torch
+from autograd_paths import KERNEL_NODES, REFERENCE_NODE, graph_nodes
 from limits import seconds  # noqa: E402
 
 from modelopt_moe.launch import spawn
@@ -18,7 +20,7 @@ from modelopt_moe.launch import spawn
 WORLD, TP, EP, EXPERTS, SEED = 4, 2, 2, 8, 1234
 # name -> (expert kind, kernel)
 KINDS = {"sequential": ("sequential", "torch"), "grouped": ("grouped", "torch"),
-         "grouped_kernel": ("grouped", "triton")}
+         "grouped_kernel": ("grouped", "triton"), "sequential_kernel": ("sequential", "triton")}
 # case -> (preset, weight amax layout, input amax layout, backward mode, ste, build overrides)
 GLU = {"gated_linear_unit": True}
 CASES = {
@@ -109,9 +111,10 @@ def _run(experts, kind, inputs, grad):
     for p in params.values():
         p.grad = None
     out, bias = experts(hidden, tokens, probs)
+    nodes = graph_nodes(out)
     out.backward(grad)
     return {"out": out.detach(), "bias": bias, "hidden": hidden.grad, "probs": probs.grad,
-            **{k: p.grad for k, p in params.items()}}
+            **{k: p.grad for k, p in params.items()}}, nodes
 
 
 def _captured_inputs(experts, model, batch, mm):
@@ -154,7 +157,9 @@ def _worker(rank, world_size):
         grad = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(rank)).to(inputs[0].dtype)
         for m in models.values():
             m.train()
-        runs = {name: _run(experts[name], KINDS[name][0], inputs, grad) for name in models}
+        runs, paths = {}, {}
+        for name in models:
+            runs[name], paths[name] = _run(experts[name], KINDS[name][0], inputs, grad)
         hidden, tokens, probs = (t.detach().clone() for t in inputs)
         hidden.requires_grad_(True)
         probs.requires_grad_(True)
@@ -171,6 +176,7 @@ def _worker(rank, world_size):
             torch.equal(getattr(experts["sequential"], g).input_quantizer.amax,
                         getattr(experts[name], g).input_quantizer.amax)
             for g in ("linear_fc1", "linear_fc2") for name in ("grouped", "grouped_kernel"))
+        runs["paths"] = paths
         results[case] = runs
     mm.destroy_model_parallel()
     return results
@@ -233,3 +239,26 @@ def test_high_precision_and_quantized_modes_keep_the_forward_value(results):
             assert _bits_equal(r[case]["sequential"]["out"], r[case]["reference"]["out"]), case
         # ... while their gradients differ from the dequantized mode's
         assert not torch.equal(r["fp8_high_precision"]["sequential"]["probs"], r["fp8_clipped"]["sequential"]["probs"])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sequential_experts_on_the_kernels_give_the_torch_paths_bits(results, case):
+    """``SequentialMLP`` with ``kernel: triton``: each expert's weight and tokens go through the one-expert kernels
+    (no reference fake quant left in the graph), with the torch path's output and gradients bit for bit."""
+    for r in results:
+        runs = r[case]
+        fast, ref = runs["sequential_kernel"], runs["sequential"]
+        assert fast.keys() == ref.keys()
+        for key in ref:
+            if key != "bias":
+                assert _bits_equal(ref[key], fast[key]), (case, key)
+        torch_nodes, kernel_nodes = runs["paths"]["sequential"], runs["paths"]["sequential_kernel"]
+        assert not KERNEL_NODES & torch_nodes, case
+        # The graph holds each fake quant's straight-through node, except in the high-precision mode (its operands are
+        # built outside autograd: the bits above are its check).
+        shows_path = CASES[case][3] != "high_precision"
+        assert (REFERENCE_NODE in torch_nodes) == shows_path, case
+        if shows_path:
+            assert KERNEL_NODES & kernel_nodes, (case, kernel_nodes)
+            # only an expert without tokens fake-quantizes its empty tensor with the reference
+            assert REFERENCE_NODE not in kernel_nodes or 0 in runs["tokens"], case
