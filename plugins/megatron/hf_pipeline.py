@@ -38,7 +38,9 @@ def check_no_virtual_pipeline(what: str) -> None:
         ExportError: ``virtual_pipeline_model_parallel_size`` above 1 (names it and what to use).
     """
     try:
-        refuse_virtual_pipeline(what)
+        refuse_virtual_pipeline(what, "Hugging Face export and import address one model chunk per pipeline stage",
+                                "save with save_sharded_checkpoint, load that checkpoint at "
+                                "virtual_pipeline_model_parallel_size=None (any pipeline size) and export from there")
     except ValueError as e:
         raise ExportError(str(e)) from None
 
