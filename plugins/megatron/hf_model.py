@@ -335,8 +335,8 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", vp_stage: int
         position_embedding_type="yarn" if yarn else "rope", rotary_percent=arch.rotary_percent,
         rotary_base=arch.rope_theta,
         share_embeddings_and_output_weights=arch.tie_word_embeddings, parallel_output=True,
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
     )
     if vp_stage is not None:
         model_kwargs["vp_stage"] = vp_stage

@@ -457,8 +457,8 @@ def build_moe_gpt(
         position_embedding_type="rope",
         parallel_output=True,
         share_embeddings_and_output_weights=False,
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
     )
     if vpp > 1:
         model_kwargs["vp_stage"] = vp_stage
