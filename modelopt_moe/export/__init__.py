@@ -99,6 +99,8 @@ def export_hf(model: nn.Module | list[nn.Module], out_dir: str | os.PathLike, *,
     ``min_calib_tokens`` (``modelopt-moe check`` reports them per layer).
     """
     chunks = list(model) if isinstance(model, list | tuple) else [model]
+    if not chunks:
+        raise ExportError("export_hf: an empty list of model chunks (expected a model or a stage's model chunks)")
     adapter = adapter_for(chunks[0])
     tokens: dict[str, dict[int, int]] = {}
     for chunk in chunks:  # the chunks name other layers (global names)
