@@ -145,7 +145,8 @@ def restore_sharded_modelopt_state(model_list, ckpt_dir: str | os.PathLike,
     STE, and checks each expert quantizer's global expert count against the checkpoint's.
 
     With pipeline parallelism each stage restores its own layers' entries of the saved state (which names layers
-    globally), through the framework plugin's naming (:mod:`modelopt_moe.quantization.chunk_names`).
+    globally), through the framework plugin's naming (:mod:`modelopt_moe.quantization.chunk_names`); with virtual
+    pipeline stages each model chunk of the list does, from the one state of the whole model.
 
     Call it on every rank. Collectives: the Megatron check agrees on its outcome over all ranks (one all-gather).
 
@@ -163,9 +164,11 @@ def restore_sharded_modelopt_state(model_list, ckpt_dir: str | os.PathLike,
     models = _as_list(model_list)
     path = check_checkpoint_dir(ckpt_dir, require_state=True)
     states = _read_states(path)
+    register_framework_plugins()
+    if len(states) == 1 and len(models) > 1 and all(chunk_naming(m) is not None for m in models):
+        states = states * len(models)  # one whole-model state: each chunk (virtual pipeline stage) takes its layers
     if len(states) != len(models):
         raise CheckpointMismatchError(f"{path}: expected {len(models)} model chunks, found {len(states)}")
-    register_framework_plugins()
     if check:
         for model_check in _MODEL_CHECKS:
             model_check(models, path)

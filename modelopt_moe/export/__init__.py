@@ -59,7 +59,7 @@ __all__ = [
 HF_CONFIG_FILE = "hf_config.json"
 
 
-def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "compressed-tensors",
+def export_hf(model: nn.Module | list[nn.Module], out_dir: str | os.PathLike, *, format: str = "compressed-tensors",
               family: str | None = None, dtype=None, hf_config=None, progress: bool = True,
               base_model: str | None = None, min_calib_tokens: int = DEFAULT_MIN_CALIB_TOKENS) -> Path:
     """Writes ``model`` as a Hugging Face checkpoint with its model card (``README.md``: the format, the quantization
@@ -68,7 +68,8 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "co
     Args:
         model: a (quantized) model of a framework with a registered adapter (Megatron-Core GPTModel, possibly
             wrapped in DDP / Float16Module), at any tensor / expert / pipeline parallel layout (each pipeline stage
-            gathers its layers; the files are those of pipeline size 1).
+            gathers its layers; the files are those of pipeline size 1), or the list of a stage's model chunks
+            (Megatron's virtual pipeline stages).
         out_dir: the output directory; must not exist or be empty. Written to a temporary sibling and renamed when
             complete.
         format: ``compressed-tensors``, ``modelopt``, ``hf`` (unquantized weights) or ``hf-mxfp4`` (gpt-oss: MXFP4
@@ -97,13 +98,18 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, format: str = "co
     Where calibration counted each expert's tokens, ``calibration_tokens.json`` records them per expert linear, with
     ``min_calib_tokens`` (``modelopt-moe check`` reports them per layer).
     """
-    adapter = adapter_for(model)
-    # A dynamic weight amax holds the value of the last forward; after an optimizer step, recompute it from the
-    # current weights so that the exported scales are those the next forward would use (same collectives on every
-    # rank, in module order).
-    update_weight_amax(model)
-    tokens = expert_token_counts(model)  # one all_gather_object, every rank
-    warn_cold_experts(model, min_calib_tokens, tokens)
+    chunks = list(model) if isinstance(model, list | tuple) else [model]
+    if not chunks:
+        raise ExportError("export_hf: an empty list of model chunks (expected a model or a stage's model chunks)")
+    adapter = adapter_for(chunks[0])
+    tokens: dict[str, dict[int, int]] = {}
+    for chunk in chunks:  # the chunks name other layers (global names)
+        # A dynamic weight amax holds the value of the last forward; after an optimizer step, recompute it from the
+        # current weights so that the exported scales are those the next forward would use (same collectives on
+        # every rank, in module order).
+        update_weight_amax(chunk)
+        tokens.update(expert_token_counts(chunk))  # one all_gather_object per chunk, every rank
+    warn_cold_experts(chunks[0], min_calib_tokens, tokens)
     return adapter.export_hf(model, out_dir, format=format, family=family, dtype=dtype, hf_config=hf_config,
                              progress=progress, base_model=base_model, calibration_tokens=tokens,
                              min_calib_tokens=min_calib_tokens)

@@ -33,7 +33,7 @@ from .tensor_quantizer import TensorQuantizer
 from .utils import is_rank0, warn_once
 
 __all__ = ["calibrate", "sync_amax", "register_group_provider", "default_groups", "amax_placeholder",
-           "as_forward_loop", "CalibrationError"]
+           "as_forward_loop", "as_chunks", "CalibrationError"]
 
 
 class CalibrationError(ValueError):
@@ -83,12 +83,34 @@ def _store_amax(q: TensorQuantizer, value: torch.Tensor) -> None:
     q.amax = value if q.amax is None else value.to(q.amax.device)
 
 
+class _Chunks(nn.ModuleList):
+    """The chunks of one model (e.g. Megatron's virtual pipeline stages) calibrated together: one ``forward_loop``
+    over the list feeds all of them, as the whole model would be fed."""
+
+
+def as_chunks(model) -> tuple[nn.Module, list[nn.Module] | tuple[nn.Module, ...] | None]:
+    """``(module, chunks)``: a list of model chunks as one module holding them (and the list itself), a model as
+    itself (and None).
+
+    Raises:
+        TypeError: an empty list, or a list holding something other than modules (names its index and type).
+    """
+    if not isinstance(model, list | tuple):
+        return model, None
+    if not model:
+        raise TypeError("expected a model or a non-empty list of model chunks, got an empty list")
+    for i, chunk in enumerate(model):
+        if not isinstance(chunk, nn.Module):
+            raise TypeError(f"model chunk {i} is a {type(chunk).__name__}, expected a torch.nn.Module")
+    return _Chunks(model), model
+
+
 class _ForwardCounter:
     """Progress on rank 0 counting forward calls, shown once calibration runs longer than 2 s: a bar on a terminal,
     a line every 30 s in a log (:func:`modelopt_moe.progress.progress`)."""
 
     def __init__(self, model: nn.Module):
-        self.model, self.bar, self.handle = model, None, None
+        self.model, self.bar, self.handle = (model[0] if isinstance(model, _Chunks) else model), None, None
 
     def __enter__(self):
         if is_rank0():
@@ -176,7 +198,8 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
     training mode as before. (Inside :func:`mtq.quantize` the whole conversion is undone as well.)
 
     Args:
-        model: a model converted by :func:`mtq.quantize`.
+        model: a model converted by :func:`mtq.quantize`, or a list of its chunks (Megatron's virtual pipeline
+            stages), calibrated together: ``forward_loop`` gets the list and feeds every chunk in one pass.
         algorithm: ``"max"``, ``"mse"``, ``"histogram"``, ``{"method": ..., ...}`` (the method's options:
             :class:`MaxCalibConfig`'s ``distributed_sync``, ``skip_forward_without_activation_calib``,
             ``moe_calib_experts_ratio``; for ``mse`` also :class:`~.config_schema.MseCalibConfig`'s grid, for
@@ -194,6 +217,11 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
     loop = as_forward_loop(forward_loop)
     if options is None:
         return model
+    given = model
+    model, chunks = as_chunks(model)
+    if chunks is not None and loop is not None:
+        user_loop = loop
+        loop = lambda _chunks: user_loop(chunks)  # noqa: E731 - the user's loop takes the list it was given
     refuse_meta(model, "mtq.calibrate")
     calibrator = calibrator_class(options.method)(options)
     quantizers = [(name, q) for name, q, _ in named_quantizers(model) if q.is_enabled]
@@ -203,7 +231,7 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
                              "calibrated on a weight; activations take block scales from the data "
                              "(block_sizes.type: dynamic)")
     saved = [(q, q.calibration_snapshot()) for _, q in quantizers]
-    training = model.training
+    modes = [(m, m.training) for m in (chunks or [model])]
     model.eval()  # as Model Optimizer calibrates: no dropout, inference-mode routing; the mode is restored after
     try:
         _collect(model, quantizers, loop, options)
@@ -215,7 +243,8 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
                        f"(amaxes, calibration and quantization switches; see {COMPAT_DOC}#after-a-failure)")
         raise
     finally:
-        model.train(training)
+        for m, training in modes:
+            m.train(training)
     groups = default_groups() if groups is None else groups
     sync = options.distributed_sync is not False
     if sync:
@@ -241,7 +270,7 @@ def calibrate(model: nn.Module, algorithm: str | dict | MaxCalibConfig | None = 
         for q, snapshot in saved:
             q.restore_calibration_snapshot(snapshot)
         raise
-    return model
+    return given
 
 
 def _check_finite(quantizers, collective: bool) -> None:

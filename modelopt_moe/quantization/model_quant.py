@@ -9,6 +9,7 @@ and points to ``docs/modelopt_compat.md``.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import warnings
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .calibration import as_forward_loop, calibrate, refuse_meta
+from .calibration import as_chunks, as_forward_loop, calibrate, refuse_meta
 from .chunk_names import global_name_of
 from .config import ConfigError, QuantizeConfig, QuantizerAttributeConfig, to_config
 from .conversion import (
@@ -57,7 +58,8 @@ __all__ = [
 ]
 
 
-def quantize(model: nn.Module, config: QuantizeConfig | dict, forward_loop: Callable | None = None) -> nn.Module:
+def quantize(model: nn.Module | list[nn.Module], config: QuantizeConfig | dict,
+             forward_loop: Callable | None = None) -> nn.Module | list[nn.Module]:
     """Converts ``model`` in place to fake-quantized modules per ``config`` and max-calibrates it.
 
     All or nothing: if anything fails (an invalid config, a quantizer that cannot work on its module, a
@@ -67,14 +69,15 @@ def quantize(model: nn.Module, config: QuantizeConfig | dict, forward_loop: Call
     Args:
         model: any model whose layers have registered quantized wrappers (``nn.Linear``, grouped expert linears;
             Megatron-Core and Transformer Engine layers when the program has imported those frameworks); not yet
-            quantized.
+            quantized. Or a list of the model's chunks (Megatron's virtual pipeline stages): each is converted, and
+            all are calibrated together by one ``forward_loop(chunks)`` (e.g. Megatron's interleaved schedule).
         config: a :class:`QuantizeConfig`, a dict of the same shape (also Model Optimizer's shapes), a preset such
             as ``mtq.FP8_DEFAULT_CFG``, or ``mtq.load_config("file.yaml")``.
         forward_loop: ``forward_loop(model)`` (or ``forward_loop()``) feeds calibration data; without it only
             weights are calibrated.
 
     Returns:
-        ``model`` (the same object).
+        ``model`` (the same object; the same list).
 
     Raises:
         ConfigError: an invalid config, or quantizers that cannot work on their modules (naming them).
@@ -87,30 +90,55 @@ def quantize(model: nn.Module, config: QuantizeConfig | dict, forward_loop: Call
     """
     cfg = to_config(config)
     as_forward_loop(forward_loop)  # a bad forward_loop fails before the model changes
+    _, chunks = as_chunks(model)
+    if chunks is not None:
+        _quantize_chunks(chunks, cfg, forward_loop)
+        return model
+    return _quantize_one(model, cfg, forward_loop)
+
+
+def _quantize_chunks(chunks, cfg: QuantizeConfig, forward_loop) -> None:
+    """:func:`quantize` of a model given as chunks: every chunk checked before any converts, all or nothing."""
+    for i, chunk in enumerate(chunks):
+        _check_quantizable(chunk, cfg, forward_loop, f"mtq.quantize (model chunk {i})")
+    with contextlib.ExitStack() as stack:
+        for i, chunk in enumerate(chunks):
+            stack.enter_context(unchanged_on_error(chunk, f"mtq.quantize (model chunk {i})"))
+        for chunk in chunks:
+            convert(chunk, cfg)
+        calibrate(chunks, cfg.max_calib if cfg.algorithm is not None else None, forward_loop)
+
+
+def _quantize_one(model: nn.Module, cfg: QuantizeConfig, forward_loop) -> nn.Module:
+    _check_quantizable(model, cfg, forward_loop, "mtq.quantize")
+    with unchanged_on_error(model, "mtq.quantize"):
+        convert(model, cfg)
+        return calibrate(model, cfg.max_calib if cfg.algorithm is not None else None, forward_loop)
+
+
+def _check_quantizable(model: nn.Module, cfg: QuantizeConfig, forward_loop, call: str) -> None:
+    """:func:`quantize`'s refusals, before anything changes."""
     register_framework_plugins()  # the wrappers of the imported frameworks, for wrapper_names
     wrappers = wrapper_names(model)
     if wrappers:
         raise ValueError(
-            f"mtq.quantize: the model is already wrapped in {' around '.join(wrappers)}; quantize it before wrapping: "
+            f"{call}: the model is already wrapped in {' around '.join(wrappers)}; quantize it before wrapping: "
             "mtq.quantize(model, config, forward_loop) on the freshly built model, then wrap it and build the "
             "optimizer (a wrapper's gradient buffers and hooks, and an optimizer, built first miss what quantize "
             "adds, e.g. learned amaxes). Nothing was changed")
     if cfg.algorithm is not None:
-        refuse_meta(model, "mtq.quantize")
+        refuse_meta(model, call)
     if cfg.input_amax_update == "learned" and (forward_loop is None or cfg.algorithm is None):
-        raise ValueError("mtq.quantize: input_amax_update=learned starts every input amax from its calibrated value, "
+        raise ValueError(f"{call}: input_amax_update=learned starts every input amax from its calibrated value, "
                          f"but this call calibrates none (forward_loop={forward_loop!r}, algorithm="
                          f"{cfg.algorithm!r}); pass a forward_loop and a calibration algorithm. Nothing was changed")
     quantized = [name or "<model>" for name, m in model.named_modules() if is_quantized(m)]
     if quantized:
         raise ValueError(
-            f"mtq.quantize: the model is already quantized ({len(quantized)} quantized modules, e.g. "
+            f"{call}: the model is already quantized ({len(quantized)} quantized modules, e.g. "
             f"{quantized[:3]}); a second quantize would silently replace its quantizers' settings. To change them "
             "call mtq.set_quantizer_by_cfg(model, config['quant_cfg']) and then mtq.calibrate(model, "
             f"config['algorithm'], forward_loop). See {COMPAT_DOC}#differences-from-model-optimizer")
-    with unchanged_on_error(model, "mtq.quantize"):
-        convert(model, cfg)
-        return calibrate(model, cfg.max_calib if cfg.algorithm is not None else None, forward_loop)
 
 
 def enable_quantizer(model: nn.Module, wildcard_or_filter_func: str | Callable[[str], bool]) -> int:

@@ -50,7 +50,7 @@ from modelopt_moe.quantization.weight_amax import update_weight_amax
 from .checkpoint_checks import mismatch_message, raise_agreed, sharded_state_dict_problems, translate_load_error
 from .modelopt_checkpoint import is_modelopt_checkpoint, load_modelopt_checkpoint
 from .optimizer_checkpoint import check_optimizer_fits, init_torch_adam_state, load_optimizer_state, own_steps
-from .pipeline_state import global_state, merge_stage_states, pipeline_size, refuse_virtual_pipeline
+from .pipeline_state import global_state, merge_chunk_states, merge_stage_states, pipeline_size
 from .sharded_state_dict import checkpoint_load_metadata
 
 __all__ = ["model_sharded_state_dict", "save_sharded_checkpoint", "load_sharded_checkpoint",
@@ -108,10 +108,7 @@ def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     Raises:
         FileExistsError: (every rank, nothing written) ``ckpt_dir`` is not empty and is not a checkpoint of ours, e.g.
             a Hugging Face model directory; names it and what it holds.
-        ValueError: virtual pipeline stages (``virtual_pipeline_model_parallel_size`` > 1), before anything is
-            written.
     """
-    refuse_virtual_pipeline("save_sharded_checkpoint")
     models = _models(model_list)
     refusal = None
     if rank() == 0:  # one rank decides (a shared directory), every rank raises
@@ -141,6 +138,8 @@ def save_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
     if pipeline_size() > 1:  # stages name their layers from 0: the state is saved under global layer names
         states = [{**global_state(modelopt_state(m), m), **({"calibration_tokens": t} if t else {})}
                   for m, t in zip(models, tokens, strict=True)]
+        if len(states) > 1:  # virtual pipeline stages: the chunks name other layers; saved as one model, as PP = 1
+            states = [merge_chunk_states(states)]
         states = merge_stage_states(states)  # every rank: one all_gather_object over the pipeline group
     failure = None
     try:  # rank 0's writes: every rank must learn of their failure rather than wait for it
@@ -249,9 +248,7 @@ def load_sharded_checkpoint(model_list, ckpt_dir: str | os.PathLike, *, optimize
             optimizer (names the call that restores it first); an optimizer of another kind (distributed or not)
             than the one whose state the checkpoint holds (names both). Nothing is changed when these are raised.
         KeyError: an optimizer or scheduler was given but the checkpoint has no state for it.
-        ValueError: virtual pipeline stages (``virtual_pipeline_model_parallel_size`` > 1), before anything is read.
     """
-    refuse_virtual_pipeline("load_sharded_checkpoint")
     models = _models(model_list)
     path = resolve_checkpoint_dir(ckpt_dir)
     if is_modelopt_checkpoint(path) and not (path / STATE_FILE).is_file():

@@ -53,6 +53,11 @@ __all__ = ["distillation_model", "write_teacher_logits", "stored_teacher_logits"
            "distillation_loss_func", "select_trainable",
            "qad_optimizer_config", "get_qad_optimizer", "qad_lr_scheduler"]
 
+# Why QAD cannot run on Megatron's interleaved schedule (what Megatron-Core 0.19 lacks).
+QAD_VIRTUAL_PIPELINE_REASON = ("Megatron-Core's interleaved schedule (forward_backward_pipelining_with_interleaving) "
+                               "takes no adjust_tensor_shapes_fn and sends one [seq, micro_batch, hidden_size] tensor "
+                               "between stages, so the teacher's hidden states cannot travel beside the student's")
+
 
 def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, recipe: QADRecipe | None = None,
                        **kwargs) -> DistillationModel:
@@ -89,7 +94,9 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
     if isinstance(teacher, StoredTeacherLogits):
         raise ValueError(f"distillation_model: stored teacher logits ({teacher.store.directory}) need pipeline "
                          "parallelism 1 (the last stage alone would read them)")
-    refuse_virtual_pipeline("distillation_model")
+    refuse_virtual_pipeline("distillation_model", QAD_VIRTUAL_PIPELINE_REASON,
+                            "initialise with virtual_pipeline_model_parallel_size=None and distill with the "
+                            "non-interleaved schedule (QAT without a teacher runs at virtual pipeline stages)")
     for attr in ("pre_process", "post_process"):
         if getattr(student, attr, None) != getattr(teacher, attr, None):
             raise ValueError(f"distillation_model: student.{attr}={getattr(student, attr, None)} but teacher."

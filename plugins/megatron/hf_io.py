@@ -178,7 +178,7 @@ def _get(root, path: str):
     """The attribute at a dotted ``path`` (``weight3`` / ``local_experts.3`` alike), None where absent; a
     :class:`~.hf_pipeline.Stage` root is addressed by global layer index."""
     if isinstance(root, Stage):
-        root, path = root.model, root.local_path(path)
+        root, path = root.locate(path)
     obj = root
     for part in path.split("."):
         obj = obj[int(part)] if part.isdigit() and isinstance(obj, torch.nn.ModuleList) else getattr(obj, part, None)
@@ -397,12 +397,18 @@ def _group_keys(arch: MoEArch) -> list[tuple]:
 def _linear_quants(m: Stage, arch: MoEArch, fmt: str) -> dict[str, LinearQuant]:
     """Every exported linear of this stage's groups: its quantizers, by canonical name (local state only: no
     collective); refuses a quantizer without amax, and quantized fused 3-D experts, naming the Megatron module."""
+    return {name: q for group in _linear_quants_by_group(m, arch, fmt).values() for name, q in group.items()}
+
+
+def _linear_quants_by_group(m: Stage, arch: MoEArch, fmt: str) -> dict:
+    """:func:`_linear_quants` by group key, in checkpoint order."""
     table = get_family(arch.family).megatron
-    quants: dict[str, LinearQuant] = {}
+    by_group: dict = {}
     lay = _Layout()
     for key, L in _group_keys(arch):
         if not m.owns(key):
             continue
+        quants = by_group.setdefault(key, {})
         for param in table.params(arch, key):
             if param.rule in STACKED:
                 _check_stacked_quant(m, param, L, arch, fmt)
@@ -417,7 +423,7 @@ def _linear_quants(m: Stage, arch: MoEArch, fmt: str) -> dict[str, LinearQuant]:
                 if q is not None and q.is_quantizing and q.needs_amax and not q.is_dynamic and q.amax is None:
                     raise ExportError(f"{where}.{kind}: no amax (calibrate the model before exporting)")
             _check_weight_row_blocks(m, param, L, where, holder, arch, lay)
-    return quants
+    return by_group
 
 
 def _check_weight_row_blocks(m, param: Param, L: int | None, where: str | None, holder, arch: MoEArch,
@@ -478,14 +484,19 @@ def _stage_quants(stage: Stage, arch: MoEArch,
     if pipeline_world() == 1:
         return _linear_quants(stage, arch, fmt), kv_cache_quants(stage.model), None
     pipe = PipelineExport(stage, arch.num_layers)
-    local, error = {"quants": {}, "kv": []}, None
-    try:
-        local = {"quants": _linear_quants(stage, arch, fmt), "kv": kv_cache_quants(stage.model, stage.offset)}
+    local, error = {"quants": {}, "kv": {}}, None
+    try:  # KV-cache quantizers by global layer: a stage's chunks hold layers that are not contiguous
+        kv = {offset + i: q for chunk, (offset, _) in zip(stage.chunks, stage.places, strict=True)
+              for i, q in enumerate(kv_cache_quants(chunk, offset))}
+        local = {"quants": _linear_quants_by_group(stage, arch, fmt), "kv": kv}
     except ExportError as e:
         error = str(e)
     parts = pipe.agree(local, error)
-    quants = {name: q for part in parts for name, q in part["quants"].items()}
-    return quants, [kv for part in parts for kv in part["kv"]], pipe
+    # in checkpoint order, whichever stage holds each group (a stage's chunks hold layers that are not contiguous)
+    quants = {name: q for key, _ in _group_keys(arch) for part in parts
+              for name, q in part["quants"].get(key, {}).items()}
+    kv_cache = {layer: q for part in parts for layer, q in part["kv"].items()}
+    return quants, [kv_cache[layer] for layer in sorted(kv_cache)], pipe
 
 
 def export_megatron(model, out_dir: str | os.PathLike, *, format: str = "compressed-tensors",
@@ -495,8 +506,10 @@ def export_megatron(model, out_dir: str | os.PathLike, *, format: str = "compres
                     min_calib_tokens: int | None = None) -> Path:
     """:func:`modelopt_moe.export.export_hf` for a Megatron-Core GPTModel (see there). Every rank calls it.
     ``calibration_tokens``: ``{input quantizer name: {global expert: tokens}}`` of the whole model, written per
-    expert linear with ``min_calib_tokens``."""
-    m = unwrap_model(model)
+    expert linear with ``min_calib_tokens``. ``model``: a stage's model, or the list of its chunks (virtual pipeline
+    stages)."""
+    chunks = [unwrap_model(c) for c in model] if isinstance(model, list | tuple) else [unwrap_model(model)]
+    m = chunks[0]
     template = read_hf_config(hf_config) if hf_config is not None else None
     if family is None and template is not None:
         family = family_for_architecture(template).name
@@ -504,7 +517,7 @@ def export_megatron(model, out_dir: str | os.PathLike, *, format: str = "compres
     if template is not None:
         _check_same_arch(get_family(arch.family).arch_from_hf(template), arch, "hf_config")
     lay = _Layout()
-    stage = Stage(m)
+    stage = Stage(chunks)
     quants, kv_cache, pipe = _stage_quants(stage, arch, format)
     return write_hf_checkpoint(
         out_dir, arch=arch, family=get_family(arch.family), fmt=format, linear_quants=quants,

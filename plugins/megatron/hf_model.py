@@ -51,9 +51,9 @@ from modelopt_moe.plugins.megatron_cpu import cpu_sliding_window_mask, megatron_
 from modelopt_moe.quantization.conversion import unwrap_model
 
 from .expert_biases import expert_biases_trainable
-from .hf_pipeline import check_no_virtual_pipeline
 from .mla_attention import LatentDotProductAttention
 from .norms import sequence_parallel_norm, zero_centered_norm
+from .pipeline_state import virtual_pipeline_size
 
 __all__ = ["build_megatron_model", "megatron_arch", "split_gpt_overrides", "SPECS"]
 
@@ -212,7 +212,8 @@ def _set_yarn(config, arch: MoEArch) -> None:
         setattr(config, attr, value)
 
 
-def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: Any) -> GPTModel:
+def build_megatron_model(hf_dir_or_config, *, spec: str = "local", vp_stage: int | None = None,
+                         **overrides: Any) -> GPTModel:
     """The Megatron-Core ``GPTModel`` of a Hugging Face config of a supported family, at the current parallel state.
 
     Megatron's model-parallel state must be initialised (:func:`modelopt_moe.plugins.megatron.init_model_parallel`,
@@ -224,6 +225,9 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
         hf_dir_or_config: a Hugging Face model directory, ``config.json`` or config dict.
         spec: ``local`` (Megatron-Core modules, ``SequentialMLP`` experts; CPU or GPU) or ``te`` (Transformer
             Engine layers, ``TEGroupedMLP`` experts; GPU).
+        vp_stage: with virtual pipeline stages (``virtual_pipeline_model_parallel_size`` > 1), which of this stage's
+            model chunks to build (build one per ``vp_stage`` in ``range(vpp)``: the list is the stage's model, as
+            Megatron's interleaved schedule takes it); None without them.
         **overrides: ``TransformerConfig`` fields (e.g. ``params_dtype=torch.float32``,
             ``moe_token_dispatcher_type``) or ``GPTModel`` arguments.
 
@@ -235,7 +239,7 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
 
     Raises:
         ExportError: an unsupported architecture or feature, a ``spec`` other than local / te, a parallel layout
-            the sizes do not divide, or virtual pipeline stages.
+            the sizes do not divide, or a ``vp_stage`` that does not fit the virtual pipeline size.
         TypeError: an unknown override.
     """
     if spec not in SPECS:
@@ -243,13 +247,18 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
     if not parallel_state.model_parallel_is_initialized():
         raise ExportError("build_megatron_model: initialise Megatron's model parallel state first "
                           "(parallel_state.initialize_model_parallel)")
-    check_no_virtual_pipeline("build_megatron_model")
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vpp = virtual_pipeline_size()
+    if (vp_stage is None) != (vpp == 1) or (vp_stage is not None and not 0 <= vp_stage < vpp):
+        raise ExportError(f"build_megatron_model: vp_stage={vp_stage!r} with virtual_pipeline_model_parallel_size="
+                          f"{vpp if vpp > 1 else None}: expected one of range({vpp}) with virtual pipeline stages, "
+                          "None without them")
     cfg = read_hf_config(hf_dir_or_config)
     arch = family_for_architecture(cfg).arch_from_hf(cfg)
-    if arch.num_layers % pp:
+    if arch.num_layers % (pp * vpp):
         raise ExportError(f"build_megatron_model: num_hidden_layers={arch.num_layers} is not divisible by the "
-                          f"pipeline parallel size {pp} (expected the same number of layers on every stage)")
+                          f"pipeline parallel size {pp}" + (f" x {vpp} virtual stages" if vpp > 1 else "")
+                          + " (expected the same number of layers on every stage)")
     if arch.kv_lora_rank and not arch.q_lora_rank:
         raise ExportError("build_megatron_model: q_lora_rank=None (multi-latent attention with a plain query "
                           "projection) is not supported: Megatron-Core's MLA with latent norms fuses a norm into "
@@ -297,6 +306,8 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
     )
     if pp > 1:  # the dtype of the activations sent between stages
         config_kwargs.update(pipeline_model_parallel_size=pp, pipeline_dtype=params_dtype)
+    if vpp > 1:
+        config_kwargs.update(virtual_pipeline_model_parallel_size=vpp)
     config_kwargs.update(_variant_config(arch))
     if arch.linear_attention_layers:
         from .gated_delta_net import torch_gated_delta_net
@@ -314,17 +325,21 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides: 
     if yarn:
         _set_yarn(config, arch)
     layer_spec = _local_layer_spec(arch) if spec == "local" else _te_layer_spec(arch)
-    if pp > 1:  # this stage's layers (Megatron's block builds one layer per spec)
-        offset = get_transformer_layer_offset(config)
+    if pp > 1:  # this stage's (chunk's) layers (Megatron's block builds one layer per spec)
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         layer_spec = dataclasses.replace(
-            layer_spec, layer_specs=layer_spec.layer_specs[offset:offset + get_num_layers_to_build(config)])
+            layer_spec,
+            layer_specs=layer_spec.layer_specs[offset:offset + get_num_layers_to_build(config, vp_stage=vp_stage)])
     model_kwargs: dict[str, Any] = dict(
         vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
         position_embedding_type="yarn" if yarn else "rope", rotary_percent=arch.rotary_percent,
         rotary_base=arch.rope_theta,
         share_embeddings_and_output_weights=arch.tie_word_embeddings, parallel_output=True,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
     )
+    if vp_stage is not None:
+        model_kwargs["vp_stage"] = vp_stage
     model_kwargs.update(model_over)
     # Tied embeddings across stages: Megatron moves the last stage's copy with .cuda() and all-reduces it from the
     # first stage's; without CUDA that needs the CPU shims of its training machinery.

@@ -8,7 +8,8 @@ writer rank (global rank 0, on the first stage): each group's records are made o
 tensor- and expert-parallel gathers stay inside the stage) and travel to the first stage one record at a time, one
 ``broadcast_object_list`` over the pipeline group per record, made by every rank of the group; the number of
 broadcasts is agreed through them (an end marker), never by a rank's own data. Only the pipeline group of the writer
-carries the tensors; the others carry a placeholder.
+carries the tensors; the others carry a placeholder. With virtual pipeline stages a stage is a list of model chunks,
+each holding its own (not contiguous) layers; :class:`Stage` finds the chunk that holds each path.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from modelopt_moe.export.errors import ExportError
 
-from .pipeline_state import refuse_virtual_pipeline
+from .pipeline_state import refuse_virtual_pipeline, virtual_pipeline_size
 
 __all__ = ["Stage", "PipelineExport", "check_no_virtual_pipeline"]
 
@@ -38,7 +39,10 @@ def check_no_virtual_pipeline(what: str) -> None:
         ExportError: ``virtual_pipeline_model_parallel_size`` above 1 (names it and what to use).
     """
     try:
-        refuse_virtual_pipeline(what)
+        refuse_virtual_pipeline(what, "Hugging Face import loads one model per pipeline stage, not a list of model "
+                                "chunks", "import at virtual_pipeline_model_parallel_size=None, save with "
+                                "save_sharded_checkpoint and load that checkpoint into the chunks "
+                                "(load_sharded_checkpoint)")
     except ValueError as e:
         raise ExportError(str(e)) from None
 
@@ -54,19 +58,36 @@ class Stage:
     """This rank's pipeline stage of a ``GPTModel`` (all of it at pipeline size 1), addressed by global layer index.
 
     Args:
-        model: the unwrapped ``GPTModel`` of this stage.
+        model: the unwrapped ``GPTModel`` of this stage, or the list of its model chunks (virtual pipeline stages).
     """
 
     def __init__(self, model):
-        self.model = model
-        self.offset = get_transformer_layer_offset(model.config) if pipeline_world() > 1 else 0
-        self.num_layers = len(model.decoder.layers)
-        self.first = bool(getattr(model, "pre_process", True))
-        self.last = bool(getattr(model, "post_process", True))
+        self.chunks = list(model) if isinstance(model, list | tuple) else [model]
+        self.model = self.chunks[0]
+        pipelined, virtual = pipeline_world() > 1, virtual_pipeline_size() > 1
+        self.places = [(get_transformer_layer_offset(c.config, vp_stage=getattr(c, "vp_stage", None) if virtual
+                                                     else None) if pipelined else 0, len(c.decoder.layers))
+                       for c in self.chunks]
+        self.offset, self.num_layers = self.places[0]
+        self.first = any(bool(getattr(c, "pre_process", True)) for c in self.chunks)
+        self.last = any(bool(getattr(c, "post_process", True)) for c in self.chunks)
+
+    def locate(self, path: str) -> tuple[object, str]:
+        """The chunk that holds ``path`` and the path inside it: ``decoder.layers.{global}...`` -> the chunk of that
+        layer and its local index; another path -> the first chunk that has it (the embedding's, the output
+        layer's)."""
+        m = _LAYER.match(path)
+        if m is None:
+            return next((c for c in self.chunks if _has(c, path)), self.model), path
+        layer = int(m.group(1))
+        for chunk, (offset, n) in zip(self.chunks, self.places, strict=True):
+            if offset <= layer < offset + n:
+                return chunk, f"decoder.layers.{layer - offset}{path[m.end():]}"
+        return self.model, f"decoder.layers.{layer - self.offset}{path[m.end():]}"
 
     def local_path(self, path: str) -> str:
         """``decoder.layers.{global}...`` -> this stage's ``decoder.layers.{local}...`` (other paths unchanged)."""
-        return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) - self.offset}", path)
+        return self.locate(path)[1]
 
     def owns(self, key) -> bool:
         """Whether this stage holds group ``key``: ``"embedding"``, a global layer index, or ``"final"``."""
@@ -74,11 +95,21 @@ class Stage:
             return self.first
         if key == "final":
             return self.last
-        return self.offset <= key < self.offset + self.num_layers
+        return any(offset <= key < offset + n for offset, n in self.places)
 
-    def describe(self) -> tuple[bool, bool, int, int]:
-        """(first, last, offset, number of layers): what the other stages need to know of this one."""
-        return self.first, self.last, self.offset, self.num_layers
+    def describe(self) -> tuple[bool, bool, list[tuple[int, int]]]:
+        """(first, last, [(offset, number of layers) per chunk]): what the other stages need to know of this one."""
+        return self.first, self.last, self.places
+
+
+def _has(root, path: str) -> bool:
+    """Whether the dotted ``path`` leads to something under ``root`` (``local_experts.3`` alike)."""
+    obj = root
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() and isinstance(obj, torch.nn.ModuleList) else getattr(obj, part, None)
+        if obj is None:
+            return False
+    return True
 
 
 def _move(obj, device: torch.device | None):
@@ -106,11 +137,10 @@ class PipelineExport:
         num_layers: the model's global layer count.
 
     Raises:
-        ExportError: (on every rank) virtual pipeline stages, or stages that do not hold every layer exactly once.
+        ExportError: (on every rank) stages that do not hold every layer exactly once.
     """
 
     def __init__(self, stage: Stage, num_layers: int):
-        check_no_virtual_pipeline("Hugging Face export")
         self.group = parallel_state.get_pipeline_model_parallel_group()
         self.ranks = dist.get_process_group_ranks(self.group)
         self.rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -119,8 +149,9 @@ class PipelineExport:
         stages: list = [None] * len(self.ranks)
         dist.all_gather_object(stages, stage.describe(), group=self.group)
         self.owner: dict = {}
-        for p, (first, last, offset, n) in enumerate(stages):
-            for key in [*(["embedding"] if first else []), *range(offset, offset + n), *(["final"] if last else [])]:
+        for p, (first, last, places) in enumerate(stages):
+            layers = [L for offset, n in places for L in range(offset, offset + n)]
+            for key in [*(["embedding"] if first else []), *layers, *(["final"] if last else [])]:
                 if key in self.owner:
                     raise ExportError(f"Hugging Face export: pipeline stages {self.owner[key]} and {p} both hold "
                                       f"{'layer ' if isinstance(key, int) else ''}{key}")
@@ -128,7 +159,8 @@ class PipelineExport:
         missing = [k for k in ["embedding", *range(num_layers), "final"] if k not in self.owner]
         if missing:
             raise ExportError(f"Hugging Face export: no pipeline stage holds {missing} (stages as first, last, "
-                              f"layer offset, layers: {stages}); expected every layer on exactly one stage")
+                              f"[(layer offset, layers) per chunk]: {stages}); expected every layer on exactly one "
+                              "stage")
 
     def agree(self, local: dict, error: str | None) -> list[dict]:
         """Every stage's ``local`` (tensors on the CPU for the journey), after every stage's check: one

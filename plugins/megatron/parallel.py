@@ -21,7 +21,7 @@ from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
 __all__ = ["init_model_parallel", "destroy_model_parallel"]
 
 
-def init_model_parallel(tp: int = 1, ep: int = 1, *, pp: int = 1, seed: int = 1234) -> None:
+def init_model_parallel(tp: int = 1, ep: int = 1, *, pp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:
     """Initialise Megatron's model-parallel groups and RNG trackers on the current process group.
 
     ``torch.distributed`` must already be initialised (``modelopt_moe.launch.spawn``, ``torchrun`` or ``srun`` with
@@ -32,12 +32,15 @@ def init_model_parallel(tp: int = 1, ep: int = 1, *, pp: int = 1, seed: int = 12
     Args:
         tp: Tensor-model-parallel size; must divide the world size.
         ep: Expert-model-parallel size; must divide the world size.
-        pp: Pipeline-model-parallel size (non-interleaved); ``tp * pp`` and ``ep * pp`` must divide the world size.
+        pp: Pipeline-model-parallel size; ``tp * pp`` and ``ep * pp`` must divide the world size.
+        vpp: Virtual pipeline stages (model chunks) per pipeline stage, for Megatron's interleaved schedule; None or
+            1: the non-interleaved schedule.
         seed: Seed of Megatron's RNG trackers (dropout) and of torch's default generator.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
-        ValueError: ``tp``, ``ep`` or ``pp`` (or ``tp * pp``, ``ep * pp``) does not divide the world size.
+        ValueError: ``tp``, ``ep`` or ``pp`` (or ``tp * pp``, ``ep * pp``) does not divide the world size; ``vpp``
+            above 1 with ``pp`` 1.
     """
     if not dist.is_initialized():
         raise RuntimeError("init_model_parallel needs torch.distributed initialised (use modelopt_moe.launch.spawn)")
@@ -48,6 +51,9 @@ def init_model_parallel(tp: int = 1, ep: int = 1, *, pp: int = 1, seed: int = 12
     if pp < 1 or world % (tp * pp) or world % (ep * pp):
         raise ValueError(f"pp={pp}: must be >= 1 and tp * pp = {tp * pp} and ep * pp = {ep * pp} must divide the "
                          f"world size {world}")
+    if vpp is not None and (vpp < 1 or (vpp > 1 and pp == 1)):
+        raise ValueError(f"vpp={vpp}: virtual pipeline stages need pp > 1 (got pp={pp}); expected None, 1, or above 1 "
+                         "with pp > 1")
     apply_cpu_shims()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -56,6 +62,7 @@ def init_model_parallel(tp: int = 1, ep: int = 1, *, pp: int = 1, seed: int = 12
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
     )
     torch.manual_seed(seed)
     # The inference tracker keeps plain torch generators, so no CUDA RNG state is needed (the plain call needs

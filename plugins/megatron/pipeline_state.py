@@ -5,6 +5,8 @@ layer ``offset``), while a checkpoint must name every layer once, whatever the l
 (:func:`modelopt_moe.checkpoint.state.modelopt_state`) and the calibration token counts are therefore saved under
 global layer indices, merged over the stages, and each stage restores the entries of its own layers under its local
 names. Weights and amaxes need nothing of this: Megatron's sharded state dicts name layers globally already.
+With virtual pipeline stages each model chunk (its ``vp_stage``) is placed the same way: the chunks of a stage hold
+layers that are not contiguous, and each has its own offset.
 :func:`stage_naming` gives the core the same mapping (:mod:`modelopt_moe.quantization.chunk_names`): gathered
 summaries, calibration token counts and ``restore_sharded_modelopt_state`` name layers globally at any pipeline size.
 """
@@ -20,8 +22,8 @@ from torch import nn
 
 from modelopt_moe.quantization.conversion import unwrap_model
 
-__all__ = ["pipeline_size", "refuse_virtual_pipeline", "global_layer_name", "global_state", "stage_state",
-           "merge_stage_states", "stage_naming"]
+__all__ = ["pipeline_size", "virtual_pipeline_size", "refuse_virtual_pipeline", "global_layer_name", "global_state",
+           "stage_state", "merge_chunk_states", "merge_stage_states", "stage_naming"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
 
@@ -33,27 +35,36 @@ def pipeline_size() -> int:
     return parallel_state.get_pipeline_model_parallel_world_size()
 
 
-def refuse_virtual_pipeline(what: str) -> None:
+def virtual_pipeline_size() -> int:
+    """The number of model chunks per pipeline stage (virtual pipeline stages; 1 without them)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+
+
+def refuse_virtual_pipeline(what: str, reason: str, instead: str) -> None:
     """Refuses virtual pipeline stages (Megatron's interleaved schedule: model chunks that each hold part of a
-    stage's layers), which the training, checkpoint and export paths here do not support. Local state only.
+    stage's layers) where ``what`` does not support them. Local state only.
+
+    Args:
+        what: the call or setting that refuses.
+        reason: why it cannot work with model chunks.
+        instead: what to do instead.
 
     Raises:
-        ValueError: ``virtual_pipeline_model_parallel_size`` above 1 (names it, and what to use instead).
+        ValueError: ``virtual_pipeline_model_parallel_size`` above 1 (names it, the reason and what to use instead).
     """
-    if not parallel_state.model_parallel_is_initialized():
-        return
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    if vpp is not None and vpp > 1:
+    vpp = virtual_pipeline_size()
+    if vpp > 1:
         raise ValueError(f"{what}: virtual pipeline stages ({vpp}) are not supported "
-                         f"(virtual_pipeline_model_parallel_size={vpp}, expected None or 1): Megatron's interleaved "
-                         "schedule takes no adjust_tensor_shapes_fn to carry a teacher's hidden states, and model "
-                         "chunks are not named globally here; initialise with virtual_pipeline_model_parallel_size="
-                         "None and train with the non-interleaved schedule")
+                         f"(virtual_pipeline_model_parallel_size={vpp}, expected None or 1): {reason}; {instead}")
 
 
 def _offset(model: nn.Module) -> tuple[int, int]:
-    """(global index of the stage's first layer, number of layers on the stage)."""
-    return get_transformer_layer_offset(model.config), len(model.decoder.layers)
+    """(global index of the chunk's first layer, number of layers in the chunk): a pipeline stage's, or with virtual
+    pipeline stages one model chunk's (Megatron's ``vp_stage`` of the chunk places its layers)."""
+    vp_stage = getattr(model, "vp_stage", None) if virtual_pipeline_size() > 1 else None
+    return get_transformer_layer_offset(model.config, vp_stage=vp_stage), len(model.decoder.layers)
 
 
 def global_layer_name(name: str, offset: int) -> str:
@@ -95,22 +106,25 @@ def stage_state(state: dict, model: nn.Module) -> dict:
     return _rename_state(state, rename)
 
 
+def merge_chunk_states(states: list[dict]) -> dict:
+    """Global-named states of several chunks (of one model) as one: the union of their entries (each chunk names
+    other layers; the modules outside the layers appear once)."""
+    out = dict(states[0])
+    out["quantized_modules"] = list(dict.fromkeys(n for p in states for n in p["quantized_modules"]))
+    for key in ("quantizers", "expert_quantizers", "calibration_tokens"):
+        if any(p.get(key) for p in states):
+            out[key] = {n: v for p in states for n, v in (p.get(key) or {}).items()}
+    return out
+
+
 def merge_stage_states(states: list[dict]) -> list[dict]:
     """Every stage's global-named states (one per model chunk), merged over the pipeline group: the union of their
-    entries. A collective over the pipeline group (one ``all_gather_object``): every rank calls it."""
+    entries, one state per chunk index. A collective over the pipeline group (one ``all_gather_object``): every rank
+    calls it."""
     group = parallel_state.get_pipeline_model_parallel_group()
     parts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, states, group=group)
-    merged = []
-    for chunk in range(len(states)):
-        stage_parts = [p[chunk] for p in parts]
-        out = dict(stage_parts[0])
-        out["quantized_modules"] = list(dict.fromkeys(n for p in stage_parts for n in p["quantized_modules"]))
-        for key in ("quantizers", "expert_quantizers", "calibration_tokens"):
-            if any(p.get(key) for p in stage_parts):
-                out[key] = {n: v for p in stage_parts for n, v in (p.get(key) or {}).items()}
-        merged.append(out)
-    return merged
+    return [merge_chunk_states([p[chunk] for p in parts]) for chunk in range(len(states))]
 
 
 class _StageNaming:
@@ -128,14 +142,10 @@ class _StageNaming:
 
 
 def stage_naming(model: nn.Module) -> _StageNaming | None:
-    """The naming of a Megatron GPT model's pipeline stage (registered with the core by the plugin); None at pipeline
-    size 1 or for another model. Local state only: no collective.
-
-    Raises:
-        ValueError: virtual pipeline stages (:func:`refuse_virtual_pipeline`).
-    """
+    """The naming of a Megatron GPT model's pipeline stage, or of one model chunk with virtual pipeline stages
+    (registered with the core by the plugin); None at pipeline size 1 or for another model. Local state only: no
+    collective."""
     m = unwrap_model(model)
     if pipeline_size() == 1 or not hasattr(m, "decoder") or not hasattr(m, "config"):
         return None
-    refuse_virtual_pipeline("the global layer names of a pipeline stage")
     return _StageNaming(m)

@@ -20,7 +20,7 @@ import functools
 from modelopt_moe.quantization.autoswitch import autoswitch_step
 from modelopt_moe.quantization.weight_reuse import reuse_quantized_weights as reuse_scope
 
-from .pipeline_state import refuse_virtual_pipeline
+from .pipeline_state import refuse_virtual_pipeline, virtual_pipeline_size
 
 __all__ = ["get_forward_backward_func"]
 
@@ -46,12 +46,16 @@ def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first
         reuse_quantized_weights: open the weight-reuse scope around each call.
         first_step: the autoswitch step of the first call (each later call is the next step).
 
+    With virtual pipeline stages (``virtual_pipeline_model_parallel_size`` > 1) Megatron returns its interleaved
+    schedule: pass ``model`` as the list of this stage's chunks and ``data_iterator`` as one iterator per chunk, as
+    Megatron's schedule takes them.
+
     Raises:
-        ValueError: virtual pipeline stages (Megatron's interleaved schedule): not supported.
+        ValueError: (from the returned function) a distillation model at virtual pipeline stages: the interleaved
+            schedule cannot carry the teacher's hidden states.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_get_forward_backward_func
 
-    refuse_virtual_pipeline("modelopt_moe.plugins.megatron.get_forward_backward_func")
     schedule = megatron_get_forward_backward_func(*args, **kwargs)
     step = first_step
 
@@ -62,9 +66,12 @@ def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first
         if model is None:
             raise TypeError("forward_backward_func: pass model=... by keyword (Megatron's schedules take it so)")
         if f_kwargs.get("adjust_tensor_shapes_fn") is None:
-            from .distill import distillation_tensor_shapes_fn  # the teacher's hidden states between stages
+            from .distill import QAD_VIRTUAL_PIPELINE_REASON, distillation_tensor_shapes_fn
 
-            adjust = distillation_tensor_shapes_fn(model)
+            adjust = distillation_tensor_shapes_fn(model)  # the teacher's hidden states between stages
+            if adjust is not None and virtual_pipeline_size() > 1:
+                refuse_virtual_pipeline("forward_backward_func of a distillation model", QAD_VIRTUAL_PIPELINE_REASON,
+                                        "distill with virtual_pipeline_model_parallel_size=None")
             if adjust is not None:
                 f_kwargs = {**f_kwargs, "adjust_tensor_shapes_fn": adjust}
         reuse = reuse_scope(model) if reuse_quantized_weights else contextlib.nullcontext()

@@ -121,10 +121,13 @@ def setup_training(
         The :class:`Trainer`.
 
     Raises:
-        ValueError: virtual pipeline stages (``virtual_pipeline_model_parallel_size`` > 1; the interleaved schedule is
-            not supported).
+        ValueError: virtual pipeline stages (``virtual_pipeline_model_parallel_size`` > 1): this helper takes one
+            model, not a list of model chunks.
     """
-    refuse_virtual_pipeline("setup_training")
+    refuse_virtual_pipeline("setup_training", "it wraps and optimizes one model, not a list of model chunks",
+                            "with model chunks build Megatron's wrappers and optimizer over the list and call "
+                            "modelopt_moe.plugins.megatron.get_forward_backward_func (the interleaved schedule), or "
+                            "initialise with virtual_pipeline_model_parallel_size=None")
     config = get_model_config(model)
     config.bf16, config.fp16 = bf16, False
     with megatron_training_shims():

@@ -14,8 +14,9 @@ Qwen3-MoE checkpoint (``import_hf``) and the same calibration tokens (Megatron's
   name: the same lines as at PP=1;
 * ``restore_sharded_modelopt_state`` called directly at PP=2 on a checkpoint saved at PP=2 restores each stage's
   quantizers (then Megatron's own ``dist_checkpointing.load``): the export of the restored model is the same bytes;
-* at virtual pipeline size 2 (Megatron's interleaved schedule) every entry point refuses, naming the setting, before
-  it writes anything.
+* at virtual pipeline size 2 (Megatron's interleaved schedule: two model chunks per stage, built by
+  ``build_megatron_model(..., vp_stage=...)``), the chunks loaded from the PP=2 checkpoint export the PP=1 files byte
+  for byte; import, QAD and ``setup_training`` refuse, naming the setting, before they write anything.
 """
 
 import json
@@ -117,35 +118,48 @@ def _layout(pp: int, hf_dir: str, out: Path) -> dict:
     return result, model
 
 
-def _virtual_pipeline_refusals(model, hf_dir: str, out: Path) -> dict:
-    """Every entry point, at virtual pipeline size 2 (Megatron's interleaved schedule): the error it raises."""
-    import io
+def _virtual_pipeline_export(hf_dir: str, out: Path) -> dict:
+    """At TP=2 x EP=2 x PP=2 x VPP=2: the model chunks restored from the PP=2 checkpoint, exported."""
+    from megatron.core import parallel_state, tensor_parallel
 
+    from modelopt_moe.export import build_megatron_model, export_hf
+    from modelopt_moe.plugins.megatron import load_sharded_checkpoint
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, expert_model_parallel_size=EP,
+                                             expert_tensor_parallel_size=1, pipeline_model_parallel_size=2,
+                                             virtual_pipeline_model_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
+    try:
+        build_megatron_model(hf_dir, params_dtype=torch.bfloat16)
+        no_vp_stage = None
+    except Exception as e:  # noqa: BLE001  (the test names any other kind)
+        no_vp_stage = f"{type(e).__name__}: {e}"
+    chunks = [build_megatron_model(hf_dir, params_dtype=torch.bfloat16, vp_stage=v) for v in range(2)]
+    load_sharded_checkpoint(chunks, out / "ckpt")
+    for fmt in ("compressed-tensors", "modelopt"):
+        export_hf(chunks, out / "vpp" / fmt, format=fmt, progress=False)
+    return {"layers": [len(c.decoder.layers) for c in chunks], "no_vp_stage": no_vp_stage}
+
+
+def _virtual_pipeline_refusals(model, hf_dir: str, out: Path) -> dict:
+    """Every entry point that does not take model chunks, at virtual pipeline size 2: the error it raises.
+
+    Quantization, the interleaved schedule and checkpoints of model chunks: test_virtual_pipeline.py.
+    """
     from megatron.core import parallel_state
 
-    import modelopt_moe.quantization as mtq
-    from modelopt_moe.export import build_megatron_model, export_hf, import_hf
-    from modelopt_moe.plugins.megatron import (
-        distillation_model,
-        get_forward_backward_func,
-        load_sharded_checkpoint,
-        save_sharded_checkpoint,
-    )
+    from modelopt_moe.export import import_hf
+    from modelopt_moe.plugins.megatron import distillation_model
     from modelopt_moe.plugins.megatron.training import setup_training
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=2,
                                              virtual_pipeline_model_parallel_size=2, expert_tensor_parallel_size=1)
     calls = {
-        "build_megatron_model": lambda: build_megatron_model(hf_dir),
         "import_hf": lambda: import_hf(model, hf_dir),
-        "export_hf": lambda: export_hf(model, out / "vpp_export", progress=False),
         "distillation_model": lambda: distillation_model(model, model),
-        "get_forward_backward_func": lambda: get_forward_backward_func(),
         "setup_training": lambda: setup_training(model),
-        "save_sharded_checkpoint": lambda: save_sharded_checkpoint(model, out / "vpp_ckpt"),
-        "load_sharded_checkpoint": lambda: load_sharded_checkpoint(model, out / "ckpt"),
-        "print_quant_summary": lambda: mtq.print_quant_summary(model, file=io.StringIO(), gather=True),
     }
     errors = {}
     for name, call in calls.items():
@@ -165,7 +179,8 @@ def _user_script(rank, world_size, hf_dir, out_dir):
     out = Path(out_dir)
     pp2, _ = _layout(2, hf_dir, out)
     pp1, model = _layout(1, hf_dir, out)
-    return {"pp2": pp2, "pp1": pp1, "virtual": _virtual_pipeline_refusals(model, hf_dir, out)}
+    vpp = _virtual_pipeline_export(hf_dir, out)
+    return {"pp2": pp2, "pp1": pp1, "vpp": vpp, "virtual": _virtual_pipeline_refusals(model, hf_dir, out)}
 
 
 @pytest.fixture(scope="module")
@@ -241,8 +256,17 @@ def test_virtual_pipeline_stages_are_refused_by_name_everywhere(run):
             assert error.startswith(("ValueError", "ExportError")), error
             assert "virtual_pipeline_model_parallel_size=2" in error, error
             assert "expected None or 1" in error, error
-    assert not (run["out"] / "vpp_export").exists()
-    assert not (run["out"] / "vpp_ckpt").exists()
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+def test_export_of_virtual_pipeline_chunks_is_the_pp1_export_byte_for_byte(run, fmt):
+    for r in run["results"]:
+        assert r["vpp"]["layers"] == [1, 1]  # 4 layers on 2 stages x 2 chunks
+        assert "vp_stage=None with virtual_pipeline_model_parallel_size=2" in r["vpp"]["no_vp_stage"]
+    pp1, vpp = _files(run["out"] / "pp1" / fmt), _files(run["out"] / "vpp" / fmt)
+    assert sorted(vpp) == sorted(pp1)
+    for name in pp1:
+        assert vpp[name] == pp1[name], name
 
 
 def test_export_at_pp2_of_an_uncalibrated_model_fails_the_same_on_every_rank_before_writing(run):

@@ -302,7 +302,7 @@ def _init_layout_independent(model: torch.nn.Module, seed: int, num_layers: int,
     etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
-    offset = get_transformer_layer_offset(model.config) if pipelined else 0
+    offset = get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None)) if pipelined else 0
     norm_params = {
         id(p) for m in model.modules() if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm)) for p in m.parameters()
     }
@@ -348,6 +348,7 @@ def build_moe_gpt(
     *,
     seed: int = 1234,
     experts: str = "sequential",
+    vp_stage: int | None = None,
     **overrides: Any,
 ) -> GPTModel:
     """Build a small GPT whose every MLP is an MoE layer with ``SequentialMLP`` or grouped (non-TE) experts.
@@ -372,6 +373,8 @@ def build_moe_gpt(
             ``RowParallelLinear``), ``"grouped"`` (Megatron's ``TEGroupedMLP`` with :class:`MegatronGroupedLinear`
             linears, ``moe_grouped_gemm=True``) or ``"te"`` (``TEGroupedMLP`` with Transformer Engine's grouped
             linears; GPU). All hold the same weights for the same seed.
+        vp_stage: With virtual pipeline stages (``init_model_parallel(..., vpp=...)``): which of this stage's model
+            chunks to build (build one per ``vp_stage`` in ``range(vpp)``; the list is the model).
         **overrides: Any ``TransformerConfig`` field (e.g. ``gated_linear_unit=True``, ``normalization="RMSNorm"``)
             or ``GPTModel`` argument (e.g. ``position_embedding_type="learned_absolute"``).
 
@@ -390,6 +393,10 @@ def build_moe_gpt(
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    if (vp_stage is None) != (vpp == 1):
+        raise ValueError(f"vp_stage={vp_stage} with {vpp} virtual pipeline stages: pass one of range({vpp}) exactly "
+                         "when init_model_parallel was given vpp > 1")
     if num_experts % ep:
         raise ValueError(f"num_experts={num_experts} must be a multiple of the expert-parallel size {ep}")
     cfg_over, model_over = split_gpt_overrides(overrides, "build_moe_gpt")
@@ -427,6 +434,8 @@ def build_moe_gpt(
     )
     if pp > 1:  # the layers split evenly over the stages; tensors between stages in the parameters' dtype
         cfg_kwargs.update(pipeline_model_parallel_size=pp, pipeline_dtype=params_dtype)
+    if vpp > 1:
+        cfg_kwargs.update(virtual_pipeline_model_parallel_size=vpp)
     cfg_kwargs.update(cfg_over)
     config = TransformerConfig(**cfg_kwargs)
 
@@ -440,16 +449,19 @@ def build_moe_gpt(
         moe_submodules = dataclasses.replace(moe.keywords["submodules"],
                                              experts=grouped_mlp_spec(transformer_engine=experts == "te"))
         layer.submodules.mlp = functools.partial(moe.func, *moe.args, **{**moe.keywords, "submodules": moe_submodules})
-    block = TransformerBlockSubmodules(layer_specs=[layer] * (num_layers // pp), layer_norm=sequence_parallel_norm)
+    block = TransformerBlockSubmodules(layer_specs=[layer] * (num_layers // (pp * vpp)),
+                                       layer_norm=sequence_parallel_norm)
     model_kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         max_sequence_length=seq_len,
         position_embedding_type="rope",
         parallel_output=True,
         share_embeddings_and_output_weights=False,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
     )
+    if vpp > 1:
+        model_kwargs["vp_stage"] = vp_stage
     model_kwargs.update(model_over)
     model = GPTModel(config=config, transformer_layer_spec=block, **model_kwargs)
     if on_gpu:

@@ -50,3 +50,9 @@ def test_unknown_plugin_and_unowned_model():
         import_hf(nn.Linear(4, 4), "/nonexistent/in")
     with pytest.raises(TypeError, match="is not an ExportAdapter"):
         register_export_adapter(object())
+
+
+def test_export_hf_of_an_empty_list_of_chunks_is_refused(tmp_path):
+    with pytest.raises(ExportError, match="empty list of model chunks"):
+        export_hf([], tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,231 @@
+"""Virtual pipeline stages on 4 gloo ranks (one spawn): TP=2 x PP=2 x VPP=2 (two model chunks per stage, each one
+layer of 4: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3) against TP=2 x PP=1 on the same weights and tokens.
+
+* ``mtq.quantize(chunks, config, forward_loop)`` calibrates every chunk in one pass of Megatron's interleaved schedule
+  (forward only): the expert amaxes of every layer, under global names, equal those of the one-stage model.
+* ``get_forward_backward_func`` with the list of chunks (the interleaved 1F1B schedule): the forward-only losses and
+  two training steps (a plain SGD over the chunks' parameters) give the losses of PP=1.
+* ``save_sharded_checkpoint(chunks)`` restores bit-exact at PP=1 and at PP=2 without virtual stages; checkpoints
+  saved there restore bit-exact into chunks again.
+* QAD and ``setup_training`` stay refused at virtual pipeline stages, each naming why and what works instead
+  (Hugging Face export and import: test_pipeline_export.py).
+"""
+
+import math
+import re
+
+import pytest
+import torch
+from limits import seconds  # noqa: E402
+
+from modelopt_moe.launch import spawn
+
+WORLD, SEED, LAYERS, SEQ, MB = 4, 1234, 4, 32, 2
+
+
+def _tensors(chunks) -> dict:
+    """Every tensor of the chunks' state dicts by (TP rank, global layer name)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    out = {}
+    for chunk in chunks:
+        offset = get_transformer_layer_offset(chunk.config, vp_stage=chunk.vp_stage) if pp > 1 else 0
+
+        def rename(m, offset=offset):
+            return f"decoder.layers.{int(m.group(1)) + offset}."
+
+        for n, t in chunk.state_dict().items():
+            if isinstance(t, torch.Tensor):
+                out[(tp_rank, re.sub(r"decoder\.layers\.(\d+)\.", rename, n))] = t.detach().clone()
+    return out
+
+
+def _build(mm, pp: int, vpp: int | None, seed: int) -> list:
+    """This rank's model chunks at TP=2 and the given pipeline layout (one chunk without virtual stages)."""
+    mm.init_model_parallel(2, 1, pp=pp, vpp=vpp, seed=SEED)
+    if vpp is None:
+        return [mm.build_moe_gpt(seed=seed, num_layers=LAYERS)]
+    return [mm.build_moe_gpt(seed=seed, num_layers=LAYERS, vp_stage=v) for v in range(vpp)]
+
+
+def _run(chunks, batches, forward_only: bool) -> list[float]:
+    """One call of the drop-in schedule over the chunks (one data iterator per chunk): the reported losses."""
+    from modelopt_moe.plugins.megatron import get_forward_backward_func, lm_forward_step
+    from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
+
+    with megatron_training_shims():
+        reported = get_forward_backward_func()(
+            forward_step_func=lm_forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
+            num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=MB, forward_only=forward_only)
+    return [float(r["lm loss"]) for r in reported]
+
+
+def _reduce_grads(mm, chunk) -> None:
+    """What Megatron's DDP would reduce here: the gradients of sequence-parallel parameters, and of the experts
+    (replicated over TP at expert-TP 1; each TP rank routes its own part of the sequence), summed over TP."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    mm.allreduce_sequence_parallel_grads(chunk)
+    group = parallel_state.get_tensor_model_parallel_group()
+    for p in chunk.parameters():
+        if not getattr(p, "allreduce", True) and p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+
+
+def _layout(mm, pp: int, vpp: int | None, ckpt: str) -> dict:
+    import warnings
+
+    from megatron_harness.configs import expert_quant_config
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.plugins.megatron import save_sharded_checkpoint
+    from modelopt_moe.quantization.chunk_names import global_name_of
+    from modelopt_moe.quantization.quant_module import named_quantizers
+
+    chunks = _build(mm, pp, vpp, SEED)
+    calib = mm.text_batches(MB, SEQ, 2, offset=100)
+    batches = mm.text_batches(MB, SEQ, 4)
+
+    def forward_loop(model):
+        with torch.no_grad():
+            _run(model, calib, forward_only=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        returned = mtq.quantize(chunks, expert_quant_config("fp8", "static"), forward_loop)
+    amax = {global_name_of(c)(n): q.amax.detach().clone() for c in chunks for n, q, _ in named_quantizers(c)
+            if getattr(q, "amax", None) is not None}
+    with torch.no_grad():
+        forward_losses = _run(chunks, batches[:2], forward_only=True)
+    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.05)
+    losses = []
+    for step in range(2):
+        optimizer.zero_grad()
+        reported = _run(chunks, batches[2 * step:2 * step + 2], forward_only=False)
+        losses.append(sum(reported) / len(reported) if reported else None)
+        for c in chunks:
+            _reduce_grads(mm, c)
+        optimizer.step()
+    save_sharded_checkpoint(chunks, ckpt)
+    return {"same_list": returned is chunks, "amax": amax, "forward_losses": forward_losses, "losses": losses,
+            "tensors": _tensors(chunks), "layers": [len(c.decoder.layers) for c in chunks]}
+
+
+def _reload(mm, pp: int, vpp: int | None, src: str, dst: str | None) -> dict:
+    """Fresh chunks (other weights) at this layout restored from ``src`` (then saved to ``dst``): their tensors."""
+    from modelopt_moe.plugins.megatron import load_sharded_checkpoint, save_sharded_checkpoint
+
+    chunks = _build(mm, pp, vpp, SEED + 7)
+    load_sharded_checkpoint(chunks, src)
+    if dst is not None:
+        save_sharded_checkpoint(chunks, dst)
+    return _tensors(chunks)
+
+
+def _refusals(mm) -> dict:
+    """QAD and setup_training at virtual pipeline stages: the error each raises."""
+    from modelopt_moe.plugins.megatron import distillation_model
+    from modelopt_moe.plugins.megatron.training import setup_training
+
+    chunks = _build(mm, 2, 2, SEED)
+    calls = {
+        "distillation_model": lambda: distillation_model(chunks[0], chunks[0]),
+        "setup_training": lambda: setup_training(chunks[0]),
+    }
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001  (the test names any other kind)
+            errors[name] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def _worker(rank, world_size, root):
+    import megatron_harness.models as mm
+
+    out = {"vpp": _layout(mm, 2, 2, f"{root}/vpp"), "pp1": _layout(mm, 1, None, f"{root}/pp1_trained")}
+    out["vpp_at_pp1"] = _reload(mm, 1, None, f"{root}/vpp", f"{root}/pp1")
+    out["vpp_at_pp2"] = _reload(mm, 2, None, f"{root}/vpp", f"{root}/pp2")
+    out["pp1_at_vpp"] = _reload(mm, 2, 2, f"{root}/pp1", None)
+    out["pp2_at_vpp"] = _reload(mm, 2, 2, f"{root}/pp2", None)
+    out["refusals"] = _refusals(mm)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vpp")
+    return {"results": spawn(_worker, WORLD, args=(str(root),), timeout=seconds(600)), "root": root}
+
+
+def test_calibration_through_the_interleaved_schedule_gives_the_amaxes_of_pp1(run):
+    results = run["results"]
+    pp1 = results[0]["pp1"]["amax"]
+    assert pp1
+    assert all(".experts." in n for n in pp1)
+    merged = {}
+    for r in results:
+        assert r["vpp"]["same_list"]
+        assert r["vpp"]["layers"] == [1, 1]  # 4 layers on 2 stages x 2 chunks
+        for n, a in r["vpp"]["amax"].items():
+            assert n not in merged or torch.equal(merged[n], a), n  # TP ranks of one stage agree
+            merged[n] = a
+    assert sorted(merged) == sorted(pp1)  # every chunk's layer, under its global name
+    for n, a in pp1.items():
+        assert torch.equal(merged[n], a), n
+
+
+def test_interleaved_schedule_losses_equal_pp1_on_the_same_weights_and_tokens(run):
+    results = run["results"]
+    pp1 = results[0]["pp1"]
+    assert len(pp1["forward_losses"]) == 2
+    assert len(pp1["losses"]) == 2
+    assert all(math.isfinite(x) for x in pp1["losses"])
+    assert pp1["losses"][1] != pp1["losses"][0]  # the first step trained
+    last = [i for i, r in enumerate(results) if r["vpp"]["forward_losses"]]
+    assert len(last) == 2  # the losses come from the 2 TP ranks of the last stage
+    for i, r in enumerate(results):
+        if i in last:
+            assert r["vpp"]["forward_losses"] == pytest.approx(pp1["forward_losses"], rel=1e-5, abs=1e-6)
+            assert r["vpp"]["losses"] == pytest.approx(pp1["losses"], rel=1e-5, abs=1e-6)
+        else:
+            assert r["vpp"]["losses"] == [None, None]
+    trained_pp1 = {}
+    for r in results:
+        trained_pp1.update(r["pp1"]["tensors"])
+    for r in results:  # the trained weights too
+        for key, t in r["vpp"]["tensors"].items():
+            torch.testing.assert_close(t, trained_pp1[key], rtol=1e-4, atol=1e-6, msg=str(key))
+
+
+def test_checkpoint_of_chunks_restores_bit_exact_at_pp1_and_pp2_and_back(run):
+    saved = {}
+    for r in run["results"]:
+        saved.update(r["vpp"]["tensors"])
+    assert any("_amax" in n for _, n in saved)  # the quantizers' amaxes travel too
+    assert any(n.startswith("decoder.layers.3.") for _, n in saved)
+    for layout in ("vpp_at_pp1", "vpp_at_pp2", "pp1_at_vpp", "pp2_at_vpp"):
+        got = {}
+        for r in run["results"]:
+            got.update(r[layout])
+        assert sorted(got) == sorted(saved), layout
+        for key, t in saved.items():
+            assert torch.equal(got[key], t), (layout, key)
+
+
+def test_qad_and_the_training_helper_stay_refused_by_name(run):
+    for r in run["results"]:
+        errors = r["refusals"]
+        for call, error in errors.items():
+            assert error is not None, f"{call} accepted virtual pipeline stages"
+            assert "virtual_pipeline_model_parallel_size=2, expected None or 1" in error, error
+        assert "adjust_tensor_shapes_fn" in errors["distillation_model"]
+        assert "forward_backward_pipelining_with_interleaving" in errors["distillation_model"]
+        assert "get_forward_backward_func" in errors["setup_training"]  # what works instead
