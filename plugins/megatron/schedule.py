@@ -20,7 +20,7 @@ import functools
 from modelopt_moe.quantization.autoswitch import autoswitch_step
 from modelopt_moe.quantization.weight_reuse import reuse_quantized_weights as reuse_scope
 
-from .pipeline_state import refuse_virtual_pipeline, virtual_pipeline_size
+from .pipeline_state import pipeline_size, refuse_virtual_pipeline, virtual_pipeline_size
 
 __all__ = ["get_forward_backward_func"]
 
@@ -32,6 +32,26 @@ def _clear_aux_loss_scale() -> None:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
+def _refuse_batched_p2p_between_two_stages(model, forward_only: bool) -> None:
+    """Refuses training on the interleaved schedule at pipeline size 2 with ``config.batch_p2p_comm``: in its
+    steady state Megatron batches a send and a receive of activations with a send and a receive of gradients, all
+    between the same two ranks, and the receives pair with the wrong sends (no error: the shapes agree, the losses
+    and gradients are wrong). Megatron-LM's arguments refuse this layout; its default at virtual stages,
+    ``overlap_p2p_comm=True`` with ``batch_p2p_comm=False``, sends them apart. A forward-only call sends one way
+    only. Local state only."""
+    from megatron.core.utils import get_model_config
+
+    if forward_only or virtual_pipeline_size() <= 1 or pipeline_size() != 2:
+        return
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    if get_model_config(chunks[0]).batch_p2p_comm:
+        raise ValueError(
+            "forward_backward_func: training at virtual pipeline stages with pipeline_model_parallel_size=2 needs "
+            "config.batch_p2p_comm=False (found True): Megatron's batched sends and receives between the same two "
+            "ranks pair activations with gradients; set config.overlap_p2p_comm=True and config.batch_p2p_comm=False "
+            "on the model chunks' config (Megatron-LM's setting), or use a pipeline size above 2")
 
 
 def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first_step: int = 0, **kwargs):
@@ -52,7 +72,9 @@ def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first
 
     Raises:
         ValueError: (from the returned function) a distillation model at virtual pipeline stages: the interleaved
-            schedule cannot carry the teacher's hidden states.
+            schedule cannot carry the teacher's hidden states; training at virtual pipeline stages on 2 pipeline
+            stages with ``config.batch_p2p_comm=True`` (Megatron pairs activations with gradients there: set
+            ``overlap_p2p_comm=True`` and ``batch_p2p_comm=False``, as Megatron-LM does).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_get_forward_backward_func
 
@@ -74,6 +96,7 @@ def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first
                                         "distill with virtual_pipeline_model_parallel_size=None")
             if adjust is not None:
                 f_kwargs = {**f_kwargs, "adjust_tensor_shapes_fn": adjust}
+        _refuse_batched_p2p_between_two_stages(model, f_kwargs.get("forward_only", False))
         reuse = reuse_scope(model) if reuse_quantized_weights else contextlib.nullcontext()
         _clear_aux_loss_scale()
         with reuse, autoswitch_step(model, step):

@@ -3,8 +3,12 @@ layer of 4: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3) against TP=2 x
 
 * ``mtq.quantize(chunks, config, forward_loop)`` calibrates every chunk in one pass of Megatron's interleaved schedule
   (forward only): the expert amaxes of every layer, under global names, equal those of the one-stage model.
-* ``get_forward_backward_func`` with the list of chunks (the interleaved 1F1B schedule): the forward-only losses and
-  two training steps (a plain SGD over the chunks' parameters) give the losses of PP=1.
+* ``get_forward_backward_func`` with the list of chunks (the interleaved 1F1B schedule): the forward-only losses give
+  those of PP=1; trained the way Megatron-LM trains chunks (each in ``Float16Module`` + its own
+  ``DistributedDataParallel``, one ``get_megatron_optimizer`` with bf16 and the distributed optimizer over the list,
+  two steps of 4 micro-batches), the losses and trained weights are those of PP=1 trained the same way.
+* Training at two stages with Megatron's default ``batch_p2p_comm=True`` (which pairs activations with gradients
+  there) is refused by name.
 * ``save_sharded_checkpoint(chunks)`` restores bit-exact at PP=1 and at PP=2 without virtual stages; checkpoints
   saved there restore bit-exact into chunks again.
 * QAD and ``setup_training`` stay refused at virtual pipeline stages, each naming why and what works instead
@@ -20,7 +24,7 @@ from limits import seconds  # noqa: E402
 
 from modelopt_moe.launch import spawn
 
-WORLD, SEED, LAYERS, SEQ, MB = 4, 1234, 4, 32, 2
+WORLD, SEED, LAYERS, SEQ, MB, STEPS, MICRO = 4, 1234, 4, 32, 2, 2, 4
 
 
 def _tensors(chunks) -> dict:
@@ -43,12 +47,12 @@ def _tensors(chunks) -> dict:
     return out
 
 
-def _build(mm, pp: int, vpp: int | None, seed: int) -> list:
+def _build(mm, pp: int, vpp: int | None, seed: int, dtype: torch.dtype = torch.float32) -> list:
     """This rank's model chunks at TP=2 and the given pipeline layout (one chunk without virtual stages)."""
     mm.init_model_parallel(2, 1, pp=pp, vpp=vpp, seed=SEED)
     if vpp is None:
-        return [mm.build_moe_gpt(seed=seed, num_layers=LAYERS)]
-    return [mm.build_moe_gpt(seed=seed, num_layers=LAYERS, vp_stage=v) for v in range(vpp)]
+        return [mm.build_moe_gpt(seed=seed, num_layers=LAYERS, params_dtype=dtype)]
+    return [mm.build_moe_gpt(seed=seed, num_layers=LAYERS, vp_stage=v, params_dtype=dtype) for v in range(vpp)]
 
 
 def _run(chunks, batches, forward_only: bool) -> list[float]:
@@ -63,17 +67,51 @@ def _run(chunks, batches, forward_only: bool) -> list[float]:
     return [float(r["lm loss"]) for r in reported]
 
 
-def _reduce_grads(mm, chunk) -> None:
-    """What Megatron's DDP would reduce here: the gradients of sequence-parallel parameters, and of the experts
-    (replicated over TP at expert-TP 1; each TP rank routes its own part of the sequence), summed over TP."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+def _train(chunks, batches, steps: int, microbatches: int) -> list[float | None]:
+    """Megatron's way of training model chunks: each chunk in ``Float16Module`` + its own DDP (bucketing on the
+    first chunk only, as Megatron-LM's ``get_model`` wraps virtual pipeline chunks), one ``get_megatron_optimizer``
+    (Adam, bf16 with fp32 main parameters, the distributed optimizer) over the list, ``finalize_model_grads`` and the
+    loss scale in the config; ``steps`` steps of ``microbatches`` micro-batches each through the drop-in schedule.
+    The mean loss of every step (None off the last stage)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
 
-    mm.allreduce_sequence_parallel_grads(chunk)
-    group = parallel_state.get_tensor_model_parallel_group()
-    for p in chunk.parameters():
-        if not getattr(p, "allreduce", True) and p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+    from modelopt_moe.plugins.megatron import get_forward_backward_func, lm_forward_step
+    from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
+
+    config = chunks[0].config
+    for c in chunks:  # bf16 activations between the stages too, as Megatron-LM's arguments set them
+        c.config.bf16, c.config.pipeline_dtype = True, torch.bfloat16
+        if len(chunks) > 1:  # Megatron-LM's p2p setting at virtual stages (batched, two stages pair them wrongly)
+            c.config.overlap_p2p_comm, c.config.batch_p2p_comm = True, False
+    with megatron_training_shims():
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=Float16Module(config, c),
+                                         disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, bf16=True,
+                                                           params_dtype=torch.bfloat16, use_distributed_optimizer=True,
+                                                           clip_grad=1.0), model)
+    for c in chunks:
+        c.config.finalize_model_grads_func = finalize_model_grads
+        c.config.grad_scale_func = optimizer.scale_loss
+    schedule = get_forward_backward_func()
+    losses = []
+    for step in range(steps):
+        step_batches = batches[step * microbatches:(step + 1) * microbatches]
+        with megatron_training_shims():
+            for m in model:
+                m.train()
+                m.zero_grad_buffer()
+            optimizer.zero_grad()
+            reported = schedule(forward_step_func=lm_forward_step, data_iterator=[iter(step_batches) for _ in model],
+                                model=model, num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=MB,
+                                forward_only=False)
+            updated, _, _ = optimizer.step()
+        assert updated, f"step {step}: the optimizer skipped the update"
+        losses.append(sum(float(r["lm loss"]) for r in reported) / len(reported) if reported else None)
+    return losses
 
 
 def _layout(mm, pp: int, vpp: int | None, ckpt: str) -> dict:
@@ -88,7 +126,7 @@ def _layout(mm, pp: int, vpp: int | None, ckpt: str) -> dict:
 
     chunks = _build(mm, pp, vpp, SEED)
     calib = mm.text_batches(MB, SEQ, 2, offset=100)
-    batches = mm.text_batches(MB, SEQ, 4)
+    batches = mm.text_batches(MB, SEQ, STEPS * MICRO)
 
     def forward_loop(model):
         with torch.no_grad():
@@ -101,16 +139,7 @@ def _layout(mm, pp: int, vpp: int | None, ckpt: str) -> dict:
             if getattr(q, "amax", None) is not None}
     with torch.no_grad():
         forward_losses = _run(chunks, batches[:2], forward_only=True)
-    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=0.05)
-    losses = []
-    for step in range(2):
-        optimizer.zero_grad()
-        reported = _run(chunks, batches[2 * step:2 * step + 2], forward_only=False)
-        losses.append(sum(reported) / len(reported) if reported else None)
-        for c in chunks:
-            _reduce_grads(mm, c)
-        optimizer.step()
+    losses = _train(chunks, batches, STEPS, MICRO)
     save_sharded_checkpoint(chunks, ckpt)
     return {"same_list": returned is chunks, "amax": amax, "forward_losses": forward_losses, "losses": losses,
             "tensors": _tensors(chunks), "layers": [len(c.decoder.layers) for c in chunks]}
@@ -120,7 +149,7 @@ def _reload(mm, pp: int, vpp: int | None, src: str, dst: str | None) -> dict:
     """Fresh chunks (other weights) at this layout restored from ``src`` (then saved to ``dst``): their tensors."""
     from modelopt_moe.plugins.megatron import load_sharded_checkpoint, save_sharded_checkpoint
 
-    chunks = _build(mm, pp, vpp, SEED + 7)
+    chunks = _build(mm, pp, vpp, SEED + 7, torch.bfloat16)  # as trained (Float16Module made them bf16)
     load_sharded_checkpoint(chunks, src)
     if dst is not None:
         save_sharded_checkpoint(chunks, dst)
@@ -129,13 +158,23 @@ def _reload(mm, pp: int, vpp: int | None, src: str, dst: str | None) -> dict:
 
 def _refusals(mm) -> dict:
     """QAD and setup_training at virtual pipeline stages: the error each raises."""
-    from modelopt_moe.plugins.megatron import distillation_model
+    from modelopt_moe.plugins.megatron import distillation_model, get_forward_backward_func, lm_forward_step
     from modelopt_moe.plugins.megatron.training import setup_training
+    from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
 
     chunks = _build(mm, 2, 2, SEED)
+    batches = mm.text_batches(MB, SEQ, 4)
+
+    def train_with_batched_p2p():  # Megatron's default config: batch_p2p_comm=True
+        with megatron_training_shims():
+            get_forward_backward_func()(forward_step_func=lm_forward_step, model=chunks,
+                                        data_iterator=[iter(batches) for _ in chunks], num_microbatches=4,
+                                        seq_length=SEQ, micro_batch_size=MB, forward_only=False)
+
     calls = {
         "distillation_model": lambda: distillation_model(chunks[0], chunks[0]),
         "setup_training": lambda: setup_training(chunks[0]),
+        "batched_p2p": train_with_batched_p2p,
     }
     errors = {}
     for name, call in calls.items():
@@ -220,9 +259,18 @@ def test_checkpoint_of_chunks_restores_bit_exact_at_pp1_and_pp2_and_back(run):
             assert torch.equal(got[key], t), (layout, key)
 
 
+def test_training_at_two_stages_with_batched_p2p_is_refused_before_it_pairs_activations_with_gradients(run):
+    for r in run["results"]:
+        error = r["refusals"]["batched_p2p"]
+        assert error is not None, "trained with batch_p2p_comm=True at pipeline size 2 (wrong losses, no error)"
+        assert error.startswith("ValueError: forward_backward_func: "), error
+        assert "pipeline_model_parallel_size=2 needs config.batch_p2p_comm=False (found True)" in error, error
+        assert "overlap_p2p_comm=True" in error, error
+
+
 def test_qad_and_the_training_helper_stay_refused_by_name(run):
     for r in run["results"]:
-        errors = r["refusals"]
+        errors = {k: v for k, v in r["refusals"].items() if k != "batched_p2p"}
         for call, error in errors.items():
             assert error is not None, f"{call} accepted virtual pipeline stages"
             assert "virtual_pipeline_model_parallel_size=2, expected None or 1" in error, error
