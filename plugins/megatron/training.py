@@ -40,7 +40,7 @@ from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
 
 from .distill import distillation_tensor_shapes_fn, get_qad_optimizer, qad_lr_scheduler, qad_optimizer_config
 from .forward_step import lm_forward_step
-from .pipeline_state import refuse_virtual_pipeline
+from .pipeline_state import refuse_virtual_pipeline, virtual_pipeline_size
 from .schedule import get_forward_backward_func as reusing_forward_backward_func
 
 __all__ = ["Trainer", "setup_training", "train", "train_step", "unwrap"]
@@ -48,10 +48,11 @@ __all__ = ["Trainer", "setup_training", "train", "train_step", "unwrap"]
 
 @dataclasses.dataclass
 class Trainer:
-    """What :func:`setup_training` built: the DDP-wrapped model, Megatron's optimizer and LR scheduler, and the
-    schedule that runs the micro-batches of a step."""
+    """What :func:`setup_training` built: the DDP-wrapped model (a list of DDP-wrapped chunks when it was given
+    virtual pipeline chunks), Megatron's optimizer and LR scheduler, and the schedule that runs the micro-batches of a
+    step."""
 
-    model: DistributedDataParallel
+    model: DistributedDataParallel | list[DistributedDataParallel]
     optimizer: MegatronOptimizer
     bf16: bool
     scheduler: OptimizerParamScheduler | None = None
@@ -70,16 +71,18 @@ class Trainer:
         return self._schedule
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module | Sequence[torch.nn.Module]) -> torch.nn.Module | list[torch.nn.Module]:
     """The innermost module under ``DistributedDataParallel`` / ``Float16Module`` / ``DistillationModel`` wrappers
-    (a distillation model's student)."""
+    (a distillation model's student); of a list of model chunks, the list of theirs."""
+    if isinstance(model, (list, tuple)):
+        return [unwrap(m) for m in model]
     while isinstance(model, (DistributedDataParallel, Float16Module, DistillationModel)):
         model = model.module
     return model
 
 
 def setup_training(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
     *,
     bf16: bool = True,
     use_distributed_optimizer: bool = True,
@@ -100,8 +103,15 @@ def setup_training(
     embedding gradient all-reduces) and ``grad_scale_func`` (the optimizer's loss scale), as Megatron-LM's training
     loop sets them.
 
+    With virtual pipeline stages pass the list of this stage's model chunks (chunk ``i`` built with ``vp_stage=i``),
+    as Megatron-LM's training does: each chunk gets its own ``Float16Module`` and DDP (gradient buckets on the first
+    chunk only), one optimizer spans the list, and the chunks' config gets Megatron-LM's p2p setting for the
+    interleaved schedule (``overlap_p2p_comm=True``, ``batch_p2p_comm=False``: batched, two stages pair activations
+    with gradients). :func:`train_step` then runs the interleaved schedule over the list. With ``bf16`` the
+    activations sent between pipeline stages are bf16 (``pipeline_dtype``), as the parameters.
+
     Args:
-        model: The (quantized) GPTModel, not wrapped yet.
+        model: The (quantized) GPTModel, not wrapped yet, or the list of this stage's model chunks.
         bf16: bf16 parameters with fp32 main parameters, or fp32 throughout.
         use_distributed_optimizer: Megatron's distributed optimizer (optimizer state and main parameters sharded
             over data parallel ranks) or the per-rank Float16 / FP32 optimizer.
@@ -121,25 +131,31 @@ def setup_training(
         The :class:`Trainer`.
 
     Raises:
-        ValueError: virtual pipeline stages (``virtual_pipeline_model_parallel_size`` > 1): this helper takes one
-            model, not a list of model chunks.
+        ValueError: one model at virtual pipeline stages (``virtual_pipeline_model_parallel_size`` > 1), or a list
+            that is not this stage's chunks in ``vp_stage`` order (names the entry).
     """
-    refuse_virtual_pipeline("setup_training", "it wraps and optimizes one model, not a list of model chunks",
-                            "with model chunks build Megatron's wrappers and optimizer over the list and call "
-                            "modelopt_moe.plugins.megatron.get_forward_backward_func (the interleaved schedule), or "
-                            "initialise with virtual_pipeline_model_parallel_size=None")
-    config = get_model_config(model)
-    config.bf16, config.fp16 = bf16, False
-    with megatron_training_shims():
+    chunks = _model_chunks(model)
+    configs = [get_model_config(c) for c in chunks]
+    for config in configs:
+        config.bf16, config.fp16 = bf16, False
         if bf16:
-            model = Float16Module(config, model)
+            config.pipeline_dtype = torch.bfloat16
+        if virtual_pipeline_size() > 1:
+            config.overlap_p2p_comm, config.batch_p2p_comm = True, False
+    config = configs[0]
+    with megatron_training_shims():
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
             overlap_param_gather=False,
             use_distributed_optimizer=use_distributed_optimizer,
         )
-        ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        ddp_chunks = [
+            DistributedDataParallel(config=config, ddp_config=ddp_config,
+                                    module=Float16Module(config, chunk) if bf16 else chunk,
+                                    disable_bucketing=i > 0)  # as Megatron-LM wraps virtual pipeline chunks
+            for i, (config, chunk) in enumerate(zip(configs, chunks, strict=True))
+        ]
         precision = dict(bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
                          use_distributed_optimizer=use_distributed_optimizer)
         if recipe is not None:
@@ -156,7 +172,7 @@ def setup_training(
         # With a recipe some parameters may be frozen: no empty optimizer in the chain (see get_qad_optimizer).
         build_optimizer = get_qad_optimizer if recipe is not None else get_megatron_optimizer
         extra = {"amax_lr_mult": recipe.amax_lr_mult} if recipe is not None else {}
-        optimizer = build_optimizer(opt_config, [ddp_model], **extra)
+        optimizer = build_optimizer(opt_config, ddp_chunks, **extra)
     scheduler = None
     if recipe is not None:
         if lr_decay_steps is None:
@@ -167,10 +183,36 @@ def setup_training(
             optimizer, init_lr=lr, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=0, lr_decay_steps=lr_decay_steps,
             lr_decay_style="cosine", start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=lr_decay_steps,
             wd_incr_style="constant")
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
+    for config in configs:
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = optimizer.scale_loss
+    ddp_model = ddp_chunks if isinstance(model, (list, tuple)) else ddp_chunks[0]
     return Trainer(model=ddp_model, optimizer=optimizer, bf16=bf16, scheduler=scheduler,
                    reuse_quantized_weights=reuse_quantized_weights, autoswitch=autoswitch)
+
+
+def _model_chunks(model) -> list[torch.nn.Module]:
+    """The chunks :func:`setup_training` wraps: ``[model]``, or the list of this stage's virtual pipeline chunks
+    (checked: modules, one per virtual stage, in ``vp_stage`` order)."""
+    vpp = virtual_pipeline_size()
+    if not isinstance(model, (list, tuple)):
+        refuse_virtual_pipeline("setup_training", "got one model, not the list of this stage's model chunks",
+                                f"pass the list of the {vpp} chunks built with vp_stage=0..{vpp - 1}")
+        return [model]
+    for i, chunk in enumerate(model):
+        if not isinstance(chunk, torch.nn.Module):
+            raise ValueError(f"setup_training: model chunk {i} is a {type(chunk).__name__}, expected a torch.nn.Module "
+                             "(the GPTModel built for that virtual pipeline stage)")
+    if len(model) != vpp:
+        raise ValueError(f"setup_training: got {len(model)} model chunks, expected {vpp} (one per virtual pipeline "
+                         f"stage: virtual_pipeline_model_parallel_size={vpp if vpp > 1 else None})")
+    if vpp > 1:
+        for i, chunk in enumerate(model):
+            stage = getattr(chunk, "vp_stage", None)
+            if stage != i:
+                raise ValueError(f"setup_training: model chunk {i} has vp_stage={stage}, expected {i} (the chunks "
+                                 "in the order of their virtual pipeline stages)")
+    return list(model)
 
 
 def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]], step: int = 0,
@@ -187,17 +229,22 @@ def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]
         RuntimeError: The optimizer skipped the step (non-finite gradients).
     """
     model, optimizer = trainer.model, trainer.optimizer
-    model.train()
+    chunks = model if isinstance(model, list) else [model]
+    for chunk in chunks:
+        chunk.train()
     seq_len = micro_batches[0]["tokens"].shape[1]
-    adjust = distillation_tensor_shapes_fn(model)  # a pipeline-parallel teacher's hidden states between stages
+    adjust = distillation_tensor_shapes_fn(chunks)  # a pipeline-parallel teacher's hidden states between stages
     extra = {} if adjust is None else {"adjust_tensor_shapes_fn": adjust}
+    # Megatron's interleaved schedule reads one data iterator per chunk, each the step's micro-batches in order.
+    data = [iter(micro_batches) for _ in chunks] if isinstance(model, list) else iter(micro_batches)
     with megatron_training_shims():
-        model.zero_grad_buffer()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
         reported = trainer.forward_backward_func(step)(
             forward_step_func=lm_forward_step,
-            data_iterator=iter(micro_batches),
-            model=[model],
+            data_iterator=data,
+            model=chunks,
             num_microbatches=len(micro_batches),
             seq_length=seq_len,
             micro_batch_size=micro_batches[0]["tokens"].shape[0],

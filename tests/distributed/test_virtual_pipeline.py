@@ -11,8 +11,10 @@ layer of 4: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3) against TP=2 x
   there) is refused by name.
 * ``save_sharded_checkpoint(chunks)`` restores bit-exact at PP=1 and at PP=2 without virtual stages; checkpoints
   saved there restore bit-exact into chunks again.
-* QAD and ``setup_training`` stay refused at virtual pipeline stages, each naming why and what works instead
-  (Hugging Face export and import: test_pipeline_export.py).
+* ``training.setup_training(chunks)`` + ``train`` (one DDP per chunk, one optimizer) give the losses and the weights
+  of Megatron's own wrappers above, bit for bit; given one chunk, or the chunks out of order, it refuses by name.
+* QAD stays refused at virtual pipeline stages, naming why and what works instead (Hugging Face export and import:
+  test_pipeline_export.py).
 """
 
 import math
@@ -114,13 +116,16 @@ def _train(chunks, batches, steps: int, microbatches: int) -> list[float | None]
     return losses
 
 
-def _layout(mm, pp: int, vpp: int | None, ckpt: str) -> dict:
+def _layout(mm, pp: int, vpp: int | None, ckpt: str | None, helper: bool = False) -> dict:
+    """Quantize, calibrate and train this layout's chunks (``helper``: through ``setup_training`` and ``train``),
+    then save them to ``ckpt``."""
     import warnings
 
     from megatron_harness.configs import expert_quant_config
 
     import modelopt_moe.quantization as mtq
     from modelopt_moe.plugins.megatron import save_sharded_checkpoint
+    from modelopt_moe.plugins.megatron import training as mt
     from modelopt_moe.quantization.chunk_names import global_name_of
     from modelopt_moe.quantization.quant_module import named_quantizers
 
@@ -139,6 +144,11 @@ def _layout(mm, pp: int, vpp: int | None, ckpt: str) -> dict:
             if getattr(q, "amax", None) is not None}
     with torch.no_grad():
         forward_losses = _run(chunks, batches[:2], forward_only=True)
+    if helper:
+        trainer = mt.setup_training(chunks, lr=1e-3)
+        losses = mt.train(trainer, batches, steps=STEPS, num_microbatches=MICRO)
+        return {"losses": losses, "tensors": _tensors(chunks), "wrapped": [type(m).__name__ for m in trainer.model],
+                "unwrapped": all(a is b for a, b in zip(mt.unwrap(trainer.model), chunks, strict=True))}
     losses = _train(chunks, batches, STEPS, MICRO)
     save_sharded_checkpoint(chunks, ckpt)
     return {"same_list": returned is chunks, "amax": amax, "forward_losses": forward_losses, "losses": losses,
@@ -157,7 +167,8 @@ def _reload(mm, pp: int, vpp: int | None, src: str, dst: str | None) -> dict:
 
 
 def _refusals(mm) -> dict:
-    """QAD and setup_training at virtual pipeline stages: the error each raises."""
+    """QAD, setup_training given one chunk or the chunks out of order, and training with batched p2p at virtual
+    pipeline stages: the error each raises."""
     from modelopt_moe.plugins.megatron import distillation_model, get_forward_backward_func, lm_forward_step
     from modelopt_moe.plugins.megatron.training import setup_training
     from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
@@ -174,6 +185,7 @@ def _refusals(mm) -> dict:
     calls = {
         "distillation_model": lambda: distillation_model(chunks[0], chunks[0]),
         "setup_training": lambda: setup_training(chunks[0]),
+        "setup_training_order": lambda: setup_training(chunks[::-1]),
         "batched_p2p": train_with_batched_p2p,
     }
     errors = {}
@@ -189,7 +201,8 @@ def _refusals(mm) -> dict:
 def _worker(rank, world_size, root):
     import megatron_harness.models as mm
 
-    out = {"vpp": _layout(mm, 2, 2, f"{root}/vpp"), "pp1": _layout(mm, 1, None, f"{root}/pp1_trained")}
+    out = {"vpp": _layout(mm, 2, 2, f"{root}/vpp"), "pp1": _layout(mm, 1, None, f"{root}/pp1_trained"),
+           "vpp_helper": _layout(mm, 2, 2, None, helper=True)}
     out["vpp_at_pp1"] = _reload(mm, 1, None, f"{root}/vpp", f"{root}/pp1")
     out["vpp_at_pp2"] = _reload(mm, 2, None, f"{root}/vpp", f"{root}/pp2")
     out["pp1_at_vpp"] = _reload(mm, 2, 2, f"{root}/pp1", None)
@@ -268,12 +281,27 @@ def test_training_at_two_stages_with_batched_p2p_is_refused_before_it_pairs_acti
         assert "overlap_p2p_comm=True" in error, error
 
 
-def test_qad_and_the_training_helper_stay_refused_by_name(run):
+def test_setup_training_of_the_chunks_trains_as_megatrons_own_wrappers(run):
+    results = run["results"]
+    last = [r["vpp"]["losses"] for r in results if r["vpp"]["losses"][0] is not None][0]
+    for r in results:
+        helper = r["vpp_helper"]
+        assert helper["wrapped"] == ["DistributedDataParallel"] * 2
+        assert helper["unwrapped"]
+        assert helper["losses"] == pytest.approx(last, rel=1e-6)  # every stage reports the last stage's losses
+        for key, t in r["vpp"]["tensors"].items():
+            assert torch.equal(helper["tensors"][key], t), key
+
+
+def test_qad_stays_refused_and_the_training_helper_takes_only_the_list_of_chunks(run):
     for r in run["results"]:
-        errors = {k: v for k, v in r["refusals"].items() if k != "batched_p2p"}
-        for call, error in errors.items():
-            assert error is not None, f"{call} accepted virtual pipeline stages"
-            assert "virtual_pipeline_model_parallel_size=2, expected None or 1" in error, error
+        errors = r["refusals"]
+        for call in ("distillation_model", "setup_training"):
+            assert errors[call] is not None, f"{call} accepted virtual pipeline stages"
+            assert "virtual_pipeline_model_parallel_size=2, expected None or 1" in errors[call], errors[call]
         assert "adjust_tensor_shapes_fn" in errors["distillation_model"]
         assert "forward_backward_pipelining_with_interleaving" in errors["distillation_model"]
-        assert "get_forward_backward_func" in errors["setup_training"]  # what works instead
+        assert "pass the list of the 2 chunks built with vp_stage=0..1" in errors["setup_training"]
+        assert errors["setup_training_order"] == (
+            "ValueError: setup_training: model chunk 0 has vp_stage=1, expected 0 (the chunks in the order of their "
+            "virtual pipeline stages)")
