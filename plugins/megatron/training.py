@@ -14,6 +14,9 @@ instead of ``torch.optim``), inside every rank::
     loss = training.train_step(trainer, micro_batches)      # one optimizer step over the micro-batches
     training.unwrap(trainer.model)                          # the GPTModel again (its parameters live in DDP's buffers)
 
+With virtual pipeline stages ``setup_training`` takes the list of this stage's model chunks (``vp_stage`` order)
+and ``trainer.model`` is the list of their DDP wrappers.
+
 Batches are dicts of ``tokens``, ``labels``, ``position_ids`` and ``attention_mask``
 (:func:`~modelopt_moe.plugins.megatron.lm_forward_step`). Every class used is Megatron's; on a machine without CUDA
 the calls that need it run inside :func:`modelopt_moe.plugins.megatron_cpu.megatron_training_shims` (a no-op with
