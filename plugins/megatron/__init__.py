@@ -14,6 +14,7 @@ Public API::
         check_lm_batch, BatchError,                         # ... and the batch contract it checks
         distillation_model, distillation_loss_func,         # QAD: the student beside its frozen teacher
         distillation_tensor_shapes_fn,                      # ... its stage tensors, for Megatron's own schedule (PP)
+        distillation_micro_batch_size,                      # ... and its micro-batch size there (virtual stages)
         write_teacher_logits, stored_teacher_logits,        # ... the teacher's top-k logits precomputed on disk
         select_trainable, qad_optimizer_config,             # ... trained the QADRecipe's way
         get_qad_optimizer, qad_lr_scheduler,
@@ -51,6 +52,7 @@ from .checkpoint import (
 )
 from .distill import (
     distillation_loss_func,
+    distillation_micro_batch_size,
     distillation_model,
     distillation_tensor_shapes_fn,
     get_qad_optimizer,
@@ -89,6 +91,7 @@ __all__ = [
     "is_modelopt_checkpoint",
     "distillation_model",
     "distillation_tensor_shapes_fn",
+    "distillation_micro_batch_size",
     "write_teacher_logits",
     "stored_teacher_logits",
     "distillation_loss_func",

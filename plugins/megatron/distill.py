@@ -16,7 +16,12 @@ each stage runs its part of both, the hidden states of both go to the next stage
 hidden axis), and the last stage computes the loss from both models' logits. Megatron's non-interleaved schedule
 carries the wider tensor when given :func:`distillation_tensor_shapes_fn` (``adjust_tensor_shapes_fn=``);
 ``modelopt_moe``'s :func:`~modelopt_moe.plugins.megatron.get_forward_backward_func` and ``train_step`` pass it
-themselves. Megatron's interleaved schedule takes no such function, so virtual pipeline stages are refused.
+themselves. With virtual pipeline stages (model chunks, Megatron's interleaved schedule, which takes no such function
+and sizes its tensors ``[seq, micro_batch_size, hidden_size]``) the teacher's hidden states travel stacked on the batch
+axis instead (``[seq, 2 * micro_batch, hidden]``, the student's first): distil chunk by chunk
+(``distillation_model(student_chunk, teacher_chunk)``, both built with the same ``vp_stage``) and call the schedule with
+:func:`distillation_micro_batch_size` (twice the batches' micro-batch size; the drop-in schedule and ``train_step``
+pass it themselves). The teacher must have the student's hidden size there.
 
 The settings of a QAD run are a :class:`~modelopt_moe.distill.QADRecipe` (the default is the measured one):
 :func:`select_trainable` freezes what the recipe keeps at the teacher's values, :func:`qad_optimizer_config` and
@@ -47,16 +52,11 @@ from megatron.core import parallel_state
 from modelopt_moe.distill import DistillationModel, QADRecipe, param_group
 from modelopt_moe.distill.logit_store import StoredTeacherLogits, TeacherLogitsStore, TeacherLogitsWriter
 
-from .pipeline_state import refuse_virtual_pipeline
+from .pipeline_state import refuse_virtual_pipeline, virtual_pipeline_size
 
 __all__ = ["distillation_model", "write_teacher_logits", "stored_teacher_logits", "distillation_tensor_shapes_fn",
-           "distillation_loss_func", "select_trainable",
+           "distillation_micro_batch_size", "distillation_loss_func", "select_trainable",
            "qad_optimizer_config", "get_qad_optimizer", "qad_lr_scheduler"]
-
-# Why QAD cannot run on Megatron's interleaved schedule (what Megatron-Core 0.19 lacks).
-QAD_VIRTUAL_PIPELINE_REASON = ("Megatron-Core's interleaved schedule (forward_backward_pipelining_with_interleaving) "
-                               "takes no adjust_tensor_shapes_fn and sends one [seq, micro_batch, hidden_size] tensor "
-                               "between stages, so the teacher's hidden states cannot travel beside the student's")
 
 
 def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, recipe: QADRecipe | None = None,
@@ -77,10 +77,13 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
     With pipeline parallelism (teacher and student split on the same stages) it returns a
     :class:`PipelineDistillationModel`.
 
+    With virtual pipeline stages pass one chunk of each (built with the same ``vp_stage``): the hidden states go between
+    stages stacked on the batch axis (see the module docstring).
+
     Raises:
-        ValueError: virtual pipeline stages (Megatron's interleaved schedule cannot carry the teacher's hidden
-            states), or at pipeline parallelism the student and teacher hold other stages (pre/post process) or
-            another number of layers.
+        ValueError: at pipeline parallelism the student and teacher hold other stages (pre/post process) or another
+            number of layers; at virtual pipeline stages a student built without ``vp_stage``, a teacher chunk of
+            another ``vp_stage`` or a teacher of another hidden size.
     """
     if recipe is not None:
         kwargs = {"temperature": recipe.temperature, "lm_loss_weight": recipe.lm_loss_weight, **kwargs}
@@ -94,9 +97,8 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
     if isinstance(teacher, StoredTeacherLogits):
         raise ValueError(f"distillation_model: stored teacher logits ({teacher.store.directory}) need pipeline "
                          "parallelism 1 (the last stage alone would read them)")
-    refuse_virtual_pipeline("distillation_model", QAD_VIRTUAL_PIPELINE_REASON,
-                            "initialise with virtual_pipeline_model_parallel_size=None and distill with the "
-                            "non-interleaved schedule (QAT without a teacher runs at virtual pipeline stages)")
+    if virtual_pipeline_size() > 1:
+        _check_virtual_pipeline_chunks(student, teacher)
     for attr in ("pre_process", "post_process"):
         if getattr(student, attr, None) != getattr(teacher, attr, None):
             raise ValueError(f"distillation_model: student.{attr}={getattr(student, attr, None)} but teacher."
@@ -105,7 +107,29 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
     if n_s != n_t:
         raise ValueError(f"distillation_model: this pipeline stage holds {n_s} student layers but {n_t} teacher "
                          "layers; split both on the same stages")
-    return PipelineDistillationModel(student, teacher, tp_group=tp_group, **kwargs)
+    return PipelineDistillationModel(student, teacher, tp_group=tp_group, stack_on_batch=virtual_pipeline_size() > 1,
+                                     **kwargs)
+
+
+def _check_virtual_pipeline_chunks(student: torch.nn.Module, teacher: torch.nn.Module) -> None:
+    """At virtual pipeline stages: one chunk of each, of the same ``vp_stage``, and the hidden sizes the batch-axis
+    stacking needs (Megatron's interleaved schedule sends ``[seq, micro_batch, config.hidden_size]``)."""
+    if getattr(student, "vp_stage", None) is None:
+        refuse_virtual_pipeline("distillation_model of a model built without vp_stage",
+                                "the interleaved schedule runs model chunks, each built with its vp_stage",
+                                "build the student's and the teacher's chunks with vp_stage=0.. and pass one chunk "
+                                "of each")
+    if getattr(teacher, "vp_stage", None) != student.vp_stage:
+        raise ValueError(f"distillation_model: student.vp_stage={student.vp_stage} but teacher.vp_stage="
+                         f"{getattr(teacher, 'vp_stage', None)}; pass the teacher's chunk of the same virtual "
+                         "pipeline stage")
+    h_s, h_t = student.config.hidden_size, teacher.config.hidden_size
+    if h_s != h_t:
+        raise ValueError(f"distillation_model: teacher.config.hidden_size={h_t} but student.config.hidden_size={h_s}; "
+                         "at virtual pipeline stages the teacher's hidden states travel stacked on the batch axis of "
+                         "the student's [seq, micro_batch, hidden_size] tensors (Megatron's interleaved schedule "
+                         "sizes them from the student's config), so the teacher needs the student's hidden size; "
+                         "distil a teacher of another width with virtual_pipeline_model_parallel_size=None")
 
 
 def _store_of_this_rank(directory) -> Path:
@@ -220,15 +244,21 @@ def stored_teacher_logits(directory, *, batches=None, top_k: int | None = None,
 class PipelineDistillationModel(DistillationModel):
     """:class:`~modelopt_moe.distill.DistillationModel` on one pipeline stage, the teacher split on the same stages.
 
-    ``set_input_tensor`` gives each model its half of the received hidden states; before the last stage the forward
-    returns both models' hidden states concatenated on the hidden axis (the teacher's without gradient), on the
-    last stage the per-token distillation loss.
+    ``set_input_tensor`` gives each model its part of the received hidden states; before the last stage the forward
+    returns both models' hidden states together (the teacher's without gradient), on the last stage the per-token
+    distillation loss. They go side by side on the hidden axis (``[seq, batch, student + teacher hidden]``, for
+    Megatron's non-interleaved schedule with :func:`distillation_tensor_shapes_fn`), or with ``stack_on_batch`` (model
+    chunks of virtual pipeline stages) stacked on the batch axis (``[seq, 2 * batch, hidden]``, the student's first,
+    for the interleaved schedule called with :func:`distillation_micro_batch_size`).
     """
 
-    def __init__(self, student: torch.nn.Module, teacher: torch.nn.Module, **kwargs):
+    def __init__(self, student: torch.nn.Module, teacher: torch.nn.Module, *, stack_on_batch: bool = False,
+                 **kwargs):
         super().__init__(student, teacher, **kwargs)
         self.post_process = bool(student.post_process)
         self.student_hidden = student.config.hidden_size
+        self.stack_on_batch = stack_on_batch
+        self.vp_stage = getattr(student, "vp_stage", None)  # the student chunk's virtual pipeline stage
 
     def set_input_tensor(self, input_tensor) -> None:
         """Splits the previous stage's hidden states (None on the first stage) between student and teacher."""
@@ -237,18 +267,23 @@ class PipelineDistillationModel(DistillationModel):
             self.module.set_input_tensor(None)
             self.teacher.set_input_tensor(None)
             return
-        self.module.set_input_tensor(x[..., :self.student_hidden])
+        if self.stack_on_batch:
+            batch = x.shape[1] // 2
+            student_x, teacher_x = x[:, :batch], x[:, batch:]
+        else:
+            student_x, teacher_x = x[..., :self.student_hidden], x[..., self.student_hidden:]
+        self.module.set_input_tensor(student_x)
         teacher_dtype = next(self.teacher.parameters()).dtype  # both travel in the pipeline's dtype
-        self.teacher.set_input_tensor(x[..., self.student_hidden:].to(teacher_dtype))
+        self.teacher.set_input_tensor(teacher_x.to(teacher_dtype))
 
     def forward(self, *args, labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        """The per-token loss on the last stage; both models' hidden states, side by side, before it."""
+        """The per-token loss on the last stage; both models' hidden states, together, before it."""
         if self.post_process:
             return super().forward(*args, labels=labels, **kwargs)
         hidden = self.module(*args, **kwargs)
         with torch.no_grad():
             teacher_hidden = self.teacher(*args, **kwargs)
-        return torch.cat([hidden, teacher_hidden.to(hidden.dtype)], dim=-1)
+        return torch.cat([hidden, teacher_hidden.to(hidden.dtype)], dim=1 if self.stack_on_batch else -1)
 
 
 def _distillation_chunk(model) -> PipelineDistillationModel | None:
@@ -257,18 +292,38 @@ def _distillation_chunk(model) -> PipelineDistillationModel | None:
     return model
 
 
+def _distillation_chunks(model) -> list[PipelineDistillationModel]:
+    """The pipeline distillation models under ``model`` (one, or a list of chunks, in their wrappers)."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return [c for c in map(_distillation_chunk, chunks) if c is not None]
+
+
+def distillation_micro_batch_size(model, micro_batch_size: int) -> int:
+    """The ``micro_batch_size`` for Megatron's interleaved schedule: twice the batches' for distillation chunks.
+
+    ``model`` is the list of this stage's model chunks (in their wrappers), whose batches hold ``micro_batch_size``
+    sequences: for distillation chunks the answer is twice that (the teacher's hidden states travel stacked on the
+    batch axis of the tensors between stages, and the schedule sizes its receive buffers from this argument alone);
+    for any other model ``micro_batch_size``::
+
+        forward_backward(..., model=chunks, micro_batch_size=distillation_micro_batch_size(chunks, mbs))
+    """
+    found = _distillation_chunks(model)
+    return 2 * micro_batch_size if found and found[0].stack_on_batch else micro_batch_size
+
+
 def distillation_tensor_shapes_fn(model):
     """Megatron's ``adjust_tensor_shapes_fn`` for a pipeline-parallel distillation model (its wrappers around it,
     or a list of one chunk): the tensors between stages carry the teacher's hidden states beside the student's.
-    None for any other model (pass nothing to the schedule then).
+    None for any other model (pass nothing to the schedule then), and for chunks of virtual pipeline stages
+    (Megatron's interleaved schedule takes no such function: see :func:`distillation_micro_batch_size`).
 
     Pass it to Megatron's non-interleaved schedule::
 
         forward_backward(..., model=[model], adjust_tensor_shapes_fn=distillation_tensor_shapes_fn(model))
     """
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    found = [_distillation_chunk(m) for m in chunks]
-    if not any(found):
+    found = _distillation_chunks(model)
+    if not found or found[0].stack_on_batch:  # on the batch axis: distillation_micro_batch_size
         return None
     teacher_hidden = found[0].teacher.config.hidden_size
 

@@ -20,7 +20,7 @@ import functools
 from modelopt_moe.quantization.autoswitch import autoswitch_step
 from modelopt_moe.quantization.weight_reuse import reuse_quantized_weights as reuse_scope
 
-from .pipeline_state import pipeline_size, refuse_virtual_pipeline, virtual_pipeline_size
+from .pipeline_state import pipeline_size, virtual_pipeline_size
 
 __all__ = ["get_forward_backward_func"]
 
@@ -54,11 +54,28 @@ def _refuse_batched_p2p_between_two_stages(model, forward_only: bool) -> None:
             "on the model chunks' config (Megatron-LM's setting), or use a pipeline size above 2")
 
 
+def _carry_teacher_hidden_states(model, f_kwargs: dict) -> dict:
+    """The schedule's arguments for a pipeline-parallel distillation model, whose teacher's hidden states travel
+    between stages beside the student's: the wider tensor shapes for the non-interleaved schedule (unless the caller
+    gives a function), twice the micro-batch size for the interleaved one (stacked on the batch axis)."""
+    from .distill import distillation_micro_batch_size, distillation_tensor_shapes_fn
+
+    if f_kwargs.get("adjust_tensor_shapes_fn") is None:
+        adjust = distillation_tensor_shapes_fn(model)
+        if adjust is not None:
+            f_kwargs = {**f_kwargs, "adjust_tensor_shapes_fn": adjust}
+    if "micro_batch_size" in f_kwargs:
+        f_kwargs = {**f_kwargs, "micro_batch_size": distillation_micro_batch_size(model, f_kwargs["micro_batch_size"])}
+    return f_kwargs
+
+
 def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first_step: int = 0, **kwargs):
     """Drop-in for ``megatron.core.pipeline_parallel.get_forward_backward_func`` (same arguments, same returned
     function) whose calls reuse each module's fake-quantized weights across the call's micro-batches and each count as
     one autoswitch step. For a pipeline-parallel distillation model it passes
-    :func:`~modelopt_moe.plugins.megatron.distill.distillation_tensor_shapes_fn` (unless the caller gives one).
+    :func:`~modelopt_moe.plugins.megatron.distill.distillation_tensor_shapes_fn` (unless the caller gives one), and at
+    virtual pipeline stages twice the given ``micro_batch_size`` (the batches' size: the teacher's hidden states travel
+    stacked on the batch axis, :func:`~modelopt_moe.plugins.megatron.distill.distillation_micro_batch_size`).
 
     Args:
         *args: Megatron's positional arguments.
@@ -71,8 +88,7 @@ def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first
     Megatron's schedule takes them.
 
     Raises:
-        ValueError: (from the returned function) a distillation model at virtual pipeline stages: the interleaved
-            schedule cannot carry the teacher's hidden states; training at virtual pipeline stages on 2 pipeline
+        ValueError: (from the returned function) training at virtual pipeline stages on 2 pipeline
             stages with ``config.batch_p2p_comm=True`` (Megatron pairs activations with gradients there: set
             ``overlap_p2p_comm=True`` and ``batch_p2p_comm=False``, as Megatron-LM does).
     """
@@ -87,15 +103,7 @@ def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first
         model = f_kwargs.get("model")
         if model is None:
             raise TypeError("forward_backward_func: pass model=... by keyword (Megatron's schedules take it so)")
-        if f_kwargs.get("adjust_tensor_shapes_fn") is None:
-            from .distill import QAD_VIRTUAL_PIPELINE_REASON, distillation_tensor_shapes_fn
-
-            adjust = distillation_tensor_shapes_fn(model)  # the teacher's hidden states between stages
-            if adjust is not None and virtual_pipeline_size() > 1:
-                refuse_virtual_pipeline("forward_backward_func of a distillation model", QAD_VIRTUAL_PIPELINE_REASON,
-                                        "distill with virtual_pipeline_model_parallel_size=None")
-            if adjust is not None:
-                f_kwargs = {**f_kwargs, "adjust_tensor_shapes_fn": adjust}
+        f_kwargs = _carry_teacher_hidden_states(model, f_kwargs)
         _refuse_batched_p2p_between_two_stages(model, f_kwargs.get("forward_only", False))
         reuse = reuse_scope(model) if reuse_quantized_weights else contextlib.nullcontext()
         _clear_aux_loss_scale()

@@ -13,8 +13,11 @@ layer of 4: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3) against TP=2 x
   saved there restore bit-exact into chunks again.
 * ``training.setup_training(chunks)`` + ``train`` (one DDP per chunk, one optimizer) give the losses and the weights
   of Megatron's own wrappers above, bit for bit; given one chunk, or the chunks out of order, it refuses by name.
-* QAD stays refused at virtual pipeline stages, naming why and what works instead (Hugging Face export and import:
-  test_pipeline_export.py).
+* QAD of quantized student chunks against teacher chunks (the teacher's hidden states stacked on the batch axis
+  between stages): the forward-only losses through the drop-in schedule, two training steps of
+  ``setup_training(chunks)`` + ``train`` (losses and trained students) and the forward-only losses with a teacher
+  stored in FP8 are those of PP=1; a teacher of another hidden size or another ``vp_stage`` is refused by name
+  (Hugging Face export and import: test_pipeline_export.py).
 """
 
 import math
@@ -52,6 +55,11 @@ def _tensors(chunks) -> dict:
 def _build(mm, pp: int, vpp: int | None, seed: int, dtype: torch.dtype = torch.float32) -> list:
     """This rank's model chunks at TP=2 and the given pipeline layout (one chunk without virtual stages)."""
     mm.init_model_parallel(2, 1, pp=pp, vpp=vpp, seed=SEED)
+    return _chunks(mm, vpp, seed, dtype)
+
+
+def _chunks(mm, vpp: int | None, seed: int, dtype: torch.dtype = torch.float32) -> list:
+    """More model chunks at the layout already initialised (one without virtual stages)."""
     if vpp is None:
         return [mm.build_moe_gpt(seed=seed, num_layers=LAYERS, params_dtype=dtype)]
     return [mm.build_moe_gpt(seed=seed, num_layers=LAYERS, vp_stage=v, params_dtype=dtype) for v in range(vpp)]
@@ -166,6 +174,43 @@ def _reload(mm, pp: int, vpp: int | None, src: str, dst: str | None) -> dict:
     return _tensors(chunks)
 
 
+def _qad(mm, pp: int, vpp: int | None) -> dict:
+    """QAD of this layout's quantized student chunks against teacher chunks of other weights (built at the same
+    layout): forward-only losses through the drop-in schedule, then two steps of ``setup_training(chunks)`` +
+    ``train`` (Megatron's own schedule); then the forward-only losses of a teacher stored in FP8."""
+    import warnings
+
+    from megatron_harness.configs import expert_quant_config
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.plugins.megatron import distillation_model
+    from modelopt_moe.plugins.megatron import training as mt
+
+    students = _build(mm, pp, vpp, SEED, torch.bfloat16)
+    teachers = [t.eval() for t in _chunks(mm, vpp, SEED + 1, torch.bfloat16)]
+    calib = mm.text_batches(MB, SEQ, 2, offset=100)
+    batches = mm.text_batches(MB, SEQ, STEPS * MICRO)
+
+    def forward_loop(model):
+        with torch.no_grad():
+            _run(model, calib, forward_only=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(students, expert_quant_config("fp8", "static"), forward_loop)
+    models = [distillation_model(s, t) for s, t in zip(students, teachers, strict=True)]
+    with torch.no_grad():
+        forward_losses = _run(models, batches[:MICRO], forward_only=True)
+    trainer = mt.setup_training(models, lr=1e-3)
+    losses = mt.train(trainer, batches, steps=STEPS, num_microbatches=MICRO)
+    fp8_teachers = [t.eval() for t in _chunks(mm, vpp, SEED + 1, torch.bfloat16)]
+    models = [distillation_model(s, t, teacher_fp8="per_tensor") for s, t in zip(students, fp8_teachers, strict=True)]
+    with torch.no_grad():
+        fp8_losses = _run(models, batches[:MICRO], forward_only=True)
+    return {"forward_losses": forward_losses, "losses": losses, "fp8_forward_losses": fp8_losses,
+            "kinds": [type(m).__name__ for m in models], "tensors": _tensors(students)}
+
+
 def _refusals(mm) -> dict:
     """QAD, setup_training given one chunk or the chunks out of order, and training with batched p2p at virtual
     pipeline stages: the error each raises."""
@@ -182,8 +227,11 @@ def _refusals(mm) -> dict:
                                         data_iterator=[iter(batches) for _ in chunks], num_microbatches=4,
                                         seq_length=SEQ, micro_batch_size=MB, forward_only=False)
 
+    teachers = _chunks(mm, 2, SEED + 1)
+    wide = mm.build_moe_gpt(seed=SEED + 1, num_layers=LAYERS, hidden=128, vp_stage=0)
     calls = {
-        "distillation_model": lambda: distillation_model(chunks[0], chunks[0]),
+        "qad_other_hidden_size": lambda: distillation_model(chunks[0], wide),
+        "qad_other_vp_stage": lambda: distillation_model(chunks[0], teachers[1]),
         "setup_training": lambda: setup_training(chunks[0]),
         "setup_training_order": lambda: setup_training(chunks[::-1]),
         "batched_p2p": train_with_batched_p2p,
@@ -202,7 +250,7 @@ def _worker(rank, world_size, root):
     import megatron_harness.models as mm
 
     out = {"vpp": _layout(mm, 2, 2, f"{root}/vpp"), "pp1": _layout(mm, 1, None, f"{root}/pp1_trained"),
-           "vpp_helper": _layout(mm, 2, 2, None, helper=True)}
+           "vpp_helper": _layout(mm, 2, 2, None, helper=True), "qad_vpp": _qad(mm, 2, 2), "qad_pp1": _qad(mm, 1, None)}
     out["vpp_at_pp1"] = _reload(mm, 1, None, f"{root}/vpp", f"{root}/pp1")
     out["vpp_at_pp2"] = _reload(mm, 2, None, f"{root}/vpp", f"{root}/pp2")
     out["pp1_at_vpp"] = _reload(mm, 2, 2, f"{root}/pp1", None)
@@ -293,14 +341,47 @@ def test_setup_training_of_the_chunks_trains_as_megatrons_own_wrappers(run):
             assert torch.equal(helper["tensors"][key], t), key
 
 
-def test_qad_stays_refused_and_the_training_helper_takes_only_the_list_of_chunks(run):
+def test_qad_at_virtual_pipeline_stages_gives_the_losses_of_pp1(run):
+    results = run["results"]
+    pp1 = results[0]["qad_pp1"]
+    assert len(pp1["forward_losses"]) == MICRO
+    assert len(pp1["losses"]) == STEPS
+    assert all(math.isfinite(x) and x > 1e-3 for x in pp1["losses"])  # two different models: a real KL
+    assert pp1["losses"][1] != pp1["losses"][0]  # the first step trained the student
+    assert pp1["fp8_forward_losses"] != pp1["forward_losses"]  # the FP8 teacher is another teacher
+    last = [i for i, r in enumerate(results) if r["qad_vpp"]["forward_losses"]]
+    assert len(last) == 2  # the KL is computed on the 2 TP ranks of the last stage
+    for i, r in enumerate(results):
+        vpp = r["qad_vpp"]
+        assert vpp["kinds"] == ["PipelineDistillationModel"] * 2
+        assert vpp["losses"] == pytest.approx(pp1["losses"], rel=1e-5, abs=1e-6)  # every stage reports them
+        if i in last:
+            assert vpp["forward_losses"] == pytest.approx(pp1["forward_losses"], rel=1e-5, abs=1e-6)
+            assert vpp["fp8_forward_losses"] == pytest.approx(pp1["fp8_forward_losses"], rel=1e-5, abs=1e-6)
+        else:
+            assert vpp["forward_losses"] == vpp["fp8_forward_losses"] == []
+    trained_pp1 = {}
+    for r in results:
+        trained_pp1.update(r["qad_pp1"]["tensors"])
+    for r in results:  # the trained students too
+        for key, t in r["qad_vpp"]["tensors"].items():
+            torch.testing.assert_close(t, trained_pp1[key], rtol=1e-4, atol=1e-6, msg=str(key))
+
+
+def test_qad_refuses_a_teacher_that_cannot_stack_on_the_batch_axis_and_the_helper_takes_only_the_list_of_chunks(run):
     for r in run["results"]:
         errors = r["refusals"]
-        for call in ("distillation_model", "setup_training"):
-            assert errors[call] is not None, f"{call} accepted virtual pipeline stages"
-            assert "virtual_pipeline_model_parallel_size=2, expected None or 1" in errors[call], errors[call]
-        assert "adjust_tensor_shapes_fn" in errors["distillation_model"]
-        assert "forward_backward_pipelining_with_interleaving" in errors["distillation_model"]
+        assert errors["qad_other_hidden_size"] == (
+            "ValueError: distillation_model: teacher.config.hidden_size=128 but student.config.hidden_size=64; at "
+            "virtual pipeline stages the teacher's hidden states travel stacked on the batch axis of the student's "
+            "[seq, micro_batch, hidden_size] tensors (Megatron's interleaved schedule sizes them from the student's "
+            "config), so the teacher needs the student's hidden size; distil a teacher of another width with "
+            "virtual_pipeline_model_parallel_size=None")
+        assert errors["qad_other_vp_stage"] == (
+            "ValueError: distillation_model: student.vp_stage=0 but teacher.vp_stage=1; pass the teacher's chunk of "
+            "the same virtual pipeline stage")
+        assert errors["setup_training"] is not None, "setup_training accepted one model at virtual pipeline stages"
+        assert "virtual_pipeline_model_parallel_size=2, expected None or 1" in errors["setup_training"]
         assert "pass the list of the 2 chunks built with vp_stage=0..1" in errors["setup_training"]
         assert errors["setup_training_order"] == (
             "ValueError: setup_training: model chunk 0 has vp_stage=1, expected 0 (the chunks in the order of their "
