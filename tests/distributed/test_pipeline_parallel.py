@@ -94,7 +94,7 @@ def _layout(mm, mt, pp: int, ckpt_root: str) -> dict:
     if pp > 1:  # the trained student, saved at PP=2
         save_sharded_checkpoint(student, f"{ckpt_root}/pp2")
     tensors = _tensors(student)
-    if pp > 1:  # virtual pipeline stages: Megatron's interleaved schedule cannot carry the teacher's hidden states
+    if pp > 1:  # virtual pipeline stages: a model built without vp_stage is no model chunk
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                                  virtual_pipeline_model_parallel_size=2)
