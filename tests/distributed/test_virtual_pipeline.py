@@ -15,7 +15,8 @@ layer of 4: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3) against TP=2 x
   of Megatron's own wrappers above, bit for bit; given one chunk, or the chunks out of order, it refuses by name.
 * QAD of quantized student chunks against teacher chunks (the teacher's hidden states stacked on the batch axis
   between stages): the forward-only losses through the drop-in schedule, two training steps of
-  ``setup_training(chunks)`` + ``train`` (losses and trained students) and the forward-only losses with a teacher
+  ``setup_training(chunks)`` + ``train`` (losses and trained students; through Megatron's schedule and through the
+  drop-in one) and the forward-only losses with a teacher
   stored in FP8 are those of PP=1; a teacher of another hidden size or another ``vp_stage`` is refused by name
   (Hugging Face export and import: test_pipeline_export.py).
 """
@@ -174,10 +175,11 @@ def _reload(mm, pp: int, vpp: int | None, src: str, dst: str | None) -> dict:
     return _tensors(chunks)
 
 
-def _qad(mm, pp: int, vpp: int | None) -> dict:
+def _qad(mm, pp: int, vpp: int | None, dropin: bool = False) -> dict:
     """QAD of this layout's quantized student chunks against teacher chunks of other weights (built at the same
     layout): forward-only losses through the drop-in schedule, then two steps of ``setup_training(chunks)`` +
-    ``train`` (Megatron's own schedule); then the forward-only losses of a teacher stored in FP8."""
+    ``train`` (Megatron's own schedule; ``dropin``: the drop-in one, reusing fake-quantized weights); then the
+    forward-only losses of a teacher stored in FP8."""
     import warnings
 
     from megatron_harness.configs import expert_quant_config
@@ -201,7 +203,7 @@ def _qad(mm, pp: int, vpp: int | None) -> dict:
     models = [distillation_model(s, t) for s, t in zip(students, teachers, strict=True)]
     with torch.no_grad():
         forward_losses = _run(models, batches[:MICRO], forward_only=True)
-    trainer = mt.setup_training(models, lr=1e-3)
+    trainer = mt.setup_training(models, lr=1e-3, reuse_quantized_weights=dropin)
     losses = mt.train(trainer, batches, steps=STEPS, num_microbatches=MICRO)
     fp8_teachers = [t.eval() for t in _chunks(mm, vpp, SEED + 1, torch.bfloat16)]
     models = [distillation_model(s, t, teacher_fp8="per_tensor") for s, t in zip(students, fp8_teachers, strict=True)]
@@ -250,7 +252,8 @@ def _worker(rank, world_size, root):
     import megatron_harness.models as mm
 
     out = {"vpp": _layout(mm, 2, 2, f"{root}/vpp"), "pp1": _layout(mm, 1, None, f"{root}/pp1_trained"),
-           "vpp_helper": _layout(mm, 2, 2, None, helper=True), "qad_vpp": _qad(mm, 2, 2), "qad_pp1": _qad(mm, 1, None)}
+           "vpp_helper": _layout(mm, 2, 2, None, helper=True), "qad_vpp": _qad(mm, 2, 2),
+           "qad_vpp_dropin": _qad(mm, 2, 2, dropin=True), "qad_pp1": _qad(mm, 1, None)}
     out["vpp_at_pp1"] = _reload(mm, 1, None, f"{root}/vpp", f"{root}/pp1")
     out["vpp_at_pp2"] = _reload(mm, 2, None, f"{root}/vpp", f"{root}/pp2")
     out["pp1_at_vpp"] = _reload(mm, 2, 2, f"{root}/pp1", None)
@@ -355,6 +358,7 @@ def test_qad_at_virtual_pipeline_stages_gives_the_losses_of_pp1(run):
         vpp = r["qad_vpp"]
         assert vpp["kinds"] == ["PipelineDistillationModel"] * 2
         assert vpp["losses"] == pytest.approx(pp1["losses"], rel=1e-5, abs=1e-6)  # every stage reports them
+        assert r["qad_vpp_dropin"]["losses"] == vpp["losses"]  # train_step through the drop-in schedule
         if i in last:
             assert vpp["forward_losses"] == pytest.approx(pp1["forward_losses"], rel=1e-5, abs=1e-6)
             assert vpp["fp8_forward_losses"] == pytest.approx(pp1["fp8_forward_losses"], rel=1e-5, abs=1e-6)
