@@ -16,7 +16,8 @@ Qwen3-MoE checkpoint (``import_hf``) and the same calibration tokens (Megatron's
   quantizers (then Megatron's own ``dist_checkpointing.load``): the export of the restored model is the same bytes;
 * at virtual pipeline size 2 (Megatron's interleaved schedule: two model chunks per stage, built by
   ``build_megatron_model(..., vp_stage=...)``), the chunks loaded from the PP=2 checkpoint export the PP=1 files byte
-  for byte; import, QAD and ``setup_training`` refuse, naming the setting, before they write anything.
+  for byte; import, and QAD and ``setup_training`` given a model built without ``vp_stage`` (not a stage's list of
+  chunks), refuse, naming the setting, before they write anything.
 """
 
 import json
