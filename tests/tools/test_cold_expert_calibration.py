@@ -20,11 +20,12 @@ def test_quick_run_on_the_trained_64_expert_model_prints_every_calibration():
                          timeout=seconds(600))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "64 experts top-8" in res.stdout, res.stdout
+    assert "median relative amax error, cold inputs" in res.stdout
     rows = {m[0]: int(m[1]) for m in re.findall(r"^\| (.+?) \| (\d+) of 256 \|", res.stdout, re.M)}
     assert list(rows) == ["short (1 x 64 tokens), model's routing", "short (1 x 64 tokens), ratio 0.25 (16 of 64 "
                           "experts)", "short (1 x 64 tokens), ratio 0.5 (32 of 64 experts)",
                           "short (1 x 64 tokens), ratio 1.0 (64 of 64 experts)", "long, ratio 1.0"], res.stdout
-    assert rows["short (1 x 64 tokens), model's routing"] > 0  # 64 tokens x top-8 cannot reach every expert twice
+    assert rows["short (1 x 64 tokens), model's routing"] > 0  # the router favours some experts from the start
     assert rows["short (1 x 64 tokens), ratio 1.0 (64 of 64 experts)"] == rows["long, ratio 1.0"] == 0
 
 
