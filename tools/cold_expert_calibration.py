@@ -17,7 +17,7 @@ of 64 tokens after those, with the model's routing and with ``moe_calib_experts_
 long calibration at ratio 1.0. 256 expert amaxes (fc1 and fc2 inputs of 64 experts in 2 layers).
 
 Usage: ``python tools/cold_expert_calibration.py`` (from the repository root, about a minute);
-``python tools/cold_expert_calibration.py --model moe64 [--seed 1234] [--short-seqs 1] [--long-batches 32]``;
+``python tools/cold_expert_calibration.py --model moe64 [--seed 1234] [--short-seqs 1] [--long-batches 128]``;
 ``--quick``: a few steps only (checks that the tool runs).
 """
 
@@ -75,7 +75,7 @@ def _run(rank, world_size):
     return out
 
 
-# the trained models' calibrations: (name, ratio, long)
+# a trained model's short calibrations: the model's routing (None), then these moe_calib_experts_ratio values
 TRAINED_RATIOS = (None, 0.25, 0.5, 1.0)
 QUICK = {"pretrain_steps": 2, "long_batches": 2}
 
@@ -150,6 +150,9 @@ def main(argv=None) -> None:
     parser.add_argument("--short-seqs", type=int, default=1, help="moe64: the short calibration's sequences of 64")
     parser.add_argument("--quick", action="store_true", help="moe64: a few steps only (checks that the tool runs)")
     args = parser.parse_args(argv)
+    for flag, value in (("--pretrain-steps", args.pretrain_steps), ("--long-batches", args.long_batches)):
+        if value < 1:
+            parser.error(f"{flag} {value}: expected a positive number of steps / batches")
     if args.short_seqs < 1 or args.short_seqs > 8:
         parser.error(f"--short-seqs {args.short_seqs}: expected 1 to 8 (sequences of one batch)")
     if args.model == "harness" and args.quick:

@@ -29,7 +29,10 @@ def test_quick_run_on_the_trained_64_expert_model_prints_every_calibration():
     assert rows["short (1 x 64 tokens), ratio 1.0 (64 of 64 experts)"] == rows["long, ratio 1.0"] == 0
 
 
-def test_quick_needs_the_trained_model():
-    res = subprocess.run([sys.executable, TOOL, "--quick"], capture_output=True, text=True, timeout=seconds(60))
-    assert res.returncode != 0
-    assert "--quick needs --model moe64" in res.stderr
+def test_bad_options_are_refused_before_training():
+    for args, message in [(["--quick"], "--quick needs --model moe64"),
+                          (["--model", "moe64", "--long-batches", "0"], "--long-batches 0: expected a positive"),
+                          (["--model", "moe64", "--short-seqs", "9"], "--short-seqs 9: expected 1 to 8")]:
+        res = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=seconds(60))
+        assert res.returncode != 0
+        assert message in res.stderr, res.stderr
