@@ -7,11 +7,23 @@ sequences of 32 tokens of English text with the model's own routing. Each varian
 tokens; per expert input quantizer (fc1, fc2 of both layers: 64 expert amaxes) it prints the experts that saw no
 token and the relative error ``|amax - amax_ref| / amax_ref`` (median and max), as a Markdown table.
 
-Usage: ``python tools/cold_expert_calibration.py`` (from the repository root, about a minute).
+``--model moe64``: the QAD study's 64-expert model instead (``tools/qad_study.py``: 2 layers, hidden 64, 64
+SequentialMLP experts, top-8, expert FFN 64), its bf16 teacher trained as the study trains it (300 steps of Python
+source at lr 3e-3, ``--pretrain-steps`` to change), FP8 experts (the study's quantization) with per-expert input
+amaxes. The reference: max calibration on ``--long-batches`` (128) batches of 8 x 64 tokens that follow the
+pretraining text, with the model's own routing (the study trains without a load-balancing loss: some experts get no
+token even there, and their inputs are left out of the errors). The short calibrations: ``--short-seqs`` sequences
+of 64 tokens after those, with the model's routing and with ``moe_calib_experts_ratio`` 0.25, 0.5 and 1.0; then the
+long calibration at ratio 1.0. 256 expert amaxes (fc1 and fc2 inputs of 64 experts in 2 layers).
+
+Usage: ``python tools/cold_expert_calibration.py`` (from the repository root, about a minute);
+``python tools/cold_expert_calibration.py --model moe64 [--seed 1234] [--short-seqs 1] [--long-batches 128]``;
+``--quick``: a few steps only (checks that the tool runs).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import warnings
 from pathlib import Path
@@ -63,17 +75,115 @@ def _run(rank, world_size):
     return out
 
 
-def main() -> None:
+# a trained model's short calibrations: the model's routing (None), then these moe_calib_experts_ratio values
+TRAINED_RATIOS = (None, 0.25, 0.5, 1.0)
+QUICK = {"pretrain_steps": 2, "long_batches": 2}
+
+
+def _run_trained(rank, world_size, opts):
+    """The short and long calibrations of a trained study model (``opts["model"]``, a key of
+    ``bench_qat_recovery.STUDY_MODELS``)."""
+    import megatron_harness.models as mm
+    from bench_qat_recovery import CPU_STUDY, STUDY_MODELS
+    from megatron_harness.configs import expert_quant_config
+    from qad_study import StudyConfig, study_data, study_model, train_teacher
+
+    import modelopt_moe.quantization as mtq
+
+    cfg = StudyConfig(**{**CPU_STUDY, **STUDY_MODELS[opts["model"]], "seed": opts["seed"],
+                         "pretrain_steps": opts["pretrain_steps"], "steps": opts["long_batches"] + 1})
+    mm.init_model_parallel(1, 1, seed=cfg.seed)
+    data = study_data(cfg)
+    teacher, losses = train_teacher(cfg, data["pretrain"])
+    weights = {n: p.detach().clone() for n, p in teacher.named_parameters()}
+    del teacher
+    long_data = data["recover"][:-1]  # the batches after the pretraining text
+    short_data = [{k: v if k == "attention_mask" else v[:opts["short_seqs"]] for k, v in data["recover"][-1].items()}]
+
+    def calibrate(ratio, batches):
+        model = study_model(cfg, weights).eval()
+        qcfg = expert_quant_config("fp8", "dynamic")
+        qcfg["experts"] = {**qcfg["experts"], "input_amax": "per_expert"}
+        algorithm = "max" if ratio is None else {"method": "max", "moe_calib_experts_ratio": ratio}
+
+        def forward_loop(m):
+            with torch.no_grad():
+                for b in batches:
+                    m(b["tokens"], b["position_ids"], b["attention_mask"])
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mtq.quantize(model, {**qcfg, "algorithm": algorithm}, forward_loop)
+        return _input_amaxes(model)
+
+    ref, ref_rows = calibrate(None, long_data)
+    n = cfg.num_experts
+    out = {"model": f"{cfg.num_layers} layers, hidden {cfg.hidden}, {n} experts top-{cfg.topk}, expert FFN "
+                    f"{cfg.ffn_hidden}; teacher {cfg.pretrain_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}",
+           "inputs": ref.numel(), "reference unseen": int((ref_rows == 0).sum()),
+           "reference": f"{len(long_data)} x {cfg.batch} x {cfg.seq} tokens", "rows": []}
+    runs = [(f"short ({opts['short_seqs']} x {cfg.seq} tokens), "
+             + ("model's routing" if r is None else f"ratio {r} ({max(cfg.topk, round(r * n))} of {n} experts)"),
+             r, short_data) for r in TRAINED_RATIOS] + [("long, ratio 1.0", 1.0, long_data)]
+    cold = None  # the expert inputs the reference saw and the short calibration with the model's routing did not
+    for name, ratio, batches in runs:
+        amax, rows = calibrate(ratio, batches)
+        err = ((amax - ref).abs() / ref)[ref_rows > 0]  # an input the reference never saw has no reference amax
+        cold = (rows == 0)[ref_rows > 0] if cold is None else cold
+        seen = rows[rows > 0].float()
+        out["rows"].append((name, int((rows == 0).sum()), float(seen.median()) if seen.numel() else 0.0,
+                            float(err.median()), float(err.max()), float(err[cold].median()) if cold.any() else 0.0))
+    out["cold"] = int(cold.sum())
+    mm.destroy_model_parallel()
+    return out
+
+
+def main(argv=None) -> None:
     """Prints the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("harness", "moe64"), default="harness",
+                        help="harness: the tests' untrained 16-expert model (default); moe64: the QAD study's "
+                             "64-expert top-8 model, trained first")
+    parser.add_argument("--seed", type=int, default=1234, help="moe64: the teacher's seed")
+    parser.add_argument("--pretrain-steps", type=int, default=300, help="moe64: the teacher's training steps")
+    parser.add_argument("--long-batches", type=int, default=128, help="moe64: the reference's batches of 8 x 64")
+    parser.add_argument("--short-seqs", type=int, default=1, help="moe64: the short calibration's sequences of 64")
+    parser.add_argument("--quick", action="store_true", help="moe64: a few steps only (checks that the tool runs)")
+    args = parser.parse_args(argv)
+    for flag, value in (("--pretrain-steps", args.pretrain_steps), ("--long-batches", args.long_batches)):
+        if value < 1:
+            parser.error(f"{flag} {value}: expected a positive number of steps / batches")
+    if args.short_seqs < 1 or args.short_seqs > 8:
+        parser.error(f"--short-seqs {args.short_seqs}: expected 1 to 8 (sequences of one batch)")
+    if args.model == "harness" and args.quick:
+        parser.error("--quick needs --model moe64")
     from modelopt_moe.launch import spawn
 
-    (out,) = spawn(_run, 1, timeout=900)
-    print(f"reference (64 x 32 tokens, the model's routing): {out['reference unseen']} of 64 expert inputs unseen\n")
-    print("| calibration | expert inputs without a token | median relative amax error | max relative amax error |")
-    print("|---|---:|---:|---:|")
-    for name in VARIANTS:
-        unseen, median, worst = out[name]
-        print(f"| {name} | {unseen} of 64 | {median:.3f} | {worst:.3f} |")
+    if args.model == "harness":
+        (out,) = spawn(_run, 1, timeout=900)
+        print(f"reference (64 x 32 tokens, the model's routing): {out['reference unseen']} of 64 expert inputs "
+              "unseen\n")
+        print("| calibration | expert inputs without a token | median relative amax error | max relative amax error |")
+        print("|---|---:|---:|---:|")
+        for name in VARIANTS:
+            unseen, median, worst = out[name]
+            print(f"| {name} | {unseen} of 64 | {median:.3f} | {worst:.3f} |")
+        return
+    opts = {"model": args.model, "seed": args.seed, "pretrain_steps": args.pretrain_steps,
+            "long_batches": args.long_batches, "short_seqs": args.short_seqs, **(QUICK if args.quick else {})}
+    (out,) = spawn(_run_trained, 1, args=(opts,), timeout=3600)
+    total = out["inputs"]
+    print(f"{args.model} (seed {args.seed}): {out['model']}")
+    print(f"reference ({out['reference']}, the model's routing): {out['reference unseen']} of {total} expert "
+          "inputs unseen\n")
+    print(f"relative amax error |amax - amax_ref| / amax_ref over the {total - out['reference unseen']} expert inputs "
+          f"the reference saw; cold: the {out['cold']} of them the short calibration with the model's routing left "
+          "without a token\n")
+    print("| calibration | expert inputs without a token | median tokens per seen expert input | median relative "
+          "amax error | max relative amax error | median relative amax error, cold inputs |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, unseen, tokens, median, worst, cold in out["rows"]:
+        print(f"| {name} | {unseen} of {total} | {tokens:.0f} | {median:.3f} | {worst:.3f} | {cold:.3f} |")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ if _TESTS not in sys.path:  # the small Megatron models (tests/megatron_harness)
 
 __all__ = ["StudyConfig", "run_study", "format_study", "format_seeds", "parse_variant", "variant_calibration",
            "ptq_key", "STUDY_VARIANTS", "FORMER",
-           "LEARNED_INPUTS", "code_corpus"]
+           "LEARNED_INPUTS", "code_corpus", "study_data", "study_model", "train_teacher"]
 
 # The former default recipe: every parameter at lr 1e-4, constant, no warmup.
 FORMER = "train=all,lr=1e-4,lr_decay_style=constant,warmup_fraction=0"
@@ -197,9 +197,9 @@ def _stats(values: list[float]) -> dict:
             "median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def _data(cfg: StudyConfig) -> dict:
+def study_data(cfg: StudyConfig) -> dict:
     """Pretraining, recovery (calibration = its first batches), train-eval and held-out batches, and what they
-    cover."""
+    cover: ``{"pretrain", "recover", "held_out", "info"}``."""
     from modelopt_moe.plugins.cli.text_data import corpus_bytes, text_batches
 
     per_batch = cfg.batch * cfg.seq
@@ -258,6 +258,32 @@ class _Routing:
             h.remove()
 
 
+def study_model(cfg: StudyConfig, weights: dict | None = None):
+    """The study's bf16 Megatron MoE GPT (its initialization by ``cfg.seed``); with ``weights`` (name -> tensor, e.g.
+    a trained teacher's parameters), a copy of those (Megatron's model parallelism initialised)."""
+    import megatron_harness.models as mm
+
+    model = mm.build_moe_gpt(num_layers=cfg.num_layers, hidden=cfg.hidden, ffn_hidden=cfg.ffn_hidden,
+                             num_experts=cfg.num_experts, moe_router_topk=cfg.topk, seq_len=cfg.seq,
+                             params_dtype=torch.bfloat16, seed=cfg.seed, experts=cfg.experts, **cfg.model_overrides)
+    if weights is not None:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(weights[n])
+    return model
+
+
+def train_teacher(cfg: StudyConfig, batches: list[dict]) -> tuple[torch.nn.Module, list[float]]:
+    """The study's teacher: :func:`study_model` trained in bf16 for ``cfg.pretrain_steps`` steps of ``batches`` (the
+    ``"pretrain"`` batches of :func:`study_data`) at ``cfg.pretrain_lr``; returns it in eval mode and the losses."""
+    from modelopt_moe.plugins.megatron import training as mt
+
+    trainer = mt.setup_training(study_model(cfg), lr=cfg.pretrain_lr, lr_decay_steps=cfg.pretrain_steps,
+                                use_distributed_optimizer=False)
+    losses = mt.train(trainer, batches, steps=cfg.pretrain_steps, num_microbatches=1)
+    return mt.unwrap(trainer.model).eval(), losses
+
+
 def _all_sum(values: list[float], device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
@@ -290,25 +316,15 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
     from megatron.core import parallel_state
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    data = _data(cfg)
+    data = study_data(cfg)
     recover, held_out = data["recover"], data["held_out"]
     train_eval = recover[:cfg.train_eval_batches]
     calib = recover[:cfg.calib_batches]
 
-    def build():
-        return mm.build_moe_gpt(num_layers=cfg.num_layers, hidden=cfg.hidden, ffn_hidden=cfg.ffn_hidden,
-                                num_experts=cfg.num_experts, moe_router_topk=cfg.topk, seq_len=cfg.seq,
-                                params_dtype=torch.bfloat16, seed=cfg.seed, experts=cfg.experts,
-                                **cfg.model_overrides)
-
     # 1. the teacher, once ----------------------------------------------------------------------------------------
     t0 = time.perf_counter()
-    trainer = mt.setup_training(build(), lr=cfg.pretrain_lr, lr_decay_steps=cfg.pretrain_steps,
-                                use_distributed_optimizer=False)
-    pre_losses = mt.train(trainer, data["pretrain"], steps=cfg.pretrain_steps, num_microbatches=1)
-    teacher = mt.unwrap(trainer.model).eval()
+    teacher, pre_losses = train_teacher(cfg, data["pretrain"])
     teacher_weights = {n: p.detach().clone() for n, p in teacher.named_parameters()}
-    del trainer
     device = next(teacher.parameters()).device
 
     def forward(model, batch):
@@ -394,11 +410,7 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
         return {g: math.sqrt(total[2 * i] / total[2 * i + 1]) for i, g in enumerate(groups)}
 
     def copy_of_teacher():
-        model = build()
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(teacher_weights[n])
-        return model
+        return study_model(cfg, teacher_weights)
 
     def quantized(fmt, amax_update, input_amax_update="static", calibration="max"):
         """The teacher quantized to ``fmt``: ``nvfp4`` / ``fp8`` (experts' weights and inputs), with ``-w`` the
