@@ -125,22 +125,16 @@ def _train(chunks, batches, steps: int, microbatches: int) -> list[float | None]
     return losses
 
 
-def _layout(mm, pp: int, vpp: int | None, ckpt: str | None, helper: bool = False) -> dict:
-    """Quantize, calibrate and train this layout's chunks (``helper``: through ``setup_training`` and ``train``),
-    then save them to ``ckpt``."""
+def _quantize_fp8(mm, chunks):
+    """``mtq.quantize`` of the chunks with static FP8 experts, calibrated through the drop-in schedule (forward
+    only): the list it returns."""
     import warnings
 
     from megatron_harness.configs import expert_quant_config
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.plugins.megatron import save_sharded_checkpoint
-    from modelopt_moe.plugins.megatron import training as mt
-    from modelopt_moe.quantization.chunk_names import global_name_of
-    from modelopt_moe.quantization.quant_module import named_quantizers
 
-    chunks = _build(mm, pp, vpp, SEED)
     calib = mm.text_batches(MB, SEQ, 2, offset=100)
-    batches = mm.text_batches(MB, SEQ, STEPS * MICRO)
 
     def forward_loop(model):
         with torch.no_grad():
@@ -148,7 +142,20 @@ def _layout(mm, pp: int, vpp: int | None, ckpt: str | None, helper: bool = False
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        returned = mtq.quantize(chunks, expert_quant_config("fp8", "static"), forward_loop)
+        return mtq.quantize(chunks, expert_quant_config("fp8", "static"), forward_loop)
+
+
+def _layout(mm, pp: int, vpp: int | None, ckpt: str | None, helper: bool = False) -> dict:
+    """Quantize, calibrate and train this layout's chunks (``helper``: through ``setup_training`` and ``train``),
+    then save them to ``ckpt``."""
+    from modelopt_moe.plugins.megatron import save_sharded_checkpoint
+    from modelopt_moe.plugins.megatron import training as mt
+    from modelopt_moe.quantization.chunk_names import global_name_of
+    from modelopt_moe.quantization.quant_module import named_quantizers
+
+    chunks = _build(mm, pp, vpp, SEED)
+    batches = mm.text_batches(MB, SEQ, STEPS * MICRO)
+    returned = _quantize_fp8(mm, chunks)
     amax = {global_name_of(c)(n): q.amax.detach().clone() for c in chunks for n, q, _ in named_quantizers(c)
             if getattr(q, "amax", None) is not None}
     with torch.no_grad():
@@ -180,26 +187,13 @@ def _qad(mm, pp: int, vpp: int | None, dropin: bool = False) -> dict:
     layout): forward-only losses through the drop-in schedule, then two steps of ``setup_training(chunks)`` +
     ``train`` (Megatron's own schedule; ``dropin``: the drop-in one, reusing fake-quantized weights); then the
     forward-only losses of a teacher stored in FP8."""
-    import warnings
-
-    from megatron_harness.configs import expert_quant_config
-
-    import modelopt_moe.quantization as mtq
     from modelopt_moe.plugins.megatron import distillation_model
     from modelopt_moe.plugins.megatron import training as mt
 
     students = _build(mm, pp, vpp, SEED, torch.bfloat16)
     teachers = [t.eval() for t in _chunks(mm, vpp, SEED + 1, torch.bfloat16)]
-    calib = mm.text_batches(MB, SEQ, 2, offset=100)
     batches = mm.text_batches(MB, SEQ, STEPS * MICRO)
-
-    def forward_loop(model):
-        with torch.no_grad():
-            _run(model, calib, forward_only=True)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mtq.quantize(students, expert_quant_config("fp8", "static"), forward_loop)
+    _quantize_fp8(mm, students)
     models = [distillation_model(s, t) for s, t in zip(students, teachers, strict=True)]
     with torch.no_grad():
         forward_losses = _run(models, batches[:MICRO], forward_only=True)
