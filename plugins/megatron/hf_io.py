@@ -51,7 +51,7 @@ from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
 
 from .attention import kv_cache_quants
 from .hf_model import build_megatron_model, megatron_arch
-from .hf_pipeline import PipelineExport, Stage, check_no_virtual_pipeline, pipeline_world
+from .hf_pipeline import PipelineExport, Stage, check_no_virtual_pipeline, dotted_get, pipeline_world
 
 __all__ = ["MegatronExportAdapter", "export_megatron", "import_megatron"]
 
@@ -179,12 +179,7 @@ def _get(root, path: str):
     :class:`~.hf_pipeline.Stage` root is addressed by global layer index."""
     if isinstance(root, Stage):
         root, path = root.locate(path)
-    obj = root
-    for part in path.split("."):
-        obj = obj[int(part)] if part.isdigit() and isinstance(obj, torch.nn.ModuleList) else getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
+    return dotted_get(root, path)
 
 
 def _resolve(m, param: Param, L: int | None, i: int | None = None) -> tuple[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from modelopt_moe.export.errors import ExportError
 
 from .pipeline_state import refuse_virtual_pipeline, virtual_pipeline_size
 
-__all__ = ["Stage", "PipelineExport", "check_no_virtual_pipeline"]
+__all__ = ["Stage", "PipelineExport", "check_no_virtual_pipeline", "dotted_get"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
 
@@ -78,7 +78,7 @@ class Stage:
         layer's)."""
         m = _LAYER.match(path)
         if m is None:
-            return next((c for c in self.chunks if _has(c, path)), self.model), path
+            return next((c for c in self.chunks if dotted_get(c, path) is not None), self.model), path
         layer = int(m.group(1))
         for chunk, (offset, n) in zip(self.chunks, self.places, strict=True):
             if offset <= layer < offset + n:
@@ -102,14 +102,15 @@ class Stage:
         return self.first, self.last, self.places
 
 
-def _has(root, path: str) -> bool:
-    """Whether the dotted ``path`` leads to something under ``root`` (``local_experts.3`` alike)."""
+def dotted_get(root, path: str):
+    """The attribute at a dotted ``path`` under ``root`` (``weight3`` / ``local_experts.3`` alike), None where
+    absent."""
     obj = root
     for part in path.split("."):
         obj = obj[int(part)] if part.isdigit() and isinstance(obj, torch.nn.ModuleList) else getattr(obj, part, None)
         if obj is None:
-            return False
-    return True
+            return None
+    return obj
 
 
 def _move(obj, device: torch.device | None):
