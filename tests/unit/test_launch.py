@@ -223,12 +223,12 @@ def _as_a_shell_starts_it() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and pids as on Linux")
-@pytest.mark.timeout(_TIMEOUT + 60)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_to_the_launcher_stops_every_rank_and_what_they_started(tmp_path, sig):
-    # A scheduler signals the one process it started (SIGTERM), or the user presses Ctrl-C (SIGINT to the terminal's
-    # whole process group): every rank stops, its cleanup runs, nothing is left, and spawn raises Interrupted.
+@contextlib.contextmanager
+def _two_ranks_started(tmp_path, preexec_fn):
+    """The launcher as a user's script runs it (``spawn`` of 2 ranks, each starting a helper process), in its own
+    session, started with ``preexec_fn`` and the environment a user's script starts with; its signal state at start
+    goes to ``launcher_state.txt``. Yields it and the pids of the ranks and their helpers once all have started, and
+    kills what is left afterwards."""
     script = textwrap.dedent(f"""
         import signal, sys
         with open({str(tmp_path / "launcher_state.txt")!r}, "w") as f:
@@ -244,7 +244,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_what_they_started(tmp_pat
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELOPT_MOE_")}  # as a user's script starts
     launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True, env=env, preexec_fn=_as_a_shell_starts_it)
+                                text=True, start_new_session=True, env=env, preexec_fn=preexec_fn)
     try:
         pid_files = [tmp_path / "rank0.pids", tmp_path / "rank1.pids"]
         deadline = time.monotonic() + _TIMEOUT
@@ -252,7 +252,20 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_what_they_started(tmp_pat
             assert time.monotonic() < deadline, "ranks did not start"
             assert launcher.poll() is None, launcher.communicate()
             time.sleep(0.2)
-        pids = [int(p) for f in pid_files for p in f.read_text().split()]  # ranks and their helpers
+        yield launcher, [int(p) for f in pid_files for p in f.read_text().split()]  # ranks and their helpers
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and pids as on Linux")
+@pytest.mark.timeout(_TIMEOUT + 60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_launcher_stops_every_rank_and_what_they_started(tmp_path, sig):
+    # A scheduler signals the one process it started (SIGTERM), or the user presses Ctrl-C (SIGINT to the terminal's
+    # whole process group): every rank stops, its cleanup runs, nothing is left, and spawn raises Interrupted.
+    with _two_ranks_started(tmp_path, _as_a_shell_starts_it) as (launcher, pids):
         if sig == signal.SIGINT:
             os.killpg(launcher.pid, sig)
         else:
@@ -264,10 +277,6 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_what_they_started(tmp_pat
             state = (tmp_path / "launcher_state.txt").read_text()
             raise AssertionError(f"launcher exit {launcher.poll()}, its signal state at start: {state}") from None
         _assert_stopped_by(sig, pids, start, out, err, tmp_path)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.wait()
 
 
 def _as_a_shell_starts_a_background_job() -> None:
@@ -282,28 +291,7 @@ def _as_a_shell_starts_a_background_job() -> None:
 def test_a_launcher_that_ignores_ctrl_c_keeps_ignoring_it_and_still_stops_on_sigterm(tmp_path):
     # A script's background job inherits SIGINT ignored: Ctrl-C (SIGINT to the whole process group) leaves the run
     # going, ranks included, and a scheduler's SIGTERM still stops every rank and what they started.
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from test_launch import _start_a_helper_then_work
-        from modelopt_moe.launch import Interrupted, spawn
-        try:
-            spawn(_start_a_helper_then_work, 2, args=({str(tmp_path)!r},), timeout=600)
-        except Interrupted as e:
-            print("spawn raised:", e, e.exit_code, flush=True)
-    """)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELOPT_MOE_")}
-    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True, env=env,
-                                preexec_fn=_as_a_shell_starts_a_background_job)
-    try:
-        pid_files = [tmp_path / "rank0.pids", tmp_path / "rank1.pids"]
-        deadline = time.monotonic() + _TIMEOUT
-        while not all(f.exists() and f.read_text() for f in pid_files):
-            assert time.monotonic() < deadline, "ranks did not start"
-            assert launcher.poll() is None, launcher.communicate()
-            time.sleep(0.2)
-        pids = [int(p) for f in pid_files for p in f.read_text().split()]  # ranks and their helpers
+    with _two_ranks_started(tmp_path, _as_a_shell_starts_a_background_job) as (launcher, pids):
         os.killpg(launcher.pid, signal.SIGINT)
         time.sleep(2)
         assert launcher.poll() is None, launcher.communicate()
@@ -313,7 +301,3 @@ def test_a_launcher_that_ignores_ctrl_c_keeps_ignoring_it_and_still_stops_on_sig
         start = time.monotonic()
         out, err = launcher.communicate(timeout=60)
         _assert_stopped_by(signal.SIGTERM, pids, start, out, err, tmp_path)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.wait()
