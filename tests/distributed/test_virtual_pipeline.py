@@ -262,6 +262,26 @@ def run(tmp_path_factory):
     return {"results": spawn(_worker, WORLD, args=(str(root),), timeout=seconds(600)), "root": root}
 
 
+def _merged(results, *keys) -> dict:
+    """Every rank's ``result[key][...]`` dict of tensors (keyed by TP rank and global name) merged into one."""
+    out = {}
+    for r in results:
+        part = r
+        for key in keys:
+            part = part[key]
+        out.update(part)
+    return out
+
+
+def _assert_trained_as(results, layout: str, reference: str) -> None:
+    """Every rank's trained tensors of ``layout`` equal those of ``reference`` (another pipeline layout) to fp32
+    rounding."""
+    expected = _merged(results, reference, "tensors")
+    for r in results:
+        for key, t in r[layout]["tensors"].items():
+            torch.testing.assert_close(t, expected[key], rtol=1e-4, atol=1e-6, msg=str(key))
+
+
 def test_calibration_through_the_interleaved_schedule_gives_the_amaxes_of_pp1(run):
     results = run["results"]
     pp1 = results[0]["pp1"]["amax"]
@@ -294,24 +314,15 @@ def test_interleaved_schedule_losses_equal_pp1_on_the_same_weights_and_tokens(ru
             assert r["vpp"]["losses"] == pytest.approx(pp1["losses"], rel=1e-5, abs=1e-6)
         else:
             assert r["vpp"]["losses"] == [None, None]
-    trained_pp1 = {}
-    for r in results:
-        trained_pp1.update(r["pp1"]["tensors"])
-    for r in results:  # the trained weights too
-        for key, t in r["vpp"]["tensors"].items():
-            torch.testing.assert_close(t, trained_pp1[key], rtol=1e-4, atol=1e-6, msg=str(key))
+    _assert_trained_as(results, "vpp", "pp1")  # the trained weights too
 
 
 def test_checkpoint_of_chunks_restores_bit_exact_at_pp1_and_pp2_and_back(run):
-    saved = {}
-    for r in run["results"]:
-        saved.update(r["vpp"]["tensors"])
+    saved = _merged(run["results"], "vpp", "tensors")
     assert any("_amax" in n for _, n in saved)  # the quantizers' amaxes travel too
     assert any(n.startswith("decoder.layers.3.") for _, n in saved)
     for layout in ("vpp_at_pp1", "vpp_at_pp2", "pp1_at_vpp", "pp2_at_vpp"):
-        got = {}
-        for r in run["results"]:
-            got.update(r[layout])
+        got = _merged(run["results"], layout)
         assert sorted(got) == sorted(saved), layout
         for key, t in saved.items():
             assert torch.equal(got[key], t), (layout, key)
@@ -358,12 +369,7 @@ def test_qad_at_virtual_pipeline_stages_gives_the_losses_of_pp1(run):
             assert vpp["fp8_forward_losses"] == pytest.approx(pp1["fp8_forward_losses"], rel=1e-5, abs=1e-6)
         else:
             assert vpp["forward_losses"] == vpp["fp8_forward_losses"] == []
-    trained_pp1 = {}
-    for r in results:
-        trained_pp1.update(r["qad_pp1"]["tensors"])
-    for r in results:  # the trained students too
-        for key, t in r["qad_vpp"]["tensors"].items():
-            torch.testing.assert_close(t, trained_pp1[key], rtol=1e-4, atol=1e-6, msg=str(key))
+    _assert_trained_as(results, "qad_vpp", "qad_pp1")  # the trained students too
 
 
 def test_qad_refuses_a_teacher_that_cannot_stack_on_the_batch_axis_and_the_helper_takes_only_the_list_of_chunks(run):
