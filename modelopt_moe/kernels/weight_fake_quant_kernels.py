@@ -49,6 +49,18 @@ def _store_tile(out_ptr, out_off, local, mask, y, BITWISE_CVT: tl.constexpr, EVE
 
 
 @triton.jit
+def _load_grad_and_weight_tile(g_base, w_base, table_ptr, e, out0, start, local, mask, VEC: tl.constexpr):
+    """A flat tile of expert ``e``'s gradient and of its weight (the table's aux column) as fp32, and the tile's
+    output offset: what the clipped straight-through kernels read."""
+    g_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
+    w_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_AUX) + start, VEC)
+    out_off = tl.multiple_of(out0 + start, VEC)
+    g = to_fp32(tl.load(g_base + g_off + local, mask=mask, other=0.0))
+    w = to_fp32(tl.load(w_base + w_off + local, mask=mask, other=0.0))
+    return g, w, out_off
+
+
+@triton.jit
 def _weight_fake_quant_tile(
     pid, in_base, out_ptr, table_ptr, amax_ptr, n_experts, amax_stride_e, u_tiles, u_rows, u_cols, u_ctiles,
     FAMILY: tl.constexpr, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
@@ -100,14 +112,10 @@ def grouped_weight_clip_grad_kernel(
     e, t, rows_n, cols_n, ctiles, out0 = locate_tile(table_ptr, tl.program_id(0), n_experts, 0, 0, 0, 0,
                                                      SEARCH_STEPS, False)
     start, local, mask, rows, row_mask = tile_offsets(rows_n, cols_n, ctiles, t, TILE_R, TILE_NB, BS, TWO_D, VEC)
-    g_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
-    w_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_AUX) + start, VEC)
-    out_off = tl.multiple_of(out0 + start, VEC)
-    g = to_fp32(tl.load(g_base + g_off + local, mask=mask, other=0.0))
-    w = to_fp32(tl.load(w_base + w_off + local, mask=mask, other=0.0))
+    g, w, out_off = _load_grad_and_weight_tile(g_base, w_base, table_ptr, e, out0, start, local, mask, VEC)
     a = load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
     y = clipped_grad(g, w, a)
-    tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
+    _store_tile(out_ptr, out_off, local, mask, y, BITWISE_CVT, False)
 
 
 @triton.jit
@@ -153,11 +161,7 @@ def grouped_static_blocks_clip_grad_kernel(
     e, t, rows_n, cols_n, ctiles, out0 = locate_tile(table_ptr, tl.program_id(0), n_experts, 0, 0, 0, 0,
                                                      SEARCH_STEPS, False)
     start, local, mask, rows, row_mask = tile_offsets(rows_n, cols_n, ctiles, t, TILE_R, TILE_NB, BS, False, VEC)
-    g_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
-    w_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_AUX) + start, VEC)
-    out_off = tl.multiple_of(out0 + start, VEC)
-    g = to_fp32(tl.load(g_base + g_off + local, mask=mask, other=0.0))
-    w = to_fp32(tl.load(w_base + w_off + local, mask=mask, other=0.0))
+    g, w, out_off = _load_grad_and_weight_tile(g_base, w_base, table_ptr, e, out0, start, local, mask, VEC)
     blocks = _tile_block_amax(block_ptr, out0, start, rows_n, cols_n, TILE_R, TILE_NB, BS)
     y = static_blocks_clipped_grad(g, w, blocks)
-    tl.store(out_ptr + out_off + local, to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT), mask=mask)
+    _store_tile(out_ptr, out_off, local, mask, y, BITWISE_CVT, False)
