@@ -163,6 +163,12 @@ def eager_and_graph(fn, arg_sets) -> dict[str, float]:
     return results
 
 
+def table_rows(name: str, results: dict[str, float], nbytes: int, bw: float) -> list[tuple]:
+    """One row per method of ``results`` (median ms): the config, the method, ms, GB/s and the fraction of copy
+    bandwidth ``bw``, for ``nbytes`` moved per call."""
+    return [(name, method, ms, nbytes / (ms * 1e-3) / 1e9, nbytes / (ms * 1e-3) / bw) for method, ms in results.items()]
+
+
 def uneven_splits(n: int, tokens: int, seed: int = 0) -> list[int]:
     """``n`` split sizes summing to ``tokens``, uneven as a router's (some experts get none)."""
     g = torch.Generator().manual_seed(seed)
@@ -204,8 +210,7 @@ def bench_inputs(bw: float, quick: bool) -> list[tuple]:
                 return torch.cat([fake_quant(c, fmt, amax[i], block) for i, c in enumerate(x.split(splits))])
 
             results["torch loop"] = bench(rotating(loop, xs), rep_ms=100)
-        for method, ms in results.items():
-            rows_out.append((name, method, ms, nbytes / (ms * 1e-3) / 1e9, nbytes / (ms * 1e-3) / bw))
+        rows_out += table_rows(name, results, nbytes, bw)
         del xs, out
         torch.cuda.empty_cache()
     return rows_out
@@ -238,8 +243,7 @@ def bench_static_blocks(bw: float, quick: bool) -> list[tuple]:
                 return [NVFP4.fake_quant_static(w, amax[i], blocks[i]) for i, w in enumerate(ws)]
 
             results["torch loop"] = bench(rotating(loop, sets), rep_ms=100)
-        for method, ms in results.items():
-            rows_out.append((name, method, ms, nbytes / (ms * 1e-3) / 1e9, nbytes / (ms * 1e-3) / bw))
+        rows_out += table_rows(name, results, nbytes, bw)
         del sets, out
         torch.cuda.empty_cache()
     return rows_out
@@ -402,8 +406,7 @@ def main() -> None:
                 mismatch = (got != torch.stack(out)).float().mean().item()
                 results[f"compiled (pre-stacked) [{mismatch:.1e} bits differ]"] = bench(rotating(comp, stacked))
                 del stacked
-        for method, ms in results.items():
-            rows_out.append((name, method, ms, nbytes / (ms * 1e-3) / 1e9, nbytes / (ms * 1e-3) / bw))
+        rows_out += table_rows(name, results, nbytes, bw)
         del sets, out
         torch.cuda.empty_cache()
 
