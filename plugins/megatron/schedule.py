@@ -54,10 +54,11 @@ def _refuse_batched_p2p_between_two_stages(model, forward_only: bool) -> None:
             "on the model chunks' config (Megatron-LM's setting), or use a pipeline size above 2")
 
 
-def _carry_teacher_hidden_states(model, f_kwargs: dict) -> dict:
-    """The schedule's arguments for a pipeline-parallel distillation model, whose teacher's hidden states travel
-    between stages beside the student's: the wider tensor shapes for the non-interleaved schedule (unless the caller
-    gives a function), twice the micro-batch size for the interleaved one (stacked on the batch axis)."""
+def teacher_hidden_state_kwargs(model, f_kwargs: dict) -> dict:
+    """Megatron's schedule arguments ``f_kwargs`` for ``model``, a pipeline-parallel distillation model's included,
+    whose teacher's hidden states travel between stages beside the student's: the wider tensor shapes for the
+    non-interleaved schedule (unless the caller gives a function), twice the micro-batch size for the interleaved one
+    (stacked on the batch axis); unchanged for any other model."""
     from .distill import distillation_micro_batch_size, distillation_tensor_shapes_fn
 
     if f_kwargs.get("adjust_tensor_shapes_fn") is None:
@@ -103,7 +104,7 @@ def get_forward_backward_func(*args, reuse_quantized_weights: bool = True, first
         model = f_kwargs.get("model")
         if model is None:
             raise TypeError("forward_backward_func: pass model=... by keyword (Megatron's schedules take it so)")
-        f_kwargs = _carry_teacher_hidden_states(model, f_kwargs)
+        f_kwargs = teacher_hidden_state_kwargs(model, f_kwargs)
         _refuse_batched_p2p_between_two_stages(model, f_kwargs.get("forward_only", False))
         reuse = reuse_scope(model) if reuse_quantized_weights else contextlib.nullcontext()
         _clear_aux_loss_scale()

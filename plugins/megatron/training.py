@@ -42,8 +42,6 @@ from modelopt_moe.distill import DistillationModel
 from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
 
 from .distill import (
-    distillation_micro_batch_size,
-    distillation_tensor_shapes_fn,
     get_qad_optimizer,
     qad_lr_scheduler,
     qad_optimizer_config,
@@ -51,6 +49,7 @@ from .distill import (
 from .forward_step import lm_forward_step
 from .pipeline_state import refuse_virtual_pipeline, virtual_pipeline_size
 from .schedule import get_forward_backward_func as reusing_forward_backward_func
+from .schedule import teacher_hidden_state_kwargs
 
 __all__ = ["Trainer", "setup_training", "train", "train_step", "unwrap"]
 
@@ -244,13 +243,9 @@ def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]
     seq_len = micro_batches[0]["tokens"].shape[1]
     micro_batch_size = micro_batches[0]["tokens"].shape[0]
     schedule = trainer.forward_backward_func(step)
-    extra = {}
+    shape_kwargs = {"micro_batch_size": micro_batch_size}
     if schedule is megatron_forward_backward_func():  # modelopt_moe's drop-in passes these itself
-        # A pipeline-parallel teacher's hidden states between stages: wider tensors, or at virtual pipeline stages
-        # twice the micro-batch (stacked on the batch axis).
-        adjust = distillation_tensor_shapes_fn(chunks)
-        extra = {} if adjust is None else {"adjust_tensor_shapes_fn": adjust}
-        micro_batch_size = distillation_micro_batch_size(chunks, micro_batch_size)
+        shape_kwargs = teacher_hidden_state_kwargs(chunks, shape_kwargs)
     # Megatron's interleaved schedule reads one data iterator per chunk, each the step's micro-batches in order.
     data = [iter(micro_batches) for _ in chunks] if isinstance(model, list) else iter(micro_batches)
     with megatron_training_shims():
@@ -263,10 +258,9 @@ def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]
             model=chunks,
             num_microbatches=len(micro_batches),
             seq_length=seq_len,
-            micro_batch_size=micro_batch_size,
             decoder_seq_length=seq_len,
             forward_only=False,
-            **extra,
+            **shape_kwargs,
         )
         if after_backward is not None:  # the schedule's finalize_model_grads has reduced the gradients
             after_backward()
