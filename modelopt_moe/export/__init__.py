@@ -115,22 +115,34 @@ def export_hf(model: nn.Module | list[nn.Module], out_dir: str | os.PathLike, *,
                              min_calib_tokens=min_calib_tokens)
 
 
-def import_hf(model: nn.Module, hf_dir: str | os.PathLike) -> None:
+def import_hf(model: nn.Module | list[nn.Module], hf_dir: str | os.PathLike) -> None:
     """Loads an unquantized Hugging Face checkpoint (any dtype; gpt-oss's MXFP4 experts too, dequantized exactly)
     into the already built ``model``, at its tensor / expert / pipeline parallel layout; each rank reads only its
     slices (of its pipeline stage's layers).
 
-    All or nothing: before the first parameter is written, ``config.json`` is checked against the model, the index
-    and the header of every shard against the config (each tensor present in the shard the index names, with the
-    expected shape and a float dtype, no file shorter than its header says), and this rank's slices are read; on
-    any error the model's parameters and buffers are exactly as before. Every rank checks the whole checkpoint, so
-    all ranks raise the same error (no collective). Memory: this rank's share of the weights, once, on the host.
+    Args:
+        model: a model of a framework with a registered adapter (Megatron-Core GPTModel, possibly wrapped), or the
+            list of a stage's model chunks (Megatron's virtual pipeline stages, in ``vp_stage`` order: each chunk
+            gets its own layers; the embedding goes to the chunk that holds it, the final norm and output layer, a
+            tied embedding's copy included, to the chunk that holds them).
+        hf_dir: the Hugging Face model directory.
+
+    All or nothing: before the first parameter is written, ``config.json`` is checked against the model (every
+    chunk), the index and the header of every shard against the config (each tensor present in the shard the index
+    names, with the expected shape and a float dtype, no file shorter than its header says), and this rank's slices
+    (of all its chunks) are read; on any error every chunk's parameters and buffers are exactly as before. Every rank
+    checks the whole checkpoint, so all ranks raise the same error (no collective). Memory: this rank's share of the
+    weights, once, on the host.
 
     Raises:
         ExportError: the checkpoint's config, files or tensors do not match the model, or a file cannot be read
-            (names the file, the tensor, what was expected and what was found).
+            (names the file, the tensor, what was expected and what was found); one model at virtual pipeline
+            stages, or a list that is not this stage's chunks in ``vp_stage`` order.
     """
-    adapter_for(model).import_hf(model, hf_dir)
+    chunks = list(model) if isinstance(model, list | tuple) else [model]
+    if not chunks:
+        raise ExportError("import_hf: an empty list of model chunks (expected a model or a stage's model chunks)")
+    adapter_for(chunks[0]).import_hf(model, hf_dir)
 
 
 def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides) -> nn.Module:

@@ -51,7 +51,8 @@ from modelopt_moe.quantization.tensor_quantizer import TensorQuantizer
 
 from .attention import kv_cache_quants
 from .hf_model import build_megatron_model, megatron_arch
-from .hf_pipeline import PipelineExport, Stage, check_no_virtual_pipeline, dotted_get, pipeline_world
+from .hf_pipeline import PipelineExport, Stage, dotted_get, pipeline_world
+from .pipeline_state import stage_chunks
 
 __all__ = ["MegatronExportAdapter", "export_megatron", "import_megatron"]
 
@@ -619,16 +620,27 @@ def _label(names: list[str]) -> str:
 @torch.no_grad()
 def import_megatron(model, hf_dir: str | os.PathLike) -> None:
     """:func:`modelopt_moe.export.import_hf` for a Megatron-Core GPTModel: each rank reads its own slices.
+    ``model``: a stage's model, or the list of its chunks (virtual pipeline stages, in ``vp_stage`` order): each
+    chunk gets its own layers, the embedding goes to the chunk that holds it and the final norm and output layer to
+    the chunk that holds them.
 
     All or nothing: the checkpoint's files are checked from their headers (:class:`HfCheckpointReader`), and every
-    slice this rank needs is read and shape-checked, before the first parameter is written. The check covers the
-    whole checkpoint on every rank, so every rank reaches the same verdict without a collective.
+    slice this rank needs (for all of its chunks) is read and shape-checked, before the first parameter of any chunk
+    is written. The check covers the whole checkpoint on every rank, so every rank reaches the same verdict without a
+    collective.
     """
-    check_no_virtual_pipeline("Hugging Face import")
-    m = Stage(unwrap_model(model))
+    chunks = [unwrap_model(c) for c in model] if isinstance(model, list | tuple) else unwrap_model(model)
+    try:
+        chunks = stage_chunks(chunks, "import_hf")
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    m = Stage(chunks)
     reader = HfCheckpointReader(hf_dir)
-    arch = megatron_arch(m.model, reader.family.name)
-    _check_same_arch(reader.arch, arch, f"{hf_dir}/config.json")
+    archs = [megatron_arch(chunk, reader.family.name) for chunk in chunks]
+    for i, chunk_arch in enumerate(archs):  # every chunk: one built from another config would take other slices
+        _check_same_arch(reader.arch, chunk_arch, f"{hf_dir}/config.json" if len(chunks) == 1 else
+                         f"{hf_dir}/config.json (model chunk {i})")
+    arch = archs[0]
     lay = _Layout()
     staged = _Staged()
     table = reader.family.megatron
@@ -638,7 +650,7 @@ def import_megatron(model, hf_dir: str | os.PathLike) -> None:
         if key == "final" and arch.tie_word_embeddings and not m.first:
             # the last stage's copy of the tied embedding (Megatron keeps it in sync through its gradients)
             param = table.params(arch, "embedding")[0]
-            target, names = m.model.output_layer.weight, _names(param, None)
+            target, names = _get(m, "output_layer.weight"), _names(param, None)
             _, tp_size, rank = _group(param, lay)
             staged.add(target, _read_slice(reader, param, target, names, rank, arch, tp_size), "lm_head (tied)")
         for param in table.params(arch, key):
@@ -682,7 +694,8 @@ class MegatronExportAdapter:
         return export_megatron(model, out_dir, format=format, family=family, **options)
 
     def import_hf(self, model, hf_dir) -> None:
-        """Loads the Hugging Face checkpoint ``hf_dir`` into the built ``model`` (:func:`import_megatron`)."""
+        """Loads the Hugging Face checkpoint ``hf_dir`` into the built ``model`` or list of a stage's model chunks
+        (:func:`import_megatron`)."""
         import_megatron(model, hf_dir)
 
     def build_model(self, hf_dir_or_config, *, spec: str = "local", **overrides):

@@ -227,7 +227,8 @@ def build_megatron_model(hf_dir_or_config, *, spec: str = "local", vp_stage: int
             Engine layers, ``TEGroupedMLP`` experts; GPU).
         vp_stage: with virtual pipeline stages (``virtual_pipeline_model_parallel_size`` > 1), which of this stage's
             model chunks to build (build one per ``vp_stage`` in ``range(vpp)``: the list is the stage's model, as
-            Megatron's interleaved schedule takes it); None without them.
+            Megatron's interleaved schedule takes it, and :func:`~modelopt_moe.export.import_hf` loads a Hugging
+            Face checkpoint into it); None without them.
         **overrides: ``TransformerConfig`` fields (e.g. ``params_dtype=torch.float32``,
             ``moe_token_dispatcher_type``) or ``GPTModel`` arguments.
 

@@ -9,7 +9,8 @@ tensor- and expert-parallel gathers stay inside the stage) and travel to the fir
 ``broadcast_object_list`` over the pipeline group per record, made by every rank of the group; the number of
 broadcasts is agreed through them (an end marker), never by a rank's own data. Only the pipeline group of the writer
 carries the tensors; the others carry a placeholder. With virtual pipeline stages a stage is a list of model chunks,
-each holding its own (not contiguous) layers; :class:`Stage` finds the chunk that holds each path.
+each holding its own (not contiguous) layers; :class:`Stage` finds the chunk that holds each path, for export and
+import alike.
 """
 
 from __future__ import annotations
@@ -25,26 +26,11 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from modelopt_moe.export.errors import ExportError
 
-from .pipeline_state import refuse_virtual_pipeline, virtual_pipeline_size
+from .pipeline_state import virtual_pipeline_size
 
-__all__ = ["Stage", "PipelineExport", "check_no_virtual_pipeline", "dotted_get"]
+__all__ = ["Stage", "PipelineExport", "dotted_get"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
-
-
-def check_no_virtual_pipeline(what: str) -> None:
-    """Refuses virtual pipeline stages (one model chunk holds only part of a stage's layers).
-
-    Raises:
-        ExportError: ``virtual_pipeline_model_parallel_size`` above 1 (names it and what to use).
-    """
-    try:
-        refuse_virtual_pipeline(what, "Hugging Face import loads one model per pipeline stage, not a list of model "
-                                "chunks", "import at virtual_pipeline_model_parallel_size=None, save with "
-                                "save_sharded_checkpoint and load that checkpoint into the chunks "
-                                "(load_sharded_checkpoint)")
-    except ValueError as e:
-        raise ExportError(str(e)) from None
 
 
 def pipeline_world() -> int:

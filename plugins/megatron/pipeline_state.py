@@ -22,8 +22,8 @@ from torch import nn
 
 from modelopt_moe.quantization.conversion import unwrap_model
 
-__all__ = ["pipeline_size", "virtual_pipeline_size", "refuse_virtual_pipeline", "global_layer_name", "global_state",
-           "stage_state", "merge_chunk_states", "merge_stage_states", "stage_naming"]
+__all__ = ["pipeline_size", "virtual_pipeline_size", "refuse_virtual_pipeline", "stage_chunks", "global_layer_name",
+           "global_state", "stage_state", "merge_chunk_states", "merge_stage_states", "stage_naming"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
 
@@ -58,6 +58,39 @@ def refuse_virtual_pipeline(what: str, reason: str, instead: str) -> None:
     if vpp > 1:
         raise ValueError(f"{what}: virtual pipeline stages ({vpp}) are not supported "
                          f"(virtual_pipeline_model_parallel_size={vpp}, expected None or 1): {reason}; {instead}")
+
+
+def stage_chunks(model, what: str) -> list[nn.Module]:
+    """The model chunks of this pipeline stage that ``what`` was given: ``[model]`` without virtual pipeline stages,
+    the list of the stage's chunks with them. Local state only.
+
+    Args:
+        model: one model, or the list of this stage's model chunks (chunk ``i`` built with ``vp_stage=i``).
+        what: the call that takes them, for the errors.
+
+    Raises:
+        ValueError: one model at virtual pipeline stages, or a list that is not this stage's chunks in ``vp_stage``
+            order (names the entry, what it is and what was expected).
+    """
+    vpp = virtual_pipeline_size()
+    if not isinstance(model, list | tuple):
+        refuse_virtual_pipeline(what, "got one model, not the list of this stage's model chunks",
+                                f"pass the list of the {vpp} chunks built with vp_stage=0..{vpp - 1}")
+        return [model]
+    for i, chunk in enumerate(model):
+        if not isinstance(chunk, nn.Module):
+            raise ValueError(f"{what}: model chunk {i} is a {type(chunk).__name__}, expected a torch.nn.Module "
+                             "(the GPTModel built for that virtual pipeline stage)")
+    if len(model) != vpp:
+        raise ValueError(f"{what}: got {len(model)} model chunks, expected {vpp} (one per virtual pipeline "
+                         f"stage: virtual_pipeline_model_parallel_size={vpp if vpp > 1 else None})")
+    if vpp > 1:
+        for i, chunk in enumerate(model):
+            stage = getattr(chunk, "vp_stage", None)
+            if stage != i:
+                raise ValueError(f"{what}: model chunk {i} has vp_stage={stage}, expected {i} (the chunks "
+                                 "in the order of their virtual pipeline stages)")
+    return list(model)
 
 
 def _offset(model: nn.Module) -> tuple[int, int]:

@@ -47,7 +47,7 @@ from .distill import (
     qad_optimizer_config,
 )
 from .forward_step import lm_forward_step
-from .pipeline_state import refuse_virtual_pipeline, virtual_pipeline_size
+from .pipeline_state import stage_chunks, virtual_pipeline_size
 from .schedule import get_forward_backward_func as reusing_forward_backward_func
 from .schedule import teacher_hidden_state_kwargs
 
@@ -202,25 +202,7 @@ def setup_training(
 def _model_chunks(model) -> list[torch.nn.Module]:
     """The chunks :func:`setup_training` wraps: ``[model]``, or the list of this stage's virtual pipeline chunks
     (checked: modules, one per virtual stage, in ``vp_stage`` order)."""
-    vpp = virtual_pipeline_size()
-    if not isinstance(model, (list, tuple)):
-        refuse_virtual_pipeline("setup_training", "got one model, not the list of this stage's model chunks",
-                                f"pass the list of the {vpp} chunks built with vp_stage=0..{vpp - 1}")
-        return [model]
-    for i, chunk in enumerate(model):
-        if not isinstance(chunk, torch.nn.Module):
-            raise ValueError(f"setup_training: model chunk {i} is a {type(chunk).__name__}, expected a torch.nn.Module "
-                             "(the GPTModel built for that virtual pipeline stage)")
-    if len(model) != vpp:
-        raise ValueError(f"setup_training: got {len(model)} model chunks, expected {vpp} (one per virtual pipeline "
-                         f"stage: virtual_pipeline_model_parallel_size={vpp if vpp > 1 else None})")
-    if vpp > 1:
-        for i, chunk in enumerate(model):
-            stage = getattr(chunk, "vp_stage", None)
-            if stage != i:
-                raise ValueError(f"setup_training: model chunk {i} has vp_stage={stage}, expected {i} (the chunks "
-                                 "in the order of their virtual pipeline stages)")
-    return list(model)
+    return stage_chunks(model, "setup_training")
 
 
 def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]], step: int = 0,
