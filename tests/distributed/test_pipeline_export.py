@@ -219,10 +219,15 @@ def _virtual_pipeline_import(hf_dir: str, out: Path) -> dict:
     export_hf(chunks, out / "vpp_import" / "hf", format="hf", progress=False)
     tied_dir = str(base / "tied")
     tied = build(tied_dir)
+    try:  # a second chunk built from another config (tied embeddings) beside a first chunk of this one
+        import_hf([chunks[0], tied[1]], hf_dir)
+        mixed = None
+    except Exception as e:  # noqa: BLE001  (the test names any other kind)
+        mixed = f"{type(e).__name__}: {e}"
     import_hf(tied, tied_dir)
     export_hf(tied, out / "vpp_import" / "tied", format="hf", progress=False)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=1)
-    return {"bad": bad, "unchanged": unchanged, "reversed": reversed_chunks, "params": _params(chunks),
+    return {"bad": bad, "unchanged": unchanged, "reversed": reversed_chunks, "mixed": mixed, "params": _params(chunks),
             "tied_copy": _tied_copy(tied[1].output_layer.weight, tied_dir) if last else None}
 
 
@@ -401,10 +406,14 @@ def test_import_into_chunks_of_a_wrong_shape_in_the_second_chunk_changes_no_chun
         assert r["vpp_import"]["unchanged"] == [True, True]  # the first chunk too: nothing written before the check
 
 
-def test_import_of_chunks_out_of_vp_stage_order_is_refused_by_name(run):
+def test_import_of_chunks_out_of_vp_stage_order_or_of_another_config_is_refused_by_name(run):
     for r in run["results"]:
         assert r["vpp_import"]["reversed"] == ("ExportError: import_hf: model chunk 0 has vp_stage=1, expected 0 "
                                                "(the chunks in the order of their virtual pipeline stages)")
+        mixed = r["vpp_import"]["mixed"]
+        assert mixed is not None, "a chunk built from another config was imported"
+        assert mixed.startswith("ExportError: "), mixed
+        assert "config.json (model chunk 1) does not match the Megatron model: tie_word_embeddings: " in mixed, mixed
 
 
 def test_export_at_pp2_of_an_uncalibrated_model_fails_the_same_on_every_rank_before_writing(run):
