@@ -232,7 +232,8 @@ def _virtual_pipeline_import(hf_dir: str, out: Path) -> dict:
 
 
 def _virtual_pipeline_refusals(model, hf_dir: str, out: Path) -> dict:
-    """Every entry point that does not take model chunks, at virtual pipeline size 2: the error it raises.
+    """Every entry point given one model (not a stage's list of chunks) at virtual pipeline size 2: the error it
+    raises.
 
     Quantization, the interleaved schedule and checkpoints of model chunks: test_virtual_pipeline.py.
     """

@@ -56,3 +56,10 @@ def test_export_hf_of_an_empty_list_of_chunks_is_refused(tmp_path):
     with pytest.raises(ExportError, match="empty list of model chunks"):
         export_hf([], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_import_hf_of_an_empty_list_of_chunks_or_of_chunks_no_adapter_owns_is_refused(tmp_path):
+    with pytest.raises(ExportError, match=r"import_hf: an empty list of model chunks"):
+        import_hf([], tmp_path)
+    with pytest.raises(ExportError, match="no export adapter for a Linear"):
+        import_hf([nn.Linear(4, 4), nn.Linear(4, 4)], tmp_path)
