@@ -284,9 +284,9 @@ def _pipelined_teacher_logits(teacher: torch.nn.Module, batches: list, add, devi
     """
     from functools import partial
 
-    from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from .schedule import get_forward_backward_func
+    from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
 
     errors: list[Exception] = []
 
@@ -307,7 +307,7 @@ def _pipelined_teacher_logits(teacher: torch.nn.Module, batches: list, add, devi
 
     batch, seq = batches[0]["tokens"].shape
     with megatron_training_shims():
-        get_forward_backward_func(reuse_quantized_weights=False)(
+        get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[teacher],
             num_microbatches=len(batches), seq_length=seq, micro_batch_size=batch, forward_only=True)
     return errors[0] if errors else None
