@@ -40,6 +40,14 @@ for it afterwards (no teacher forward, no teacher weights)::
 
     write_teacher_logits(teacher, batches, "teacher_logits", top_k=4096)
     model = distillation_model(student, stored_teacher_logits("teacher_logits", batches=batches), recipe=recipe)
+
+Both work with pipeline parallelism (not with virtual pipeline stages): the teacher, built at the layout it is written
+at, runs through Megatron's pipeline schedule (forward only) and its last stage writes the store, the same files as
+at pipeline parallelism 1; in training no teacher exists on any stage, the student runs through the pipeline as a
+plain model (:class:`PipelineStoredLogitsModel`: Megatron's usual tensor shapes) and the last stage computes the loss
+from the stored logits, which find each batch by its tokens: the forward step passes the batch's tokens on the last
+stage too (``lm_forward_step`` does). Every rank opens and checks its replica's store (the directory is visible to
+every rank), so one that is missing or does not fit stops every stage before any step.
 """
 
 from __future__ import annotations
@@ -103,8 +111,8 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return DistillationModel(student, teacher, tp_group=tp_group, **kwargs)
     if isinstance(teacher, StoredTeacherLogits):
-        refuse_virtual_pipeline("distillation_model with stored teacher logits", "one model per pipeline stage "
-                                "reads them", "train from stored logits with virtual_pipeline_model_parallel_size=None")
+        if virtual_pipeline_size() > 1:
+            _check_student_chunk(student)
         return PipelineStoredLogitsModel(student, teacher, tp_group=tp_group, **kwargs)
     if virtual_pipeline_size() > 1:
         _check_virtual_pipeline_chunks(student, teacher)
@@ -120,14 +128,19 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
                                      **kwargs)
 
 
-def _check_virtual_pipeline_chunks(student: torch.nn.Module, teacher: torch.nn.Module) -> None:
-    """At virtual pipeline stages: one chunk of each, of the same ``vp_stage``, and the hidden sizes the batch-axis
-    stacking needs (Megatron's interleaved schedule sends ``[seq, micro_batch, config.hidden_size]``)."""
+def _check_student_chunk(student: torch.nn.Module) -> None:
+    """At virtual pipeline stages the student is one model chunk (built with its ``vp_stage``)."""
     if getattr(student, "vp_stage", None) is None:
         refuse_virtual_pipeline("distillation_model of a model built without vp_stage",
                                 "the interleaved schedule runs model chunks, each built with its vp_stage",
                                 "build the student's and the teacher's chunks with vp_stage=0.. and pass one chunk "
                                 "of each")
+
+
+def _check_virtual_pipeline_chunks(student: torch.nn.Module, teacher: torch.nn.Module) -> None:
+    """At virtual pipeline stages: one chunk of each, of the same ``vp_stage``, and the hidden sizes the batch-axis
+    stacking needs (Megatron's interleaved schedule sends ``[seq, micro_batch, config.hidden_size]``)."""
+    _check_student_chunk(student)
     if getattr(teacher, "vp_stage", None) != student.vp_stage:
         raise ValueError(f"distillation_model: student.vp_stage={student.vp_stage} but teacher.vp_stage="
                          f"{getattr(teacher, 'vp_stage', None)}; pass the teacher's chunk of the same virtual "
@@ -333,6 +346,9 @@ def stored_teacher_logits(directory, *, batches=None, top_k: int | None = None,
     """The teacher's precomputed logits (:func:`write_teacher_logits`) for ``distillation_model(student, teacher)``,
     read by this rank from its data-parallel replica's store, at its tensor-parallel slice of the vocabulary.
 
+    Every rank calls it (local files, no collective): with pipeline parallelism every stage opens and checks the store,
+    so that a missing or mismatched one stops all stages before any step; only the last stage reads its shards.
+
     Args:
         directory: what ``write_teacher_logits`` was given.
         batches: the batches this rank will train on, in order: checked against the store now, before any step
@@ -402,7 +418,8 @@ class PipelineStoredLogitsModel(DistillationModel):
     """:class:`~modelopt_moe.distill.DistillationModel` from stored teacher logits on one pipeline stage: no teacher
     runs anywhere, so the student runs through the pipeline as a plain model (the tensors between stages are its
     hidden states, of Megatron's usual shapes: the schedule needs no wider shapes) and the last stage computes the
-    loss against the stored logits exactly as at pipeline parallelism 1.
+    loss against the stored logits exactly as at pipeline parallelism 1. With virtual pipeline stages there is one
+    per student chunk (sharing the stored logits, which the last stage's last chunk reads).
 
     The forward step must pass the batch's tokens as the model's first input on the last stage too (the stored logits
     find their batch by the tokens' digest): ``lm_forward_step`` does; a forward step that passes None there (as
@@ -412,6 +429,7 @@ class PipelineStoredLogitsModel(DistillationModel):
     def __init__(self, student: torch.nn.Module, teacher: StoredTeacherLogits, **kwargs):
         super().__init__(student, teacher, **kwargs)
         self.post_process = bool(student.post_process)
+        self.vp_stage = getattr(student, "vp_stage", None)  # the student chunk's virtual pipeline stage
 
     def forward(self, *args, labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """The per-token loss on the last stage; the student's hidden states before it."""

@@ -25,20 +25,23 @@ from limits import seconds  # noqa: E402
 
 from modelopt_moe.launch import spawn
 
-WORLD, SEED, K, LAYERS, SEQ, MB, STEPS, MICRO = 4, 1234, 16, 4, 32, 2, 2, 3
+WORLD, SEED, K, LAYERS, SEQ, MB, STEPS, MICRO = 4, 1234, 16, 4, 32, 2, 2, 4
 
 
-def _tensors(model) -> dict:
-    """Every tensor of the model's state dict by (TP rank, global layer name)."""
+def _tensors(chunks: list) -> dict:
+    """Every tensor of the model chunks' state dicts by (TP rank, global layer name)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    offset = get_transformer_layer_offset(model.config) if pp > 1 else 0
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    rename = lambda m: f"decoder.layers.{int(m.group(1)) + offset}."  # noqa: E731
-    return {(tp_rank, re.sub(r"decoder\.layers\.(\d+)\.", rename, n)): t.detach().clone()
-            for n, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
+    out = {}
+    for chunk in chunks:
+        offset = get_transformer_layer_offset(chunk.config, vp_stage=chunk.vp_stage) if pp > 1 else 0
+        rename = lambda m, offset=offset: f"decoder.layers.{int(m.group(1)) + offset}."  # noqa: E731
+        out.update({(tp_rank, re.sub(r"decoder\.layers\.(\d+)\.", rename, n)): t.detach().clone()
+                    for n, t in chunk.state_dict().items() if isinstance(t, torch.Tensor)})
+    return out
 
 
 def _error(call) -> str | None:
@@ -49,30 +52,31 @@ def _error(call) -> str | None:
     return None
 
 
-def _student(mm):
-    """The student at the current layout: static FP8 experts calibrated through Megatron's schedule."""
+def _student(mm, vpp: int | None = None) -> list:
+    """The student's chunks at the current layout (one without virtual stages): static FP8 experts calibrated through
+    the pipeline schedule."""
     import warnings
 
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron_harness.configs import expert_quant_config
 
     import modelopt_moe.quantization as mtq
-    from modelopt_moe.plugins.megatron import lm_forward_step
+    from modelopt_moe.plugins.megatron import get_forward_backward_func, lm_forward_step
     from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
 
     calib = mm.text_batches(MB, SEQ, 2, offset=100)
 
-    def forward_loop(model):
+    def forward_loop(chunks):
         with megatron_training_shims(), torch.no_grad():
-            get_forward_backward_func()(forward_step_func=lm_forward_step, data_iterator=iter(calib), model=[model],
-                                        num_microbatches=len(calib), seq_length=SEQ, micro_batch_size=MB,
-                                        forward_only=True)
+            get_forward_backward_func()(forward_step_func=lm_forward_step, model=chunks,
+                                        data_iterator=[iter(calib) for _ in chunks], num_microbatches=len(calib),
+                                        seq_length=SEQ, micro_batch_size=MB, forward_only=True)
 
-    student = mm.build_moe_gpt(seed=SEED, num_layers=LAYERS, params_dtype=torch.bfloat16)
+    chunks = [mm.build_moe_gpt(seed=SEED, num_layers=LAYERS, params_dtype=torch.bfloat16, vp_stage=v)
+              for v in (range(vpp) if vpp else [None])]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mtq.quantize(student, expert_quant_config("fp8", "static"), forward_loop)
-    return student
+        mtq.quantize(chunks, expert_quant_config("fp8", "static"), forward_loop)
+    return chunks
 
 
 def _layout(mm, pp: int, root: Path) -> dict:
@@ -101,7 +105,7 @@ def _layout(mm, pp: int, root: Path) -> dict:
     teacher.register_forward_pre_hook(lambda *a: forwards.append(1))
 
     student = _student(mm)
-    model = distillation_model(student, stored_teacher_logits(directory, batches=batches))
+    model = distillation_model(student[0], stored_teacher_logits(directory, batches=batches))
     out["kind"], out["shapes_fn"] = type(model).__name__, distillation_tensor_shapes_fn(model)
     trainer = mt.setup_training(model, lr=1e-3, reuse_quantized_weights=True)  # the drop-in schedule
     out["losses"] = mt.train(trainer, batches, steps=STEPS, num_microbatches=MICRO)
@@ -116,7 +120,7 @@ def _layout(mm, pp: int, root: Path) -> dict:
         dist.barrier()
 
         def train_from(where):
-            model = distillation_model(_student(mm), stored_teacher_logits(where, batches=batches))
+            model = distillation_model(_student(mm)[0], stored_teacher_logits(where, batches=batches))
             mt.train(mt.setup_training(model, lr=1e-3), batches, steps=1, num_microbatches=MICRO)
 
         out["missing"] = _error(lambda: train_from(root / "missing"))
@@ -126,11 +130,34 @@ def _layout(mm, pp: int, root: Path) -> dict:
     return out
 
 
+def _virtual_stages(mm, root: Path) -> dict:
+    """PP=2 x VPP=2 (two student chunks of one layer per stage) from the PP=2 store; writing there is refused."""
+    from modelopt_moe.plugins.megatron import (
+        distillation_micro_batch_size,
+        distillation_model,
+        stored_teacher_logits,
+        write_teacher_logits,
+    )
+    from modelopt_moe.plugins.megatron import training as mt
+
+    mm.init_model_parallel(2, 1, pp=2, vpp=2, seed=SEED)
+    batches = mm.text_batches(MB, SEQ, STEPS * MICRO)
+    chunks = _student(mm, vpp=2)
+    store = stored_teacher_logits(root / "pp2", batches=batches)
+    models = [distillation_model(c, store) for c in chunks]
+    trainer = mt.setup_training(models, lr=1e-3, reuse_quantized_weights=True)
+    losses = mt.train(trainer, batches, steps=STEPS, num_microbatches=MICRO)
+    teacher = [mm.build_moe_gpt(seed=SEED + 1, num_layers=LAYERS, vp_stage=v).eval() for v in range(2)]
+    return {"kinds": [type(m).__name__ for m in models], "micro_batch_size": distillation_micro_batch_size(models, MB),
+            "losses": losses, "tensors": _tensors(chunks),
+            "write": _error(lambda: write_teacher_logits(teacher[0], batches, root / "vpp", top_k=K))}
+
+
 def _worker(rank, world_size, root):
     import megatron_harness.models as mm
 
     root = Path(root)
-    return {"pp2": _layout(mm, 2, root), "pp1": _layout(mm, 1, root)}
+    return {"pp2": _layout(mm, 2, root), "pp1": _layout(mm, 1, root), "vpp": _virtual_stages(mm, root)}
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +223,23 @@ def test_qad_from_stored_logits_at_pp2_trains_as_pp1(run):
     assert any(n.startswith("decoder.layers.3.") for _, n in trained)  # both stages' layers
     for key, t in trained.items():
         torch.testing.assert_close(t, expected[key], rtol=1e-4, atol=1e-6, msg=str(key))
+
+
+def test_qad_from_stored_logits_at_virtual_pipeline_stages_trains_as_pp1(run):
+    results = run["results"]
+    expected = {}
+    for r in results:
+        expected.update(r["pp1"]["tensors"])
+    assert sorted(k for r in results for k in r["vpp"]["tensors"]) == sorted(expected)  # every chunk's layers
+    for r in results:
+        vpp = r["vpp"]
+        assert vpp["kinds"] == ["PipelineStoredLogitsModel"] * 2
+        assert vpp["micro_batch_size"] == MB  # no teacher hidden states stacked on the batch axis
+        assert vpp["losses"] == pytest.approx(results[0]["pp1"]["losses"], rel=1e-5, abs=1e-6)
+        for key, t in vpp["tensors"].items():
+            torch.testing.assert_close(t, expected[key], rtol=1e-4, atol=1e-6, msg=str(key))
+        assert vpp["write"].startswith("ValueError: write_teacher_logits: virtual pipeline stages (2) are not "
+                                       "supported"), vpp["write"]
 
 
 def test_a_missing_or_damaged_store_stops_every_rank_before_any_step(run):
