@@ -41,13 +41,14 @@ for it afterwards (no teacher forward, no teacher weights)::
     write_teacher_logits(teacher, batches, "teacher_logits", top_k=4096)
     model = distillation_model(student, stored_teacher_logits("teacher_logits", batches=batches), recipe=recipe)
 
-Both work with pipeline parallelism (not with virtual pipeline stages): the teacher, built at the layout it is written
-at, runs through Megatron's pipeline schedule (forward only) and its last stage writes the store, the same files as
-at pipeline parallelism 1; in training no teacher exists on any stage, the student runs through the pipeline as a
-plain model (:class:`PipelineStoredLogitsModel`: Megatron's usual tensor shapes) and the last stage computes the loss
-from the stored logits, which find each batch by its tokens: the forward step passes the batch's tokens on the last
-stage too (``lm_forward_step`` does). Every rank opens and checks its replica's store (the directory is visible to
-every rank), so one that is missing or does not fit stops every stage before any step.
+Both work with pipeline parallelism: the teacher, built at the layout it is written at (without virtual pipeline
+stages), runs through Megatron's pipeline schedule (forward only) and its last stage writes the store, the same files
+as at pipeline parallelism 1; in training (virtual pipeline stages too: one per student chunk) no teacher exists on any
+stage, the student runs through the pipeline as a plain model (:class:`PipelineStoredLogitsModel`: Megatron's usual
+tensor shapes) and the last stage computes the loss from the stored logits, which find each batch by its tokens: the
+forward step passes the batch's tokens on the last stage too (``lm_forward_step`` does). Every rank opens and checks
+its replica's store (the directory is visible to every rank), so one that is missing or does not fit stops every stage
+before any step.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
     Raises:
         ValueError: at pipeline parallelism the student and teacher hold other stages (pre/post process) or another
             number of layers; at virtual pipeline stages a student built without ``vp_stage``, a teacher chunk of
-            another ``vp_stage``, a teacher of another hidden size, or stored teacher logits; stored logits of another
-            vocabulary than the student's (on every stage).
+            another ``vp_stage`` or a teacher of another hidden size; stored logits of another vocabulary than the
+            student's (on every stage).
     """
     if recipe is not None:
         kwargs = {"temperature": recipe.temperature, "lm_loss_weight": recipe.lm_loss_weight, **kwargs}
