@@ -214,7 +214,8 @@ def write_teacher_logits(teacher: torch.nn.Module, batches, directory, *, top_k:
 
     Raises:
         LogitStoreError: (a ``ValueError``) ``directory`` holds something else, a bad ``top_k``, no batches; with
-            pipeline parallelism a batch of another shape than the first, or an error on another rank.
+            pipeline parallelism (on every rank, before the teacher runs) a batch of another shape than the first or
+            with token ids outside the vocabulary, and an error on another rank.
         ValueError: virtual pipeline stages.
     """
     import torch.distributed as dist
@@ -225,7 +226,7 @@ def write_teacher_logits(teacher: torch.nn.Module, batches, directory, *, top_k:
                                 "schedule, one model per stage", "write the store with "
                                 "virtual_pipeline_model_parallel_size=None (the stores do not depend on the layout)")
         batches = list(batches)
-        _check_pipeline_batches(batches, directory)
+        _check_pipeline_batches(batches, directory, model_vocab_size(teacher))
     path = _store_of_this_rank(directory)
     last_stage = parallel_state.is_pipeline_last_stage()
     writer = TeacherLogitsWriter(
@@ -270,9 +271,10 @@ def write_teacher_logits(teacher: torch.nn.Module, batches, directory, *, top_k:
     return path
 
 
-def _check_pipeline_batches(batches: list, directory) -> None:
-    """The pipeline schedule's micro-batches have one shape (the first batch's): checked on every rank before the
-    teacher runs, so that no stage waits for a tensor another never sends."""
+def _check_pipeline_batches(batches: list, directory, vocab_size: int | None) -> None:
+    """The pipeline schedule's micro-batches have one shape (the first batch's) and token ids the embedding takes:
+    checked on every rank before the teacher runs, so that no stage fails in its forward while another waits for a
+    tensor it never sends."""
     if not batches:
         raise LogitStoreError(f"write_teacher_logits: {directory}: no batches; nothing to write")
     shape = None
@@ -286,6 +288,10 @@ def _check_pipeline_batches(batches: list, directory) -> None:
             raise LogitStoreError(f"write_teacher_logits: {directory}: batch {i}'s tokens are "
                                   f"{list(tokens.shape)}, batch 0's {list(shape)}; with pipeline parallelism every "
                                   "batch is one micro-batch of the schedule, all of one shape")
+        if vocab_size is not None and tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
+            raise LogitStoreError(f"write_teacher_logits: {directory}: batch {i}'s tokens hold ids in "
+                                  f"[{int(tokens.min())}, {int(tokens.max())}]; the teacher's vocabulary is "
+                                  f"[0, {vocab_size})")
 
 
 def _pipelined_teacher_logits(teacher: torch.nn.Module, batches: list, add, device) -> Exception | None:

@@ -4,11 +4,13 @@ PP=1 x TP=2 on the same teacher weights, student weights and batches.
 * ``write_teacher_logits`` at PP=2 runs the teacher through Megatron's pipeline schedule (forward only): the last
   stage's first TP rank writes the store, whose shards are byte for byte those PP=1 writes and whose manifest differs
   only in the data-parallel size of the layout; a ``top_k`` above the vocabulary fails on every rank (the first stage
-  names the failing ranks) and writes nothing.
+  names the failing ranks) and writes nothing; batches the pipeline cannot run (another shape, token ids outside the
+  vocabulary) are refused on every rank before the teacher runs.
 * QAD from the stored logits at PP=2 (``distillation_model(student, stored_teacher_logits(...))``: the student alone
-  on every stage, the KL on the last), two steps of 3 micro-batches through ``setup_training`` (Float16Module + DDP +
+  on every stage, the KL on the last), two steps of 4 micro-batches through ``setup_training`` (Float16Module + DDP +
   bf16 + the distributed optimizer) and the drop-in schedule, gives the losses and trained weights of PP=1 from its
-  store; the tensors between the stages keep Megatron's usual shapes.
+  store; the tensors between the stages keep Megatron's usual shapes. So does PP=2 x VPP=2 (one model per student
+  chunk) from the PP=2 store; writing at virtual stages is refused by name.
 * A missing or damaged store fails on every rank by name, before any step; a forward step that gives the last stage
   no tokens is refused by name.
 """
@@ -100,6 +102,12 @@ def _layout(mm, pp: int, root: Path) -> dict:
            "written": sorted(p.name for p in directory.iterdir())}
     # top_k above the vocabulary: found on the last stage, every rank stops, nothing written
     out["too_large_k"] = _error(lambda: write_teacher_logits(teacher, batches, root / f"k{pp}", top_k=1000))
+    if pp > 1:  # batches the pipeline cannot run: refused on every rank before the teacher runs
+        bad = [dict(b) for b in batches]
+        bad[1]["tokens"] = bad[1]["tokens"].clone().fill_(999)
+        out["bad_tokens"] = _error(lambda: write_teacher_logits(teacher, bad, root / "bad", top_k=K))
+        out["bad_shape"] = _error(lambda: write_teacher_logits(teacher, batches + mm.text_batches(1, SEQ, 1), root /
+                                                               "bad", top_k=K))
     out["too_large_k_wrote"] = sorted(p.name for p in (root / f"k{pp}").glob("*"))  # hidden temporaries too
     forwards = []
     teacher.register_forward_pre_hook(lambda *a: forwards.append(1))
@@ -198,6 +206,11 @@ def test_a_write_error_on_the_last_stage_stops_every_rank_with_nothing_written(r
             assert error == ("LogitStoreError: write_teacher_logits: rank(s) [2, 3] failed before any store was "
                              "committed (their error is raised there); nothing was written"), error
         assert "top_k=1000 exceeds the vocabulary (256)" in r["pp1"]["too_large_k"]
+        assert r["pp2"]["bad_tokens"] == (f"LogitStoreError: write_teacher_logits: {run['root'] / 'bad'}: batch 1's "
+                                          "tokens hold ids in [999, 999]; the teacher's vocabulary is [0, 256)")
+        assert r["pp2"]["bad_shape"] == (f"LogitStoreError: write_teacher_logits: {run['root'] / 'bad'}: batch 8's "
+                                         "tokens are [1, 32], batch 0's [2, 32]; with pipeline parallelism every batch "
+                                         "is one micro-batch of the schedule, all of one shape")
 
 
 def test_qad_from_stored_logits_at_pp2_trains_as_pp1(run):
