@@ -40,6 +40,15 @@ for it afterwards (no teacher forward, no teacher weights)::
 
     write_teacher_logits(teacher, batches, "teacher_logits", top_k=4096)
     model = distillation_model(student, stored_teacher_logits("teacher_logits", batches=batches), recipe=recipe)
+
+Both work with pipeline parallelism: the teacher, built at the layout it is written at (without virtual pipeline
+stages), runs through Megatron's pipeline schedule (forward only) and its last stage writes the store, the same files
+as at pipeline parallelism 1; in training (virtual pipeline stages too: one per student chunk) no teacher exists on any
+stage, the student runs through the pipeline as a plain model (:class:`PipelineStoredLogitsModel`: Megatron's usual
+tensor shapes) and the last stage computes the loss from the stored logits, which find each batch by its tokens: the
+forward step passes the batch's tokens on the last stage too (``lm_forward_step`` does). Every rank opens and checks
+its replica's store (the directory is visible to every rank), so one that is missing or does not fit stops every stage
+before any step.
 """
 
 from __future__ import annotations
@@ -50,8 +59,14 @@ import torch
 from megatron.core import parallel_state
 
 from modelopt_moe.distill import DistillationModel, QADRecipe, param_group
-from modelopt_moe.distill.logit_store import StoredTeacherLogits, TeacherLogitsStore, TeacherLogitsWriter
+from modelopt_moe.distill.logit_store import (
+    LogitStoreError,
+    StoredTeacherLogits,
+    TeacherLogitsStore,
+    TeacherLogitsWriter,
+)
 
+from .batches import model_vocab_size
 from .pipeline_state import refuse_virtual_pipeline, virtual_pipeline_size
 
 __all__ = ["distillation_model", "write_teacher_logits", "stored_teacher_logits", "distillation_tensor_shapes_fn",
@@ -72,7 +87,8 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
             ``teacher_fp8`` (``"per_tensor"`` / ``"per_channel"``: the teacher's weights stored in FP8).
 
     ``teacher`` may be :func:`stored_teacher_logits` instead of a model: the teacher's top-k logits precomputed by
-    :func:`write_teacher_logits` (pipeline parallelism 1).
+    :func:`write_teacher_logits`. With pipeline parallelism it returns a :class:`PipelineStoredLogitsModel` then (the
+    student alone on every stage, the loss on the last).
 
     With pipeline parallelism (teacher and student split on the same stages) it returns a
     :class:`PipelineDistillationModel`.
@@ -83,7 +99,8 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
     Raises:
         ValueError: at pipeline parallelism the student and teacher hold other stages (pre/post process) or another
             number of layers; at virtual pipeline stages a student built without ``vp_stage``, a teacher chunk of
-            another ``vp_stage`` or a teacher of another hidden size.
+            another ``vp_stage`` or a teacher of another hidden size; stored logits of another vocabulary than the
+            student's (on every stage).
     """
     if recipe is not None:
         kwargs = {"temperature": recipe.temperature, "lm_loss_weight": recipe.lm_loss_weight, **kwargs}
@@ -95,8 +112,9 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return DistillationModel(student, teacher, tp_group=tp_group, **kwargs)
     if isinstance(teacher, StoredTeacherLogits):
-        raise ValueError(f"distillation_model: stored teacher logits ({teacher.store.directory}) need pipeline "
-                         "parallelism 1 (the last stage alone would read them)")
+        if virtual_pipeline_size() > 1:
+            _check_student_chunk(student)
+        return PipelineStoredLogitsModel(student, teacher, tp_group=tp_group, **kwargs)
     if virtual_pipeline_size() > 1:
         _check_virtual_pipeline_chunks(student, teacher)
     for attr in ("pre_process", "post_process"):
@@ -111,14 +129,19 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
                                      **kwargs)
 
 
-def _check_virtual_pipeline_chunks(student: torch.nn.Module, teacher: torch.nn.Module) -> None:
-    """At virtual pipeline stages: one chunk of each, of the same ``vp_stage``, and the hidden sizes the batch-axis
-    stacking needs (Megatron's interleaved schedule sends ``[seq, micro_batch, config.hidden_size]``)."""
+def _check_student_chunk(student: torch.nn.Module) -> None:
+    """At virtual pipeline stages the student is one model chunk (built with its ``vp_stage``)."""
     if getattr(student, "vp_stage", None) is None:
         refuse_virtual_pipeline("distillation_model of a model built without vp_stage",
                                 "the interleaved schedule runs model chunks, each built with its vp_stage",
                                 "build the student's and the teacher's chunks with vp_stage=0.. and pass one chunk "
                                 "of each")
+
+
+def _check_virtual_pipeline_chunks(student: torch.nn.Module, teacher: torch.nn.Module) -> None:
+    """At virtual pipeline stages: one chunk of each, of the same ``vp_stage``, and the hidden sizes the batch-axis
+    stacking needs (Megatron's interleaved schedule sends ``[seq, micro_batch, config.hidden_size]``)."""
+    _check_student_chunk(student)
     if getattr(teacher, "vp_stage", None) != student.vp_stage:
         raise ValueError(f"distillation_model: student.vp_stage={student.vp_stage} but teacher.vp_stage="
                          f"{getattr(teacher, 'vp_stage', None)}; pass the teacher's chunk of the same virtual "
@@ -147,8 +170,13 @@ def _logits_vocab(model: torch.nn.Module) -> int:
 
 
 def _check_stored_vocab(student: torch.nn.Module, teacher: StoredTeacherLogits) -> None:
+    """On every pipeline stage, so that all stop together: the last stage reads the output layer's vocabulary, the
+    others the model's (``GPTModel.vocab_size``, the output layer's rows over all TP ranks)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    vocab = _logits_vocab(student) * tp
+    if getattr(student, "post_process", True) or model_vocab_size(student) is None:
+        vocab = _logits_vocab(student) * tp
+    else:
+        vocab = model_vocab_size(student)
     if vocab != teacher.store.vocab_size or teacher.vocab_slice * tp != vocab:
         raise ValueError(f"distillation_model: the student's logits cover a vocabulary of {vocab} ({vocab // tp} "
                          f"on each of {tp} TP ranks) but the stored teacher logits "
@@ -163,11 +191,18 @@ def write_teacher_logits(teacher: torch.nn.Module, batches, directory, *, top_k:
     Every rank calls it with its own batches (the ones it will train on, in that order): the teacher's forward and
     the gather of the top k over the tensor-parallel group run on every rank; the first TP rank of each
     data-parallel replica writes that replica's store, ``directory/dp<rank>-of-<size>``, all or nothing; all ranks
-    then meet in one barrier. Pipeline parallelism 1.
+    then meet in one barrier.
+
+    With pipeline parallelism the teacher (this stage's part, built at the training layout) runs through Megatron's
+    pipeline schedule, forward only (one call over all ``batches``, as micro-batches of the first batch's shape: all
+    must have it); the last stage gathers the top k and writes the store, the same files as at pipeline parallelism 1;
+    the other stages write nothing. Every rank of a pipeline gets the same batches (its data-parallel replica's).
+    An error on any rank before the stores are committed (a batch of another shape, a ``top_k`` above the
+    vocabulary) stops every rank with nothing written. Virtual pipeline stages are refused.
 
     Args:
         teacher: the Megatron GPT model (its forward ``teacher(tokens, position_ids, attention_mask)`` returns
-            logits).
+            logits; with pipeline parallelism, this stage's part).
         batches: dicts of ``tokens``, ``position_ids``, ``attention_mask`` (the training batches' contract).
         directory: where the stores go (absent, empty, or stores of ours, which are replaced).
         top_k: logits kept per token.
@@ -175,19 +210,29 @@ def write_teacher_logits(teacher: torch.nn.Module, batches, directory, *, top_k:
         batches_per_shard: batches in one shard file.
 
     Returns:
-        This rank's store directory.
+        This rank's store directory (written by the last stage's first TP rank of its data-parallel replica).
 
     Raises:
-        LogitStoreError: (a ``ValueError``) ``directory`` holds something else, a bad ``top_k``.
+        LogitStoreError: (a ``ValueError``) ``directory`` holds something else, a bad ``top_k``, no batches; with
+            pipeline parallelism (on every rank, before the teacher runs) a batch of another shape than the first or
+            with token ids outside the vocabulary, and an error on another rank.
+        ValueError: virtual pipeline stages.
     """
     import torch.distributed as dist
 
-    if parallel_state.get_pipeline_model_parallel_world_size() != 1:
-        raise ValueError("write_teacher_logits: pipeline parallelism 1 only (the last stage alone has the logits)")
+    pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    if pipelined:
+        refuse_virtual_pipeline("write_teacher_logits", "the teacher runs through the non-interleaved pipeline "
+                                "schedule, one model per stage", "write the store with "
+                                "virtual_pipeline_model_parallel_size=None (the stores do not depend on the layout)")
+        batches = list(batches)
+        _check_pipeline_batches(batches, directory, model_vocab_size(teacher))
     path = _store_of_this_rank(directory)
+    last_stage = parallel_state.is_pipeline_last_stage()
     writer = TeacherLogitsWriter(
         path, top_k=top_k, values_dtype=values_dtype, tp_group=parallel_state.get_tensor_model_parallel_group(),
-        batches_per_shard=batches_per_shard, write=parallel_state.get_tensor_model_parallel_rank() == 0,
+        batches_per_shard=batches_per_shard,
+        write=last_stage and parallel_state.get_tensor_model_parallel_rank() == 0,
         extra={"data_parallel_rank": parallel_state.get_data_parallel_rank(),
                "data_parallel_size": parallel_state.get_data_parallel_world_size()})
     failed, was_training = None, teacher.training
@@ -195,20 +240,30 @@ def write_teacher_logits(teacher: torch.nn.Module, batches, directory, *, top_k:
     try:
         teacher.eval()
         with torch.no_grad():
-            for b in batches:
-                tokens = b["tokens"].to(device)
-                mask = b.get("attention_mask")
-                logits = teacher(tokens, b["position_ids"].to(device), None if mask is None else mask.to(device))
-                writer.add(tokens, logits)
-        writer.commit()
+            if pipelined:
+                failed = _pipelined_teacher_logits(teacher, batches, writer.add, device)
+            else:
+                for b in batches:
+                    tokens = b["tokens"].to(device)
+                    mask = b.get("attention_mask")
+                    logits = teacher(tokens, b["position_ids"].to(device), None if mask is None else mask.to(device))
+                    writer.add(tokens, logits)
     except Exception as e:
-        writer.abort()
         failed = e
     except BaseException:  # an interrupt: leave at once, nothing written
         writer.abort()
         raise
     finally:
         teacher.train(was_training)
+    if pipelined:  # the other stages learn of a failure on the last one (or it of theirs): all stop, nothing written
+        failed = _agree_on_failure(failed, device, "before any store was committed")
+    if failed is None and last_stage:
+        try:
+            writer.commit()
+        except Exception as e:
+            failed = e
+    if failed is not None:
+        writer.abort()
     if dist.is_initialized():
         dist.barrier()  # every rank, even one that failed: the others' stores are complete before anyone reads
     if failed is not None:
@@ -216,10 +271,90 @@ def write_teacher_logits(teacher: torch.nn.Module, batches, directory, *, top_k:
     return path
 
 
+def _check_pipeline_batches(batches: list, directory, vocab_size: int | None) -> None:
+    """The pipeline schedule's micro-batches have one shape (the first batch's) and token ids the embedding takes:
+    checked on every rank before the teacher runs, so that no stage fails in its forward while another waits for a
+    tensor it never sends."""
+    if not batches:
+        raise LogitStoreError(f"write_teacher_logits: {directory}: no batches; nothing to write")
+    shape = None
+    for i, b in enumerate(batches):
+        tokens = b.get("tokens") if isinstance(b, dict) else None
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or "position_ids" not in b:
+            raise LogitStoreError(f"write_teacher_logits: {directory}: batch {i} is not a dict with 'tokens' "
+                                  "[batch, seq] and 'position_ids' (the training batches' contract)")
+        shape = shape or tuple(tokens.shape)
+        if tuple(tokens.shape) != shape:
+            raise LogitStoreError(f"write_teacher_logits: {directory}: batch {i}'s tokens are "
+                                  f"{list(tokens.shape)}, batch 0's {list(shape)}; with pipeline parallelism every "
+                                  "batch is one micro-batch of the schedule, all of one shape")
+        if vocab_size is not None and tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
+            raise LogitStoreError(f"write_teacher_logits: {directory}: batch {i}'s tokens hold ids in "
+                                  f"[{int(tokens.min())}, {int(tokens.max())}]; the teacher's vocabulary is "
+                                  f"[0, {vocab_size})")
+
+
+def _pipelined_teacher_logits(teacher: torch.nn.Module, batches: list, add, device) -> Exception | None:
+    """The teacher over ``batches`` through Megatron's non-interleaved schedule, forward only (the activations go
+    between the stages as in training); on the last stage ``add(tokens, logits)`` per batch, in order.
+
+    Returns:
+        The first error ``add`` raised on this rank (None: none). Later batches still go through the pipeline (the
+        other stages send them whatever happens here), without ``add``.
+    """
+    from functools import partial
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
+
+    errors: list[Exception] = []
+
+    def record(tokens, logits):
+        if not errors:
+            try:
+                add(tokens, logits)
+            except Exception as e:
+                errors.append(e)
+        return logits.new_zeros(()), {}
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        tokens = b["tokens"].to(device)
+        mask = b.get("attention_mask")
+        out = model(tokens, b["position_ids"].to(device), None if mask is None else mask.to(device))
+        return out, partial(record, tokens)
+
+    batch, seq = batches[0]["tokens"].shape
+    with megatron_training_shims():
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[teacher],
+            num_microbatches=len(batches), seq_length=seq, micro_batch_size=batch, forward_only=True)
+    return errors[0] if errors else None
+
+
+def _agree_on_failure(failed: Exception | None, device, when: str) -> Exception | None:
+    """Every rank's own error, or one that names the failing ranks where another rank failed (one all-reduce over
+    all ranks, made by every rank)."""
+    import torch.distributed as dist
+
+    flags = torch.zeros(dist.get_world_size(), device=device)
+    flags[dist.get_rank()] = failed is not None
+    dist.all_reduce(flags)
+    if failed is not None or not flags.any():
+        return failed
+    ranks = [int(r) for r in flags.nonzero().flatten()]
+    return LogitStoreError(f"write_teacher_logits: rank(s) {ranks} failed {when} (their error is raised there); "
+                           "nothing was written")
+
+
 def stored_teacher_logits(directory, *, batches=None, top_k: int | None = None,
                           start_batch: int = 0) -> StoredTeacherLogits:
     """The teacher's precomputed logits (:func:`write_teacher_logits`) for ``distillation_model(student, teacher)``,
     read by this rank from its data-parallel replica's store, at its tensor-parallel slice of the vocabulary.
+
+    Every rank calls it (local files, no collective): with pipeline parallelism every stage opens and checks the store,
+    so that a missing or mismatched one stops all stages before any step; only the last stage reads its shards.
 
     Args:
         directory: what ``write_teacher_logits`` was given.
@@ -284,6 +419,35 @@ class PipelineDistillationModel(DistillationModel):
         with torch.no_grad():
             teacher_hidden = self.teacher(*args, **kwargs)
         return torch.cat([hidden, teacher_hidden.to(hidden.dtype)], dim=1 if self.stack_on_batch else -1)
+
+
+class PipelineStoredLogitsModel(DistillationModel):
+    """:class:`~modelopt_moe.distill.DistillationModel` from stored teacher logits on one pipeline stage: no teacher
+    runs anywhere, so the student runs through the pipeline as a plain model (the tensors between stages are its
+    hidden states, of Megatron's usual shapes: the schedule needs no wider shapes) and the last stage computes the
+    loss against the stored logits exactly as at pipeline parallelism 1. With virtual pipeline stages there is one
+    per student chunk (sharing the stored logits, which the last stage's last chunk reads).
+
+    The forward step must pass the batch's tokens as the model's first input on the last stage too (the stored logits
+    find their batch by the tokens' digest): ``lm_forward_step`` does; a forward step that passes None there (as
+    Megatron-LM's ``get_batch`` does off the first stage) is refused by name.
+    """
+
+    def __init__(self, student: torch.nn.Module, teacher: StoredTeacherLogits, **kwargs):
+        super().__init__(student, teacher, **kwargs)
+        self.post_process = bool(student.post_process)
+        self.vp_stage = getattr(student, "vp_stage", None)  # the student chunk's virtual pipeline stage
+
+    def forward(self, *args, labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """The per-token loss on the last stage; the student's hidden states before it."""
+        if not self.post_process:
+            return self.module(*args, **kwargs)
+        if not args or not isinstance(args[0], torch.Tensor):
+            found = args[0] if args else None
+            raise ValueError(f"distillation_model: the last pipeline stage got tokens={found!r} as the model's first "
+                             f"input, but the stored teacher logits ({self.teacher.store.directory}) find each batch "
+                             "by its tokens: pass the batch's tokens on the last stage too")
+        return super().forward(*args, labels=labels, **kwargs)
 
 
 def _distillation_chunk(model) -> PipelineDistillationModel | None:
