@@ -59,8 +59,6 @@ from .distill import (
     qad_lr_scheduler,
     qad_optimizer_config,
     select_trainable,
-    stored_teacher_logits,
-    write_teacher_logits,
 )
 from .forward_step import lm_forward_step, lm_loss_func
 from .hf_io import MegatronExportAdapter
@@ -70,6 +68,7 @@ from .parallel import destroy_model_parallel, init_model_parallel
 from .pipeline_state import stage_naming
 from .schedule import get_forward_backward_func
 from .sharded_state_dict import checkpoint_load_metadata
+from .teacher_logits import stored_teacher_logits, write_teacher_logits
 
 __all__ = [
     "register",
