@@ -16,6 +16,8 @@ Transforms (``--variants``; joined with ``+`` they apply left to right, each on 
   rounds ``s`` to a power of two (exact in bf16);
 - ``blockeq``: inside each block of 16 channels, every channel's ``amax_x`` raised to the block's largest
   (``s_j = amax_x_j / max_block amax_x``; the error moves to fc2's weights);
+- ``awq``: per expert, of ``s = 1`` and the SmoothQuant scales at alpha 0, 0.1, ..., 1, the one whose NVFP4
+  fake-quantized fc2 GEMM is closest to the bf16 one on the expert's calibration tokens (AWQ's search);
 - ``perm``: the channels sorted by ``amax_x`` (descending) per expert, so a block holds channels of like size; exact
   for any activation.
 
@@ -55,10 +57,11 @@ for _path in (Path(__file__).resolve().parent, Path(__file__).resolve().parents[
         sys.path.insert(0, str(_path))
 
 __all__ = ["ExpertGemms", "expert_gemms", "check_transformable", "fc2_input_amax", "smoothing_scales",
-           "scale_channels", "permute_channels", "apply_transform", "parse_transform", "run", "main"]
+           "searched_scales", "scale_channels", "permute_channels", "apply_transform", "parse_transform", "run", "main"]
 
 BLOCK = 16  # NVFP4's block along fc2's input channels (the activations' and fc2 weight's last dim)
-VARIANTS = ("none", "smooth0.25", "smooth0.5", "smooth0.75", "smooth0.5p2", "blockeq", "perm", "smooth0.5+perm")
+VARIANTS = ("none", "smooth0.25", "smooth0.5", "smooth0.75", "smooth0.5p2", "blockeq", "awq", "perm",
+            "smooth0.5+perm")
 GLUS = {"none": {}, "swiglu": {"gated_linear_unit": True, "activation_func": F.silu},
         "geglu": {"gated_linear_unit": True, "activation_func": F.gelu}}
 
@@ -138,20 +141,24 @@ def _fc2_input(e: ExpertGemms, fc1_out: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fc2_input_amax(model: torch.nn.Module, forward_loop) -> dict[str, torch.Tensor]:
+def fc2_input_amax(model: torch.nn.Module, forward_loop, inputs: dict | None = None) -> dict[str, torch.Tensor]:
     """Per expert (by :func:`expert_gemms` name): the fp32 ``[F]`` largest ``|fc2 input|`` per channel over the tokens
-    routed to it while ``forward_loop(model)`` runs (zeros for an expert no token reached). One process: a
-    data-parallel run would reduce these with MAX first."""
+    routed to it while ``forward_loop(model)`` runs (zeros for an expert no token reached); with ``inputs`` (a dict),
+    also each expert's fc2 inputs ``[tokens, F]`` there. One process: a data-parallel run would reduce these with
+    MAX first."""
     experts = expert_gemms(model)
     amax = {e.name: torch.zeros(e.fc2_weight.shape[1], dtype=torch.float32, device=e.fc2_weight.device)
             for e in experts}
     by_weight = {id(e.fc1_weight): e for e in experts}
     handles = []
+    seen: dict[str, list[torch.Tensor]] = {e.name: [] for e in experts}
 
     def record(e, out):
         if out.numel():
             h = _fc2_input(e, out.reshape(-1, out.shape[-1]))
             torch.maximum(amax[e.name], h.abs().amax(0).float(), out=amax[e.name])
+            if inputs is not None:
+                seen[e.name].append(h.clone())
 
     for module in model.modules():
         if hasattr(module, "local_experts"):
@@ -179,6 +186,8 @@ def fc2_input_amax(model: torch.nn.Module, forward_loop) -> dict[str, torch.Tens
     finally:
         for h in handles:
             h.remove()
+    if inputs is not None:
+        inputs.update({n: torch.cat(v) if v else None for n, v in seen.items()})
     return amax
 
 
@@ -208,6 +217,35 @@ def smoothing_scales(amax_x: torch.Tensor, amax_w: torch.Tensor, alpha: float | 
     return s.float()
 
 
+AWQ_ALPHAS = tuple(i / 10 for i in range(11))
+
+
+@torch.no_grad()
+def searched_scales(h: torch.Tensor | None, w: torch.Tensor, amax_x: torch.Tensor,
+                    alphas: tuple[float, ...] = AWQ_ALPHAS) -> torch.Tensor:
+    """AWQ-style: of ``s = 1`` and :func:`smoothing_scales` at each of ``alphas``, the ``s`` whose NVFP4 fake-quantized
+    GEMM ``Q(h / s) @ Q(w * s)^T`` is closest (squared error) to ``h @ w^T`` on the expert's calibration inputs ``h``
+    (``[tokens, F]``; None: no token, ``s = 1``). Each operand takes its own amax as the per-tensor scale (the model's
+    input amax is the layer's, shared by its experts: only the E4M3 rounding of the block scales differs)."""
+    from modelopt_moe.numerics.registry import get_format
+
+    ones = torch.ones_like(amax_x)
+    if h is None or not h.numel():
+        return ones
+    fmt = get_format("nvfp4")
+    hf, wf = h.float(), w.float()
+    ref = hf @ wf.T
+
+    def error(s):
+        x, v = (hf / s).to(h.dtype), (wf * s).to(w.dtype)
+        y = fmt.fake_quant(x, x.abs().amax().float()).float() @ fmt.fake_quant(v, v.abs().amax().float()).float().T
+        return float((y - ref).square().sum())
+
+    amax_w = wf.abs().amax(0)
+    candidates = [ones] + [smoothing_scales(amax_x, amax_w, a) for a in alphas]
+    return min(candidates, key=error)
+
+
 @torch.no_grad()
 def scale_channels(e: ExpertGemms, s: torch.Tensor) -> None:
     """fc1's up row ``j`` (and bias) divided by ``s_j``, fc2's column ``j`` multiplied by it (in fp32, stored in the
@@ -232,7 +270,7 @@ def permute_channels(e: ExpertGemms, perm: torch.Tensor) -> None:
     e.fc2_weight.copy_(e.fc2_weight[:, perm].clone())
 
 
-_STEP = re.compile(r"^(none|perm|blockeq|smooth(\d*\.?\d+)(p2)?)$")
+_STEP = re.compile(r"^(none|perm|blockeq|awq|smooth(\d*\.?\d+)(p2)?)$")
 
 
 def parse_transform(spec: str) -> list[tuple[str, float | None, bool]]:
@@ -245,7 +283,7 @@ def parse_transform(spec: str) -> list[tuple[str, float | None, bool]]:
     for part in spec.split("+"):
         m = _STEP.match(part)
         if not m:
-            raise ValueError(f"transform {spec!r}: unknown step {part!r}; expected none, perm, blockeq, "
+            raise ValueError(f"transform {spec!r}: unknown step {part!r}; expected none, perm, blockeq, awq, "
                              "smooth<alpha>[p2] (e.g. smooth0.5), joined with '+'")
         if m[1] == "none":
             continue
@@ -269,11 +307,14 @@ def apply_transform(model: torch.nn.Module, spec: str, forward_loop) -> None:
     steps = parse_transform(spec)
     check_transformable(model, scales=any(kind != "perm" for kind, _, _ in steps))
     for kind, alpha, pow2 in steps:
-        amax = fc2_input_amax(model, forward_loop)
+        inputs = {} if kind == "awq" else None
+        amax = fc2_input_amax(model, forward_loop, inputs)
         for e in expert_gemms(model):
             x = amax[e.name]
             if kind == "perm":
                 permute_channels(e, torch.argsort(x, descending=True, stable=True))
+            elif kind == "awq":
+                scale_channels(e, searched_scales(inputs[e.name], e.fc2_weight.detach(), x))
             else:
                 scale_channels(e, smoothing_scales(x, e.fc2_weight.detach().abs().amax(0).float(),
                                                    alpha if kind == "smooth" else None, pow2=pow2))

@@ -38,7 +38,7 @@ def test_transform_specs_parse_and_bad_ones_are_named():
     assert parse_transform("smooth0.5p2+perm") == [("smooth", 0.5, True), ("perm", None, False)]
     assert parse_transform("blockeq") == [("blockeq", None, False)]
     for spec, message in [("smooth", "unknown step 'smooth'"), ("smooth2", "alpha 2.0 outside"),
-                          ("perm+awq", "unknown step 'awq'")]:
+                          ("perm+gptq", "unknown step 'gptq'")]:
         with pytest.raises(ValueError, match=re.escape(f"transform '{spec}'")) as info:
             parse_transform(spec)
         assert message in str(info.value)
@@ -62,7 +62,7 @@ def _worker(rank, world_size):
     swiglu = {"gated_linear_unit": True, "activation_func": F.silu}
     out = {}
     for experts in ("sequential", "grouped"):
-        for dtype, spec in ((torch.float32, "smooth0.5"), (torch.float32, "blockeq+perm"),
+        for dtype, spec in ((torch.float32, "smooth0.5"), (torch.float32, "blockeq+perm"), (torch.float32, "awq"),
                             (torch.bfloat16, "smooth0.5p2"), (torch.bfloat16, "smooth0.5")):
             model = mm.build_moe_gpt(ffn_hidden=64, num_experts=4, params_dtype=dtype, experts=experts,
                                      **swiglu).eval()
@@ -94,6 +94,7 @@ def test_transforms_preserve_the_model_and_unsound_experts_are_refused_by_name()
     out, errors = spawn(_worker, 1, timeout=seconds(300))[0]
     for experts in ("sequential", "grouped"):
         for key, tol in [(("float32", "smooth0.5"), 1e-5), (("float32", "blockeq+perm"), 1e-5),
+                         (("float32", "awq"), 1e-5),
                          (("bfloat16", "smooth0.5p2"), 0.0),  # powers of two: exact in bf16
                          (("bfloat16", "smooth0.5"), 0.05)]:  # the scaled weights round to bf16
             diff, scale, moved = out[(experts, f"torch.{key[0]}", key[1])]
