@@ -222,16 +222,17 @@ AWQ_ALPHAS = tuple(i / 10 for i in range(11))
 
 @torch.no_grad()
 def searched_scales(h: torch.Tensor | None, w: torch.Tensor, amax_x: torch.Tensor,
-                    alphas: tuple[float, ...] = AWQ_ALPHAS) -> torch.Tensor:
+                    alphas: tuple[float, ...] = AWQ_ALPHAS) -> tuple[torch.Tensor, float | None]:
     """AWQ-style: of ``s = 1`` and :func:`smoothing_scales` at each of ``alphas``, the ``s`` whose NVFP4 fake-quantized
     GEMM ``Q(h / s) @ Q(w * s)^T`` is closest (squared error) to ``h @ w^T`` on the expert's calibration inputs ``h``
     (``[tokens, F]``; None: no token, ``s = 1``). Each operand takes its own amax as the per-tensor scale (the model's
-    input amax is the layer's, shared by its experts: only the E4M3 rounding of the block scales differs)."""
+    input amax is the layer's, shared by its experts: only the E4M3 rounding of the block scales differs). Returns
+    ``s`` and its alpha (None: ``s = 1``)."""
     from modelopt_moe.numerics.registry import get_format
 
     ones = torch.ones_like(amax_x)
     if h is None or not h.numel():
-        return ones
+        return ones, None
     fmt = get_format("nvfp4")
     hf, wf = h.float(), w.float()
     ref = hf @ wf.T
@@ -242,8 +243,8 @@ def searched_scales(h: torch.Tensor | None, w: torch.Tensor, amax_x: torch.Tenso
         return float((y - ref).square().sum())
 
     amax_w = wf.abs().amax(0)
-    candidates = [ones] + [smoothing_scales(amax_x, amax_w, a) for a in alphas]
-    return min(candidates, key=error)
+    candidates = [(ones, None)] + [(smoothing_scales(amax_x, amax_w, a), a) for a in alphas]
+    return min(candidates, key=lambda c: error(c[0]))
 
 
 @torch.no_grad()
@@ -297,15 +298,17 @@ def parse_transform(spec: str) -> list[tuple[str, float | None, bool]]:
     return steps
 
 
-def apply_transform(model: torch.nn.Module, spec: str, forward_loop) -> None:
+def apply_transform(model: torch.nn.Module, spec: str, forward_loop) -> dict:
     """Applies ``spec`` (:func:`parse_transform`) to every expert of ``model`` in place, each step on the fc2-input
-    statistics that ``forward_loop(model)`` gives the model as the previous steps left it.
+    statistics that ``forward_loop(model)`` gives the model as the previous steps left it. Returns what the steps
+    chose: ``{"awq_alphas": {alpha or "s=1": experts}}`` for ``awq``.
 
     Raises:
         ValueError: a bad spec, or experts that the transform does not preserve (:func:`check_transformable`).
     """
     steps = parse_transform(spec)
     check_transformable(model, scales=any(kind != "perm" for kind, _, _ in steps))
+    info: dict = {}
     for kind, alpha, pow2 in steps:
         inputs = {} if kind == "awq" else None
         amax = fc2_input_amax(model, forward_loop, inputs)
@@ -314,10 +317,14 @@ def apply_transform(model: torch.nn.Module, spec: str, forward_loop) -> None:
             if kind == "perm":
                 permute_channels(e, torch.argsort(x, descending=True, stable=True))
             elif kind == "awq":
-                scale_channels(e, searched_scales(inputs[e.name], e.fc2_weight.detach(), x))
+                scales, chosen = searched_scales(inputs[e.name], e.fc2_weight.detach(), x)
+                key = "s=1" if chosen is None else f"{chosen:g}"
+                info.setdefault("awq_alphas", {})[key] = info.get("awq_alphas", {}).get(key, 0) + 1
+                scale_channels(e, scales)
             else:
                 scale_channels(e, smoothing_scales(x, e.fc2_weight.detach().abs().amax(0).float(),
                                                    alpha if kind == "smooth" else None, pow2=pow2))
+    return info
 
 
 # ----------------------------------------------------------------------------------------------------- the study
@@ -376,8 +383,7 @@ def _worker(rank, world_size, overrides: dict, variants: tuple[str, ...], verbos
     for spec in variants:
         t0 = time.perf_counter()
         model = study_model(cfg, weights).eval()
-        apply_transform(model, spec, calib_loop)
-        r = {"bf16": evaluate(model)}
+        r = {"chosen": apply_transform(model, spec, calib_loop), "bf16": evaluate(model)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             mtq.quantize(model, expert_quant_config("nvfp4", "dynamic", "max"), calib_loop)
@@ -438,6 +444,11 @@ def format_results(runs: dict) -> str:
             cell(spec, lambda r, n: r["kl_fc2_inputs_only"] / n["kl_fc2_inputs_only"] if n else None, ".2f"),
             cell(spec, lambda r, n: r["kl_fc1_inputs_only"], ".3g"),
             cell(spec, lambda r, n: r["kl_weights_only"], ".3g")]) + " |")
+    for s in seeds:
+        for spec, r in runs[s]["variants"].items():
+            if r.get("chosen", {}).get("awq_alphas"):
+                counts = sorted(r["chosen"]["awq_alphas"].items(), key=lambda kv: (kv[0] != "s=1", kv[0]))
+                lines.append(f"seed {s}, {spec}: experts per chosen alpha " + ", ".join(f"{k}: {v}" for k, v in counts))
     lines.append(f"({sum(runs[s]['seconds'] for s in seeds):.0f} s)")
     return "\n".join(lines)
 
