@@ -19,7 +19,9 @@ Transforms (``--variants``; joined with ``+`` they apply left to right, each on 
 - ``awq``: per expert, of ``s = 1`` and the SmoothQuant scales at alpha 0, 0.1, ..., 1, the one whose NVFP4
   fake-quantized fc2 GEMM is closest to the bf16 one on the expert's calibration tokens (AWQ's search);
 - ``perm``: the channels sorted by ``amax_x`` (descending) per expert, so a block holds channels of like size; exact
-  for any activation.
+  for any activation;
+- ``spread``: the opposite, the channels dealt round-robin over the blocks by ``amax_x``, so each block holds one of
+  the largest (exact for any activation).
 
 Channels (and experts) that saw no calibration token keep ``s_j = 1``. For every transform the study reports the
 bf16 model's held-out KL to the untransformed teacher (the transform alone: 0 for exact transforms, bf16 rounding
@@ -57,11 +59,12 @@ for _path in (Path(__file__).resolve().parent, Path(__file__).resolve().parents[
         sys.path.insert(0, str(_path))
 
 __all__ = ["ExpertGemms", "expert_gemms", "check_transformable", "fc2_input_amax", "smoothing_scales",
-           "searched_scales", "scale_channels", "permute_channels", "apply_transform", "parse_transform", "run", "main"]
+           "searched_scales", "spread_order", "scale_channels", "permute_channels", "apply_transform",
+           "parse_transform", "run", "main"]
 
 BLOCK = 16  # NVFP4's block along fc2's input channels (the activations' and fc2 weight's last dim)
 VARIANTS = ("none", "smooth0.25", "smooth0.5", "smooth0.75", "smooth0.5p2", "blockeq", "awq", "perm",
-            "smooth0.5+perm")
+            "spread", "awq+spread")
 GLUS = {"none": {}, "swiglu": {"gated_linear_unit": True, "activation_func": F.silu},
         "geglu": {"gated_linear_unit": True, "activation_func": F.gelu}}
 
@@ -271,7 +274,27 @@ def permute_channels(e: ExpertGemms, perm: torch.Tensor) -> None:
     e.fc2_weight.copy_(e.fc2_weight[:, perm].clone())
 
 
-_STEP = re.compile(r"^(none|perm|blockeq|awq|smooth(\d*\.?\d+)(p2)?)$")
+PERMUTATIONS = ("perm", "spread")  # the steps that only reorder channels (exact for any elementwise activation)
+
+
+def spread_order(order: torch.Tensor, name: str = "expert", block: int = BLOCK) -> torch.Tensor:
+    """The permutation that deals the channels of ``order`` (largest first) round-robin over the blocks: block ``b``
+    gets the ``b``-th, ``b + nblocks``-th, ... largest.
+
+    Raises:
+        ValueError: a channel count that is not a multiple of ``block`` (naming ``name``).
+    """
+    f = order.numel()
+    if f % block:
+        raise ValueError(f"{name}: {f} channels is not a multiple of the block {block}; 'spread' needs whole blocks")
+    nb = f // block
+    k = torch.arange(f, device=order.device)
+    perm = torch.empty_like(order)
+    perm[(k % nb) * block + k // nb] = order
+    return perm
+
+
+_STEP = re.compile(r"^(none|perm|spread|blockeq|awq|smooth(\d*\.?\d+)(p2)?)$")
 
 
 def parse_transform(spec: str) -> list[tuple[str, float | None, bool]]:
@@ -284,7 +307,7 @@ def parse_transform(spec: str) -> list[tuple[str, float | None, bool]]:
     for part in spec.split("+"):
         m = _STEP.match(part)
         if not m:
-            raise ValueError(f"transform {spec!r}: unknown step {part!r}; expected none, perm, blockeq, awq, "
+            raise ValueError(f"transform {spec!r}: unknown step {part!r}; expected none, perm, spread, blockeq, awq, "
                              "smooth<alpha>[p2] (e.g. smooth0.5), joined with '+'")
         if m[1] == "none":
             continue
@@ -307,15 +330,16 @@ def apply_transform(model: torch.nn.Module, spec: str, forward_loop) -> dict:
         ValueError: a bad spec, or experts that the transform does not preserve (:func:`check_transformable`).
     """
     steps = parse_transform(spec)
-    check_transformable(model, scales=any(kind != "perm" for kind, _, _ in steps))
+    check_transformable(model, scales=any(kind not in PERMUTATIONS for kind, _, _ in steps))
     info: dict = {}
     for kind, alpha, pow2 in steps:
         inputs = {} if kind == "awq" else None
         amax = fc2_input_amax(model, forward_loop, inputs)
         for e in expert_gemms(model):
             x = amax[e.name]
-            if kind == "perm":
-                permute_channels(e, torch.argsort(x, descending=True, stable=True))
+            if kind in ("perm", "spread"):
+                order = torch.argsort(x, descending=True, stable=True)
+                permute_channels(e, order if kind == "perm" else spread_order(order, e.name))
             elif kind == "awq":
                 scales, chosen = searched_scales(inputs[e.name], e.fc2_weight.detach(), x)
                 key = "s=1" if chosen is None else f"{chosen:g}"
@@ -343,7 +367,7 @@ def _worker(rank, world_size, overrides: dict, variants: tuple[str, ...], verbos
     tp_group = parallel_state.get_tensor_model_parallel_group()
     probe = study_model(cfg)  # every transform is checked against the experts before the teacher trains
     for spec in variants:
-        check_transformable(probe, scales=any(kind != "perm" for kind, _, _ in parse_transform(spec)))
+        check_transformable(probe, scales=any(kind not in PERMUTATIONS for kind, _, _ in parse_transform(spec)))
     del probe
     data = study_data(cfg)
     calib, held_out = data["recover"][:cfg.calib_batches], data["held_out"]
@@ -487,9 +511,9 @@ def main(argv=None) -> int:
             steps = parse_transform(spec)
         except ValueError as e:
             parser.error(str(e))
-        if args.glu == "none" and any(kind != "perm" for kind, _, _ in steps):
+        if args.glu == "none" and any(kind not in PERMUTATIONS for kind, _, _ in steps):
             parser.error(f"transform {spec!r} scales channels: --glu none (the study models' GELU MLP, non-gated) "
-                         "keeps only 'none' and 'perm'; use --glu swiglu")
+                         "keeps only 'none', 'perm' and 'spread'; use --glu swiglu")
     if args.variants[0] != "none":
         parser.error(f"--variants {' '.join(args.variants)}: the first must be 'none' (the baseline)")
     try:

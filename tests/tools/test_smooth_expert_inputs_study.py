@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from limits import seconds  # noqa: E402
-from smooth_expert_inputs_study import parse_transform, smoothing_scales
+from smooth_expert_inputs_study import parse_transform, smoothing_scales, spread_order
 
 from modelopt_moe.launch import spawn
 
@@ -31,6 +31,13 @@ def test_smoothquant_and_block_equalizer_scales():
         smoothing_scales(x, w, 1.5)
     with pytest.raises(ValueError, match="non-finite"):
         smoothing_scales(torch.tensor([float("nan")]), torch.ones(1), 0.5)
+
+
+def test_spread_deals_the_largest_channels_one_per_block():
+    order = torch.tensor([5, 0, 7, 2, 1, 6, 3, 4])  # channels, largest first
+    assert spread_order(order, block=4).tolist() == [5, 7, 1, 3, 0, 2, 6, 4]
+    with pytest.raises(ValueError, match="experts.0: 6 channels is not a multiple of the block 4"):
+        spread_order(torch.arange(6), "experts.0", block=4)
 
 
 def test_transform_specs_parse_and_bad_ones_are_named():
@@ -74,7 +81,7 @@ def _worker(rank, world_size):
                                                 ref.float().abs().max().item(), moved)
     gelu = mm.build_moe_gpt(ffn_hidden=64, num_experts=4).eval()
     ref = logits(gelu)
-    apply_transform(gelu, "perm", loop)  # any elementwise activation: a permutation of the channels
+    apply_transform(gelu, "perm+spread", loop)  # any elementwise activation: a permutation of the channels
     out["gelu perm"] = (logits(gelu) - ref).abs().max().item(), ref.abs().max().item()
     errors = {}
     for name, model in (("gelu", gelu),
