@@ -18,6 +18,9 @@ Transforms (``--variants``; joined with ``+`` they apply left to right, each on 
   (``s_j = amax_x_j / max_block amax_x``; the error moves to fc2's weights);
 - ``awq``: per expert, of ``s = 1`` and the SmoothQuant scales at alpha 0, 0.1, ..., 1, the one whose NVFP4
   fake-quantized fc2 GEMM is closest to the bf16 one on the expert's calibration tokens (AWQ's search);
+- ``fc1in<alpha>`` (``p2``): SmoothQuant on fc1's inputs instead, one ``s`` per MoE layer folded into the pre-MLP
+  norm (weight and bias divided) and the columns of the router and of every expert's fc1 (multiplied); exact for any
+  activation;
 - ``perm``: the channels sorted by ``amax_x`` (descending) per expert, so a block holds channels of like size; exact
   for any activation;
 - ``spread``: the opposite, the channels dealt round-robin over the blocks by ``amax_x``, so each block holds one of
@@ -59,8 +62,8 @@ for _path in (Path(__file__).resolve().parent, Path(__file__).resolve().parents[
         sys.path.insert(0, str(_path))
 
 __all__ = ["ExpertGemms", "expert_gemms", "check_transformable", "fc2_input_amax", "smoothing_scales",
-           "searched_scales", "spread_order", "scale_channels", "permute_channels", "apply_transform",
-           "parse_transform", "run", "main"]
+           "searched_scales", "spread_order", "moe_layers", "scale_fc1_inputs", "scale_channels", "permute_channels",
+           "apply_transform", "parse_transform", "run", "main"]
 
 BLOCK = 16  # NVFP4's block along fc2's input channels (the activations' and fc2 weight's last dim)
 VARIANTS = ("none", "smooth0.25", "smooth0.5", "smooth0.75", "smooth0.5p2", "blockeq", "awq", "perm",
@@ -274,6 +277,63 @@ def permute_channels(e: ExpertGemms, perm: torch.Tensor) -> None:
     e.fc2_weight.copy_(e.fc2_weight[:, perm].clone())
 
 
+def moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch.nn.Module, list[ExpertGemms]]]:
+    """Per MoE layer: its name, its pre-MLP norm, its router and its experts (what ``fc1in`` rescales).
+
+    Raises:
+        ValueError: naming the layer: a norm without a weight (fused into fc1, or none), or shared experts (their
+            fc1 reads the same input and is not rescaled here).
+    """
+    out = []
+    for name, layer in model.named_modules():
+        mlp, norm = getattr(layer, "mlp", None), getattr(layer, "pre_mlp_layernorm", None)
+        if not hasattr(mlp, "router") or not hasattr(mlp, "experts"):
+            continue
+        if not isinstance(getattr(norm, "weight", None), torch.Tensor):
+            raise ValueError(f"layer {name}: pre_mlp_layernorm {type(norm).__name__} has no weight to fold fc1's "
+                             "input scales into; expected a LayerNorm or RMSNorm module")
+        if getattr(mlp, "shared_experts", None) is not None:
+            raise ValueError(f"layer {name}: shared experts read the MoE input too; fc1in rescales the routed experts "
+                             "and the router only")
+        out.append((name, norm, mlp.router, expert_gemms(mlp.experts)))
+    if not out:
+        raise ValueError(f"{type(model).__name__}: no MoE layer (pre_mlp_layernorm, router and experts) to rescale")
+    return out
+
+
+@torch.no_grad()
+def scale_fc1_inputs(model: torch.nn.Module, forward_loop, alpha: float, pow2: bool = False) -> None:
+    """SmoothQuant on fc1's inputs, one ``s`` per MoE layer: the pre-MLP norm's weight (and bias) divided by ``s_j``,
+    column ``j`` of the router's and of every expert's fc1 weight multiplied by it. ``amax_x_j``: the largest
+    ``|MoE input_j|`` over ``forward_loop``'s tokens; ``amax_w_j``: the largest ``|fc1[:, j]|`` over the layer's
+    experts. Exact for any activation (the scales act before it)."""
+    layers = moe_layers(model)
+    amax = {name: None for name, *_ in layers}
+    handles = []
+    for name, layer in model.named_modules():
+        if name in amax:
+            def hook(mod, args, name=name):  # returns None: the input stays the module's
+                a = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
+                amax[name] = a if amax[name] is None else torch.maximum(amax[name], a)
+
+            handles.append(layer.mlp.register_forward_pre_hook(hook))
+    try:
+        forward_loop(model)
+    finally:
+        for h in handles:
+            h.remove()
+    for name, norm, router, experts in layers:
+        if amax[name] is None:
+            continue
+        w = torch.stack([e.fc1_weight.detach().abs().amax(0).float() for e in experts]).amax(0)
+        s = smoothing_scales(amax[name], w, alpha, pow2=pow2)
+        for t in (norm.weight, getattr(norm, "bias", None)):
+            if isinstance(t, torch.Tensor):
+                t.copy_((t.float() / s).to(t.dtype))
+        for t in (router.weight, *(e.fc1_weight for e in experts)):
+            t.copy_((t.float() * s[None, :]).to(t.dtype))
+
+
 PERMUTATIONS = ("perm", "spread")  # the steps that only reorder channels (exact for any elementwise activation)
 
 
@@ -294,7 +354,10 @@ def spread_order(order: torch.Tensor, name: str = "expert", block: int = BLOCK) 
     return perm
 
 
-_STEP = re.compile(r"^(none|perm|spread|blockeq|awq|smooth(\d*\.?\d+)(p2)?)$")
+_STEP = re.compile(r"^(none|perm|spread|blockeq|awq|(smooth|fc1in)(\d*\.?\d+)(p2)?)$")
+# the steps that scale fc2's input channels (a gated, unclamped GLU only); fc1in scales fc1's inputs, before the
+# activation, and permutations reorder channels: both hold for any elementwise activation
+FC2_SCALES = ("smooth", "blockeq", "awq")
 
 
 def parse_transform(spec: str) -> list[tuple[str, float | None, bool]]:
@@ -308,14 +371,14 @@ def parse_transform(spec: str) -> list[tuple[str, float | None, bool]]:
         m = _STEP.match(part)
         if not m:
             raise ValueError(f"transform {spec!r}: unknown step {part!r}; expected none, perm, spread, blockeq, awq, "
-                             "smooth<alpha>[p2] (e.g. smooth0.5), joined with '+'")
+                             "smooth<alpha>[p2] or fc1in<alpha>[p2] (e.g. smooth0.5), joined with '+'")
         if m[1] == "none":
             continue
         if m[2] is not None:
-            alpha = float(m[2])
+            alpha = float(m[3])
             if not 0.0 <= alpha <= 1.0:
                 raise ValueError(f"transform {spec!r}: alpha {alpha} outside [0, 1]")
-            steps.append(("smooth", alpha, m[3] is not None))
+            steps.append((m[2], alpha, m[4] is not None))
         else:
             steps.append((m[1], None, False))
     return steps
@@ -330,9 +393,14 @@ def apply_transform(model: torch.nn.Module, spec: str, forward_loop) -> dict:
         ValueError: a bad spec, or experts that the transform does not preserve (:func:`check_transformable`).
     """
     steps = parse_transform(spec)
-    check_transformable(model, scales=any(kind not in PERMUTATIONS for kind, _, _ in steps))
+    check_transformable(model, scales=any(kind in FC2_SCALES for kind, _, _ in steps))
+    if any(kind == "fc1in" for kind, _, _ in steps):
+        moe_layers(model)  # checked before any weight changes
     info: dict = {}
     for kind, alpha, pow2 in steps:
+        if kind == "fc1in":
+            scale_fc1_inputs(model, forward_loop, alpha, pow2)
+            continue
         inputs = {} if kind == "awq" else None
         amax = fc2_input_amax(model, forward_loop, inputs)
         for e in expert_gemms(model):
@@ -367,7 +435,7 @@ def _worker(rank, world_size, overrides: dict, variants: tuple[str, ...], verbos
     tp_group = parallel_state.get_tensor_model_parallel_group()
     probe = study_model(cfg)  # every transform is checked against the experts before the teacher trains
     for spec in variants:
-        check_transformable(probe, scales=any(kind not in PERMUTATIONS for kind, _, _ in parse_transform(spec)))
+        check_transformable(probe, scales=any(kind in FC2_SCALES for kind, _, _ in parse_transform(spec)))
     del probe
     data = study_data(cfg)
     calib, held_out = data["recover"][:cfg.calib_batches], data["held_out"]
@@ -511,9 +579,9 @@ def main(argv=None) -> int:
             steps = parse_transform(spec)
         except ValueError as e:
             parser.error(str(e))
-        if args.glu == "none" and any(kind not in PERMUTATIONS for kind, _, _ in steps):
-            parser.error(f"transform {spec!r} scales channels: --glu none (the study models' GELU MLP, non-gated) "
-                         "keeps only 'none', 'perm' and 'spread'; use --glu swiglu")
+        if args.glu == "none" and any(kind in FC2_SCALES for kind, _, _ in steps):
+            parser.error(f"transform {spec!r} scales fc2's input channels: --glu none (the study models' GELU MLP, "
+                         "non-gated) keeps only 'none', 'perm', 'spread' and 'fc1in<alpha>'; use --glu swiglu")
     if args.variants[0] != "none":
         parser.error(f"--variants {' '.join(args.variants)}: the first must be 'none' (the baseline)")
     try:

@@ -44,6 +44,7 @@ def test_transform_specs_parse_and_bad_ones_are_named():
     assert parse_transform("none") == []
     assert parse_transform("smooth0.5p2+perm") == [("smooth", 0.5, True), ("perm", None, False)]
     assert parse_transform("blockeq") == [("blockeq", None, False)]
+    assert parse_transform("fc1in0.25") == [("fc1in", 0.25, False)]
     for spec, message in [("smooth", "unknown step 'smooth'"), ("smooth2", "alpha 2.0 outside"),
                           ("perm+gptq", "unknown step 'gptq'")]:
         with pytest.raises(ValueError, match=re.escape(f"transform '{spec}'")) as info:
@@ -70,7 +71,8 @@ def _worker(rank, world_size):
     out = {}
     for experts in ("sequential", "grouped"):
         for dtype, spec in ((torch.float32, "smooth0.5"), (torch.float32, "blockeq+perm"), (torch.float32, "awq"),
-                            (torch.bfloat16, "smooth0.5p2"), (torch.bfloat16, "smooth0.5")):
+                            (torch.bfloat16, "smooth0.5p2"), (torch.bfloat16, "smooth0.5"),
+                            (torch.bfloat16, "fc1in0.5p2+smooth0.5p2")):
             model = mm.build_moe_gpt(ffn_hidden=64, num_experts=4, params_dtype=dtype, experts=experts,
                                      **swiglu).eval()
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -83,6 +85,10 @@ def _worker(rank, world_size):
     ref = logits(gelu)
     apply_transform(gelu, "perm+spread", loop)  # any elementwise activation: a permutation of the channels
     out["gelu perm"] = (logits(gelu) - ref).abs().max().item(), ref.abs().max().item()
+    before = {n: p.detach().clone() for n, p in gelu.named_parameters()}
+    apply_transform(gelu, "fc1in0.5", loop)  # fc1's inputs: scaled before the activation
+    out["gelu fc1in"] = ((logits(gelu) - ref).abs().max().item(), ref.abs().max().item(),
+                         [n for n, p in gelu.named_parameters() if not torch.equal(p, before[n])])
     errors = {}
     for name, model in (("gelu", gelu),
                         ("clamped", mm.build_moe_gpt(ffn_hidden=64, num_experts=4, activation_func_clamp_value=7.0,
@@ -103,14 +109,20 @@ def test_transforms_preserve_the_model_and_unsound_experts_are_refused_by_name()
         for key, tol in [(("float32", "smooth0.5"), 1e-5), (("float32", "blockeq+perm"), 1e-5),
                          (("float32", "awq"), 1e-5),
                          (("bfloat16", "smooth0.5p2"), 0.0),  # powers of two: exact in bf16
-                         (("bfloat16", "smooth0.5"), 0.05)]:  # the scaled weights round to bf16
+                         (("bfloat16", "smooth0.5"), 0.05),  # the scaled weights round to bf16
+                         (("bfloat16", "fc1in0.5p2+smooth0.5p2"), 0.0)]:
             diff, scale, moved = out[(experts, f"torch.{key[0]}", key[1])]
             assert diff <= tol * scale, (experts, key, diff, scale)
             assert any("linear_fc1" in n for n in moved), (experts, key)
             assert any("linear_fc2" in n for n in moved), (experts, key)
-            assert all("experts" in n for n in moved), moved
+            assert all("experts" in n for n in moved) != key[1].startswith("fc1in"), moved
     diff, scale = out["gelu perm"]
     assert diff <= 1e-5 * scale
+    diff, scale, moved = out["gelu fc1in"]
+    assert diff <= 1e-5 * scale
+    assert {n.split(".")[3] for n in moved} == {"pre_mlp_layernorm", "mlp"}, moved
+    assert any("router.weight" in n for n in moved), moved
+    assert not any("linear_fc2" in n for n in moved), moved
     message, untouched = errors["gelu"]
     assert "expert decoder.layers.0.mlp.experts.local_experts.0: gated_linear_unit=False (gelu" in message
     assert untouched  # refused before any weight changed
