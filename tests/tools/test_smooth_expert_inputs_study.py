@@ -90,13 +90,16 @@ def _worker(rank, world_size):
     out["gelu fc1in"] = ((logits(gelu) - ref).abs().max().item(), ref.abs().max().item(),
                          [n for n, p in gelu.named_parameters() if not torch.equal(p, before[n])])
     errors = {}
-    for name, model in (("gelu", gelu),
-                        ("clamped", mm.build_moe_gpt(ffn_hidden=64, num_experts=4, activation_func_clamp_value=7.0,
-                                                     **swiglu)),
-                        ("offset", mm.build_moe_gpt(ffn_hidden=64, num_experts=4, glu_linear_offset=1.0, **swiglu))):
+    for name, spec, model in (
+            ("gelu", "smooth0.5", gelu),
+            ("clamped", "smooth0.5", mm.build_moe_gpt(ffn_hidden=64, num_experts=4, activation_func_clamp_value=7.0,
+                                                      **swiglu)),
+            ("offset", "smooth0.5", mm.build_moe_gpt(ffn_hidden=64, num_experts=4, glu_linear_offset=1.0, **swiglu)),
+            ("shared", "fc1in0.5", mm.build_moe_gpt(ffn_hidden=64, num_experts=4,
+                                                    moe_shared_expert_intermediate_size=64))):
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         try:
-            apply_transform(model, "smooth0.5", loop)
+            apply_transform(model, spec, loop)
         except ValueError as e:
             errors[name] = (str(e), all(torch.equal(p, before[n]) for n, p in model.named_parameters()))
     mm.destroy_model_parallel()
@@ -128,8 +131,8 @@ def test_transforms_preserve_the_model_and_unsound_experts_are_refused_by_name()
     assert untouched  # refused before any weight changed
     assert "activation_func_clamp_value=7.0" in errors["clamped"][0]
     assert "glu_linear_offset=1.0" in errors["offset"][0]
-    assert errors["clamped"][1]
-    assert errors["offset"][1]
+    assert "layer decoder.layers.0: shared experts read the MoE input too" in errors["shared"][0]
+    assert all(untouched for _, untouched in errors.values())
 
 
 @pytest.mark.slow
