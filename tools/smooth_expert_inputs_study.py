@@ -38,7 +38,8 @@ Usage (one gloo process; the study's knobs as ``--set``, e.g. ``eval_batches=16`
     python tools/smooth_expert_inputs_study.py --model study --glu none --variants none perm
 
 ``--glu swiglu`` trains the teacher with SwiGLU experts (``gated_linear_unit``, SiLU; the study models' MLP is GELU,
-non-gated, where only ``perm`` applies); ``--quick``: a few steps (checks that the tool runs).
+non-gated, where only ``perm``, ``spread`` and ``fc1in`` apply); ``--quick``: a few steps (checks that the tool runs).
+Results: docs/calibration.md, "Rescaling the experts' fc2 inputs".
 """
 
 from __future__ import annotations

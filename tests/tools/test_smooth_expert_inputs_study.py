@@ -146,4 +146,4 @@ def test_quick_run_prints_every_transform_and_refuses_scales_on_the_gelu_model()
     res = subprocess.run([sys.executable, TOOL, "--variants", "none", "smooth0.5"], capture_output=True, text=True,
                          timeout=seconds(120))
     assert res.returncode != 0
-    assert "transform 'smooth0.5' scales channels: --glu none" in res.stderr, res.stderr
+    assert "transform 'smooth0.5' scales fc2's input channels: --glu none" in res.stderr, res.stderr
