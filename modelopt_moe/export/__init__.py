@@ -59,6 +59,18 @@ __all__ = [
 HF_CONFIG_FILE = "hf_config.json"
 
 
+def _model_chunks(model, call: str) -> list[nn.Module]:
+    """``[model]``, or the list of a stage's model chunks (virtual pipeline stages) as given.
+
+    Raises:
+        ExportError: an empty list.
+    """
+    chunks = list(model) if isinstance(model, list | tuple) else [model]
+    if not chunks:
+        raise ExportError(f"{call}: an empty list of model chunks (expected a model or a stage's model chunks)")
+    return chunks
+
+
 def export_hf(model: nn.Module | list[nn.Module], out_dir: str | os.PathLike, *, format: str = "compressed-tensors",
               family: str | None = None, dtype=None, hf_config=None, progress: bool = True,
               base_model: str | None = None, min_calib_tokens: int = DEFAULT_MIN_CALIB_TOKENS) -> Path:
@@ -98,9 +110,7 @@ def export_hf(model: nn.Module | list[nn.Module], out_dir: str | os.PathLike, *,
     Where calibration counted each expert's tokens, ``calibration_tokens.json`` records them per expert linear, with
     ``min_calib_tokens`` (``modelopt-moe check`` reports them per layer).
     """
-    chunks = list(model) if isinstance(model, list | tuple) else [model]
-    if not chunks:
-        raise ExportError("export_hf: an empty list of model chunks (expected a model or a stage's model chunks)")
+    chunks = _model_chunks(model, "export_hf")
     adapter = adapter_for(chunks[0])
     tokens: dict[str, dict[int, int]] = {}
     for chunk in chunks:  # the chunks name other layers (global names)
@@ -139,10 +149,7 @@ def import_hf(model: nn.Module | list[nn.Module], hf_dir: str | os.PathLike) -> 
             (names the file, the tensor, what was expected and what was found); one model at virtual pipeline
             stages, or a list that is not this stage's chunks in ``vp_stage`` order.
     """
-    chunks = list(model) if isinstance(model, list | tuple) else [model]
-    if not chunks:
-        raise ExportError("import_hf: an empty list of model chunks (expected a model or a stage's model chunks)")
-    adapter_for(chunks[0]).import_hf(model, hf_dir)
+    adapter_for(_model_chunks(model, "import_hf")[0]).import_hf(model, hf_dir)
 
 
 def build_megatron_model(hf_dir_or_config, *, spec: str = "local", **overrides) -> nn.Module:

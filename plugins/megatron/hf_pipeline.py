@@ -22,11 +22,10 @@ from dataclasses import fields, is_dataclass, replace
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from modelopt_moe.export.errors import ExportError
 
-from .pipeline_state import virtual_pipeline_size
+from .pipeline_state import layer_place
 
 __all__ = ["Stage", "PipelineExport", "dotted_get"]
 
@@ -50,10 +49,8 @@ class Stage:
     def __init__(self, model):
         self.chunks = list(model) if isinstance(model, list | tuple) else [model]
         self.model = self.chunks[0]
-        pipelined, virtual = pipeline_world() > 1, virtual_pipeline_size() > 1
-        self.places = [(get_transformer_layer_offset(c.config, vp_stage=getattr(c, "vp_stage", None) if virtual
-                                                     else None) if pipelined else 0, len(c.decoder.layers))
-                       for c in self.chunks]
+        pipelined = pipeline_world() > 1
+        self.places = [layer_place(c) if pipelined else (0, len(c.decoder.layers)) for c in self.chunks]
         self.offset, self.num_layers = self.places[0]
         self.first = any(bool(getattr(c, "pre_process", True)) for c in self.chunks)
         self.last = any(bool(getattr(c, "post_process", True)) for c in self.chunks)

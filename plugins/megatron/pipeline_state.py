@@ -22,8 +22,9 @@ from torch import nn
 
 from modelopt_moe.quantization.conversion import unwrap_model
 
-__all__ = ["pipeline_size", "virtual_pipeline_size", "refuse_virtual_pipeline", "stage_chunks", "global_layer_name",
-           "global_state", "stage_state", "merge_chunk_states", "merge_stage_states", "stage_naming"]
+__all__ = ["pipeline_size", "virtual_pipeline_size", "refuse_virtual_pipeline", "stage_chunks", "layer_place",
+           "global_layer_name", "global_state", "stage_state", "merge_chunk_states", "merge_stage_states",
+           "stage_naming"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
 
@@ -93,9 +94,10 @@ def stage_chunks(model, what: str) -> list[nn.Module]:
     return list(model)
 
 
-def _offset(model: nn.Module) -> tuple[int, int]:
+def layer_place(model: nn.Module) -> tuple[int, int]:
     """(global index of the chunk's first layer, number of layers in the chunk): a pipeline stage's, or with virtual
-    pipeline stages one model chunk's (Megatron's ``vp_stage`` of the chunk places its layers)."""
+    pipeline stages one model chunk's (Megatron's ``vp_stage`` of the chunk places its layers). Megatron's parallel
+    state must be initialised."""
     vp_stage = getattr(model, "vp_stage", None) if virtual_pipeline_size() > 1 else None
     return get_transformer_layer_offset(model.config, vp_stage=vp_stage), len(model.decoder.layers)
 
@@ -117,7 +119,7 @@ def _rename_state(state: dict, rename) -> dict:
 
 def global_state(state: dict, model: nn.Module) -> dict:
     """A stage's quantization state under global layer names."""
-    offset, _ = _offset(model)
+    offset, _ = layer_place(model)
     return _rename_state(state, lambda n: global_layer_name(n, offset))
 
 
@@ -125,7 +127,7 @@ def stage_state(state: dict, model: nn.Module) -> dict:
     """The entries of a (global) state that belong to this stage's model, under its local names: its layers, and
     the modules outside the layers that it holds (the embedding on the first stage, the output layer on the
     last)."""
-    offset, n_local = _offset(model)
+    offset, n_local = layer_place(model)
     modules = {name for name, _ in model.named_modules()}
 
     def rename(name: str) -> str | None:
@@ -165,7 +167,7 @@ class _StageNaming:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.offset = _offset(model)[0]
+        self.offset = layer_place(model)[0]
 
     def global_name(self, name: str) -> str:
         return global_layer_name(name, self.offset)

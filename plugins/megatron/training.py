@@ -41,11 +41,7 @@ from megatron.core.utils import get_model_config
 from modelopt_moe.distill import DistillationModel
 from modelopt_moe.plugins.megatron_cpu import megatron_training_shims
 
-from .distill import (
-    get_qad_optimizer,
-    qad_lr_scheduler,
-    qad_optimizer_config,
-)
+from .distill import get_qad_optimizer, qad_lr_scheduler, qad_optimizer_config
 from .forward_step import lm_forward_step
 from .pipeline_state import stage_chunks, virtual_pipeline_size
 from .schedule import get_forward_backward_func as reusing_forward_backward_func
@@ -142,7 +138,7 @@ def setup_training(
         ValueError: one model at virtual pipeline stages (``virtual_pipeline_model_parallel_size`` > 1), or a list
             that is not this stage's chunks in ``vp_stage`` order (names the entry).
     """
-    chunks = _model_chunks(model)
+    chunks = stage_chunks(model, "setup_training")  # checked: modules, one per virtual stage, vp_stage order
     configs = [get_model_config(c) for c in chunks]
     for config in configs:
         config.bf16, config.fp16 = bf16, False
@@ -197,12 +193,6 @@ def setup_training(
     ddp_model = ddp_chunks if isinstance(model, (list, tuple)) else ddp_chunks[0]
     return Trainer(model=ddp_model, optimizer=optimizer, bf16=bf16, scheduler=scheduler,
                    reuse_quantized_weights=reuse_quantized_weights, autoswitch=autoswitch)
-
-
-def _model_chunks(model) -> list[torch.nn.Module]:
-    """The chunks :func:`setup_training` wraps: ``[model]``, or the list of this stage's virtual pipeline chunks
-    (checked: modules, one per virtual stage, in ``vp_stage`` order)."""
-    return stage_chunks(model, "setup_training")
 
 
 def train_step(trainer: Trainer, micro_batches: Sequence[dict[str, torch.Tensor]], step: int = 0,
