@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 from limits import seconds  # noqa: E402
+from megatron_harness.ranks import errors_of, merged_across_ranks  # noqa: E402
 
 from modelopt_moe.launch import spawn
 
@@ -251,13 +252,7 @@ def _virtual_pipeline_refusals(model, hf_dir: str, out: Path) -> dict:
         "distillation_model": lambda: distillation_model(model, model),
         "setup_training": lambda: setup_training(model),
     }
-    errors = {}
-    for name, call in calls.items():
-        try:
-            call()
-            errors[name] = None
-        except Exception as e:  # noqa: BLE001  (the test names any other kind)
-            errors[name] = f"{type(e).__name__}: {e}" if isinstance(e, ValueError) else f"not a ValueError: {e!r}"
+    errors = errors_of(calls)
     parallel_state.destroy_model_parallel()
     return errors
 
@@ -365,12 +360,7 @@ def test_export_of_virtual_pipeline_chunks_is_the_pp1_export_byte_for_byte(run, 
 
 def _merged(results, key: str) -> dict:
     """The ranks' ``_params`` of one layout as one dict (the ranks that hold the same slice hold the same bits)."""
-    merged = {}
-    for r in results:
-        for k, t in r[key]["params"].items():
-            assert k not in merged or torch.equal(merged[k], t), k
-            merged[k] = t
-    return merged
+    return merged_across_ranks(r[key]["params"] for r in results)
 
 
 def test_import_into_virtual_pipeline_chunks_is_the_pp1_import(run):

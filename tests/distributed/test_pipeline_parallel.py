@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 from limits import seconds  # noqa: E402
+from megatron_harness.ranks import merged_across_ranks  # noqa: E402
 
 from modelopt_moe.launch import spawn
 
@@ -126,12 +127,9 @@ def test_amaxes_at_pp2_equal_pp1_and_cover_every_stage(results):
     pp1 = results[0]["pp1"]["amax"]
     assert pp1
     assert all(".experts." in n for n in pp1)
-    merged = {}
     for r in results:
         assert r["pp2"]["layers"] == 2  # 4 layers on 2 stages
-        for n, a in r["pp2"]["amax"].items():
-            assert n not in merged or torch.equal(merged[n], a), n  # TP ranks of one stage agree
-            merged[n] = a
+    merged = merged_across_ranks(r["pp2"]["amax"] for r in results)  # TP ranks of one stage agree
     assert sorted(merged) == sorted(pp1)  # every stage's layers, under their global names
     for n, a in pp1.items():
         assert torch.equal(merged[n], a), n

@@ -27,6 +27,7 @@ import re
 import pytest
 import torch
 from limits import seconds  # noqa: E402
+from megatron_harness.ranks import errors_of, merged_across_ranks  # noqa: E402
 
 from modelopt_moe.launch import spawn
 
@@ -232,14 +233,7 @@ def _refusals(mm) -> dict:
         "setup_training_order": lambda: setup_training(chunks[::-1]),
         "batched_p2p": train_with_batched_p2p,
     }
-    errors = {}
-    for name, call in calls.items():
-        try:
-            call()
-            errors[name] = None
-        except Exception as e:  # noqa: BLE001  (the test names any other kind)
-            errors[name] = f"{type(e).__name__}: {e}"
-    return errors
+    return errors_of(calls)
 
 
 def _worker(rank, world_size, root):
@@ -287,13 +281,10 @@ def test_calibration_through_the_interleaved_schedule_gives_the_amaxes_of_pp1(ru
     pp1 = results[0]["pp1"]["amax"]
     assert pp1
     assert all(".experts." in n for n in pp1)
-    merged = {}
     for r in results:
         assert r["vpp"]["same_list"]
         assert r["vpp"]["layers"] == [1, 1]  # 4 layers on 2 stages x 2 chunks
-        for n, a in r["vpp"]["amax"].items():
-            assert n not in merged or torch.equal(merged[n], a), n  # TP ranks of one stage agree
-            merged[n] = a
+    merged = merged_across_ranks(r["vpp"]["amax"] for r in results)  # TP ranks of one stage agree
     assert sorted(merged) == sorted(pp1)  # every chunk's layer, under its global name
     for n, a in pp1.items():
         assert torch.equal(merged[n], a), n
