@@ -49,7 +49,6 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
@@ -65,6 +64,7 @@ from modelopt_moe.plugins.cli.text_data import text_batches
 from modelopt_moe.plugins.megatron.hf_model import split_gpt_overrides
 from modelopt_moe.plugins.megatron.norms import sequence_parallel_norm
 from modelopt_moe.plugins.megatron.parallel import destroy_model_parallel, init_model_parallel
+from modelopt_moe.plugins.megatron.pipeline_state import layer_place
 from modelopt_moe.plugins.megatron_cpu import apply_cpu_shims
 from modelopt_moe.quantization.conversion import QuantModuleRegistry
 from modelopt_moe.quantization.nn import GroupedLinear
@@ -302,7 +302,7 @@ def _init_layout_independent(model: torch.nn.Module, seed: int, num_layers: int,
     etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
-    offset = get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None)) if pipelined else 0
+    offset = layer_place(model)[0] if pipelined else 0
     norm_params = {
         id(p) for m in model.modules() if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm)) for p in m.parameters()
     }
