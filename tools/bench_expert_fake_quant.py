@@ -42,9 +42,10 @@ import statistics
 import torch
 
 GiB = 1 << 30
-CONFIGS = [  # (format, N, rows, cols, block size: None for the format's own scale layout)
+CONFIGS = [  # (format, N, rows, cols, block size: None for the format's own scale layout, "channel" per row)
     ("e4m3", 32, 1536, 2048, None),
     ("e4m3", 128, 1536, 2048, None),
+    ("e4m3", 128, 1536, 2048, "channel"),
     ("e4m3", 8, 28672, 4096, None),
     ("e4m3", 256, 512, 1024, None),
     ("nvfp4", 128, 1536, 2048, None),
@@ -79,12 +80,14 @@ def label(fmt: str, block) -> str:
     """A configuration's format as the table names it (``e4m3 128x128``: FP8 in 2-D blocks)."""
     if block is None:
         return fmt
+    if block == "channel":
+        return f"{fmt} per channel"
     return f"{fmt} " + ("x".join(map(str, block)) if isinstance(block, tuple) else f"1x{block}")
 
 
 def data_scaled(fmt: str, block) -> bool:
     """Whether the format takes no amax (its scales come from each block of the data)."""
-    return fmt in DYNAMIC or block is not None
+    return fmt in DYNAMIC or block not in (None, "channel")
 
 
 def modelopt_loop(fmt: str, block, weights):
@@ -358,10 +361,12 @@ def main() -> None:
     rows_out = []
     for fmt, n, r, k, block in CONFIGS:
         sets, amax = make_sets(n, r, k)
-        amax_i = [None] * n if data_scaled(fmt, block) else amax
+        name = f"{label(fmt, block)} N={n} [{r}x{k}]"
+        if block == "channel":  # one amax per row: [N, rows] for the kernel, [rows, 1] per expert
+            amax, block = torch.stack([w.float().abs().amax(dim=1) for w in sets[0]]), None
+        amax_i = [None] * n if data_scaled(fmt, block) else [a.unsqueeze(-1) if a.dim() else a for a in amax]
         amax_all = None if data_scaled(fmt, block) else amax
         nbytes = 2 * n * r * k * 2  # bf16 read + write
-        name = f"{label(fmt, block)} N={n} [{r}x{k}]"
 
         def grouped(ws, fmt=fmt, amax=amax_all, block=block):
             return grouped_weight_fake_quant(ws, amax, fmt, block)
@@ -396,7 +401,7 @@ def main() -> None:
                                                                                        rep_ms=100)
             if not data_scaled(fmt, block):
                 stacked = [torch.stack(ws) for ws in sets[:1]]  # one stacked set (memory); L2 is flushed anyway
-                amax3 = amax.view(-1, 1, 1)
+                amax3 = amax.view(n, -1, 1)
 
                 def comp(ws, fmt=fmt, amax3=amax3):
                     return compiled(ws, fmt, amax3)

@@ -98,7 +98,7 @@ BLOCK2D_VARIANTS: dict[str, Block2dVariant] = {
     "prefetch-w32": Block2dVariant(chunk=0, warps=32, programs_per_sm=1, uniform=True, prefetch=True),
 }
 # The variant every launch uses (tools/bench_expert_fake_quant.py --block2d-variants measures them all).
-BLOCK2D_DEFAULT = "two-pass-uniform"
+BLOCK2D_DEFAULT = "prefetch-w16"
 _INTERPRETER_SMS = 2  # the Triton interpreter has no SMs: a persistent grid there has 2 * programs_per_sm programs
 _MAX_BLOCK = 4096
 _CACHE_SIZE = 64

@@ -70,10 +70,13 @@ def _block_geometry(table_ptr, n_experts, blk, u_tiles, u_rows, u_cols, u_ctiles
 @triton.jit
 def _rows_offsets(row0, col0, rows_n, cols_v, r0, CHUNK: tl.constexpr, BC: tl.constexpr, VEC: tl.constexpr):
     """(int32 offsets [CHUNK, BC] of rows ``r0 ..`` of a block from its start, their mask)."""
-    r = tl.arange(0, CHUNK)[:, None]
+    r = r0 + tl.arange(0, CHUNK)
     c = tl.arange(0, BC)[None, :]
-    off = tl.multiple_of((r0 + r) * cols_v.to(tl.int32), [VEC, 1]) + c
-    mask = (row0 + r0 + r < rows_n) & ((col0 + c) < cols_v)
+    # The hints after the int32 cast (which drops them) and on the 1-D row offsets: a hint on the broadcast 2-D form
+    # ([VEC, 1]) would say nothing along a row, and the loads and stores would be single elements.
+    cols32 = tl.multiple_of(cols_v.to(tl.int32), VEC)
+    off = tl.multiple_of(r * cols32, VEC)[:, None] + c
+    mask = (row0 + r < rows_n)[:, None] & ((col0 + c) < cols32)
     return off, mask
 
 

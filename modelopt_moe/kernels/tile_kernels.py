@@ -390,8 +390,11 @@ def tile_offsets(rows_n, cols_n, ctiles, t, TILE_R: tl.constexpr, TILE_NB: tl.co
         start = row0 * cols_n + col0
         rows = row0 + r
         row_mask = rows < rows_n
-        # The launcher guarantees cols_n % VEC == 0 whenever VEC > 1 (so each row starts aligned).
-        local = tl.multiple_of(r * cols_n.to(tl.int32), [VEC, 1, 1]) + c
+        # The launcher guarantees cols_n % VEC == 0 whenever VEC > 1 (so each row starts aligned). The hints go after
+        # the int32 cast (which drops them) and on the 1-D row offsets: a hint on the broadcast form ([VEC, 1, 1])
+        # would say nothing along a row, and the loads and stores would be single elements.
+        row_off = tl.arange(0, TILE_R) * tl.multiple_of(cols_n.to(tl.int32), VEC)
+        local = tl.multiple_of(row_off, VEC)[:, None, None] + c
         # Hints (true whenever VEC > 1, see the launcher) that keep the mask constant over VEC elements, so that
         # loads and stores stay 16-byte vectors.
         if EVEN:
