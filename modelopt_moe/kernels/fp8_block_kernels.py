@@ -5,9 +5,10 @@
   of all experts' blocks (found through the per-expert table of :mod:`.launch`, or by a division when the experts
   share one shape). A block's amax needs all its elements before any output. Two ways, chosen by ``CHUNK``: the
   whole block at once (one read from memory; ``BR * BC / (32 * num_warps)`` values per thread), or ``CHUNK``-row
-  slices read twice (the max, then the quantized values; the second read mostly hits L2) in two runtime loops, which
-  the compiler cannot merge into one read. Either one program per block, or a persistent grid looping over blocks
-  with software pipelining (``PERSISTENT``, ``STAGES``). :data:`.fp8_block_fake_quant.BLOCK2D_VARIANTS` names the
+  slices read twice (the max, then the quantized values) in two runtime loops, which the compiler cannot merge into
+  one read. Either one program per block, or a persistent grid looping over blocks with software pipelining
+  (``PERSISTENT``, ``STAGES``) or with the next block's values loaded by hand before this one is reduced
+  (``PREFETCH``: the default launch, at copy bandwidth). :data:`.fp8_block_fake_quant.BLOCK2D_VARIANTS` names the
   combinations; all give the same bits.
 * :func:`token_groups_kernel`: groups of ``BS`` consecutive elements of each row of a token matrix (every group its
   own amax; independent of the expert a row belongs to).
