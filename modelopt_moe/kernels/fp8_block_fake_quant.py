@@ -40,6 +40,7 @@ from .launch import (
     launch_kwargs,
     rounding_options,
     signature,
+    token_launch,
 )
 from .tuning import weight_kernel_config
 
@@ -258,8 +259,10 @@ def token_groups_fake_quant(x: torch.Tensor, fmt: str, block_size: int) -> torch
     t, k = x.shape
     if x.numel() == 0:
         return y
-    tile_r, tile_nb, tile_w = input_tiling(k, block_size)
+    tile_elems, warps = token_launch(fmt)
+    tile_r, tile_nb, tile_w = input_tiling(k, block_size, tile_elems)
     _kernels().token_groups_kernel[(cdiv(t, tile_r), cdiv(k, tile_w))](
-        x, y, t, k, **_constexprs(fmt), TILE_R=tile_r, TILE_NB=tile_nb, BS=block_size, **launch_kwargs(x.device))
+        x, y, t, k, **_constexprs(fmt), TILE_R=tile_r, TILE_NB=tile_nb, BS=block_size,
+        **{**launch_kwargs(x.device), "num_warps": warps})
     return y
 

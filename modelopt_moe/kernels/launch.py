@@ -45,6 +45,10 @@ MAX_EXPERTS = 512  # experts per launch
 TILE_ELEMS = 4096  # elements per program: 8 KiB of bf16 in and out, 32 per thread at 4 warps
 NUM_WARPS = 4
 MAX_TILE_W = 1024  # widest 2-D tile row
+# The token fake-quant kernels' elements per program (rows of up to a quarter of it, 32 elements per thread), unless
+# the format's KernelSpec.token_tile says otherwise: measured 0.92-0.93 of copy bandwidth on an H100 against 0.88 at
+# 4096 for FP8 and MX tokens (docs/benchmarks.md).
+TOKEN_TILE_ELEMS = 8192
 _CACHE_SIZE = 64
 
 
@@ -325,10 +329,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def input_tiling(n_cols: int, bs: int) -> tuple[int, int, int]:
-    """(TILE_R, TILE_NB, tile width) of the token kernels for rows of ``n_cols`` and inner block ``bs``."""
-    tile_w = max(bs, min(MAX_TILE_W, next_pow2(n_cols)))
-    return max(1, TILE_ELEMS // tile_w), tile_w // bs, tile_w
+def input_tiling(n_cols: int, bs: int, tile_elems: int = TILE_ELEMS) -> tuple[int, int, int]:
+    """(TILE_R, TILE_NB, tile width) of the token kernels for rows of ``n_cols`` and inner block ``bs``, with
+    ``tile_elems`` elements per program (rows of at most a quarter of them)."""
+    tile_w = max(bs, min(tile_elems // 4, next_pow2(n_cols)))
+    return max(1, tile_elems // tile_w), tile_w // bs, tile_w
+
+
+def token_launch(fmt: str) -> tuple[int, int]:
+    """(elements per program, warps) of the token fake-quant kernels for format ``fmt``: 32 elements per thread."""
+    tile = get_format(fmt).kernel.token_tile or TOKEN_TILE_ELEMS
+    return tile, tile // 1024
 
 
 def format_constexprs(fmt: str, block_size: int | None) -> dict:

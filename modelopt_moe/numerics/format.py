@@ -77,6 +77,7 @@ class KernelSpec:
         bound: the routine's bound (the element bound; the amax bound for two-level formats).
         mant, emin, emax: float grids: mantissa bits, smallest and largest normal exponent of the elements.
         tile: the weight kernel's default elements per program for this format (None: the shared default).
+        token_tile: the token fake-quant kernels' elements per program (None: the shared default).
     """
 
     routine: KernelRoutine
@@ -85,6 +86,7 @@ class KernelSpec:
     emin: int = 0
     emax: int = 0
     tile: int | None = None
+    token_tile: int | None = None
 
     def constexprs(self, data_blocks: bool) -> dict:
         """The kernels' format constexprs; ``data_blocks``: the amax of each block comes from the data."""

@@ -186,7 +186,8 @@ class _NVFP4Codec(ExportCodec):
 
 # NVFP4's amax bound is the product of its element bound and its block-scale bound.
 NVFP4 = NVFP4Format("nvfp4", (2, 1), E2M1_MAX, E2M1_MAX * E4M3_MAX, "NVFP4", frozenset({ScaleLayout.TWO_LEVEL}),
-                    KernelSpec(KernelRoutine.TWO_LEVEL_E2M1, E2M1_MAX * E4M3_MAX, tile=2048),
+                    KernelSpec(KernelRoutine.TWO_LEVEL_E2M1, E2M1_MAX * E4M3_MAX, tile=2048,
+                               token_tile=4096),
                     aliases=("e2m1", "nvfp4"), block=(NVFP4_BLOCK_SIZE,), block_scale=E4M3.name, export=_NVFP4Codec())
 
 
