@@ -58,6 +58,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from modelopt_moe.quantization.smooth_experts import smoothing_scales
+
 for _path in (Path(__file__).resolve().parent, Path(__file__).resolve().parents[1] / "tests"):
     if str(_path) not in sys.path:  # the study's tools, and its small Megatron models (not part of the package)
         sys.path.insert(0, str(_path))
@@ -92,17 +94,14 @@ def expert_gemms(model: torch.nn.Module) -> list[ExpertGemms]:
     Raises:
         ValueError: the model has no experts of a known kind.
     """
+    from modelopt_moe.plugins.megatron.smooth_experts import megatron_expert_mlps  # the library's finder
+
     out = []
-    for name, module in model.named_modules():
-        if hasattr(module, "local_experts"):  # SequentialMLP
-            for i, e in enumerate(module.local_experts):
-                out.append(ExpertGemms(f"{name}.local_experts.{i}", e.linear_fc1.weight,
-                                       getattr(e.linear_fc1, "bias", None), e.linear_fc2.weight, e.config))
-        elif hasattr(getattr(module, "linear_fc1", None), "weight0"):  # grouped
-            fc1, fc2 = module.linear_fc1, module.linear_fc2
-            for i in range(fc1.num_gemms):
-                out.append(ExpertGemms(f"{name}.linear_fc1.weight{i}", getattr(fc1, f"weight{i}"),
-                                       getattr(fc1, f"bias{i}", None), getattr(fc2, f"weight{i}"), module.config))
+    for m in megatron_expert_mlps(model):
+        config = model.get_submodule(m.name).config
+        for i in range(len(m.fc2_weights)):
+            name = f"{m.name}.linear_fc1.weight{i}" if m.grouped else f"{m.name}.local_experts.{i}"
+            out.append(ExpertGemms(name, m.fc1_weights[i], m.fc1_biases[i], m.fc2_weights[i], config))
     if not out:
         raise ValueError(f"{type(model).__name__}: no SequentialMLP or grouped experts to transform")
     return out
@@ -116,26 +115,19 @@ def check_transformable(model: torch.nn.Module, scales: bool) -> list[ExpertGemm
             Transformer Engine activation module (whose clamping cannot be read); a permutation of an activation
             that is not elementwise (the TE module).
     """
+    from modelopt_moe.plugins.megatron.smooth_experts import refusal
+
     experts = expert_gemms(model)
     for e in experts:
         c = e.config
         if getattr(c, "use_te_activation_func", False):
             raise ValueError(f"expert {e.name}: use_te_activation_func=True (a Transformer Engine activation module, "
                              "possibly clamped): cannot prove a channel transform preserves it")
-        if not scales:
-            continue
-        if not c.gated_linear_unit:
-            act = getattr(c.activation_func, "__name__", c.activation_func)
-            raise ValueError(f"expert {e.name}: gated_linear_unit=False ({act} of fc1's output): a per-channel "
-                             "scale does not pass through a non-gated activation; expected a gated linear unit "
-                             "(e.g. SwiGLU), or use 'perm'")
-        if c.activation_func_clamp_value is not None:
-            raise ValueError(f"expert {e.name}: activation_func_clamp_value={c.activation_func_clamp_value} (a "
-                             "clamped GLU, as gpt-oss's): clamping the up half does not commute with scaling it; "
-                             "expected None")
-        if c.glu_linear_offset != 0.0:
-            raise ValueError(f"expert {e.name}: glu_linear_offset={c.glu_linear_offset} (act(gate) * (up + offset)): "
-                             "scaling the up half would scale the offset too; expected 0.0")
+        reason = refusal(c, e.fc1_weight.shape[0], e.fc2_weight.shape[1]) if scales else None
+        if reason is not None:  # the library's rule (what mtq.quantize's smooth_expert_inputs refuses)
+            if not c.gated_linear_unit:
+                reason += "; expected a gated linear unit (e.g. SwiGLU), or use 'perm'"
+            raise ValueError(f"expert {e.name}: {reason}")
     return experts
 
 
@@ -196,32 +188,6 @@ def fc2_input_amax(model: torch.nn.Module, forward_loop, inputs: dict | None = N
     if inputs is not None:
         inputs.update({n: torch.cat(v) if v else None for n, v in seen.items()})
     return amax
-
-
-def smoothing_scales(amax_x: torch.Tensor, amax_w: torch.Tensor, alpha: float | None = None, *,
-                     pow2: bool = False, block: int = BLOCK) -> torch.Tensor:
-    """``s`` per channel: SmoothQuant's ``amax_x**alpha / amax_w**(1 - alpha)`` (``alpha`` in [0, 1]), or with
-    ``alpha=None`` the block equalizer ``amax_x / max over the channel's block of amax_x``; 1 where ``amax_x`` or
-    ``amax_w`` is 0 (no token, a dead channel); ``pow2``: rounded to the nearest power of two.
-
-    Raises:
-        ValueError: an ``alpha`` outside [0, 1], or non-finite statistics.
-    """
-    if not (torch.isfinite(amax_x).all() and torch.isfinite(amax_w).all()):
-        raise ValueError("smoothing_scales: non-finite amax_x or amax_w")
-    x, w = amax_x.double(), amax_w.double()
-    if alpha is None:
-        pad = (-x.numel()) % block
-        peak = torch.nn.functional.pad(x, (0, pad)).view(-1, block).amax(1).repeat_interleave(block)[:x.numel()]
-        s = x / peak
-    else:
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"smoothing_scales: alpha={alpha}; expected a value in [0, 1]")
-        s = x.pow(alpha) / w.pow(1.0 - alpha)
-    s = torch.where((x > 0) & (w > 0), s, torch.ones_like(s))
-    if pow2:
-        s = torch.exp2(torch.round(torch.log2(s)))
-    return s.float()
 
 
 AWQ_ALPHAS = tuple(i / 10 for i in range(11))
