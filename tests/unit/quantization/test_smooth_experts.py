@@ -49,9 +49,11 @@ def test_exponents_are_clamped_so_that_every_scaled_weight_stays_finite_and_norm
     assert e.tolist() == [1, -14, 2, 0]
     before = (up.clone(), fc2.clone())
     scale_channels(up, None, fc2, e)
-    assert torch.isfinite(up).all() and torch.isfinite(fc2).all()
+    assert torch.isfinite(up).all()
+    assert torch.isfinite(fc2).all()
     scale_channels(up, None, fc2, -e)
-    assert torch.equal(up, before[0]) and torch.equal(fc2, before[1])
+    assert torch.equal(up, before[0])
+    assert torch.equal(fc2, before[1])
 
 
 def test_the_config_key_is_validated_naming_the_key_the_value_and_what_is_expected(tmp_path):
