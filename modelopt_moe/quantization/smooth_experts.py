@@ -39,6 +39,7 @@ __all__ = [
     "expert_mlps",
     "check_expert_mlps",
     "smoothing_scales",
+    "power_of_two_exponents",
     "exact_exponents",
     "scale_channels",
     "fc2_input_amax",
@@ -145,8 +146,23 @@ def smoothing_scales(amax_x: torch.Tensor, amax_w: torch.Tensor, alpha: float | 
         s = x.pow(alpha) / w.pow(1.0 - alpha)
     s = torch.where((x > 0) & (w > 0), s, torch.ones_like(s))
     if pow2:
-        s = torch.exp2(torch.round(torch.log2(s)))
+        e = power_of_two_exponents(x, w, alpha) if alpha is not None else torch.round(torch.log2(s))
+        s = torch.exp2(e)
     return s.float()
+
+
+def power_of_two_exponents(amax_x: torch.Tensor, amax_w: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``round(log2(amax_x**alpha / amax_w**(1 - alpha)))`` per channel (float64; 0 where either is 0), ties to
+    even, computed from each value's exponent and mantissa separately (``frexp``): the integer part is exact, so a tie
+    (at alpha 0.5 two values with the same mantissa, common in bf16) is an exact tie and rounds the same way on
+    statistics that were rescaled by powers of two. So the rule is idempotent: on the statistics of rescaled weights
+    (``amax_x / s``, ``amax_w * s``) it finds ``s = 1``."""
+    x, w = amax_x.double(), amax_w.double()
+    ok = (x > 0) & (w > 0)
+    mx, ex = torch.frexp(torch.where(ok, x, torch.ones_like(x)))
+    mw, ew = torch.frexp(torch.where(ok, w, torch.ones_like(w)))
+    t = (alpha * ex.double() - (1.0 - alpha) * ew.double()) + (alpha * torch.log2(mx) - (1.0 - alpha) * torch.log2(mw))
+    return torch.where(ok, torch.round(t), torch.zeros_like(t))
 
 
 def _exponent_limits(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,15 +180,17 @@ def _exponent_limits(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Te
     return lo, hi
 
 
-def exact_exponents(s: torch.Tensor, up: torch.Tensor, up_bias: torch.Tensor | None,
+def exact_exponents(e: torch.Tensor, up: torch.Tensor, up_bias: torch.Tensor | None,
                     fc2: torch.Tensor) -> torch.Tensor:
-    """The exponents ``e`` (int64 ``[F]``) of power-of-two scales ``s`` (``[F]``), clamped so that the rescale is
-    exact: every nonzero ``up[j] / 2**e_j`` (and ``up_bias[j]``) and ``fc2[:, j] * 2**e_j`` stays finite and normal
-    in its dtype (then the product is the same significand with another exponent). A channel whose weights leave no
-    such exponent (e.g. subnormal values on both sides) gets 0: ``s_j = 1``."""
-    e = torch.round(torch.log2(s.double()))
-    up_rows = up if up_bias is None else torch.cat([up, up_bias[:, None].to(up.dtype)], 1)
-    up_lo, up_hi = _exponent_limits(up_rows, up.dtype)  # up / 2**e: -e within [up_lo, up_hi]
+    """The exponents ``e`` (``[F]``, of scales ``s = 2**e``) as int64, clamped so that the rescale is exact: every
+    nonzero ``up[j] / 2**e_j`` (and ``up_bias[j]``) and ``fc2[:, j] * 2**e_j`` stays finite and normal in its dtype
+    (then the product is the same significand with another exponent). A channel whose weights leave no such exponent
+    (e.g. subnormal values on both sides) gets 0: ``s_j = 1``."""
+    e = e.double()
+    up_lo, up_hi = _exponent_limits(up, up.dtype)  # up / 2**e: -e within [up_lo, up_hi]
+    if up_bias is not None:  # in its own dtype
+        b_lo, b_hi = _exponent_limits(up_bias[:, None], up_bias.dtype)
+        up_lo, up_hi = torch.maximum(up_lo, b_lo), torch.minimum(up_hi, b_hi)
     w_lo, w_hi = _exponent_limits(fc2.t(), fc2.dtype)  # fc2 * 2**e: e within [w_lo, w_hi]
     lo, hi = torch.maximum(w_lo, -up_hi), torch.minimum(w_hi, -up_lo)
     e = torch.where(lo <= hi, torch.minimum(torch.maximum(e, lo), hi), torch.zeros_like(e))
@@ -338,9 +356,9 @@ def smooth_expert_inputs(model: nn.Module, forward_loop: Callable, alpha: float 
         for i, w in enumerate(m.fc2_weights):
             x = amax[i].to(w.device)
             x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))  # an Inf: no statistic (calibration refuses it)
-            s = smoothing_scales(x, w.detach().float().abs().amax(0), alpha, pow2=True)
+            e = power_of_two_exponents(x, w.detach().float().abs().amax(0), alpha)
             up, up_bias = _up(m, i)
-            per_expert.append(exact_exponents(s, up, up_bias, w))
+            per_expert.append(exact_exponents(e, up, up_bias, w))
         rescale.exponents.append(per_expert)
     for m, per_expert in zip(mlps, rescale.exponents, strict=True):
         for i, e in enumerate(per_expert):

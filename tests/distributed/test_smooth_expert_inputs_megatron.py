@@ -3,7 +3,8 @@ grouped): ``mtq.quantize(model, mtq.load_config("smooth.yaml"), forward_loop)`` 
 channels by powers of two and leaves the model's outputs bit-identical; experts it cannot rescale exactly (non-gated,
 clamped or offset GLUs) are refused by module path with nothing changed; a calibration that fails after the rescale
 puts the weights back bit for bit; and a checkpoint of the rescaled model restores its weights as saved (the rescale
-is never applied twice: a restore converts without calibrating, and a second quantize is refused). One process."""
+is never applied twice: a restore converts without calibrating, a second quantize is refused, and quantizing the
+rescaled weights afresh finds every scale at 1). One process."""
 
 import torch
 from limits import seconds  # noqa: E402
@@ -60,6 +61,13 @@ def _worker(rank, world_size, tmp):
                 again = None
             except ValueError as e:
                 again = str(e)
+            # the rescaled weights in a fresh, unquantized model, quantized again: the rule finds s = 1 everywhere
+            again_model = build(experts)
+            with torch.no_grad():
+                for n, p in again_model.named_parameters():
+                    p.copy_(after[n])
+            mtq.quantize(again_model, config, logits)
+            out["idempotent"] = all(torch.equal(p, after[n]) for n, p in again_model.named_parameters())
             out["restore"] = {"equal": all(torch.equal(restored[n], after[n]) for n in after),
                               "logits": torch.equal(logits(fresh), quantized), "again": again,
                               "unchanged": all(torch.equal(p, restored[n]) for n, p in fresh.named_parameters())}
@@ -120,6 +128,7 @@ def test_the_rescale_keeps_outputs_bit_exact_refuses_what_it_cannot_and_is_never
             up, up_before = r["after"][fc1].double()[f:], r["before"][fc1].double()[f:]
             assert torch.equal(up * s[:, None], up_before), fc1  # the up rows divided by the same s_j
             assert torch.equal(r["after"][fc1][:f], r["before"][fc1][:f]), fc1  # the gate rows untouched
+    assert out["idempotent"]  # rescaled weights quantized again with the same alpha and data: not rescaled again
     restore = out["restore"]
     assert restore["equal"], restore  # the saved (rescaled) weights, not rescaled again
     assert restore["logits"], restore

@@ -8,7 +8,12 @@ import torch
 import modelopt_moe.quantization as mtq
 from modelopt_moe.quantization.config import ConfigError, to_config
 from modelopt_moe.quantization.nn import GroupedLinear
-from modelopt_moe.quantization.smooth_experts import exact_exponents, scale_channels, smoothing_scales
+from modelopt_moe.quantization.smooth_experts import (
+    exact_exponents,
+    power_of_two_exponents,
+    scale_channels,
+    smoothing_scales,
+)
 
 
 def test_scales_are_smoothquant_rounded_to_powers_of_two_and_one_where_nothing_was_seen():
@@ -20,13 +25,21 @@ def test_scales_are_smoothquant_rounded_to_powers_of_two_and_one_where_nothing_w
         smoothing_scales(x, w, 1.5)
 
 
+def test_exact_ties_round_to_even_so_the_rule_finds_nothing_more_to_do_on_rescaled_statistics():
+    x, w = torch.tensor([2.0, 8.0, 3.0, 0.75]), torch.ones(4)
+    e = power_of_two_exponents(x, w, 0.5)  # log2 sqrt(x): 0.5 and 1.5 are exact ties (to even: 0 and 2)
+    assert e.tolist() == [0.0, 2.0, 1.0, 0.0]
+    s = torch.exp2(e)
+    assert power_of_two_exponents(x / s, w * s, 0.5).tolist() == [0.0] * 4
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_rescale_is_exact_and_undoes_itself_bit_for_bit(dtype):
     torch.manual_seed(0)
     up, fc2 = torch.randn(32, 16).to(dtype), torch.randn(24, 32).to(dtype)
     bias = torch.randn(32).to(dtype)
     s = torch.exp2(torch.randint(-6, 7, (32,)).float())
-    e = exact_exponents(s, up, bias, fc2)
+    e = exact_exponents(torch.log2(s), up, bias, fc2)
     assert torch.equal(e, torch.log2(s).long())  # far from the dtype's limits: nothing clamped
     before = (up.clone(), bias.clone(), fc2.clone())
     scale_channels(up, bias, fc2, e)
@@ -41,8 +54,7 @@ def test_exponents_are_clamped_so_that_every_scaled_weight_stays_finite_and_norm
     f16 = torch.float16  # max 65504, smallest normal 2**-14
     up = torch.tensor([[1.0, 2.0], [1.0, 2.0], [2.0**-12, 1.0], [2.0**-15, 1.0]], dtype=f16)
     fc2 = torch.tensor([[20000.0, 1.0, 1.0, 2.0**-20], [1.0, 1.0, 1.0, 1.0]], dtype=f16)
-    s = torch.tensor([8.0, 2.0**-20, 8.0, 2.0])
-    e = exact_exponents(s, up, None, fc2)
+    e = exact_exponents(torch.tensor([3.0, -20.0, 3.0, 1.0]), up, None, fc2)
     # channel 0: fc2 * 2**e <= 65504 allows e <= 1; channel 1: up / 2**e <= 65504 allows e >= -14 (2 * 2**14 is the
     # largest power-of-two multiple below the max); channel 2: up's 2**-12 / 2**e stays normal for e <= 2; channel 3:
     # subnormal weights on both sides (2**-15 in up, 2**-20 in fc2) leave no exact exponent but 0 there: s = 1
