@@ -118,9 +118,9 @@ def check_expert_mlps(model: nn.Module, call: str) -> list[ExpertMLP]:
                          + "\n  ".join(refused) + f"\nSupported: {SUPPORTED}. Drop smooth_expert_inputs from the "
                          "config for this model. Nothing was changed")
     if not mlps:
-        warn_once(f"{call}: smooth_expert_inputs rescales the experts' fc2 inputs, but {type(model).__name__} has no "
-                  "expert layer a framework plugin knows (Megatron's SequentialMLP, TEGroupedMLP) on this rank; "
-                  "nothing is rescaled here")
+        warn_once(f"{call}: smooth_expert_inputs rescales the experts' fc2 inputs, but the model has no expert layer "
+                  "a framework plugin knows (Megatron's SequentialMLP, TEGroupedMLP) on this rank; nothing is "
+                  "rescaled here")
     return mlps
 
 

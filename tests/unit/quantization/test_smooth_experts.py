@@ -92,3 +92,15 @@ def test_quantize_refuses_the_rescale_without_calibration_data_and_changes_nothi
                                          r"from calibration data .*\(forward_loop=None"):
         mtq.quantize(experts, cfg)
     assert not any(hasattr(m, "weight_quantizer") for m in experts.modules())
+
+
+def test_a_model_without_expert_layers_warns_and_is_quantized_as_without_the_key():
+    tokens = torch.randn(12, 16)
+    chunks = [GroupedLinear(num_gemms=2, in_features=16, out_features=8) for _ in range(2)]
+    weights = [c.weight0.detach().clone() for c in chunks]
+    cfg = {**mtq.FP8_DEFAULT_CFG, "smooth_expert_inputs": {"alpha": 0.5}}
+    with pytest.warns(UserWarning, match="smooth_expert_inputs rescales the experts' fc2 inputs, but the model has "
+                                         "no expert layer"):
+        mtq.quantize(chunks, cfg, lambda model: [c(tokens, [6, 6]) for c in model])  # the chunk list
+    assert all(torch.equal(c.weight0, w) for c, w in zip(chunks, weights, strict=True))
+    assert all(c.input_quantizer.amax is not None for c in chunks)
