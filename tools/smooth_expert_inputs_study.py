@@ -26,7 +26,9 @@ Transforms (``--variants``; joined with ``+`` they apply left to right, each on 
 - ``spread``: the opposite, the channels dealt round-robin over the blocks by ``amax_x``, so each block holds one of
   the largest (exact for any activation).
 
-Channels (and experts) that saw no calibration token keep ``s_j = 1``. For every transform the study reports the
+Channels (and experts) that saw no calibration token keep ``s_j = 1``. ``smooth<alpha>p2`` is what the library ships
+as the config key ``smooth_expert_inputs: {alpha: <alpha>}`` (:mod:`modelopt_moe.quantization.smooth_experts`, whose
+scale rule, expert finder and refusals this tool uses). For every transform the study reports the
 bf16 model's held-out KL to the untransformed teacher (the transform alone: 0 for exact transforms, bf16 rounding
 otherwise), then NVFP4 PTQ (experts' weights and inputs, max calibration of the transformed model on the same
 calibration batches): held-out KL, its ratio to ``none``'s, top-1 flips, and the KL with only fc2's inputs quantized
