@@ -18,6 +18,8 @@ Transforms (``--variants``; joined with ``+`` they apply left to right, each on 
   (``s_j = amax_x_j / max_block amax_x``; the error moves to fc2's weights);
 - ``awq``: per expert, of ``s = 1`` and the SmoothQuant scales at alpha 0, 0.1, ..., 1, the one whose NVFP4
   fake-quantized fc2 GEMM is closest to the bf16 one on the expert's calibration tokens (AWQ's search);
+- ``ship<alpha>``: the library's ``smooth_expert_inputs: {alpha: <alpha>}``, applied by ``mtq.quantize`` (the same
+  rule as ``smooth<alpha>p2``, on the statistics fc2's input quantizer sees); last in a ``+`` chain;
 - ``fc1in<alpha>`` (``p2``): SmoothQuant on fc1's inputs instead, one ``s`` per MoE layer folded into the pre-MLP
   norm (weight and bias divided) and the columns of the router and of every expert's fc1 (multiplied); exact for any
   activation;
@@ -323,10 +325,10 @@ def spread_order(order: torch.Tensor, name: str = "expert", block: int = BLOCK) 
     return perm
 
 
-_STEP = re.compile(r"^(none|perm|spread|blockeq|awq|(smooth|fc1in)(\d*\.?\d+)(p2)?)$")
+_STEP = re.compile(r"^(none|perm|spread|blockeq|awq|(smooth|fc1in|ship)(\d*\.?\d+)(p2)?)$")
 # the steps that scale fc2's input channels (a gated, unclamped GLU only); fc1in scales fc1's inputs, before the
 # activation, and permutations reorder channels: both hold for any elementwise activation
-FC2_SCALES = ("smooth", "blockeq", "awq")
+FC2_SCALES = ("smooth", "blockeq", "awq", "ship")
 
 
 def parse_transform(spec: str) -> list[tuple[str, float | None, bool]]:
@@ -340,16 +342,19 @@ def parse_transform(spec: str) -> list[tuple[str, float | None, bool]]:
         m = _STEP.match(part)
         if not m:
             raise ValueError(f"transform {spec!r}: unknown step {part!r}; expected none, perm, spread, blockeq, awq, "
-                             "smooth<alpha>[p2] or fc1in<alpha>[p2] (e.g. smooth0.5), joined with '+'")
+                             "smooth<alpha>[p2], fc1in<alpha>[p2] or ship<alpha> (e.g. smooth0.5), joined with '+'")
         if m[1] == "none":
             continue
         if m[2] is not None:
             alpha = float(m[3])
             if not 0.0 <= alpha <= 1.0:
                 raise ValueError(f"transform {spec!r}: alpha {alpha} outside [0, 1]")
-            steps.append((m[2], alpha, m[4] is not None))
+            steps.append((m[2], alpha, m[4] is not None or m[2] == "ship"))
         else:
             steps.append((m[1], None, False))
+    if any(kind == "ship" for kind, _, _ in steps[:-1]):
+        raise ValueError(f"transform {spec!r}: 'ship<alpha>' runs inside mtq.quantize, after every other step: put "
+                         "it last")
     return steps
 
 
@@ -367,6 +372,8 @@ def apply_transform(model: torch.nn.Module, spec: str, forward_loop) -> dict:
         moe_layers(model)  # checked before any weight changes
     info: dict = {}
     for kind, alpha, pow2 in steps:
+        if kind == "ship":  # the library's smooth_expert_inputs, applied by mtq.quantize (the study's _worker)
+            continue
         if kind == "fc1in":
             scale_fc1_inputs(model, forward_loop, alpha, pow2)
             continue
@@ -445,9 +452,19 @@ def _worker(rank, world_size, overrides: dict, variants: tuple[str, ...], verbos
         t0 = time.perf_counter()
         model = study_model(cfg, weights).eval()
         r = {"chosen": apply_transform(model, spec, calib_loop), "bf16": evaluate(model)}
+        quant_config = expert_quant_config("nvfp4", "dynamic", "max")
+        ship = [alpha for kind, alpha, _ in parse_transform(spec) if kind == "ship"]
+        if ship:  # the shipped path: mtq.quantize rescales, then calibrates
+            quant_config["smooth_expert_inputs"] = {"alpha": ship[0]}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mtq.quantize(model, expert_quant_config("nvfp4", "dynamic", "max"), calib_loop)
+            mtq.quantize(model, quant_config, calib_loop)
+        if ship:  # the rescaled bf16 model: every quantizer off for a moment
+            enabled = [q for _, q, _ in mtq.named_quantizers(model) if q.is_enabled]
+            mtq.disable_quantizer(model, "*")
+            r["bf16"] = evaluate(model)
+            for q in enabled:
+                q.enable()
         r["nvfp4"] = evaluate(model)
         for key, off in only.items():
             for pattern in off:
