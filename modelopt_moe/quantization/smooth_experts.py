@@ -128,7 +128,8 @@ def smoothing_scales(amax_x: torch.Tensor, amax_w: torch.Tensor, alpha: float | 
                      pow2: bool = False, block: int = 16) -> torch.Tensor:
     """``s`` per channel: SmoothQuant's ``amax_x**alpha / amax_w**(1 - alpha)`` (``alpha`` in [0, 1]), or with
     ``alpha=None`` the block equalizer ``amax_x / max over the channel's block of amax_x``; 1 where ``amax_x`` or
-    ``amax_w`` is 0 (no token, a dead channel); ``pow2``: rounded to the nearest power of two (in log2, ties to even).
+    ``amax_w`` is 0 (no token, a dead channel); ``pow2``: rounded to the nearest power of two (``round(log2(s))``; at an
+    exact tie the float rounding of ``s`` decides, which :func:`power_of_two_exponents` avoids).
 
     Raises:
         ValueError: an ``alpha`` outside [0, 1], or non-finite statistics.
@@ -145,9 +146,8 @@ def smoothing_scales(amax_x: torch.Tensor, amax_w: torch.Tensor, alpha: float | 
             raise ValueError(f"smoothing_scales: alpha={alpha}; expected a value in [0, 1]")
         s = x.pow(alpha) / w.pow(1.0 - alpha)
     s = torch.where((x > 0) & (w > 0), s, torch.ones_like(s))
-    if pow2:
-        e = power_of_two_exponents(x, w, alpha) if alpha is not None else torch.round(torch.log2(s))
-        s = torch.exp2(e)
+    if pow2:  # the study's rounding of s itself; smooth_expert_inputs rounds exactly: power_of_two_exponents
+        s = torch.exp2(torch.round(torch.log2(s)))
     return s.float()
 
 
