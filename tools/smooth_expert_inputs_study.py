@@ -18,6 +18,8 @@ Transforms (``--variants``; joined with ``+`` they apply left to right, each on 
   (``s_j = amax_x_j / max_block amax_x``; the error moves to fc2's weights);
 - ``awq``: per expert, of ``s = 1`` and the SmoothQuant scales at alpha 0, 0.1, ..., 1, the one whose NVFP4
   fake-quantized fc2 GEMM is closest to the bf16 one on the expert's calibration tokens (AWQ's search);
+- ``ship<alpha>``: the library's ``smooth_expert_inputs: {alpha: <alpha>}``, applied by ``mtq.quantize`` (the same
+  rule as ``smooth<alpha>p2``, on the statistics fc2's input quantizer sees); last in a ``+`` chain;
 - ``fc1in<alpha>`` (``p2``): SmoothQuant on fc1's inputs instead, one ``s`` per MoE layer folded into the pre-MLP
   norm (weight and bias divided) and the columns of the router and of every expert's fc1 (multiplied); exact for any
   activation;
@@ -26,7 +28,9 @@ Transforms (``--variants``; joined with ``+`` they apply left to right, each on 
 - ``spread``: the opposite, the channels dealt round-robin over the blocks by ``amax_x``, so each block holds one of
   the largest (exact for any activation).
 
-Channels (and experts) that saw no calibration token keep ``s_j = 1``. For every transform the study reports the
+Channels (and experts) that saw no calibration token keep ``s_j = 1``. ``smooth<alpha>p2`` is what the library ships
+as the config key ``smooth_expert_inputs: {alpha: <alpha>}`` (:mod:`modelopt_moe.quantization.smooth_experts`, whose
+scale rule, expert finder and refusals this tool uses). For every transform the study reports the
 bf16 model's held-out KL to the untransformed teacher (the transform alone: 0 for exact transforms, bf16 rounding
 otherwise), then NVFP4 PTQ (experts' weights and inputs, max calibration of the transformed model on the same
 calibration batches): held-out KL, its ratio to ``none``'s, top-1 flips, and the KL with only fc2's inputs quantized
@@ -57,6 +61,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from modelopt_moe.quantization.smooth_experts import smoothing_scales
 
 for _path in (Path(__file__).resolve().parent, Path(__file__).resolve().parents[1] / "tests"):
     if str(_path) not in sys.path:  # the study's tools, and its small Megatron models (not part of the package)
@@ -92,17 +98,14 @@ def expert_gemms(model: torch.nn.Module) -> list[ExpertGemms]:
     Raises:
         ValueError: the model has no experts of a known kind.
     """
+    from modelopt_moe.plugins.megatron.smooth_experts import megatron_expert_mlps  # the library's finder
+
     out = []
-    for name, module in model.named_modules():
-        if hasattr(module, "local_experts"):  # SequentialMLP
-            for i, e in enumerate(module.local_experts):
-                out.append(ExpertGemms(f"{name}.local_experts.{i}", e.linear_fc1.weight,
-                                       getattr(e.linear_fc1, "bias", None), e.linear_fc2.weight, e.config))
-        elif hasattr(getattr(module, "linear_fc1", None), "weight0"):  # grouped
-            fc1, fc2 = module.linear_fc1, module.linear_fc2
-            for i in range(fc1.num_gemms):
-                out.append(ExpertGemms(f"{name}.linear_fc1.weight{i}", getattr(fc1, f"weight{i}"),
-                                       getattr(fc1, f"bias{i}", None), getattr(fc2, f"weight{i}"), module.config))
+    for m in megatron_expert_mlps(model):
+        config = model.get_submodule(m.name).config
+        for i in range(len(m.fc2_weights)):
+            name = f"{m.name}.linear_fc1.weight{i}" if m.grouped else f"{m.name}.local_experts.{i}"
+            out.append(ExpertGemms(name, m.fc1_weights[i], m.fc1_biases[i], m.fc2_weights[i], config))
     if not out:
         raise ValueError(f"{type(model).__name__}: no SequentialMLP or grouped experts to transform")
     return out
@@ -116,26 +119,19 @@ def check_transformable(model: torch.nn.Module, scales: bool) -> list[ExpertGemm
             Transformer Engine activation module (whose clamping cannot be read); a permutation of an activation
             that is not elementwise (the TE module).
     """
+    from modelopt_moe.plugins.megatron.smooth_experts import refusal
+
     experts = expert_gemms(model)
     for e in experts:
         c = e.config
         if getattr(c, "use_te_activation_func", False):
             raise ValueError(f"expert {e.name}: use_te_activation_func=True (a Transformer Engine activation module, "
                              "possibly clamped): cannot prove a channel transform preserves it")
-        if not scales:
-            continue
-        if not c.gated_linear_unit:
-            act = getattr(c.activation_func, "__name__", c.activation_func)
-            raise ValueError(f"expert {e.name}: gated_linear_unit=False ({act} of fc1's output): a per-channel "
-                             "scale does not pass through a non-gated activation; expected a gated linear unit "
-                             "(e.g. SwiGLU), or use 'perm'")
-        if c.activation_func_clamp_value is not None:
-            raise ValueError(f"expert {e.name}: activation_func_clamp_value={c.activation_func_clamp_value} (a "
-                             "clamped GLU, as gpt-oss's): clamping the up half does not commute with scaling it; "
-                             "expected None")
-        if c.glu_linear_offset != 0.0:
-            raise ValueError(f"expert {e.name}: glu_linear_offset={c.glu_linear_offset} (act(gate) * (up + offset)): "
-                             "scaling the up half would scale the offset too; expected 0.0")
+        reason = refusal(c, e.fc1_weight.shape[0], e.fc2_weight.shape[1]) if scales else None
+        if reason is not None:  # the library's rule (what mtq.quantize's smooth_expert_inputs refuses)
+            if not c.gated_linear_unit:
+                reason += "; expected a gated linear unit (e.g. SwiGLU), or use 'perm'"
+            raise ValueError(f"expert {e.name}: {reason}")
     return experts
 
 
@@ -196,32 +192,6 @@ def fc2_input_amax(model: torch.nn.Module, forward_loop, inputs: dict | None = N
     if inputs is not None:
         inputs.update({n: torch.cat(v) if v else None for n, v in seen.items()})
     return amax
-
-
-def smoothing_scales(amax_x: torch.Tensor, amax_w: torch.Tensor, alpha: float | None = None, *,
-                     pow2: bool = False, block: int = BLOCK) -> torch.Tensor:
-    """``s`` per channel: SmoothQuant's ``amax_x**alpha / amax_w**(1 - alpha)`` (``alpha`` in [0, 1]), or with
-    ``alpha=None`` the block equalizer ``amax_x / max over the channel's block of amax_x``; 1 where ``amax_x`` or
-    ``amax_w`` is 0 (no token, a dead channel); ``pow2``: rounded to the nearest power of two.
-
-    Raises:
-        ValueError: an ``alpha`` outside [0, 1], or non-finite statistics.
-    """
-    if not (torch.isfinite(amax_x).all() and torch.isfinite(amax_w).all()):
-        raise ValueError("smoothing_scales: non-finite amax_x or amax_w")
-    x, w = amax_x.double(), amax_w.double()
-    if alpha is None:
-        pad = (-x.numel()) % block
-        peak = torch.nn.functional.pad(x, (0, pad)).view(-1, block).amax(1).repeat_interleave(block)[:x.numel()]
-        s = x / peak
-    else:
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"smoothing_scales: alpha={alpha}; expected a value in [0, 1]")
-        s = x.pow(alpha) / w.pow(1.0 - alpha)
-    s = torch.where((x > 0) & (w > 0), s, torch.ones_like(s))
-    if pow2:
-        s = torch.exp2(torch.round(torch.log2(s)))
-    return s.float()
 
 
 AWQ_ALPHAS = tuple(i / 10 for i in range(11))
@@ -355,10 +325,10 @@ def spread_order(order: torch.Tensor, name: str = "expert", block: int = BLOCK) 
     return perm
 
 
-_STEP = re.compile(r"^(none|perm|spread|blockeq|awq|(smooth|fc1in)(\d*\.?\d+)(p2)?)$")
+_STEP = re.compile(r"^(none|perm|spread|blockeq|awq|(smooth|fc1in|ship)(\d*\.?\d+)(p2)?)$")
 # the steps that scale fc2's input channels (a gated, unclamped GLU only); fc1in scales fc1's inputs, before the
 # activation, and permutations reorder channels: both hold for any elementwise activation
-FC2_SCALES = ("smooth", "blockeq", "awq")
+FC2_SCALES = ("smooth", "blockeq", "awq", "ship")
 
 
 def parse_transform(spec: str) -> list[tuple[str, float | None, bool]]:
@@ -372,16 +342,19 @@ def parse_transform(spec: str) -> list[tuple[str, float | None, bool]]:
         m = _STEP.match(part)
         if not m:
             raise ValueError(f"transform {spec!r}: unknown step {part!r}; expected none, perm, spread, blockeq, awq, "
-                             "smooth<alpha>[p2] or fc1in<alpha>[p2] (e.g. smooth0.5), joined with '+'")
+                             "smooth<alpha>[p2], fc1in<alpha>[p2] or ship<alpha> (e.g. smooth0.5), joined with '+'")
         if m[1] == "none":
             continue
         if m[2] is not None:
             alpha = float(m[3])
             if not 0.0 <= alpha <= 1.0:
                 raise ValueError(f"transform {spec!r}: alpha {alpha} outside [0, 1]")
-            steps.append((m[2], alpha, m[4] is not None))
+            steps.append((m[2], alpha, m[4] is not None or m[2] == "ship"))
         else:
             steps.append((m[1], None, False))
+    if any(kind == "ship" for kind, _, _ in steps[:-1]):
+        raise ValueError(f"transform {spec!r}: 'ship<alpha>' runs inside mtq.quantize, after every other step: put "
+                         "it last")
     return steps
 
 
@@ -399,6 +372,8 @@ def apply_transform(model: torch.nn.Module, spec: str, forward_loop) -> dict:
         moe_layers(model)  # checked before any weight changes
     info: dict = {}
     for kind, alpha, pow2 in steps:
+        if kind == "ship":  # the library's smooth_expert_inputs, applied by mtq.quantize (the study's _worker)
+            continue
         if kind == "fc1in":
             scale_fc1_inputs(model, forward_loop, alpha, pow2)
             continue
@@ -477,9 +452,19 @@ def _worker(rank, world_size, overrides: dict, variants: tuple[str, ...], verbos
         t0 = time.perf_counter()
         model = study_model(cfg, weights).eval()
         r = {"chosen": apply_transform(model, spec, calib_loop), "bf16": evaluate(model)}
+        quant_config = expert_quant_config("nvfp4", "dynamic", "max")
+        ship = [alpha for kind, alpha, _ in parse_transform(spec) if kind == "ship"]
+        if ship:  # the shipped path: mtq.quantize rescales, then calibrates
+            quant_config["smooth_expert_inputs"] = {"alpha": ship[0]}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mtq.quantize(model, expert_quant_config("nvfp4", "dynamic", "max"), calib_loop)
+            mtq.quantize(model, quant_config, calib_loop)
+        if ship:  # the rescaled bf16 model: every quantizer off for a moment
+            enabled = [q for _, q, _ in mtq.named_quantizers(model) if q.is_enabled]
+            mtq.disable_quantizer(model, "*")
+            r["bf16"] = evaluate(model)
+            for q in enabled:
+                q.enable()
         r["nvfp4"] = evaluate(model)
         for key, off in only.items():
             for pattern in off:

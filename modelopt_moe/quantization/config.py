@@ -15,6 +15,7 @@ A config says *what* precision goes *where*; :mod:`tensor_quantizer` says *how*.
     weight_amax_update: dynamic      # static | dynamic | learned (docs/qad.md)
     input_amax_update: static        # static | learned (docs/qad.md)
     autoswitch: {every: 100, underflow_pct: 5.0, mse: 0.05, gemms: [fprop, dgrad, wgrad]}   # optional
+    smooth_expert_inputs: {alpha: 0.5}   # optional: exact power-of-two rescaling of the experts' fc2 inputs
 
 ``$import: other.yaml`` at the top of a file merges that file first (its ``quant_cfg`` entries come before this
 file's); ``- $import: other.yaml`` inside ``quant_cfg`` splices the other file's entries at that place.
@@ -37,6 +38,7 @@ from .config_schema import (
     QuantCfgEntry,
     QuantizeConfig,
     QuantizerAttributeConfig,
+    SmoothExpertInputsConfig,
     normalize_algorithm,
 )
 from .presets import PRESET_FILES, find_preset, preset_path
@@ -49,6 +51,7 @@ __all__ = [
     "BackwardConfig",
     "MaxCalibConfig",
     "AutoswitchConfig",
+    "SmoothExpertInputsConfig",
     "AUTOSWITCH_GEMMS",
     "WEIGHT_AMAX_UPDATES",
     "INPUT_AMAX_UPDATES",

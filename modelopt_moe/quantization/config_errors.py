@@ -16,6 +16,7 @@ from .config_schema import (
     QuantCfgEntry,
     QuantizeConfig,
     QuantizerAttributeConfig,
+    SmoothExpertInputsConfig,
 )
 
 __all__ = ["ConfigError", "format_validation_error"]
@@ -59,7 +60,7 @@ def _allowed_keys(loc: tuple) -> list[str]:
             break
         nxt = {"quant_cfg": QuantCfgEntry, "cfg": QuantizerAttributeConfig, "experts": ExpertsConfig,
                "backward": BackwardConfig, "max_calib": MaxCalibConfig, "algorithm": MaxCalibConfig,
-               "autoswitch": AutoswitchConfig}.get(str(part))
+               "autoswitch": AutoswitchConfig, "smooth_expert_inputs": SmoothExpertInputsConfig}.get(str(part))
         if nxt is None:
             break
         model = nxt

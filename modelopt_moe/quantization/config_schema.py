@@ -37,6 +37,7 @@ __all__ = [
     "MseCalibConfig",
     "CALIBRATION_OPTIONS",
     "AutoswitchConfig",
+    "SmoothExpertInputsConfig",
     "AUTOSWITCH_GEMMS",
     "WEIGHT_AMAX_UPDATES",
     "INPUT_AMAX_UPDATES",
@@ -562,6 +563,18 @@ class AutoswitchConfig(_Strict):
         return self
 
 
+class SmoothExpertInputsConfig(_Strict):
+    """The exact power-of-two SmoothQuant rescaling of the experts' fc2 inputs that :func:`mtq.quantize` applies
+    before calibration (:mod:`.smooth_experts`, docs/calibration.md).
+
+    Attributes:
+        alpha: SmoothQuant's migration strength in [0, 1]: ``s_j = amax_x_j**alpha / amax_w_j**(1 - alpha)``, rounded
+            to a power of two.
+    """
+
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+
+
 # How weight amaxes follow the weights while training (docs/qad.md): "static" keeps the calibrated amax, "dynamic"
 # recomputes it from the current weights at every re-quantization, "learned" trains it (LSQ-style gradient).
 WEIGHT_AMAX_UPDATES = ("static", "dynamic", "learned")
@@ -632,6 +645,8 @@ class QuantizeConfig(_Strict):
     # The same for the GEMMs' input quantizers (``input_quantizer``; output and KV-cache quantizers stay calibrated).
     input_amax_update: Literal["static", "learned"] = "static"
     autoswitch: AutoswitchConfig | None = None
+    # Off by default: rescale the experts' fc2 input channels (exactly, by powers of two) before calibration.
+    smooth_expert_inputs: SmoothExpertInputsConfig | None = None
 
     @model_validator(mode="after")
     def _combinations(self):

@@ -39,6 +39,7 @@ from .conversion import (
 from .expert_quantizer import ExpertQuantizer
 from .modelopt_compat import COMPAT_DOC
 from .rollback import unchanged_on_error
+from .smooth_experts import check_expert_mlps, rescaled_expert_inputs
 from .utils import is_rank0
 from .weight_amax import update_weight_amax
 
@@ -74,7 +75,9 @@ def quantize(model: nn.Module | list[nn.Module], config: QuantizeConfig | dict,
         config: a :class:`QuantizeConfig`, a dict of the same shape (also Model Optimizer's shapes), a preset such
             as ``mtq.FP8_DEFAULT_CFG``, or ``mtq.load_config("file.yaml")``.
         forward_loop: ``forward_loop(model)`` (or ``forward_loop()``) feeds calibration data; without it only
-            weights are calibrated.
+            weights are calibrated. With ``smooth_expert_inputs`` in the config it runs once more, first: the
+            experts' fc2 input channels are rescaled from its statistics (exactly, by powers of two) before
+            calibration.
 
     Returns:
         ``model`` (the same object; the same list).
@@ -86,7 +89,9 @@ def quantize(model: nn.Module | list[nn.Module], config: QuantizeConfig | dict,
             silently; here: call :func:`set_quantizer_by_cfg` and :func:`calibrate`); ``model`` is already wrapped
             (torch's or Megatron's ``DistributedDataParallel``, ``Float16Module``: quantize before wrapping); or it
             is on the meta device and the config calibrates (``algorithm`` not None); ``input_amax_update: learned``
-            without a ``forward_loop`` (or without an algorithm) to calibrate the inputs. Nothing is changed then.
+            without a ``forward_loop`` (or without an algorithm) to calibrate the inputs; ``smooth_expert_inputs``
+            without a ``forward_loop`` or an algorithm, or on experts it cannot rescale exactly (naming each layer
+            and the setting). Nothing is changed then.
     """
     cfg = to_config(config)
     as_forward_loop(forward_loop)  # a bad forward_loop fails before the model changes
@@ -100,24 +105,40 @@ def quantize(model: nn.Module | list[nn.Module], config: QuantizeConfig | dict,
 def _quantize_chunks(chunks, cfg: QuantizeConfig, forward_loop) -> None:
     """:func:`quantize` of a model given as chunks: every chunk checked before any converts, all or nothing."""
     for i, chunk in enumerate(chunks):
-        _check_quantizable(chunk, cfg, forward_loop, f"mtq.quantize (model chunk {i})")
+        _check_quantizable(chunk, cfg, forward_loop, f"mtq.quantize (model chunk {i})", experts=False)
+    whole, _ = as_chunks(chunks)
+    if cfg.smooth_expert_inputs is not None:
+        check_expert_mlps(whole, "mtq.quantize")  # a chunk may hold no expert layer: the whole model is checked
     with contextlib.ExitStack() as stack:
         for i, chunk in enumerate(chunks):
             stack.enter_context(unchanged_on_error(chunk, f"mtq.quantize (model chunk {i})"))
         for chunk in chunks:
             convert(chunk, cfg)
-        calibrate(chunks, cfg.max_calib if cfg.algorithm is not None else None, forward_loop)
+        loop = as_forward_loop(forward_loop)
+        with _smoothed(whole, cfg, None if loop is None else (lambda _whole: loop(chunks))):
+            calibrate(chunks, cfg.max_calib if cfg.algorithm is not None else None, forward_loop)
 
 
 def _quantize_one(model: nn.Module, cfg: QuantizeConfig, forward_loop) -> nn.Module:
     _check_quantizable(model, cfg, forward_loop, "mtq.quantize")
     with unchanged_on_error(model, "mtq.quantize"):
         convert(model, cfg)
-        return calibrate(model, cfg.max_calib if cfg.algorithm is not None else None, forward_loop)
+        with _smoothed(model, cfg, as_forward_loop(forward_loop)):
+            return calibrate(model, cfg.max_calib if cfg.algorithm is not None else None, forward_loop)
 
 
-def _check_quantizable(model: nn.Module, cfg: QuantizeConfig, forward_loop, call: str) -> None:
-    """:func:`quantize`'s refusals, before anything changes."""
+def _smoothed(model: nn.Module, cfg: QuantizeConfig, loop):
+    """The config's ``smooth_expert_inputs`` rescale of the converted model, undone bit for bit if what follows
+    (calibration) fails; nothing without it."""
+    if cfg.smooth_expert_inputs is None:
+        return contextlib.nullcontext()
+    return rescaled_expert_inputs(model, loop, cfg.smooth_expert_inputs.alpha,
+                                  moe_calib_experts_ratio=cfg.max_calib.moe_calib_experts_ratio)
+
+
+def _check_quantizable(model: nn.Module, cfg: QuantizeConfig, forward_loop, call: str, experts: bool = True) -> None:
+    """:func:`quantize`'s refusals, before anything changes (``experts``: also the expert layers'
+    ``smooth_expert_inputs`` check)."""
     register_framework_plugins()  # the wrappers of the imported frameworks, for wrapper_names
     wrappers = wrapper_names(model)
     if wrappers:
@@ -132,6 +153,15 @@ def _check_quantizable(model: nn.Module, cfg: QuantizeConfig, forward_loop, call
         raise ValueError(f"{call}: input_amax_update=learned starts every input amax from its calibrated value, "
                          f"but this call calibrates none (forward_loop={forward_loop!r}, algorithm="
                          f"{cfg.algorithm!r}); pass a forward_loop and a calibration algorithm. Nothing was changed")
+    if cfg.smooth_expert_inputs is not None:
+        if forward_loop is None or cfg.algorithm is None:
+            raise ValueError(f"{call}: smooth_expert_inputs={cfg.smooth_expert_inputs.model_dump()} rescales the "
+                             "experts' fc2 inputs from calibration data before calibrating, but this call calibrates "
+                             f"nothing (forward_loop={forward_loop!r}, algorithm={cfg.algorithm!r}); pass a "
+                             "forward_loop and a calibration algorithm, or drop smooth_expert_inputs. Nothing was "
+                             "changed")
+        if experts:
+            check_expert_mlps(model, call)
     quantized = [name or "<model>" for name, m in model.named_modules() if is_quantized(m)]
     if quantized:
         raise ValueError(

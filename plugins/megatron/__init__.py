@@ -40,6 +40,7 @@ from modelopt_moe.quantization.calib.routing import register_router_widener
 from modelopt_moe.quantization.chunk_names import register_chunk_naming
 from modelopt_moe.quantization.conversion import QuantModuleRegistry, register_wrapper
 from modelopt_moe.quantization.process_groups import register_group_provider
+from modelopt_moe.quantization.smooth_experts import register_expert_mlp_finder
 
 from .batches import LM_BATCH_CONTRACT, BatchError, check_lm_batch
 from .calib_routing import widen_moe_routing
@@ -68,6 +69,7 @@ from .parallel import destroy_model_parallel, init_model_parallel
 from .pipeline_state import stage_naming
 from .schedule import get_forward_backward_func
 from .sharded_state_dict import checkpoint_load_metadata
+from .smooth_experts import megatron_expert_mlps
 from .teacher_logits import stored_teacher_logits, write_teacher_logits
 
 __all__ = [
@@ -102,8 +104,8 @@ __all__ = [
 
 
 def register() -> None:
-    """Adds the quantized Megatron classes to the registry, Megatron's process groups and MoE router widener
-    (``moe_calib_experts_ratio``) to calibration, Megatron's
+    """Adds the quantized Megatron classes to the registry, Megatron's process groups, MoE router widener
+    (``moe_calib_experts_ratio``) and expert layers (``smooth_expert_inputs``) to calibration, Megatron's
     model wrappers (DDP, ``Float16Module``, transparent in state dicts) to the quantization state's naming, the
     Megatron adapter to the Hugging Face export (:mod:`modelopt_moe.export`), the tensor-shape check to
     ``restore_sharded_modelopt_state`` and the global layer names of pipeline stages
@@ -112,6 +114,7 @@ def register() -> None:
         QuantModuleRegistry.register(original, quantized)
     register_group_provider(megatron_amax_groups)
     register_router_widener(widen_moe_routing)
+    register_expert_mlp_finder(megatron_expert_mlps)
     for wrapper in (DistributedDataParallel, Float16Module):
         register_wrapper(wrapper)
     register_export_adapter(MegatronExportAdapter())

@@ -45,8 +45,9 @@ def test_transform_specs_parse_and_bad_ones_are_named():
     assert parse_transform("smooth0.5p2+perm") == [("smooth", 0.5, True), ("perm", None, False)]
     assert parse_transform("blockeq") == [("blockeq", None, False)]
     assert parse_transform("fc1in0.25") == [("fc1in", 0.25, False)]
+    assert parse_transform("spread+ship0.5") == [("spread", None, False), ("ship", 0.5, True)]
     for spec, message in [("smooth", "unknown step 'smooth'"), ("smooth2", "alpha 2.0 outside"),
-                          ("perm+gptq", "unknown step 'gptq'")]:
+                          ("perm+gptq", "unknown step 'gptq'"), ("ship0.5+perm", "put it last")]:
         with pytest.raises(ValueError, match=re.escape(f"transform '{spec}'")) as info:
             parse_transform(spec)
         assert message in str(info.value)
