@@ -51,12 +51,14 @@ def grouped_weight_fake_quant_stats_kernel(
     e, t, rows_n, cols_n, ctiles, out0 = locate_tile(table_ptr, pid, n_experts, u_tiles, u_rows, u_cols, u_ctiles,
                                                      SEARCH_STEPS, UNIFORM)
     start, local, mask, rows, row_mask = tile_offsets(rows_n, cols_n, ctiles, t, TILE_R, TILE_NB, BS, TWO_D, VEC)
-    in_off = tl.load(table_ptr + e * NCOL + COL_IN) + start
+    # The alignment hints of the weight fake-quant kernel (the same plan's promise): 16-byte vectors when VEC > 1.
+    in_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)
+    out_off = tl.multiple_of(out0 + start, VEC)
     x = to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0))
     a = load_amax_rows(amax_ptr, e, rows, row_mask, AMAX_MODE, amax_stride_e, TILE_R)
     y = fake_quant_tile(x, a, FAMILY, BOUND, MANT, EMIN, EMAX, INT_BLOCK, NARROW=NARROW)
     y = to_out_dtype(y, out_ptr.dtype.element_ty, BITWISE_CVT)
-    tl.store(out_ptr + out0 + start + local, y, mask=mask)
+    tl.store(out_ptr + out_off + local, y, mask=mask)
     # Statistics of the operand the GEMM reads: the output in its own dtype against the input.
     nz, uf, se, ss = _tile_stats(x, to_fp32(y), mask)
     tl.store(stats_ptr + pid * 4 + 0, tl.sum(nz))

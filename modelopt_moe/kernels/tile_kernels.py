@@ -393,14 +393,15 @@ def tile_offsets(rows_n, cols_n, ctiles, t, TILE_R: tl.constexpr, TILE_NB: tl.co
         # The launcher guarantees cols_n % VEC == 0 whenever VEC > 1 (so each row starts aligned). The hints go after
         # the int32 cast (which drops them) and on the 1-D row offsets: a hint on the broadcast form ([VEC, 1, 1])
         # would say nothing along a row, and the loads and stores would be single elements.
-        row_off = tl.arange(0, TILE_R) * tl.multiple_of(cols_n.to(tl.int32), VEC)
+        cols32 = tl.multiple_of(cols_n.to(tl.int32), VEC)
+        row_off = tl.arange(0, TILE_R) * cols32
         local = tl.multiple_of(row_off, VEC)[:, None, None] + c
-        # Hints (true whenever VEC > 1, see the launcher) that keep the mask constant over VEC elements, so that
-        # loads and stores stay 16-byte vectors.
         if EVEN:
             mask = local >= 0  # unused
         else:
-            mask = row_mask & ((col0 + c) < tl.multiple_of(cols_n, VEC))
+            # The row length as the hinted int32 (the offsets above are int32 too): a hint on the int64 cols_n that
+            # the per-expert table gives is lost, and with it the 16-byte vectors of every non-uniform launch.
+            mask = row_mask & ((col0 + c) < cols32)
     else:
         start = t.to(tl.int64) * (TILE_R * TILE_NB * BS)
         rows = r.to(tl.int64)  # unused

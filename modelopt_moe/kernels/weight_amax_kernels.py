@@ -24,7 +24,7 @@ def grouped_weight_amax_kernel(
     e, t, rows_n, cols_n, ctiles, out0 = locate_tile(table_ptr, tl.program_id(0), n_experts, u_tiles, u_rows,
                                                      u_cols, u_ctiles, SEARCH_STEPS, UNIFORM)
     start, local, mask, rows, row_mask = tile_offsets(rows_n, cols_n, ctiles, t, TILE_R, TILE_NB, BS, PER_ROW, VEC)
-    in_off = tl.load(table_ptr + e * NCOL + COL_IN) + start
+    in_off = tl.multiple_of(tl.load(table_ptr + e * NCOL + COL_IN) + start, VEC)  # 16-byte vectors when VEC > 1
     a = tl.abs(to_fp32(tl.load(in_base + in_off + local, mask=mask, other=0.0)))
     a = tl.where(a != a, 0.0, a)  # NaN ignored, like nan_ignoring_abs_max; |x| >= +0.0 so the max is never -0.0
     if PER_ROW:
