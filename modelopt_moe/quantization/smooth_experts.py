@@ -10,7 +10,7 @@ clamping ``e_j`` (a channel whose weights leave no such exponent keeps ``s_j = 1
 ``s_j`` is SmoothQuant's ``amax_x_j**alpha / amax_w_j**(1 - alpha)`` rounded to the nearest power of two:
 ``amax_x_j`` the largest ``|h_j|`` of the expert's calibration tokens, taken where fc2's input quantizer takes it
 (before the router probability), max-reduced over the ranks that hold the same expert; ``amax_w_j`` the largest
-``|fc2[:, j]|``. A channel (or expert) that saw no token, or only non-finite values, keeps ``s_j = 1``.
+``|fc2[:, j]|``. A channel (or expert) that saw no token, or an Inf, keeps ``s_j = 1`` (NaN is left out).
 
 The core knows no MoE framework: a plugin registers a *finder* (:func:`register_expert_mlp_finder`; the Megatron
 plugin's covers ``SequentialMLP`` and ``TEGroupedMLP`` with our or Transformer Engine's grouped linears) that
@@ -31,6 +31,7 @@ from .calib.calibrator import Statistic, reduce_statistics
 from .calib.max import AMAX_REDUCE_OP
 from .calib.routing import widened_routing
 from .conversion import named_quantizers
+from .tensor_quantizer import nan_ignoring_abs_max
 from .utils import warn_once
 
 __all__ = [
@@ -226,8 +227,8 @@ def _pass_switches(model: nn.Module, mlps: list[ExpertMLP]) -> Iterator[None]:
 
 
 def _observe(amax: torch.Tensor, index: int, x: torch.Tensor) -> None:
-    if x.numel():
-        a = torch.nan_to_num(x.detach().float().abs().reshape(-1, x.shape[-1]), nan=0.0).amax(0)
+    if x.numel():  # NaN left out; an Inf kept, so that its channel keeps s = 1
+        a = nan_ignoring_abs_max(x.reshape(-1, x.shape[-1]), keep_dims=(1,)).reshape(-1)
         torch.maximum(amax[index], a.to(amax.device), out=amax[index])
 
 
@@ -341,7 +342,7 @@ def smooth_expert_inputs(model: nn.Module, forward_loop: Callable, alpha: float 
         The :class:`Rescale` (exponents per layer and expert).
 
     Raises:
-        ValueError: an expert layer that cannot be rescaled exactly, or none at all (nothing changed).
+        ValueError: an expert layer that cannot be rescaled exactly (nothing changed). A model without any warns.
     """
     from .process_groups import default_groups
 
@@ -355,7 +356,7 @@ def smooth_expert_inputs(model: nn.Module, forward_loop: Callable, alpha: float 
         per_expert = []
         for i, w in enumerate(m.fc2_weights):
             x = amax[i].to(w.device)
-            x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))  # an Inf: no statistic (calibration refuses it)
+            x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))  # an Inf: s = 1
             e = power_of_two_exponents(x, w.detach().float().abs().amax(0), alpha)
             up, up_bias = _up(m, i)
             per_expert.append(exact_exponents(e, up, up_bias, w))

@@ -9,9 +9,11 @@ import modelopt_moe.quantization as mtq
 from modelopt_moe.quantization.config import ConfigError, to_config
 from modelopt_moe.quantization.nn import GroupedLinear
 from modelopt_moe.quantization.smooth_experts import (
+    ExpertMLP,
     exact_exponents,
     power_of_two_exponents,
     scale_channels,
+    smooth_expert_inputs,
     smoothing_scales,
 )
 
@@ -104,3 +106,19 @@ def test_a_model_without_expert_layers_warns_and_is_quantized_as_without_the_key
         mtq.quantize(chunks, cfg, lambda model: [c(tokens, [6, 6]) for c in model])  # the chunk list
     assert all(torch.equal(c.weight0, w) for c, w in zip(chunks, weights, strict=True))
     assert all(c.input_quantizer.amax is not None for c in chunks)
+
+
+def test_a_channel_whose_fc2_inputs_held_an_inf_keeps_scale_one_and_nan_is_left_out():
+    torch.manual_seed(0)
+    hidden, ffn = 8, 4
+    fc1 = torch.nn.Linear(hidden, 2 * ffn, bias=False)
+    fc2 = torch.nn.Linear(ffn, hidden, bias=False)
+    layer = ExpertMLP("expert", [fc1.weight], [None], [fc2.weight], [fc2], groups=())
+    h = torch.full((3, ffn), 64.0)  # large inputs on every channel: SmoothQuant moves range into fc2 (s > 1)
+    h[0, 0] = float("inf")  # channel 0 saw an Inf
+    h[1, 1] = float("nan")  # channel 1 a NaN, left out: its scale comes from the 64s
+    rescale = smooth_expert_inputs(fc2, lambda model: model(h), 0.5, mlps=[layer], groups={})
+    e = rescale.exponents[0][0]
+    assert e[0] == 0
+    assert torch.equal(e[1:], e[2:3].expand(3))
+    assert e[2] > 0
