@@ -108,7 +108,8 @@ def _quantize_chunks(chunks, cfg: QuantizeConfig, forward_loop) -> None:
         _check_quantizable(chunk, cfg, forward_loop, f"mtq.quantize (model chunk {i})", experts=False)
     whole, _ = as_chunks(chunks)
     if cfg.smooth_expert_inputs is not None:
-        check_expert_mlps(whole, "mtq.quantize")  # a chunk may hold no expert layer: the whole model is checked
+        # a chunk may hold no expert layer: the whole model is checked
+        check_expert_mlps(whole, "mtq.quantize", collective=True)
     with contextlib.ExitStack() as stack:
         for i, chunk in enumerate(chunks):
             stack.enter_context(unchanged_on_error(chunk, f"mtq.quantize (model chunk {i})"))
@@ -161,7 +162,7 @@ def _check_quantizable(model: nn.Module, cfg: QuantizeConfig, forward_loop, call
                              "forward_loop and a calibration algorithm, or drop smooth_expert_inputs. Nothing was "
                              "changed")
         if experts:
-            check_expert_mlps(model, call)
+            check_expert_mlps(model, call, collective=True)
     quantized = [name or "<model>" for name, m in model.named_modules() if is_quantized(m)]
     if quantized:
         raise ValueError(

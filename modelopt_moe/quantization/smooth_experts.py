@@ -25,12 +25,14 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .calib.calibrator import Statistic, reduce_statistics
 from .calib.max import AMAX_REDUCE_OP
 from .calib.routing import widened_routing
 from .conversion import named_quantizers
+from .process_groups import collective_device, default_groups
 from .tensor_quantizer import nan_ignoring_abs_max
 from .utils import warn_once
 
@@ -100,13 +102,17 @@ def expert_mlps(model: nn.Module) -> list[ExpertMLP]:
     return [mlp for fn in _FINDERS for mlp in fn(model)]
 
 
-def check_expert_mlps(model: nn.Module, call: str) -> list[ExpertMLP]:
+def check_expert_mlps(model: nn.Module, call: str, *, collective: bool = False) -> list[ExpertMLP]:
     """The expert layers of ``model``, after checking that each can be rescaled exactly. A model without any warns
     once on rank 0 (a pipeline stage may hold none; an error there would leave the other stages waiting).
 
+    ``collective`` (every rank calls this, as ``mtq.quantize`` does): the ranks add up their refusals in one
+    ``all_reduce`` over the world, whatever their data, so that all raise or none does (a pipeline stage without the
+    refused layers would otherwise go on into calibration and wait for the stages that raised).
+
     Raises:
-        ValueError: a layer that cannot (naming its module path, the setting and what is supported); nothing is
-            changed.
+        ValueError: a layer that cannot (naming its module path, the setting and what is supported), here or (with
+            ``collective``) on another rank; nothing is changed.
     """
     mlps = expert_mlps(model)
     refused = [f"{m.name}: {m.refusal}" for m in mlps if m.refusal is not None]
@@ -114,10 +120,19 @@ def check_expert_mlps(model: nn.Module, call: str) -> list[ExpertMLP]:
         bad = sorted({str(w.dtype) for w in (*m.fc1_weights, *m.fc2_weights) if w.dtype not in EXACT_DTYPES})
         if bad and m.refusal is None:
             refused.append(f"{m.name}: weights in {', '.join(bad)}, where a power-of-two scale is not proven exact")
+    elsewhere = False
+    if collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        total = torch.tensor([len(refused)], dtype=torch.int64, device=collective_device(None))
+        dist.all_reduce(total)
+        elsewhere = int(total.item()) > len(refused)
     if refused:
         raise ValueError(f"{call}: smooth_expert_inputs cannot rescale these expert layers exactly:\n  "
                          + "\n  ".join(refused) + f"\nSupported: {SUPPORTED}. Drop smooth_expert_inputs from the "
                          "config for this model. Nothing was changed")
+    if elsewhere:
+        raise ValueError(f"{call}: smooth_expert_inputs cannot rescale expert layers of other ranks exactly (their "
+                         "errors name each layer and setting); this rank's are fine. Drop smooth_expert_inputs from "
+                         "the config for this model. Nothing was changed")
     if not mlps:
         warn_once(f"{call}: smooth_expert_inputs rescales the experts' fc2 inputs, but the model has no expert layer "
                   "a framework plugin knows (Megatron's SequentialMLP, TEGroupedMLP) on this rank; nothing is "
@@ -344,11 +359,9 @@ def smooth_expert_inputs(model: nn.Module, forward_loop: Callable, alpha: float 
     Raises:
         ValueError: an expert layer that cannot be rescaled exactly (nothing changed). A model without any warns.
     """
-    from .process_groups import default_groups
-
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"{call}: alpha={alpha}; expected a value in [0, 1]")
-    mlps = check_expert_mlps(model, call) if mlps is None else mlps
+    mlps = check_expert_mlps(model, call, collective=True) if mlps is None else mlps
     groups = default_groups() if groups is None else groups
     amaxes = fc2_input_amax(model, mlps, forward_loop, groups, moe_calib_experts_ratio)
     rescale = Rescale(mlps)

@@ -104,6 +104,49 @@ def _worker(rank, world_size, tmp):
     return out
 
 
+def _refusal_worker(rank, world_size):
+    import megatron_harness.models as mm
+    import torch.nn.functional as F
+
+    import modelopt_moe.quantization as mtq
+    from modelopt_moe.quantization.nn import GroupedLinear
+
+    mm.init_model_parallel(1, 1, seed=7)
+    if rank == 0:  # as a pipeline stage that holds no expert layer
+        model = GroupedLinear(num_gemms=2, in_features=64, out_features=64)
+
+        def loop(m):
+            m(torch.randn(4, 64), [2, 2])
+    else:  # GELU experts: refused
+        model = mm.build_moe_gpt(ffn_hidden=64, num_experts=4, params_dtype=torch.bfloat16,
+                                 gated_linear_unit=False, activation_func=F.gelu).eval()
+        batches = mm.text_batches(2, 32, 1)
+
+        def loop(m):
+            for b in batches:
+                m(b["tokens"], b["position_ids"], b["attention_mask"])
+
+    try:
+        mtq.quantize(model, {**mtq.FP8_DEFAULT_CFG, "smooth_expert_inputs": {"alpha": 0.5}}, loop)
+        message = None
+    except ValueError as e:
+        message = str(e)
+    quantized = any(type(m).__name__.startswith("Quant") or hasattr(m, "weight_quantizer") for m in model.modules())
+    mm.destroy_model_parallel()
+    return message, quantized
+
+
+def test_a_refusal_on_some_ranks_is_raised_on_every_rank():
+    """A rank without the refused expert layers (a pipeline stage without experts) raises too, instead of going on
+    into calibration and waiting for the ranks that raised (2 gloo ranks)."""
+    (elsewhere, quantized0), (here, quantized1) = spawn(_refusal_worker, 2, timeout=seconds(120))
+    assert "decoder.layers.0.mlp.experts: gated_linear_unit=False" in here, here
+    assert "cannot rescale expert layers of other ranks exactly" in elsewhere, elsewhere
+    assert "Nothing was changed" in elsewhere, elsewhere
+    assert not quantized0
+    assert not quantized1
+
+
 def _is_power_of_two(t: torch.Tensor) -> bool:
     return bool((torch.exp2(torch.round(torch.log2(t))) == t).all())
 
