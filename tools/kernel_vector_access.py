@@ -36,10 +36,12 @@ POINTERS = {"table_ptr": "*i64", "m_splits_ptr": "*i64", "amax_ptr": "*fp32", "s
             "scale_ptr": "*fp32", "block_ptr": "*fp32"}
 MULTIPLES_OF_16 = {"u_cols", "n_cols"}
 _FP8 = format_constexprs("e4m3", None)
-_WEIGHT = dict(TILE_R=8, TILE_NB=16, BS=16, VEC=8, SEARCH_STEPS=7, BITWISE_CVT=False)
+# The launchers' weight tiles of 4096 elements in blocks of 16: flat, or rows of 1024 (per-row tiles).
+_WEIGHT = dict(TILE_R=1, TILE_NB=256, BS=16, VEC=8, SEARCH_STEPS=7, BITWISE_CVT=False)
+_ROWS = dict(TILE_R=4, TILE_NB=64)
 _BLOCK2D = dict(BOUND=448.0, MANT=3, EMIN=-6, EMAX=8, BR=128, BC=128, SEARCH_STEPS=7, BITWISE_CVT=False, VEC=8,
                 HW_CVT=True)
-_TOKENS = dict(N_PAD=128, TILE_R=8, TILE_NB=64, BS=32, BITWISE_CVT=False)
+_TOKENS = dict(N_PAD=128, TILE_R=4, TILE_NB=64, BS=32, BITWISE_CVT=False)  # 8192 elements: rows of 2048
 
 
 def _cases():
@@ -48,19 +50,20 @@ def _cases():
     out = []
     for two_d in (False, True):
         tiles = "per-row tiles" if two_d else "flat tiles"
+        tiling = {**_WEIGHT, **(_ROWS if two_d else {})}
         for uniform, even in ((True, True), (True, False), (False, False)):
             shapes = "one shape" if uniform else "several shapes"
             out.append((f"weight fake quant, {tiles}, {shapes}, {'full' if even else 'partial'} tiles",
                         w.grouped_weight_fake_quant_kernel,
-                        dict(_FP8, **_WEIGHT, AMAX_MODE=2 if two_d else 1, TWO_D=two_d, UNIFORM=uniform, EVEN=even,
+                        dict(_FP8, **tiling, AMAX_MODE=2 if two_d else 1, TWO_D=two_d, UNIFORM=uniform, EVEN=even,
                              HW_CVT=True), 4, {}))
         out.append((f"weight clipped gradient, {tiles}", w.grouped_weight_clip_grad_kernel,
-                    dict(_WEIGHT, AMAX_MODE=2 if two_d else 1, TWO_D=two_d), 4, {}))
+                    dict(tiling, AMAX_MODE=2 if two_d else 1, TWO_D=two_d), 4, {}))
         out.append((f"weight fake quant + statistics, {tiles}", s.grouped_weight_fake_quant_stats_kernel,
-                    dict(_FP8, **_WEIGHT, AMAX_MODE=2 if two_d else 1, TWO_D=two_d, UNIFORM=False), 4, {}))
+                    dict(_FP8, **tiling, AMAX_MODE=2 if two_d else 1, TWO_D=two_d, UNIFORM=False), 4, {}))
         out.append((f"weight amax, {'per row' if two_d else 'per expert'}",
                     weight_amax_kernels.grouped_weight_amax_kernel,
-                    dict(_WEIGHT, PER_ROW=two_d, UNIFORM=False), 4, {"out_ptr": "*fp32"}))
+                    dict(tiling, PER_ROW=two_d, UNIFORM=False), 4, {"out_ptr": "*fp32"}))
         del out[-1][2]["BITWISE_CVT"]  # the amax kernel writes fp32 maxima
     nvfp4 = format_constexprs("nvfp4", 16)
     out.append(("static NVFP4 blocks fake quant", w.grouped_static_blocks_fake_quant_kernel,
