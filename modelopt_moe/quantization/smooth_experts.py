@@ -47,6 +47,7 @@ __all__ = [
     "scale_channels",
     "fc2_input_amax",
     "smooth_expert_inputs",
+    "Rescale",
     "rescaled_expert_inputs",
 ]
 
