@@ -258,6 +258,9 @@ def weight_plan(inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor] | No
         cols = shape[-1] if len(shape) >= 1 and shape[-1] > 0 else 1
         nrows = numel // cols
         if two_d:
+            if cols >= 2**31:  # the 2-D tiles' in-expert offsets and masks are int32
+                raise ValueError(f"grouped fake quant: tensor {i} has rows of {cols} elements; rows of per-row "
+                                 f"tiles must hold fewer than 2**31")
             ctiles = -(-cols // tile_w)
             tiles = -(-nrows // tile_r) * ctiles
             if cols % vec:
