@@ -30,6 +30,10 @@ A variant's ``calib=<name>`` starts it from another calibration (``max``, ``mse`
 alone (docs/calibration.md):
   python tools/bench_qat_recovery.py --cpu --study --model moe64 --variants nvfp4/qad nvfp4/qad:calib=fp8_sweep \
       fp8/ptq:calib=percentile
+``--glu swiglu`` (or ``geglu``) gives the study model gated experts (``tools/smooth_expert_inputs_study.py``'s
+``--glu``); ``calib=smooth`` starts from max calibration after ``smooth_expert_inputs: {alpha: 0.5}``, which needs
+them:
+  python tools/bench_qat_recovery.py --cpu --study --glu swiglu --variants nvfp4/qad nvfp4/qad:calib=smooth
 ``--set data=legacy`` measures the way the recovery table does (held-out text at a fixed offset of the English text,
 which a long pretraining reads too).
 ``--seeds 1234,4321,777`` runs the study once per seed (its own teacher, calibration and batches; ``--json`` then
@@ -103,6 +107,7 @@ def _parse_value(field, text: str):
 def main(argv=None) -> int:
     """Runs the recovery table (or ``--study``) on the chosen ranks, prints the report and writes ``--json``."""
     from qat_recovery import RecoveryConfig, format_report
+    from smooth_expert_inputs_study import GLUS  # the study models with gated experts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = parser.add_mutually_exclusive_group(required=True)
@@ -119,6 +124,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=sorted(STUDY_MODELS), help="--study: the model (default: study; moe64: "
                                                                        "64 experts top-8, expert FFN 64); --set "
                                                                        "overrides it")
+    parser.add_argument("--glu", choices=sorted(GLUS), help="--study: the experts' MLP (default: none, the study "
+                                                             "models' GELU; swiglu or geglu: gated_linear_unit)")
     parser.add_argument("--ranks", type=int, help="--cpu: gloo ranks (default: 4, or 1 with --study)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="RecoveryConfig (StudyConfig "
                                                                                   "with --study) overrides")
@@ -143,6 +150,10 @@ def main(argv=None) -> int:
         if not args.study:
             parser.error("--model needs --study")
         overrides.update(STUDY_MODELS[args.model])
+    if args.glu:
+        if not args.study:
+            parser.error("--glu needs --study")
+        overrides["model_overrides"] = GLUS[args.glu]
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     for item in args.set:
         key, _, value = item.partition("=")

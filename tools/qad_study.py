@@ -123,8 +123,9 @@ def parse_variant(spec: str, base: dict | None = None):
     ``calib=<name>`` among the changes calibrates the variant's start (PTQ) with ``name``, a key of
     ``megatron_harness.configs.CALIBRATIONS`` (:func:`variant_calibration`; default ``max``); calibrations that
     choose weight amaxes (``mse``, ``fp8_sweep``, ``four_over_six``) make ``weight_amax_update`` ``static`` unless the
-    variant sets it (``dynamic`` would replace the chosen amaxes at the first step). Method ``ptq``: the start alone,
-    no training.
+    variant sets it (``dynamic`` would replace the chosen amaxes at the first step); ``smooth`` rescales the experts'
+    weights first (gated experts only; the start's parameter drift counts the rescale). Method ``ptq``: the start
+    alone, no training.
 
     Raises:
         ValueError: an unknown format, method, calibration or recipe field, a calibration the format has no use for,
@@ -427,7 +428,9 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
             mtq.disable_quantizer(model, "*experts*input_quantizer" if only == "w" else "*experts*weight_quantizer")
         return model.train()
 
-    out = {"config": dataclasses.asdict(cfg), "data": data["info"], "checkpoints": checkpoints,
+    config = {**dataclasses.asdict(cfg), "model_overrides": {k: getattr(v, "__name__", v)  # e.g. "silu", for JSON
+                                                             for k, v in cfg.model_overrides.items()}}
+    out = {"config": config, "data": data["info"], "checkpoints": checkpoints,
            "teacher": {**evaluate(teacher, held_out), "pretrain_losses": pre_losses[::max(1, len(pre_losses) // 50)],
                        "weight_rms": weight_rms(teacher), "seconds": time.perf_counter() - t0},
            "ptq": {}, "variants": {}, "skipped": []}
@@ -610,7 +613,8 @@ def format_study(out: dict) -> str:
     cfg, info = out["config"], out["data"]
     teacher = out["teacher"]
     lines = [f"teacher: {cfg['num_layers']} layers, hidden {cfg['hidden']}, {cfg['num_experts']} experts top-"
-             f"{cfg['topk']} (expert FFN {cfg['ffn_hidden']}), {cfg['experts']} experts, TP{cfg['tp']} EP{cfg['ep']}; "
+             f"{cfg['topk']} (expert FFN {cfg['ffn_hidden']}{_glu(cfg)}), {cfg['experts']} experts, TP{cfg['tp']} "
+             f"EP{cfg['ep']}; "
              f"{cfg['pretrain_steps']} bf16 steps at lr {cfg['pretrain_lr']} on batches of {cfg['batch']} x "
              f"{cfg['seq']} ({info['pretrain_epochs']:.2f} epochs of the training text); held-out loss "
              f"{teacher['loss_stats']['mean']:.4f} ({teacher['seconds']:.0f} s)",
@@ -685,6 +689,12 @@ def format_seeds(runs: dict) -> str:
                 if spec in out["variants"] and "error" not in out["variants"][spec]]
         lines.append(row(spec, done, [r["kl_vs_ptq"] for r in done]))
     return "\n".join(lines)
+
+
+def _glu(cfg: dict) -> str:
+    """``", gated <activation>"`` for a study of gated experts (``model_overrides``), else nothing."""
+    over = cfg.get("model_overrides", {})
+    return f", gated {over.get('activation_func', 'gelu')}" if over.get("gated_linear_unit") else ""
 
 
 def _ptq_label(key: str) -> str:

@@ -24,17 +24,21 @@ CALIBRATIONS = {
                       "step_size": 0.5},
     "percentile": {"method": "histogram", "histogram_method": "percentile", "percentile": 99.99},
     "hist_mse": {"method": "histogram", "histogram_method": "mse"},
+    "smooth": "max",  # max, after smooth_expert_inputs rescales the experts' fc2 inputs (gated experts only)
 }
 # the calibrations that choose weight amaxes (QAT keeps them static or learns them; ``dynamic`` would replace them)
 WEIGHT_CALIBRATIONS = ("mse", "fp8_sweep", "four_over_six")
 # the calibrations that need static NVFP4 weight block scales (as Model Optimizer's presets of the same names)
 _STATIC_BLOCKS = {"fp8_sweep": {}, "four_over_six": {"four_over_six": True}}
+# the calibrations that rescale the experts first (the config's smooth_expert_inputs; docs/calibration.md)
+_SMOOTH = {"smooth": {"alpha": 0.5}}
 
 
 def expert_quant_config(fmt: str, amax_update: str, calib: str = "max") -> dict:
     """Experts' weights and inputs in ``fmt`` (a key of :data:`EXPERT_FORMATS`), every other quantizer off, calibrated
     by ``calib`` (a key of :data:`CALIBRATIONS`; ``fp8_sweep`` and ``four_over_six`` are NVFP4's, with static weight
-    block scales as in ``NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG`` and ``NVFP4_FOUR_OVER_SIX_CFG``)."""
+    block scales as in ``NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG`` and ``NVFP4_FOUR_OVER_SIX_CFG``; ``smooth`` is max
+    after ``smooth_expert_inputs: {alpha: 0.5}``, for gated experts)."""
     if fmt not in EXPERT_FORMATS:
         raise ValueError(f"format {fmt!r}: expected one of {sorted(EXPERT_FORMATS)}")
     if calib not in CALIBRATIONS:
@@ -45,10 +49,13 @@ def expert_quant_config(fmt: str, amax_update: str, calib: str = "max") -> dict:
             raise ValueError(f"calibration {calib!r} chooses static NVFP4 block scales: format 'nvfp4' only, got "
                              f"{fmt!r}")
         weight = {**weight, "block_sizes": {**weight["block_sizes"], "type": "static", **_STATIC_BLOCKS[calib]}}
-    return {
+    config = {
         "quant_cfg": [{"quantizer_name": "*experts*weight_quantizer", "cfg": weight},
                       {"quantizer_name": "*experts*input_quantizer", "cfg": inputs}],
         "algorithm": CALIBRATIONS[calib],
         "experts": {"weight_amax": "vectorized", "input_amax": "shared"},
         "weight_amax_update": amax_update,
     }
+    if calib in _SMOOTH:
+        config["smooth_expert_inputs"] = _SMOOTH[calib]
+    return config
