@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from qad_study import StudyConfig, format_seeds, format_study, parse_variant
+    from qad_study import StudyConfig, format_seeds, format_study, parse_variant, variant_calibration
 
     from modelopt_moe.launch import spawn
 
@@ -184,6 +184,10 @@ def main(argv=None) -> int:
                 parse_variant(spec, overrides.get("recipe"))
         except ValueError as e:
             parser.error(str(e))
+        smooth = [s for s in overrides.get("variants", ()) if variant_calibration(s) == "smooth"]
+        if smooth and not overrides.get("model_overrides", {}).get("gated_linear_unit"):
+            parser.error(f"--variants {' '.join(smooth)}: calib=smooth rescales gated experts' fc2 inputs; the study "
+                         "models' experts are GELU, not gated: add --glu swiglu")
     if args.cpu:
         world, backend = args.ranks or (1 if args.study else 4), "gloo"
     else:

@@ -105,6 +105,35 @@ def test_cpu_quick_study_of_calibrations_on_the_64_expert_model(tmp_path):
         assert row in res.stdout, res.stdout
 
 
+def test_cpu_quick_study_from_a_smoothed_start_on_swiglu_experts(tmp_path):
+    out = tmp_path / "smooth.json"
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_qat_recovery.py"), "--cpu", "--study", "--quick",
+                          "--glu", "swiglu", "--variants", "nvfp4/qad", "nvfp4/qad:calib=smooth", "--json", str(out)],
+                         capture_output=True, text=True, timeout=seconds(600))
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["config"]["model_overrides"] == {"gated_linear_unit": True, "activation_func": "silu"}
+    assert "gated silu" in res.stdout
+    assert list(result["ptq"]) == ["nvfp4", "nvfp4:calib=smooth"]
+    smooth, qad = result["ptq"]["nvfp4:calib=smooth"], result["variants"]["nvfp4/qad:calib=smooth"]
+    assert smooth["kl"] != result["ptq"]["nvfp4"]["kl"]  # the rescaled experts round otherwise
+    assert qad["ptq_key"] == "nvfp4:calib=smooth"
+    assert qad["recipe"]["weight_amax_update"] == "dynamic"
+    assert qad["kl_vs_ptq"] == pytest.approx(sum(qad["kl"]) / sum(smooth["kl"]))
+    for row in ("nvfp4/ptq:calib=smooth", "nvfp4/qad:calib=smooth"):
+        assert row in res.stdout, res.stdout
+
+
+def test_smooth_start_and_glu_are_checked_before_training():
+    tool = str(ROOT / "tools" / "bench_qat_recovery.py")
+    for args, message in [(["--study", "--variants", "nvfp4/qad:calib=smooth"], "calib=smooth rescales gated experts"),
+                          (["--glu", "swiglu"], "--glu needs --study")]:
+        res = subprocess.run([sys.executable, tool, "--cpu", *args], capture_output=True, text=True,
+                             timeout=seconds(600))
+        assert res.returncode != 0
+        assert message in res.stderr, res.stderr[-2000:]
+
+
 def test_model_needs_the_study():
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_qat_recovery.py"), "--cpu", "--model", "moe64"],
                          capture_output=True, text=True, timeout=seconds(600))

@@ -38,6 +38,7 @@ def test_a_variant_names_its_calibration():
     assert parse_variant("fp8/qad:calib=mse,weight_amax_update=learned")[2].weight_amax_update == "learned"
     assert parse_variant("fp8/qad:calib=percentile")[2] == QADRecipe()  # activations only: weights stay dynamic
     assert parse_variant("mxfp4/ptq:calib=mse")[:2] == ("mxfp4", "ptq")
+    assert parse_variant("nvfp4/qad:calib=smooth")[2] == QADRecipe()  # max after a rescale: weights stay dynamic
     assert variant_calibration("nvfp4/qad:lr=1e-5,calib=four_over_six") == "four_over_six"
     assert variant_calibration("nvfp4/qad:lr=1e-5") == "max"
     assert ptq_key("nvfp4", "max") == "nvfp4"
