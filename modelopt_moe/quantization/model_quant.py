@@ -39,7 +39,7 @@ from .conversion import (
 from .expert_quantizer import ExpertQuantizer
 from .modelopt_compat import COMPAT_DOC
 from .rollback import unchanged_on_error
-from .smooth_experts import check_expert_mlps, rescaled_expert_inputs
+from .smooth_experts import check_expert_mlps, expert_mlps, rescaled_expert_inputs
 from .utils import is_rank0
 from .weight_amax import update_weight_amax
 
@@ -105,11 +105,9 @@ def quantize(model: nn.Module | list[nn.Module], config: QuantizeConfig | dict,
 def _quantize_chunks(chunks, cfg: QuantizeConfig, forward_loop) -> None:
     """:func:`quantize` of a model given as chunks: every chunk checked before any converts, all or nothing."""
     for i, chunk in enumerate(chunks):
-        _check_quantizable(chunk, cfg, forward_loop, f"mtq.quantize (model chunk {i})", experts=False)
+        _check_quantizable(chunk, cfg, forward_loop, f"mtq.quantize (model chunk {i})")
     whole, _ = as_chunks(chunks)
-    if cfg.smooth_expert_inputs is not None:
-        # a chunk may hold no expert layer: the whole model is checked
-        check_expert_mlps(whole, "mtq.quantize", collective=True)
+    _check_smoothable(whole, cfg, "mtq.quantize")  # a chunk may hold no expert layer: the whole model is checked
     with contextlib.ExitStack() as stack:
         for i, chunk in enumerate(chunks):
             stack.enter_context(unchanged_on_error(chunk, f"mtq.quantize (model chunk {i})"))
@@ -122,6 +120,7 @@ def _quantize_chunks(chunks, cfg: QuantizeConfig, forward_loop) -> None:
 
 def _quantize_one(model: nn.Module, cfg: QuantizeConfig, forward_loop) -> nn.Module:
     _check_quantizable(model, cfg, forward_loop, "mtq.quantize")
+    _check_smoothable(model, cfg, "mtq.quantize")
     with unchanged_on_error(model, "mtq.quantize"):
         convert(model, cfg)
         with _smoothed(model, cfg, as_forward_loop(forward_loop)):
@@ -130,16 +129,23 @@ def _quantize_one(model: nn.Module, cfg: QuantizeConfig, forward_loop) -> nn.Mod
 
 def _smoothed(model: nn.Module, cfg: QuantizeConfig, loop):
     """The config's ``smooth_expert_inputs`` rescale of the converted model, undone bit for bit if what follows
-    (calibration) fails; nothing without it."""
+    (calibration) fails; nothing without it. Its layers were checked before conversion (:func:`_check_smoothable`):
+    conversion keeps their configs, shapes and dtypes, so they are found again, not checked again."""
     if cfg.smooth_expert_inputs is None:
         return contextlib.nullcontext()
-    return rescaled_expert_inputs(model, loop, cfg.smooth_expert_inputs.alpha,
+    return rescaled_expert_inputs(model, loop, cfg.smooth_expert_inputs.alpha, mlps=expert_mlps(model),
                                   moe_calib_experts_ratio=cfg.max_calib.moe_calib_experts_ratio)
 
 
-def _check_quantizable(model: nn.Module, cfg: QuantizeConfig, forward_loop, call: str, experts: bool = True) -> None:
-    """:func:`quantize`'s refusals, before anything changes (``experts``: also the expert layers'
-    ``smooth_expert_inputs`` check)."""
+def _check_smoothable(model: nn.Module, cfg: QuantizeConfig, call: str) -> None:
+    """With ``smooth_expert_inputs``: every expert layer of the whole model can be rescaled exactly, on every rank
+    (one collective), before anything changes."""
+    if cfg.smooth_expert_inputs is not None:
+        check_expert_mlps(model, call, collective=True)
+
+
+def _check_quantizable(model: nn.Module, cfg: QuantizeConfig, forward_loop, call: str) -> None:
+    """:func:`quantize`'s refusals, before anything changes."""
     register_framework_plugins()  # the wrappers of the imported frameworks, for wrapper_names
     wrappers = wrapper_names(model)
     if wrappers:
@@ -154,15 +160,12 @@ def _check_quantizable(model: nn.Module, cfg: QuantizeConfig, forward_loop, call
         raise ValueError(f"{call}: input_amax_update=learned starts every input amax from its calibrated value, "
                          f"but this call calibrates none (forward_loop={forward_loop!r}, algorithm="
                          f"{cfg.algorithm!r}); pass a forward_loop and a calibration algorithm. Nothing was changed")
-    if cfg.smooth_expert_inputs is not None:
-        if forward_loop is None or cfg.algorithm is None:
-            raise ValueError(f"{call}: smooth_expert_inputs={cfg.smooth_expert_inputs.model_dump()} rescales the "
-                             "experts' fc2 inputs from calibration data before calibrating, but this call calibrates "
-                             f"nothing (forward_loop={forward_loop!r}, algorithm={cfg.algorithm!r}); pass a "
-                             "forward_loop and a calibration algorithm, or drop smooth_expert_inputs. Nothing was "
-                             "changed")
-        if experts:
-            check_expert_mlps(model, call, collective=True)
+    if cfg.smooth_expert_inputs is not None and (forward_loop is None or cfg.algorithm is None):
+        raise ValueError(f"{call}: smooth_expert_inputs={cfg.smooth_expert_inputs.model_dump()} rescales the "
+                         "experts' fc2 inputs from calibration data before calibrating, but this call calibrates "
+                         f"nothing (forward_loop={forward_loop!r}, algorithm={cfg.algorithm!r}); pass a "
+                         "forward_loop and a calibration algorithm, or drop smooth_expert_inputs. Nothing was "
+                         "changed")
     quantized = [name or "<model>" for name, m in model.named_modules() if is_quantized(m)]
     if quantized:
         raise ValueError(
