@@ -62,8 +62,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from modelopt_moe.quantization.smooth_experts import smoothing_scales
-
 for _path in (Path(__file__).resolve().parent, Path(__file__).resolve().parents[1] / "tests"):
     if str(_path) not in sys.path:  # the study's tools, and its small Megatron models (not part of the package)
         sys.path.insert(0, str(_path))
@@ -192,6 +190,34 @@ def fc2_input_amax(model: torch.nn.Module, forward_loop, inputs: dict | None = N
     if inputs is not None:
         inputs.update({n: torch.cat(v) if v else None for n, v in seen.items()})
     return amax
+
+
+def smoothing_scales(amax_x: torch.Tensor, amax_w: torch.Tensor, alpha: float | None = None, *,
+                     pow2: bool = False, block: int = BLOCK) -> torch.Tensor:
+    """``s`` per channel: SmoothQuant's ``amax_x**alpha / amax_w**(1 - alpha)`` (``alpha`` in [0, 1]), or with
+    ``alpha=None`` the block equalizer ``amax_x / max over the channel's block of amax_x``; 1 where ``amax_x`` or
+    ``amax_w`` is 0 (no token, a dead channel); ``pow2``: rounded to the nearest power of two (``round(log2(s))``; at an
+    exact tie the float rounding of ``s`` decides, which the library's exact rule,
+    :func:`modelopt_moe.quantization.smooth_experts.power_of_two_exponents`, avoids).
+
+    Raises:
+        ValueError: an ``alpha`` outside [0, 1], or non-finite statistics.
+    """
+    if not (torch.isfinite(amax_x).all() and torch.isfinite(amax_w).all()):
+        raise ValueError("smoothing_scales: non-finite amax_x or amax_w")
+    x, w = amax_x.double(), amax_w.double()
+    if alpha is None:
+        pad = (-x.numel()) % block
+        peak = torch.nn.functional.pad(x, (0, pad)).view(-1, block).amax(1).repeat_interleave(block)[:x.numel()]
+        s = x / peak
+    else:
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"smoothing_scales: alpha={alpha}; expected a value in [0, 1]")
+        s = x.pow(alpha) / w.pow(1.0 - alpha)
+    s = torch.where((x > 0) & (w > 0), s, torch.ones_like(s))
+    if pow2:  # s itself rounded; mtq.quantize's smooth_expert_inputs rounds exactly (power_of_two_exponents)
+        s = torch.exp2(torch.round(torch.log2(s)))
+    return s.float()
 
 
 AWQ_ALPHAS = tuple(i / 10 for i in range(11))

@@ -41,7 +41,6 @@ __all__ = [
     "register_expert_mlp_finder",
     "expert_mlps",
     "check_expert_mlps",
-    "smoothing_scales",
     "power_of_two_exponents",
     "exact_exponents",
     "scale_channels",
@@ -139,33 +138,6 @@ def check_expert_mlps(model: nn.Module, call: str, *, collective: bool = False) 
                   "a framework plugin knows (Megatron's SequentialMLP, TEGroupedMLP) on this rank; nothing is "
                   "rescaled here")
     return mlps
-
-
-def smoothing_scales(amax_x: torch.Tensor, amax_w: torch.Tensor, alpha: float | None = None, *,
-                     pow2: bool = False, block: int = 16) -> torch.Tensor:
-    """``s`` per channel: SmoothQuant's ``amax_x**alpha / amax_w**(1 - alpha)`` (``alpha`` in [0, 1]), or with
-    ``alpha=None`` the block equalizer ``amax_x / max over the channel's block of amax_x``; 1 where ``amax_x`` or
-    ``amax_w`` is 0 (no token, a dead channel); ``pow2``: rounded to the nearest power of two (``round(log2(s))``; at an
-    exact tie the float rounding of ``s`` decides, which :func:`power_of_two_exponents` avoids).
-
-    Raises:
-        ValueError: an ``alpha`` outside [0, 1], or non-finite statistics.
-    """
-    if not (torch.isfinite(amax_x).all() and torch.isfinite(amax_w).all()):
-        raise ValueError("smoothing_scales: non-finite amax_x or amax_w")
-    x, w = amax_x.double(), amax_w.double()
-    if alpha is None:
-        pad = (-x.numel()) % block
-        peak = torch.nn.functional.pad(x, (0, pad)).view(-1, block).amax(1).repeat_interleave(block)[:x.numel()]
-        s = x / peak
-    else:
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"smoothing_scales: alpha={alpha}; expected a value in [0, 1]")
-        s = x.pow(alpha) / w.pow(1.0 - alpha)
-    s = torch.where((x > 0) & (w > 0), s, torch.ones_like(s))
-    if pow2:  # the study's rounding of s itself; smooth_expert_inputs rounds exactly: power_of_two_exponents
-        s = torch.exp2(torch.round(torch.log2(s)))
-    return s.float()
 
 
 def power_of_two_exponents(amax_x: torch.Tensor, amax_w: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -33,6 +33,15 @@ def test_smoothquant_and_block_equalizer_scales():
         smoothing_scales(torch.tensor([float("nan")]), torch.ones(1), 0.5)
 
 
+def test_scales_are_smoothquant_rounded_to_powers_of_two_and_one_where_nothing_was_seen():
+    x = torch.tensor([4.0, 1.0, 0.0, 9.0, 3.0])
+    w = torch.tensor([1.0, 4.0, 2.0, 0.0, 1.0])
+    # sqrt(4/1) = 2, sqrt(1/4) = 0.5, no token: 1, dead column: 1, sqrt(3) = 1.73 -> 2
+    assert torch.equal(smoothing_scales(x, w, 0.5, pow2=True), torch.tensor([2.0, 0.5, 1.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"alpha=1.5; expected a value in \[0, 1\]"):
+        smoothing_scales(x, w, 1.5)
+
+
 def test_spread_deals_the_largest_channels_one_per_block():
     order = torch.tensor([5, 0, 7, 2, 1, 6, 3, 4])  # channels, largest first
     assert spread_order(order, block=4).tolist() == [5, 7, 1, 3, 0, 2, 6, 4]

@@ -14,17 +14,7 @@ from modelopt_moe.quantization.smooth_experts import (
     power_of_two_exponents,
     scale_channels,
     smooth_expert_inputs,
-    smoothing_scales,
 )
-
-
-def test_scales_are_smoothquant_rounded_to_powers_of_two_and_one_where_nothing_was_seen():
-    x = torch.tensor([4.0, 1.0, 0.0, 9.0, 3.0])
-    w = torch.tensor([1.0, 4.0, 2.0, 0.0, 1.0])
-    # sqrt(4/1) = 2, sqrt(1/4) = 0.5, no token: 1, dead column: 1, sqrt(3) = 1.73 -> 2
-    assert torch.equal(smoothing_scales(x, w, 0.5, pow2=True), torch.tensor([2.0, 0.5, 1.0, 1.0, 2.0]))
-    with pytest.raises(ValueError, match=r"alpha=1.5; expected a value in \[0, 1\]"):
-        smoothing_scales(x, w, 1.5)
 
 
 def test_exact_ties_round_to_even_so_the_rule_finds_nothing_more_to_do_on_rescaled_statistics():
