@@ -36,11 +36,10 @@ from .launch import (
     NCOL,
     Signature,
     cdiv,
-    input_tiling,
     launch_kwargs,
     rounding_options,
     signature,
-    token_launch,
+    token_tiling,
 )
 from .tuning import weight_kernel_config
 
@@ -259,10 +258,8 @@ def token_groups_fake_quant(x: torch.Tensor, fmt: str, block_size: int) -> torch
     t, k = x.shape
     if x.numel() == 0:
         return y
-    tile_elems, warps = token_launch(fmt)
-    tile_r, tile_nb, tile_w = input_tiling(k, block_size, tile_elems)
+    tile_r, tile_nb, tile_w, kwargs = token_tiling(fmt, k, block_size, x.device)
     _kernels().token_groups_kernel[(cdiv(t, tile_r), cdiv(k, tile_w))](
-        x, y, t, k, **_constexprs(fmt), TILE_R=tile_r, TILE_NB=tile_nb, BS=block_size,
-        **{**launch_kwargs(x.device), "num_warps": warps})
+        x, y, t, k, **_constexprs(fmt), TILE_R=tile_r, TILE_NB=tile_nb, BS=block_size, **kwargs)
     return y
 

@@ -44,7 +44,7 @@ from .launch import (
     launch_kwargs,
     next_pow2,
     rounding_options,
-    token_launch,
+    token_tiling,
 )
 from .tuning import weight_kernel_config
 
@@ -188,8 +188,7 @@ def _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range=Tr
     if x.numel() == 0:
         return y
     bs, _ = inner_block(fmt, block_size)
-    tile_elems, warps = token_launch(fmt)
-    tile_r, tile_nb, tile_w = input_tiling(kdim, bs, tile_elems)
+    tile_r, tile_nb, tile_w, kwargs = token_tiling(fmt, kdim, bs, x.device)
     n = m_splits.numel()
     per_expert = amax is not None and amax.dim() == 1
     amax_arg = amax if amax is not None else m_splits  # never read for block int formats
@@ -198,7 +197,7 @@ def _launch_input_fake_quant(x, m_splits, amax, fmt, block_size, narrow_range=Tr
         **format_constexprs(fmt, block_size), PER_EXPERT=per_expert,
         N_PAD=next_pow2(n), TILE_R=tile_r, TILE_NB=tile_nb, BS=bs, NARROW=bool(narrow_range),
         HAS_SCALE=row_scale is not None, **rounding_options(weight_kernel_config(fmt), x.device),
-        **{**launch_kwargs(x.device), "num_warps": warps},
+        **kwargs,
     )
     return y
 

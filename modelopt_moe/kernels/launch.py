@@ -339,10 +339,12 @@ def input_tiling(n_cols: int, bs: int, tile_elems: int = TILE_ELEMS) -> tuple[in
     return max(1, tile_elems // tile_w), tile_w // bs, tile_w
 
 
-def token_launch(fmt: str) -> tuple[int, int]:
-    """(elements per program, warps) of the token fake-quant kernels for format ``fmt``: 32 elements per thread."""
+def token_tiling(fmt: str, n_cols: int, bs: int, device: torch.device) -> tuple[int, int, int, dict]:
+    """(TILE_R, TILE_NB, tile width, launch keywords) of the token fake-quant kernels for format ``fmt``, rows of
+    ``n_cols`` and inner block ``bs``: the format's elements per program (``KernelSpec.token_tile``, else
+    :data:`TOKEN_TILE_ELEMS`) at 32 per thread."""
     tile = get_format(fmt).kernel.token_tile or TOKEN_TILE_ELEMS
-    return tile, tile // 1024
+    return (*input_tiling(n_cols, bs, tile), {**launch_kwargs(device), "num_warps": tile // 1024})
 
 
 def format_constexprs(fmt: str, block_size: int | None) -> dict:
