@@ -40,7 +40,8 @@ from .fp8 import E4M3, E4M3_MAX
 
 __all__ = ["NVFP4_BLOCK_SIZE", "E2M1_MAX", "E2M1_VALUES", "FOUR_OVER_SIX_SCALE_MAX", "NVFP4Format", "NVFP4",
            "round_to_e2m1", "e2m1_codes", "e2m1_values", "pack_fp4", "unpack_fp4", "encode_nvfp4", "nvfp4_global_scale",
-           "fp8_scale_candidates", "within_block_amax"]
+           "fp8_scale_candidates", "within_block_amax", "NVFP4FourOverSixFormat", "NVFP4_FOUR_OVER_SIX",
+           "block_square_error"]
 
 NVFP4_BLOCK_SIZE = 16
 E2M1_MAX = 6.0
@@ -140,6 +141,54 @@ class NVFP4Format(Format):
         return (qx.values * (qx.block_scale * qx.scale)).flatten(-2)
 
 
+def block_square_error(error: torch.Tensor) -> torch.Tensor:
+    """``sum(error ** 2)`` over the last dim ``[..., 16]`` of fp32 ``error``, summed as a fixed tree of adjacent
+    pairs (``(e0 + e1) + (e2 + e3)``, ...): every sum adds exactly two numbers, so the kernels, whose reductions
+    have no set order, reproduce it bit for bit. ``[..., 1]``."""
+    sq = error * error
+    while sq.shape[-1] > 1:
+        sq = sq[..., 0::2] + sq[..., 1::2]
+    return sq
+
+
+class NVFP4FourOverSixFormat(NVFP4Format):
+    """NVFP4 with 4-over-6 block scales from the data (``block_sizes: {-1: 16, type: dynamic, four_over_six: true}``):
+    at every call each block of 16 is quantized twice, its max mapped to E2M1's 6 (``sb = e4m3(blockmax / 6 / sg)``)
+    and to its 4 (``sb = e4m3(blockmax / 4 / sg)``), and keeps the one of smaller squared error
+    (:func:`block_square_error` of the dequantized block minus the input; 6 where the errors are equal or NaN). The
+    second-level scale normalizes block scales to 256 (``sg = amax / (6 * 256)``) so that 1.5 times a block scale
+    stays in E4M3's range. This is the rule of Transformer Engine's ``nvfp4_4over6`` recipe and of FlashInfer's 4/6
+    NVFP4 quantization (Cook et al. 2025, "Four Over Six"); a quantized tensor is plain NVFP4 (codes, E4M3 block
+    scales, a second-level scale), so an engine reads its weights as any NVFP4 weight.
+    """
+
+    def check_config(self, block_sizes: dict | None, axis) -> None:
+        """NVFP4's rules, with ``four_over_six: true`` and block scales from the data."""
+        bs = dict(block_sizes or {})
+        if bs.get("four_over_six") is not True or bs.get("type", "dynamic") == "static":
+            raise ValueError(f"format {self.name} is NVFP4 with block_sizes four_over_six: true and type: dynamic, "
+                             f"got block_sizes {block_sizes!r}")
+        bs.pop("four_over_six")
+        super().check_config(bs, axis)
+
+    def _quantize(self, xf, amax, block_size, narrow_range, unsigned) -> Quantized:
+        sg = true_div(safe_amax(amax, self.bound), self.bound)
+        sg = sg.unsqueeze(-1) if sg.dim() > 0 else sg
+        b = self.block_length
+        blocks = xf.unflatten(-1, (-1, b))
+        block_max = nan_ignoring_block_max(xf, b)
+        candidates = []
+        for divisor in (E2M1_MAX, 4.0):
+            t = true_div(true_div(block_max, divisor), sg)
+            sb = torch.clamp(t, 0.0, E4M3_MAX).to(E4M3.element_dtype).float()
+            s = sb * sg
+            q = round_to_e2m1(torch.where(s > 0, true_div(blocks, s), blocks * 0.0))
+            candidates.append((q, sb, block_square_error(q * s - blocks)))
+        (q6, sb6, e6), (q4, sb4, e4) = candidates
+        four = e4 < e6
+        return Quantized(self.name, torch.where(four, q4, q6), sg, torch.where(four, sb4, sb6), b)
+
+
 class _NVFP4Codec(ExportCodec):
     scheme = "NVFP4"
     label = "NVFP4"
@@ -189,6 +238,10 @@ NVFP4 = NVFP4Format("nvfp4", (2, 1), E2M1_MAX, E2M1_MAX * E4M3_MAX, "NVFP4", fro
                     KernelSpec(KernelRoutine.TWO_LEVEL_E2M1, E2M1_MAX * E4M3_MAX, tile=2048,
                                token_tile=4096),
                     aliases=("e2m1", "nvfp4"), block=(NVFP4_BLOCK_SIZE,), block_scale=E4M3.name, export=_NVFP4Codec())
+# Selected by block_sizes four_over_six with dynamic block scales (registry.format_of); no Triton routine yet.
+NVFP4_FOUR_OVER_SIX = NVFP4FourOverSixFormat(
+    "nvfp4_four_over_six", (2, 1), E2M1_MAX, E2M1_MAX * FOUR_OVER_SIX_SCALE_MAX, "NVFP4 (4-over-6)",
+    frozenset({ScaleLayout.TWO_LEVEL}), None, block=(NVFP4_BLOCK_SIZE,), block_scale=E4M3.name)
 
 
 def within_block_amax(x: torch.Tensor, block_amax: torch.Tensor, block: int) -> torch.Tensor:

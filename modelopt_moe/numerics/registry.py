@@ -8,15 +8,16 @@ from .format import Format
 from .fp8 import E4M3, E5M2
 from .integer import INT_FORMATS
 from .mx import MX_FORMATS
-from .nvfp4 import NVFP4
+from .nvfp4 import NVFP4, NVFP4_FOUR_OVER_SIX
 
 __all__ = ["FORMATS", "get_format", "format_from_num_bits", "format_of", "scale_bits_tuple"]
 
-FORMATS: dict[str, Format] = {f.name: f for f in (E4M3, E5M2, NVFP4, *INT_FORMATS, *MX_FORMATS)}
+FORMATS: dict[str, Format] = {f.name: f for f in (E4M3, E5M2, NVFP4, NVFP4_FOUR_OVER_SIX, *INT_FORMATS, *MX_FORMATS)}
 
 # Float formats in registry order, then the int widths from the widest down (the order of the error message). Formats
 # selected by their scale_bits are found by format_of only: num_bits alone keeps naming the others.
-_LOOKUP_ORDER = [f for f in FORMATS.values() if not f.integer and f.scale_bits is None] + sorted(
+_LOOKUP_ORDER = [f for f in FORMATS.values() if not f.integer and f.scale_bits is None
+                 and f is not NVFP4_FOUR_OVER_SIX] + sorted(
     (f for f in FORMATS.values() if f.integer), key=lambda f: f.name, reverse=True)
 _BY_SCALE_BITS = {(f.num_bits, key): f.name for f in FORMATS.values() if f.scale_bits is not None
                   for key in (f.scale_bits, f.block_scale)}
@@ -65,12 +66,17 @@ def _scale_key(scale_bits):
 
 def format_of(num_bits, block_sizes: dict | None = None) -> str:
     """The format a quantizer config names: its ``num_bits``, and where a format is selected by its block scales
-    (E8M0 ``scale_bits: (8, 0)``: the MX formats), ``block_sizes["scale_bits"]`` too.
+    (E8M0 ``scale_bits: (8, 0)``: the MX formats), ``block_sizes["scale_bits"]`` too; NVFP4 with ``four_over_six``
+    and block scales from the data (``type`` dynamic, NVFP4's default) is the 4-over-6 format (static 4-over-6 block
+    scales stay NVFP4's: calibration chooses them once).
 
     Raises:
         ValueError: ``num_bits`` names no supported format.
     """
     name = format_from_num_bits(num_bits)
+    if (name == NVFP4.name and isinstance(block_sizes, dict) and block_sizes.get("four_over_six") is True
+            and block_sizes.get("type", "dynamic") != "static"):
+        return NVFP4_FOUR_OVER_SIX.name
     scale_bits = block_sizes.get("scale_bits") if isinstance(block_sizes, dict) else None
     if scale_bits is None:
         return name
