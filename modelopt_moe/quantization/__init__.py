@@ -54,6 +54,8 @@ NVFP4_EXPERTS_FP8_CFG = load_config(preset_path("nvfp4_experts_fp8.yaml")).model
 NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG = load_config(preset_path("nvfp4_experts_fp8_attn_fp8_kv.yaml")).model_dump()
 NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG = load_config(preset_path("nvfp4_w4a4_weight_mse_fp8_sweep.yaml")).model_dump()
 NVFP4_FOUR_OVER_SIX_CFG = load_config(preset_path("nvfp4_four_over_six.yaml")).model_dump()
+# 4-over-6 block scales from the data on weights and inputs (Transformer Engine's nvfp4_4over6 recipe)
+NVFP4_4OVER6_CFG = load_config(preset_path("nvfp4_4over6.yaml")).model_dump()
 # KV-cache presets, Model Optimizer's shape: rules only, to append to a model preset's quant_cfg.
 FP8_KV_CFG = {"quant_cfg": load_config(preset_path("fp8_kv.yaml")).model_dump()["quant_cfg"]}
 NVFP4_KV_CFG = {"quant_cfg": load_config(preset_path("nvfp4_kv.yaml")).model_dump()["quant_cfg"]}
@@ -71,5 +73,6 @@ __all__ = [
     "NVFP4_EXPERTS_FP8_CFG", "NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG",
     "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG",
     "NVFP4_FOUR_OVER_SIX_CFG",
+    "NVFP4_4OVER6_CFG",
     "FP8_KV_CFG", "NVFP4_KV_CFG",
 ]

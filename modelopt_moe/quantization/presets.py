@@ -20,6 +20,7 @@ PRESET_FILES = {
     "NVFP4_EXPERTS_FP8_ATTN_FP8_KV_CFG": "nvfp4_experts_fp8_attn_fp8_kv.yaml",
     "NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG": "nvfp4_w4a4_weight_mse_fp8_sweep.yaml",
     "NVFP4_FOUR_OVER_SIX_CFG": "nvfp4_four_over_six.yaml",
+    "NVFP4_4OVER6_CFG": "nvfp4_4over6.yaml",
     "FP8_KV_CFG": "fp8_kv.yaml",
     "NVFP4_KV_CFG": "nvfp4_kv.yaml",
 }
