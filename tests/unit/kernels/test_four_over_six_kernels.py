@@ -1,0 +1,135 @@
+"""NVFP4 with 4-over-6 block scales from the data (``nvfp4_four_over_six``) on the one-launch kernels: bit-exact with
+``fake_quant`` on the values where the choice between a block's two candidates is delicate (ties, zero and non-finite
+blocks, block scales that underflow or saturate, invalid amax), for expert weights, tokens split among experts and a
+dense tensor, forward and straight-through backward. The format-parametrized tests of test_grouped_fake_quant.py
+cover random data, options and checks.
+"""
+
+import pytest
+import torch
+from test_grouped_fake_quant import assert_bits_equal, expert_amax, needs_triton
+
+from modelopt_moe import kernels as K
+from modelopt_moe.numerics import clip_limit, fake_quant
+
+FMT = "nvfp4_four_over_six"
+SG_ONE = 1536.0  # amax = 6 * 256: the second-level scale is exactly 1, block scales are the block max / 6 or / 4
+
+
+def _block(*head: float) -> list[float]:
+    return [*head, *[0.0] * (16 - len(head))]
+
+
+# With sg = 1 and a block max of 12 the candidates' scales are 2 (E2M1 grid 0, 1, 2, 3, 4, 6, 8, 12) and 3 (0, 1.5,
+# 3, 4.5, 6, 9, 12): 1.5 is exact on the 4 grid and 0.5 off on the 6 grid, 2.0 the other way round.
+FOUR_WINS = _block(12.0, 1.5)
+SIX_WINS = _block(12.0, 2.0)
+TIE = _block(12.0, 1.5, 2.0)  # both errors 0.25 + 0.25: a tie keeps 6
+EXACT_TIE = [12.0] * 16  # both errors 0
+# Block max 6 * 2**-10: its scale on 6 is 2**-10, which rounds to E4M3's 0 (a tie to even); on 4 it is 1.5 * 2**-10,
+# which rounds up to 2**-9. The 6 candidate is x * 0, the 4 one keeps the block exactly.
+UNDERFLOW_ON_SIX = _block(6 * 2.0**-10, 2.0**-10, -(2.0**-9))
+EXPECTED = {  # the output of each block above with sg = 1
+    "four wins": _block(12.0, 1.5),
+    "six wins": _block(12.0, 2.0),
+    "tie": _block(12.0, 2.0, 2.0),
+    "exact tie": [12.0] * 16,
+    "underflow on six": UNDERFLOW_ON_SIX,
+}
+
+
+def _named_blocks() -> torch.Tensor:
+    """[5, 16]: the blocks of :data:`EXPECTED`, in its order."""
+    return torch.tensor([FOUR_WINS, SIX_WINS, TIE, EXACT_TIE, UNDERFLOW_ON_SIX])
+
+
+def _edge_rows(dtype, seed: int) -> torch.Tensor:
+    """[12, 64] in ``dtype``: random blocks between the delicate ones (zeros, -0.0, NaN, +-Inf, subnormals, huge
+    values, the named blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(12, 64, generator=g) * 3
+    x[0] = 0.0
+    x[1, :16] = -0.0
+    x[1, 16:32] = torch.tensor(_block(-0.0, 0.0, -0.0))
+    x[2, 3], x[2, 20], x[2, 40] = float("nan"), float("inf"), -float("inf")
+    x[3, :16] = float("nan")  # an all-NaN block: block max 0
+    x[3, 16:32] = torch.tensor(_block(float("nan"), 0.0, -0.0))
+    tiny = torch.finfo(dtype).tiny  # subnormals of the dtype, and a block of them alone
+    x[4, :16] = tiny * torch.linspace(-0.9, 0.9, 16)
+    x[4, 16:20] = torch.tensor([tiny / 4, -tiny / 8, 1.0, -tiny / 2])
+    x[5, :8] = torch.tensor([3e4, -6e4, 1e4, 7.0, -2.5e4, 0.5, 6e4, -1.0])  # above any amax below: saturates
+    x[6:11, :16] = _named_blocks()
+    x[6:11, 16:32] = -_named_blocks()  # mirrored: the sign must not change the choice
+    x[6:11, 32:48] = _named_blocks() * 2.0**-6  # the same blocks in another binade of block scales
+    x[11] *= 1e-4
+    return x.to(dtype)
+
+
+# Per expert: the named blocks' amax (sg = 1), one below most values (block scales saturate at 448), invalid ones
+# (0, 2**-24, NaN, Inf, negative: the bound), a huge one (every block scale underflows: x * 0) and a tiny valid one.
+AMAX = [SG_ONE, 0.05, 0.0, 2.0**-24, float("nan"), float("inf"), -1.0, 3.4e38, 2.0**-24 * (1 + 2.0**-23)]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_weights_of_many_experts_with_edge_values_and_amax_are_the_reference(dtype):
+    weights = [_edge_rows(dtype, seed=i) for i in range(len(AMAX))]
+    amax = torch.tensor(AMAX)
+    outs = K.grouped_weight_fake_quant(weights, amax, FMT)
+    for i, (w, o) in enumerate(zip(weights, outs, strict=True)):
+        assert_bits_equal(o, fake_quant(w, FMT, amax[i]), f"expert {i} amax {AMAX[i]}")
+    # Per channel (one amax per row) and shared (one scalar) as well.
+    rows = torch.stack([w.float().nan_to_num(0.0, 0.0, 0.0).abs().amax(dim=1) * 0.7 for w in weights])
+    rows[0, 6:11] = SG_ONE
+    for amax_kind in (rows, torch.tensor(SG_ONE)):
+        for i, (w, o) in enumerate(zip(weights, K.grouped_weight_fake_quant(weights, amax_kind, FMT), strict=True)):
+            assert_bits_equal(o, fake_quant(w, FMT, expert_amax(amax_kind, i)), f"expert {i}")
+    if dtype == torch.float32:  # the named blocks keep the candidate the rule says (sg = 1: exact in fp32)
+        for j, (name, want) in enumerate(EXPECTED.items()):
+            assert outs[0][6 + j, :16].tolist() == want, name
+            assert (-outs[0][6 + j, 16:32]).tolist() == want, name
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_tokens_split_among_experts_with_edge_values_are_the_reference(dtype):
+    splits = [4, 0, 12, 0, 7, 1]
+    x = torch.cat([_edge_rows(dtype, seed=9), _edge_rows(dtype, seed=10)[:12]])[: sum(splits)].contiguous()
+    m = torch.tensor(splits)
+    for amax in (torch.tensor([SG_ONE, 3.0, 0.05, float("nan"), 0.0, 3.4e38]), torch.tensor(SG_ONE),
+                 torch.tensor(float("inf"))):
+        y = K.grouped_input_fake_quant(x, m, amax, FMT)
+        parts = [fake_quant(p, FMT, amax if amax.dim() == 0 else amax[i]) for i, p in enumerate(x.split(splits))]
+        assert_bits_equal(y, torch.cat(parts), f"amax {amax.tolist()}")
+
+
+@needs_triton
+@pytest.mark.parametrize("ste", ["pass_through", "clipped"])
+def test_straight_through_gradients_of_weights_tokens_and_a_dense_tensor(ste):
+    weights = [_edge_rows(torch.bfloat16, seed=i).requires_grad_() for i in range(3)]
+    amax = torch.tensor([SG_ONE, 2.0, float("nan")])
+    outs = K.grouped_weight_fake_quant_ste(weights, amax, FMT, ste=ste)
+    grads = [torch.randn(w.shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16) for w in weights]
+    torch.autograd.backward(outs, grads)
+    for i, (w, g) in enumerate(zip(weights, grads, strict=True)):
+        assert_bits_equal(outs[i].detach(), fake_quant(w.detach(), FMT, amax[i]), f"expert {i}")
+        keep = w.detach().abs() <= clip_limit(amax[i]) if ste == "clipped" else torch.ones_like(w, dtype=torch.bool)
+        assert_bits_equal(w.grad, g * keep, f"expert {i} gradient")
+
+    splits = [5, 0, 7]
+    x = _edge_rows(torch.bfloat16, seed=3).requires_grad_()
+    amax_in = torch.tensor([2.0, 1.0, SG_ONE])
+    y = K.grouped_input_fake_quant_ste(x, torch.tensor(splits), amax_in, FMT, ste=ste)
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(6)).to(y.dtype)
+    y.backward(gy)
+    rows = torch.repeat_interleave(amax_in, torch.tensor(splits)).unsqueeze(-1)
+    parts = [fake_quant(p, FMT, amax_in[i]) for i, p in enumerate(x.detach().split(splits))]
+    assert_bits_equal(y.detach(), torch.cat(parts))
+    assert_bits_equal(x.grad, gy * (x.detach().abs() <= clip_limit(rows)) if ste == "clipped" else gy)
+
+    dense = _edge_rows(torch.float16, seed=4).view(3, 4, 64).requires_grad_()  # leading dims flattened
+    out = K.dense_fake_quant_ste(dense, torch.tensor(2.0), FMT, ste=ste)
+    assert_bits_equal(out.detach(), fake_quant(dense.detach(), FMT, torch.tensor(2.0)))
+    out.backward(torch.ones_like(out))
+    keep = dense.detach().abs() <= 2.0 if ste == "clipped" else torch.ones_like(dense, dtype=torch.bool)
+    assert_bits_equal(dense.grad, torch.ones_like(dense) * keep)
