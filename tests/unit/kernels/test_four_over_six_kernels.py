@@ -5,12 +5,18 @@ dense tensor, forward and straight-through backward. The format-parametrized tes
 cover random data, options and checks.
 """
 
+import warnings
+
 import pytest
 import torch
+from autograd_paths import assert_kernel_path, assert_reference_path, graph_nodes
 from test_grouped_fake_quant import assert_bits_equal, expert_amax, needs_triton
+from torch import nn
 
+import modelopt_moe.quantization as mtq
 from modelopt_moe import kernels as K
 from modelopt_moe.numerics import clip_limit, fake_quant
+from modelopt_moe.quantization.nn import GroupedLinear
 
 FMT = "nvfp4_four_over_six"
 SG_ONE = 1536.0  # amax = 6 * 256: the second-level scale is exactly 1, block scales are the block max / 6 or / 4
@@ -133,3 +139,64 @@ def test_straight_through_gradients_of_weights_tokens_and_a_dense_tensor(ste):
     out.backward(torch.ones_like(out))
     keep = dense.detach().abs() <= 2.0 if ste == "clipped" else torch.ones_like(dense, dtype=torch.bool)
     assert_bits_equal(dense.grad, torch.ones_like(dense) * keep)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A user's config: 4-over-6 from the data on weights and inputs of a dense and a grouped expert linear
+# ----------------------------------------------------------------------------------------------------------------
+FOUR_OVER_SIX_YAML = """\
+quant_cfg:
+  - quantizer_name: "*weight_quantizer"
+    cfg: {num_bits: e2m1, block_sizes: {-1: 16, type: dynamic, scale_bits: e4m3, four_over_six: true}}
+  - quantizer_name: "*input_quantizer"
+    cfg: {num_bits: e2m1, block_sizes: {-1: 16, type: dynamic, scale_bits: e4m3, four_over_six: true}}
+algorithm: max
+"""
+SPLITS = [5, 0, 9, 2]  # tokens per expert, one expert without any
+
+
+def _quantize_and_step(tmp_path, kind: str, kernel: str, ste: str, input_amax: str):
+    path = tmp_path / "nvfp4_four_over_six_dynamic.yaml"
+    path.write_text(FOUR_OVER_SIX_YAML)
+    cfg = mtq.load_config(path)
+    cfg.kernel, cfg.backward.ste, cfg.experts.input_amax = kernel, ste, input_amax
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if kind == "dense":
+        model = nn.Sequential(nn.Linear(64, 16)).to(torch.bfloat16)
+        x = torch.randn(3, 5, 64, generator=g).to(torch.bfloat16)
+        forward = model
+    else:
+        model = GroupedLinear(len(SPLITS), 64, 32, bias=False)
+        with torch.no_grad():
+            for i, w in enumerate(model.expert_weights()):
+                w.mul_(1.0 + 3 * i)  # a distinct magnitude per expert
+        x = torch.randn(sum(SPLITS), 64, generator=g) * 4
+
+        def forward(t):
+            return model(t, SPLITS)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(model, cfg, lambda m: forward(x))
+    formats = {q.fmt for n, q in model.named_modules() if n.endswith(("weight_quantizer", "input_quantizer"))}
+    xx = (x * 1.5).requires_grad_(True)  # past the calibrated input amax: the clipped STE clips some
+    y = forward(xx)
+    y.backward(torch.randn(y.shape, generator=g).to(y.dtype))
+    return y.detach(), xx.grad, [p.grad for p in model.parameters()], graph_nodes(y), formats
+
+
+@needs_triton
+@pytest.mark.parametrize(("kind", "ste", "input_amax"), [("dense", "clipped", "shared"),
+                                                         ("dense", "pass_through", "shared"),
+                                                         ("grouped", "clipped", "per_expert"),
+                                                         ("grouped", "pass_through", "shared")])
+def test_a_dynamic_four_over_six_config_runs_on_the_kernels_with_the_reference_bits(tmp_path, kind, ste, input_amax):
+    ref = _quantize_and_step(tmp_path, kind, "torch", ste, input_amax)
+    fast = _quantize_and_step(tmp_path, kind, "triton", ste, input_amax)
+    assert fast[4] == ref[4] == {FMT}
+    assert torch.equal(fast[0], ref[0])
+    assert torch.equal(fast[1], ref[1])
+    assert all(torch.equal(a, b) for a, b in zip(fast[2], ref[2], strict=True))
+    assert_kernel_path(fast[3])
+    assert_reference_path(ref[3])
