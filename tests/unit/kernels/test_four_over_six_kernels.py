@@ -141,6 +141,50 @@ def test_straight_through_gradients_of_weights_tokens_and_a_dense_tensor(ste):
     assert_bits_equal(dense.grad, torch.ones_like(dense) * keep)
 
 
+def near_tie_blocks(n: int, seed: int) -> torch.Tensor:
+    """[n, 16] fp32 blocks (quantized with sg = 1) whose two candidates' squared errors are nearly equal: max 12, a 1.5
+    (0.5 off on the 6 grid, exact on the 4 grid) and a 2.0 (the other way round) at random places, and small values
+    elsewhere that round to 0 in both candidates. The sum of the squares then rounds differently in different orders,
+    and so does the choice of many blocks."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, 16, generator=g) * 0.45 * 2.0 ** -torch.randint(0, 6, (n, 16), generator=g).float()
+    for row in x:
+        where = torch.randperm(15, generator=g)[:3] + 1
+        row[0], row[where[0]], row[where[1]] = 12.0, 1.5, 2.0
+        row[where[2]] = 0.0
+    return x
+
+
+def _adjacent_pairs(sq: torch.Tensor) -> torch.Tensor:
+    """The reference's order (``block_square_error``): adjacent pairs, then pairs of those, ..."""
+    while sq.shape[-1] > 1:
+        sq = sq[..., 0::2] + sq[..., 1::2]
+    return sq[..., 0]
+
+
+def _error_sums(x: torch.Tensor, order) -> torch.Tensor:
+    """Each block's squared error of both candidates (sg = 1: scales 2 and 3), summed by ``order``: [n, 2]."""
+    from modelopt_moe.numerics.nvfp4 import round_to_e2m1
+
+    return torch.stack([order((round_to_e2m1(x / s) * s - x) ** 2) for s in (2.0, 3.0)], dim=-1)
+
+
+@needs_triton
+def test_blocks_whose_choice_depends_on_the_order_of_the_error_sum_follow_the_reference():
+    x = near_tie_blocks(512, seed=0).reshape(64, 128)
+    out = K.grouped_weight_fake_quant([x], torch.tensor([SG_ONE]), FMT)[0]
+    assert_bits_equal(out, fake_quant(x, FMT, torch.tensor(SG_ONE)))
+    y = K.grouped_input_fake_quant(x, torch.tensor([40, 24]), torch.tensor([SG_ONE, SG_ONE]), FMT)
+    assert_bits_equal(y, out)
+    # Not vacuous: summed left to right, or as a reduction of 16 (numpy sums 8 strided pairs first), the errors
+    # choose another candidate for some of these blocks.
+    blocks = x.reshape(-1, 16)
+    tree = _error_sums(blocks, _adjacent_pairs)
+    for order in (lambda sq: sq.cumsum(-1)[..., -1], lambda sq: _adjacent_pairs(sq[..., :8] + sq[..., 8:])):
+        other = _error_sums(blocks, order)
+        assert ((other[:, 1] < other[:, 0]) != (tree[:, 1] < tree[:, 0])).any()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # A user's config: 4-over-6 from the data on weights and inputs of a dense and a grouped expert linear
 # ----------------------------------------------------------------------------------------------------------------
