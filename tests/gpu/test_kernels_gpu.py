@@ -174,6 +174,23 @@ def test_nvfp4_rounding_options_give_the_same_bits(fmt):
     assert_bits_equal(outs[0], outs[2])
 
 
+def test_four_over_six_near_ties_follow_the_reference_error_sum():
+    """Blocks whose two candidates' squared errors nearly tie (max 12 with sg = 1, a 1.5 and a 2.0 at random places,
+    small values that round to 0 in both): their choice depends on the order of the error sum, and the kernels sum
+    as the reference does (a fixed tree of adjacent pairs), whatever the warps' reduction order would be."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(4096, 16, generator=g) * 0.45 * 2.0 ** -torch.randint(0, 6, (4096, 16), generator=g).float()
+    for row in x:
+        where = torch.randperm(15, generator=g)[:3] + 1
+        row[0], row[where[0]], row[where[1]], row[where[2]] = 12.0, 1.5, 2.0, 0.0
+    x = x.reshape(256, 256).to(DEV)
+    a = torch.tensor([1536.0], device=DEV)
+    ref = fake_quant(x.cpu(), "nvfp4_four_over_six", a[0].cpu())
+    assert_bits_equal(K.grouped_weight_fake_quant([x], a, "nvfp4_four_over_six")[0], ref)
+    m = torch.tensor([100, 0, 156], device=DEV)
+    assert_bits_equal(K.grouped_input_fake_quant(x, m, a.expand(3).contiguous(), "nvfp4_four_over_six"), ref)
+
+
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_clipped_backward(per_channel):
     weights = [w.requires_grad_() for w in make_experts([(256, 512)] * 32, torch.bfloat16)]
