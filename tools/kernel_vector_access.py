@@ -41,7 +41,14 @@ _WEIGHT = dict(TILE_R=1, TILE_NB=256, BS=16, VEC=8, SEARCH_STEPS=7, BITWISE_CVT=
 _ROWS = dict(TILE_R=4, TILE_NB=64)
 _BLOCK2D = dict(BOUND=448.0, MANT=3, EMIN=-6, EMAX=8, BR=128, BC=128, SEARCH_STEPS=7, BITWISE_CVT=False, VEC=8,
                 HW_CVT=True)
-_TOKENS = dict(N_PAD=128, TILE_R=4, TILE_NB=64, BS=32, BITWISE_CVT=False)  # 8192 elements: rows of 2048
+_TOKENS = dict(N_PAD=128, TILE_R=4, BITWISE_CVT=False)  # 8192 elements: rows of 2048
+
+
+def _token_blocks(block: int | None) -> dict:
+    """The token tile's inner dim as the launcher sets it: a format's block (NVFP4's 16: the tile routine's
+    quantization block), else 32; rows of 2048 either way."""
+    bs = block or 32
+    return {"BS": bs, "TILE_NB": 2048 // bs}
 
 
 def _cases():
@@ -57,6 +64,11 @@ def _cases():
                         w.grouped_weight_fake_quant_kernel,
                         dict(_FP8, **tiling, AMAX_MODE=2 if two_d else 1, TWO_D=two_d, UNIFORM=uniform, EVEN=even,
                              HW_CVT=True), 4, {}))
+        # 4-over-6 quantizes each block twice and sums its errors through reshapes: the same vectors all the same.
+        out.append((f"weight fake quant, NVFP4 4-over-6, {tiles}, several shapes, partial",
+                    w.grouped_weight_fake_quant_kernel,
+                    dict(format_constexprs("nvfp4_four_over_six", 16), **tiling, AMAX_MODE=2 if two_d else 1,
+                         TWO_D=two_d, UNIFORM=False, EVEN=False, HW_CVT=True, FAST_MAX=True), 4, {}))
         out.append((f"weight clipped gradient, {tiles}", w.grouped_weight_clip_grad_kernel,
                     dict(tiling, AMAX_MODE=2 if two_d else 1, TWO_D=two_d), 4, {}))
         out.append((f"weight fake quant + statistics, {tiles}", s.grouped_weight_fake_quant_stats_kernel,
@@ -79,16 +91,16 @@ def _cases():
                         dict(_BLOCK2D, **extra, UNIFORM=uniform, EVEN=even), warps, {}))
     out.append(("FP8 token groups of 128", b.token_groups_kernel,
                 dict(BOUND=448.0, MANT=3, EMIN=-6, EMAX=8, TILE_R=8, TILE_NB=8, BS=128, BITWISE_CVT=False), 8, {}))
-    for fmt, block in (("e4m3", None), ("mxfp8", 32), ("nvfp4", 16)):
+    for fmt, block in (("e4m3", None), ("mxfp8", 32), ("nvfp4", 16), ("nvfp4_four_over_six", 16)):
         for scale in (False, True):
             out.append((f"token fake quant, {fmt}{', row scale' if scale else ''}",
                         input_fake_quant_kernels.grouped_input_fake_quant_kernel,
                         dict(format_constexprs(fmt, block), **_TOKENS, PER_EXPERT=block is None, HW_CVT=True,
-                             HAS_SCALE=scale), 8, {}))
+                             HAS_SCALE=scale, **_token_blocks(block)), 8, {}))
     out.append(("token clipped gradient", input_fake_quant_kernels.grouped_input_clip_grad_kernel,
-                dict(_TOKENS, PER_EXPERT=True), 8, {}))
+                dict(_TOKENS, PER_EXPERT=True, **_token_blocks(None)), 8, {}))
     out.append(("token fake quant + statistics", s.grouped_input_fake_quant_stats_kernel,
-                dict(_FP8, **_TOKENS, PER_EXPERT=True), 8, {}))
+                dict(_FP8, **_TOKENS, PER_EXPERT=True, **_token_blocks(None)), 8, {}))
     return out
 
 

@@ -27,6 +27,7 @@ SCALED_FLOAT: tl.constexpr = tl.constexpr(int(KernelRoutine.SCALED_FLOAT))
 SCALED_INT: tl.constexpr = tl.constexpr(int(KernelRoutine.SCALED_INT))
 TWO_LEVEL_E2M1: tl.constexpr = tl.constexpr(int(KernelRoutine.TWO_LEVEL_E2M1))
 POWER_OF_TWO_BLOCKS: tl.constexpr = tl.constexpr(int(KernelRoutine.POWER_OF_TWO_BLOCKS))
+TWO_LEVEL_E2M1_FOUR_OVER_SIX: tl.constexpr = tl.constexpr(int(KernelRoutine.TWO_LEVEL_E2M1_FOUR_OVER_SIX))
 
 # The invalid-amax threshold (2**-24) and the largest finite fp32; both exact in fp32.
 TINY_AMAX: tl.constexpr = tl.constexpr(_TINY_AMAX)
@@ -259,23 +260,71 @@ def _mx_tile(x, BOUND: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, EMA
 
 
 @triton.jit
-def _nvfp4_tile(x, amax, BOUND: tl.constexpr, NATIVE_DIV: tl.constexpr, HW_CVT: tl.constexpr = False,
-                LEAN: tl.constexpr = False, FAST_MAX: tl.constexpr = False):
-    sg = _div(_safe_amax(amax, BOUND), tl.full(amax.shape, BOUND, tl.float32))  # [R, 1, 1]; BOUND = 6 * 448
-    ax = tl.abs(x)
+def _nvfp4_block_max(ax, FAST_MAX: tl.constexpr):
+    """The max of each block (the last axis) of ``ax = |x|`` [R, NB, BS], NaN ignored: [R, NB, 1]."""
     if FAST_MAX:
         # GPU only: the reduction's max.f32 already returns the other operand when one is NaN (ax >= 0, so an
         # all-NaN block gives 0, as the masked max below does); the interpreter's max propagates NaN.
         bmax = tl.max(ax, axis=2, keep_dims=True)
     else:
-        bmax = tl.max(tl.where(ax != ax, 0.0, ax), axis=2, keep_dims=True)  # [R, NB, 1], NaN ignored
-    t = _div(_div(bmax, tl.full(bmax.shape, 6.0, tl.float32)), sg)
+        bmax = tl.max(tl.where(ax != ax, 0.0, ax), axis=2, keep_dims=True)
+    return bmax
+
+
+@triton.jit
+def _nvfp4_scale(bmax, sg, DIVISOR: tl.constexpr, HW_CVT: tl.constexpr, LEAN: tl.constexpr):
+    """The block scale ``s = e4m3(bmax / DIVISOR / sg) * sg`` [R, NB, 1], the E4M3 rounding saturating at 448."""
+    t = _div(_div(bmax, tl.full(bmax.shape, DIVISOR, tl.float32)), sg)
     if HW_CVT:
         s = _hw_round_fp8(t, False) * sg  # saturates at 448 itself; t >= 0, never NaN
     else:
         t = tl.where(t > 448.0, 448.0, t)  # t >= 0, never NaN
         s = _round_mag(t, 3, -6, 8, LEAN) * sg  # e4m3 block scale times the global scale
+    return s
+
+
+@triton.jit
+def _nvfp4_tile(x, amax, BOUND: tl.constexpr, NATIVE_DIV: tl.constexpr, HW_CVT: tl.constexpr = False,
+                LEAN: tl.constexpr = False, FAST_MAX: tl.constexpr = False):
+    sg = _div(_safe_amax(amax, BOUND), tl.full(amax.shape, BOUND, tl.float32))  # [R, 1, 1]; BOUND = 6 * 448
+    ax = tl.abs(x)
+    s = _nvfp4_scale(_nvfp4_block_max(ax, FAST_MAX), sg, 6.0, HW_CVT, LEAN)
     return _e2m1_scaled(x, ax, s, NATIVE_DIV, LEAN)
+
+
+@triton.jit
+def _add_adjacent_pairs(v, HALF: tl.constexpr):
+    """[R, NB, 2 * HALF] -> [R, NB, HALF]: element j is ``v[2j] + v[2j + 1]``, one add of two numbers."""
+    even, odd = tl.split(tl.reshape(v, [v.shape[0], v.shape[1], HALF, 2]))
+    return even + odd
+
+
+@triton.jit
+def _block_square_error(y, x):
+    """``numerics.nvfp4.block_square_error(y - x)`` of [R, NB, 16] tiles: [R, NB, 1]. The squares are summed as the
+    reference's fixed tree of adjacent pairs, each add of exactly two numbers (which no order can change); a
+    reduction (``tl.sum``) has no set order and would differ in the last bit."""
+    d = y - x
+    sq = d * d  # enable_fp_fusion=False: no fused multiply-add into the sums below
+    sq = _add_adjacent_pairs(sq, 8)
+    sq = _add_adjacent_pairs(sq, 4)
+    sq = _add_adjacent_pairs(sq, 2)
+    return _add_adjacent_pairs(sq, 1)
+
+
+@triton.jit
+def _nvfp4_four_over_six_tile(x, amax, BOUND: tl.constexpr, NATIVE_DIV: tl.constexpr, HW_CVT: tl.constexpr = False,
+                              LEAN: tl.constexpr = False, FAST_MAX: tl.constexpr = False):
+    """NVFP4 with 4-over-6 block scales (``NVFP4FourOverSixFormat``), bit for bit: each block quantized with its max
+    on E2M1's 6 and on its 4 (``BOUND = 6 * 256``), the 4 kept only where its squared error is strictly smaller (a
+    tie or a NaN error keeps 6). Each candidate is :func:`_nvfp4_tile`'s arithmetic with its own divisor."""
+    sg = _div(_safe_amax(amax, BOUND), tl.full(amax.shape, BOUND, tl.float32))  # [R, 1, 1]
+    ax = tl.abs(x)
+    bmax = _nvfp4_block_max(ax, FAST_MAX)
+    y6 = _e2m1_scaled(x, ax, _nvfp4_scale(bmax, sg, 6.0, HW_CVT, LEAN), NATIVE_DIV, LEAN)
+    y4 = _e2m1_scaled(x, ax, _nvfp4_scale(bmax, sg, 4.0, HW_CVT, LEAN), NATIVE_DIV, LEAN)
+    four = _block_square_error(y4, x) < _block_square_error(y6, x)  # NaN compares false: 6
+    return tl.where(tl.broadcast_to(four, x.shape), y4, y6)
 
 
 @triton.jit
@@ -349,6 +398,8 @@ def fake_quant_tile(x, amax, FAMILY: tl.constexpr, BOUND: tl.constexpr, MANT: tl
         out = _int_tile(x, amax, BOUND, INT_BLOCK, NATIVE_DIV, BOUND if NARROW else BOUND + 1.0)
     elif FAMILY == POWER_OF_TWO_BLOCKS:
         out = _mx_tile(x, BOUND, MANT, EMIN, EMAX, LEAN)
+    elif FAMILY == TWO_LEVEL_E2M1_FOUR_OVER_SIX:
+        out = _nvfp4_four_over_six_tile(x, amax, BOUND, NATIVE_DIV, HW_CVT, LEAN, FAST_MAX)
     else:
         out = _nvfp4_tile(x, amax, BOUND, NATIVE_DIV, HW_CVT, LEAN, FAST_MAX)
     return out

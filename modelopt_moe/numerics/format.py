@@ -66,6 +66,9 @@ class KernelRoutine(enum.IntEnum):
     SCALED_INT = 1  # one divisor bound / amax per tensor, channel or data block, an integer grid
     TWO_LEVEL_E2M1 = 2  # E2M1 values, E4M3 block scales times a second-level scale (NVFP4)
     POWER_OF_TWO_BLOCKS = 3  # a small float grid, one power-of-two (E8M0) scale per block from the data (MX)
+    # E2M1 values; each block quantized with its max on E2M1's 6 and on its 4, the smaller squared error kept (NVFP4
+    # with 4-over-6 block scales from the data)
+    TWO_LEVEL_E2M1_FOUR_OVER_SIX = 4
 
 
 @dataclass(frozen=True)

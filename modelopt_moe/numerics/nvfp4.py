@@ -238,10 +238,13 @@ NVFP4 = NVFP4Format("nvfp4", (2, 1), E2M1_MAX, E2M1_MAX * E4M3_MAX, "NVFP4", fro
                     KernelSpec(KernelRoutine.TWO_LEVEL_E2M1, E2M1_MAX * E4M3_MAX, tile=2048,
                                token_tile=4096),
                     aliases=("e2m1", "nvfp4"), block=(NVFP4_BLOCK_SIZE,), block_scale=E4M3.name, export=_NVFP4Codec())
-# Selected by block_sizes four_over_six with dynamic block scales (registry.format_of); no Triton routine yet.
+# Selected by block_sizes four_over_six with dynamic block scales (registry.format_of); NVFP4's tiles.
 NVFP4_FOUR_OVER_SIX = NVFP4FourOverSixFormat(
     "nvfp4_four_over_six", (2, 1), E2M1_MAX, E2M1_MAX * FOUR_OVER_SIX_SCALE_MAX, "NVFP4 (4-over-6)",
-    frozenset({ScaleLayout.TWO_LEVEL}), None, block=(NVFP4_BLOCK_SIZE,), block_scale=E4M3.name)
+    frozenset({ScaleLayout.TWO_LEVEL}),
+    KernelSpec(KernelRoutine.TWO_LEVEL_E2M1_FOUR_OVER_SIX, E2M1_MAX * FOUR_OVER_SIX_SCALE_MAX, tile=2048,
+               token_tile=4096),
+    block=(NVFP4_BLOCK_SIZE,), block_scale=E4M3.name)
 
 
 def within_block_amax(x: torch.Tensor, block_amax: torch.Tensor, block: int) -> torch.Tensor:

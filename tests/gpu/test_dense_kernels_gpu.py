@@ -67,6 +67,30 @@ def test_nn_linear_takes_the_kernels_bit_for_bit_with_the_reference(preset, ste,
         assert_kernel_path(fast[3])
 
 
+FOUR_OVER_SIX_YAML = """\
+quant_cfg:
+  - quantizer_name: "*weight_quantizer"
+    cfg: {num_bits: e2m1, block_sizes: {-1: 16, type: dynamic, scale_bits: e4m3, four_over_six: true}}
+  - quantizer_name: "*input_quantizer"
+    cfg: {num_bits: e2m1, block_sizes: {-1: 16, type: dynamic, scale_bits: e4m3, four_over_six: true}}
+algorithm: max
+"""
+
+
+@pytest.mark.parametrize("ste", ["clipped", "pass_through"])
+def test_nn_linear_with_four_over_six_from_the_data_takes_the_kernels_bit_for_bit(tmp_path, ste):
+    preset = tmp_path / "nvfp4_four_over_six_dynamic.yaml"
+    preset.write_text(FOUR_OVER_SIX_YAML)
+    ref = _linear_run(str(preset), "torch", ste, False)
+    fast = _linear_run(str(preset), "auto", ste, False)
+    assert torch.equal(fast[0], ref[0])
+    assert torch.equal(fast[1], ref[1])
+    for a, b in zip(fast[2], ref[2], strict=True):
+        assert torch.equal(a, b)
+    assert_reference_path(ref[3])
+    assert_kernel_path(fast[3])
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     pytest.importorskip("transformers")

@@ -18,8 +18,9 @@ from modelopt_moe import kernels as K  # noqa: E402
 from modelopt_moe.kernels import launch  # noqa: E402
 from modelopt_moe.numerics import fake_quant, round_to_e2m1, scale_rows  # noqa: E402
 
-FORMATS = [("e4m3", None), ("e5m2", None), ("nvfp4", None), ("int8", None), ("int4", None), ("int8", 16),
-           ("int4", 128), ("int7", None), ("int2", None), ("int3", 16), ("int5", None), ("int6", 32)]
+FORMATS = [("e4m3", None), ("e5m2", None), ("nvfp4", None), ("nvfp4_four_over_six", None), ("int8", None),
+           ("int4", None), ("int8", 16), ("int4", 128), ("int7", None), ("int2", None), ("int3", 16), ("int5", None),
+           ("int6", 32)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 DEV = "cuda"
 
@@ -98,7 +99,8 @@ def _all_finite_bf16():
 
 
 @pytest.mark.parametrize(("fmt", "amax"), [("e4m3", 448.0), ("e4m3", 3.7), ("e5m2", 57344.0), ("e5m2", 5.1e3),
-                                      ("nvfp4", 3.7), ("nvfp4", 2688.0), ("int8", 0.3), ("int4", 7.0)])
+                                      ("nvfp4", 3.7), ("nvfp4", 2688.0), ("nvfp4_four_over_six", 3.7),
+                                      ("nvfp4_four_over_six", 1536.0), ("int8", 0.3), ("int4", 7.0)])
 def test_sweep_all_finite_bf16(fmt, amax):
     x = _all_finite_bf16()
     a = torch.tensor([amax], device=DEV)
@@ -140,6 +142,53 @@ def test_e2m1_and_output_conversion_edges():
     x = torch.cat([torch.full((2, 1), 6.0), torch.stack([vals, -vals])], dim=1).contiguous().to(DEV)
     out = K.grouped_weight_fake_quant([x], torch.tensor([2688.0], device=DEV), "nvfp4")[0]
     assert_bits_equal(out, round_to_e2m1(x))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_four_over_six"])
+def test_nvfp4_rounding_options_give_the_same_bits(fmt):
+    """The GPU-only options (fp8 block scales by the hardware converter, the hardware NaN-ignoring block max, no
+    redundant clamp) against the arithmetic the interpreter runs, on every finite bf16 value, NaN / Inf blocks and
+    blocks at the 4-vs-6 tie (max 12 with sg = 1: candidates' scales 2 and 3; the second block ties)."""
+    from modelopt_moe.kernels import tuning
+
+    x = _all_finite_bf16()
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")], device=DEV, dtype=x.dtype)
+    x[1, :16] = 0.0
+    x[1, :3] = torch.tensor([12.0, 1.5, 2.0], device=DEV, dtype=x.dtype)
+    x[1, 16:32] = 0.0
+    x[1, 16:18] = torch.tensor([12.0, 1.5], device=DEV, dtype=x.dtype)
+    m = torch.tensor([100, 0, 156], device=DEV)
+    outs = []
+    for options in ({}, {"hw_cvt": False, "lean": False, "fast_max": False}):
+        tuning.set_weight_kernel_config(**options)
+        try:
+            for amax in (3.7, 1536.0):
+                a = torch.tensor([amax], device=DEV)
+                w = K.grouped_weight_fake_quant([x], a, fmt)[0]
+                assert_bits_equal(w, fake_quant(x.cpu(), fmt, a[0].cpu()), f"{fmt} {options} amax {amax}")
+                y = K.grouped_input_fake_quant(x, m, a.expand(3).contiguous(), fmt)
+                assert_bits_equal(y, w, f"{fmt} {options} amax {amax} tokens")
+                outs.append(w)
+        finally:
+            tuning.reset_weight_kernel_config()
+    assert_bits_equal(outs[0], outs[2])
+
+
+def test_four_over_six_near_ties_follow_the_reference_error_sum():
+    """Blocks whose two candidates' squared errors nearly tie (max 12 with sg = 1, a 1.5 and a 2.0 at random places,
+    small values that round to 0 in both): their choice depends on the order of the error sum, and the kernels sum
+    as the reference does (a fixed tree of adjacent pairs), whatever the warps' reduction order would be."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(4096, 16, generator=g) * 0.45 * 2.0 ** -torch.randint(0, 6, (4096, 16), generator=g).float()
+    for row in x:
+        where = torch.randperm(15, generator=g)[:3] + 1
+        row[0], row[where[0]], row[where[1]], row[where[2]] = 12.0, 1.5, 2.0, 0.0
+    x = x.reshape(256, 256).to(DEV)
+    a = torch.tensor([1536.0], device=DEV)
+    ref = fake_quant(x.cpu(), "nvfp4_four_over_six", a[0].cpu())
+    assert_bits_equal(K.grouped_weight_fake_quant([x], a, "nvfp4_four_over_six")[0], ref)
+    m = torch.tensor([100, 0, 156], device=DEV)
+    assert_bits_equal(K.grouped_input_fake_quant(x, m, a.expand(3).contiguous(), "nvfp4_four_over_six"), ref)
 
 
 @pytest.mark.parametrize("per_channel", [False, True])

@@ -22,5 +22,6 @@ def test_every_kernel_reads_and_writes_bf16_in_16_byte_vectors():
     for kernel in ("weight fake quant, per-row tiles, several shapes, partial tiles", "weight clipped gradient, "
                    "per-row tiles", "weight amax, per row", "weight fake quant + statistics, flat tiles",
                    "FP8 128x128 blocks, prefetch (the default), several shapes, partial",
-                   "token fake quant, nvfp4, row scale"):
+                   "token fake quant, nvfp4, row scale", "token fake quant, nvfp4_four_over_six, row scale",
+                   "weight fake quant, NVFP4 4-over-6, per-row tiles, several shapes, partial"):
         assert re.search(rf"^{re.escape(kernel)}.*\s[1-9]\d*\s+0\s+\d+\s+0$", res.stdout, re.M), (kernel, res.stdout)

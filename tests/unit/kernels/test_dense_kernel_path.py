@@ -121,6 +121,8 @@ def _quantize_twice(cfg: dict, x: torch.Tensor, amax, ste: str):
     ({"num_bits": (4, 3)}, float("nan"), 40),
     ({"num_bits": (5, 2)}, 1e-30, 40),  # tiny
     ({"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}, 3.0, 48),
+    ({"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3), "four_over_six": True}},
+     3.0, 48),  # NVFP4 with 4-over-6 block scales from the data
     ({"num_bits": 8}, 2.0, 40),
     ({"num_bits": 4, "block_sizes": {-1: 16, "type": "dynamic"}}, None, 40),  # int blocks from the data, padded
 ])

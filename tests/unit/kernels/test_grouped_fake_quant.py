@@ -20,8 +20,9 @@ needs_triton = pytest.mark.skipif(
 )
 
 # (format, block_size): every format, with per-tensor and per-block int.
-FORMATS = [("e4m3", None), ("e5m2", None), ("nvfp4", None), ("int8", None), ("int4", None), ("int8", 16),
-           ("int4", 32), ("int7", None), ("int2", None), ("int3", 16), ("int5", None), ("int6", 32)]
+FORMATS = [("e4m3", None), ("e5m2", None), ("nvfp4", None), ("nvfp4_four_over_six", None), ("int8", None),
+           ("int4", None), ("int8", 16), ("int4", 32), ("int7", None), ("int2", None), ("int3", 16), ("int5", None),
+           ("int6", 32)]
 AMAX_FORMATS = [f for f in FORMATS if f[1] is None]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -159,7 +160,7 @@ def test_nan_and_inf_stay_in_their_expert_element_and_block(fmt, block_size):
     assert nan.sum() == 1
     assert nan[1, 5]
     # Elsewhere only the Inf elements change, or (block formats) the blocks that hold them.
-    block = 16 if fmt == "nvfp4" else block_size
+    block = 16 if fmt.startswith("nvfp4") else block_size
     changed = (out_dirty[1] != out_clean[1]) & ~nan
     allowed = torch.zeros_like(changed)
     for r, c in [(2, 40), (3, 17)]:
@@ -175,7 +176,7 @@ def test_nan_and_inf_stay_in_their_expert_element_and_block(fmt, block_size):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4", "nvfp4_four_over_six", "int8", "int4"])
 def test_per_channel_amax(fmt, dtype):
     # [N, C] amax over axis 0 of [C, K] experts; experts may differ in K. One NaN and one zero channel.
     weights = make_experts([(6, 32), (6, 64), (6, 16)], dtype)
@@ -188,7 +189,7 @@ def test_per_channel_amax(fmt, dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "int4"])
+@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "nvfp4_four_over_six", "int4"])
 def test_shared_scalar_amax_and_empty_expert(fmt):
     weights = make_experts([(5, 32), (0, 32), (3, 32)], torch.float16)
     amax = torch.tensor(3.5)
@@ -285,7 +286,7 @@ def _all_finite_bf16() -> torch.Tensor:
 
 @needs_triton
 @pytest.mark.parametrize(("fmt", "amax"), [("e4m3", 448.0), ("e4m3", 3.7), ("e4m3", 1e-30), ("e5m2", 5.1e3),
-                                      ("nvfp4", 3.7), ("int8", 0.3)])
+                                      ("nvfp4", 3.7), ("nvfp4_four_over_six", 3.7), ("int8", 0.3)])
 def test_sweep_all_finite_bf16(fmt, amax):
     x = _all_finite_bf16()
     out = K.grouped_weight_fake_quant([x], torch.tensor([amax]), fmt)[0]
@@ -373,12 +374,13 @@ def test_weight_clipped_backward_matches_mask(dtype, per_channel):
 
 
 @needs_triton
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_four_over_six"])
 @pytest.mark.parametrize("ste", ["pass_through", "clipped"])
-def test_weight_autograd(ste):
+def test_weight_autograd(ste, fmt):
     weights = [w.requires_grad_() for w in make_experts([(4, 32), (2, 32), (3, 64)], torch.bfloat16)]
     amax = distinct_amax(weights, 0.5).detach()
-    outs = K.grouped_weight_fake_quant_ste(weights, amax, "nvfp4", ste=ste)
-    for o, r in zip(outs, reference([w.detach() for w in weights], amax, "nvfp4", None), strict=True):
+    outs = K.grouped_weight_fake_quant_ste(weights, amax, fmt, ste=ste)
+    for o, r in zip(outs, reference([w.detach() for w in weights], amax, fmt, None), strict=True):
         assert_bits_equal(o.detach(), r)
     grads = [torch.randn(w.shape).to(torch.bfloat16) for w in weights]
     torch.autograd.backward(outs[:2], grads[:2])  # expert 2 gets no gradient from the loss
@@ -435,7 +437,7 @@ def test_int_input_bit_exact_in_both_ranges_and_padded_blocks(fmt, block_size, k
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "int8"])
+@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "nvfp4_four_over_six", "int8"])
 def test_input_shared_amax_and_single_expert(fmt):
     x = make_tokens([5, 4], 48, torch.float16)
     amax = torch.tensor(6.0)
@@ -500,6 +502,9 @@ def _w(*shape, dtype=torch.bfloat16):
         (lambda: K.grouped_input_fake_quant(_w(4, 16), torch.ones(513, dtype=torch.int64), torch.ones(513), "e4m3"),
          "1..512"),
         (lambda: K.grouped_input_fake_quant(_w(4, 24), torch.tensor([4]), torch.ones(1), "nvfp4"), "multiple"),
+        (lambda: K.grouped_input_fake_quant(_w(4, 24), torch.tensor([4]), torch.ones(1), "nvfp4_four_over_six"),
+         "multiple of the block size 16"),
+        (lambda: K.grouped_weight_fake_quant([_w(2, 16)], torch.ones(1), "nvfp4_four_over_six", 32), "blocks of 16"),
         (lambda: K.grouped_input_fake_quant(_w(16, 4).t(), torch.tensor([4]), torch.ones(1), "e4m3"), "contiguous"),
         (lambda: K.grouped_input_clip_grad(_w(3, 16), _w(4, 16), torch.tensor([4]), torch.ones(1)), "shaped like x"),
         (lambda: K.grouped_weight_fake_quant_ste([_w(2, 16)], torch.ones(1), "e4m3", ste="clip"), "ste"),

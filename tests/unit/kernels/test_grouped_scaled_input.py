@@ -47,7 +47,7 @@ def test_scaled_input_per_expert_bit_exact(fmt, block_size, dtype, p_dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "int8"])
+@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "nvfp4_four_over_six", "int8"])
 def test_scaled_input_shared_amax_and_single_expert(fmt):
     x = make_tokens([5, 4], 48, torch.bfloat16)
     p = probs(9)
@@ -59,7 +59,7 @@ def test_scaled_input_shared_amax_and_single_expert(fmt):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "nvfp4_four_over_six"])
 def test_edge_values_of_tokens_and_scales(fmt, dtype):
     """Signed zeros, NaN, Inf, subnormal and huge tokens; scales 0, -0, NaN, Inf, tiny (products that underflow),
     huge (products that overflow the output dtype) and values whose products round to a tie."""

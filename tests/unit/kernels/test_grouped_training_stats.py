@@ -83,7 +83,8 @@ def test_weight_amax_validates():
 # ----------------------------------------------------------------------------------------------------------------
 # Fake quant with statistics
 # ----------------------------------------------------------------------------------------------------------------
-STAT_FORMATS = [("e4m3", None), ("nvfp4", None), ("int4", None), ("int8", 16), ("mxfp4", None), ("mxfp8", None)]
+STAT_FORMATS = [("e4m3", None), ("nvfp4", None), ("nvfp4_four_over_six", None), ("int4", None), ("int8", 16),
+                ("mxfp4", None), ("mxfp8", None)]
 
 
 @needs_triton
@@ -113,7 +114,7 @@ def test_weight_stats_uniform_experts_and_per_channel_amax():
 
 @needs_triton
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4", "nvfp4_four_over_six"])
 def test_input_stats_per_expert_rows(fmt, shared):
     splits = [5, 0, 11, 1, 7]
     g = torch.Generator().manual_seed(4)

@@ -127,6 +127,8 @@ def test_static_blocks_torch_fallback_is_the_reference(monkeypatch):
     ({"block_amax": torch.ones(2, 3, 1)}, r"block_amax of shape \(2, 3, 1\) does not fit 2 experts of shape "
                                          r"\(3, 32\); expected \(2, 3, 2\)"),
     ({"fmt": "e4m3"}, "format 'e4m3' has no static two-level block scales"),
+    # 4-over-6 from the data chooses its block scales at every call: static block scales are NVFP4's.
+    ({"fmt": "nvfp4_four_over_six"}, "format 'nvfp4_four_over_six' has no static two-level block scales"),
     ({"amax": torch.ones(2, 3)}, r"amax must be \[N\] or a scalar, got \(2, 3\)"),
     ({"block_amax": torch.ones(2, 3, 2, dtype=torch.int32)}, "block_amax must be a floating tensor"),
 ])
