@@ -522,7 +522,7 @@ def test_format_from_num_bits_rejects_unhashable_values_with_value_error(num_bit
 
 def test_format_table_bounds():
     assert {k: v.bound for k, v in formats.FORMATS.items()} == {
-        "e4m3": 448.0, "e5m2": 57344.0, "nvfp4": 2688.0, "nvfp4_four_over_six": 1536.0, "int8": 127.0, "int4": 7.0, "int2": 1.0, "int3": 3.0,
-        "int5": 15.0, "int6": 31.0, "int7": 63.0, "mxfp4": 6.0, "mxfp8": 448.0}
+        "e4m3": 448.0, "e5m2": 57344.0, "nvfp4": 2688.0, "nvfp4_four_over_six": 1536.0, "int8": 127.0, "int4": 7.0,
+        "int2": 1.0, "int3": 3.0, "int5": 15.0, "int6": 31.0, "int7": 63.0, "mxfp4": 6.0, "mxfp8": 448.0}
     assert torch.finfo(torch.float8_e4m3fn).max == 448.0
     assert torch.finfo(torch.float8_e5m2).max == 57344.0
