@@ -48,6 +48,7 @@ def _assert_same(fast, ref):
     ("fp8_default.yaml", "pass_through", torch.float32),
     ("nvfp4_default.yaml", "clipped", torch.float32),
     ("nvfp4_default.yaml", "pass_through", torch.bfloat16),
+    ("nvfp4_4over6.yaml", "clipped", torch.bfloat16),  # 4-over-6 block scales from the data
     ("int8_default.yaml", "clipped", torch.float32),  # per-channel weights: the weight op, one expert
     ("mxfp8_default.yaml", "pass_through", torch.bfloat16),
     ("fp8_block_w8a8.yaml", "pass_through", torch.float32),  # 128 x 128 weight blocks, 1 x 128 input groups

@@ -40,7 +40,7 @@ def _run(preset, weight_amax, input_amax, ste, kernel, narrow_range=None):
 
 
 @pytest.mark.parametrize("preset", ["fp8_default.yaml", "nvfp4_default.yaml", "mxfp4_default.yaml",
-                                    "mxfp8_default.yaml"])
+                                    "mxfp8_default.yaml", "nvfp4_4over6.yaml"])
 @pytest.mark.parametrize(("weight_amax", "input_amax", "ste"), [
     ("vectorized", "per_expert", "clipped"),
     ("per_expert", "shared", "pass_through"),
