@@ -170,3 +170,38 @@ def test_a_nan_weight_aborts_the_export_leaving_nothing(tmp_path):
         _export(out, "modelopt", _records(nan_at="layers.1.experts.1.down"))
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_engine_side_four_over_six_input_rounds_as_training_under_the_same_scale():
+    from modelopt_moe.export.engine_forward import nvfp4_four_over_six_static_input, nvfp4_static_input
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 256, generator=g) * torch.logspace(-2, 2, 64).unsqueeze(1)
+    x[3, :16] = 0.0
+    # gs = 1536 / amax = 1: the engine's gs * blockmax / d and training's blockmax / d / sg are the same number
+    got = nvfp4_four_over_six_static_input(x, torch.tensor(1.0))
+    assert torch.equal(got, NVFP4_FOUR_OVER_SIX.fake_quant(x, torch.tensor(NVFP4_FOUR_OVER_SIX.bound)))
+    assert not torch.equal(got, nvfp4_static_input(x, torch.tensor(1.0)))
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+def test_the_engine_order_forward_runs_the_marked_inputs_with_four_over_six(tmp_path, fmt):
+    from safetensors.torch import load_file
+
+    from modelopt_moe.export.engine_forward import (
+        engine_order_model,
+        nvfp4_four_over_six_static_input,
+        nvfp4_static_input,
+    )
+
+    out = _export(tmp_path / "ckpt", fmt, _records())
+    tensors = load_file(out / "model-00001-of-00001.safetensors")
+    model = engine_order_model(out)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))
+    for module, quant in (("model.layers.1.mlp.experts.1.gate_proj", nvfp4_four_over_six_static_input),
+                          ("model.layers.1.self_attn.q_proj", nvfp4_static_input)):
+        linear = model.get_submodule(module)
+        stored = tensors[module + (".input_global_scale" if fmt == "compressed-tensors" else ".input_scale")]
+        gs = stored if fmt == "compressed-tensors" else 1.0 / stored
+        with torch.no_grad():
+            assert torch.equal(linear(x), torch.nn.functional.linear(quant(x, gs), linear.weight)), module
