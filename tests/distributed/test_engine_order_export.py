@@ -9,8 +9,9 @@ engines do, or the exported down_proj input scale clips what the engines feed it
 One spawn (4 gloo ranks) builds tiny random Qwen3-MoE and Mixtral models (written by transformers; 3 layers, 8
 experts, top-2) at TP1 x EP4 and TP2 x EP2, imports them into Megatron, quantizes them (FP8 W8A8, NVFP4 W4A4 and NVFP4
 W4A4 with 4-over-6 block scales on weights and inputs, one input amax per expert), exports compressed-tensors
-checkpoints and records the fake-quant logits, through the public API as a training script does (on CPU, Megatron also needs the shims of ``megatron_cpu``); it also measures the
-down_proj input amax in both orders at top-8 of 64 experts.
+checkpoints and records the fake-quant logits, through the public API as a training script does (on CPU, Megatron
+also needs the shims of ``megatron_cpu``); it also measures the down_proj input amax in both orders at top-8 of 64
+experts.
 
 The engine emulation in the parent process is the library's engine-order reference forward
 (``modelopt_moe.export.engine_forward.engine_order_model``, which ``check_checkpoint`` also runs), built from the
