@@ -15,7 +15,9 @@ to 1.5 times its max / 6 (its max maps to E2M1's 4 instead of 6) without leaving
 
 Export: two E2M1 codes per byte (column ``2j`` in the low nibble of byte ``j``; code bit 3 the sign, bits 0-2 the
 index into ``0, 0.5, 1, 1.5, 2, 3, 4, 6``), the E4M3 block scales, and the second-level scale as each file format
-stores it (Model Optimizer ``weight_scale_2 = sg``; compressed-tensors ``weight_global_scale = 1 / sg``).
+stores it (Model Optimizer ``weight_scale_2 = sg``; compressed-tensors ``weight_global_scale = 1 / sg``). NVFP4 with
+4-over-6 block scales exports through the same codec: plain NVFP4 tensors with the block scales its rule chose and
+``sg = amax / 1536``; a 4-over-6 input's scale is ``input amax / 1536`` (see ``_NVFP4Codec``).
 """
 
 from __future__ import annotations
