@@ -20,7 +20,7 @@ from .errors import ExportError
 from .families import canonical_shapes, family_for_architecture, read_hf_config
 from .safetensors_files import TensorHeader, read_header, read_weight_map
 
-__all__ = ["Finding", "LinearScheme", "CheckpointLayout", "checkpoint_layout"]
+__all__ = ["Finding", "LinearScheme", "CheckpointLayout", "checkpoint_layout", "matches_targets"]
 
 
 class LinearScheme(NamedTuple):
@@ -135,6 +135,9 @@ def _matches(name: str, patterns) -> bool:
         elif p == name or fnmatch.fnmatchcase(name, p):
             return True
     return False
+
+
+matches_targets = _matches  # for the other readers of config targets (the engine-order forward's 4-over-6 marker)
 
 
 def _ct_scheme(group: dict, where: str, findings: list) -> LinearScheme | None:

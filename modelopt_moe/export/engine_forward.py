@@ -15,6 +15,10 @@ V as the engines store them: after RoPE, each layer's K and V become the FP8 cod
 attention reads them back as ``codes * k_scale``. The query stays in high precision. An NVFP4 KV cache is refused:
 the engine-side NVFP4 cache is not emulated here (docs/export.md, "The KV cache").
 
+Inputs that the checkpoint's ``nvfp4_four_over_six`` marker lists (:mod:`.four_over_six`) are quantized with the
+4-over-6 rule (:func:`nvfp4_four_over_six_static_input`: FlashInfer's ``nvfp4_4over6``, which the marker asks the
+engine to run), the others with plain NVFP4.
+
 Which input scale each linear uses: ``engine=None`` its own stored scale; an engine name, the one that engine uses
 after collapsing an MoE layer's per-expert scales (:data:`.check_rules.ENGINE_RULES`: the largest over the layer's
 experts, or over each expert's gate and up). Gate and up are assumed to share their weight scales (the checker
@@ -31,13 +35,15 @@ import torch
 from torch import nn
 
 from ..numerics.fp8 import E4M3
+from ..numerics.nvfp4 import E2M1_MAX, block_square_error
 from .check_rules import ENGINE_RULES, FORMAT_RULES
-from .checkpoint_layout import checkpoint_layout
+from .checkpoint_layout import checkpoint_layout, matches_targets
 from .codecs import E2M1_VALUES, decode_fp8_file, decode_nvfp4_ct, decode_nvfp4_modelopt
 from .errors import ExportError
 from .kv_cache import read_kv_cache_scales
 
-__all__ = ["engine_order_model", "engine_order_kl", "fp8_static_input", "nvfp4_static_input"]
+__all__ = ["engine_order_model", "engine_order_kl", "fp8_static_input", "nvfp4_static_input",
+           "nvfp4_four_over_six_static_input"]
 
 
 def fp8_static_input(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
@@ -65,6 +71,32 @@ def nvfp4_static_input(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Ten
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = _round_e2m1(blocks.abs() / safe) * blocks.sign()
     return torch.where(scale > 0, q * scale, torch.zeros_like(q)).reshape(x.shape).to(x.dtype)
+
+
+def nvfp4_four_over_six_static_input(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """An NVFP4 activation with 4-over-6 block scales under the static global scale ``gs`` (the reciprocal convention,
+    ``1536 / amax``; FlashInfer's ``nvfp4_4over6`` with block scales normalized to 256): per 16 elements the block is
+    rounded under ``e4m3(gs * blockmax / 6)`` and under ``e4m3(gs * blockmax / 4)``, and keeps the one of smaller
+    squared error (summed as training sums it; the 6 where equal)."""
+    gs = global_scale.float().reshape(())
+    blocks = x.float().reshape(*x.shape[:-1], -1, 16)
+    bmax = blocks.abs().amax(-1, keepdim=True)
+    candidates = []
+    for divisor in (E2M1_MAX, 4.0):
+        sf = (gs * bmax / divisor).clamp(max=448.0).to(torch.float8_e4m3fn).float()
+        scale = sf / gs
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.where(scale > 0, _round_e2m1(blocks.abs() / safe) * blocks.sign() * scale, torch.zeros_like(blocks))
+        candidates.append((q, block_square_error(q - blocks)))
+    (q6, e6), (q4, e4) = candidates
+    return torch.where(e4 < e6, q4, q6).reshape(x.shape).to(x.dtype)
+
+
+# The engine-side input quantizers of 4-over-6 inputs, by the format's NVFP4 one (the checkpoint's marker says which).
+_FOUR_OVER_SIX_INPUTS = {
+    "compressed-tensors": nvfp4_four_over_six_static_input,
+    "modelopt": lambda x, s: nvfp4_four_over_six_static_input(x, 1.0 / s.float()),
+}
 
 
 # (format, rule key) -> (decoder of (weight tensor, block/tensor scale, second scale), input quantizer taking the
@@ -277,13 +309,29 @@ def engine_order_model(path: str | os.PathLike, engine: str | None = None, kv_ca
         per_expert = [tuple(weights[fam.hf_module(f"layers.{layer}.experts.{e}.{k}")] for k in ("gate", "up", "down"))
                       for e in range(arch.num_experts)]
         block.mlp.experts = _PerExpertLinears(per_expert, names, block.mlp.experts.act_fn)
+    four_over_six = _four_over_six_inputs(path, qcfg, layout)
     for module, scale in scales.items():
-        quant = _DECODE[(layout.format, layout.schemes[module][0])][1]
+        quant = _FOUR_OVER_SIX_INPUTS[layout.format] if module in four_over_six else \
+            _DECODE[(layout.format, layout.schemes[module][0])][1]
         linear = model.get_submodule(_in_memory(fam, module))
         linear.register_forward_pre_hook(lambda mod, args, s=scale, q=quant: (q(args[0], s),))
     if kv_scales is not None:
         _use_fp8_kv_cache(model, kv_scales)
     return model
+
+
+def _four_over_six_inputs(path: Path, qcfg: dict | None, layout) -> set[str]:
+    """The NVFP4 linears whose inputs the checkpoint's marker (:mod:`.four_over_six`) says were trained with 4-over-6
+    block scales: the engine runs them with FlashInfer's ``nvfp4_4over6``."""
+    from .four_over_six import MARKER_KEY
+
+    marker = (qcfg or {}).get(MARKER_KEY)
+    if marker is None and (path / "hf_quant_config.json").is_file():
+        marker = json.loads((path / "hf_quant_config.json").read_text()).get(MARKER_KEY)
+    if not marker:
+        return set()
+    targets = marker.get("input_activations") or []
+    return {m for m, s in layout.schemes.items() if s.key == "nvfp4_blocks" and matches_targets(m, targets)}
 
 
 def engine_order_kl(path: str | os.PathLike, reference, engine: str | None = None, kv_cache: bool = True

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..quantization.utils import warn_once
-from . import fused_mxfp4, transformers_compat
+from . import four_over_six, fused_mxfp4, transformers_compat
 from .calibration_coverage import CALIBRATION_TOKENS_FILE, DEFAULT_MIN_CALIB_TOKENS, calibration_tokens_json
 from .errors import ExportError
 from .families import Family, MoEArch, canonical_names, canonical_shapes, read_hf_config
@@ -124,7 +124,8 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
             temporary directory removed, a tensor that cannot be encoded.
 
     Warns (once per process, on global rank 0) after writing NVFP4 experts in compressed-tensors format: some
-    transformers releases read them wrong (:mod:`.transformers_compat` has the fix).
+    transformers releases read them wrong (:mod:`.transformers_compat` has the fix); and after writing linears whose
+    inputs were trained with NVFP4 4-over-6 block scales: the engine setting they need (:mod:`.four_over_six`).
     """
     error = None
     try:
@@ -180,6 +181,9 @@ def write_hf_checkpoint(out_dir: str | os.PathLike, *, arch: MoEArch, family: Fa
         raise
     if fmt == "compressed-tensors" and _has_nvfp4_experts(schemes):
         warn_once(NVFP4_EXPERTS_WARNING)
+    served = four_over_six.served_setting_warning(schemes, fmt)
+    if served is not None:
+        warn_once(served)
     coarse = [n for n, q in ((family.hf_module(c), q) for c, q in linear_quants.items())
               if schemes.get(n) is not None and schemes[n].dynamic_input and q.input is not None
               and q.input.dynamic and not q.input.per_token and q.input.block_size is None]
@@ -229,6 +233,9 @@ def _plan(arch: MoEArch, family: Family, fmt: str, linear_quants: dict[str, Line
             list(dict.fromkeys(re.sub(r"\.\d+(?=\.|$)", ".*", m) for m in not_converted)))
     elif fmt != "hf":
         config["quantization_config"] = layers_quantization_config(_quantized(schemes), fmt, ignore)
+        marker = four_over_six.marker(schemes)
+        if marker is not None:
+            config["quantization_config"][four_over_six.MARKER_KEY] = marker
     return arch, DTYPES[arch.dtype], config, schemes, ignore
 
 
@@ -268,6 +275,10 @@ def _commit(writer: CheckpointWriter, config: dict, schemes: dict, ignore: list[
     extra = {"hf_quant_config.json": layers_hf_quant_config(_quantized(schemes), ignore)} if fmt == "modelopt" \
         else {}
     extra.update(more or {})
+    marker = four_over_six.marker(schemes)
+    if marker is not None and "hf_quant_config.json" in extra:
+        # beside "producer": the engines read "quantization"
+        extra["hf_quant_config.json"][four_over_six.MARKER_KEY] = marker
     if kv is not None:
         if "hf_quant_config.json" in extra:
             extra["hf_quant_config.json"]["quantization"].update(kv.config_entries(fmt))

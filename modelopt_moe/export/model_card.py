@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import re
 
-from . import transformers_compat
+from ..numerics import get_format
+from . import four_over_six, transformers_compat
 from .fused_mxfp4 import FILE_FORMAT, QUANT_METHOD
 from .layer_schemes import resolve_schemes
 from .schemes import LinearQuant, Scheme
@@ -65,6 +66,7 @@ def model_card(*, architecture: str, fmt: str, linears: dict[str, LinearQuant], 
               + f" in Megatron-Core with {_PRODUCER}, exported as {_format_sentence(fmt, scheme)}", ""]
     if nvfp4_experts:
         lines += _transformers_fix(name)
+    lines += four_over_six.card_lines(schemes)
     lines += ["## Quantization per layer", ""]
     lines += _scheme_table(fmt, schemes, dtype)
     others = _patterns(other_modules)
@@ -139,6 +141,7 @@ def _mixed_card(architecture: str, fmt: str, schemes: dict[str, Scheme | None], 
               f"in Megatron-Core with {_PRODUCER}, each layer in its own scheme, exported as {how}", ""]
     if nvfp4_experts:
         lines += _transformers_fix(name)
+    lines += four_over_six.card_lines(schemes)
     lines += ["## Quantization per layer", "", *_scheme_table(fmt, schemes, dtype)]
     others = _patterns(other_modules)
     if others:
@@ -254,6 +257,8 @@ def _weights(fmt: str, scheme: Scheme) -> str:
         return described[0]
     if _fp8(scheme):
         return f"FP8 E4M3, fp32 scale per {'output channel' if scheme.per_channel else 'tensor'}"
+    if four_over_six.four_over_six_weights(scheme):
+        return "NVFP4: E2M1, E4M3 scale per block of 16 inputs chosen by 4-over-6, fp32 global scale"
     return "NVFP4: E2M1, E4M3 scale per block of 16 inputs, fp32 global scale"
 
 
@@ -265,6 +270,9 @@ def _inputs(fmt: str, scheme: Scheme, dtype: str) -> str:
         return described[1]
     if _fp8(scheme):
         return "FP8 E4M3, static fp32 scale per tensor"
+    if four_over_six.four_over_six_inputs(scheme):
+        return ("NVFP4 with 4-over-6: E4M3 scale per block of 16 computed at run time (max to 6 or 4), static fp32 "
+                "global scale normalized to 256")
     return "NVFP4: E4M3 scale per block of 16 computed at run time, static fp32 global scale"
 
 
@@ -280,16 +288,20 @@ def _tensors_sentence(fmt: str, scheme: Scheme) -> list[str]:
         names = ["`weight` float8_e4m3fn", f"`weight_scale` fp32 {shape} = amax / 448"]
         if scheme.input_quantized:
             names.append("`input_scale` fp32 = input amax / 448")
-    elif fmt == "modelopt":
-        names = ["`weight` uint8 `[out, in/2]` (two E2M1 codes per byte, the even column in the low nibble)",
-                 "`weight_scale` float8_e4m3fn `[out, in/16]`", "`weight_scale_2` fp32 = amax / 2688"]
-        if scheme.input_quantized:
-            names.append("`input_scale` fp32 = input amax / 2688")
-    else:
-        names = ["`weight_packed` uint8 `[out, in/2]` (two E2M1 codes per byte, the even column in the low nibble)",
-                 "`weight_scale` float8_e4m3fn `[out, in/16]`", "`weight_global_scale` fp32 = 2688 / amax"]
-        if scheme.input_quantized:
-            names.append("`input_global_scale` fp32 = 2688 / input amax")
+    else:  # NVFP4, its weights' and inputs' second-level scales by their formats' bounds (2688; 4-over-6: 1536)
+        wb = int(get_format(scheme.weight_fmt).bound)
+        xb = int(get_format(scheme.input_fmt).bound) if scheme.input_quantized and scheme.input_fmt else wb
+        if fmt == "modelopt":
+            names = ["`weight` uint8 `[out, in/2]` (two E2M1 codes per byte, the even column in the low nibble)",
+                     "`weight_scale` float8_e4m3fn `[out, in/16]`", f"`weight_scale_2` fp32 = amax / {wb}"]
+            if scheme.input_quantized:
+                names.append(f"`input_scale` fp32 = input amax / {xb}")
+        else:
+            names = ["`weight_packed` uint8 `[out, in/2]` (two E2M1 codes per byte, the even column in the low "
+                     "nibble)", "`weight_scale` float8_e4m3fn `[out, in/16]`",
+                     f"`weight_global_scale` fp32 = {wb} / amax"]
+            if scheme.input_quantized:
+                names.append(f"`input_global_scale` fp32 = {xb} / input amax")
     lines = [f"Tensors of each quantized linear: {', '.join(names)} (amax: the value training used, each expert its "
              "own). Gate and up projections of one expert share their second-level weight scale and input scale; so "
              "do q, k and v (the fused projections of serving engines need that)."]

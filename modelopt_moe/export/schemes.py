@@ -18,6 +18,10 @@ scheme             quantizers               compressed-tensors  Model Optimizer
 ``FP8_CHANNEL_A16``  e4m3 axis 0 / none     float-quantized     --
 ``NVFP4``          nvfp4 / nvfp4            nvfp4-pack-quantized  ``NVFP4``
 ``NVFP4_A16``      nvfp4 / none             nvfp4-pack-quantized  ``W4A16_NVFP4``
+``NVFP4_4O6``      4/6 nvfp4 / 4/6 nvfp4    nvfp4-pack-quantized  ``NVFP4``
+``NVFP4_4O6_A16``  4/6 nvfp4 / none         nvfp4-pack-quantized  ``W4A16_NVFP4``
+``NVFP4_4O6_WEIGHTS``  4/6 nvfp4 / nvfp4    nvfp4-pack-quantized  ``NVFP4``
+``NVFP4_4O6_INPUTS``   nvfp4 / 4/6 nvfp4    nvfp4-pack-quantized  ``NVFP4``
 ``FP8_DYNAMIC``    e4m3 axis 0 / per token  float-quantized     ``FP8_PER_CHANNEL_PER_TOKEN``
 ``FP8_BLOCK``      e4m3 128x128 / 1x128     float-quantized     ``FP8_PB_WO``
 ``FP8_BLOCK_A16``  e4m3 128x128 / none      float-quantized     ``FP8_PB_WO``
@@ -108,8 +112,9 @@ class LinearQuant:
 @dataclass(frozen=True)
 class Scheme:
     """A checkpoint scheme: the weight format (``e4m3`` / ``nvfp4`` / ...), per-channel weights, quantized inputs,
-    the weight's block (``(128, 128)``, ``32``: scales from the data) and whether the inputs' scales come from the
-    data at run time (``dynamic_input``: per token or per block; no input scale is stored)."""
+    the weight's block (``(128, 128)``, ``32``: scales from the data), whether the inputs' scales come from the
+    data at run time (``dynamic_input``: per token or per block; no input scale is stored) and the inputs' format
+    where the codec tells input formats apart (``input_fmt``: NVFP4 inputs, plain or 4-over-6)."""
 
     name: str
     weight_fmt: str
@@ -117,6 +122,7 @@ class Scheme:
     input_quantized: bool
     weight_block: int | tuple[int, int] | None = None
     dynamic_input: bool = False
+    input_fmt: str | None = None
 
     @property
     def codec(self) -> ExportCodec:

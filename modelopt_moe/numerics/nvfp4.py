@@ -15,7 +15,9 @@ to 1.5 times its max / 6 (its max maps to E2M1's 4 instead of 6) without leaving
 
 Export: two E2M1 codes per byte (column ``2j`` in the low nibble of byte ``j``; code bit 3 the sign, bits 0-2 the
 index into ``0, 0.5, 1, 1.5, 2, 3, 4, 6``), the E4M3 block scales, and the second-level scale as each file format
-stores it (Model Optimizer ``weight_scale_2 = sg``; compressed-tensors ``weight_global_scale = 1 / sg``).
+stores it (Model Optimizer ``weight_scale_2 = sg``; compressed-tensors ``weight_global_scale = 1 / sg``). NVFP4 with
+4-over-6 block scales exports through the same codec: plain NVFP4 tensors with the block scales its rule chose and
+``sg = amax / 1536``; a 4-over-6 input's scale is ``input amax / 1536`` (see ``_NVFP4Codec``).
 """
 
 from __future__ import annotations
@@ -190,18 +192,53 @@ class NVFP4FourOverSixFormat(NVFP4Format):
 
 
 class _NVFP4Codec(ExportCodec):
-    scheme = "NVFP4"
-    label = "NVFP4"
-    expressible = "NVFP4 weights with NVFP4 inputs or none"
-    weight_text = "NVFP4"
+    """NVFP4 weights, plain or with 4-over-6 block scales (``four_over_six``): both are stored as plain NVFP4 (codes,
+    the E4M3 block scales training chose, the second-level scale ``sg = amax / bound``, ``bound`` 2688 or 1536), so
+    every NVFP4 reader decodes them exactly. Inputs go with either rule; a 4-over-6 input's global scale is normalized
+    to 256 (``input amax / 1536``) and the engine must run the 4-over-6 activation recipe to round as training did.
+
+    Schemes: ``NVFP4`` / ``NVFP4_A16`` (plain), ``NVFP4_4O6`` (4/6 weights and inputs), ``NVFP4_4O6_A16`` (4/6
+    weights, no input quantizer), ``NVFP4_4O6_WEIGHTS`` (4/6 weights, plain NVFP4 inputs: fully standard),
+    ``NVFP4_4O6_INPUTS`` (plain weights, 4/6 inputs).
+    """
+
     ct_format = "nvfp4-pack-quantized"
     group_size = NVFP4_BLOCK_SIZE
+
+    def __init__(self, four_over_six: bool = False):
+        self.four_over_six = four_over_six
+        self.scheme = "NVFP4_4O6" if four_over_six else "NVFP4"
+        self.label = "NVFP4 (4-over-6)" if four_over_six else "NVFP4"
+        self.weight_text = self.label
+        self.expressible = ("NVFP4 (4-over-6) weights with NVFP4 (4-over-6 or plain) inputs or none" if four_over_six
+                            else "NVFP4 weights with NVFP4 (plain or 4-over-6) inputs or none")
+
+    @property
+    def _weight_format(self) -> NVFP4Format:
+        return NVFP4_FOUR_OVER_SIX if self.four_over_six else NVFP4
 
     def accepts_weight(self, axis, block_size) -> bool:
         return True
 
     def input_problem(self, weight, x) -> str | None:
-        return None if x.fmt == weight.fmt else f"NVFP4 weights need NVFP4 inputs (or none), got input {x}"
+        if x.fmt in _NVFP4_INPUT_FORMATS:
+            return None
+        return f"{self.label} weights need NVFP4 inputs (plain or 4-over-6) or none, got input {x}"
+
+    def schemes(self) -> list[dict]:
+        own = self._weight_format.name
+        other = (NVFP4 if self.four_over_six else NVFP4_FOUR_OVER_SIX).name
+        mixed = "NVFP4_4O6_WEIGHTS" if self.four_over_six else "NVFP4_4O6_INPUTS"
+        return [{"name": self.scheme, "per_channel": False, "input_quantized": True, "input_fmt": own},
+                {"name": self.scheme + "_A16", "per_channel": False, "input_quantized": False},
+                {"name": mixed, "per_channel": False, "input_quantized": True, "input_fmt": other}]
+
+    def scheme_name(self, weight, x) -> str:
+        if x is None:
+            return self.scheme + "_A16"
+        if x.fmt == self._weight_format.name:
+            return self.scheme
+        return "NVFP4_4O6_WEIGHTS" if self.four_over_six else "NVFP4_4O6_INPUTS"
 
     def modelopt_algo(self, scheme) -> str | None:
         return "NVFP4" if scheme.input_quantized else "W4A16_NVFP4"
@@ -216,10 +253,14 @@ class _NVFP4Codec(ExportCodec):
         if weight.shape[1] % NVFP4_BLOCK_SIZE:
             raise ValueError(f"{module}.weight: NVFP4 needs the input dim to be a multiple of {NVFP4_BLOCK_SIZE}, "
                              f"got shape {tuple(weight.shape)}")
+        if static_blocks is not None and self.four_over_six:
+            raise ValueError(f"{module}.weight: {self.label} chooses its block scales from the data; static block "
+                             "scales are plain NVFP4's (block_sizes.type: static)")
         block_amax, scale_max = static_blocks if static_blocks is not None else (None, E4M3_MAX)
         packed, block_scale, sg = encode_nvfp4(weight, weight_amax.float().reshape(()), f"{module}.weight",
-                                               block_amax, scale_max)
-        sg_in = nvfp4_global_scale(input_amax) if input_amax is not None else None
+                                               block_amax, scale_max, self._weight_format)
+        input_fmt = _NVFP4_INPUT_FORMATS[getattr(scheme, "input_fmt", None) or self._weight_format.name]
+        sg_in = nvfp4_global_scale(input_amax, input_fmt) if input_amax is not None else None
         if file_format == "modelopt":
             out = {f"{module}.weight": packed, f"{module}.weight_scale": block_scale,
                    f"{module}.weight_scale_2": self.scalar(sg, file_format)}
@@ -238,13 +279,16 @@ NVFP4 = NVFP4Format("nvfp4", (2, 1), E2M1_MAX, E2M1_MAX * E4M3_MAX, "NVFP4", fro
                     KernelSpec(KernelRoutine.TWO_LEVEL_E2M1, E2M1_MAX * E4M3_MAX, tile=2048,
                                token_tile=4096),
                     aliases=("e2m1", "nvfp4"), block=(NVFP4_BLOCK_SIZE,), block_scale=E4M3.name, export=_NVFP4Codec())
-# Selected by block_sizes four_over_six with dynamic block scales (registry.format_of); NVFP4's tiles.
+# Selected by block_sizes four_over_six with dynamic block scales (registry.format_of); NVFP4's tiles. Its tensors are
+# plain NVFP4: the same codec, parametrized.
 NVFP4_FOUR_OVER_SIX = NVFP4FourOverSixFormat(
     "nvfp4_four_over_six", (2, 1), E2M1_MAX, E2M1_MAX * FOUR_OVER_SIX_SCALE_MAX, "NVFP4 (4-over-6)",
     frozenset({ScaleLayout.TWO_LEVEL}),
     KernelSpec(KernelRoutine.TWO_LEVEL_E2M1_FOUR_OVER_SIX, E2M1_MAX * FOUR_OVER_SIX_SCALE_MAX, tile=2048,
                token_tile=4096),
-    block=(NVFP4_BLOCK_SIZE,), block_scale=E4M3.name)
+    block=(NVFP4_BLOCK_SIZE,), block_scale=E4M3.name, export=_NVFP4Codec(four_over_six=True))
+# The input formats an NVFP4 weight (plain or 4-over-6) exports with, by name.
+_NVFP4_INPUT_FORMATS = {NVFP4.name: NVFP4, NVFP4_FOUR_OVER_SIX.name: NVFP4_FOUR_OVER_SIX}
 
 
 def within_block_amax(x: torch.Tensor, block_amax: torch.Tensor, block: int) -> torch.Tensor:
@@ -290,10 +334,12 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def encode_nvfp4(w: torch.Tensor, amax: torch.Tensor, name: str = "weight", block_amax: torch.Tensor | None = None,
-                 scale_max: float = E4M3_MAX) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 scale_max: float = E4M3_MAX, fmt: NVFP4Format | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 codes of the 2-D ``w`` packed two per byte ``[R, K // 2]``, its E4M3 block scales ``[R, K // 16]`` and
     the training's second-level scale ``sg = amax / 2688`` (fp32 scalar); with ``block_amax`` (static block scales,
-    ``[R, K // 16]``) the block scales the training used from it, and ``sg = amax / (6 * scale_max)``.
+    ``[R, K // 16]``) the block scales the training used from it, and ``sg = amax / (6 * scale_max)``; with ``fmt``
+    :data:`NVFP4_FOUR_OVER_SIX` the block scales its 4-over-6 rule chose, and ``sg = amax / 1536``.
 
     Raises:
         ValueError: ``w`` is not 2-D, holds NaN, or its last dim is not a multiple of 16.
@@ -301,7 +347,8 @@ def encode_nvfp4(w: torch.Tensor, amax: torch.Tensor, name: str = "weight", bloc
     if w.dim() != 2:
         raise ValueError(f"{name}: NVFP4 export takes a 2-D weight, got shape {tuple(w.shape)}")
     check_finite_weight(w, name)
-    qx = NVFP4.quantize(w, amax) if block_amax is None else NVFP4.quantize_static(w, amax, block_amax, scale_max)
+    fmt = NVFP4 if fmt is None else fmt
+    qx = fmt.quantize(w, amax) if block_amax is None else fmt.quantize_static(w, amax, block_amax, scale_max)
     codes = e2m1_codes(qx.values.flatten(-2))
     block_scale = qx.block_scale.squeeze(-1)
     if bool((block_scale > E4M3_MAX).any()):  # cannot happen (quantize clamps); a guard for the cast below
@@ -309,9 +356,11 @@ def encode_nvfp4(w: torch.Tensor, amax: torch.Tensor, name: str = "weight", bloc
     return pack_fp4(codes), block_scale.to(E4M3.element_dtype), qx.scale.reshape(())
 
 
-def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The training's NVFP4 second-level scale ``sg = amax / 2688`` (invalid amax -> 1)."""
-    return NVFP4.quantize(torch.zeros(NVFP4_BLOCK_SIZE), amax.float().reshape(())).scale.reshape(())
+def nvfp4_global_scale(amax: torch.Tensor, fmt: NVFP4Format | None = None) -> torch.Tensor:
+    """The training's NVFP4 second-level scale ``sg = amax / 2688`` (``fmt`` :data:`NVFP4_FOUR_OVER_SIX`:
+    ``amax / 1536``; invalid amax -> 1)."""
+    fmt = NVFP4 if fmt is None else fmt
+    return fmt.quantize(torch.zeros(NVFP4_BLOCK_SIZE), amax.float().reshape(())).scale.reshape(())
 
 
 def fp8_scale_candidates(device: torch.device | str = "cpu") -> torch.Tensor:

@@ -7,10 +7,11 @@ expert MLPs multiply it in before ``linear_fc2``. The fake-quant forward must qu
 engines do, or the exported down_proj input scale clips what the engines feed it.
 
 One spawn (4 gloo ranks) builds tiny random Qwen3-MoE and Mixtral models (written by transformers; 3 layers, 8
-experts, top-2) at TP1 x EP4 and TP2 x EP2, imports them into Megatron, quantizes them (FP8 W8A8 and NVFP4 W4A4, one
-input amax per expert), exports compressed-tensors checkpoints and records the fake-quant logits, through the public
-API as a training script does (on CPU, Megatron also needs the shims of ``megatron_cpu``); it also measures the
-down_proj input amax in both orders at top-8 of 64 experts.
+experts, top-2) at TP1 x EP4 and TP2 x EP2, imports them into Megatron, quantizes them (FP8 W8A8, NVFP4 W4A4 and NVFP4
+W4A4 with 4-over-6 block scales on weights and inputs, one input amax per expert), exports compressed-tensors
+checkpoints and records the fake-quant logits, through the public API as a training script does (on CPU, Megatron
+also needs the shims of ``megatron_cpu``); it also measures the down_proj input amax in both orders at top-8 of 64
+experts.
 
 The engine emulation in the parent process is the library's engine-order reference forward
 (``modelopt_moe.export.engine_forward.engine_order_model``, which ``check_checkpoint`` also runs), built from the
@@ -33,7 +34,13 @@ from modelopt_moe.launch import spawn
 WORLD, LAYERS, EXPERTS, TOPK, HIDDEN, INTER = 4, 3, 8, 2, 64, 32
 LAYOUTS = ((1, 4), (2, 2))  # (TP, EP)
 FAMILIES = ("qwen3_moe", "mixtral")
-SCHEMES = {"fp8": "fp8_per_expert.yaml", "nvfp4": "nvfp4_default.yaml"}
+SCHEMES = {"fp8": "fp8_per_expert.yaml", "nvfp4": "nvfp4_default.yaml", "nvfp4_4o6": "nvfp4_4o6.yaml"}
+# NVFP4 with 4-over-6 block scales from the data on weights and inputs (written by the parent beside the models): the
+# export marks the inputs, and the engine-order forward runs them with the 4-over-6 rule.
+_FOUR_OVER_SIX = "{num_bits: e2m1, block_sizes: {-1: 16, type: dynamic, scale_bits: e4m3, four_over_six: true}}"
+FOUR_OVER_SIX_YAML = (f'quant_cfg:\n  - quantizer_name: "*weight_quantizer"\n    cfg: {_FOUR_OVER_SIX}\n'
+                      f'  - quantizer_name: "*input_quantizer"\n    cfg: {_FOUR_OVER_SIX}\n'
+                      "  - $import: _default_tail.yaml\nalgorithm: max\n")
 WIDE = "qwen3_moe_top8of64"  # the amax-ratio measurement: top-8 of 64 experts
 # Both sides compute the same quantized model; what differs is fp32 rounding: GEMMs in another order, the engine's
 # scales from the reciprocals the files store (x / input_scale instead of x * 448 / amax). Measured 2e-7 to 3e-7 for
@@ -162,7 +169,7 @@ def _rank(rank, world, paths: dict) -> dict:
         return m.eval()
 
     def quantize(m, scheme="fp8"):
-        cfg = mtq.load_config(SCHEMES[scheme])
+        cfg = mtq.load_config(paths.get(scheme, SCHEMES[scheme]))
         cfg.experts.input_amax = "per_expert"
         return mtq.quantize(m, cfg, calibrate)
 
@@ -207,6 +214,8 @@ def run(tmp_path_factory):
         _make_hf(base / family, family)
     paths[WIDE] = str(base / WIDE)
     _make_hf(base / WIDE, "qwen3_moe", num_experts=64, top_k=8)
+    paths["nvfp4_4o6"] = str(base / SCHEMES["nvfp4_4o6"])
+    (base / SCHEMES["nvfp4_4o6"]).write_text(FOUR_OVER_SIX_YAML)
     results = spawn(_rank, WORLD, args=(paths,), timeout=seconds(900))
     return {"base": base, "paths": paths, "r0": results[0]}
 

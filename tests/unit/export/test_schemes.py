@@ -23,6 +23,7 @@ from modelopt_moe.export.schemes import (
 FP8 = QuantSpec("e4m3")
 FP8_CH = QuantSpec("e4m3", axis=0)
 NVFP4 = QuantSpec("nvfp4")
+FOS = QuantSpec("nvfp4_four_over_six")
 
 
 @pytest.mark.parametrize(("quant", "name"), [
@@ -32,6 +33,10 @@ NVFP4 = QuantSpec("nvfp4")
     (LinearQuant(FP8_CH, None), "FP8_CHANNEL_A16"),
     (LinearQuant(NVFP4, NVFP4), "NVFP4"),
     (LinearQuant(NVFP4, None), "NVFP4_A16"),
+    (LinearQuant(FOS, FOS), "NVFP4_4O6"),
+    (LinearQuant(FOS, None), "NVFP4_4O6_A16"),
+    (LinearQuant(FOS, NVFP4), "NVFP4_4O6_WEIGHTS"),
+    (LinearQuant(NVFP4, FOS), "NVFP4_4O6_INPUTS"),
     (LinearQuant(), None),
 ])
 def test_scheme_of(quant, name):
@@ -45,6 +50,10 @@ def test_scheme_of(quant, name):
     (LinearQuant(QuantSpec("e5m2"), QuantSpec("e5m2")), "weight format e5m2"),
     (LinearQuant(FP8, NVFP4), "FP8 weights need E4M3 per-tensor inputs"),
     (LinearQuant(NVFP4, FP8), "NVFP4 weights need NVFP4 inputs"),
+    (LinearQuant(FOS, FP8),
+     r"NVFP4 \(4-over-6\) weights need NVFP4 inputs \(plain or 4-over-6\) or none, got input e4m3"),
+    (LinearQuant(FP8, FOS), "FP8 weights need E4M3 per-tensor inputs"),
+    (LinearQuant(FOS, FOS, FOS), "an output quantizer"),
     (LinearQuant(FP8, FP8, FP8), "an output quantizer"),
     (LinearQuant(None, FP8), "the weight is not"),
 ])

@@ -165,3 +165,87 @@ def test_model_card_states_the_trained_formats(q, fmt, words):
         assert w in card, w
     assert "fix_nvfp4_experts" not in card
     assert "NVFP4" not in card
+
+
+def _four_over_six_model(weights: str, inputs: str | None):
+    """A linear quantized through ``mtq.quantize`` with NVFP4 weights and inputs, each plain or 4-over-6
+    (``block_sizes`` ``four_over_six: true`` with block scales from the data)."""
+    import copy
+    import warnings
+
+    from torch import nn
+
+    import modelopt_moe.quantization as mtq
+
+    def cfg(fmt):
+        blocks = {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}
+        if fmt == "4o6":
+            blocks["four_over_six"] = True
+        return {"num_bits": (2, 1), "block_sizes": blocks}
+
+    rules = [{"quantizer_name": "*", "enable": False}, {"quantizer_name": "*weight_quantizer", "cfg": cfg(weights)}]
+    if inputs is not None:
+        rules.append({"quantizer_name": "*input_quantizer", "cfg": cfg(inputs)})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(_weight(48, 64))
+    data = torch.randn(8, 64) * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtq.quantize(model, copy.deepcopy({"quant_cfg": rules, "algorithm": "max"}), lambda m: m(data))
+    return model[0]
+
+
+@pytest.mark.parametrize(("weights", "inputs", "name"), [
+    ("4o6", "4o6", "NVFP4_4O6"), ("4o6", None, "NVFP4_4O6_A16"), ("4o6", "plain", "NVFP4_4O6_WEIGHTS"),
+    ("plain", "4o6", "NVFP4_4O6_INPUTS")])
+def test_four_over_six_exports_plain_nvfp4_tensors_that_decode_to_the_trained_weight(weights, inputs, name):
+    from modelopt_moe.export.codecs import decode_nvfp4_ct, decode_nvfp4_modelopt, unpack_fp4
+    from modelopt_moe.numerics.nvfp4 import NVFP4, NVFP4_FOUR_OVER_SIX
+
+    linear = _four_over_six_model(weights, inputs)
+    wq, xq = linear.weight_quantizer, linear.input_quantizer
+    q = LinearQuant(QuantSpec(wq.fmt, wq.axis, wq.block_size),
+                    QuantSpec(xq.fmt, xq.axis, xq.block_size) if xq.is_quantizing else None)
+    scheme = scheme_of(q, M)
+    assert scheme.name == name
+    w, trained = linear.weight.detach(), wq(linear.weight.detach())
+    w_fmt = NVFP4_FOUR_OVER_SIX if weights == "4o6" else NVFP4
+    assert torch.equal(trained, w_fmt.fake_quant(w, wq.amax))
+    if weights == "4o6":  # some blocks took 4 for their max: not what plain NVFP4 rounds to
+        assert not torch.equal(trained, NVFP4.fake_quant(w, wq.amax))
+    x_amax = xq.amax if xq.is_quantizing else None
+    mo = _local(encode_linear(M, w, wq.amax, x_amax, scheme, "modelopt"))
+    ct = _local(encode_linear(M, w, wq.amax, x_amax, scheme, "compressed-tensors"))
+    # plain NVFP4 tensors: Model Optimizer's formula is training's, bit for bit; the second-level scale is the
+    # weight format's (amax / 1536 for 4-over-6, amax / 2688 plain)
+    assert torch.equal(decode_nvfp4_modelopt(mo["weight"], mo["weight_scale"], mo["weight_scale_2"], torch.float32),
+                       trained)
+    assert torch.equal(mo["weight_scale_2"], wq.amax.float().reshape(()) / w_fmt.bound)
+    assert torch.equal(ct["weight_packed"], mo["weight"])
+    assert torch.equal(ct["weight_scale"], mo["weight_scale"])
+    assert torch.equal(ct["weight_global_scale"], reciprocal(mo["weight_scale_2"]).reshape(1))
+    # compressed-tensors' own decompressor (the reader we did not write) reads the codes training rounded to
+    got = compressors.NVFP4PackedCompressor.decompress(ct, _ct_scheme(scheme))["weight"]
+    assert torch.equal(got.float(), decode_nvfp4_ct(ct["weight_packed"], ct["weight_scale"], ct["weight_global_scale"],
+                                                    got.dtype).float())
+    assert _ulps(decode_nvfp4_ct(ct["weight_packed"], ct["weight_scale"], ct["weight_global_scale"], torch.float32),
+                 trained) <= 2
+    assert unpack_fp4(mo["weight"]).shape == w.shape
+    if inputs is None:
+        assert "input_scale" not in mo
+        assert "input_global_scale" not in ct
+        return
+    # the input's global scale is its format's: 256-normalized for 4-over-6 inputs (amax / 1536)
+    x_fmt = NVFP4_FOUR_OVER_SIX if inputs == "4o6" else NVFP4
+    assert torch.equal(mo["input_scale"], xq.amax.float().reshape(()) / x_fmt.bound)
+    assert torch.equal(ct["input_global_scale"], reciprocal(mo["input_scale"]).reshape(1))
+
+
+def test_four_over_six_refuses_static_block_scales_naming_the_layer():
+    scheme = SCHEMES["NVFP4_4O6"]
+    w = _weight(16, 64)
+    with pytest.raises(ExportError, match=f"{re.escape(M)}.weight: NVFP4 \\(4-over-6\\) chooses its block scales"):
+        encode_linear(M, w, w.abs().amax(), torch.tensor(1.0), scheme, "modelopt",
+                      weight_blocks=(torch.ones(16, 4), 256.0))
