@@ -188,21 +188,11 @@ def test_blocks_whose_choice_depends_on_the_order_of_the_error_sum_follow_the_re
 # ----------------------------------------------------------------------------------------------------------------
 # A user's config: 4-over-6 from the data on weights and inputs of a dense and a grouped expert linear
 # ----------------------------------------------------------------------------------------------------------------
-FOUR_OVER_SIX_YAML = """\
-quant_cfg:
-  - quantizer_name: "*weight_quantizer"
-    cfg: {num_bits: e2m1, block_sizes: {-1: 16, type: dynamic, scale_bits: e4m3, four_over_six: true}}
-  - quantizer_name: "*input_quantizer"
-    cfg: {num_bits: e2m1, block_sizes: {-1: 16, type: dynamic, scale_bits: e4m3, four_over_six: true}}
-algorithm: max
-"""
 SPLITS = [5, 0, 9, 2]  # tokens per expert, one expert without any
 
 
-def _quantize_and_step(tmp_path, kind: str, kernel: str, ste: str, input_amax: str):
-    path = tmp_path / "nvfp4_four_over_six_dynamic.yaml"
-    path.write_text(FOUR_OVER_SIX_YAML)
-    cfg = mtq.load_config(path)
+def _quantize_and_step(kind: str, kernel: str, ste: str, input_amax: str):
+    cfg = mtq.load_config("nvfp4_4over6.yaml")  # the shipped preset, mtq.NVFP4_4OVER6_CFG
     cfg.kernel, cfg.backward.ste, cfg.experts.input_amax = kernel, ste, input_amax
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
@@ -235,9 +225,9 @@ def _quantize_and_step(tmp_path, kind: str, kernel: str, ste: str, input_amax: s
                                                          ("dense", "pass_through", "shared"),
                                                          ("grouped", "clipped", "per_expert"),
                                                          ("grouped", "pass_through", "shared")])
-def test_a_dynamic_four_over_six_config_runs_on_the_kernels_with_the_reference_bits(tmp_path, kind, ste, input_amax):
-    ref = _quantize_and_step(tmp_path, kind, "torch", ste, input_amax)
-    fast = _quantize_and_step(tmp_path, kind, "triton", ste, input_amax)
+def test_a_dynamic_four_over_six_config_runs_on_the_kernels_with_the_reference_bits(kind, ste, input_amax):
+    ref = _quantize_and_step(kind, "torch", ste, input_amax)
+    fast = _quantize_and_step(kind, "triton", ste, input_amax)
     assert fast[4] == ref[4] == {FMT}
     assert torch.equal(fast[0], ref[0])
     assert torch.equal(fast[1], ref[1])
