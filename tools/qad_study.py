@@ -137,7 +137,7 @@ def parse_variant(spec: str, base: dict | None = None):
 
     head, _, changes = spec.partition(":")
     fmt, _, method = head.partition("/")
-    formats = ("nvfp4", "nvfp4_46", "nvfp4_46in", "fp8", "mxfp4", "mxfp8", "fp8_block")
+    formats = ("nvfp4", "nvfp4_46", "nvfp4_46in", "nvfp4_46w", "fp8", "mxfp4", "mxfp8", "fp8_block")
     if fmt.split("-")[0] not in formats or fmt.partition("-")[2] not in ("", "w", "a") or (
             method not in ("qad", "qat", "ptq")):
         raise ValueError(f"variant {spec!r}: expected '<{'|'.join(formats)}>[-w|-a]/<qad|qat|ptq>[:field=value,...]'")
