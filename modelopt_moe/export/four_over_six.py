@@ -29,9 +29,9 @@ __all__ = ["MARKER_KEY", "ENGINE_SETTINGS", "four_over_six_inputs", "four_over_s
 
 MARKER_KEY = "nvfp4_four_over_six"
 # FlashInfer's 4-over-6 NVFP4 activation quantization (used by vLLM and SGLang): the rule training used (the smaller
-# squared error per block of 16, block scales normalized to 256).
+# squared error per block of 16, block scales normalized to 256), its error in exact arithmetic rather than fast math.
 ENGINE_SETTINGS = {"FLASHINFER_NVFP4_4OVER6": "1", "FLASHINFER_NVFP4_4OVER6_E4M3_USE_256": "1",
-                   "FLASHINFER_NVFP4_4OVER6_ERR_MODE": "MSE"}
+                   "FLASHINFER_NVFP4_4OVER6_ERR_MODE": "MSE", "FLASHINFER_NVFP4_4OVER6_ERR_USE_FAST_MATH": "0"}
 
 
 def four_over_six_inputs(scheme: Scheme | None) -> bool:
