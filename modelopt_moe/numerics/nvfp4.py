@@ -91,15 +91,25 @@ class NVFP4Format(Format):
             raise ValueError(f"NVFP4 uses a per-tensor global amax: axis must be null, got {axis}")
 
     def _quantize(self, xf, amax, block_size, narrow_range, unsigned) -> Quantized:
+        sg, blocks, block_max = self._blocks(xf, amax)
+        q, sb = self._round_blocks(blocks, block_max, sg, E2M1_MAX)
+        return Quantized(self.name, q, sg, sb, self.block_length)
+
+    def _blocks(self, xf: torch.Tensor, amax) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The second-level scale ``sg`` (broadcasting over the ``[..., K/16, 16]`` block view), that view of ``xf``
+        and each block's NaN-ignoring max ``[..., K/16, 1]``."""
         sg = true_div(safe_amax(amax, self.bound), self.bound)
-        sg = sg.unsqueeze(-1) if sg.dim() > 0 else sg  # broadcast over the [..., K/16, 16] block view
+        sg = sg.unsqueeze(-1) if sg.dim() > 0 else sg
         b = self.block_length
-        blocks = xf.unflatten(-1, (-1, b))
-        block_max = nan_ignoring_block_max(xf, b)
-        sb = torch.clamp(true_div(true_div(block_max, E2M1_MAX), sg), 0.0, E4M3_MAX).to(E4M3.element_dtype).float()
+        return sg, xf.unflatten(-1, (-1, b)), nan_ignoring_block_max(xf, b)
+
+    @staticmethod
+    def _round_blocks(blocks, block_max, sg, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """E2M1 values and E4M3 block scales of ``blocks`` with each block's max mapped to ``divisor`` (6; 4-over-6
+        also tries 4): ``sb = e4m3(clamp(blockmax / divisor / sg, 0, 448))``; where ``sb * sg == 0``, ``x * 0``."""
+        sb = torch.clamp(true_div(true_div(block_max, divisor), sg), 0.0, E4M3_MAX).to(E4M3.element_dtype).float()
         s = sb * sg
-        v = torch.where(s > 0, true_div(blocks, s), blocks * 0.0)
-        return Quantized(self.name, round_to_e2m1(v), sg, sb, b)
+        return round_to_e2m1(torch.where(s > 0, true_div(blocks, s), blocks * 0.0)), sb
 
     def quantize_static(self, x: torch.Tensor, amax: torch.Tensor, block_amax: torch.Tensor,
                         scale_max: float = E4M3_MAX) -> Quantized:
@@ -174,21 +184,10 @@ class NVFP4FourOverSixFormat(NVFP4Format):
         super().check_config(bs, axis)
 
     def _quantize(self, xf, amax, block_size, narrow_range, unsigned) -> Quantized:
-        sg = true_div(safe_amax(amax, self.bound), self.bound)
-        sg = sg.unsqueeze(-1) if sg.dim() > 0 else sg
-        b = self.block_length
-        blocks = xf.unflatten(-1, (-1, b))
-        block_max = nan_ignoring_block_max(xf, b)
-        candidates = []
-        for divisor in (E2M1_MAX, 4.0):
-            t = true_div(true_div(block_max, divisor), sg)
-            sb = torch.clamp(t, 0.0, E4M3_MAX).to(E4M3.element_dtype).float()
-            s = sb * sg
-            q = round_to_e2m1(torch.where(s > 0, true_div(blocks, s), blocks * 0.0))
-            candidates.append((q, sb, block_square_error(q * s - blocks)))
-        (q6, sb6, e6), (q4, sb4, e4) = candidates
-        four = e4 < e6
-        return Quantized(self.name, torch.where(four, q4, q6), sg, torch.where(four, sb4, sb6), b)
+        sg, blocks, block_max = self._blocks(xf, amax)
+        (q6, sb6), (q4, sb4) = (self._round_blocks(blocks, block_max, sg, d) for d in (E2M1_MAX, 4.0))
+        four = block_square_error(q4 * (sb4 * sg) - blocks) < block_square_error(q6 * (sb6 * sg) - blocks)
+        return Quantized(self.name, torch.where(four, q4, q6), sg, torch.where(four, sb4, sb6), self.block_length)
 
 
 class _NVFP4Codec(ExportCodec):
