@@ -65,12 +65,19 @@ def nvfp4_static_input(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Ten
     in the GEMM."""
     gs = global_scale.float().reshape(())
     blocks = x.float().reshape(*x.shape[:-1], -1, 16)
+    return _engine_nvfp4_blocks(blocks, gs, E2M1_MAX).reshape(x.shape).to(x.dtype)
+
+
+def _engine_nvfp4_blocks(blocks: torch.Tensor, gs: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``blocks`` ``[..., K/16, 16]`` as an engine dequantizes them under the global scale ``gs`` and the block scales
+    ``e4m3(gs * blockmax / divisor)`` (6; 4-over-6 also tries 4): E2M1 values times ``block scale / gs``, zero where
+    that is 0."""
     bmax = blocks.abs().amax(-1, keepdim=True)
-    sf = (gs * bmax / 6.0).clamp(max=448.0).to(torch.float8_e4m3fn).float()
+    sf = (gs * bmax / divisor).clamp(max=448.0).to(torch.float8_e4m3fn).float()
     scale = sf / gs
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = _round_e2m1(blocks.abs() / safe) * blocks.sign()
-    return torch.where(scale > 0, q * scale, torch.zeros_like(q)).reshape(x.shape).to(x.dtype)
+    return torch.where(scale > 0, q * scale, torch.zeros_like(q))
 
 
 def nvfp4_four_over_six_static_input(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
@@ -80,16 +87,9 @@ def nvfp4_four_over_six_static_input(x: torch.Tensor, global_scale: torch.Tensor
     squared error (summed as training sums it; the 6 where equal)."""
     gs = global_scale.float().reshape(())
     blocks = x.float().reshape(*x.shape[:-1], -1, 16)
-    bmax = blocks.abs().amax(-1, keepdim=True)
-    candidates = []
-    for divisor in (E2M1_MAX, 4.0):
-        sf = (gs * bmax / divisor).clamp(max=448.0).to(torch.float8_e4m3fn).float()
-        scale = sf / gs
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.where(scale > 0, _round_e2m1(blocks.abs() / safe) * blocks.sign() * scale, torch.zeros_like(blocks))
-        candidates.append((q, block_square_error(q - blocks)))
-    (q6, e6), (q4, e4) = candidates
-    return torch.where(e4 < e6, q4, q6).reshape(x.shape).to(x.dtype)
+    q6, q4 = (_engine_nvfp4_blocks(blocks, gs, d) for d in (E2M1_MAX, 4.0))
+    four = block_square_error(q4 - blocks) < block_square_error(q6 - blocks)
+    return torch.where(four, q4, q6).reshape(x.shape).to(x.dtype)
 
 
 # The engine-side input quantizers of 4-over-6 inputs, by the format's NVFP4 one (the checkpoint's marker says which).
