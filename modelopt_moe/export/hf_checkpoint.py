@@ -275,7 +275,7 @@ def _commit(writer: CheckpointWriter, config: dict, schemes: dict, ignore: list[
     extra = {"hf_quant_config.json": layers_hf_quant_config(_quantized(schemes), ignore)} if fmt == "modelopt" \
         else {}
     extra.update(more or {})
-    marker = four_over_six.marker(schemes)
+    marker = config.get("quantization_config", {}).get(four_over_six.MARKER_KEY)  # _plan's, for config.json
     if marker is not None and "hf_quant_config.json" in extra:
         # beside "producer": the engines read "quantization"
         extra["hf_quant_config.json"][four_over_six.MARKER_KEY] = marker
