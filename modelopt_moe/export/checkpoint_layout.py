@@ -126,7 +126,7 @@ def _quant_config(path: Path, cfg: dict, findings: list) -> tuple[dict, str | No
     return q, method
 
 
-def _matches(name: str, patterns) -> bool:
+def matches_targets(name: str, patterns) -> bool:
     """compressed-tensors' ``re:`` targets, exact names, Model Optimizer's wildcards."""
     for p in patterns or ():
         if p.startswith("re:"):
@@ -135,9 +135,6 @@ def _matches(name: str, patterns) -> bool:
         elif p == name or fnmatch.fnmatchcase(name, p):
             return True
     return False
-
-
-matches_targets = _matches  # for the other readers of config targets (the engine-order forward's 4-over-6 marker)
 
 
 def _ct_scheme(group: dict, where: str, findings: list) -> LinearScheme | None:
@@ -187,10 +184,11 @@ def _schemes_per_module(fmt: str, q: dict, shapes: dict, headers: dict, findings
         groups = [(name, g, _ct_scheme(g, f"quantization_config.config_groups.{name}", findings))
                   for name, g in (q.get("config_groups") or {}).items()]
         for module in shapes:
-            if _matches(module, q.get("ignore")):
+            if matches_targets(module, q.get("ignore")):
                 continue
             for _, g, scheme in groups:
-                if scheme is not None and ("Linear" in g.get("targets", ()) or _matches(module, g.get("targets"))):
+                if scheme is not None and ("Linear" in g.get("targets", ())
+                                           or matches_targets(module, g.get("targets"))):
                     out[module] = scheme
                     break
         return out
@@ -219,7 +217,7 @@ def _schemes_per_module(fmt: str, q: dict, shapes: dict, headers: dict, findings
         findings.append(Finding("warning", "config", "quant_algo", f"{algo!r}: no rules for it yet (known: "
                                        f"{sorted(_MODELOPT_ALGOS)}, MIXED_PRECISION)"))
         return out
-    return {m: scheme for m in shapes if not _matches(m, excluded)}
+    return {m: scheme for m in shapes if not matches_targets(m, excluded)}
 
 
 def _modelopt_scheme(algo, group_size) -> LinearScheme | None:
