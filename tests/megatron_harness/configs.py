@@ -6,19 +6,16 @@ __all__ = ["expert_quant_config", "CALIBRATIONS", "WEIGHT_CALIBRATIONS"]
 
 
 _MX = {"block_sizes": {-1: 32, "type": "dynamic", "scale_bits": [8, 0]}}
+_NVFP4 = {"num_bits": "e2m1", "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": "e4m3"}}
+# 4-over-6 block scales from the data (each block's max on E2M1's 6 or 4, whichever is closer)
+_NVFP4_46 = {**_NVFP4, "block_sizes": {**_NVFP4["block_sizes"], "four_over_six": True}}
 # format -> (weight quantizer attributes, input quantizer attributes)
 EXPERT_FORMATS = {
-    "nvfp4": ({"num_bits": "e2m1", "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": "e4m3"}},) * 2,
-    # 4-over-6 block scales from the data (each block's max on E2M1's 6 or 4, whichever is closer), weights and
-    # inputs; nvfp4_46in: the inputs alone take 4-over-6, the weights plain NVFP4; nvfp4_46w: the weights alone
-    "nvfp4_46": ({"num_bits": "e2m1", "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": "e4m3",
-                                                       "four_over_six": True}},) * 2,
-    "nvfp4_46in": ({"num_bits": "e2m1", "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": "e4m3"}},
-                   {"num_bits": "e2m1", "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": "e4m3",
-                                                        "four_over_six": True}}),
-    "nvfp4_46w": ({"num_bits": "e2m1", "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": "e4m3",
-                                                        "four_over_six": True}},
-                  {"num_bits": "e2m1", "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": "e4m3"}}),
+    "nvfp4": (_NVFP4,) * 2,
+    # 4-over-6 on weights and inputs; nvfp4_46in: on the inputs alone; nvfp4_46w: on the weights alone
+    "nvfp4_46": (_NVFP4_46,) * 2,
+    "nvfp4_46in": (_NVFP4, _NVFP4_46),
+    "nvfp4_46w": (_NVFP4_46, _NVFP4),
     "fp8": ({"num_bits": "e4m3", "axis": None},) * 2,
     "mxfp4": ({"num_bits": [2, 1], **_MX},) * 2,
     "mxfp8": ({"num_bits": [4, 3], **_MX},) * 2,
