@@ -13,6 +13,8 @@ Variants, each its own model instance built from the same seed:
   fp8, nvfp4        ``mtq.quantize(model, mtq.load_config("fp8_default.yaml" / "nvfp4_default.yaml"), loop)``,
                     calibrated on random-token batches. With the TE spec the presets quantize the experts (TE's
                     dense attention linears are not converted; the router and output layer stay bf16)
+  nvfp4_4over6      NVFP4 with 4-over-6 block scales from the data (``nvfp4_4over6.yaml``): each block quantized
+                    twice, the closer kept
   fp8-te_fp8        fp8 with ``gemm: te_fp8``: the experts' forward GEMMs as real FP8 GEMMs in Transformer Engine
                     (without TE, on CPU, the same as fp8)
   modelopt-fp8,     NVIDIA Model Optimizer's ``mto.quantize(model, mto.FP8_DEFAULT_CFG / NVFP4_DEFAULT_CFG, loop)``,
@@ -92,10 +94,11 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = ("bf16", "fp8", "nvfp4", "fp8-te_fp8", "modelopt-fp8", "modelopt-nvfp4")
+VARIANTS = ("bf16", "fp8", "nvfp4", "nvfp4_4over6", "fp8-te_fp8", "modelopt-fp8", "modelopt-nvfp4")
 MODELS = ("qwen3", "deepseek_v3", "gpt_oss")
 MODES = ("re-quantize", "reuse")
-PRESETS = {"fp8": "fp8_default.yaml", "nvfp4": "nvfp4_default.yaml", "fp8-te_fp8": "fp8_default.yaml"}
+PRESETS = {"fp8": "fp8_default.yaml", "nvfp4": "nvfp4_default.yaml", "nvfp4_4over6": "nvfp4_4over6.yaml",
+           "fp8-te_fp8": "fp8_default.yaml"}
 GEMMS = {"fp8-te_fp8": "te_fp8"}  # variants that override the preset's gemm
 MODELOPT_PRESETS = {"modelopt-fp8": "FP8_DEFAULT_CFG", "modelopt-nvfp4": "NVFP4_DEFAULT_CFG"}
 MIB = 2**20

@@ -342,9 +342,11 @@ def input_tiling(n_cols: int, bs: int, tile_elems: int = TILE_ELEMS) -> tuple[in
 def token_tiling(fmt: str, n_cols: int, bs: int, device: torch.device) -> tuple[int, int, int, dict]:
     """(TILE_R, TILE_NB, tile width, launch keywords) of the token fake-quant kernels for format ``fmt``, rows of
     ``n_cols`` and inner block ``bs``: the format's elements per program (``KernelSpec.token_tile``, else
-    :data:`TOKEN_TILE_ELEMS`) at 32 per thread."""
-    tile = get_format(fmt).kernel.token_tile or TOKEN_TILE_ELEMS
-    return (*input_tiling(n_cols, bs, tile), {**launch_kwargs(device), "num_warps": tile // 1024})
+    :data:`TOKEN_TILE_ELEMS`) at the format's elements per thread (``KernelSpec.token_thread_elems``)."""
+    spec = get_format(fmt).kernel
+    tile = spec.token_tile or TOKEN_TILE_ELEMS
+    warps = max(1, tile // (32 * spec.token_thread_elems))
+    return (*input_tiling(n_cols, bs, tile), {**launch_kwargs(device), "num_warps": warps})
 
 
 def format_constexprs(fmt: str, block_size: int | None) -> dict:

@@ -274,7 +274,13 @@ def _nvfp4_block_max(ax, FAST_MAX: tl.constexpr):
 @triton.jit
 def _nvfp4_scale(bmax, sg, DIVISOR: tl.constexpr, HW_CVT: tl.constexpr, LEAN: tl.constexpr):
     """The block scale ``s = e4m3(bmax / DIVISOR / sg) * sg`` [R, NB, 1], the E4M3 rounding saturating at 448."""
-    t = _div(_div(bmax, tl.full(bmax.shape, DIVISOR, tl.float32)), sg)
+    if DIVISOR == 4.0:
+        # x * 0.25 and x / 4 are roundings of the same real number (0.25 is exact), subnormals included: one multiply
+        # instead of a division.
+        a = bmax * 0.25
+    else:
+        a = _div(bmax, tl.full(bmax.shape, DIVISOR, tl.float32))
+    t = _div(a, sg)
     if HW_CVT:
         s = _hw_round_fp8(t, False) * sg  # saturates at 448 itself; t >= 0, never NaN
     else:

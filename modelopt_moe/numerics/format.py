@@ -81,6 +81,8 @@ class KernelSpec:
         mant, emin, emax: float grids: mantissa bits, smallest and largest normal exponent of the elements.
         tile: the weight kernel's default elements per program for this format (None: the shared default).
         token_tile: the token fake-quant kernels' elements per program (None: the shared default).
+        token_thread_elems: elements per thread of the token fake-quant kernels (their warps: ``token_tile`` over
+            32 times this). Fewer leave a heavy tile routine more registers per element.
     """
 
     routine: KernelRoutine
@@ -90,6 +92,7 @@ class KernelSpec:
     emax: int = 0
     tile: int | None = None
     token_tile: int | None = None
+    token_thread_elems: int = 32
 
     def constexprs(self, data_blocks: bool) -> dict:
         """The kernels' format constexprs; ``data_blocks``: the amax of each block comes from the data."""

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--layers", "1", "--hidden", "64", "--experts", "4", "--moe-ffn-hidden", "32", "--topk", "2", "--heads", "4",
         "--kv-heads", "2", "--seq", "32", "--vocab", "256", "--dispatcher", "allgather", "--micro-batches", "2",
         "--rounds", "2", "--steps", "1", "--warmup", "0", "--calib-batches", "1"]
-OURS = ("bf16", "fp8", "nvfp4", "fp8-te_fp8")
+OURS = ("bf16", "fp8", "nvfp4", "nvfp4_4over6", "fp8-te_fp8")
 MODES = {"re-quantize": 1, "reuse": 2}
 
 
