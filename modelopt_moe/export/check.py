@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from .calibration_coverage import CALIBRATION_TOKENS_FILE, read_calibration_tokens
-from .check_rules import ENGINE_RULES, ENGINES, FORMAT_RULES, KV_RULES, EngineRule, FormatRule, TensorRule
+from .check_rules import ENGINE_RULES, ENGINES, KV_RULES, EngineRule, FormatRule, TensorRule
 from .checkpoint_layout import Finding, LinearScheme, checkpoint_layout
 from .errors import ExportError
 
@@ -179,8 +179,7 @@ def check_checkpoint(path: str | os.PathLike, engine: str = "vllm", reference=No
                 _check_unquantized(module, shape, headers, report)
             continue
         report.schemes[scheme.label] = report.schemes.get(scheme.label, 0) + 1
-        values[module] = _check_linear(path, module, shape, FORMAT_RULES[(report.format, scheme.key)], scheme,
-                                       headers, report)
+        values[module] = _check_linear(path, module, shape, layout.format_rule(module), scheme, headers, report)
     _check_refusals(assign, report)
     _check_experts(arch, family, assign, values, shapes, report)
     _check_kv_cache(path, layout, report)
@@ -248,7 +247,8 @@ def _check_unquantized(module: str, shape, headers: dict, report: CheckReport) -
 
 def _check_linear(path: Path, module: str, shape, rule: FormatRule, scheme: LinearScheme, headers: dict,
                   report: CheckReport) -> dict[str, float]:
-    """Checks one quantized linear's tensors; returns its per-tensor scale values by role."""
+    """Checks one quantized linear's tensors; returns the amaxes its per-tensor scales stand for, by role (``rule``:
+    the linear's own, 4-over-6 bounds included)."""
     values: dict[str, float] = {}
     for t in rule.stored(scheme.inputs):
         value = _check_tensor(path, f"{module}.{t.suffix}", t, shape, scheme.group, headers, report)
