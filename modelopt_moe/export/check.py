@@ -21,6 +21,10 @@ layer, how far each expert's own input scale is from the one the engine uses aft
 per expert), as the ratio of the two amaxes (1: nothing lost), and, from ``calibration_tokens.json`` where the export
 wrote one, the fewest and median calibration tokens per expert, flagging those below the export's threshold.
 
+Scales compare as the amaxes they stand for (:attr:`.check_rules.TensorRule.to_amax`; NVFP4's second-level scales
+``amax / 2688``, or ``amax / 1536`` for the weights and inputs the ``nvfp4_four_over_six`` marker names:
+:meth:`.checkpoint_layout.CheckpointLayout.format_rule`).
+
 Findings are ``error`` (the engine fails to load, produces NaN, or dequantizes with a wrong scale) or ``warning``
 (the engine requantizes, losing accuracy). Only tensor data of scales is read.
 """
