@@ -21,6 +21,10 @@ layer, how far each expert's own input scale is from the one the engine uses aft
 per expert), as the ratio of the two amaxes (1: nothing lost), and, from ``calibration_tokens.json`` where the export
 wrote one, the fewest and median calibration tokens per expert, flagging those below the export's threshold.
 
+Scales compare as the amaxes they stand for (:attr:`.check_rules.TensorRule.to_amax`; NVFP4's second-level scales
+``amax / 2688``, or ``amax / 1536`` for the weights and inputs the ``nvfp4_four_over_six`` marker names:
+:meth:`.checkpoint_layout.CheckpointLayout.format_rule`).
+
 Findings are ``error`` (the engine fails to load, produces NaN, or dequantizes with a wrong scale) or ``warning``
 (the engine requantizes, losing accuracy). Only tensor data of scales is read.
 """
@@ -35,7 +39,7 @@ from pathlib import Path
 import torch
 
 from .calibration_coverage import CALIBRATION_TOKENS_FILE, read_calibration_tokens
-from .check_rules import ENGINE_RULES, ENGINES, FORMAT_RULES, KV_RULES, EngineRule, FormatRule, TensorRule
+from .check_rules import ENGINE_RULES, ENGINES, KV_RULES, EngineRule, FormatRule, TensorRule
 from .checkpoint_layout import Finding, LinearScheme, checkpoint_layout
 from .errors import ExportError
 
@@ -179,8 +183,7 @@ def check_checkpoint(path: str | os.PathLike, engine: str = "vllm", reference=No
                 _check_unquantized(module, shape, headers, report)
             continue
         report.schemes[scheme.label] = report.schemes.get(scheme.label, 0) + 1
-        values[module] = _check_linear(path, module, shape, FORMAT_RULES[(report.format, scheme.key)], scheme,
-                                       headers, report)
+        values[module] = _check_linear(path, module, shape, layout.format_rule(module), scheme, headers, report)
     _check_refusals(assign, report)
     _check_experts(arch, family, assign, values, shapes, report)
     _check_kv_cache(path, layout, report)
@@ -248,7 +251,8 @@ def _check_unquantized(module: str, shape, headers: dict, report: CheckReport) -
 
 def _check_linear(path: Path, module: str, shape, rule: FormatRule, scheme: LinearScheme, headers: dict,
                   report: CheckReport) -> dict[str, float]:
-    """Checks one quantized linear's tensors; returns its per-tensor scale values by role."""
+    """Checks one quantized linear's tensors; returns the amaxes its per-tensor scales stand for, by role (``rule``:
+    the linear's own, 4-over-6 bounds included)."""
     values: dict[str, float] = {}
     for t in rule.stored(scheme.inputs):
         value = _check_tensor(path, f"{module}.{t.suffix}", t, shape, scheme.group, headers, report)

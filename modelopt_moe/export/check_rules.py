@@ -49,11 +49,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from ..numerics.nvfp4 import NVFP4, NVFP4_FOUR_OVER_SIX
+
 __all__ = ["TensorRule", "FormatRule", "EngineRule", "KvRule", "FORMAT_RULES", "ENGINE_RULES", "KV_RULES", "ENGINES",
            "rule_key"]
 
 ENGINES = ("vllm", "sglang", "trtllm")
-FP8_MAX, FP4_MAX = 448.0, 6.0
+FP8_MAX = 448.0
+# NVFP4's second-level scale is amax / 2688; with 4-over-6 block scales (normalized to 256) amax / 1536
+NVFP4_BOUND, NVFP4_FOUR_OVER_SIX_BOUND = NVFP4.bound, NVFP4_FOUR_OVER_SIX.bound
 FLOAT_SCALE = "F32|BF16|F16"  # group scales: the loaders copy them into their own float dtype
 
 
@@ -123,6 +127,15 @@ class FormatRule:
         """The tensor of ``role`` (None: this format has none)."""
         return next((t for t in self.tensors if t.role == role), None)
 
+    def four_over_six(self, weights: bool, inputs: bool) -> FormatRule:
+        """This rule for a linear whose weights and / or inputs use NVFP4 4-over-6 block scales: their second-level
+        scales stand for ``amax / 1536`` instead of NVFP4's ``amax / 2688`` (itself where neither does, or where this
+        format has no NVFP4 second-level scale)."""
+        roles = {r for r, used in (("weight_scale", weights), ("input_scale", inputs)) if used}
+        tensors = tuple(replace(t, to_amax=math.copysign(NVFP4_FOUR_OVER_SIX_BOUND, t.to_amax))
+                        if t.role in roles and abs(t.to_amax) == NVFP4_BOUND else t for t in self.tensors)
+        return self if tensors == self.tensors else FormatRule(tensors)
+
 
 @dataclass(frozen=True)
 class EngineRule:
@@ -177,8 +190,8 @@ FORMAT_RULES: dict[tuple[str, str], FormatRule] = {
         TensorRule("input_scale", "F32", "scalar", "input_scale", FP8_MAX, inputs_only=True))),
     ("compressed-tensors", "nvfp4_blocks"): FormatRule((
         TensorRule("weight_packed", "U8", "packed", "weight"), _NVFP4_BLOCKS,
-        TensorRule("weight_global_scale", "F32", "scalar", "weight_scale", -FP8_MAX * FP4_MAX),
-        TensorRule("input_global_scale", "F32", "scalar", "input_scale", -FP8_MAX * FP4_MAX, inputs_only=True))),
+        TensorRule("weight_global_scale", "F32", "scalar", "weight_scale", -NVFP4_BOUND),
+        TensorRule("input_global_scale", "F32", "scalar", "input_scale", -NVFP4_BOUND, inputs_only=True))),
     ("compressed-tensors", "fp8_block"): FormatRule((
         _FP8_W, TensorRule("weight_scale", _BLOCK_SCALES, "tiles", "group_scale"))),
     ("compressed-tensors", "int4_groups"): FormatRule((
@@ -194,8 +207,8 @@ FORMAT_RULES: dict[tuple[str, str], FormatRule] = {
                                                                 FP8_MAX))),
     ("modelopt", "nvfp4_blocks"): FormatRule((
         TensorRule("weight", "U8", "packed", "weight"), _NVFP4_BLOCKS,
-        TensorRule("weight_scale_2", "F32", "scalar", "weight_scale", FP8_MAX * FP4_MAX),
-        TensorRule("input_scale", "F32", "scalar", "input_scale", FP8_MAX * FP4_MAX, inputs_only=True))),
+        TensorRule("weight_scale_2", "F32", "scalar", "weight_scale", NVFP4_BOUND),
+        TensorRule("input_scale", "F32", "scalar", "input_scale", NVFP4_BOUND, inputs_only=True))),
     ("modelopt", "fp8_block"): FormatRule((_FP8_W, TensorRule("weight_scale", _BLOCK_SCALES, "tiles4d",
                                                               "group_scale"))),
     ("modelopt", "mxfp8_blocks"): FormatRule((_FP8_W, _E8M0)),

@@ -1,6 +1,7 @@
 """What a Hugging Face checkpoint holds, read from its config and the shards' headers: the family and
 architecture, every linear's shape, the quantization scheme each linear gets from the config (compressed-tensors
-``config_groups`` / ``ignore``; Model Optimizer ``quant_algo`` / ``exclude_modules`` / ``quantized_layers``), the KV
+``config_groups`` / ``ignore``; Model Optimizer ``quant_algo`` / ``exclude_modules`` / ``quantized_layers``), the
+NVFP4 linears whose weights or inputs the ``nvfp4_four_over_six`` marker (:mod:`.four_over_six`) names, the KV
 cache's quantization, and each tensor's file and header entry. Shared by the engine-contract checker (:mod:`.check`)
 and the engine-order forward (:mod:`.engine_forward`); what cannot be read becomes a :class:`Finding`.
 """
@@ -15,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from .check_rules import rule_key
+from .check_rules import FORMAT_RULES, FormatRule, rule_key
 from .errors import ExportError
 from .families import canonical_shapes, family_for_architecture, read_hf_config
+from .four_over_six import MARKER_KEY
 from .safetensors_files import TensorHeader, read_header, read_weight_map
 
 __all__ = ["Finding", "LinearScheme", "CheckpointLayout", "checkpoint_layout", "matches_targets"]
@@ -70,8 +72,10 @@ class Finding:
 @dataclass(frozen=True)
 class CheckpointLayout:
     """What the files and config say: the family and architecture, every linear's ``[R, C]`` shape by Hugging Face
-    module name, its :class:`LinearScheme` (absent: unquantized), each tensor's (file, header), and the KV cache's
-    quantization as the config names it (``FP8``, ``NVFP4``; None: not quantized)."""
+    module name, its :class:`LinearScheme` (absent: unquantized), each tensor's (file, header), the KV cache's
+    quantization as the config names it (``FP8``, ``NVFP4``; None: not quantized), and the NVFP4 linears whose
+    weights (``four_over_six_weights``) and inputs (``four_over_six_inputs``) the checkpoint's 4-over-6 marker names:
+    their second-level scales stand for ``amax / 1536``, not NVFP4's ``amax / 2688``."""
 
     family: object
     arch: object
@@ -80,6 +84,14 @@ class CheckpointLayout:
     schemes: dict
     headers: dict
     kv_cache: str | None = None
+    four_over_six_weights: frozenset = frozenset()
+    four_over_six_inputs: frozenset = frozenset()
+
+    def format_rule(self, module: str) -> FormatRule:
+        """The :class:`~.check_rules.FormatRule` of a quantized linear, its scales converted to amaxes with the
+        4-over-6 bound where the marker names the linear's weights or inputs."""
+        return FORMAT_RULES[(self.format, self.schemes[module].key)].four_over_six(
+            weights=module in self.four_over_six_weights, inputs=module in self.four_over_six_inputs)
 
 
 def checkpoint_layout(path: str | os.PathLike, findings: list | None = None) -> CheckpointLayout | None:
@@ -101,7 +113,9 @@ def checkpoint_layout(path: str | os.PathLike, findings: list | None = None) -> 
     shapes = {family.hf_module(name): shape for name, shape in canonical_shapes(arch).items()
               if len(shape) == 2 and name != "embed_tokens"}
     schemes = _schemes_per_module(fmt, qcfg, shapes, headers, findings)
-    return CheckpointLayout(family, arch, fmt, shapes, schemes, headers, _kv_cache(fmt, qcfg, findings))
+    fos_weights, fos_inputs = _four_over_six(path, qcfg, schemes, findings)
+    return CheckpointLayout(family, arch, fmt, shapes, schemes, headers, _kv_cache(fmt, qcfg, findings),
+                            fos_weights, fos_inputs)
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -160,6 +174,28 @@ def _ct_scheme(group: dict, where: str, findings: list) -> LinearScheme | None:
     x_strategy = "none" if not x else f"{x.get('strategy')}" + (f"{x.get('group_size')}" if x.get("strategy") == "group"
                                                                  else "")
     return LinearScheme(key, bool(x) and not dynamic, size, dynamic, x_strategy)
+
+
+def _four_over_six(path: Path, q: dict, schemes: dict, findings: list) -> tuple[frozenset, frozenset]:
+    """The NVFP4 linears whose weights and inputs the 4-over-6 marker names (``quantization_config``'s, else the top
+    level of ``hf_quant_config.json``); a marker that is not the dict of target lists the export writes is an error
+    finding, and the linears are then read as plain NVFP4."""
+    marker, where = q.get(MARKER_KEY), f"quantization_config.{MARKER_KEY}"
+    if marker is None and (path / "hf_quant_config.json").is_file():
+        marker = json.loads((path / "hf_quant_config.json").read_text()).get(MARKER_KEY)
+        where = f"hf_quant_config.json {MARKER_KEY}"
+    if marker is None:
+        return frozenset(), frozenset()
+    keys = ("weights", "input_activations")
+    targets = {k: marker.get(k, []) for k in keys} if isinstance(marker, dict) else {}
+    if set(targets) != set(keys) or not all(isinstance(t, list) and all(isinstance(p, str) for p in t)
+                                            for t in targets.values()):
+        findings.append(Finding("error", "config", where, f"{marker!r}: expected a dict whose 'weights' and "
+                                "'input_activations' are lists of names and 're:' patterns; its linears are read as "
+                                "plain NVFP4"))
+        return frozenset(), frozenset()
+    nvfp4 = [m for m, s in schemes.items() if s.key == rule_key(4, False)]
+    return tuple(frozenset(m for m in nvfp4 if matches_targets(m, targets[k])) for k in keys)
 
 
 def _kv_cache(fmt: str, q: dict, findings: list) -> str | None:

@@ -37,7 +37,7 @@ from torch import nn
 from ..numerics.fp8 import E4M3
 from ..numerics.nvfp4 import E2M1_MAX, block_square_error
 from .check_rules import ENGINE_RULES, FORMAT_RULES
-from .checkpoint_layout import checkpoint_layout, matches_targets
+from .checkpoint_layout import checkpoint_layout
 from .codecs import E2M1_VALUES, decode_fp8_file, decode_nvfp4_ct, decode_nvfp4_modelopt
 from .errors import ExportError
 from .kv_cache import read_kv_cache_scales
@@ -168,6 +168,10 @@ def _input_scales(layout, tensors: dict, engine: str | None) -> dict[str, torch.
     if engine is None:
         return out
     fam, arch = layout.family, layout.arch
+
+    def largest(modules):  # the stored value that stands for the largest amax (4-over-6 bounds included)
+        return out[max(modules, key=lambda m: layout.format_rule(m).role("input_scale").amax(out[m].float().item()))]
+
     for layer in range(arch.num_layers):
         names = {k: [fam.hf_module(f"layers.{layer}.experts.{e}.{k}") for e in range(arch.num_experts)]
                  for k in ("gate", "up", "down")}
@@ -175,11 +179,6 @@ def _input_scales(layout, tensors: dict, engine: str | None) -> dict[str, torch.
         engine_rule = ENGINE_RULES.get((engine, layout.format, scheme[0])) if scheme else None
         if engine_rule is None or not scheme[1]:
             continue
-        rule = FORMAT_RULES[(layout.format, scheme[0])].role("input_scale")
-
-        def largest(modules, rule=rule):  # the stored value that stands for the largest amax
-            return max((out[m] for m in modules), key=lambda v: rule.amax(v.float().item()))
-
         for group in (names["gate"] + names["up"], names["down"]):
             if engine_rule.input_collapse == "layer":
                 chosen = largest(group)
@@ -257,15 +256,20 @@ def engine_order_model(path: str | os.PathLike, engine: str | None = None, kv_ca
             (to see what the KV cache's quantization costs).
 
     Raises:
-        ExportError: a checkpoint the checker's rules do not cover, or whose tensors do not fit the model; with
-            ``kv_cache``, a KV-cache scheme other than FP8, or a missing or invalid ``k_scale`` / ``v_scale``.
+        ExportError: a checkpoint the checker's rules do not cover, whose 4-over-6 marker is malformed, or whose
+            tensors do not fit the model; with ``kv_cache``, a KV-cache scheme other than FP8, or a missing or invalid
+            ``k_scale`` / ``v_scale``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
-    layout = checkpoint_layout(path)
+    findings = []
+    layout = checkpoint_layout(path, findings)
     if layout is None:
         raise ExportError(f"{path}: not a quantized checkpoint the checker knows (run check_checkpoint for why)")
+    bad_config = next((f for f in findings if f.severity == "error" and f.rule == "config"), None)
+    if bad_config is not None:  # a malformed 4-over-6 marker: which inputs to round with 4-over-6 is unknown
+        raise ExportError(f"{path}: {bad_config.where}: {bad_config.message}")
     undecoded = sorted({s.key for s in layout.schemes.values() if (layout.format, s.key) not in _DECODE})
     if undecoded:
         known = sorted(k for f, k in _DECODE if f == layout.format)
@@ -309,29 +313,14 @@ def engine_order_model(path: str | os.PathLike, engine: str | None = None, kv_ca
         per_expert = [tuple(weights[fam.hf_module(f"layers.{layer}.experts.{e}.{k}")] for k in ("gate", "up", "down"))
                       for e in range(arch.num_experts)]
         block.mlp.experts = _PerExpertLinears(per_expert, names, block.mlp.experts.act_fn)
-    four_over_six = _four_over_six_inputs(path, qcfg, layout)
     for module, scale in scales.items():
-        quant = _FOUR_OVER_SIX_INPUTS[layout.format] if module in four_over_six else \
+        quant = _FOUR_OVER_SIX_INPUTS[layout.format] if module in layout.four_over_six_inputs else \
             _DECODE[(layout.format, layout.schemes[module][0])][1]
         linear = model.get_submodule(_in_memory(fam, module))
         linear.register_forward_pre_hook(lambda mod, args, s=scale, q=quant: (q(args[0], s),))
     if kv_scales is not None:
         _use_fp8_kv_cache(model, kv_scales)
     return model
-
-
-def _four_over_six_inputs(path: Path, qcfg: dict | None, layout) -> set[str]:
-    """The NVFP4 linears whose inputs the checkpoint's marker (:mod:`.four_over_six`) says were trained with 4-over-6
-    block scales: the engine runs them with FlashInfer's ``nvfp4_4over6``."""
-    from .four_over_six import MARKER_KEY
-
-    marker = (qcfg or {}).get(MARKER_KEY)
-    if marker is None and (path / "hf_quant_config.json").is_file():
-        marker = json.loads((path / "hf_quant_config.json").read_text()).get(MARKER_KEY)
-    if not marker:
-        return set()
-    targets = marker.get("input_activations") or []
-    return {m for m, s in layout.schemes.items() if s.key == "nvfp4_blocks" and matches_targets(m, targets)}
 
 
 def engine_order_kl(path: str | os.PathLike, reference, engine: str | None = None, kv_cache: bool = True
