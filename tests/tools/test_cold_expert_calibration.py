@@ -61,6 +61,9 @@ def test_aux_loss_trains_the_teacher_with_megatrons_load_balancing_loss(quick_ru
     # its gradient reached the router through Megatron's schedule: the trained teacher routes differently
     assert len(_tokens_per_expert(plain)) == len(_tokens_per_expert(balanced)) == 2
     assert _tokens_per_expert(plain) != _tokens_per_expert(balanced), (plain, balanced)
+    spread = [[float(v) for v in re.findall(r"coefficient of variation ([\d.]+)", "\n".join(_tokens_per_expert(out)))]
+              for out in (plain, balanced)]
+    assert all(b < p for p, b in zip(*spread, strict=True)), spread  # more even, in every layer, after 2 steps
 
 
 def test_bad_options_are_refused_before_training():
