@@ -14,16 +14,26 @@ amaxes. The reference: max calibration on ``--long-batches`` (128) batches of 8 
 pretraining text, with the model's own routing (the study trains without a load-balancing loss: some experts get no
 token even there, and their inputs are left out of the errors). The short calibrations: ``--short-seqs`` sequences
 of 64 tokens after those, with the model's routing and with ``moe_calib_experts_ratio`` 0.25, 0.5 and 1.0; then the
-long calibration at ratio 1.0. 256 expert amaxes (fc1 and fc2 inputs of 64 experts in 2 layers).
+long calibration at ratio 1.0. 256 expert amaxes (fc1 and fc2 inputs of 64 experts in 2 layers). It also prints the
+teacher's tokens per expert on the reference data (the spread of the model's routing: min, median, max, coefficient of
+variation).
+
+``--aux-loss [COEFF]``: the teacher trains with Megatron's load-balancing auxiliary loss
+(``moe_router_load_balancing_type="aux_loss"``, ``moe_aux_loss_coeff`` COEFF, 1e-2 without a value): Megatron's router
+attaches it to the routing probabilities and Megatron's schedule scales its gradient, as in any Megatron training. The
+tool prints Megatron's own record of it (the normalised balance loss per layer, 1.0 for an even split, averaged over
+the training steps). Calibration runs in eval mode without gradients, where Megatron's router adds no aux loss.
 
 Usage: ``python tools/cold_expert_calibration.py`` (from the repository root, about a minute);
-``python tools/cold_expert_calibration.py --model moe64 [--seed 1234] [--short-seqs 1] [--long-batches 128]``;
+``python tools/cold_expert_calibration.py --model moe64 [--seed 1234] [--short-seqs 1] [--long-batches 128]
+[--aux-loss [1e-2]]``;
 ``--quick``: a few steps only (checks that the tool runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -75,6 +85,23 @@ def _run(rank, world_size):
     return out
 
 
+def _tokens_per_expert(rows: torch.Tensor, num_layers: int) -> torch.Tensor:
+    """The tokens each expert received (``[layers, experts]``), from the fc1 input counts of :func:`_input_amaxes`'s
+    rows (fc1 and fc2 of each layer in turn)."""
+    return rows.reshape(num_layers, 2, -1)[:, 0]
+
+
+def _balance_loss_per_layer(steps: int) -> list[float] | None:
+    """Megatron's record of the load-balancing loss (``aux_loss / coeff``, 1.0 for an even split) per MoE layer,
+    averaged over ``steps`` training steps of one micro-batch each; None where the router computed none. Clears the
+    record."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
+
+    entry = get_moe_metrics_tracker().metrics.get("load_balancing_loss")
+    destroy_moe_metrics_tracker()
+    return None if entry is None else (entry.values.double() / steps).tolist()
+
+
 # a trained model's short calibrations: the model's routing (None), then these moe_calib_experts_ratio values
 TRAINED_RATIOS = (None, 0.25, 0.5, 1.0)
 QUICK = {"pretrain_steps": 2, "long_batches": 2}
@@ -90,11 +117,18 @@ def _run_trained(rank, world_size, opts):
 
     import modelopt_moe.quantization as mtq
 
+    coeff = opts["aux_loss_coeff"]
+    # Megatron's own load-balancing loss: its router attaches it while training, its schedule scales the gradient
+    balance = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": coeff} if coeff else {}
     cfg = StudyConfig(**{**CPU_STUDY, **STUDY_MODELS[opts["model"]], "seed": opts["seed"],
-                         "pretrain_steps": opts["pretrain_steps"], "steps": opts["long_batches"] + 1})
+                         "pretrain_steps": opts["pretrain_steps"], "steps": opts["long_batches"] + 1,
+                         "model_overrides": balance})
     mm.init_model_parallel(1, 1, seed=cfg.seed)
     data = study_data(cfg)
     teacher, losses = train_teacher(cfg, data["pretrain"])
+    balance_loss = _balance_loss_per_layer(cfg.pretrain_steps)
+    if coeff and balance_loss is None:
+        raise RuntimeError(f"--aux-loss {coeff}: Megatron's router recorded no load-balancing loss while training")
     weights = {n: p.detach().clone() for n, p in teacher.named_parameters()}
     del teacher
     long_data = data["recover"][:-1]  # the batches after the pretraining text
@@ -119,7 +153,10 @@ def _run_trained(rank, world_size, opts):
     ref, ref_rows = calibrate(None, long_data)
     n = cfg.num_experts
     out = {"model": f"{cfg.num_layers} layers, hidden {cfg.hidden}, {n} experts top-{cfg.topk}, expert FFN "
-                    f"{cfg.ffn_hidden}; teacher {cfg.pretrain_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}",
+                    f"{cfg.ffn_hidden}; teacher {cfg.pretrain_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+                    + (f", load-balancing aux loss coeff {coeff:g}" if coeff else ", no load-balancing loss"),
+           "balance loss": balance_loss,
+           "tokens per expert": _tokens_per_expert(ref_rows, cfg.num_layers).tolist(),
            "inputs": ref.numel(), "reference unseen": int((ref_rows == 0).sum()),
            "reference": f"{len(long_data)} x {cfg.batch} x {cfg.seq} tokens", "rows": []}
     runs = [(f"short ({opts['short_seqs']} x {cfg.seq} tokens), "
@@ -148,15 +185,21 @@ def main(argv=None) -> None:
     parser.add_argument("--pretrain-steps", type=int, default=300, help="moe64: the teacher's training steps")
     parser.add_argument("--long-batches", type=int, default=128, help="moe64: the reference's batches of 8 x 64")
     parser.add_argument("--short-seqs", type=int, default=1, help="moe64: the short calibration's sequences of 64")
+    parser.add_argument("--aux-loss", type=float, nargs="?", const=1e-2, metavar="COEFF",
+                        help="moe64: train the teacher with Megatron's load-balancing auxiliary loss "
+                             "(moe_router_load_balancing_type aux_loss, moe_aux_loss_coeff COEFF; default 1e-2)")
     parser.add_argument("--quick", action="store_true", help="moe64: a few steps only (checks that the tool runs)")
     args = parser.parse_args(argv)
+    if args.aux_loss is not None and not (math.isfinite(args.aux_loss) and args.aux_loss > 0):
+        parser.error(f"--aux-loss {args.aux_loss}: expected a positive, finite coefficient (1e-2 without a value)")
     for flag, value in (("--pretrain-steps", args.pretrain_steps), ("--long-batches", args.long_batches)):
         if value < 1:
             parser.error(f"{flag} {value}: expected a positive number of steps / batches")
     if args.short_seqs < 1 or args.short_seqs > 8:
         parser.error(f"--short-seqs {args.short_seqs}: expected 1 to 8 (sequences of one batch)")
-    if args.model == "harness" and args.quick:
-        parser.error("--quick needs --model moe64")
+    for flag, given in (("--quick", args.quick), ("--aux-loss", args.aux_loss is not None)):
+        if args.model == "harness" and given:
+            parser.error(f"{flag} needs --model moe64")
     from modelopt_moe.launch import spawn
 
     if args.model == "harness":
@@ -170,12 +213,23 @@ def main(argv=None) -> None:
             print(f"| {name} | {unseen} of 64 | {median:.3f} | {worst:.3f} |")
         return
     opts = {"model": args.model, "seed": args.seed, "pretrain_steps": args.pretrain_steps,
-            "long_batches": args.long_batches, "short_seqs": args.short_seqs, **(QUICK if args.quick else {})}
+            "long_batches": args.long_batches, "short_seqs": args.short_seqs, "aux_loss_coeff": args.aux_loss or 0.0,
+            **(QUICK if args.quick else {})}
     (out,) = spawn(_run_trained, 1, args=(opts,), timeout=3600)
     total = out["inputs"]
     print(f"{args.model} (seed {args.seed}): {out['model']}")
     print(f"reference ({out['reference']}, the model's routing): {out['reference unseen']} of {total} expert "
-          "inputs unseen\n")
+          "inputs unseen")
+    tokens = torch.tensor(out["tokens per expert"], dtype=torch.float64)
+    for i, layer in enumerate(tokens):
+        print(f"teacher's tokens per expert on the reference, layer {i + 1}: min {layer.min():.0f}, median "
+              f"{layer.median():.0f}, max {layer.max():.0f} (an even split: {layer.mean():.0f}), coefficient of "
+              f"variation {layer.std(correction=0) / layer.mean():.3f}, {int((layer == 0).sum())} of {layer.numel()} "
+              "experts without a token")
+    loss = out["balance loss"]
+    print("Megatron's load-balancing loss while the teacher trained (aux_loss / coeff, 1.0 for an even split; mean "
+          "over the steps): " + ("none (no aux loss)" if loss is None else
+                                 ", ".join(f"layer {i + 1} {v:.4f}" for i, v in enumerate(loss))) + "\n")
     print(f"relative amax error |amax - amax_ref| / amax_ref over the {total - out['reference unseen']} expert inputs "
           f"the reference saw; cold: the {out['cold']} of them the short calibration with the model's routing left "
           "without a token\n")
