@@ -83,6 +83,9 @@ STUDY_VARIANTS = (
     "nvfp4/qad:train=all,lr=1e-4",
     "nvfp4/qad:adam_eps=1e-6",
 )
+# Study-only formats: nvfp4_46's config with each block's 4-or-6 candidate chosen by another rule
+# (tools/four_over_six_rules.py); nvfp4_46mse is the library's rule through the same path (the check of that path).
+RULE_FORMATS = {"nvfp4_46mse": "mse", "nvfp4_46l1": "l1_norm", "nvfp4_46amax": "abs_max"}
 
 
 @dataclasses.dataclass
@@ -137,7 +140,7 @@ def parse_variant(spec: str, base: dict | None = None):
 
     head, _, changes = spec.partition(":")
     fmt, _, method = head.partition("/")
-    formats = ("nvfp4", "nvfp4_46", "nvfp4_46in", "nvfp4_46w", "fp8", "mxfp4", "mxfp8", "fp8_block")
+    formats = ("nvfp4", "nvfp4_46", "nvfp4_46in", "nvfp4_46w", "fp8", "mxfp4", "mxfp8", "fp8_block", *RULE_FORMATS)
     if fmt.split("-")[0] not in formats or fmt.partition("-")[2] not in ("", "w", "a") or (
             method not in ("qad", "qat", "ptq")):
         raise ValueError(f"variant {spec!r}: expected '<{'|'.join(formats)}>[-w|-a]/<qad|qat|ptq>[:field=value,...]'")
@@ -160,10 +163,15 @@ def parse_variant(spec: str, base: dict | None = None):
     if calib in WEIGHT_CALIBRATIONS and kwargs.get("weight_amax_update", "dynamic") == "dynamic":
         kwargs["weight_amax_update"] = "static"
     try:
-        expert_quant_config(fmt.split("-")[0], "static", calib)
+        expert_quant_config(_config_format(fmt.split("-")[0]), "static", calib)
         return fmt, method, QADRecipe(**kwargs)
     except ValueError as e:
         raise ValueError(f"variant {spec!r}: {e}") from e
+
+
+def _config_format(fmt: str) -> str:
+    """The key of ``megatron_harness.configs.EXPERT_FORMATS`` a study format quantizes with."""
+    return "nvfp4_46" if fmt in RULE_FORMATS else fmt
 
 
 def variant_calibration(spec: str) -> str:
@@ -419,9 +427,13 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
         model = copy_of_teacher()
         model.eval()
         base, _, only = fmt.partition("-")
+        if base in RULE_FORMATS:
+            from four_over_six_rules import use_rule
+
+            use_rule(model, RULE_FORMATS[base])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mtq.quantize(model, {**expert_quant_config(base, amax_update, calibration),
+            mtq.quantize(model, {**expert_quant_config(_config_format(base), amax_update, calibration),
                                  "input_amax_update": input_amax_update},
                          lambda m: [forward(m, b) for b in calib])
         if only:

@@ -24,8 +24,9 @@ def test_every_study_variant_parses_and_the_default_runs_first():
     assert parse_variant(f"nvfp4/qad:{FORMER}")[2] == QADRecipe(train="all", lr=1e-4, lr_decay_style="constant",
                                                                 warmup_fraction=0.0)
     assert len(set(STUDY_VARIANTS)) == len(STUDY_VARIANTS)
-    for spec, message in [("int4/qad", "expected '<nvfp4|nvfp4_46|nvfp4_46in|nvfp4_46w|fp8|mxfp4|mxfp8|fp8_block>"
-                                       "[-w|-a]/<qad|qat|ptq>"),
+    assert parse_variant("nvfp4_46l1-a/ptq")[:2] == ("nvfp4_46l1-a", "ptq")  # study-only 4-over-6 rules
+    for spec, message in [("int4/qad", "expected '<nvfp4|nvfp4_46|nvfp4_46in|nvfp4_46w|fp8|mxfp4|mxfp8|fp8_block|"
+                                       "nvfp4_46mse|nvfp4_46l1|nvfp4_46amax>[-w|-a]/<qad|qat|ptq>"),
                           ("nvfp4/qad:lrr=1", "'lrr'"),
                           ("nvfp4/qad:lr=-1", "QADRecipe.lr=-1.0")]:
         with pytest.raises(ValueError, match="variant") as info:
