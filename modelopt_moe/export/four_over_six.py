@@ -4,14 +4,18 @@ Weights quantized with 4-over-6 are plain NVFP4 tensors (:class:`~modelopt_moe.n
 any NVFP4 reader decodes them exactly. Inputs quantized with 4-over-6 store a 256-normalized global scale
 (``input amax / 1536``), and the engine rounds them as training did only with FlashInfer's 4-over-6 activation recipe
 (:data:`ENGINE_SETTINGS`); an engine without it runs plain NVFP4 activations under that scale, which is valid but not
-what was trained. So where inputs use 4-over-6 the export writes:
+what was trained. So where weights or inputs use 4-over-6 the export writes:
 
 * a machine-readable marker, the top-level key :data:`MARKER_KEY` of ``config.json``'s ``quantization_config`` (and
   of ``hf_quant_config.json``, beside its ``producer``): the linears whose inputs (``input_activations``) and weights
   (``weights``) use 4-over-6, as compressed-tensors ``targets`` (exact names and ``re:`` patterns of whole experts
-  modules), the block-scale normalization and the engine settings. The readers keep or ignore it without complaint
-  (compressed-tensors' ``QuantizationConfig`` and transformers ignore unknown top-level keys; the config groups, which
-  refuse unknown fields, are left as plain NVFP4);
+  modules), the block-scale normalization and the engine settings (none where only weights use it). The readers keep
+  or ignore it without complaint (compressed-tensors' ``QuantizationConfig`` and transformers ignore unknown
+  top-level keys; the config groups, which refuse unknown fields, are left as plain NVFP4). Readers of amaxes (the
+  checker) convert the named linears' second-level scales with ``amax / 1536``, not NVFP4's ``amax / 2688``;
+
+and where inputs use it:
+
 * a section of the model card (:mod:`.model_card`);
 * a warning once on rank 0 naming the layers and the engine setting.
 """
@@ -51,13 +55,15 @@ def _targets(schemes: Mapping[str, Scheme | None], chosen) -> list[str]:
 
 def marker(schemes: Mapping[str, Scheme | None]) -> dict | None:
     """The :data:`MARKER_KEY` entry of a checkpoint whose linears have ``schemes`` (Hugging Face name -> scheme, None:
-    unquantized); None where no linear's inputs use 4-over-6 (4-over-6 weights alone need nothing of the engine)."""
-    if not any(four_over_six_inputs(s) for s in schemes.values()):
+    unquantized); None where no linear uses 4-over-6. Its engine settings are empty where only weights use it (they
+    need nothing of the engine)."""
+    inputs = _targets(schemes, four_over_six_inputs)
+    weights = _targets(schemes, four_over_six_weights)
+    if not inputs and not weights:
         return None
-    return {"input_activations": _targets(schemes, four_over_six_inputs),
-            "weights": _targets(schemes, four_over_six_weights),
+    return {"input_activations": inputs, "weights": weights,
             "block_scale_max": FOUR_OVER_SIX_SCALE_MAX, "choice": "smaller squared error of max->6 and max->4, "
-            "ties to 6", "engine_settings": dict(ENGINE_SETTINGS)}
+            "ties to 6", "engine_settings": dict(ENGINE_SETTINGS) if inputs else {}}
 
 
 def _settings() -> str:
@@ -79,7 +85,7 @@ def served_setting_warning(schemes: Mapping[str, Scheme | None], fmt: str) -> st
 def card_lines(schemes: Mapping[str, Scheme | None]) -> list[str]:
     """The model card's section on the serving setting (empty where no linear's inputs use 4-over-6)."""
     m = marker(schemes)
-    if m is None:
+    if m is None or not m["input_activations"]:
         return []
     targets = ", ".join(f"`{t}`" for t in m["input_activations"])
     return ["## Serving setting: 4-over-6 activations", "",

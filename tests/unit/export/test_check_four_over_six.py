@@ -35,12 +35,12 @@ def _amax(table: dict, name: str, default: float) -> torch.Tensor:
                                                             else ".q_proj", name), default)))
 
 
-def _export(out: Path, fmt: str) -> Path:
+def _export(out: Path, fmt: str, experts: LinearQuant = EXPERTS) -> Path:
     g = torch.Generator().manual_seed(0)
     shapes, records = canonical_shapes(ARCH), []
     for name in canonical_names(ARCH):
         t = torch.randn(shapes[name], generator=g) * 0.1
-        quant = EXPERTS if ".experts." in name else ATTENTION if name.endswith(("q_proj", "k_proj", "v_proj",
+        quant = experts if ".experts." in name else ATTENTION if name.endswith(("q_proj", "k_proj", "v_proj",
                                                                                 "o_proj")) else None
         if quant is not None:
             records.append(LinearRecord(name, t, quant, _amax(WEIGHT_AMAX, name, 1.0), _amax(INPUT_AMAX, name, 8.0)))
@@ -108,3 +108,17 @@ def test_a_malformed_four_over_six_marker_is_a_finding_naming_the_key(tmp_path):
     bad = [f for f in report.errors if f.where == "quantization_config.nvfp4_four_over_six"]
     assert len(bad) == 1, report.errors
     assert "'weights': 're:.*'" in bad[0].message, bad[0].message
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+def test_a_weights_only_four_over_six_export_is_marked_and_checked_with_the_1536_bound(tmp_path, fmt):
+    import json
+
+    from modelopt_moe.export.check import check_checkpoint
+
+    out = _export(tmp_path / "ckpt", fmt, experts=ATTENTION)  # 4-over-6 weights, plain NVFP4 inputs everywhere
+    marker = json.loads((out / "config.json").read_text())["quantization_config"]["nvfp4_four_over_six"]
+    assert marker["input_activations"] == [] and marker["engine_settings"] == {}, marker
+    report = check_checkpoint(out, "vllm")
+    gate_up = [f.message for f in report.errors if "weight_scale amax" in f.message]
+    assert len(gate_up) == 1 and "weight_scale amax 3 != 5:" in gate_up[0], report.errors
