@@ -118,7 +118,9 @@ def test_a_weights_only_four_over_six_export_is_marked_and_checked_with_the_1536
 
     out = _export(tmp_path / "ckpt", fmt, experts=ATTENTION)  # 4-over-6 weights, plain NVFP4 inputs everywhere
     marker = json.loads((out / "config.json").read_text())["quantization_config"]["nvfp4_four_over_six"]
-    assert marker["input_activations"] == [] and marker["engine_settings"] == {}, marker
+    assert marker["input_activations"] == [], marker
+    assert marker["engine_settings"] == {}, marker
     report = check_checkpoint(out, "vllm")
     gate_up = [f.message for f in report.errors if "weight_scale amax" in f.message]
-    assert len(gate_up) == 1 and "weight_scale amax 3 != 5:" in gate_up[0], report.errors
+    assert len(gate_up) == 1, report.errors
+    assert "weight_scale amax 3 != 5:" in gate_up[0], gate_up
