@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
@@ -27,7 +28,7 @@ from modelopt_moe.kernels import (
     weight_amax_kernels,
     weight_fake_quant_kernels,
 )
-from modelopt_moe.kernels.launch import format_constexprs
+from modelopt_moe.kernels.launch import format_constexprs, token_tiling
 
 TARGET = GPUTarget("cuda", 90, 32)
 # Arguments by name: pointer dtypes (bf16 data), and the integers the launch specializes as multiples of 16 (Triton
@@ -92,11 +93,14 @@ def _cases():
     out.append(("FP8 token groups of 128", b.token_groups_kernel,
                 dict(BOUND=448.0, MANT=3, EMIN=-6, EMAX=8, TILE_R=8, TILE_NB=8, BS=128, BITWISE_CVT=False), 8, {}))
     for fmt, block in (("e4m3", None), ("mxfp8", 32), ("nvfp4", 16), ("nvfp4_four_over_six", 16)):
+        # the launcher's own tiling of rows of 2048 for the format (elements per program and per thread)
+        tile_r, tile_nb, _, launch = token_tiling(fmt, 2048, block or 32, torch.device("cuda"))
         for scale in (False, True):
             out.append((f"token fake quant, {fmt}{', row scale' if scale else ''}",
                         input_fake_quant_kernels.grouped_input_fake_quant_kernel,
-                        dict(format_constexprs(fmt, block), **_TOKENS, PER_EXPERT=block is None, HW_CVT=True,
-                             HAS_SCALE=scale, **_token_blocks(block)), 8, {}))
+                        dict(format_constexprs(fmt, block), **{**_TOKENS, "TILE_R": tile_r}, PER_EXPERT=block is None,
+                             HW_CVT=True, HAS_SCALE=scale, BS=block or 32, TILE_NB=tile_nb),
+                        launch["num_warps"], {}))
     out.append(("token clipped gradient", input_fake_quant_kernels.grouped_input_clip_grad_kernel,
                 dict(_TOKENS, PER_EXPERT=True, **_token_blocks(None)), 8, {}))
     out.append(("token fake quant + statistics", s.grouped_input_fake_quant_stats_kernel,
