@@ -106,8 +106,8 @@ def _parse_value(field, text: str):
 
 def main(argv=None) -> int:
     """Runs the recovery table (or ``--study``) on the chosen ranks, prints the report and writes ``--json``."""
+    from qad_study import GLUS  # the study models with gated experts
     from qat_recovery import RecoveryConfig, format_report
-    from smooth_expert_inputs_study import GLUS  # the study models with gated experts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = parser.add_mutually_exclusive_group(required=True)

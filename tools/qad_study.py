@@ -86,6 +86,9 @@ STUDY_VARIANTS = (
 # Study-only formats: nvfp4_46's config with each block's 4-or-6 candidate chosen by another rule
 # (tools/four_over_six_rules.py); nvfp4_46mse is the library's rule through the same path (the check of that path).
 RULE_FORMATS = {"nvfp4_46mse": "mse", "nvfp4_46l1": "l1_norm", "nvfp4_46amax": "abs_max"}
+# The experts' MLP (StudyConfig.model_overrides): none (the study models' own), or gated (SwiGLU, GeGLU).
+GLUS = {"none": {}, "swiglu": {"gated_linear_unit": True, "activation_func": torch.nn.functional.silu},
+        "geglu": {"gated_linear_unit": True, "activation_func": torch.nn.functional.gelu}}
 
 
 @dataclasses.dataclass

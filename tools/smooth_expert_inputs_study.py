@@ -60,7 +60,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 for _path in (Path(__file__).resolve().parent, Path(__file__).resolve().parents[1] / "tests"):
     if str(_path) not in sys.path:  # the study's tools, and its small Megatron models (not part of the package)
@@ -73,8 +72,6 @@ __all__ = ["ExpertGemms", "expert_gemms", "check_transformable", "fc2_input_amax
 BLOCK = 16  # NVFP4's block along fc2's input channels (the activations' and fc2 weight's last dim)
 VARIANTS = ("none", "smooth0.25", "smooth0.5", "smooth0.75", "smooth0.5p2", "blockeq", "awq", "perm",
             "spread", "awq+spread")
-GLUS = {"none": {}, "swiglu": {"gated_linear_unit": True, "activation_func": F.silu},
-        "geglu": {"gated_linear_unit": True, "activation_func": F.gelu}}
 
 
 @dataclasses.dataclass
@@ -563,7 +560,7 @@ QUICK = {"pretrain_steps": 3, "eval_batches": 2, "calib_batches": 1}
 def main(argv=None) -> int:
     """Parses the options, runs the study per seed and prints the table (``--json``: the raw results too)."""
     from bench_qat_recovery import CPU_STUDY, STUDY_MODELS, _parse_value
-    from qad_study import StudyConfig
+    from qad_study import GLUS, StudyConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(STUDY_MODELS), default="study")
