@@ -423,8 +423,8 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
         return study_model(cfg, teacher_weights)
 
     def quantized(fmt, amax_update, input_amax_update="static", calibration="max"):
-        """The teacher quantized to ``fmt``: ``nvfp4`` / ``fp8`` / ``int8`` (experts' weights and inputs), with ``-w`` the
-        weights alone, with ``-a`` the inputs alone; calibrated by ``calibration`` (``CALIBRATIONS``)."""
+        """The teacher quantized to ``fmt``: ``nvfp4`` / ``fp8`` / ``int8`` (experts' weights and inputs), with
+        ``-w`` the weights alone, with ``-a`` the inputs alone; calibrated by ``calibration`` (``CALIBRATIONS``)."""
         model = copy_of_teacher()
         model.eval()
         base, _, only = fmt.partition("-")
