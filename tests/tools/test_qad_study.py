@@ -54,6 +54,20 @@ def test_a_variant_names_its_calibration():
         assert message in str(info.value)
 
 
+def test_the_int8_study_format_is_the_shipped_int8_configs_quantizers_on_the_experts():
+    from pathlib import Path
+
+    import yaml
+    from megatron_harness.configs import expert_quant_config
+
+    shipped = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "int8_default.yaml").read_text())
+    cfgs = {e["quantizer_name"]: e["cfg"] for e in shipped["quant_cfg"] if "quantizer_name" in e}
+    for calib in ("max", "hist_mse", "percentile"):
+        config = expert_quant_config("int8", "static", calib)
+        assert [e["cfg"] for e in config["quant_cfg"]] == [cfgs["*weight_quantizer"], cfgs["*input_quantizer"]]
+        assert config["experts"]["input_amax"] == "shared"  # one per-tensor amax: the histograms' case
+
+
 def _top1_worker(rank, world_size, logits):
     import torch.distributed as dist
 
