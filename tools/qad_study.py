@@ -143,7 +143,8 @@ def parse_variant(spec: str, base: dict | None = None):
 
     head, _, changes = spec.partition(":")
     fmt, _, method = head.partition("/")
-    formats = ("nvfp4", "nvfp4_46", "nvfp4_46in", "nvfp4_46w", "fp8", "mxfp4", "mxfp8", "fp8_block", *RULE_FORMATS)
+    formats = ("nvfp4", "nvfp4_46", "nvfp4_46in", "nvfp4_46w", "fp8", "int8", "mxfp4", "mxfp8", "fp8_block",
+               *RULE_FORMATS)
     if fmt.split("-")[0] not in formats or fmt.partition("-")[2] not in ("", "w", "a") or (
             method not in ("qad", "qat", "ptq")):
         raise ValueError(f"variant {spec!r}: expected '<{'|'.join(formats)}>[-w|-a]/<qad|qat|ptq>[:field=value,...]'")
@@ -425,8 +426,8 @@ def run_study(cfg: StudyConfig, verbose: bool = False) -> dict:
         return study_model(cfg, teacher_weights)
 
     def quantized(fmt, amax_update, input_amax_update="static", calibration="max"):
-        """The teacher quantized to ``fmt``: ``nvfp4`` / ``fp8`` (experts' weights and inputs), with ``-w`` the
-        weights alone, with ``-a`` the inputs alone; calibrated by ``calibration`` (``CALIBRATIONS``)."""
+        """The teacher quantized to ``fmt``: ``nvfp4`` / ``fp8`` / ``int8`` (experts' weights and inputs), with
+        ``-w`` the weights alone, with ``-a`` the inputs alone; calibrated by ``calibration`` (``CALIBRATIONS``)."""
         model = copy_of_teacher()
         model.eval()
         base, _, only = fmt.partition("-")

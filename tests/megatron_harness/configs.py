@@ -17,6 +17,8 @@ EXPERT_FORMATS = {
     "nvfp4_46in": (_NVFP4, _NVFP4_46),
     "nvfp4_46w": (_NVFP4_46, _NVFP4),
     "fp8": ({"num_bits": "e4m3", "axis": None},) * 2,
+    # configs/int8_default.yaml's quantizers: weights per output channel, inputs per tensor
+    "int8": ({"num_bits": 8, "axis": 0}, {"num_bits": 8, "axis": None}),
     "mxfp4": ({"num_bits": [2, 1], **_MX},) * 2,
     "mxfp8": ({"num_bits": [4, 3], **_MX},) * 2,
     "fp8_block": ({"num_bits": "e4m3", "block_sizes": {-1: 128, -2: 128}},

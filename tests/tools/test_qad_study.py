@@ -25,7 +25,7 @@ def test_every_study_variant_parses_and_the_default_runs_first():
                                                                 warmup_fraction=0.0)
     assert len(set(STUDY_VARIANTS)) == len(STUDY_VARIANTS)
     assert parse_variant("nvfp4_46l1-a/ptq")[:2] == ("nvfp4_46l1-a", "ptq")  # study-only 4-over-6 rules
-    for spec, message in [("int4/qad", "expected '<nvfp4|nvfp4_46|nvfp4_46in|nvfp4_46w|fp8|mxfp4|mxfp8|fp8_block|"
+    for spec, message in [("int4/qad", "expected '<nvfp4|nvfp4_46|nvfp4_46in|nvfp4_46w|fp8|int8|mxfp4|mxfp8|fp8_block|"
                                        "nvfp4_46mse|nvfp4_46l1|nvfp4_46amax>[-w|-a]/<qad|qat|ptq>"),
                           ("nvfp4/qad:lrr=1", "'lrr'"),
                           ("nvfp4/qad:lr=-1", "QADRecipe.lr=-1.0")]:
@@ -39,6 +39,7 @@ def test_a_variant_names_its_calibration():
     assert parse_variant("nvfp4/qad:calib=fp8_sweep") == ("nvfp4", "qad", QADRecipe(weight_amax_update="static"))
     assert parse_variant("fp8/qad:calib=mse,weight_amax_update=learned")[2].weight_amax_update == "learned"
     assert parse_variant("fp8/qad:calib=percentile")[2] == QADRecipe()  # activations only: weights stay dynamic
+    assert parse_variant("int8/ptq:calib=hist_mse") == ("int8", "ptq", QADRecipe())  # INT8 inputs take histograms
     assert parse_variant("mxfp4/ptq:calib=mse")[:2] == ("mxfp4", "ptq")
     assert parse_variant("nvfp4_46-a/ptq:calib=smooth")[:2] == ("nvfp4_46-a", "ptq")  # 4-over-6 starts as NVFP4
     assert parse_variant("nvfp4/qad:calib=smooth")[2] == QADRecipe()  # max after a rescale: weights stay dynamic
@@ -51,6 +52,20 @@ def test_a_variant_names_its_calibration():
         with pytest.raises(ValueError, match="variant") as info:
             parse_variant(spec)
         assert message in str(info.value)
+
+
+def test_the_int8_study_format_is_the_shipped_int8_configs_quantizers_on_the_experts():
+    from pathlib import Path
+
+    import yaml
+    from megatron_harness.configs import expert_quant_config
+
+    shipped = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "int8_default.yaml").read_text())
+    cfgs = {e["quantizer_name"]: e["cfg"] for e in shipped["quant_cfg"] if "quantizer_name" in e}
+    for calib in ("max", "hist_mse", "percentile"):
+        config = expert_quant_config("int8", "static", calib)
+        assert [e["cfg"] for e in config["quant_cfg"]] == [cfgs["*weight_quantizer"], cfgs["*input_quantizer"]]
+        assert config["experts"]["input_amax"] == "shared"  # one per-tensor amax: the histograms' case
 
 
 def _top1_worker(rank, world_size, logits):
