@@ -7,9 +7,9 @@ per block of 16, the candidate of smaller squared error (``mse``). The 4-over-6 
 the QAD study (``tools/qad_study.py``: formats ``nvfp4_46mse``, ``nvfp4_46l1``, ``nvfp4_46amax``), without changing
 the library's format:
 
-- :func:`four_over_six_quantize` is the format's quantization with the rule as an argument: the same two candidates
-  (NVFP4's own block rounding), the same ``sg = amax / (6 * 256)``, 4 only where its error is strictly smaller (6 on
-  ties and NaN); the rule ``mse`` gives the format's bits exactly.
+- :func:`four_over_six_quantize` is the format's own quantization (``_quantize_by``) with the rule's block error: the
+  same two candidates, the same ``sg = amax / (6 * 256)``, 4 only where its error is strictly smaller (6 on ties and
+  NaN); the rule ``mse`` gives the format's bits exactly.
 - :func:`use_rule` makes a model's forwards quantize ``nvfp4_four_over_six`` with a rule: a forward pre-hook sets it,
   a forward hook clears it (both return None), and the format's quantization, patched once in this process, reads it.
   Outside those forwards the format is the library's, untouched.
@@ -20,20 +20,13 @@ from __future__ import annotations
 import torch
 
 from modelopt_moe.numerics.format import Quantized
-from modelopt_moe.numerics.nvfp4 import E2M1_MAX, NVFP4FourOverSixFormat, block_square_error
+from modelopt_moe.numerics.nvfp4 import NVFP4FourOverSixFormat, block_square_error, pairwise_block_sum
 
 __all__ = ["RULES", "block_error", "four_over_six_quantize", "use_rule", "active_rule"]
 
 RULES = ("mse", "l1_norm", "abs_max")
 _ACTIVE: list[str] = []  # the rule of the forward in progress (a stack: a forward inside a forward keeps its own)
 _LIBRARY_QUANTIZE = NVFP4FourOverSixFormat._quantize
-
-
-def _pairwise_sum(values: torch.Tensor) -> torch.Tensor:
-    """The last dim summed as a fixed tree of adjacent pairs (as :func:`block_square_error`), ``[..., 1]``."""
-    while values.shape[-1] > 1:
-        values = values[..., 0::2] + values[..., 1::2]
-    return values
 
 
 def block_error(error: torch.Tensor, rule: str) -> torch.Tensor:
@@ -47,7 +40,7 @@ def block_error(error: torch.Tensor, rule: str) -> torch.Tensor:
     if rule == "mse":
         return block_square_error(error)
     if rule == "l1_norm":
-        return _pairwise_sum(error.abs())
+        return pairwise_block_sum(error.abs())
     if rule == "abs_max":
         return error.abs().amax(-1, keepdim=True)
     raise ValueError(f"4-over-6 rule {rule!r}: expected one of {RULES}")
@@ -55,10 +48,7 @@ def block_error(error: torch.Tensor, rule: str) -> torch.Tensor:
 
 def four_over_six_quantize(fmt: NVFP4FourOverSixFormat, xf: torch.Tensor, amax, rule: str) -> Quantized:
     """``fmt``'s 4-over-6 quantization of fp32 ``xf`` with each block's candidate chosen by ``rule``."""
-    sg, blocks, block_max = fmt._blocks(xf, amax)
-    (q6, sb6), (q4, sb4) = (fmt._round_blocks(blocks, block_max, sg, d) for d in (E2M1_MAX, 4.0))
-    four = block_error(q4 * (sb4 * sg) - blocks, rule) < block_error(q6 * (sb6 * sg) - blocks, rule)
-    return Quantized(fmt.name, torch.where(four, q4, q6), sg, torch.where(four, sb4, sb6), fmt.block_length)
+    return fmt._quantize_by(xf, amax, lambda error: block_error(error, rule))
 
 
 def active_rule() -> str | None:

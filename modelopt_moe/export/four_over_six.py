@@ -84,10 +84,10 @@ def served_setting_warning(schemes: Mapping[str, Scheme | None], fmt: str) -> st
 
 def card_lines(schemes: Mapping[str, Scheme | None]) -> list[str]:
     """The model card's section on the serving setting (empty where no linear's inputs use 4-over-6)."""
-    m = marker(schemes)
-    if m is None or not m["input_activations"]:
+    inputs = _targets(schemes, four_over_six_inputs)
+    if not inputs:
         return []
-    targets = ", ".join(f"`{t}`" for t in m["input_activations"])
+    targets = ", ".join(f"`{t}`" for t in inputs)
     return ["## Serving setting: 4-over-6 activations", "",
             f"The inputs of {targets} were quantized in training with NVFP4 4-over-6 block scales (per block of 16, "
             "the scale mapping its max to E2M1's 6 or to its 4, whichever gives the smaller squared error; the "

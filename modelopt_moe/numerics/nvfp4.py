@@ -43,7 +43,7 @@ from .fp8 import E4M3, E4M3_MAX
 __all__ = ["NVFP4_BLOCK_SIZE", "E2M1_MAX", "E2M1_VALUES", "FOUR_OVER_SIX_SCALE_MAX", "NVFP4Format", "NVFP4",
            "round_to_e2m1", "e2m1_codes", "e2m1_values", "pack_fp4", "unpack_fp4", "encode_nvfp4", "nvfp4_global_scale",
            "fp8_scale_candidates", "within_block_amax", "NVFP4FourOverSixFormat", "NVFP4_FOUR_OVER_SIX",
-           "block_square_error"]
+           "block_square_error", "pairwise_block_sum"]
 
 NVFP4_BLOCK_SIZE = 16
 E2M1_MAX = 6.0
@@ -157,10 +157,15 @@ def block_square_error(error: torch.Tensor) -> torch.Tensor:
     """``sum(error ** 2)`` over the last dim ``[..., 16]`` of fp32 ``error``, summed as a fixed tree of adjacent
     pairs (``(e0 + e1) + (e2 + e3)``, ...): every sum adds exactly two numbers, so the kernels, whose reductions
     have no set order, reproduce it bit for bit. ``[..., 1]``."""
-    sq = error * error
-    while sq.shape[-1] > 1:
-        sq = sq[..., 0::2] + sq[..., 1::2]
-    return sq
+    return pairwise_block_sum(error * error)
+
+
+def pairwise_block_sum(values: torch.Tensor) -> torch.Tensor:
+    """The last dim of ``values`` (a power of two long) summed as a fixed tree of adjacent pairs, ``[..., 1]``: the
+    order :func:`block_square_error` sums in."""
+    while values.shape[-1] > 1:
+        values = values[..., 0::2] + values[..., 1::2]
+    return values
 
 
 class NVFP4FourOverSixFormat(NVFP4Format):
@@ -184,9 +189,14 @@ class NVFP4FourOverSixFormat(NVFP4Format):
         super().check_config(bs, axis)
 
     def _quantize(self, xf, amax, block_size, narrow_range, unsigned) -> Quantized:
+        return self._quantize_by(xf, amax, block_square_error)
+
+    def _quantize_by(self, xf, amax, block_error) -> Quantized:
+        """The quantization with each block's candidate chosen by ``block_error`` (fp32 errors ``[..., 16]`` ->
+        ``[..., 1]``; the format's own is :func:`block_square_error`): 4 only where its error is strictly smaller."""
         sg, blocks, block_max = self._blocks(xf, amax)
         (q6, sb6), (q4, sb4) = (self._round_blocks(blocks, block_max, sg, d) for d in (E2M1_MAX, 4.0))
-        four = block_square_error(q4 * (sb4 * sg) - blocks) < block_square_error(q6 * (sb6 * sg) - blocks)
+        four = block_error(q4 * (sb4 * sg) - blocks) < block_error(q6 * (sb6 * sg) - blocks)
         return Quantized(self.name, torch.where(four, q4, q6), sg, torch.where(four, sb4, sb6), self.block_length)
 
 
