@@ -18,6 +18,11 @@ long calibration at ratio 1.0. 256 expert amaxes (fc1 and fc2 inputs of 64 exper
 teacher's tokens per expert on the reference data (the spread of the model's routing: min, median, max, coefficient of
 variation).
 
+``--gpu`` (with ``--model moe64``): the GPU study model's 64-expert twin instead (``bench_qat_recovery.GPU_STUDY``
+with ``STUDY_MODELS["moe64"]``: 4 layers, hidden 512, 64 Transformer Engine grouped experts, top-8, expert FFN 64),
+on one GPU (NCCL), its teacher trained 600 steps at lr 1e-3 on batches of 32 x 256 bytes of Python source; the short
+calibration takes ``--short-seqs`` sequences of 256 tokens, the reference ``--long-batches`` batches of 32 x 256.
+
 ``--aux-loss [COEFF]``: the teacher trains with Megatron's load-balancing auxiliary loss
 (``moe_router_load_balancing_type="aux_loss"``, ``moe_aux_loss_coeff`` COEFF, 1e-2 without a value): Megatron's router
 attaches it to the routing probabilities and Megatron's schedule scales its gradient, as in any Megatron training. The
@@ -26,7 +31,7 @@ the training steps). Calibration runs in eval mode without gradients, where Mega
 
 Usage: ``python tools/cold_expert_calibration.py`` (from the repository root, about a minute);
 ``python tools/cold_expert_calibration.py --model moe64 [--seed 1234] [--short-seqs 1] [--long-batches 128]
-[--aux-loss [1e-2]]``;
+[--aux-loss [1e-2]] [--gpu]``;
 ``--quick``: a few steps only (checks that the tool runs).
 """
 
@@ -111,7 +116,7 @@ def _run_trained(rank, world_size, opts):
     """The short and long calibrations of a trained study model (``opts["model"]``, a key of
     ``bench_qat_recovery.STUDY_MODELS``)."""
     import megatron_harness.models as mm
-    from bench_qat_recovery import CPU_STUDY, STUDY_MODELS
+    from bench_qat_recovery import CPU_STUDY, GPU_STUDY, STUDY_MODELS
     from megatron_harness.configs import expert_quant_config
     from qad_study import StudyConfig, study_data, study_model, train_teacher
 
@@ -120,9 +125,10 @@ def _run_trained(rank, world_size, opts):
     coeff = opts["aux_loss_coeff"]
     # Megatron's own load-balancing loss: its router attaches it while training, its schedule scales the gradient
     balance = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": coeff} if coeff else {}
-    cfg = StudyConfig(**{**CPU_STUDY, **STUDY_MODELS[opts["model"]], "seed": opts["seed"],
-                         "pretrain_steps": opts["pretrain_steps"], "steps": opts["long_batches"] + 1,
-                         "model_overrides": balance})
+    base = GPU_STUDY if opts["gpu"] else CPU_STUDY
+    cfg = StudyConfig(**{**base, **STUDY_MODELS[opts["model"]], "seed": opts["seed"],
+                         "pretrain_steps": opts["pretrain_steps"] or base["pretrain_steps"],
+                         "steps": opts["long_batches"] + 1, "model_overrides": balance})
     mm.init_model_parallel(1, 1, seed=cfg.seed)
     data = study_data(cfg)
     teacher, losses = train_teacher(cfg, data["pretrain"])
@@ -141,9 +147,10 @@ def _run_trained(rank, world_size, opts):
         algorithm = "max" if ratio is None else {"method": "max", "moe_calib_experts_ratio": ratio}
 
         def forward_loop(m):
+            device = next(m.parameters()).device
             with torch.no_grad():
                 for b in batches:
-                    m(b["tokens"], b["position_ids"], b["attention_mask"])
+                    m(*(b[k].to(device) for k in ("tokens", "position_ids", "attention_mask")))
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -182,22 +189,26 @@ def main(argv=None) -> None:
                         help="harness: the tests' untrained 16-expert model (default); moe64: the QAD study's "
                              "64-expert top-8 model, trained first")
     parser.add_argument("--seed", type=int, default=1234, help="moe64: the teacher's seed")
-    parser.add_argument("--pretrain-steps", type=int, default=300, help="moe64: the teacher's training steps")
+    parser.add_argument("--pretrain-steps", type=int, help="moe64: the teacher's training steps (default: 300, 600 "
+                                                             "with --gpu)")
     parser.add_argument("--long-batches", type=int, default=128, help="moe64: the reference's batches of 8 x 64")
-    parser.add_argument("--short-seqs", type=int, default=1, help="moe64: the short calibration's sequences of 64")
+    parser.add_argument("--short-seqs", type=int, default=1, help="moe64: the short calibration's sequences (of 64 "
+                                                                  "tokens, 256 with --gpu)")
     parser.add_argument("--aux-loss", type=float, nargs="?", const=1e-2, metavar="COEFF",
                         help="moe64: train the teacher with Megatron's load-balancing auxiliary loss "
                              "(moe_router_load_balancing_type aux_loss, moe_aux_loss_coeff COEFF; default 1e-2)")
+    parser.add_argument("--gpu", action="store_true", help="moe64: the GPU study model's 64-expert twin (TE grouped "
+                                                           "experts) on one GPU")
     parser.add_argument("--quick", action="store_true", help="moe64: a few steps only (checks that the tool runs)")
     args = parser.parse_args(argv)
     if args.aux_loss is not None and not (math.isfinite(args.aux_loss) and args.aux_loss > 0):
         parser.error(f"--aux-loss {args.aux_loss}: expected a positive, finite coefficient (1e-2 without a value)")
     for flag, value in (("--pretrain-steps", args.pretrain_steps), ("--long-batches", args.long_batches)):
-        if value < 1:
+        if value is not None and value < 1:
             parser.error(f"{flag} {value}: expected a positive number of steps / batches")
     if args.short_seqs < 1 or args.short_seqs > 8:
         parser.error(f"--short-seqs {args.short_seqs}: expected 1 to 8 (sequences of one batch)")
-    for flag, given in (("--quick", args.quick), ("--aux-loss", args.aux_loss is not None)):
+    for flag, given in (("--quick", args.quick), ("--aux-loss", args.aux_loss is not None), ("--gpu", args.gpu)):
         if args.model == "harness" and given:
             parser.error(f"{flag} needs --model moe64")
     from modelopt_moe.launch import spawn
@@ -214,8 +225,10 @@ def main(argv=None) -> None:
         return
     opts = {"model": args.model, "seed": args.seed, "pretrain_steps": args.pretrain_steps,
             "long_batches": args.long_batches, "short_seqs": args.short_seqs, "aux_loss_coeff": args.aux_loss or 0.0,
-            **(QUICK if args.quick else {})}
-    (out,) = spawn(_run_trained, 1, args=(opts,), timeout=3600)
+            "gpu": args.gpu, **(QUICK if args.quick else {})}
+    if args.gpu and not torch.cuda.is_available():
+        parser.error("--gpu: no CUDA GPU is visible")
+    (out,) = spawn(_run_trained, 1, args=(opts,), timeout=3600, backend="nccl" if args.gpu else "gloo")
     total = out["inputs"]
     print(f"{args.model} (seed {args.seed}): {out['model']}")
     print(f"reference ({out['reference']}, the model's routing): {out['reference unseen']} of {total} expert "
