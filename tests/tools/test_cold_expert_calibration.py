@@ -67,12 +67,19 @@ def test_aux_loss_trains_the_teacher_with_megatrons_load_balancing_loss(quick_ru
 
 
 def test_bad_options_are_refused_before_training():
-    for args, message in [(["--quick"], "--quick needs --model moe64"),
-                          (["--aux-loss"], "--aux-loss needs --model moe64"),
-                          (["--model", "moe64", "--aux-loss", "0"], "--aux-loss 0.0: expected a positive, finite"),
-                          (["--model", "moe64", "--aux-loss", "nan"], "--aux-loss nan: expected a positive, finite"),
-                          (["--model", "moe64", "--long-batches", "0"], "--long-batches 0: expected a positive"),
-                          (["--model", "moe64", "--short-seqs", "9"], "--short-seqs 9: expected 1 to 8")]:
+    import torch
+
+    bad = [(["--gpu"], "--gpu needs --model moe64"),
+           (["--quick"], "--quick needs --model moe64"),
+           (["--aux-loss"], "--aux-loss needs --model moe64"),
+           (["--model", "moe64", "--aux-loss", "0"], "--aux-loss 0.0: expected a positive, finite"),
+           (["--model", "moe64", "--aux-loss", "nan"], "--aux-loss nan: expected a positive, finite"),
+           (["--model", "moe64", "--pretrain-steps", "0"], "--pretrain-steps 0: expected a positive"),
+           (["--model", "moe64", "--long-batches", "0"], "--long-batches 0: expected a positive"),
+           (["--model", "moe64", "--short-seqs", "9"], "--short-seqs 9: expected 1 to 8")]
+    if not torch.cuda.is_available():
+        bad.append((["--model", "moe64", "--gpu"], "--gpu: no CUDA GPU is visible"))
+    for args, message in bad:
         res = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=seconds(60))
         assert res.returncode != 0
         assert message in res.stderr, res.stderr
