@@ -19,6 +19,7 @@ pytest.importorskip("transformer_engine.pytorch")
 
 
 import megatron_harness.models as mm  # noqa: E402
+from te_moe_layers import hidden_states  # noqa: E402
 
 import modelopt_moe.quantization as mtq  # noqa: E402
 
@@ -32,8 +33,7 @@ def _megatron(megatron_one_gpu):
 
 
 def _hidden(seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(TOKENS // 4, 4, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+    return hidden_states(seed, TOKENS, HIDDEN)
 
 
 def _layer(transformer_engine: bool):

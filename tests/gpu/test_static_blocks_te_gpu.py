@@ -22,6 +22,7 @@ te = pytest.importorskip("transformer_engine.pytorch")
 
 import megatron_harness.models as mm  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from te_moe_layers import hidden_states  # noqa: E402
 
 import modelopt_moe.quantization as mtq  # noqa: E402
 
@@ -42,8 +43,7 @@ def _layer(transformer_engine: bool):
 
 
 def _hidden(seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(TOKENS // 4, 4, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+    return hidden_states(seed, TOKENS, HIDDEN)
 
 
 def _quantize(layer, config: dict, layout: str):

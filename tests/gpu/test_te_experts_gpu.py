@@ -16,6 +16,7 @@ te = pytest.importorskip("transformer_engine.pytorch")
 
 
 import megatron_harness.models as mm  # noqa: E402
+from te_moe_layers import hidden_states  # noqa: E402
 
 import modelopt_moe.quantization as mtq  # noqa: E402
 from modelopt_moe.numerics import fake_quant, scale_rows  # noqa: E402
@@ -39,8 +40,7 @@ def _moe_layers():
 
 
 def _hidden(seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(TOKENS // 4, 4, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+    return hidden_states(seed, TOKENS, HIDDEN)
 
 
 def _quantize(layer, preset, layout, input_amax="per_expert", ste="pass_through"):
