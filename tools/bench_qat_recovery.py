@@ -26,7 +26,8 @@ priority order), ``--budget SECONDS`` skips the variants that would end past it:
                                                          # the GPU model above, 200 steps per variant
 ``--model moe64`` studies a model of 64 experts, top-8 (expert FFN 64; the same active expert FFN per token).
 A variant's ``calib=<name>`` starts it from another calibration (``max``, ``mse``, ``fp8_sweep``, ``four_over_six``,
-``percentile``, ``hist_mse``; PTQ is measured per format and calibration), and method ``ptq`` measures the start
+``percentile``, ``hist_mse``, ``per_expert``: max with one input amax per expert; PTQ is measured per format and
+calibration), and method ``ptq`` measures the start
 alone (docs/calibration.md):
   python tools/bench_qat_recovery.py --cpu --study --model moe64 --variants nvfp4/qad nvfp4/qad:calib=fp8_sweep \
       fp8/ptq:calib=percentile

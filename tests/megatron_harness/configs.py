@@ -34,6 +34,7 @@ CALIBRATIONS = {
     "percentile": {"method": "histogram", "histogram_method": "percentile", "percentile": 99.99},
     "hist_mse": {"method": "histogram", "histogram_method": "mse"},
     "smooth": "max",  # max, after smooth_expert_inputs rescales the experts' fc2 inputs (gated experts only)
+    "per_expert": "max",  # max, one input amax per expert (experts.input_amax: per_expert) instead of one per layer
 }
 # the calibrations that choose weight amaxes (QAT keeps them static or learns them; ``dynamic`` would replace them)
 WEIGHT_CALIBRATIONS = ("mse", "fp8_sweep", "four_over_six")
@@ -41,13 +42,16 @@ WEIGHT_CALIBRATIONS = ("mse", "fp8_sweep", "four_over_six")
 _STATIC_BLOCKS = {"fp8_sweep": {}, "four_over_six": {"four_over_six": True}}
 # the calibrations that rescale the experts first (the config's smooth_expert_inputs; docs/calibration.md)
 _SMOOTH = {"smooth": {"alpha": 0.5}}
+# the experts' input amax layout per calibration (default: shared, one per layer, as most engines keep it)
+_INPUT_AMAX = {"per_expert": "per_expert"}
 
 
 def expert_quant_config(fmt: str, amax_update: str, calib: str = "max") -> dict:
     """Experts' weights and inputs in ``fmt`` (a key of :data:`EXPERT_FORMATS`), every other quantizer off, calibrated
     by ``calib`` (a key of :data:`CALIBRATIONS`; ``fp8_sweep`` and ``four_over_six`` are NVFP4's, with static weight
     block scales as in ``NVFP4_W4A4_WEIGHT_MSE_FP8_SWEEP_CFG`` and ``NVFP4_FOUR_OVER_SIX_CFG``; ``smooth`` is max
-    after ``smooth_expert_inputs: {alpha: 0.5}``, for gated experts)."""
+    after ``smooth_expert_inputs: {alpha: 0.5}``, for gated experts; ``per_expert`` is max with one input amax per
+    expert, for engines that keep per-expert input scales, instead of one per layer)."""
     if fmt not in EXPERT_FORMATS:
         raise ValueError(f"format {fmt!r}: expected one of {sorted(EXPERT_FORMATS)}")
     if calib not in CALIBRATIONS:
@@ -62,7 +66,7 @@ def expert_quant_config(fmt: str, amax_update: str, calib: str = "max") -> dict:
         "quant_cfg": [{"quantizer_name": "*experts*weight_quantizer", "cfg": weight},
                       {"quantizer_name": "*experts*input_quantizer", "cfg": inputs}],
         "algorithm": CALIBRATIONS[calib],
-        "experts": {"weight_amax": "vectorized", "input_amax": "shared"},
+        "experts": {"weight_amax": "vectorized", "input_amax": _INPUT_AMAX.get(calib, "shared")},
         "weight_amax_update": amax_update,
     }
     if calib in _SMOOTH:

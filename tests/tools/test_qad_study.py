@@ -43,6 +43,13 @@ def test_a_variant_names_its_calibration():
     assert parse_variant("mxfp4/ptq:calib=mse")[:2] == ("mxfp4", "ptq")
     assert parse_variant("nvfp4_46-a/ptq:calib=smooth")[:2] == ("nvfp4_46-a", "ptq")  # 4-over-6 starts as NVFP4
     assert parse_variant("nvfp4/qad:calib=smooth")[2] == QADRecipe()  # max after a rescale: weights stay dynamic
+    from megatron_harness.configs import expert_quant_config
+
+    # one input amax per expert instead of one per layer; the rest is max's
+    learned = parse_variant("nvfp4/qad:calib=per_expert,input_amax_update=learned")[2]
+    assert learned == QADRecipe(input_amax_update="learned")
+    assert expert_quant_config("nvfp4", "dynamic", "per_expert")["experts"]["input_amax"] == "per_expert"
+    assert expert_quant_config("nvfp4", "dynamic", "max")["experts"]["input_amax"] == "shared"
     assert variant_calibration("nvfp4/qad:lr=1e-5,calib=four_over_six") == "four_over_six"
     assert variant_calibration("nvfp4/qad:lr=1e-5") == "max"
     assert ptq_key("nvfp4", "max") == "nvfp4"
