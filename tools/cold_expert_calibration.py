@@ -191,7 +191,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=1234, help="moe64: the teacher's seed")
     parser.add_argument("--pretrain-steps", type=int, help="moe64: the teacher's training steps (default: 300, 600 "
                                                              "with --gpu)")
-    parser.add_argument("--long-batches", type=int, default=128, help="moe64: the reference's batches of 8 x 64")
+    parser.add_argument("--long-batches", type=int, default=128, help="moe64: the reference's batches (of 8 x 64 "
+                                                                      "tokens, 32 x 256 with --gpu)")
     parser.add_argument("--short-seqs", type=int, default=1, help="moe64: the short calibration's sequences (of 64 "
                                                                   "tokens, 256 with --gpu)")
     parser.add_argument("--aux-loss", type=float, nargs="?", const=1e-2, metavar="COEFF",
@@ -211,6 +212,8 @@ def main(argv=None) -> None:
     for flag, given in (("--quick", args.quick), ("--aux-loss", args.aux_loss is not None), ("--gpu", args.gpu)):
         if args.model == "harness" and given:
             parser.error(f"{flag} needs --model moe64")
+    if args.gpu and not torch.cuda.is_available():
+        parser.error("--gpu: no CUDA GPU is visible")
     from modelopt_moe.launch import spawn
 
     if args.model == "harness":
@@ -226,8 +229,6 @@ def main(argv=None) -> None:
     opts = {"model": args.model, "seed": args.seed, "pretrain_steps": args.pretrain_steps,
             "long_batches": args.long_batches, "short_seqs": args.short_seqs, "aux_loss_coeff": args.aux_loss or 0.0,
             "gpu": args.gpu, **(QUICK if args.quick else {})}
-    if args.gpu and not torch.cuda.is_available():
-        parser.error("--gpu: no CUDA GPU is visible")
     (out,) = spawn(_run_trained, 1, args=(opts,), timeout=3600, backend="nccl" if args.gpu else "gloo")
     total = out["inputs"]
     print(f"{args.model} (seed {args.seed}): {out['model']}")

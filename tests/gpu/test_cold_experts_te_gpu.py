@@ -46,6 +46,10 @@ def _layer(transformer_engine: bool):
     return layer
 
 
+def _hook_count(layer) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in layer.modules())
+
+
 def _calibrate(layer, preset, ratio):
     """Calibrates ``layer`` (``preset``, per-expert input amaxes); returns the outputs the forward loop saw, the input
     quantizers' ``{gemm: (token counts, amaxes)}`` and the warnings about experts without tokens."""
@@ -74,13 +78,13 @@ def test_te_grouped_experts_calibrate_every_expert_on_the_wider_routing(preset, 
     for kind, te in (("grouped", True), ("sequential", False)):
         for r in (None, ratio):
             layer = _layer(te)
-            hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in layer.modules())
+            hooks = _hook_count(layer)
             results[(kind, r)] = _calibrate(layer, preset, r)
             if te:
                 assert type(layer.experts.linear_fc1).__name__ == "QuantTEColumnParallelGroupedLinear"
             # the router's top-k and the hooks are as before once calibration ends; the layer still runs
             assert (layer.router.topk, layer.config.moe_router_topk) == (TOPK, TOPK), (kind, r)
-            assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in layer.modules()) == hooks
+            assert _hook_count(layer) == hooks
             assert torch.isfinite(layer(_hidden(9))[0]).all(), (kind, r)
     k = max(TOPK, round(ratio * EXPERTS))
     for kind in ("grouped", "sequential"):

@@ -6,6 +6,7 @@ lowers the held-out KL to the teacher below PTQ's without raising the held-out l
 import pytest
 import torch
 from limits import seconds  # noqa: E402
+from megatron_harness.configs import expert_quant_config
 from qad_study import FORMER, STUDY_VARIANTS, StudyConfig, _top1, parse_variant, ptq_key, run_study, variant_calibration
 
 from modelopt_moe.distill import QADRecipe
@@ -43,8 +44,6 @@ def test_a_variant_names_its_calibration():
     assert parse_variant("mxfp4/ptq:calib=mse")[:2] == ("mxfp4", "ptq")
     assert parse_variant("nvfp4_46-a/ptq:calib=smooth")[:2] == ("nvfp4_46-a", "ptq")  # 4-over-6 starts as NVFP4
     assert parse_variant("nvfp4/qad:calib=smooth")[2] == QADRecipe()  # max after a rescale: weights stay dynamic
-    from megatron_harness.configs import expert_quant_config
-
     # one input amax per expert instead of one per layer; the rest is max's
     learned = parse_variant("nvfp4/qad:calib=per_expert,input_amax_update=learned")[2]
     assert learned == QADRecipe(input_amax_update="learned")
@@ -65,7 +64,6 @@ def test_the_int8_study_format_is_the_shipped_int8_configs_quantizers_on_the_exp
     from pathlib import Path
 
     import yaml
-    from megatron_harness.configs import expert_quant_config
 
     shipped = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "int8_default.yaml").read_text())
     cfgs = {e["quantizer_name"]: e["cfg"] for e in shipped["quant_cfg"] if "quantizer_name" in e}
