@@ -8,12 +8,13 @@ for the backward). Prints a table; works on CPU (no kernel row) and GPU.
   allocations ``torch.profiler`` records (``profile_memory=True``), summed in time order.
 * time: median of ``--repeats`` forward + backward after one warm-up (without the profiler), in rounds that run every
   implementation once on the same logits.
-* ``--top-k``: the error of the top-k teacher distribution against the exact KL (loss and gradient) on synthetic
-  logits: a Gaussian teacher of the given scale (its entropy is printed) and a student that is the teacher plus
-  Gaussian noise of 0.3 (``--noise``), as a quantized copy of it would be.
+* ``--top-k`` / ``--top-p``: the error of the top-k or top-p (nucleus) teacher distribution against the exact KL
+  (loss and gradient) on synthetic logits: a Gaussian teacher of the given scale (its entropy is printed) and a
+  student that is the teacher plus Gaussian noise of 0.3 (``--noise``), as a quantized copy of it would be; with the
+  teacher's tokens kept per token (mean).
 
 Usage: ``python tools/bench_kl_loss.py [--device cuda] [--tokens 4096,8192,16384,32768] [--vocab 151936,248320]
-[--top-k 64,1024,4096]``; ``--quick`` for a few-second run.
+[--top-k 64,1024,4096] [--top-p 0.9,0.99]``; ``--quick`` for a few-second run.
 """
 
 from __future__ import annotations
@@ -119,21 +120,36 @@ def measure(impl: str, tokens: int, vocab: int, device: str = "cpu", repeats: in
     return measure_all([impl], tokens, vocab, device, repeats)[impl]
 
 
-def top_k_error(tokens: int, vocab: int, k: int, scale: float, noise: float, device: str = "cpu") -> dict:
-    """Relative error of the top-k KL against the exact one: of the mean loss and of the gradient (L2 norms)."""
+def truncation_error(tokens: int, vocab: int, scale: float, noise: float, device: str = "cpu", *,
+                     top_k: int | None = None, top_p: float | None = None) -> dict:
+    """Relative error of the top-k or top-p KL against the exact one: of the mean loss and of the gradient (L2
+    norms); and the teacher's tokens the truncation keeps, per token (mean)."""
     g = torch.Generator(device=device).manual_seed(1)
     teacher = torch.randn(tokens, vocab, generator=g, device=device) * scale
     student = teacher + torch.randn(tokens, vocab, generator=g, device=device) * noise
     out = {}
-    for name, top_k in (("exact", None), ("top_k", k)):
+    for name, kw in (("exact", {}), ("truncated", {"top_k": top_k, "top_p": top_p})):
         s = student.bfloat16().requires_grad_(True)
-        loss = logits_kl_loss(s, teacher.bfloat16(), top_k=top_k)
+        loss = logits_kl_loss(s, teacher.bfloat16(), **kw)
         loss.sum().backward()
         out[name] = (float(loss.detach().mean()), s.grad.float())
     entropy = -(torch.softmax(teacher, -1) * torch.log_softmax(teacher, -1)).sum(-1).mean()
-    (kl, grad), (kl_k, grad_k) = out["exact"], out["top_k"]
-    return {"entropy": float(entropy), "kl": kl, "kl_k": kl_k, "loss_err": abs(kl_k - kl) / kl,
-            "grad_err": float((grad_k - grad).norm() / grad.norm())}
+    (kl, grad), (kl_t, grad_t) = out["exact"], out["truncated"]
+    kept = float(_kept(teacher.bfloat16().double(), top_k, top_p).float().mean())
+    return {"entropy": float(entropy), "kl": kl, "kl_k": kl_t, "loss_err": abs(kl_t - kl) / kl,
+            "grad_err": float((grad_t - grad).norm() / grad.norm()), "kept": kept}
+
+
+def _kept(teacher: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Per token, the teacher's tokens a top-k or top-p truncation keeps (ties with the last kept included), counted
+    in float64 from the sorted probabilities."""
+    if top_k is not None:
+        edge = teacher.topk(top_k, dim=-1).values[:, -1:]
+    else:
+        sorted_q, order = torch.softmax(teacher, -1).sort(-1, descending=True)
+        last = (sorted_q.cumsum(-1) < top_p).sum(-1, keepdim=True).clamp(max=teacher.shape[-1] - 1)
+        edge = teacher.gather(-1, order.gather(-1, last))
+    return (teacher >= edge).sum(-1)
 
 
 def _ints(text: str) -> list[int]:
@@ -141,7 +157,8 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv=None) -> None:
-    """Prints the memory and time table, then the top-k error table when `--top-k` is given."""
+    """Prints the memory and time table, then the top-k and top-p error tables when `--top-k` / `--top-p` are
+    given."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", type=_ints, default=None, help="comma-separated (default: 4k-32k on GPU, 256,512 "
@@ -149,8 +166,11 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=_ints, default=[151936, 248320], help="comma-separated (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top-k", type=_ints, default=[], help="comma-separated k: the top-k error table")
-    p.add_argument("--top-k-tokens", type=int, default=256)
-    p.add_argument("--scales", type=float, nargs="+", default=[3.0, 6.0], help="teacher logit scales (top-k table)")
+    p.add_argument("--top-p", type=lambda text: [float(x) for x in text.split(",") if x], default=[],
+                   help="comma-separated p: the top-p error table")
+    p.add_argument("--top-k-tokens", type=int, default=256, help="tokens of the top-k and top-p tables")
+    p.add_argument("--scales", type=float, nargs="+", default=[3.0, 6.0], help="teacher logit scales (top-k and "
+                   "top-p tables)")
     p.add_argument("--noise", type=float, default=0.3)
     p.add_argument("--quick", action="store_true", help="a few-second run: 64 tokens x 32768 vocabulary")
     args = p.parse_args(argv)
@@ -173,17 +193,20 @@ def main(argv=None) -> None:
                 ratio = "" if ref["oom"] else f"{r['ms'] / ref['ms']:.2f}x"
                 print(f"{n:>7} {vocab:>7} {impl:>12} {r['peak_gib']:>9.3f} {r['x_logits']:>9.3f} {r['ms']:>9.1f} "
                       f"{ratio:>14}", flush=True)
-    if args.top_k:
-        print(f"\ntop-k teacher distribution against the exact KL ({args.top_k_tokens} tokens, student = teacher + "
-              f"N(0, {args.noise}^2))")
-        print(f"{'vocab':>7} {'scale':>6} {'entropy':>8} {'k':>6} {'exact KL':>9} {'top-k KL':>9} {'loss err':>9} "
-              f"{'grad err':>9}")
+    for kind, values in (("k", args.top_k), ("p", args.top_p)):
+        if not values:
+            continue
+        print(f"\ntop-{kind} teacher distribution against the exact KL ({args.top_k_tokens} tokens, student = "
+              f"teacher + N(0, {args.noise}^2))")
+        print(f"{'vocab':>7} {'scale':>6} {'entropy':>8} {kind:>6} {'kept':>9} {'exact KL':>9} {f'top-{kind} KL':>9} "
+              f"{'loss err':>9} {'grad err':>9}")
         for vocab in vocabs:
             for scale in args.scales:
-                for k in args.top_k:
-                    e = top_k_error(args.top_k_tokens, vocab, k, scale, args.noise, args.device)
-                    print(f"{vocab:>7} {scale:>6.1f} {e['entropy']:>8.2f} {k:>6} {e['kl']:>9.4f} {e['kl_k']:>9.4f} "
-                          f"{e['loss_err']:>9.2%} {e['grad_err']:>9.2%}", flush=True)
+                for v in values:
+                    e = truncation_error(args.top_k_tokens, vocab, scale, args.noise, args.device,
+                                         **{f"top_{kind}": v})
+                    print(f"{vocab:>7} {scale:>6.1f} {e['entropy']:>8.2f} {v:>6g} {e['kept']:>9.1f} {e['kl']:>9.4f} "
+                          f"{e['kl_k']:>9.4f} {e['loss_err']:>9.2%} {e['grad_err']:>9.2%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from ..kernels.kl_divergence import kernel_takes, softmax_kl_grad, softmax_kl_su
 from ..quantization.nn.experts import use_kernels
 from ..quantization.utils import warn_once
 
-__all__ = ["logits_kl_loss", "vocab_parallel_cross_entropy"]
+__all__ = ["check_top_p", "logits_kl_loss", "vocab_parallel_cross_entropy"]
 
 
 def _tp(group) -> tuple[int, int]:
@@ -32,6 +32,9 @@ def _tp(group) -> tuple[int, int]:
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+_SUM, _MAX = (dist.ReduceOp.SUM, dist.ReduceOp.MAX) if dist.is_available() else (None, None)
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
@@ -60,7 +63,7 @@ def _chunk_rows(tokens: int, vocab: int, chunk_tokens: int | None) -> int:
 
 class _VocabParallelKL(torch.autograd.Function):
     """Per-token ``T**2 * KL(softmax(t / T) || softmax(s / T))`` over a vocabulary split across ``group`` or, with
-    ``top_k``, over the teacher's ``top_k`` most likely tokens alone (both softmaxes renormalised there).
+    ``top_k`` or ``top_p``, over the teacher's most likely tokens alone (both softmaxes renormalised there).
 
     No ``[tokens, vocab]`` tensor in fp32 exists at any time. The maxima come from the logits in their own dtype;
     the per-token sums (:func:`~modelopt_moe.kernels.kl_divergence.softmax_kl_sums`) either from one Triton launch
@@ -71,20 +74,22 @@ class _VocabParallelKL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, student, teacher, temperature, group, chunk_tokens, top_k, kernel):
+    def forward(ctx, student, teacher, temperature, group, chunk_tokens, top_k, top_p, kernel):
         shape, vocab = student.shape, student.shape[-1]
         s_all, t_all = student.reshape(-1, vocab), teacher.reshape(-1, vocab)
         triton = _use_triton(kernel, s_all, t_all)
         rows = _chunk_rows(s_all.shape[0], vocab, chunk_tokens)
-        threshold = _top_k_threshold(t_all, top_k, group) if top_k else None
+        threshold = (_top_k_threshold(t_all, top_k, group) if top_k else
+                     _top_p_threshold(t_all, top_p, temperature, group, rows) if top_p is not None and top_p < 1 else
+                     None)
         # max(round(x_i / T)) == round(max(x_i) / T) for T > 0: the maxima need no fp32 copy of the logits.
         s_max = s_all.amax(-1) if threshold is None or not s_all.shape[0] else torch.cat([
             s_all[a:a + rows].masked_fill(t_all[a:a + rows] < threshold[a:a + rows, None], -math.inf).amax(-1)
             for a in range(0, s_all.shape[0], rows)])
         maxima = torch.stack([s_max.float() / temperature, t_all.amax(-1).float() / temperature])
-        _all_reduce(maxima, dist.ReduceOp.MAX if dist.is_available() else None, group)
+        _all_reduce(maxima, _MAX, group)
         sums = softmax_kl_sums(s_all, t_all, maxima, temperature, threshold, chunk_rows=rows, triton=triton)
-        _all_reduce(sums, dist.ReduceOp.SUM if dist.is_available() else None, group)
+        _all_reduce(sums, _SUM, group)
         zs, zt, cross = sums
         kl = cross / zt - zt.log() + zs.log()
         extra = (threshold,) if threshold is not None else ()
@@ -100,7 +105,7 @@ class _VocabParallelKL(torch.autograd.Function):
         scale = grad.reshape(-1).float() * temperature
         out = softmax_kl_grad(student.reshape(-1, vocab), teacher.reshape(-1, vocab), maxima, sums, scale,
                               temperature, threshold, chunk_rows=ctx.rows, triton=ctx.triton)
-        return out.reshape(ctx.shape), None, None, None, None, None, None
+        return out.reshape(ctx.shape), None, None, None, None, None, None, None
 
 
 def _top_k_threshold(teacher: torch.Tensor, k: int, group) -> torch.Tensor:
@@ -115,6 +120,56 @@ def _top_k_threshold(teacher: torch.Tensor, k: int, group) -> torch.Tensor:
         dist.all_gather(parts, local.contiguous(), group=group)
         local = torch.cat(parts, -1)
     return local.topk(k, dim=-1).values[..., -1]
+
+
+def _sortable(values: torch.Tensor) -> torch.Tensor:
+    """int64 keys that order like the float ``values`` (their bits, the negatives' magnitude bits flipped)."""
+    bits = values.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]).long()
+    return torch.where(bits < 0, bits ^ _MAGNITUDE[values.element_size()], bits)
+
+
+def _unsortable(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`_sortable`: the ``dtype`` values of int64 ``keys``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    bits = torch.where(keys < 0, keys ^ _MAGNITUDE[size], keys)
+    return bits.to({2: torch.int16, 4: torch.int32, 8: torch.int64}[size]).view(dtype)
+
+
+_MAGNITUDE = {2: (1 << 15) - 1, 4: (1 << 31) - 1, 8: (1 << 63) - 1}
+
+
+def _top_p_threshold(teacher: torch.Tensor, p: float, temperature: float, group, rows: int) -> torch.Tensor:
+    """Per token, the largest teacher logit ``v`` (in the logits' dtype) such that the teacher's probability of the
+    tokens with logits ``>= v`` is at least ``p``, over the whole vocabulary: the nucleus of Holtzman et al., ties
+    with its least likely token kept.
+
+    Bisection over the values of the logits' dtype, ordered as integers (:func:`_sortable`): as many steps as the dtype
+    has bits, so it ends on an adjacent pair whatever the data, and the number of all-reduces is the same on every
+    rank. Each step sums, per token, ``exp(t / T - max)`` over the tokens at or above the candidate (fp32, one
+    ``[rows, vocab]`` chunk at a time, each chunk's exponentials computed once for all its steps), all-reduced over
+    ``group``, and compares it with ``p`` times the sum over all tokens. The cost: the forward reads the teacher's
+    logits once more and compares them once per bit; the backward reuses the threshold.
+    """
+    bits = 8 * teacher.element_size()
+    t_max = teacher.amax(-1).float() / temperature
+    _all_reduce(t_max, _MAX, group)
+    lowest = _sortable(teacher.new_full((), -math.inf))
+    out = []
+    for a in range(0, teacher.shape[0], rows):
+        t = teacher[a:a + rows]
+        e = torch.exp(t.float() / temperature - t_max[a:a + rows, None])
+        # the bound on the mass, and the first upper end: one above the largest logit (the mass there is 0 < p)
+        lo = lowest.expand(t.shape[0]).clone()
+        hi = _all_reduce(_sortable(t.amax(-1)) + 1, _MAX, group)
+        bound = _all_reduce(e.sum(-1), _SUM, group) * p
+        for _ in range(bits):
+            mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+            mass = torch.where(t >= _unsortable(mid, t.dtype)[:, None], e, 0.0).sum(-1)
+            _all_reduce(mass, _SUM, group)
+            above = mass >= bound
+            lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
+        out.append(_unsortable(lo, t.dtype))
+    return torch.cat(out) if out else teacher.new_empty(0)
 
 
 KERNELS = ("auto", "triton", "torch")
@@ -137,8 +192,8 @@ def _use_triton(kernel: str, student: torch.Tensor, teacher: torch.Tensor) -> bo
 
 
 def logits_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, temperature: float = 1.0,
-                   tp_group=None, top_k: int | None = None, chunk_tokens: int | None = None,
-                   kernel: str = "auto") -> torch.Tensor:
+                   tp_group=None, top_k: int | None = None, top_p: float | None = None,
+                   chunk_tokens: int | None = None, kernel: str = "auto") -> torch.Tensor:
     """Per-token forward KL divergence from the teacher's to the student's softmax, ``KL(p_teacher || p_student)``,
     at ``temperature`` and multiplied by ``temperature**2`` (Hinton et al.: keeps the gradient's scale independent of
     the temperature).
@@ -153,6 +208,12 @@ def logits_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *
             teacher's ``top_k`` most likely tokens of the whole vocabulary and renormalised there (top-k knowledge
             distillation, as Model Optimizer's ``TopKLogitsKLLoss``; tokens tied with the k-th are kept). An
             approximation (its error is measured in docs/qad.md); it saves no memory here.
+        top_p: None (the default): the exact KL. A number in (0, 1): the KL of the two distributions restricted to
+            the teacher's nucleus, its most likely tokens of the whole vocabulary whose probability (at
+            ``temperature``) adds up to at least ``top_p`` (the fewest such tokens, those tied with the least likely
+            of them kept; the sums compared in fp32), and renormalised there. 1: the exact KL. An approximation, as
+            ``top_k`` (measured in docs/qad.md); finding the nucleus reads the teacher's logits once more and
+            compares them once per bit of their dtype, in the forward only. Not with ``top_k``.
         chunk_tokens: tokens per chunk of the torch reference (None: automatic, see below). Only memory and speed
             depend on it.
         kernel: ``"auto"`` (the default): the Triton kernels on CUDA, the torch reference elsewhere (and, with a
@@ -183,7 +244,8 @@ def logits_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *
 
     Raises:
         ValueError: shapes differ, a non-float input, a temperature that is not positive, a ``top_k`` or
-            ``chunk_tokens`` that is not a positive integer, a ``kernel`` not in ``("auto", "triton", "torch")``, or
+            ``chunk_tokens`` that is not a positive integer, a ``top_p`` not in (0, 1], both ``top_k`` and
+            ``top_p``, a ``kernel`` not in ``("auto", "triton", "torch")``, or
             ``kernel="triton"`` with logits the kernels do not take.
         RuntimeError: ``kernel="triton"`` where the kernels cannot run.
     """
@@ -198,10 +260,21 @@ def logits_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *
     for name, value in (("top_k", top_k), ("chunk_tokens", chunk_tokens)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"logits_kl_loss: {name} must be a positive integer or None, got {value!r}")
+    check_top_p("logits_kl_loss", top_p, top_k)
     if kernel not in KERNELS:
         raise ValueError(f"logits_kl_loss: kernel must be one of {KERNELS}, got {kernel!r}")
     return _VocabParallelKL.apply(student_logits, teacher_logits.detach(), float(temperature), tp_group, chunk_tokens,
-                                  top_k, kernel)
+                                  top_k, None if top_p is None else float(top_p), kernel)
+
+
+def check_top_p(where: str, top_p, top_k) -> None:
+    """Raises ValueError, naming ``where``, unless ``top_p`` is None or a number in (0, 1] given without ``top_k``."""
+    if top_p is None:
+        return
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"{where}: top_p must be a number in (0, 1] or None, got {top_p!r}")
+    if top_k is not None:
+        raise ValueError(f"{where}: top_k={top_k!r} and top_p={top_p!r}: give one of them, not both")
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -214,14 +287,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab = z.shape[-1]
         first = rank * vocab
         m = z.amax(-1)
-        _all_reduce(m, dist.ReduceOp.MAX if dist.is_available() else None, group)
+        _all_reduce(m, _MAX, group)
         z = z - m.unsqueeze(-1)
         outside = (labels < first) | (labels >= first + vocab)
         local = torch.where(outside, torch.zeros_like(labels), labels - first)
         picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         ez = z.exp()
         sums = torch.stack([ez.sum(-1), picked])
-        _all_reduce(sums, dist.ReduceOp.SUM if dist.is_available() else None, group)
+        _all_reduce(sums, _SUM, group)
         ctx.save_for_backward(ez.div_(sums[0].unsqueeze(-1)), local, outside)
         ctx.dtype = logits.dtype
         return sums[0].log() - sums[1]

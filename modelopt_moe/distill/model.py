@@ -14,7 +14,7 @@ from torch import nn
 
 from ..quantization.conversion import register_wrapper
 from .logit_store import StoredTeacherLogits
-from .losses import logits_kl_loss, vocab_parallel_cross_entropy
+from .losses import check_top_p, logits_kl_loss, vocab_parallel_cross_entropy
 from .recipe import TEACHER_FP8_GRANULARITIES
 from .teacher_fp8 import store_weights_fp8
 
@@ -50,17 +50,21 @@ class DistillationModel(nn.Module):
         top_k: None (the default): the exact KL; an integer: the KL on the teacher's ``top_k`` most likely tokens
             (:func:`.losses.logits_kl_loss`'s ``top_k``, an approximation). With stored teacher logits: None or
             the store's ``k``.
+        top_p: None (the default): the exact KL; a number in (0, 1]: the KL on the teacher's nucleus of
+            probability ``top_p`` (:func:`.losses.logits_kl_loss`'s ``top_p``, an approximation). Not with ``top_k``
+            nor with stored teacher logits (they hold a top-k set already).
         teacher_fp8: None (the default): the teacher's weights stay as they are. ``"per_tensor"`` or
             ``"per_channel"``: they are stored as FP8 E4M3 codes and scales, dequantized per layer in the
             teacher's forward (:func:`.teacher_fp8.store_weights_fp8`, in place).
 
     Raises:
         ValueError: the teacher is the student, a weight is negative, ``top_k`` is not a positive integer or not
-            the stored logits' ``k``, or ``teacher_fp8`` is given with stored logits or is not a known granularity.
+            the stored logits' ``k``, ``top_p`` is not in (0, 1] or is given with ``top_k`` or stored logits, or
+            ``teacher_fp8`` is given with stored logits or is not a known granularity.
     """
 
     def __init__(self, student: nn.Module, teacher: nn.Module, *, temperature: float = 1.0, kl_weight: float = 1.0,
-                 lm_loss_weight: float = 0.0, tp_group=None, top_k: int | None = None,
+                 lm_loss_weight: float = 0.0, tp_group=None, top_k: int | None = None, top_p: float | None = None,
                  teacher_fp8: str | None = None):
         super().__init__()
         if teacher is student:
@@ -70,6 +74,7 @@ class DistillationModel(nn.Module):
                              f"lm_loss_weight={lm_loss_weight}")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"DistillationModel: top_k must be a positive integer or None, got {top_k!r}")
+        check_top_p("DistillationModel", top_p, top_k)
         if teacher_fp8 is not None and teacher_fp8 not in TEACHER_FP8_GRANULARITIES:
             raise ValueError(f"DistillationModel: teacher_fp8={teacher_fp8!r}; expected None or one of "
                              f"{list(TEACHER_FP8_GRANULARITIES)}")
@@ -77,12 +82,15 @@ class DistillationModel(nn.Module):
             if top_k not in (None, teacher.top_k):
                 raise ValueError(f"DistillationModel: top_k={top_k} but the stored teacher logits "
                                  f"({teacher.store.directory}) hold the top {teacher.top_k}")
+            if top_p is not None:
+                raise ValueError(f"DistillationModel: top_p={top_p!r} with stored teacher logits "
+                                 f"({teacher.store.directory}): they hold the teacher's top {teacher.top_k} already")
             if teacher_fp8 is not None:
                 raise ValueError(f"DistillationModel: teacher_fp8={teacher_fp8!r} with stored teacher logits "
                                  f"({teacher.store.directory}): there are no teacher weights to store")
             top_k = teacher.top_k
         self.module = student
-        self.top_k = top_k
+        self.top_k, self.top_p = top_k, top_p
         teacher.eval()
         teacher.requires_grad_(False)
         if teacher_fp8 is not None:
@@ -124,7 +132,7 @@ class DistillationModel(nn.Module):
             teacher_logits = self.teacher(*args, **kwargs)
         group = self.__dict__["_tp_group"]
         loss = logits_kl_loss(student_logits, teacher_logits, temperature=self.temperature, tp_group=group,
-                              top_k=self.top_k)
+                              top_k=self.top_k, top_p=self.top_p)
         if self.kl_weight != 1.0:
             loss = loss * self.kl_weight
         if labels is not None and self.lm_loss_weight:

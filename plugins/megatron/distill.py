@@ -76,7 +76,8 @@ def distillation_model(student: torch.nn.Module, teacher: torch.nn.Module, *, re
         teacher: the frozen Megatron model of the same architecture and parallel layout (e.g. the bf16 model).
         recipe: takes ``temperature``, ``lm_loss_weight`` and ``teacher_fp8`` from it (keyword arguments still win).
         **kwargs: ``temperature``, ``kl_weight``, ``lm_loss_weight``, ``top_k`` (None, the default: the exact KL,
-            chunked over tokens; an integer: the KL on the teacher's top k tokens, an approximation),
+            chunked over tokens; an integer: the KL on the teacher's top k tokens, an approximation), ``top_p``
+            (a number in (0, 1]: the KL on the teacher's nucleus of that probability, an approximation),
             ``teacher_fp8`` (``"per_tensor"`` / ``"per_channel"``: the teacher's weights stored in FP8).
 
     ``teacher`` may be :func:`.teacher_logits.stored_teacher_logits` instead of a model: the teacher's top-k logits

@@ -66,6 +66,16 @@ def _vocab_parallel_checks(tp_group):
     out["topk_kl_diff"] = (kl_topk - kl_topk_full).abs().max().item()
     out["topk_kl_grad_diff"] = (topk_s.grad - topk_full_s.grad[..., shard]).abs().max().item()
     out["topk_differs_from_exact"] = (kl_topk - kl_full).abs().max().item()
+    # top-p: the nucleus of the whole vocabulary's teacher distribution, whatever shards hold it (bf16, chunked)
+    topp_s, topp_full_s = s[..., shard].bfloat16().requires_grad_(True), s.bfloat16().requires_grad_(True)
+    kl_topp = logits_kl_loss(topp_s, t[..., shard].bfloat16(), temperature=1.5, tp_group=tp_group, top_p=0.9,
+                             chunk_tokens=4)
+    kl_topp_full = logits_kl_loss(topp_full_s, t.bfloat16(), temperature=1.5, top_p=0.9)
+    kl_topp.sum().backward()
+    kl_topp_full.sum().backward()
+    out["topp_kl_diff"] = (kl_topp - kl_topp_full).abs().max().item()
+    out["topp_kl_grad_diff"] = (topp_s.grad.float() - topp_full_s.grad[..., shard].float()).abs().max().item()
+    out["topp_differs_from_exact"] = (kl_topp - kl_full).abs().max().item()
     ce_part = vocab_parallel_cross_entropy(s[..., shard], labels, tp_group=tp_group)
     ce_full = vocab_parallel_cross_entropy(s, labels)
     ce_megatron = tensor_parallel.vocab_parallel_cross_entropy(s[..., shard].clone().transpose(0, 1).contiguous(),
@@ -250,6 +260,9 @@ def test_vocab_parallel_losses_equal_the_gathered_ones(results):
         assert v["topk_kl_diff"] < 1e-5, v
         assert v["topk_kl_grad_diff"] < 1e-6, v
         assert v["topk_differs_from_exact"] > 1e-3, v
+        assert v["topp_kl_diff"] < 1e-5, v
+        assert v["topp_kl_grad_diff"] < 1e-6, v
+        assert v["topp_differs_from_exact"] > 1e-3, v
         assert v["ce_diff"] < 1e-5, v
         assert v["ce_megatron_diff"] < 1e-5, v
 

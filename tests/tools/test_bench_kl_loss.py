@@ -20,11 +20,13 @@ def test_kl_peak_memory_above_logits_and_gradient_is_under_a_quarter_of_one_logi
     assert whole["x_logits"] > 10, whole  # fp32 logits, exponentials and both softmaxes saved
 
 
-def test_quick_run_prints_the_memory_and_top_k_tables():
-    res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_kl_loss.py"), "--quick", "--top-k", "64"],
-                         capture_output=True, text=True, timeout=seconds(120))
+def test_quick_run_prints_the_memory_top_k_and_top_p_tables():
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_kl_loss.py"), "--quick", "--top-k", "64",
+                          "--top-p", "0.9"], capture_output=True, text=True, timeout=seconds(120))
     assert res.returncode == 0, res.stderr[-3000:]
     for impl in ("whole-tensor", "chunked"):
         assert re.search(rf"^\s+64\s+32768\s+{impl}\s+\d+\.\d+\s+\d+\.\d+\s+\d", res.stdout, re.M), res.stdout
-    assert re.search(r"^\s+32768\s+3\.0\s+\d+\.\d+\s+64\s+\d\.\d+\s+\d\.\d+\s+\d+\.\d+%\s+\d+\.\d+%", res.stdout,
-                     re.M), res.stdout
+    for value in ("64", "0.9"):  # vocab, scale, entropy, k or p, kept, exact KL, truncated KL, errors
+        row = rf"^\s+32768\s+3\.0\s+\d+\.\d+\s+{value}\s+\d+\.\d\s+\d\.\d+\s+\d\.\d+\s+\d+\.\d+%\s+\d+\.\d+%"
+        assert re.search(row, res.stdout, re.M), res.stdout
+    assert "top-p teacher distribution" in res.stdout

@@ -81,6 +81,8 @@ def test_distillation_model_from_the_store_equals_the_live_teacher_top_k(tmp_pat
         DistillationModel(student, StoredTeacherLogits(store), top_k=4)
     with pytest.raises(ValueError, match=r"teacher_fp8='per_tensor' with stored teacher logits"):
         DistillationModel(student, StoredTeacherLogits(store), teacher_fp8="per_tensor")
+    with pytest.raises(ValueError, match=r"top_p=0.9 with stored teacher logits .* hold the teacher's top 12"):
+        DistillationModel(student, StoredTeacherLogits(store), top_p=0.9)
 
 
 def test_logits_tied_with_the_kth_are_stored_as_the_live_top_k_keeps_them(tmp_path):

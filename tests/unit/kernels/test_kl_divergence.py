@@ -109,17 +109,17 @@ def _minus_inf_logits(dtype, seed=12, shape=(8, 700)):
 @pytest.mark.parametrize("temperature", [1.0, 1.7])
 def test_kernel_kl_of_a_teacher_with_minus_inf_logits_equals_the_torch_reference(dtype, temperature):
     """A teacher -inf counts as a probability of 0 on the kernels as on the reference (loss and gradient, no NaN),
-    exact and top-k; a student -inf under a teacher probability gives +inf; a teacher row all -inf NaN."""
+    exact, top-k and top-p; a student -inf under a teacher probability gives +inf; a teacher row all -inf NaN."""
     s, t = _minus_inf_logits(dtype)
     got, want = _both(s, t, temperature=temperature)
     _assert_close(got, want)
     assert [x.isinf().item() for x in want[0]] == [False] * 4 + [True] + [False] * 3
     assert [x.isnan().item() for x in want[0]] == [False] * 6 + [True, False]
     assert got[1][[0, 1, 2, 3, 4, 5, 7]].isfinite().all()
-    for k in (3, 20):
-        got, want = _both(s, t, temperature=temperature, top_k=k)
+    for kw in ({"top_k": 3}, {"top_k": 20}, {"top_p": 0.9}):
+        got, want = _both(s, t, temperature=temperature, **kw)
         _assert_close(got, want)
-        assert want[0][4] == float("inf")
+        assert want[0][4] == float("inf")  # the teacher's favourite is in every top k and nucleus
         assert got[1][[0, 1, 2, 3, 4, 5, 7]].isfinite().all()
 
 
@@ -158,6 +158,17 @@ def test_custom_ops_trace_with_fake_tensors():
     assert (tuple(grad.shape), grad.dtype) == ((5, 77), torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_top_p_kl_equals_the_torch_reference(dtype):
+    """The top-p KL on the kernels: the nucleus is the same threshold mask as top-k's, so ties at its edge, a teacher
+    -inf outside some tokens and a nucleus of one token give the reference's loss and gradient."""
+    s, t = _logits((4, 3, 700), dtype, seed=3)
+    t[0, 0, :40] = t[0, 0].max()  # 40 tokens tied at the top of one row
+    t[1, 1, 30:] = -float("inf")
+    for p in (1e-6, 0.5, 0.95):
+        _assert_close(*_both(s, t, temperature=1.5, top_p=p))
+
+
 def _vocab_parallel_kernel_kl(rank, world_size):
     import torch.distributed as dist
 
@@ -166,28 +177,30 @@ def _vocab_parallel_kernel_kl(rank, world_size):
     t[1, 2, :5] = t[1, 2].max()  # ties at the top
     shard = slice(rank * 1000 // world_size, (rank + 1) * 1000 // world_size)
     out = {}
-    for top_k in (None, 20):
+    for name, kw in (("exact", {}), ("top_k", {"top_k": 20}), ("top_p", {"top_p": 0.9})):
         part = s[..., shard].clone().requires_grad_(True)
         whole = s.clone().requires_grad_(True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            kl_part = logits_kl_loss(part, t[..., shard], temperature=1.5, tp_group=group, top_k=top_k,
-                                     kernel="triton")
-            kl_whole = logits_kl_loss(whole, t, temperature=1.5, top_k=top_k, kernel="torch")
+            kl_part = logits_kl_loss(part, t[..., shard], temperature=1.5, tp_group=group, kernel="triton", **kw)
+            kl_whole = logits_kl_loss(whole, t, temperature=1.5, kernel="torch", **kw)
             g = torch.randn(kl_part.shape, generator=torch.Generator().manual_seed(8))
             kl_part.backward(g)
             kl_whole.backward(g)
-        out[top_k] = ((kl_part.detach(), part.grad), (kl_whole.detach(), whole.grad[..., shard].contiguous()))
+        out[name] = ((kl_part.detach(), part.grad), (kl_whole.detach(), whole.grad[..., shard].contiguous()))
     return out
 
 
 def test_kernel_kl_is_vocab_parallel_at_tp2():
     """At TP=2 (2 gloo ranks, each with its half of a 1000-token vocabulary, on the kernels): every rank's loss is the
     gathered logits' loss on the torch reference, and its gradient is its slice of the whole gradient; with the top
-    k too (the teacher's global top k, whatever shard holds it)."""
-    for rank_out in spawn(_vocab_parallel_kernel_kl, 2, timeout=120):
+    k and the top p too (the teacher's global top k or nucleus, whatever shard holds it)."""
+    outs = spawn(_vocab_parallel_kernel_kl, 2, timeout=120)
+    for rank_out in outs:
+        assert list(rank_out) == ["exact", "top_k", "top_p"]
         for got, want in rank_out.values():
             _assert_close(got, want)
+    assert not torch.allclose(outs[0]["top_p"][0][0], outs[0]["exact"][0][0])
 
 
 def _vocab_parallel_minus_inf_kl(rank, world_size):
@@ -199,26 +212,25 @@ def _vocab_parallel_minus_inf_kl(rank, world_size):
     shard = slice(rank * 700 // world_size, (rank + 1) * 700 // world_size)
     out = {}
     for kernel in ("triton", "torch"):
-        for top_k in (None, 3):
+        for name, kw in (("exact", {}), ("top_k", {"top_k": 3}), ("top_p", {"top_p": 0.8})):
             part = s[..., shard].clone().requires_grad_(True)
             whole = s.clone().requires_grad_(True)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                kl_part = logits_kl_loss(part, t[..., shard], temperature=1.5, tp_group=group, top_k=top_k,
-                                         kernel=kernel)
-                kl_whole = logits_kl_loss(whole, t, temperature=1.5, top_k=top_k, kernel="torch")
+                kl_part = logits_kl_loss(part, t[..., shard], temperature=1.5, tp_group=group, kernel=kernel, **kw)
+                kl_whole = logits_kl_loss(whole, t, temperature=1.5, kernel="torch", **kw)
                 g = torch.randn(kl_part.shape, generator=torch.Generator().manual_seed(8))
                 kl_part.backward(g)
                 kl_whole.backward(g)
-            out[kernel, top_k] = ((kl_part.detach(), part.grad),
-                                  (kl_whole.detach(), whole.grad[..., shard].contiguous()))
+            out[kernel, name] = ((kl_part.detach(), part.grad),
+                                 (kl_whole.detach(), whole.grad[..., shard].contiguous()))
     return out
 
 
 def test_kernel_kl_of_minus_inf_teacher_logits_is_vocab_parallel_at_tp2():
     """At TP = 2 with -inf teacher logits (a rank's whole slice of a token among them, as vocabulary padding makes
     them): on the kernels and on the torch path, every rank's loss is the gathered logits' and its gradient its
-    slice of the whole gradient, exact and top-k; no NaN but the token whose teacher logits are all -inf."""
+    slice of the whole gradient, exact, top-k and top-p; no NaN but the token whose teacher logits are all -inf."""
     for rank_out in spawn(_vocab_parallel_minus_inf_kl, 2, timeout=120):
         for (loss, grad), want in rank_out.values():
             _assert_close((loss, grad), want)
