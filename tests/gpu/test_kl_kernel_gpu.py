@@ -72,15 +72,22 @@ def test_kernel_top_k_kl_equals_the_torch_reference(logits):
                   _run(s, t, top_k=4096, temperature=1.5, kernel="torch"))
 
 
+def test_kernel_top_p_kl_equals_the_torch_reference(logits):
+    s, t = logits
+    s, t = s[:256], t[:256]
+    _assert_close(_run(s, t, top_p=0.9, temperature=1.5, kernel="triton"),
+                  _run(s, t, top_p=0.9, temperature=1.5, kernel="torch"))
+
+
 def test_kernel_kl_of_minus_inf_logits_equals_the_torch_reference(logits):
     """A teacher -inf (vocabulary padding, a truncated teacher) counts as a probability of 0, a student -inf under a
-    teacher probability gives +inf, on the hardware ``exp`` as on the reference; exact and top-k."""
+    teacher probability gives +inf, on the hardware ``exp`` as on the reference; exact, top-k and top-p."""
     s, t = logits[0][:64].clone(), logits[1][:64].clone()
     t[:, VOCAB - 2000:] = -float("inf")
     t[1::4, 100:] = -float("inf")
     s[2::4, :50] = t[2::4, :50] = -float("inf")
     s[3::4, t[3::4].argmax(-1)] = -float("inf")
-    for kw in ({}, {"top_k": 100}):
+    for kw in ({}, {"top_k": 100}, {"top_p": 0.9}):
         got = _run(s, t, temperature=1.5, kernel="triton", **kw)
         _assert_close(got, _run(s, t, temperature=1.5, kernel="torch", **kw))
         assert got[0][3::4].isinf().all()
