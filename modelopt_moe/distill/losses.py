@@ -143,33 +143,39 @@ def _top_p_threshold(teacher: torch.Tensor, p: float, temperature: float, group,
     tokens with logits ``>= v`` is at least ``p``, over the whole vocabulary: the nucleus of Holtzman et al., ties
     with its least likely token kept.
 
-    Bisection over the values of the logits' dtype, ordered as integers (:func:`_sortable`): as many steps as the dtype
-    has bits, so it ends on an adjacent pair whatever the data, and the number of all-reduces is the same on every
-    rank. Each step sums, per token, ``exp(t / T - max)`` over the tokens at or above the candidate (fp32, one
-    ``[rows, vocab]`` chunk at a time, each chunk's exponentials computed once for all its steps), all-reduced over
-    ``group``, and compares it with ``p`` times the sum over all tokens. The cost: the forward reads the teacher's
-    logits once more and compares them once per bit; the backward reuses the threshold.
+    Bisection over the values of the logits' dtype, ordered as integers (:func:`_sortable`), for all tokens at once:
+    as many steps as the dtype has bits, so it ends on an adjacent pair whatever the data, with one all-reduce over
+    ``group`` a step (the same number on every rank). Each step sums, per token, ``exp(t / T - max)`` over the tokens
+    at or above the candidate (fp32, ``rows`` tokens at a time) and compares it with ``p`` times the sum over all
+    tokens. The cost: the forward reads the teacher's logits once per bit (the exponentials are kept across the steps
+    only when all tokens fit in one chunk); the backward reuses the threshold.
     """
-    bits = 8 * teacher.element_size()
-    t_max = teacher.amax(-1).float() / temperature
-    _all_reduce(t_max, _MAX, group)
-    lowest = _sortable(teacher.new_full((), -math.inf))
-    out = []
-    for a in range(0, teacher.shape[0], rows):
-        t = teacher[a:a + rows]
-        e = torch.exp(t.float() / temperature - t_max[a:a + rows, None])
-        # the bound on the mass, and the first upper end: one above the largest logit (the mass there is 0 < p)
-        lo = lowest.expand(t.shape[0]).clone()
-        hi = _all_reduce(_sortable(t.amax(-1)) + 1, _MAX, group)
-        bound = _all_reduce(e.sum(-1), _SUM, group) * p
-        for _ in range(bits):
-            mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
-            mass = torch.where(t >= _unsortable(mid, t.dtype)[:, None], e, 0.0).sum(-1)
-            _all_reduce(mass, _SUM, group)
-            above = mass >= bound
-            lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
-        out.append(_unsortable(lo, t.dtype))
-    return torch.cat(out) if out else teacher.new_empty(0)
+    bits, tokens = 8 * teacher.element_size(), teacher.shape[0]
+    t_max = _all_reduce(teacher.amax(-1).float() / temperature, _MAX, group)
+    chunks = [slice(a, a + rows) for a in range(0, tokens, rows)]
+
+    def exps(c: slice) -> torch.Tensor:
+        return torch.exp(teacher[c].float() / temperature - t_max[c, None])
+
+    kept = exps(chunks[0]) if len(chunks) == 1 else None
+
+    def mass(threshold: torch.Tensor | None) -> torch.Tensor:
+        """Per token, the sum of the exponentials at or above ``threshold`` (all of them: None), over ``group``."""
+        sums = []
+        for c in chunks:  # one chunk's fp32 temporaries at a time
+            e = kept if kept is not None else exps(c)
+            sums.append((e if threshold is None else torch.where(teacher[c] >= threshold[c, None], e, 0.0)).sum(-1))
+        return _all_reduce(torch.cat(sums) if sums else t_max.new_empty(0), _SUM, group)
+
+    bound = mass(None) * p
+    # the ends: -inf (its mass is all of it, >= p) and one above the largest logit (its mass, 0, is below p)
+    lo = _sortable(teacher.new_full((), -math.inf)).expand(tokens).clone()
+    hi = _all_reduce(_sortable(teacher.amax(-1)) + 1, _MAX, group)
+    for _ in range(bits):
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        above = mass(_unsortable(mid, teacher.dtype)) >= bound
+        lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
+    return _unsortable(lo, teacher.dtype)
 
 
 KERNELS = ("auto", "triton", "torch")
@@ -212,8 +218,9 @@ def logits_kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *
             the teacher's nucleus, its most likely tokens of the whole vocabulary whose probability (at
             ``temperature``) adds up to at least ``top_p`` (the fewest such tokens, those tied with the least likely
             of them kept; the sums compared in fp32), and renormalised there. 1: the exact KL. An approximation, as
-            ``top_k`` (measured in docs/qad.md); finding the nucleus reads the teacher's logits once more and
-            compares them once per bit of their dtype, in the forward only. Not with ``top_k``.
+            ``top_k`` (measured in docs/qad.md); finding the nucleus reads the teacher's logits once per bit of
+            their dtype (16 for bf16), with one all-reduce of a value per token each time, in the forward only.
+            Not with ``top_k``.
         chunk_tokens: tokens per chunk of the torch reference (None: automatic, see below). Only memory and speed
             depend on it.
         kernel: ``"auto"`` (the default): the Triton kernels on CUDA, the torch reference elsewhere (and, with a

@@ -84,6 +84,7 @@ def test_top_p_kl_is_the_kl_on_the_teachers_nucleus_and_never_the_default():
     assert not torch.allclose(got, exact)
     assert torch.equal(logits_kl_loss(s, t, temperature=1.5, top_p=1.0), exact)  # p = 1: the exact KL
     assert torch.equal(logits_kl_loss(s, t, temperature=1.5, top_p=1), exact)
+    assert logits_kl_loss(s[:0], t[:0], top_p=0.9).shape == (0, 7)  # no tokens: nothing to find
     # a nucleus of one token: both renormalised distributions are that token, the KL is 0 and so is its gradient
     c = s.clone().requires_grad_(True)
     one = logits_kl_loss(c, t, temperature=1.5, top_p=1e-9)
