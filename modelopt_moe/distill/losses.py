@@ -157,13 +157,13 @@ def _top_p_threshold(teacher: torch.Tensor, p: float, temperature: float, group,
     def exps(c: slice) -> torch.Tensor:
         return torch.exp(teacher[c].float() / temperature - t_max[c, None])
 
-    kept = exps(chunks[0]) if len(chunks) == 1 else None
+    cached = exps(chunks[0]) if len(chunks) == 1 else None  # one chunk: its exponentials serve every step
 
     def mass(threshold: torch.Tensor | None) -> torch.Tensor:
         """Per token, the sum of the exponentials at or above ``threshold`` (all of them: None), over ``group``."""
         sums = []
         for c in chunks:  # one chunk's fp32 temporaries at a time
-            e = kept if kept is not None else exps(c)
+            e = cached if cached is not None else exps(c)
             sums.append((e if threshold is None else torch.where(teacher[c] >= threshold[c, None], e, 0.0)).sum(-1))
         return _all_reduce(torch.cat(sums) if sums else t_max.new_empty(0), _SUM, group)
 
