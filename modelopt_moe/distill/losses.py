@@ -122,20 +122,23 @@ def _top_k_threshold(teacher: torch.Tensor, k: int, group) -> torch.Tensor:
     return local.topk(k, dim=-1).values[..., -1]
 
 
+# per float size in bytes: the signed integer of the same size, and the mask of its magnitude bits
+_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MAGNITUDE = {2: (1 << 15) - 1, 4: (1 << 31) - 1, 8: (1 << 63) - 1}
+
+
 def _sortable(values: torch.Tensor) -> torch.Tensor:
     """int64 keys that order like the float ``values`` (their bits, the negatives' magnitude bits flipped)."""
-    bits = values.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]).long()
-    return torch.where(bits < 0, bits ^ _MAGNITUDE[values.element_size()], bits)
+    size = values.element_size()
+    bits = values.view(_SAME_SIZE_INT[size]).long()
+    return torch.where(bits < 0, bits ^ _MAGNITUDE[size], bits)
 
 
 def _unsortable(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of :func:`_sortable`: the ``dtype`` values of int64 ``keys``."""
     size = torch.empty((), dtype=dtype).element_size()
     bits = torch.where(keys < 0, keys ^ _MAGNITUDE[size], keys)
-    return bits.to({2: torch.int16, 4: torch.int32, 8: torch.int64}[size]).view(dtype)
-
-
-_MAGNITUDE = {2: (1 << 15) - 1, 4: (1 << 31) - 1, 8: (1 << 63) - 1}
+    return bits.to(_SAME_SIZE_INT[size]).view(dtype)
 
 
 def _top_p_threshold(teacher: torch.Tensor, p: float, temperature: float, group, rows: int) -> torch.Tensor:
@@ -151,7 +154,8 @@ def _top_p_threshold(teacher: torch.Tensor, p: float, temperature: float, group,
     only when all tokens fit in one chunk); the backward reuses the threshold.
     """
     bits, tokens = 8 * teacher.element_size(), teacher.shape[0]
-    t_max = _all_reduce(teacher.amax(-1).float() / temperature, _MAX, group)
+    local_max = teacher.amax(-1)  # one pass over the logits serves the softmax's maxima and the upper end below
+    t_max = _all_reduce(local_max.float() / temperature, _MAX, group)
     chunks = [slice(a, a + rows) for a in range(0, tokens, rows)]
 
     def exps(c: slice) -> torch.Tensor:
@@ -170,7 +174,7 @@ def _top_p_threshold(teacher: torch.Tensor, p: float, temperature: float, group,
     bound = mass(None) * p
     # the ends: -inf (its mass is all of it, >= p) and one above the largest logit (its mass, 0, is below p)
     lo = _sortable(teacher.new_full((), -math.inf)).expand(tokens).clone()
-    hi = _all_reduce(_sortable(teacher.amax(-1)) + 1, _MAX, group)
+    hi = _all_reduce(_sortable(local_max) + 1, _MAX, group)
     for _ in range(bits):
         mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
         above = mass(_unsortable(mid, teacher.dtype)) >= bound
